@@ -1,0 +1,28 @@
+"""jaxkv: a tiered, sharded KV cache for LLM inference in JAX.
+
+The public API is this module's names plus ``jaxkv.nnx`` (the layer a Flax NNX model
+calls), ``jaxkv.models`` (a small Llama-style decoder) and ``jaxkv.ops`` (paged
+attention). Everything else is internal.
+"""
+
+from jaxkv import models, nnx, ops
+from jaxkv.cache import CapacityError, KVCache
+from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.engine import Engine
+from jaxkv.index import PrefixIndex
+from jaxkv.pages import make_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig",
+    "CapacityError",
+    "Engine",
+    "EngineConfig",
+    "KVCache",
+    "PrefixIndex",
+    "make_mesh",
+    "models",
+    "nnx",
+    "ops",
+]

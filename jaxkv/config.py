@@ -1,0 +1,149 @@
+"""Frozen, validated configuration for the cache and the engine.
+
+A config is plain data: frozen ``kw_only`` dataclasses checked in ``__post_init__``.
+Every check raises ``ValueError`` naming the field, the value it got, the rule it broke
+and how to fix it, so a bad launch fails at its first line rather than deep in a jit.
+Library code never reads flags; launch scripts build these objects from flags/configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+# The dtypes a page pool may hold. Names, not objects, so configs stay JSON-friendly.
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+
+# Version of the page layout written into every fingerprint. Bump it when the meaning
+# of a page's bytes changes, so caches written by an older layout are never reused.
+LAYOUT_VERSION = "khpsd-v1"  # per layer: [kv_heads, num_pages, page_size, head_dim]
+
+
+def _require(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
+
+
+def _positive_int(obj, name: str) -> None:
+  value = getattr(obj, name)
+  _require(
+      isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0,
+      f"{type(obj).__name__}.{name}={value!r} must be a positive integer; "
+      f"pass e.g. {name}=16.",
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+  """Shape and budget of the sharded, paged KV cache.
+
+  Units: a *page* (a block) holds ``page_size`` tokens of K and V for every layer.
+  ``pages_per_shard`` is the device budget of one data shard; every data shard owns
+  its own pool and numbers its pages ``0 .. pages_per_shard-1`` (shard-local ids).
+  ``max_pages_per_seq`` bounds one sequence (prompt + generated tokens).
+  ``attention_chunk_pages``: attention walks a sequence's pages in chunks of this many
+  (online softmax), so its memory is one chunk and its result does not depend on the
+  page-table width (see ``jaxkv.ops.paged_attention``).
+  """
+
+  model_name: str
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  page_size: int = 16
+  dtype: str = "float32"
+  pages_per_shard: int = 256
+  max_pages_per_seq: int = 64
+  attention_chunk_pages: int = 8
+  data_axis: str = "data"
+  model_axis: str = "model"
+
+  def __post_init__(self):
+    _require(
+        isinstance(self.model_name, str) and self.model_name.strip() != "",
+        f"CacheConfig.model_name={self.model_name!r} must be a non-empty string: it is part "
+        "of every block key, so caches of different models never mix. Pass the model's name.",
+    )
+    for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "pages_per_shard",
+                 "max_pages_per_seq", "attention_chunk_pages"):
+      _positive_int(self, name)
+    _require(
+        self.dtype in SUPPORTED_DTYPES,
+        f"CacheConfig.dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}.",
+    )
+    _require(
+        self.max_pages_per_seq <= self.pages_per_shard,
+        f"CacheConfig.max_pages_per_seq={self.max_pages_per_seq} exceeds "
+        f"pages_per_shard={self.pages_per_shard}: one sequence could never fit in a shard's "
+        "pool. Raise pages_per_shard or lower max_pages_per_seq.",
+    )
+    _require(
+        isinstance(self.data_axis, str) and isinstance(self.model_axis, str)
+        and self.data_axis and self.model_axis and self.data_axis != self.model_axis,
+        f"CacheConfig axis names data_axis={self.data_axis!r}, model_axis={self.model_axis!r} "
+        "must be two different non-empty strings, e.g. 'data' and 'model'.",
+    )
+
+  # ---- derived -------------------------------------------------------------------------
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def max_seq_len(self) -> int:
+    """The most tokens (prompt + generated) one sequence can hold."""
+    return self.max_pages_per_seq * self.page_size
+
+  @property
+  def page_bytes(self) -> int:
+    """Bytes of one block: K and V of ``page_size`` tokens for all layers and kv heads."""
+    return (2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim
+            * self.jnp_dtype.itemsize)
+
+  def fingerprint(self) -> bytes:
+    """SHA-256 over everything that decides what a page's bytes mean.
+
+    Parallelism (mesh shape, shard count) is deliberately *not* part of it: a block's
+    content does not depend on how the pool is sharded, so caches stay reusable across
+    layouts (restart onto another mesh, different tensor-parallel sizes).
+    """
+    meta = {
+        "model_name": self.model_name,
+        "dtype": self.dtype,
+        "layout": LAYOUT_VERSION,
+        "page_size": self.page_size,
+        "num_layers": self.num_layers,
+        "num_kv_heads": self.num_kv_heads,
+        "head_dim": self.head_dim,
+    }
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).digest()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """How the engine batches work.
+
+  ``max_seqs_per_shard``: sequences one data shard runs together in a step (the batch
+  is ``data_shards * max_seqs_per_shard`` rows, bucketed to powers of two).
+  ``prefill_chunk_pages``: prefill runs in block-aligned chunks of this many pages, so a
+  block's KV is produced by the same computation whether or not a prefix was cached.
+  ``prefix_reuse``: False gives the no-cache baseline (every prompt is recomputed).
+  ``cache_decode_blocks``: also publish blocks that filled up during decode, so a later
+  turn of a conversation reuses the previous answer too.
+  """
+
+  max_seqs_per_shard: int = 4
+  prefill_chunk_pages: int = 4
+  prefix_reuse: bool = True
+  cache_decode_blocks: bool = True
+
+  def __post_init__(self):
+    for name in ("max_seqs_per_shard", "prefill_chunk_pages"):
+      _positive_int(self, name)
+    for name in ("prefix_reuse", "cache_decode_blocks"):
+      _require(isinstance(getattr(self, name), bool),
+               f"EngineConfig.{name}={getattr(self, name)!r} must be True or False.")

@@ -1,0 +1,374 @@
+"""Engine: batched greedy generation over a Flax NNX model with prefix reuse.
+
+How a call to ``generate`` runs
+1. Validate every prompt before any work (empty prompt, token outside the vocabulary,
+   non-integer tokens, more tokens than a sequence can ever hold).
+2. Admit requests into a *wave* of at most ``max_seqs_per_shard`` sequences per data
+   shard. Each request goes to the shard holding its longest cached prefix (ties: the
+   least loaded shard); it takes references on the hit pages and allocates fresh pages
+   for everything it will write. Allocation evicts unreferenced cached blocks, oldest
+   first. A request that no longer fits waits for the next wave.
+3. Prefill the uncached rest of every prompt in block-aligned chunks of
+   ``prefill_chunk_pages`` pages (so a block's KV comes from the same computation
+   whether or not its prefix was cached), all rows of the wave in one jitted step.
+   A cache hit always leaves at least one prompt token to compute: its logits give the
+   first generated token.
+4. Decode greedily, one jitted step per token, with the token ids staying on device.
+5. Publish the full blocks that were written (prompt, and the answer when
+   ``cache_decode_blocks``) in the index, then release the wave's page references.
+
+The page pools are donated to every step, so they are updated in place. Steps compile
+once per shape bucket: batch rows per shard and page-table width are rounded up to
+powers of two (``trace_counts`` records every trace; tests check it).
+
+The engine asks only this of a model: ``model(tokens [B, T] int32, batch: PageBatch)
+-> logits [B, T, vocab]``, with its attention layers holding ``jaxkv.nnx.PagedKV``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import nnx as kvnnx
+from jaxkv.cache import CapacityError, KVCache
+from jaxkv.config import EngineConfig
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class _Request:
+  index: int  # position in the caller's prompt list
+  tokens: np.ndarray  # int32 prompt
+  max_new_tokens: int
+  tenant: str
+  keys: list  # block keys of the prompt's full blocks
+  num_pages_needed: int  # KV is written for the prompt and all generated tokens but the last
+  shard: int = -1
+  row: int = -1
+  hit_pages: list = dataclasses.field(default_factory=list)
+  new_pages: list = dataclasses.field(default_factory=list)
+
+  @property
+  def pages(self) -> list[int]:
+    return self.hit_pages + self.new_pages
+
+
+class Engine:
+  """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
+
+  def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None):
+    if not isinstance(cache, KVCache):
+      raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
+    self.cache = cache
+    self.config = config or EngineConfig()
+    self.mesh = cache.mesh
+    cfg = cache.config
+    cache.attach(model)
+    self.model = model
+    graphdef, pages, rest = nnx.split(model, kvnnx.KVPages, ...)
+    self._graphdef = graphdef
+    self._pages = pages
+    self._rest = jax.device_put(rest, NamedSharding(self.mesh, P()))  # weights replicated
+    self.trace_counts: collections.Counter = collections.Counter()
+    self._prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
+    self._decode = jax.jit(self._decode_impl, donate_argnums=(0,))
+    self.vocab_size = self._infer_vocab_size()
+    self._row_sharding = lambda ndim: NamedSharding(
+        self.mesh, P(cfg.data_axis, *([None] * (ndim - 1))))
+    self.reset_stats()
+
+  # ---- jitted steps ------------------------------------------------------------------------
+  def _forward(self, pages, rest, tokens, page_table, positions, kv_lens):
+    model = nnx.merge(self._graphdef, pages, rest)
+    batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
+                            mesh=self.mesh, config=self.cache.config)
+    logits = model(tokens, batch)
+    return logits, nnx.state(model, kvnnx.KVPages)
+
+  def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
+                    select_idx, select_mask):
+    self.trace_counts[("prefill", tokens.shape, page_table.shape)] += 1
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens)
+    selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
+    next_tokens = jnp.argmax(selected, axis=-1).astype(jnp.int32)
+    return pages, jnp.where(select_mask, next_tokens, carry), selected
+
+  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens):
+    self.trace_counts[("decode", carry.shape, page_table.shape)] += 1
+    logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens)
+    selected = logits[:, 0]
+    return pages, jnp.argmax(selected, axis=-1).astype(jnp.int32), selected
+
+  def _infer_vocab_size(self) -> int:
+    d = self.cache.num_shards
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    out = jax.eval_shape(self._decode_impl, self._pages, self._rest, i32(d), i32(d, 1),
+                         i32(d, 1), i32(d))
+    self.trace_counts.clear()
+    return int(out[2].shape[-1])
+
+  # ---- public API ----------------------------------------------------------------------------
+  def reset_stats(self) -> None:
+    self._stats = collections.Counter()
+    self._hits = collections.Counter()
+    self._ttft: list[float] = []
+
+  def stats(self) -> dict:
+    """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request."""
+    out = dict(self._stats)
+    out["hits"] = {"device": self._hits["device"]}
+    out["ttft_s"] = list(self._ttft)
+    out["evictions"] = self.cache.index.counters.evictions
+    for k in ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
+              "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
+              "prefill_steps", "decode_steps", "waves"):
+      out.setdefault(k, 0)
+    return out
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               tenant: str = "default", *, return_logits: bool = False):
+    """Greedy generation. Returns the new token ids per prompt (a list of lists).
+
+    With ``return_logits=True`` returns ``(tokens, logits)`` where ``logits[i]`` is a
+    ``[max_new_tokens, vocab]`` float32 array: the logits each token was chosen from.
+    """
+    t_start = time.perf_counter()
+    requests = self._validate(prompts, max_new_tokens, tenant)
+    outputs: list = [None] * len(requests)
+    logits_out: list = [None] * len(requests)
+    pending = collections.deque(requests)
+    while pending:
+      wave = self._admit(pending)
+      self._run_wave(wave, t_start, outputs, logits_out if return_logits else None)
+    if return_logits:
+      return outputs, logits_out
+    return outputs
+
+  # ---- admission -----------------------------------------------------------------------------
+  def _validate(self, prompts, max_new_tokens, tenant) -> list[_Request]:
+    c = self.cache.config
+    if not isinstance(tenant, str) or not tenant:
+      raise ValueError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
+    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 1):
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1.")
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+      prompts = list(prompts)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+      raise ValueError("prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]].")
+    requests = []
+    for i, p in enumerate(prompts):
+      arr = np.asarray(p)
+      if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids; got shape "
+                         f"{arr.shape}.")
+      if arr.dtype.kind not in "iu":
+        raise ValueError(f"prompt {i} has dtype {arr.dtype}; token ids must be integers "
+                         "(convert with np.asarray(prompt, np.int32)).")
+      bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
+      if bad.size:
+        j = int(bad[0])
+        raise ValueError(f"prompt {i} token {j} is {int(arr[j])}, outside the vocabulary "
+                         f"[0, {self.vocab_size}).")
+      total = len(arr) + max_new_tokens - 1
+      if total > c.max_seq_len:
+        raise ValueError(
+            f"prompt {i} has {len(arr)} tokens + max_new_tokens={max_new_tokens} needs KV for "
+            f"{total} tokens, more than a sequence can hold (max_pages_per_seq="
+            f"{c.max_pages_per_seq} x page_size={c.page_size} = {c.max_seq_len}). Shorten the "
+            "prompt, lower max_new_tokens or raise max_pages_per_seq.")
+      tokens = arr.astype(np.int32)
+      keys = self.cache.index.block_keys(tokens, tenant) if self.config.prefix_reuse else []
+      req = _Request(index=i, tokens=tokens, max_new_tokens=int(max_new_tokens), tenant=tenant,
+                     keys=keys, num_pages_needed=-(-total // c.page_size))
+      requests.append(req)
+    # Refuse before any work what no wave could ever hold (pages held outside this call,
+    # e.g. pinned blocks, can make the free budget smaller than the pool).
+    index = self.cache.index
+    room = max(index.num_available(s) for s in range(self.cache.num_shards))
+    for req in requests:
+      if req.num_pages_needed > room:
+        raise CapacityError(
+            f"prompt {req.index} needs {req.num_pages_needed} device pages but at most {room} "
+            f"are free or evictable on any shard (pages_per_shard={c.pages_per_shard}); "
+            "release pinned blocks or raise pages_per_shard.")
+    return requests
+
+  def _admit(self, pending: collections.deque) -> list[_Request]:
+    index = self.cache.index
+    num_shards = self.cache.num_shards
+    slots = self.config.max_seqs_per_shard
+    load = [0] * num_shards
+    wave: list[_Request] = []
+    waiting = collections.deque()
+    while pending:
+      req = pending.popleft()
+      usable = (len(req.tokens) - 1) // self.cache.config.page_size  # >= 1 token to compute
+      keys = req.keys[:usable]
+      hits = [index.match(s, keys) if keys else [] for s in range(num_shards)]
+      order = sorted(range(num_shards), key=lambda s: (-len(hits[s]), load[s], s))
+      placed = False
+      for s in order:
+        if load[s] >= slots:
+          continue
+        index.acquire(s, hits[s])
+        fresh = index.allocate(s, req.num_pages_needed - len(hits[s]))
+        if fresh is None:
+          index.release(s, hits[s])
+          continue
+        req.shard, req.hit_pages, req.new_pages = s, list(hits[s]), fresh
+        load[s] += 1
+        wave.append(req)
+        placed = True
+        break
+      if not placed:
+        waiting.append(req)
+    pending.extend(waiting)
+    if not wave:  # cannot happen after _validate's room check unless pages leaked
+      raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
+                          "elsewhere.")
+    return wave
+
+  # ---- execution ------------------------------------------------------------------------------
+  def _put_rows(self, x: np.ndarray) -> jax.Array:
+    return jax.device_put(x, self._row_sharding(x.ndim))
+
+  def _run_wave(self, wave: list[_Request], t_start: float, outputs, logits_out) -> None:
+    c = self.cache.config
+    num_shards = self.cache.num_shards
+    per_shard = collections.Counter(r.shard for r in wave)
+    rows_per_shard = _pow2_at_least(max(per_shard.values()))
+    num_rows = num_shards * rows_per_shard
+    slot = collections.Counter()
+    for r in wave:
+      r.row = r.shard * rows_per_shard + slot[r.shard]
+      slot[r.shard] += 1
+    width = min(_pow2_at_least(max(r.num_pages_needed for r in wave)), c.max_pages_per_seq)
+    table = np.zeros((num_rows, width), np.int32)
+    for r in wave:
+      table[r.row, :len(r.pages)] = r.pages
+    page_table = self._put_rows(table)
+
+    try:
+      self._prefill_wave(wave, num_rows, page_table, t_start, logits_out)
+      generated = self._decode_wave(wave, num_rows, page_table, logits_out)
+    finally:
+      for r in wave:
+        self.cache.index.release(r.shard, r.pages)
+      if not self._pages_alive():
+        # A failed step consumed the donated pools: the cached bytes are gone, so the
+        # index forgets every block and the pools start again from zeros.
+        self._reset_pages_after_failure()
+
+    for r in wave:
+      outputs[r.index] = generated[r.index]
+    self._stats["waves"] += 1
+    self._stats["requests"] += len(wave)
+    self._stats["generated_tokens"] += sum(r.max_new_tokens for r in wave)
+
+  def _prefill_wave(self, wave, num_rows, page_table, t_start, logits_out) -> None:
+    c = self.cache.config
+    chunk = self.config.prefill_chunk_pages * c.page_size
+    starts = {r.index: len(r.hit_pages) * c.page_size for r in wave}
+    for r in wave:
+      self._hits["device"] += len(r.hit_pages)
+      self._stats["hit_tokens"] += starts[r.index]
+      self._stats["prompt_tokens"] += len(r.tokens)
+      self._stats["computed_tokens"] += len(r.tokens) - starts[r.index]
+      self._stats["blocks_recomputed"] += len(r.tokens) // c.page_size - len(r.hit_pages)
+    num_steps = max(-(-(len(r.tokens) - starts[r.index]) // chunk) for r in wave)
+    carry = self._put_rows(np.zeros((num_rows,), np.int32))
+    for step in range(num_steps):
+      tokens = np.zeros((num_rows, chunk), np.int32)
+      positions = np.full((num_rows, chunk), -1, np.int32)
+      kv_lens = np.zeros((num_rows,), np.int32)
+      select_idx = np.zeros((num_rows,), np.int32)
+      select_mask = np.zeros((num_rows,), bool)
+      finishing = []
+      for r in wave:
+        a = starts[r.index] + step * chunk
+        b = min(a + chunk, len(r.tokens))
+        if a >= b:
+          continue
+        tokens[r.row, :b - a] = r.tokens[a:b]
+        positions[r.row, :b - a] = np.arange(a, b)
+        kv_lens[r.row] = b
+        if b == len(r.tokens):
+          select_idx[r.row], select_mask[r.row] = b - a - 1, True
+          finishing.append(r)
+      self._pages, carry, selected = self._prefill(
+          self._pages, self._rest, self._put_rows(tokens), carry, page_table,
+          self._put_rows(positions), self._put_rows(kv_lens), self._put_rows(select_idx),
+          self._put_rows(select_mask))
+      self._stats["prefill_steps"] += 1
+      if finishing:
+        carry.block_until_ready()  # the first token exists now: that is TTFT
+        now = time.perf_counter() - t_start
+        for r in finishing:
+          self._ttft.append(now)
+        if logits_out is not None:
+          sel = np.asarray(selected)
+          for r in finishing:
+            logits_out[r.index] = [sel[r.row]]
+    self._first_tokens = carry
+    if self.config.prefix_reuse:
+      for r in wave:  # the prompt's full blocks are written: publish them
+        for j in range(len(r.hit_pages), len(r.tokens) // c.page_size):
+          self.cache.index.publish(r.shard, r.pages[j], r.keys[j])
+
+  def _decode_wave(self, wave, num_rows, page_table, logits_out) -> dict[int, list[int]]:
+    c = self.cache.config
+    carry = self._first_tokens
+    produced = [carry]
+    for step in range(1, max(r.max_new_tokens for r in wave)):
+      positions = np.full((num_rows, 1), -1, np.int32)
+      kv_lens = np.zeros((num_rows,), np.int32)
+      for r in wave:
+        if step < r.max_new_tokens:
+          pos = len(r.tokens) + step - 1  # where the previous token's KV goes
+          positions[r.row, 0] = pos
+          kv_lens[r.row] = pos + 1
+      self._pages, carry, selected = self._decode(
+          self._pages, self._rest, carry, page_table, self._put_rows(positions),
+          self._put_rows(kv_lens))
+      self._stats["decode_steps"] += 1
+      produced.append(carry)
+      if logits_out is not None:
+        sel = np.asarray(selected)
+        for r in wave:
+          if step < r.max_new_tokens:
+            logits_out[r.index].append(sel[r.row])
+    all_tokens = np.asarray(jnp.stack(produced, axis=1))  # [rows, steps]
+    generated = {r.index: all_tokens[r.row, :r.max_new_tokens].tolist() for r in wave}
+    if logits_out is not None:
+      for r in wave:
+        logits_out[r.index] = np.stack(logits_out[r.index])
+    if self.config.prefix_reuse and self.config.cache_decode_blocks:
+      for r in wave:
+        written = np.concatenate([r.tokens, np.asarray(generated[r.index][:-1], np.int32)])
+        keys = self.cache.index.block_keys(written, r.tenant)
+        for j in range(len(r.tokens) // c.page_size, len(keys)):
+          self.cache.index.publish(r.shard, r.pages[j], keys[j])
+    return generated
+
+  def _pages_alive(self) -> bool:
+    return not any(x.is_deleted() for x in jax.tree.leaves(self._pages))
+
+  def _reset_pages_after_failure(self) -> None:
+    for s in range(self.cache.num_shards):
+      self.cache.index.evict_all_unreferenced(s)
+    kvnnx.init_pages(self.model, self.cache.config, self.mesh)
+    _, self._pages, _ = nnx.split(self.model, kvnnx.KVPages, ...)
+

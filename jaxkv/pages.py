@@ -1,0 +1,160 @@
+"""The device page pool: sharded arrays and the shard-local ops that touch them.
+
+One layer's pool is ``[kv_heads, data_shards * pages_per_shard, page_size, head_dim]``
+with sharding ``P(model_axis, data_axis, None, None)``: kv heads split over the model
+axis, pages over the data axis. Each data shard therefore owns pages
+``[s*pages_per_shard, (s+1)*pages_per_shard)`` of the global array, and everything that
+addresses pages uses *shard-local* ids ``0 .. pages_per_shard-1`` inside ``shard_map``.
+A global id on the sharded axis would make XLA insert collectives; local ids keep every
+gather and scatter on the device that owns the page (tests check the compiled HLO).
+
+Batches follow the pool: row ``b`` of a batch of ``B`` rows lives on data shard
+``b // (B // data_shards)`` and its page table holds that shard's local ids.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv.config import CacheConfig
+from jaxkv.ops import chunked
+from jaxkv.ops import reference
+
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+                  "reduce-scatter", "collective-broadcast", "ragged-all-to-all")
+
+
+def data_shards(mesh: Mesh, config: CacheConfig) -> int:
+  return mesh.shape[config.data_axis]
+
+
+def validate_mesh(mesh: Mesh, config: CacheConfig) -> None:
+  """Raises ValueError when ``mesh`` cannot hold ``config``'s pool."""
+  for axis in (config.data_axis, config.model_axis):
+    if axis not in mesh.shape:
+      raise ValueError(
+          f"mesh axes {tuple(mesh.axis_names)} lack CacheConfig axis {axis!r}; build the mesh "
+          f"with jaxkv.make_mesh(data=..., model=...) or set data_axis/model_axis to its names.")
+  model = mesh.shape[config.model_axis]
+  if config.num_kv_heads % model:
+    raise ValueError(
+        f"num_kv_heads={config.num_kv_heads} must be divisible by the model axis size "
+        f"{model}: kv heads are split over it. Use a model axis that divides the kv heads.")
+  explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit]
+  if explicit:
+    raise ValueError(
+        f"mesh axes {explicit} are Explicit; jaxkv needs Auto axes "
+        "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)*n) or jaxkv.make_mesh).")
+
+
+def make_mesh(*, data: int, model: int = 1, data_axis: str = "data", model_axis: str = "model",
+              devices=None) -> Mesh:
+  """A ``data x model`` mesh with Auto axis types over ``devices`` (default: all)."""
+  devices = jax.devices() if devices is None else list(devices)
+  if data * model != len(devices):
+    raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices; "
+                     f"{len(devices)} are available. Choose sizes whose product is {len(devices)}.")
+  return jax.make_mesh((data, model), (data_axis, model_axis),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+
+
+def pool_spec(config: CacheConfig) -> P:
+  return P(config.model_axis, config.data_axis, None, None)
+
+
+def batch_spec(config: CacheConfig, ndim: int) -> P:
+  return P(config.data_axis, *([None] * (ndim - 1)))
+
+
+def pool_sharding(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None):
+  s = NamedSharding(mesh, pool_spec(config))
+  return s.with_memory_kind(memory_kind) if memory_kind else s
+
+
+def pool_shape(mesh: Mesh, config: CacheConfig) -> tuple[int, int, int, int]:
+  return (config.num_kv_heads, data_shards(mesh, config) * config.pages_per_shard,
+          config.page_size, config.head_dim)
+
+
+def zeros_pool(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None) -> jax.Array:
+  """One layer's pool of zeros, created directly in its sharding (no host copy)."""
+  shape = pool_shape(mesh, config)
+  make = jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype),
+                 out_shardings=pool_sharding(mesh, config, memory_kind))
+  return make()
+
+
+# ---- the fused write + attention used by every model layer --------------------------------
+def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *,
+                     mesh: Mesh, config: CacheConfig):
+  """Writes this step's K/V into the pages, then attends over them. Traced inside jit.
+
+  q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D]; pages: one layer's pool;
+  page_table: [B, M] shard-local ids; positions: [B, T] (-1 = padding); kv_lens: [B].
+  Returns (out [B, T, Hq, D], k_pages, v_pages).
+  """
+  heads = P(config.data_axis, None, config.model_axis, None)
+  rows = P(config.data_axis, None)
+
+  def local(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens):
+    k_pages = reference.write_pages_reference(k_pages, k_new, page_table, positions)
+    v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions)
+    out = chunked.paged_attention(q, k_pages, v_pages, page_table, positions, kv_lens,
+                                        pages_per_chunk=config.attention_chunk_pages)
+    return out, k_pages, v_pages
+
+  fn = jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(heads, heads, heads, pool_spec(config), pool_spec(config), rows, rows,
+                P(config.data_axis)),
+      out_specs=(heads, pool_spec(config), pool_spec(config)),
+  )
+  return fn(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens)
+
+
+# ---- whole-page moves (tiers use these) ---------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _gather_fn(mesh: Mesh, config: CacheConfig):
+  pool = pool_spec(config)
+  ids = P(config.data_axis, None)
+
+  def local(pages, page_ids):  # pages [H, P_local, S, D]; page_ids [1, n]
+    return pages[:, page_ids[0]]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(pool, ids), out_specs=pool))
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_fn(mesh: Mesh, config: CacheConfig):
+  pool = pool_spec(config)
+  ids = P(config.data_axis, None)
+
+  def local(pages, page_ids, values):  # values [H, n, S, D]
+    return pages.at[:, page_ids[0]].set(values, mode="drop")
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(pool, ids, pool), out_specs=pool),
+                 donate_argnums=(0,))
+
+
+def gather_pages(pages: jax.Array, page_ids: jax.Array, *, mesh: Mesh,
+                 config: CacheConfig) -> jax.Array:
+  """Copies pages out of a pool: ``page_ids`` ``[data_shards, n]`` shard-local ids.
+
+  Returns ``[kv_heads, data_shards * n, page_size, head_dim]`` in the pool's sharding:
+  rows ``s*n .. (s+1)*n-1`` are shard ``s``'s pages, gathered on the device holding them.
+  """
+  return _gather_fn(mesh, config)(pages, page_ids)
+
+
+def scatter_pages(pages: jax.Array, page_ids: jax.Array, values: jax.Array, *, mesh: Mesh,
+                  config: CacheConfig) -> jax.Array:
+  """Writes whole pages into a pool (donated: updated in place). Inverse of gather.
+
+  Ids ``>= pages_per_shard`` are dropped, so callers can pad ``page_ids`` to a bucket.
+  """
+  return _scatter_fn(mesh, config)(pages, page_ids, values)
