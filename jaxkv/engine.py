@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -65,35 +66,24 @@ class _Request:
     return self.hit_pages + self.new_pages
 
 
-class Engine:
-  """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
+class _Steps:
+  """The jitted prefill and decode steps of one model structure on one mesh.
 
-  def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None):
-    if not isinstance(cache, KVCache):
-      raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
-    self.cache = cache
-    self.config = config or EngineConfig()
-    self.mesh = cache.mesh
-    cfg = cache.config
-    cache.attach(model)
-    self.model = model
-    graphdef, pages, rest = nnx.split(model, kvnnx.KVPages, ...)
-    self._graphdef = graphdef
-    self._pages = pages
-    self._rest = jax.device_put(rest, NamedSharding(self.mesh, P()))  # weights replicated
+  Engines whose models have the same structure (graphdef), mesh and cache config share
+  one ``_Steps``: they run the same compiled executables (so a side-by-side comparison
+  of two engines compares policies, not compilations) and compile each bucket once.
+  """
+
+  def __init__(self, graphdef, mesh, config):
+    self.graphdef, self.mesh, self.config = graphdef, mesh, config
     self.trace_counts: collections.Counter = collections.Counter()
-    self._prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
-    self._decode = jax.jit(self._decode_impl, donate_argnums=(0,))
-    self.vocab_size = self._infer_vocab_size()
-    self._row_sharding = lambda ndim: NamedSharding(
-        self.mesh, P(cfg.data_axis, *([None] * (ndim - 1))))
-    self.reset_stats()
+    self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
+    self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
 
-  # ---- jitted steps ------------------------------------------------------------------------
   def _forward(self, pages, rest, tokens, page_table, positions, kv_lens):
-    model = nnx.merge(self._graphdef, pages, rest)
+    model = nnx.merge(self.graphdef, pages, rest)
     batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
-                            mesh=self.mesh, config=self.cache.config)
+                            mesh=self.mesh, config=self.config)
     logits = model(tokens, batch)
     return logits, nnx.state(model, kvnnx.KVPages)
 
@@ -111,13 +101,54 @@ class Engine:
     selected = logits[:, 0]
     return pages, jnp.argmax(selected, axis=-1).astype(jnp.int32), selected
 
-  def _infer_vocab_size(self) -> int:
-    d = self.cache.num_shards
+  def vocab_size(self, pages, rest, num_rows: int) -> int:
+    """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    out = jax.eval_shape(self._decode_impl, self._pages, self._rest, i32(d), i32(d, 1),
-                         i32(d, 1), i32(d))
+    before = collections.Counter(self.trace_counts)
+    out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), i32(num_rows, 1),
+                         i32(num_rows, 1), i32(num_rows))
     self.trace_counts.clear()
+    self.trace_counts.update(before)
     return int(out[2].shape[-1])
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_steps(graphdef, mesh, config) -> _Steps:
+  return _Steps(graphdef, mesh, config)
+
+
+class Engine:
+  """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
+
+  def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None):
+    if not isinstance(cache, KVCache):
+      raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
+    self.cache = cache
+    self.config = config or EngineConfig()
+    self.mesh = cache.mesh
+    cfg = cache.config
+    cache.attach(model)
+    self.model = model
+    graphdef, pages, rest = nnx.split(model, kvnnx.KVPages, ...)
+    self._graphdef = graphdef
+    self._pages = pages
+    self._rest = jax.device_put(rest, NamedSharding(self.mesh, P()))  # weights replicated
+    self._steps = _compiled_steps(graphdef, self.mesh, cfg)
+    self.vocab_size = self._steps.vocab_size(self._pages, self._rest, self.cache.num_shards)
+    self._row_sharding = lambda ndim: NamedSharding(
+        self.mesh, P(cfg.data_axis, *([None] * (ndim - 1))))
+    self.reset_stats()
+
+  @property
+  def trace_counts(self) -> collections.Counter:
+    """Traces per (step, shape bucket), shared by engines over the same model structure."""
+    return self._steps.trace_counts
+
+  def _prefill(self, *args):
+    return self._steps.prefill(*args)
+
+  def _decode(self, *args):
+    return self._steps.decode(*args)
 
   # ---- public API ----------------------------------------------------------------------------
   def reset_stats(self) -> None:
@@ -136,6 +167,43 @@ class Engine:
               "prefill_steps", "decode_steps", "waves"):
       out.setdefault(k, 0)
     return out
+
+  def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None
+             ) -> int:
+    """Compiles the prefill and decode steps for every shape bucket a workload can use.
+
+    ``max_seq_len`` bounds prompt + generated tokens (default: the config's maximum);
+    ``rows_per_shard`` lists batch buckets (default: every power of two up to
+    ``max_seqs_per_shard``). Runs all-padding steps, which change no page. Returns the
+    number of (prefill, decode) bucket pairs compiled.
+    """
+    c = self.cache.config
+    max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
+    if rows_per_shard is None:
+      top = _pow2_at_least(self.config.max_seqs_per_shard)
+      rows_per_shard = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    widths = sorted({self._table_width(n) for n in range(1, -(-max_seq_len // c.page_size) + 1)})
+    chunk = self.config.prefill_chunk_pages * c.page_size
+    n = 0
+    for rows in sorted({_pow2_at_least(r) for r in rows_per_shard}):
+      num_rows = rows * self.cache.num_shards
+      z = lambda *shape: self._put_rows(np.zeros(shape, np.int32))
+      pad = lambda *shape: self._put_rows(np.full(shape, -1, np.int32))
+      for width in widths:
+        table = z(num_rows, width)
+        self._pages, carry, _ = self._prefill(
+            self._pages, self._rest, z(num_rows, chunk), z(num_rows), table, pad(num_rows, chunk),
+            z(num_rows), z(num_rows), self._put_rows(np.zeros((num_rows,), bool)))
+        self._pages, carry, _ = self._decode(self._pages, self._rest, carry, table,
+                                             pad(num_rows, 1), z(num_rows))
+        n += 1
+    jax.block_until_ready(self._pages)
+    return n
+
+  def _table_width(self, pages_needed: int) -> int:
+    """Page-table width bucket: a power of two, at least one attention chunk."""
+    c = self.cache.config
+    return min(max(_pow2_at_least(pages_needed), c.attention_chunk_pages), c.max_pages_per_seq)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                tenant: str = "default", *, return_logits: bool = False):
@@ -255,7 +323,7 @@ class Engine:
     for r in wave:
       r.row = r.shard * rows_per_shard + slot[r.shard]
       slot[r.shard] += 1
-    width = min(_pow2_at_least(max(r.num_pages_needed for r in wave)), c.max_pages_per_seq)
+    width = self._table_width(max(r.num_pages_needed for r in wave))
     table = np.zeros((num_rows, width), np.int32)
     for r in wave:
       table[r.row, :len(r.pages)] = r.pages

@@ -52,7 +52,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
     k = k_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     v = v_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     s = jnp.einsum("bthgd,hbld->bhgtl", qg, k.astype(jnp.float32))
-    kpos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+    kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None, None, None, None]
     mask = (kpos <= qpos) & (kpos < lens)
     s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))

@@ -79,6 +79,7 @@ def write_pages_reference(k_pages, new, page_table, positions):
   Tokens with position ``-1`` are dropped. Returns the updated pages (donate them to
   update in place).
   """
+  k_pages, new, page_table, positions = map(jnp.asarray, (k_pages, new, page_table, positions))
   batch, q_len, num_kv_heads, head_dim = new.shape
   num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
   pos = positions.reshape(-1)

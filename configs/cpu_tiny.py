@@ -1,0 +1,31 @@
+"""The embedded default: CPU, a tiny random-weight Llama, 8 virtual devices (4 data x 2 model).
+
+Small enough that `python launch/serve.py` finishes in about a minute on 2 cores, large
+enough that a multi-turn chat overflows nothing and shows what prefix reuse saves.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = "cpu_tiny"
+  c.platform = "cpu"
+  c.host_device_count = 8  # virtual CPU devices (XLA_FLAGS), set before JAX starts
+  c.seed = 0
+  c.mesh = ml_collections.ConfigDict(dict(data=4, model=2))
+  c.model = ml_collections.ConfigDict(dict(
+      name="llama-tiny-random",
+      vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+      head_dim=32, mlp_dim=256, dtype="float32"))
+  c.cache = ml_collections.ConfigDict(dict(
+      page_size=16, pages_per_shard=256, max_pages_per_seq=64, attention_chunk_pages=8,
+      dtype="float32"))
+  # Prefill one page per step: every block's KV is then the same bits whether it was
+  # computed in a prefill, in a decode, or reused (see BUILD.md, "Exactness").
+  c.engine = ml_collections.ConfigDict(dict(
+      max_seqs_per_shard=2, prefill_chunk_pages=1, cache_decode_blocks=True))
+  c.workload = ml_collections.ConfigDict(dict(
+      kind="chat", users=8, turns=4, system_prompt_tokens=128, user_tokens=(32, 96),
+      max_new_tokens=16))
+  return c

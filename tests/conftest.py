@@ -1,0 +1,27 @@
+"""Test settings: 8 virtual CPU devices and strict dtype promotion, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  if len(jax.devices()) < 8:
+    skip = pytest.mark.skip(reason="needs 8 devices (XLA_FLAGS was set too late)")
+    for item in items:
+      if "mesh" in item.fixturenames:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mesh():
+  import jaxkv
+  return jaxkv.make_mesh(data=4, model=2)

@@ -1,0 +1,27 @@
+"""Small builders shared by tests."""
+
+from flax import nnx
+
+import jaxkv
+
+
+def tiny_model_config(**overrides) -> jaxkv.models.LlamaConfig:
+  base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, mlp_dim=64)
+  base.update(overrides)
+  return jaxkv.models.LlamaConfig(**base)
+
+
+def cache_config_for(mc: jaxkv.models.LlamaConfig, **overrides) -> jaxkv.CacheConfig:
+  base = dict(model_name="test-llama", num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+              head_dim=mc.head_dim, page_size=4, pages_per_shard=64, max_pages_per_seq=32,
+              attention_chunk_pages=4, dtype=mc.dtype)
+  base.update(overrides)
+  return jaxkv.CacheConfig(**base)
+
+
+def make_engine(mesh, mc=None, *, seed=0, cache=None, **engine_kw) -> jaxkv.Engine:
+  mc = mc or tiny_model_config()
+  cache = cache or cache_config_for(mc)
+  model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(seed))
+  return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(**engine_kw))

@@ -1,0 +1,123 @@
+"""Paged attention: reference vs an independent dense oracle, chunked path vs reference."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.ops import paged_attention, paged_attention_reference, write_pages
+
+
+def dense_oracle(q, k_seq, v_seq, q_positions, kv_lens):
+  """Plain numpy causal attention over contiguous K/V: [B, L, Hkv, D]."""
+  b, t, hq, d = q.shape
+  hkv = k_seq.shape[2]
+  g = hq // hkv
+  out = np.zeros((b, t, hq, d), np.float64)
+  for bi, ti, h in itertools.product(range(b), range(t), range(hq)):
+    pos = q_positions[bi, ti]
+    if pos < 0:
+      continue
+    n = min(pos + 1, kv_lens[bi])
+    if n <= 0:
+      continue
+    k = k_seq[bi, :n, h // g].astype(np.float64)
+    v = v_seq[bi, :n, h // g].astype(np.float64)
+    s = k @ q[bi, ti, h].astype(np.float64) / np.sqrt(d)
+    p = np.exp(s - s.max())
+    out[bi, ti, h] = (p / p.sum()) @ v
+  return out
+
+
+def random_case(rng, *, batch, q_len, hq, hkv, d, page_size, pages_per_seq, num_pages, lens,
+                dtype=np.float32):
+  """Random pages + a page table of distinct random pages; positions end at each length."""
+  k_pages = rng.standard_normal((hkv, num_pages, page_size, d)).astype(dtype)
+  v_pages = rng.standard_normal((hkv, num_pages, page_size, d)).astype(dtype)
+  perm = rng.permutation(num_pages)[:batch * pages_per_seq]
+  table = perm.reshape(batch, pages_per_seq).astype(np.int32)
+  q = rng.standard_normal((batch, q_len, hq, d)).astype(dtype)
+  positions = np.full((batch, q_len), -1, np.int32)
+  for b, n in enumerate(lens):
+    m = min(q_len, n)
+    positions[b, :m] = np.arange(n - m, n)
+  kv_lens = np.asarray(lens, np.int32)
+  k_seq = k_pages[:, table].transpose(1, 2, 3, 0, 4).reshape(batch, -1, hkv, d)
+  v_seq = v_pages[:, table].transpose(1, 2, 3, 0, 4).reshape(batch, -1, hkv, d)
+  return q, k_pages, v_pages, table, positions, kv_lens, k_seq, v_seq
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("page_size,pages_per_seq,chunk", [(4, 6, 4), (8, 3, 2), (2, 9, 8)])
+def test_paged_attention_matches_dense_oracle(hq, hkv, q_len, page_size, pages_per_seq, chunk):
+  rng = np.random.default_rng(hq * 100 + q_len * 10 + page_size)
+  cap = page_size * pages_per_seq
+  lens = [cap, 1, cap // 2 + 1, 0]  # full, one token, ragged, empty (padding row)
+  case = random_case(rng, batch=4, q_len=q_len, hq=hq, hkv=hkv, d=8, page_size=page_size,
+                     pages_per_seq=pages_per_seq, num_pages=4 * pages_per_seq + 3, lens=lens)
+  q, kp, vp, table, pos, lens_a, k_seq, v_seq = case
+  want = dense_oracle(q, k_seq, v_seq, pos, lens_a)
+  ref = jax.jit(paged_attention_reference)(q, kp, vp, table, pos, lens_a)
+  fast = jax.jit(paged_attention, static_argnames="pages_per_chunk")(
+      q, kp, vp, table, pos, lens_a, pages_per_chunk=chunk)
+  np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(fast), want, atol=2e-5, rtol=2e-5)
+  assert not np.asarray(fast)[3].any()  # padding rows give exact zeros
+
+
+def test_chunked_attention_does_not_depend_on_table_width():
+  """Padding the page table with more (masked) pages must not change a single bit."""
+  rng = np.random.default_rng(0)
+  q, kp, vp, table, pos, lens, _, _ = random_case(
+      rng, batch=3, q_len=4, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=8, num_pages=40,
+      lens=[30, 7, 17])
+  fn = jax.jit(paged_attention, static_argnames="pages_per_chunk")
+  narrow = np.asarray(fn(q, kp, vp, table, pos, lens, pages_per_chunk=4))
+  wide_table = np.concatenate([table, rng.integers(0, 40, (3, 24)).astype(np.int32)], axis=1)
+  wide = np.asarray(fn(q, kp, vp, wide_table, pos, lens, pages_per_chunk=4))
+  np.testing.assert_array_equal(narrow, wide)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 3e-3)])
+def test_low_precision_pages(dtype, atol):
+  rng = np.random.default_rng(1)
+  q, kp, vp, table, pos, lens, k_seq, v_seq = random_case(
+      rng, batch=2, q_len=3, hq=4, hkv=2, d=16, page_size=4, pages_per_seq=4, num_pages=10,
+      lens=[16, 9])
+  kp, vp = jnp.asarray(kp, dtype), jnp.asarray(vp, dtype)
+  want = dense_oracle(q, np.asarray(kp.astype(jnp.float32))[:, table].transpose(
+      1, 2, 3, 0, 4).reshape(2, -1, 2, 16), np.asarray(vp.astype(jnp.float32))[:, table].transpose(
+          1, 2, 3, 0, 4).reshape(2, -1, 2, 16), pos, lens)
+  got = paged_attention(jnp.asarray(q, dtype), kp, vp, table, pos, lens, pages_per_chunk=2)
+  assert got.dtype == dtype
+  np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, atol=atol, rtol=atol)
+
+
+def test_write_pages_places_tokens_and_drops_padding():
+  rng = np.random.default_rng(2)
+  pages = np.zeros((2, 6, 4, 3), np.float32)
+  table = np.array([[4, 1, 0], [2, 3, 5]], np.int32)
+  new = rng.standard_normal((2, 3, 2, 3)).astype(np.float32)
+  positions = np.array([[3, 4, 5], [0, -1, -1]], np.int32)
+  out = np.asarray(write_pages(jnp.asarray(pages), new, table, positions))
+  want = pages.copy()
+  want[:, 4, 3] = new[0, 0]  # position 3 -> page table[0][0] = 4, slot 3
+  want[:, 1, 0] = new[0, 1]
+  want[:, 1, 1] = new[0, 2]
+  want[:, 2, 0] = new[1, 0]
+  np.testing.assert_array_equal(out, want)
+
+
+def test_shape_errors_name_the_values():
+  q = jnp.zeros((1, 1, 3, 8))
+  kp = jnp.zeros((2, 4, 4, 8))
+  with pytest.raises(ValueError, match="num_q_heads=3 must be divisible by num_kv_heads=2"):
+    paged_attention_reference(q, kp, kp, jnp.zeros((1, 2), jnp.int32),
+                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="page_table"):
+    jaxkv.ops.paged_attention(jnp.zeros((1, 1, 2, 8)), kp, kp, jnp.zeros((2, 2), jnp.int32),
+                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
