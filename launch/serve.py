@@ -8,6 +8,7 @@ Each turn runs the chosen policy and, unless --nocompare, the other one right af
 on the same prompts (interleaved, so both see the same machine noise).
 """
 
+import os
 import statistics
 import time
 
@@ -17,7 +18,8 @@ from ml_collections import config_flags
 import _common
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/cpu_tiny.py", "Config file (see configs/); fields can be overridden, "
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                           "cpu_tiny.py"), "Config file (see configs/); fields can be overridden, "
     "e.g. --config.workload.turns=6.")
 _POLICY = flags.DEFINE_enum("policy", "jaxkv", ["jaxkv", "nocache"],
                             "jaxkv: reuse cached prefixes; nocache: recompute every prompt.")
