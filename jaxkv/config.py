@@ -147,3 +147,57 @@ class EngineConfig:
     for name in ("prefix_reuse", "cache_decode_blocks"):
       _require(isinstance(getattr(self, name), bool),
                f"EngineConfig.{name}={getattr(self, name)!r} must be True or False.")
+
+
+WRITE_POLICIES = ("write_back", "write_through")
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierConfig:
+  """The tiers below device memory.
+
+  ``host_pages_per_shard``: pages of host memory (``host_memory_kind``) per data shard, in
+  the device pool's layout and sharding; 0 disables the host tier.
+  ``disk_kvstore``: where the disk tier lives: a directory path, or any TensorStore kvstore
+  spec (``{"driver": "file", "path": ...}``, ``{"driver": "memory"}``, gcs, s3, ...); None
+  disables it. ``disk_pages``: its capacity in blocks (shared by all shards of a process).
+  ``write_policy``: ``write_back`` copies a block down only when it is evicted from the
+  tier above; ``write_through`` copies every block down as soon as it is published.
+  ``read_deadline_s``: a lower-tier read that has not verified by then counts as a miss.
+  """
+
+  host_pages_per_shard: int = 0
+  host_memory_kind: str = "pinned_host"
+  disk_kvstore: str | dict | None = None
+  disk_pages: int = 0
+  write_policy: str = "write_back"
+  read_deadline_s: float = 10.0
+
+  def __post_init__(self):
+    for name in ("host_pages_per_shard", "disk_pages"):
+      v = getattr(self, name)
+      _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
+               f"TierConfig.{name}={v!r} must be an integer >= 0 (0 disables the tier).")
+    _require(self.host_memory_kind in HOST_MEMORY_KINDS,
+             f"TierConfig.host_memory_kind={self.host_memory_kind!r} must be one of "
+             f"{HOST_MEMORY_KINDS}.")
+    _require(self.write_policy in WRITE_POLICIES,
+             f"TierConfig.write_policy={self.write_policy!r} must be one of {WRITE_POLICIES}.")
+    _require(self.disk_kvstore is None or isinstance(self.disk_kvstore, (str, dict)),
+             f"TierConfig.disk_kvstore={self.disk_kvstore!r} must be a directory path, a "
+             "TensorStore kvstore spec dict, or None.")
+    _require((self.disk_kvstore is None) == (self.disk_pages == 0),
+             f"TierConfig disk_kvstore={self.disk_kvstore!r} and disk_pages={self.disk_pages} "
+             "must be set together: give both a location and a capacity, or neither.")
+    _require(isinstance(self.read_deadline_s, (int, float)) and self.read_deadline_s > 0,
+             f"TierConfig.read_deadline_s={self.read_deadline_s!r} must be a positive number "
+             "of seconds.")
+
+  @property
+  def host_enabled(self) -> bool:
+    return self.host_pages_per_shard > 0
+
+  @property
+  def disk_enabled(self) -> bool:
+    return self.disk_pages > 0
