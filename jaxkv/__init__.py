@@ -7,9 +7,9 @@ attention). Everything else is internal.
 
 from jaxkv import models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
-from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.config import CacheConfig, EngineConfig, TierConfig
 from jaxkv.engine import Engine
-from jaxkv.index import PrefixIndex
+from jaxkv.index import PrefixIndex, Tier
 from jaxkv.pages import make_mesh
 
 __version__ = "0.1.0"
@@ -21,6 +21,8 @@ __all__ = [
     "EngineConfig",
     "KVCache",
     "PrefixIndex",
+    "Tier",
+    "TierConfig",
     "make_mesh",
     "models",
     "nnx",

@@ -42,6 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxkv import nnx as kvnnx
 from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import EngineConfig
+from jaxkv.executor import Fetch, TierMover
+from jaxkv.index import TIER_NAMES, Tier
 
 
 def _pow2_at_least(n: int) -> int:
@@ -58,12 +60,10 @@ class _Request:
   num_pages_needed: int  # KV is written for the prompt and all generated tokens but the last
   shard: int = -1
   row: int = -1
-  hit_pages: list = dataclasses.field(default_factory=list)
-  new_pages: list = dataclasses.field(default_factory=list)
-
-  @property
-  def pages(self) -> list[int]:
-    return self.hit_pages + self.new_pages
+  pages: list = dataclasses.field(default_factory=list)  # device pages, one per block
+  hit_blocks: int = 0  # leading blocks whose KV is reused (device or fetched)
+  hit_tiers: list = dataclasses.field(default_factory=list)  # tier of each hit block
+  fetches: list = dataclasses.field(default_factory=list)  # lower-tier blocks to bring up
 
 
 class _Steps:
@@ -134,6 +134,7 @@ class Engine:
     self._pages = pages
     self._rest = jax.device_put(rest, NamedSharding(self.mesh, P()))  # weights replicated
     self._steps = _compiled_steps(graphdef, self.mesh, cfg)
+    self._mover = TierMover(cache)
     self.vocab_size = self._steps.vocab_size(self._pages, self._rest, self.cache.num_shards)
     self._row_sharding = lambda ndim: NamedSharding(
         self.mesh, P(cfg.data_axis, *([None] * (ndim - 1))))
@@ -155,18 +156,28 @@ class Engine:
     self._stats = collections.Counter()
     self._hits = collections.Counter()
     self._ttft: list[float] = []
+    self._mover.counters.clear()
+    self._mover.failures.clear()
 
   def stats(self) -> dict:
     """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request."""
     out = dict(self._stats)
-    out["hits"] = {"device": self._hits["device"]}
+    for k, v in self._mover.counters.items():
+      out[k] = out.get(k, 0) + v
+    out["hits"] = {name: self._hits[name] for name in ("device", "host", "disk")}
+    out["verify_failures_by_reason"] = dict(self._mover.failures)
     out["ttft_s"] = list(self._ttft)
     out["evictions"] = self.cache.index.counters.evictions
     for k in ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
               "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
-              "prefill_steps", "decode_steps", "waves"):
+              "prefill_steps", "decode_steps", "waves", "verify_failures", "read_timeouts",
+              "disk_write_failures", "demoted_host", "demoted_disk"):
       out.setdefault(k, 0)
     return out
+
+  def flush(self, timeout_s: float = 60.0) -> int:
+    """Waits for lower-tier writes in flight; returns how many did not finish in time."""
+    return self._mover.flush(timeout_s)
 
   def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None
              ) -> int:
@@ -285,29 +296,50 @@ class Engine:
       req = pending.popleft()
       usable = (len(req.tokens) - 1) // self.cache.config.page_size  # >= 1 token to compute
       keys = req.keys[:usable]
-      hits = [index.match(s, keys) if keys else [] for s in range(num_shards)]
-      order = sorted(range(num_shards), key=lambda s: (-len(hits[s]), load[s], s))
-      placed = False
+      found = [index.locate(s, keys) if keys else [] for s in range(num_shards)]
+      on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
+      order = sorted(range(num_shards),
+                     key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
       for s in order:
-        if load[s] >= slots:
-          continue
-        index.acquire(s, hits[s])
-        fresh = index.allocate(s, req.num_pages_needed - len(hits[s]))
-        if fresh is None:
-          index.release(s, hits[s])
-          continue
-        req.shard, req.hit_pages, req.new_pages = s, list(hits[s]), fresh
-        load[s] += 1
-        wave.append(req)
-        placed = True
-        break
-      if not placed:
+        if load[s] < slots and self._place(req, s, found[s]):
+          load[s] += 1
+          wave.append(req)
+          break
+      else:
         waiting.append(req)
     pending.extend(waiting)
     if not wave:  # cannot happen after _validate's room check unless pages leaked
       raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
                           "elsewhere.")
     return wave
+
+  def _place(self, req: _Request, shard: int, found: list) -> bool:
+    """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
+    index = self.cache.index
+    for tier, slot in found:
+      index.acquire(shard, [slot], tier)
+    n_device = sum(t == Tier.DEVICE for t, _ in found)
+    evicted: list = []
+    fresh = index.allocate(shard, req.num_pages_needed - n_device, Tier.DEVICE, evicted=evicted)
+    if fresh is None:
+      for tier, slot in found:
+        index.release(shard, [slot], tier)
+      return False
+    if evicted:  # copy the evicted blocks down before their pages are overwritten
+      self._mover.demote(self._flat_pools(), [(shard, p, k) for k, p in evicted])
+    req.shard, req.pages, req.fetches = shard, [], []
+    fresh = collections.deque(fresh)
+    for j, (tier, slot) in enumerate(found):
+      if tier == Tier.DEVICE:
+        req.pages.append(slot)
+      else:
+        page = fresh.popleft()
+        req.pages.append(page)
+        req.fetches.append(Fetch(req, j, shard, tier, slot, req.keys[j], page))
+    req.pages.extend(fresh)
+    req.hit_blocks = len(found)
+    req.hit_tiers = [t for t, _ in found]
+    return True
 
   # ---- execution ------------------------------------------------------------------------------
   def _put_rows(self, x: np.ndarray) -> jax.Array:
@@ -330,6 +362,7 @@ class Engine:
     page_table = self._put_rows(table)
 
     try:
+      self._promote(wave)
       self._prefill_wave(wave, num_rows, page_table, t_start, logits_out)
       generated = self._decode_wave(wave, num_rows, page_table, logits_out)
     finally:
@@ -340,6 +373,7 @@ class Engine:
         # index forgets every block and the pools start again from zeros.
         self._reset_pages_after_failure()
 
+    self._mover.pump()
     for r in wave:
       outputs[r.index] = generated[r.index]
     self._stats["waves"] += 1
@@ -349,13 +383,15 @@ class Engine:
   def _prefill_wave(self, wave, num_rows, page_table, t_start, logits_out) -> None:
     c = self.cache.config
     chunk = self.config.prefill_chunk_pages * c.page_size
-    starts = {r.index: len(r.hit_pages) * c.page_size for r in wave}
+    starts = {r.index: r.hit_blocks * c.page_size for r in wave}
     for r in wave:
-      self._hits["device"] += len(r.hit_pages)
+      for tier in r.hit_tiers[:r.hit_blocks]:
+        self._hits[TIER_NAMES[tier]] += 1
+      self.cache.index.record_hits(r.keys[:r.hit_blocks])
       self._stats["hit_tokens"] += starts[r.index]
       self._stats["prompt_tokens"] += len(r.tokens)
       self._stats["computed_tokens"] += len(r.tokens) - starts[r.index]
-      self._stats["blocks_recomputed"] += len(r.tokens) // c.page_size - len(r.hit_pages)
+      self._stats["blocks_recomputed"] += len(r.tokens) // c.page_size - r.hit_blocks
     num_steps = max(-(-(len(r.tokens) - starts[r.index]) // chunk) for r in wave)
     carry = self._put_rows(np.zeros((num_rows,), np.int32))
     for step in range(num_steps):
@@ -392,9 +428,11 @@ class Engine:
             logits_out[r.index] = [sel[r.row]]
     self._first_tokens = carry
     if self.config.prefix_reuse:
+      published = []
       for r in wave:  # the prompt's full blocks are written: publish them
-        for j in range(len(r.hit_pages), len(r.tokens) // c.page_size):
-          self.cache.index.publish(r.shard, r.pages[j], r.keys[j])
+        for j in range(r.hit_blocks, len(r.tokens) // c.page_size):
+          self._publish(r.shard, r.pages[j], r.keys, j, published)
+      self._write_through(published)
 
   def _decode_wave(self, wave, num_rows, page_table, logits_out) -> dict[int, list[int]]:
     c = self.cache.config
@@ -424,12 +462,46 @@ class Engine:
       for r in wave:
         logits_out[r.index] = np.stack(logits_out[r.index])
     if self.config.prefix_reuse and self.config.cache_decode_blocks:
+      published = []
       for r in wave:
         written = np.concatenate([r.tokens, np.asarray(generated[r.index][:-1], np.int32)])
         keys = self.cache.index.block_keys(written, r.tenant)
         for j in range(len(r.tokens) // c.page_size, len(keys)):
-          self.cache.index.publish(r.shard, r.pages[j], keys[j])
+          self._publish(r.shard, r.pages[j], keys, j, published)
+      self._write_through(published)
     return generated
+
+  def _publish(self, shard, page, keys, j, published: list) -> None:
+    if self.cache.index.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
+      published.append((shard, page, keys[j]))
+
+  def _write_through(self, published: list) -> None:
+    if published and self.cache.tiers.write_policy == "write_through":
+      self._mover.copy_down(self._flat_pools(), published)
+
+  def _promote(self, wave: list[_Request]) -> None:
+    """Brings every lower-tier hit of the wave up; a failed block ends that request's hit."""
+    fetches = [f for r in wave for f in r.fetches]
+    if not fetches:
+      return
+    pools = self._mover.promote(self._flat_pools(), fetches, self.cache.tiers.read_deadline_s)
+    self._set_flat_pools(pools)
+    for r in wave:
+      for f in sorted(r.fetches, key=lambda f: f.block):
+        if not f.ok and f.block < r.hit_blocks:
+          r.hit_blocks = f.block  # recompute from the first bad block on
+        if not f.ok:
+          self._mover.drop_failed(f)
+      for f in r.fetches:  # verified and still part of the hit: the device copy is good
+        if f.ok and f.block < r.hit_blocks:
+          self._publish(r.shard, f.page, r.keys, f.block, [])
+      r.fetches = []
+
+  def _flat_pools(self) -> list:
+    return jax.tree.leaves(self._pages)
+
+  def _set_flat_pools(self, pools) -> None:
+    self._pages = jax.tree.unflatten(jax.tree.structure(self._pages), list(pools))
 
   def _pages_alive(self) -> bool:
     return not any(x.is_deleted() for x in jax.tree.leaves(self._pages))

@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import CacheConfig
@@ -158,3 +159,64 @@ def scatter_pages(pages: jax.Array, page_ids: jax.Array, values: jax.Array, *, m
   Ids ``>= pages_per_shard`` are dropped, so callers can pad ``page_ids`` to a bucket.
   """
   return _scatter_fn(mesh, config)(pages, page_ids, values)
+
+
+# ---- all layers at once: the unit tiers move -----------------------------------------------
+def stacked_spec(config: CacheConfig) -> P:
+  """Sharding of ``[2 * layers, kv_heads, data_shards * n, page_size, head_dim]`` stacks."""
+  return P(None, config.model_axis, config.data_axis, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+  pool, ids = pool_spec(config), P(config.data_axis, None)
+
+  def local(pools, page_ids):
+    return jnp.stack([p[:, page_ids[0]] for p in pools])
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=((pool,) * num_arrays, ids),
+                               out_specs=stacked_spec(config)))
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+  pool, ids = pool_spec(config), P(config.data_axis, None)
+
+  def local(pools, page_ids, values):
+    return tuple(p.at[:, page_ids[0]].set(values[i], mode="drop") for i, p in enumerate(pools))
+
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=((pool,) * num_arrays, ids, stacked_spec(config)),
+                               out_specs=(pool,) * num_arrays), donate_argnums=(0,))
+
+
+def gather_stacked(pools, page_ids, *, mesh: Mesh, config: CacheConfig) -> jax.Array:
+  """Copies pages of every pool (all layers' K and V) into one stack.
+
+  ``page_ids``: ``[data_shards, n]`` shard-local ids. Returns ``[len(pools), kv_heads,
+  data_shards * n, page_size, head_dim]``; rows ``s*n..`` are shard ``s``'s pages.
+  """
+  return _gather_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids)
+
+
+def scatter_stacked(pools, page_ids, values, *, mesh: Mesh, config: CacheConfig) -> tuple:
+  """Writes a stack into every pool (donated: in place); ids ``>= pages`` are dropped."""
+  return _scatter_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids, values)
+
+
+_MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted sum
+_OFFSET = np.uint32(0x9E3779B9)
+
+
+@jax.jit
+def page_checksums(stack: jax.Array) -> jax.Array:
+  """A position-weighted 32-bit sum of every page's bits: ``[..., n, ...] -> [n]`` uint32.
+
+  Cheap enough to run on device for every page that moves between tiers; any single
+  flipped bit changes it, and so does moving a page to another slot's record.
+  """
+  width = {2: jnp.uint16, 4: jnp.uint32}[stack.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(stack, width).astype(jnp.uint32)
+  bits = jnp.moveaxis(bits, 2, 0).reshape(stack.shape[2], -1)
+  weights = jnp.arange(bits.shape[1], dtype=jnp.uint32) * _MIX + _OFFSET
+  return jnp.sum(bits * weights[None], axis=1, dtype=jnp.uint32)
