@@ -115,18 +115,23 @@ class TierMover:
   def _device_to_host(self, pools, blocks: list[Block]) -> None:
     if not blocks:
       return
-    placed, host_victims = [], []
+    placed, host_victims, overflow = [], [], []
     for b in blocks:
       evicted = []
       slot = self.index.allocate(b[0], 1, Tier.HOST, evicted=evicted)
-      if slot is None:
-        self.counters["host_full_drops"] += 1  # every host slot is pinned: skip this block
+      if slot is None:  # every host slot of this shard is taken by blocks in flight
+        overflow.append(b)
         continue
       host_victims.extend((b[0], p, k) for k, p in evicted)
       placed.append((b[0], b[1], b[2], slot[0]))
-    if host_victims and self.disk is not None:  # read them out before they are overwritten
-      self._host_to_disk([v for v in host_victims
-                          if self.index.slot_of(0, v[2], Tier.DISK) is None])
+    if self.disk is not None:
+      if host_victims:  # read them out before they are overwritten
+        self._host_to_disk([v for v in host_victims
+                            if self.index.slot_of(0, v[2], Tier.DISK) is None])
+      self._device_to_disk(pools, [b for b in overflow
+                                   if self.index.slot_of(0, b[2], Tier.DISK) is None])
+    else:
+      self.counters["host_full_drops"] += len(overflow)
     if not placed:
       return
     stack, per = self._gather_device(pools, placed)
@@ -167,7 +172,7 @@ class TierMover:
         if slot is None:
           self.counters["disk_full_drops"] += 1
           continue
-        payload = np.ascontiguousarray(stack[:, :, s * n + i])
+        payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
         self._pending_writes.append(self.disk.write(slot[0], payload, key,
                                                     self.index.parent_of(key)))
         self.counters["bytes_moved"] += self._bytes(1)
@@ -253,13 +258,13 @@ class TierMover:
     dest, per = self._grid(items, self.config.pages_per_shard)
     n = dest.shape[1]
     stack = np.zeros((n_arrays, heads, self.cache.num_shards * n, page, dim),
-                     self.config.jnp_dtype)
+                     pages_lib.bits_dtype(self.config.jnp_dtype))
     any_ok = False
     for s, its in enumerate(per):
       for i, (_, page_id, f, r) in enumerate(its):
         try:
           record = r.future.result(timeout=max(0.0, t_end - time.monotonic()))
-          stack[:, :, s * n + i] = self.disk.verify(record, f.key)
+          stack[:, :, s * n + i] = self.disk.verify(record, f.key).view(stack.dtype)
           f.ok, any_ok = True, True
           dest[s, i] = page_id
         except TimeoutError:

@@ -162,6 +162,17 @@ def scatter_pages(pages: jax.Array, page_ids: jax.Array, values: jax.Array, *, m
 
 
 # ---- all layers at once: the unit tiers move -----------------------------------------------
+# Pages travel between tiers as raw bits (uint16/uint32): XLA may compute a bfloat16 gather
+# or scatter in float32 on some backends, which would canonicalise NaN payloads. Moving
+# integers keeps every round trip bit-exact.
+def bits_dtype(dtype):
+  return {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
+
+
+def to_bits(x):
+  return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+
+
 def stacked_spec(config: CacheConfig) -> P:
   """Sharding of ``[2 * layers, kv_heads, data_shards * n, page_size, head_dim]`` stacks."""
   return P(None, config.model_axis, config.data_axis, None, None)
@@ -172,7 +183,7 @@ def _gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
   pool, ids = pool_spec(config), P(config.data_axis, None)
 
   def local(pools, page_ids):
-    return jnp.stack([p[:, page_ids[0]] for p in pools])
+    return jnp.stack([to_bits(p)[:, page_ids[0]] for p in pools])
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=((pool,) * num_arrays, ids),
                                out_specs=stacked_spec(config)))
@@ -183,7 +194,9 @@ def _scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
   pool, ids = pool_spec(config), P(config.data_axis, None)
 
   def local(pools, page_ids, values):
-    return tuple(p.at[:, page_ids[0]].set(values[i], mode="drop") for i, p in enumerate(pools))
+    return tuple(jax.lax.bitcast_convert_type(
+        to_bits(p).at[:, page_ids[0]].set(values[i], mode="drop"), p.dtype)
+                 for i, p in enumerate(pools))
 
   return jax.jit(jax.shard_map(local, mesh=mesh,
                                in_specs=((pool,) * num_arrays, ids, stacked_spec(config)),
@@ -191,16 +204,18 @@ def _scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
 
 
 def gather_stacked(pools, page_ids, *, mesh: Mesh, config: CacheConfig) -> jax.Array:
-  """Copies pages of every pool (all layers' K and V) into one stack.
+  """Copies pages of every pool (all layers' K and V) into one stack of raw bits.
 
   ``page_ids``: ``[data_shards, n]`` shard-local ids. Returns ``[len(pools), kv_heads,
-  data_shards * n, page_size, head_dim]``; rows ``s*n..`` are shard ``s``'s pages.
+  data_shards * n, page_size, head_dim]`` of ``bits_dtype``; rows ``s*n..`` are shard
+  ``s``'s pages.
   """
   return _gather_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids)
 
 
 def scatter_stacked(pools, page_ids, values, *, mesh: Mesh, config: CacheConfig) -> tuple:
-  """Writes a stack into every pool (donated: in place); ids ``>= pages`` are dropped."""
+  """Writes a raw-bits stack into every pool (donated: in place); ids ``>= pages`` are
+  dropped."""
   return _scatter_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids, values)
 
 
@@ -215,8 +230,7 @@ def page_checksums(stack: jax.Array) -> jax.Array:
   Cheap enough to run on device for every page that moves between tiers; any single
   flipped bit changes it, and so does moving a page to another slot's record.
   """
-  width = {2: jnp.uint16, 4: jnp.uint32}[stack.dtype.itemsize]
-  bits = jax.lax.bitcast_convert_type(stack, width).astype(jnp.uint32)
+  bits = jax.lax.bitcast_convert_type(stack, bits_dtype(stack.dtype)).astype(jnp.uint32)
   bits = jnp.moveaxis(bits, 2, 0).reshape(stack.shape[2], -1)
   weights = jnp.arange(bits.shape[1], dtype=jnp.uint32) * _MIX + _OFFSET
   return jnp.sum(bits * weights[None], axis=1, dtype=jnp.uint32)

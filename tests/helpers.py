@@ -20,8 +20,8 @@ def cache_config_for(mc: jaxkv.models.LlamaConfig, **overrides) -> jaxkv.CacheCo
   return jaxkv.CacheConfig(**base)
 
 
-def make_engine(mesh, mc=None, *, seed=0, cache=None, **engine_kw) -> jaxkv.Engine:
+def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, **engine_kw) -> jaxkv.Engine:
   mc = mc or tiny_model_config()
   cache = cache or cache_config_for(mc)
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(seed))
-  return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(**engine_kw))
+  return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh, tiers), jaxkv.EngineConfig(**engine_kw))

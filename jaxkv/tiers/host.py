@@ -82,7 +82,9 @@ class HostTier:
              config.page_size, config.head_dim)
     sharding = NamedSharding(mesh, pages_lib.stacked_spec(config)).with_memory_kind(
         self.memory_kind)
-    self.pool = jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype), out_shardings=sharding)()
+    # Raw bits (see pages.bits_dtype): a host copy never changes a NaN payload.
+    self.pool = jax.jit(lambda: jnp.zeros(shape, pages_lib.bits_dtype(config.jnp_dtype)),
+                        out_shardings=sharding)()
     self._store, self._load, self._read = _host_fns(mesh, config, self.memory_kind)
     # Checksum of every slot's bytes as sent (device arrays until first needed).
     self._checksums = np.zeros((self.num_shards, self.pages_per_shard), np.uint32)
@@ -93,7 +95,7 @@ class HostTier:
     return self.pool.nbytes
 
   def store(self, stack: jax.Array, host_ids: np.ndarray) -> None:
-    """Writes a device stack (from ``pages.gather_stacked``) into host slots.
+    """Writes a device stack of raw bits (``pages.gather_stacked``) into host slots.
 
     ``host_ids``: ``[data_shards, n]`` shard-local host slots; ids ``>= host pages``
     (padding) are dropped.
@@ -104,14 +106,14 @@ class HostTier:
     self.pool = self._store(self.pool, ids, stack)
 
   def load(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """Starts copying host slots to device. Returns ``(stack, checksums)`` (async)."""
+    """Starts copying host slots to device. Returns ``(bits stack, checksums)`` (async)."""
     ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
         self.mesh, P(self.config.data_axis, None)))
     stack = self._load(self.pool, ids)
     return stack, pages_lib.page_checksums(stack)
 
   def read_numpy(self, host_ids: np.ndarray) -> np.ndarray:
-    """Host slots ``[data_shards, n]`` as a numpy stack (blocks until copied)."""
+    """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied)."""
     ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
         self.mesh, P(self.config.data_axis, None)))
     return np.asarray(self._read(self.pool, ids))

@@ -1,0 +1,477 @@
+"""Host and disk tiers: exact round trips, exact generation, and faults on real stores."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxkv
+from jaxkv import pages as pages_lib
+from jaxkv import workloads
+from jaxkv.index import Tier
+from jaxkv.tiers import blocks
+from jaxkv.tiers.disk import DiskTier
+from jaxkv.tiers.host import HostTier
+
+import helpers
+
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def random_bits(rng, shape, dtype):
+  """Arbitrary bit patterns, NaNs with payloads and infinities included."""
+  itemsize = jnp.dtype(dtype).itemsize
+  raw = rng.integers(0, 2**(8 * itemsize), size=shape, dtype=np.uint64)
+  arr = raw.astype({2: np.uint16, 4: np.uint32}[itemsize]).view(jnp.dtype(dtype))
+  flat = arr.reshape(-1)
+  flat[:4] = np.array([np.nan, np.inf, -np.inf, -0.0]).astype(jnp.dtype(dtype))
+  return arr
+
+
+def bits(x):
+  x = np.asarray(x)
+  return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+# ---- round trips ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("memory_kind", ["pinned_host", "unpinned_host"])
+def test_host_round_trip_is_bit_exact(mesh, dtype, memory_kind):
+  c = helpers.cache_config_for(helpers.tiny_model_config(), dtype=dtype, pages_per_shard=8,
+                              max_pages_per_seq=8)
+  t = jaxkv.TierConfig(host_pages_per_shard=6, host_memory_kind=memory_kind)
+  rng = np.random.default_rng(0)
+  host = HostTier(mesh, c, t, num_arrays=4)
+  assert host.pool.sharding.memory_kind == memory_kind
+  stack_np = bits(random_bits(rng, (4, c.num_kv_heads, 4 * 2, c.page_size, c.head_dim), dtype))
+  stack = jax.device_put(stack_np, NamedSharding(mesh, pages_lib.stacked_spec(c)))
+  slots = np.array([[4, 1], [0, 5], [2, 3], [5, 0]], np.int32)
+  host.store(stack, slots)
+  back, sums = host.load(slots)
+  assert back.sharding.memory_kind == "device"
+  np.testing.assert_array_equal(bits(back), bits(stack_np))
+  np.testing.assert_array_equal(np.asarray(sums).reshape(4, 2), host.expected_checksums(slots))
+  np.testing.assert_array_equal(bits(host.read_numpy(slots)), bits(stack_np))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_disk_round_trip_is_bit_exact_and_reopens(tmp_path, dtype):
+  rng = np.random.default_rng(1)
+  shape = (4, 2, 4, 8)
+  fp = b"f" * 32
+  disk = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
+                  fingerprint=fp)
+  payloads = [random_bits(rng, shape, dtype) for _ in range(3)]
+  writes = [disk.write(s, p, bytes([s]) * 32, None) for s, p in zip((5, 0, 7), payloads)]
+  for w in writes:
+    w.future.result(timeout=30)
+  for s, p in zip((5, 0, 7), payloads):
+    got = disk.verify(disk.read(s).future.result(timeout=30), bytes([s]) * 32)
+    np.testing.assert_array_equal(bits(got), bits(p))
+  again = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
+                   fingerprint=fp)
+  good, deleted = again.scan()
+  assert sorted(s for s, _, _ in good) == [0, 5, 7] and deleted == 0
+  with pytest.raises(ValueError, match="another model, layout or capacity"):
+    DiskTier(str(tmp_path / "d"), num_slots=9, payload_shape=shape, dtype=dtype, fingerprint=fp)
+
+
+def test_record_verification_names_each_fault():
+  rng = np.random.default_rng(2)
+  x = random_bits(rng, (2, 2, 4, 8), "float32")
+  rec = blocks.encode(x, b"k" * 32, b"f" * 32)
+  ok = dict(key=b"k" * 32, fingerprint=b"f" * 32, dtype="float32", shape=x.shape)
+  np.testing.assert_array_equal(bits(blocks.decode(rec, **ok)), bits(x))
+  cases = {
+      "checksum": lambda r: r.__setitem__(blocks.HEADER_BYTES + 7, r[blocks.HEADER_BYTES + 7] ^ 4),
+      "key": None, "fingerprint": None, "magic": lambda r: r.__setitem__(slice(0, 8), 0),
+  }
+  for reason, mutate in cases.items():
+    r = rec.copy()
+    kw = dict(ok)
+    if mutate:
+      mutate(r)
+    elif reason == "key":
+      kw["key"] = b"x" * 32
+    else:
+      kw["fingerprint"] = b"g" * 32
+    with pytest.raises(blocks.BlockError) as e:
+      blocks.decode(r, **kw)
+    assert e.value.reason == reason
+  with pytest.raises(blocks.BlockError, match="size"):
+    blocks.decode(rec[:-3], **ok)
+  with pytest.raises(blocks.BlockError) as e:
+    blocks.decode(rec, **{**ok, "dtype": "float16", "shape": (2, 2, 4, 16)})
+  assert e.value.reason == "shape"
+
+
+def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path):
+  for dtype in DTYPES:
+    mc = helpers.tiny_model_config(dtype=dtype)
+    cc = helpers.cache_config_for(mc, pages_per_shard=8, max_pages_per_seq=8)
+    tiers = jaxkv.TierConfig(host_pages_per_shard=2, disk_kvstore=str(tmp_path / dtype),
+                             disk_pages=32)
+    engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers)
+    rng = np.random.default_rng(3)
+    pools = [jax.device_put(random_bits(rng, pages_lib.pool_shape(mesh, cc), dtype),
+                            pages_lib.pool_sharding(mesh, cc)) for _ in range(4)]
+    engine._set_flat_pools(pools)
+    before = [bits(p) for p in pools]
+    index, mover = engine.cache.index, engine._mover
+    keys = [bytes([i]) * 32 for i in range(5)]
+    pages = index.allocate(1, 5)
+    for p, k in zip(pages, keys):
+      index.publish(1, p, k)
+    index.release(1, pages)
+    # Two fit on host; then the host evicts those to disk to take the next two, and the
+    # last one goes straight to disk (both host slots are in flight).
+    mover.demote(engine._flat_pools(), [(1, p, k) for p, k in zip(pages[:2], keys[:2])])
+    mover.demote(engine._flat_pools(), [(1, p, k) for p, k in zip(pages[2:], keys[2:])])
+    assert mover.flush(30) == 0
+    assert [index.slot_of(1, k, Tier.HOST) is not None for k in keys] == [0, 0, 1, 1, 0]
+    assert index.num_cached(1, Tier.HOST) == 2 and index.num_cached(0, Tier.DISK) == 3
+    index.evict_all_unreferenced(1, Tier.DEVICE)
+    dest = [7, 6, 5, 4, 3]  # bring them back to other pages of the same shard
+    fetches = []
+    for k, d in zip(keys, dest):
+      (tier, slot), = index.locate(1, [k])
+      index.acquire(1, [slot], tier)
+      fetches.append(jaxkv.executor.Fetch(None, 0, 1, tier, slot, k, d))
+    new = mover.promote(engine._flat_pools(), fetches, deadline_s=30)
+    assert all(f.ok for f in fetches), [f.reason for f in fetches]
+    for b, p in zip(before, new):
+      got = bits(p)
+      for src, d in zip(pages, dest):
+        np.testing.assert_array_equal(got[:, 1 * 8 + d], b[:, 1 * 8 + src])
+    index.check_invariants()
+
+
+# ---- generation -------------------------------------------------------------------------------
+def chat_outputs(engine, spec):
+  chat = workloads.Chat(spec)
+  outs = []
+  for turn in range(spec.turns):
+    out = engine.generate(chat.prompts(turn), spec.max_new_tokens)
+    outs.append(out)
+    chat.record(turn, out)
+  return outs
+
+
+SPEC = workloads.ChatSpec(users=6, turns=3, system_prompt_tokens=9, user_tokens=(3, 8),
+                          max_new_tokens=4, vocab_size=128, seed=1)
+
+
+@pytest.fixture(scope="module")
+def recomputed(mesh):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  return chat_outputs(helpers.make_engine(mesh, mc, cache=cc, prefix_reuse=False,
+                                          max_seqs_per_shard=1), SPEC)
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_small_device_budget_through_host_and_disk_is_exact(mesh, tmp_path, recomputed, policy):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  tiers = jaxkv.TierConfig(host_pages_per_shard=3, disk_kvstore=str(tmp_path / "disk"),
+                           disk_pages=200, write_policy=policy)
+  engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
+  # Between turns the device copies are forgotten, so every reuse comes from below.
+  chat = workloads.Chat(SPEC)
+  for turn in range(SPEC.turns):
+    out = engine.generate(chat.prompts(turn), SPEC.max_new_tokens)
+    assert out == recomputed[turn], turn
+    chat.record(turn, out)
+    assert engine.flush(30) == 0
+    if policy == "write_through":
+      for s in range(4):
+        engine.cache.index.evict_all_unreferenced(s, Tier.DEVICE)
+  s = engine.stats()
+  assert s["hits"]["host"] + s["hits"]["disk"] > 0 and s["blocks_fetched"] > 0
+  if policy == "write_through":
+    assert s["hits"]["disk"] > 0
+  assert s["verify_failures"] == 0 and s["disk_write_failures"] == 0
+  engine.cache.index.check_invariants()
+  for tier, pools in ((Tier.DEVICE, 4), (Tier.HOST, 4)):
+    for sh in range(pools):
+      n = engine.cache.index._pool(tier, sh).num_slots
+      assert all(engine.cache.index.refcount(sh, p, tier) == 0 for p in range(n))
+
+
+def test_compute_never_reads_host_memory(mesh, tmp_path):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1,
+                               tiers=jaxkv.TierConfig(host_pages_per_shard=8))
+  kinds = set()
+  steps = engine._steps
+  real_prefill, real_decode = steps.prefill, steps.decode
+
+  def spy(fn):
+    def run(*args):
+      for leaf in jax.tree.leaves(args):
+        if isinstance(leaf, jax.Array):
+          kinds.add(leaf.sharding.memory_kind)
+      return fn(*args)
+    return run
+
+  steps.prefill, steps.decode = spy(real_prefill), spy(real_decode)
+  try:
+    chat_outputs(engine, SPEC)
+  finally:
+    steps.prefill, steps.decode = real_prefill, real_decode
+  assert engine.stats()["hits"]["host"] > 0  # host pages were used...
+  assert kinds == {"device"}  # ...but every array a model step saw was in device memory
+  assert engine.cache.host.pool.sharding.memory_kind == "pinned_host"
+
+
+# ---- faults on a real store -------------------------------------------------------------------
+def disk_engine(mesh, tmp_path, **tier_kw):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  tiers = jaxkv.TierConfig(disk_kvstore=str(tmp_path / "disk"), disk_pages=64,
+                           write_policy="write_through", **tier_kw)
+  return helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
+
+
+def chunk_path(engine, slot):
+  return os.path.join(engine.cache.disk.kvstore["path"], "blocks", f"c.{slot}.0")
+
+
+def forget_device_copies(engine):
+  for s in range(engine.cache.num_shards):
+    engine.cache.index.evict_all_unreferenced(s, Tier.DEVICE)
+
+
+def assert_clean(engine):
+  idx = engine.cache.index
+  idx.check_invariants()
+  for tier, shards in ((Tier.DEVICE, range(4)), (Tier.DISK, [0])):
+    for s in shards:
+      pool = idx._pool(tier, s)
+      assert not pool.refcount.any(), f"leaked references in {tier}"
+
+
+FAULTS = ["flip_bit", "truncate", "delete", "swap", "foreign_tenant", "foreign_model"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_path, fault):
+  engine = disk_engine(mesh, tmp_path)
+  page = engine.cache.config.page_size
+  prompt = list(range(1, 6 * page + 2))  # 6 full blocks
+  want = engine.generate([prompt], 3)
+  assert engine.flush(30) == 0
+  keys = engine.cache.index.block_keys(prompt, "default")
+  slots = [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys]
+  assert None not in slots
+  target = chunk_path(engine, slots[2])
+  if fault == "flip_bit":
+    data = bytearray(open(target, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(target, "wb").write(bytes(data))
+  elif fault == "truncate":
+    os.truncate(target, os.path.getsize(target) // 3)
+  elif fault == "delete":
+    os.remove(target)
+  elif fault == "swap":
+    other = chunk_path(engine, slots[4])
+    a, b = open(target, "rb").read(), open(other, "rb").read()
+    open(target, "wb").write(b)
+    open(other, "wb").write(a)
+  else:  # a block of another tenant / model, written by a real store, put in its place
+    tenant, fp = ("mallory", None) if fault == "foreign_tenant" else ("default", b"m" * 32)
+    foreign_key = engine.cache.index.block_keys(prompt, tenant)[2]
+    donor = DiskTier(str(tmp_path / "donor"), num_slots=64,
+                     payload_shape=engine.cache.payload_shape, dtype=engine.cache.config.jnp_dtype,
+                     fingerprint=fp or engine.cache.config.fingerprint())
+    donor.write(slots[2], np.zeros(engine.cache.payload_shape, np.float32),
+                foreign_key if fp is None else keys[2], None).future.result(timeout=30)
+    open(target, "wb").write(open(os.path.join(str(tmp_path / "donor"), "blocks",
+                                               f"c.{slots[2]}.0"), "rb").read())
+  forget_device_copies(engine)
+  got = engine.generate([prompt], 3)
+  assert got == want
+  s = engine.stats()
+  assert s["verify_failures"] >= 1
+  assert s["hits"]["disk"] == 2  # blocks 0 and 1 verified; 2 failed; the rest recomputed
+  # The bad copy left the index with the three blocks chained after it (then the
+  # recomputed blocks were written through again).
+  assert engine.cache.index.counters.dropped == 4
+  assert engine.flush(30) == 0
+  assert_clean(engine)
+  # Recomputed blocks were written again: the next cold read verifies end to end.
+  forget_device_copies(engine)
+  assert engine.generate([prompt], 3) == want
+  assert engine.stats()["hits"]["disk"] == 2 + 6
+
+
+class _SlowReads:
+  """Wraps a real DiskTier: every read's result arrives ``delay_s`` late."""
+
+  def __init__(self, disk, delay_s):
+    self.disk, self.delay_s = disk, delay_s
+    self.real_read = disk.read
+
+  def __call__(self, slot):
+    pending = self.real_read(slot)
+    real = pending.future
+    promise, future = ts.Promise.new()
+
+    def later():
+      time.sleep(self.delay_s)
+      try:
+        promise.set_result(real.result())
+      except BaseException as e:  # pylint: disable=broad-except  (handed to the reader)
+        promise.set_exception(e)
+
+    threading.Thread(target=later, daemon=True).start()
+    pending.future = future
+    return pending
+
+
+def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
+  engine = disk_engine(mesh, tmp_path, read_deadline_s=0.2)
+  prompt = list(range(1, 30))
+  want = engine.generate([prompt], 3)
+  engine.flush(30)
+  forget_device_copies(engine)
+  engine.cache.disk.read = _SlowReads(engine.cache.disk, delay_s=1.5)
+  t0 = time.perf_counter()
+  assert engine.generate([prompt], 3) == want
+  assert time.perf_counter() - t0 < 1.5  # did not wait for the slow store
+  s = engine.stats()
+  assert s["read_timeouts"] >= 1 and s["hits"]["disk"] == 0
+  time.sleep(1.6)
+  assert_clean(engine)
+
+
+def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
+  engine = disk_engine(mesh, tmp_path)
+  real_write = engine.cache.disk.write
+
+  def failing_write(slot, payload, key, parent):
+    pending = real_write(slot, payload, key, parent)
+    pending.future.result(timeout=30)
+    promise, future = ts.Promise.new()
+    promise.set_exception(PermissionError(13, "Permission denied"))
+    pending.future = future
+    return pending
+
+  engine.cache.disk.write = failing_write
+  prompt = list(range(1, 30))
+  want = engine.generate([prompt], 3)
+  engine.flush(30)
+  s = engine.stats()
+  assert s["disk_write_failures"] > 0 and s["demoted_disk"] == 0
+  assert engine.cache.index.num_cached(0, Tier.DISK) == 0
+  forget_device_copies(engine)
+  assert engine.generate([prompt], 3) == want
+  assert_clean(engine)
+
+
+DISK_FULL_WRITER = r"""
+import resource, signal, sys
+import numpy as np
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from jaxkv.tiers.disk import DiskTier
+disk = DiskTier(sys.argv[1], num_slots=8, payload_shape=(2, 2, 4, 64), dtype="float32",
+                fingerprint=b"f" * 32)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))  # records are ~4.3 KB: the disk is "full"
+w = disk.write(3, np.ones((2, 2, 4, 64), np.float32), b"k" * 32, None)
+try:
+  w.future.result(timeout=30)
+  print("WROTE")
+except Exception as e:
+  print("FAILED", type(e).__name__, e)
+"""
+
+
+def test_disk_full_is_a_failed_write_not_a_crash(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", DISK_FULL_WRITER, str(tmp_path / "d")],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("FAILED"), proc.stdout
+  reopened = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=(2, 2, 4, 64),
+                      dtype="float32", fingerprint=b"f" * 32)
+  good, _ = reopened.scan()
+  assert good == []  # nothing half-written is ever taken for a block
+
+
+KILLED_WRITER = r"""
+import sys
+import numpy as np
+from jaxkv.tiers.disk import DiskTier
+disk = DiskTier(sys.argv[1], num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
+                fingerprint=b"f" * 32)
+rng = np.random.default_rng(0)
+i = 0
+print("READY", flush=True)
+while True:
+  ws = [disk.write((i + j) % 64, rng.standard_normal((4, 2, 16, 256)).astype(np.float32),
+                   ((i + j) % 64).to_bytes(32, "little"), None) for j in range(8)]
+  for w in ws:
+    w.future.result()
+  i += 8
+"""
+
+
+def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
+  path = str(tmp_path / "d")
+  proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, path], stdout=subprocess.PIPE,
+                          text=True)
+  assert proc.stdout.readline().strip() == "READY"
+  time.sleep(2.0)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=30)
+  # Leave a torn temporary behind as a crash would, and a chunk cut short.
+  blocks_dir = os.path.join(path, "blocks")
+  open(os.path.join(blocks_dir, "c.5.0.__lock"), "wb").write(b"partial")
+  os.truncate(os.path.join(blocks_dir, "c.6.0"), 100)
+  disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
+                  fingerprint=b"f" * 32)
+  assert disk.removed_temporaries >= 1
+  good, deleted = disk.scan()
+  assert deleted >= 1 and len(good) >= 8
+  for slot, key, _ in good:
+    assert key == slot.to_bytes(32, "little")
+    disk.verify(disk.read(slot).future.result(timeout=30), key)
+  assert not [n for n in os.listdir(blocks_dir) if n.endswith("__lock")]
+  assert disk.bytes_on_disk() <= 64 * disk.record_bytes * 1.01 + 4096
+  # The cache adopts the survivors.
+  assert len(disk.scan()[0]) == len(good)
+
+
+def test_cache_adopts_verified_disk_blocks_of_a_previous_run(mesh, tmp_path):
+  engine = disk_engine(mesh, tmp_path)
+  prompt = list(range(1, 30))
+  want = engine.generate([prompt], 3)
+  engine.flush(30)
+  again = disk_engine(mesh, tmp_path)
+  assert again.cache.disk_recovered["adopted"] >= 7
+  assert again.generate([prompt], 3) == want
+  assert again.stats()["hits"]["disk"] == 7
+
+
+def test_bad_tier_configs_are_refused(tmp_path):
+  with pytest.raises(ValueError, match="must be set together"):
+    jaxkv.TierConfig(disk_kvstore=str(tmp_path))
+  with pytest.raises(ValueError, match="host_pages_per_shard=-1"):
+    jaxkv.TierConfig(host_pages_per_shard=-1)
+  with pytest.raises(ValueError, match="write_policy='sometimes'"):
+    jaxkv.TierConfig(write_policy="sometimes")
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(ValueError, match="cannot be created"):
+    DiskTier(str(blocker / "sub"), num_slots=2, payload_shape=(2, 2, 4, 8), dtype="float32",
+             fingerprint=b"f" * 32)
