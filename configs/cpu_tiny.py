@@ -25,6 +25,11 @@ def get_config() -> ml_collections.ConfigDict:
   # computed in a prefill, in a decode, or reused (see BUILD.md, "Exactness").
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=2, prefill_chunk_pages=1, cache_decode_blocks=True))
+  # Lower tiers are off by default; `--host_pages`, `--disk_dir` (launch/serve.py) or
+  # --config.tiers.* turn them on.
+  c.tiers = ml_collections.ConfigDict(dict(
+      host_pages_per_shard=0, host_memory_kind="pinned_host", disk_kvstore="", disk_pages=0,
+      write_policy="write_back", read_deadline_s=10.0))
   c.workload = ml_collections.ConfigDict(dict(
       kind="chat", users=8, turns=4, system_prompt_tokens=128, user_tokens=(32, 96),
       max_new_tokens=16))

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxkv import models
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.config import CacheConfig, EngineConfig, TierConfig
 from jaxkv.engine import Engine
 from jaxkv.pages import make_mesh
 
@@ -40,8 +40,21 @@ def cache_config(cfg: Mapping) -> CacheConfig:
                      num_kv_heads=m["num_kv_heads"], head_dim=m["head_dim"], **c)
 
 
+def tier_config(cfg: Mapping) -> TierConfig:
+  if "tiers" not in cfg:
+    return TierConfig()
+  t = _section(cfg, "tiers")
+  if t.get("disk_kvstore") in ("", None):
+    t["disk_kvstore"], t["disk_pages"] = None, 0
+  return TierConfig(**t)
+
+
 def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None) -> Engine:
-  """A fresh model (random weights from ``cfg.seed``), cache and engine."""
+  """A fresh model (random weights from ``cfg.seed``), cache and engine.
+
+  The ``nocache`` policy gets no lower tiers either: it is the recompute-everything
+  baseline.
+  """
   if policy not in POLICIES:
     raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
   mesh_cfg = _section(cfg, "mesh")
@@ -51,4 +64,5 @@ def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None) -> Engine:
                      data_axis=cache_cfg.data_axis, model_axis=cache_cfg.model_axis)
   model = models.Llama(model_config(cfg), rngs=nnx.Rngs(int(cfg.get("seed", 0))))
   engine_cfg = EngineConfig(**{**_section(cfg, "engine"), "prefix_reuse": policy == "jaxkv"})
-  return Engine(model, KVCache(cache_cfg, mesh), engine_cfg)
+  tiers = tier_config(cfg) if policy == "jaxkv" else TierConfig()
+  return Engine(model, KVCache(cache_cfg, mesh, tiers), engine_cfg)

@@ -185,8 +185,9 @@ class Engine:
 
     ``max_seq_len`` bounds prompt + generated tokens (default: the config's maximum);
     ``rows_per_shard`` lists batch buckets (default: every power of two up to
-    ``max_seqs_per_shard``). Runs all-padding steps, which change no page. Returns the
-    number of (prefill, decode) bucket pairs compiled.
+    ``max_seqs_per_shard``). With lower tiers, also compiles their page transfers. Runs
+    all-padding steps, which change no page. Returns the number of (prefill, decode)
+    bucket pairs compiled.
     """
     c = self.cache.config
     max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
@@ -208,6 +209,8 @@ class Engine:
         self._pages, carry, _ = self._decode(self._pages, self._rest, carry, table,
                                              pad(num_rows, 1), z(num_rows))
         n += 1
+    top = max(sorted({_pow2_at_least(r) for r in rows_per_shard}))
+    self._set_flat_pools(self._mover.warmup(self._flat_pools(), top * max(widths)))
     jax.block_until_ready(self._pages)
     return n
 

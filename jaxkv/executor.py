@@ -38,8 +38,13 @@ from jaxkv.index import Tier
 Block = tuple  # (shard, device page, key)
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
+# Transfers are padded to power-of-two page counts, at least this many, so a handful of
+# shapes (compiled by ``warmup``) cover every batch.
+MIN_BUCKET = 4
+
+
+def bucket(n: int) -> int:
+  return max(MIN_BUCKET, 1 << max(0, (int(n) - 1).bit_length()))
 
 
 @dataclasses.dataclass
@@ -79,7 +84,7 @@ class TierMover:
     per = [[] for _ in range(self.cache.num_shards)]
     for it in items:
       per[it[0]].append(it)
-    n = _pow2_at_least(max(len(p) for p in per))
+    n = bucket(max(len(p) for p in per))
     return np.full((self.cache.num_shards, n), fill, np.int32), per
 
   def _gather_device(self, pools, blocks) -> tuple[jax.Array, list[list]]:
@@ -92,6 +97,32 @@ class TierMover:
 
   def _bytes(self, n: int) -> int:
     return n * self.config.page_bytes
+
+  def warmup(self, pools, max_pages: int) -> list:
+    """Compiles every transfer for each bucket up to ``max_pages`` pages per shard, with
+    all-padding ids (nothing is read into or written over a page). Returns the pools."""
+    if self.host is None and self.disk is None:
+      return pools
+    shards = self.cache.num_shards
+    n = MIN_BUCKET
+    while True:
+      pad_dev = jax.device_put(np.full((shards, n), self.config.pages_per_shard, np.int32),
+                               self._ids_sharding)
+      stack = pages_lib.gather_stacked(pools, jax.device_put(np.zeros((shards, n), np.int32),
+                                                             self._ids_sharding),
+                                       mesh=self.mesh, config=self.config)
+      if self.host is not None:
+        pad_host = np.full((shards, n), self.host.pages_per_shard, np.int32)
+        self.host.store(stack, pad_host)
+        stack, _ = self.host.load(np.zeros((shards, n), np.int32))
+        self.host.read_numpy(np.zeros((shards, n), np.int32))
+        self.host.expected_checksums(pad_host)
+      pools = pages_lib.scatter_stacked(pools, pad_dev, stack, mesh=self.mesh,
+                                        config=self.config)
+      jax.block_until_ready(pools)
+      if n >= max_pages:
+        return list(pools)
+      n *= 2
 
   # ---- downwards ---------------------------------------------------------------------------
   def demote(self, pools, evicted: list[Block]) -> None:

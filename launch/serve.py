@@ -25,11 +25,20 @@ _POLICY = flags.DEFINE_enum("policy", "jaxkv", ["jaxkv", "nocache"],
                             "jaxkv: reuse cached prefixes; nocache: recompute every prompt.")
 _COMPARE = flags.DEFINE_bool("compare", True, "Also run the other policy side by side.")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
+_DEVICE_PAGES = flags.DEFINE_integer(
+    "device_pages", None, "Device pages per data shard (overrides the config; a sequence's "
+    "page cap is lowered to fit).", lower_bound=1)
+_HOST_PAGES = flags.DEFINE_integer("host_pages", None, "Host-memory pages per data shard "
+                                   "(0 = no host tier).", lower_bound=0)
+_DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (enables it).")
+_DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in blocks, with "
+                                   "--disk_dir.", lower_bound=1)
 
 
 def main(argv):
   del argv
   cfg = _CONFIG.value
+  _apply_tier_flags(cfg)
   _common.start_jax(cfg)
   from jaxkv import builder, workloads
 
@@ -62,6 +71,7 @@ def main(argv):
           + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in policies))
 
   main_policy = policies[0]
+  engines[main_policy].flush()
   stats = engines[main_policy].stats()
   result = {
       "config": cfg.name,
@@ -69,6 +79,7 @@ def main(argv):
       "ttft_s": stats["ttft_s"],
       "ttft_s_by_turn": ttft[main_policy],
       "hits": stats["hits"],
+      "verify_failures": stats["verify_failures"],
       "output_digest": _common.token_digest(outputs[main_policy]),
       "stats": stats,
       "machine": _common.machine_info(),
@@ -84,9 +95,23 @@ def main(argv):
     result["ttft_speedup_later_turns"] = speedup
     print(f"later turns (1..{spec.turns - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
           f"outputs identical: {result['outputs_match']}")
+  print(f"fetched {stats['blocks_fetched']} blocks, demoted {stats['demoted_host']} to host and "
+        f"{stats['demoted_disk']} to disk, {stats['verify_failures']} failed verification")
   print(f"hits {stats['hits']}  hit tokens {stats['hit_tokens']}  computed tokens "
         f"{stats['computed_tokens']}  output_digest {result['output_digest'][:16]}")
   _common.write_json(_JSON_OUT.value, result)
+
+
+def _apply_tier_flags(cfg) -> None:
+  with cfg.unlocked():
+    if _DEVICE_PAGES.value is not None:
+      cfg.cache.pages_per_shard = _DEVICE_PAGES.value
+      cfg.cache.max_pages_per_seq = min(cfg.cache.max_pages_per_seq, _DEVICE_PAGES.value)
+    if _HOST_PAGES.value is not None:
+      cfg.tiers.host_pages_per_shard = _HOST_PAGES.value
+    if _DISK_DIR.value:
+      cfg.tiers.disk_kvstore = _DISK_DIR.value
+      cfg.tiers.disk_pages = _DISK_PAGES.value
 
 
 if __name__ == "__main__":
