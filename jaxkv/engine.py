@@ -135,6 +135,8 @@ class Engine:
     self._rest = jax.device_put(rest, NamedSharding(self.mesh, P()))  # weights replicated
     self._steps = _compiled_steps(graphdef, self.mesh, cfg)
     self._mover = TierMover(cache)
+    self._pins: dict = {}
+    self._force_shard: int | None = None
     self.vocab_size = self._steps.vocab_size(self._pages, self._rest, self.cache.num_shards)
     self._row_sharding = lambda ndim: NamedSharding(
         self.mesh, P(cfg.data_axis, *([None] * (ndim - 1))))
@@ -174,6 +176,63 @@ class Engine:
               "disk_write_failures", "demoted_host", "demoted_disk"):
       out.setdefault(k, 0)
     return out
+
+  def pin(self, tokens: Sequence[int], tenant: str = "default") -> int:
+    """Keeps a prefix (a system prompt, a shared document) resident on device.
+
+    Computes its full blocks on every data shard that lacks them, then holds a reference
+    on them, so no eviction touches them and requests on any shard reuse them, until
+    ``unpin`` with the same arguments. Returns the number of blocks pinned per shard.
+    """
+    index = self.cache.index
+    keys = index.block_keys(np.asarray(tokens, np.int32), tenant)
+    if not keys:
+      raise ValueError(f"pin needs at least one full block ({self.cache.config.page_size} "
+                       f"tokens); got {len(tokens)} tokens.")
+    pinned = []
+    try:
+      for s in range(self.cache.num_shards):
+        if len(index.match(s, keys)) < len(keys):
+          self._force_shard = s
+          self.generate([list(tokens)], 1, tenant)
+        pages = index.match(s, keys)
+        if len(pages) < len(keys):
+          raise CapacityError(f"could not keep {len(keys)} blocks on shard {s}.")
+        index.acquire(s, pages)
+        pinned.append((s, pages))
+    except BaseException:
+      for s, pages in pinned:
+        index.release(s, pages)
+      raise
+    finally:
+      self._force_shard = None
+    self._pins.setdefault((tenant, keys[-1]), []).append(pinned)
+    return len(keys)
+
+  def unpin(self, tokens: Sequence[int], tenant: str = "default") -> None:
+    """Releases one ``pin`` of the same prefix."""
+    index = self.cache.index
+    keys = index.block_keys(np.asarray(tokens, np.int32), tenant)
+    held = self._pins.get((tenant, keys[-1]) if keys else None)
+    if not held:
+      raise ValueError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
+    for s, pages in held.pop():
+      index.release(s, pages)
+
+  def offload(self) -> int:
+    """Moves every unreferenced cached block out of device memory (copying it down first
+    under write-back) and frees its page. Returns the number of blocks moved out."""
+    index = self.cache.index
+    victims = []
+    for s in range(self.cache.num_shards):
+      for key in index.cached_keys(s, Tier.DEVICE):
+        page = index.slot_of(s, key, Tier.DEVICE)
+        if index.refcount(s, page) == 0:
+          victims.append((s, page, key))
+    self._mover.demote(self._flat_pools(), victims)
+    for s in range(self.cache.num_shards):
+      index.evict_all_unreferenced(s, Tier.DEVICE)
+    return len(victims)
 
   def flush(self, timeout_s: float = 60.0) -> int:
     """Waits for lower-tier writes in flight; returns how many did not finish in time."""
@@ -303,6 +362,8 @@ class Engine:
       on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
       order = sorted(range(num_shards),
                      key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
+      if self._force_shard is not None:
+        order = [self._force_shard]
       for s in order:
         if load[s] < slots and self._place(req, s, found[s]):
           load[s] += 1

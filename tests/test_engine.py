@@ -190,3 +190,29 @@ def test_pages_and_weights_live_in_device_memory(mesh):
     assert leaf.sharding.memory_kind == "device"
   for leaf in jax.tree.leaves(engine._pages):
     assert leaf.sharding.spec == jaxkv.pages.pool_spec(engine.cache.config)
+
+
+def test_pinned_prefix_stays_on_every_shard_under_pressure(mesh):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=8)
+  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1)
+  fresh = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, prefix_reuse=False)
+  system = list(range(1, 13))  # 3 blocks
+  assert engine.pin(system) == 3
+  keys = engine.cache.index.block_keys(system, "default")
+  rng = np.random.default_rng(0)
+  for _ in range(6):  # unrelated traffic that needs every unpinned page, many times over
+    prompts = [rng.integers(1, 128, 20).tolist() for _ in range(4)]
+    assert engine.generate(prompts, 4) == fresh.generate(prompts, 4)
+  assert engine.stats()["evictions"] > 0
+  for s in range(4):
+    assert len(engine.cache.index.match(s, keys)) == 3
+  before = engine.stats()["hits"]["device"]
+  users = [system + [50 + u, 60 + u] for u in range(4)]
+  assert engine.generate(users, 3) == fresh.generate(users, 3)
+  assert engine.stats()["hits"]["device"] - before == 4 * 3  # every shard reused the pin
+  engine.unpin(system)
+  engine.cache.index.check_invariants()
+  assert all(engine.cache.index.refcount(s, p) == 0 for s in range(4) for p in range(12))
+  with pytest.raises(ValueError, match="not pinned"):
+    engine.unpin(system)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxkv.index import PrefixIndex, chain_keys, tenant_root_key
+from jaxkv.index import PrefixIndex, Tier, chain_keys, tenant_root_key
 
 FP = hashlib.sha256(b"test-fingerprint").digest()
 
@@ -167,3 +167,67 @@ def test_random_operations_keep_invariants(ops):
     for s in (0, 1):  # every reference we hold is counted and never evictable
       for p in set(held[s]):
         assert idx.refcount(s, p) == held[s].count(p)
+
+
+# ---- the same across tiers: pins taken for in-flight transfers are never evicted -------------
+TIER_OPS = st.lists(
+    st.tuples(st.sampled_from(["alloc", "pin", "publish", "release", "evict", "drop"]),
+              st.sampled_from([Tier.DEVICE, Tier.HOST, Tier.DISK]), st.integers(0, 1),
+              st.integers(0, 5), st.integers(0, 3)),
+    min_size=1, max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TIER_OPS)
+def test_tiered_pools_never_hand_out_a_pinned_slot(ops):
+  idx = PrefixIndex(num_shards=2, pages_per_shard=5, page_size=2, fingerprint=FP,
+                    host_pages_per_shard=3, disk_slots=4)
+  held = {}  # (tier, pool shard) -> slots we hold (requests, transfers in flight, pins)
+  prompts = [[t, t + 1, t + 2, t + 3, t + 4, t + 5] for t in range(4)]
+  for op, tier, shard, n, which in ops:
+    pool_shard = 0 if tier == Tier.DISK else shard
+    mine = held.setdefault((tier, pool_shard), [])
+    keys = idx.block_keys(prompts[which], "t")
+    if op == "alloc":
+      evicted = []
+      got = idx.allocate(shard, n % 3, tier, evicted=evicted)
+      if got is not None:
+        assert not set(got) & set(mine), "a held slot was handed out again"
+        assert not {p for _, p in evicted} & set(mine), "a held slot was evicted"
+        mine += got
+    elif op == "pin":
+      found = idx.locate(shard, keys)
+      for t, slot in found:
+        idx.acquire(shard, [slot], t)
+        held.setdefault((t, 0 if t == Tier.DISK else shard), []).append(slot)
+    elif op == "publish" and mine:
+      slot = mine[n % len(mine)]
+      j = n % len(keys)
+      if idx.key_of(shard, slot, tier) is None:
+        idx.publish(shard, slot, keys[j], tier, parent=keys[j - 1] if j else None)
+    elif op == "release" and mine:
+      idx.release(shard, [mine.pop(n % len(mine))], tier)
+    elif op == "evict":
+      idx.evict_all_unreferenced(shard, tier)
+    elif op == "drop":
+      idx.drop_chain(shard, keys[n % len(keys)], tier)
+    idx.check_invariants()
+    for (t, s), slots in held.items():
+      for p in set(slots):
+        assert idx.refcount(s, p, t) == slots.count(p)
+
+
+def test_reused_blocks_outlive_cold_ones_and_lru_breaks_ties():
+  idx = make_index(num_shards=1, pages=6)
+  hot = idx.block_keys(list(range(8)), "t")  # a shared prefix: 2 blocks
+  cold = idx.block_keys(list(range(100, 108)), "t")
+  pages = idx.allocate(0, 4)
+  for p, k in zip(pages, hot + cold):
+    idx.publish(0, p, k)
+  idx.release(0, pages[:2])  # the hot prefix is released first: it is older
+  idx.release(0, pages[2:])
+  idx.record_hits(hot)
+  idx.allocate(0, 2)  # the two never-used pages
+  got = idx.allocate(0, 2)
+  assert sorted(got) == sorted(pages[2:])  # the cold blocks go, though the hot ones are older
+  assert idx.match(0, hot) == pages[:2]
