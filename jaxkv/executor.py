@@ -275,11 +275,11 @@ class TierMover:
     pools = pages_lib.scatter_stacked(pools, jax.device_put(dest, self._ids_sharding), stack,
                                       mesh=self.mesh, config=self.config)
     expected = self.host.expected_checksums(host_ids)
-    got = np.asarray(sums).reshape(host_ids.shape)
+    got = np.asarray(sums).reshape(expected.shape)
     for s, its in enumerate(per):
       for i, it in enumerate(its):
         f = it[3]
-        f.ok = bool(got[s, i] == expected[s, i])
+        f.ok = bool((got[s, i] == expected[s, i]).all())
         f.reason = "" if f.ok else "checksum"
     return pools
 

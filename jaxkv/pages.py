@@ -223,14 +223,28 @@ _MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted s
 _OFFSET = np.uint32(0x9E3779B9)
 
 
-@jax.jit
-def page_checksums(stack: jax.Array) -> jax.Array:
-  """A position-weighted 32-bit sum of every page's bits: ``[..., n, ...] -> [n]`` uint32.
+@functools.lru_cache(maxsize=None)
+def _checksum_fn(mesh: Mesh, config: CacheConfig):
+  def local(stack):  # [arrays, kv_heads/model, n/data, page_size, head_dim] raw bits
+    if stack.dtype.itemsize == 2 and stack.shape[-1] % 2 == 0:  # two uint16 per uint32
+      stack = jax.lax.bitcast_convert_type(
+          stack.reshape(*stack.shape[:-1], stack.shape[-1] // 2, 2), jnp.uint32)
+    words = stack.astype(jnp.uint32)
+    a, h, _, t, d = words.shape
+    # One weight per position inside a page, broadcast over the page axis (no transpose).
+    weights = (jnp.arange(a * h * t * d, dtype=jnp.uint32) * _MIX + _OFFSET).reshape(
+        a, h, 1, t, d)
+    return jnp.sum(words * weights, axis=(0, 1, 3, 4), dtype=jnp.uint32)[:, None]
 
-  Cheap enough to run on device for every page that moves between tiers; any single
-  flipped bit changes it, and so does moving a page to another slot's record.
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=stacked_spec(config),
+                               out_specs=P(config.data_axis, config.model_axis)))
+
+
+def page_checksums(stack: jax.Array, *, mesh: Mesh, config: CacheConfig) -> jax.Array:
+  """Position-weighted 32-bit sums of every page's bits, computed where the bytes are.
+
+  ``stack``: a raw-bits stack (``gather_stacked``). Returns ``[data_shards * n, model]``
+  uint32: one sum per page and per model shard (no collective needed). Any single
+  flipped bit changes it, and so does a page moved to another slot.
   """
-  bits = jax.lax.bitcast_convert_type(stack, bits_dtype(stack.dtype)).astype(jnp.uint32)
-  bits = jnp.moveaxis(bits, 2, 0).reshape(stack.shape[2], -1)
-  weights = jnp.arange(bits.shape[1], dtype=jnp.uint32) * _MIX + _OFFSET
-  return jnp.sum(bits * weights[None], axis=1, dtype=jnp.uint32)
+  return _checksum_fn(mesh, config)(stack)

@@ -60,7 +60,13 @@ def test_host_round_trip_is_bit_exact(mesh, dtype, memory_kind):
   back, sums = host.load(slots)
   assert back.sharding.memory_kind == "device"
   np.testing.assert_array_equal(bits(back), bits(stack_np))
-  np.testing.assert_array_equal(np.asarray(sums).reshape(4, 2), host.expected_checksums(slots))
+  np.testing.assert_array_equal(np.asarray(sums).reshape(4, 2, 2), host.expected_checksums(slots))
+  # A flipped bit in one page changes that page's checksum and no other.
+  flipped = stack_np.copy()
+  flipped[3, 1, 5, 2, 7] ^= 1 << 3
+  sums2 = np.asarray(host.checksums(jax.device_put(flipped, stack.sharding))).reshape(4, 2, 2)
+  changed = np.argwhere((sums2 != np.asarray(sums).reshape(4, 2, 2)).any(axis=2))
+  assert changed.tolist() == [[2, 1]]  # page 5 = shard 2, second slot
   np.testing.assert_array_equal(bits(host.read_numpy(slots)), bits(stack_np))
 
 
@@ -352,7 +358,8 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   assert time.perf_counter() - t0 < 1.5  # did not wait for the slow store
   s = engine.stats()
   assert s["read_timeouts"] >= 1 and s["hits"]["disk"] == 0
-  time.sleep(1.6)
+  time.sleep(1.6)  # the late reads complete into nothing
+  assert engine.flush(30) == 0
   assert_clean(engine)
 
 

@@ -87,7 +87,8 @@ class HostTier:
                         out_shardings=sharding)()
     self._store, self._load, self._read = _host_fns(mesh, config, self.memory_kind)
     # Checksum of every slot's bytes as sent (device arrays until first needed).
-    self._checksums = np.zeros((self.num_shards, self.pages_per_shard), np.uint32)
+    model = mesh.shape[config.model_axis]
+    self._checksums = np.zeros((self.num_shards, self.pages_per_shard, model), np.uint32)
     self._pending: list = []  # (slots per shard, device checksum array) not yet fetched
 
   @property
@@ -102,7 +103,7 @@ class HostTier:
     """
     ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
         self.mesh, P(self.config.data_axis, None)))
-    self._pending.append((host_ids, pages_lib.page_checksums(stack)))
+    self._pending.append((host_ids, self.checksums(stack)))
     self.pool = self._store(self.pool, ids, stack)
 
   def load(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +111,10 @@ class HostTier:
     ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
         self.mesh, P(self.config.data_axis, None)))
     stack = self._load(self.pool, ids)
-    return stack, pages_lib.page_checksums(stack)
+    return stack, self.checksums(stack)
+
+  def checksums(self, stack: jax.Array) -> jax.Array:
+    return pages_lib.page_checksums(stack, mesh=self.mesh, config=self.config)
 
   def read_numpy(self, host_ids: np.ndarray) -> np.ndarray:
     """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied)."""
@@ -119,9 +123,10 @@ class HostTier:
     return np.asarray(self._read(self.pool, ids))
 
   def expected_checksums(self, host_ids: np.ndarray) -> np.ndarray:
-    """The checksums recorded for ``host_ids`` ``[data_shards, n]`` when they were stored."""
+    """Checksums recorded for ``host_ids`` ``[data_shards, n]`` when they were stored:
+    ``[data_shards, n, model]``, laid out like ``np.asarray(checksums(...))`` reshaped."""
     self._settle()
-    out = np.zeros(host_ids.shape, np.uint32)
+    out = np.zeros((*host_ids.shape, self._checksums.shape[2]), np.uint32)
     for s in range(host_ids.shape[0]):
       valid = host_ids[s] < self.pages_per_shard
       out[s, valid] = self._checksums[s, host_ids[s, valid]]
@@ -129,7 +134,7 @@ class HostTier:
 
   def _settle(self) -> None:
     for ids, sums in self._pending:
-      sums = np.asarray(sums).reshape(ids.shape)
+      sums = np.asarray(sums).reshape(*ids.shape, -1)
       for s in range(ids.shape[0]):
         valid = ids[s] < self.pages_per_shard
         self._checksums[s, ids[s, valid]] = sums[s, valid]

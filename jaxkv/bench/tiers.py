@@ -1,0 +1,175 @@
+"""Suite ``tiers``: jaxkv's tier paths against the physical path on the same bytes.
+
+- host: device->host (``gather_stacked`` + ``HostTier.store``) and host->device
+  (``HostTier.load`` + ``scatter_stacked``) against a numpy memcpy of the same bytes; a
+  plain ``jax.device_put`` to/from the host memory kind is reported beside them to show
+  what the transfer alone costs.
+- disk: jaxkv writes (one verified record per block, all in flight), bulk reads and
+  random-page gathers (all in flight, each verified) against raw ``pwrite``/``pread`` of
+  one preallocated file. Reads are cold: files are fsynced and dropped from the page
+  cache (``POSIX_FADV_DONTNEED``) before every repetition.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import pages as pages_lib
+from jaxkv.bench import common
+from jaxkv.config import CacheConfig, TierConfig
+from jaxkv.pages import make_mesh
+from jaxkv.tiers.disk import DiskTier
+from jaxkv.tiers.host import HostTier
+
+
+def _drop_page_cache(paths) -> None:
+  for path in paths:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def _files_under(root: str) -> list[str]:
+  return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> dict:
+  devices = jax.devices()
+  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
+  mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
+  pages_per_shard = 16 if quick else 64
+  config = CacheConfig(model_name="bench", num_layers=4, num_kv_heads=8, head_dim=128,
+                       page_size=16, dtype="bfloat16", pages_per_shard=pages_per_shard,
+                       max_pages_per_seq=pages_per_shard)
+  n_arrays = 2 * config.num_layers
+  rng = np.random.default_rng(0)
+  pools = [jax.device_put(jnp.asarray(rng.standard_normal(pages_lib.pool_shape(mesh, config)),
+                                      config.jnp_dtype), pages_lib.pool_sharding(mesh, config))
+           for _ in range(n_arrays)]
+  host = HostTier(mesh, config, TierConfig(host_pages_per_shard=pages_per_shard), n_arrays)
+  ids_np = np.stack([rng.permutation(pages_per_shard) for _ in range(data)]).astype(np.int32)
+  ids = jax.device_put(ids_np, NamedSharding(mesh, P(config.data_axis, None)))
+  nbytes = data * pages_per_shard * config.page_bytes
+  src = np.frombuffer(rng.bytes(nbytes), np.uint8)
+  dst = np.empty_like(src)
+  state = {"pools": pools}
+
+  def to_host():
+    stack = pages_lib.gather_stacked(state["pools"], ids, mesh=mesh, config=config)
+    host.store(stack, ids_np)
+    host.pool.block_until_ready()
+
+  def to_device():
+    stack, _ = host.load(ids_np)
+    state["pools"] = list(pages_lib.scatter_stacked(state["pools"], ids, stack, mesh=mesh,
+                                                    config=config))
+    jax.block_until_ready(state["pools"])
+
+  stack_dev = pages_lib.gather_stacked(pools, ids, mesh=mesh, config=config)
+  host_sharding = stack_dev.sharding.with_memory_kind(host.memory_kind)
+  stack_host = jax.device_put(stack_dev, host_sharding)
+
+  def memcpy():
+    np.copyto(dst, src)
+
+  host_res = common.interleaved({
+      "jaxkv_device_to_host": to_host, "jaxkv_host_to_device": to_device, "memcpy": memcpy,
+      "device_put_to_host": lambda: jax.device_put(stack_dev, host_sharding).block_until_ready(),
+      "device_put_to_device": lambda: jax.device_put(stack_host,
+                                                     stack_dev.sharding).block_until_ready(),
+  }, reps=reps)
+
+  # ---- disk -------------------------------------------------------------------------------
+  workdir = workdir or tempfile.mkdtemp(prefix="jaxkv-bench-")
+  n_blocks = data * pages_per_shard
+  payload_shape = (n_arrays, config.num_kv_heads, config.page_size, config.head_dim)
+  disk = DiskTier(os.path.join(workdir, "store"), num_slots=n_blocks, payload_shape=payload_shape,
+                  dtype=config.jnp_dtype, fingerprint=config.fingerprint())
+  payloads = [jnp.asarray(rng.standard_normal(payload_shape), config.jnp_dtype).__array__()
+              for _ in range(8)]
+  keys = [i.to_bytes(32, "little") for i in range(n_blocks)]
+  rec = disk.record_bytes
+  raw_path = os.path.join(workdir, "raw.bin")
+  with open(raw_path, "wb") as f:
+    f.truncate(n_blocks * rec)
+  raw_records = [np.frombuffer(rng.bytes(rec), np.uint8) for _ in range(8)]
+  gather_slots = sorted(rng.choice(n_blocks, n_blocks // 4, replace=False).tolist())
+  store_root = os.path.join(workdir, "store")
+
+  def disk_write():
+    ws = [disk.write(i, payloads[i % 8], keys[i], None) for i in range(n_blocks)]
+    for w in ws:
+      w.future.result(timeout=600)
+
+  def raw_write():
+    fd = os.open(raw_path, os.O_WRONLY)
+    try:
+      for i in range(n_blocks):
+        os.pwrite(fd, raw_records[i % 8], i * rec)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+  def disk_read(slots):
+    def go():
+      rs = [disk.read(s) for s in slots]
+      for s, r in zip(slots, rs):
+        disk.verify(r.future.result(timeout=600), keys[s])
+    return go
+
+  def raw_read_bulk():
+    fd = os.open(raw_path, os.O_RDONLY)
+    try:
+      os.pread(fd, n_blocks * rec, 0)
+    finally:
+      os.close(fd)
+
+  def raw_gather():
+    fd = os.open(raw_path, os.O_RDONLY)
+    try:
+      for s in gather_slots:
+        os.pread(fd, rec, s * rec)
+    finally:
+      os.close(fd)
+
+  write_res = common.interleaved({"jaxkv_write": disk_write, "pwrite": raw_write}, reps=reps)
+  cold = lambda _name: _drop_page_cache(_files_under(store_root) + [raw_path])
+  read_res = common.interleaved({
+      "jaxkv_bulk_read": disk_read(list(range(n_blocks))), "pread_bulk": raw_read_bulk,
+      "jaxkv_gather": disk_read(gather_slots), "pread_gather": raw_gather,
+  }, reps=reps, setup=cold)
+
+  disk_bytes = n_blocks * rec
+  gather_bytes = len(gather_slots) * rec
+  out = {
+      "host_to_device_vs_memcpy": common.ratio(host_res["jaxkv_host_to_device"], host_res["memcpy"]),
+      "device_to_host_vs_memcpy": common.ratio(host_res["jaxkv_device_to_host"], host_res["memcpy"]),
+      "disk_read_vs_pread": common.ratio(read_res["jaxkv_bulk_read"], read_res["pread_bulk"]),
+      "disk_gather_vs_pread": common.ratio(read_res["jaxkv_gather"], read_res["pread_gather"]),
+      "disk_write_vs_pwrite": common.ratio(write_res["jaxkv_write"], write_res["pwrite"]),
+      "bytes": {"host_moves": nbytes, "disk_bulk": disk_bytes, "disk_gather": gather_bytes,
+                "block": config.page_bytes, "record": rec},
+      "host": {k: common.throughput(nbytes, v) for k, v in host_res.items()},
+      "disk": {
+          "jaxkv_write": common.throughput(disk_bytes, write_res["jaxkv_write"]),
+          "pwrite": common.throughput(disk_bytes, write_res["pwrite"]),
+          "jaxkv_bulk_read": common.throughput(disk_bytes, read_res["jaxkv_bulk_read"]),
+          "pread_bulk": common.throughput(disk_bytes, read_res["pread_bulk"]),
+          "jaxkv_gather": common.throughput(gather_bytes, read_res["jaxkv_gather"]),
+          "pread_gather": common.throughput(gather_bytes, read_res["pread_gather"]),
+      },
+      "notes": ("reads are cold (fsync + POSIX_FADV_DONTNEED before each repetition); jaxkv "
+                "writes fsync every record (temp file + rename), pwrite fsyncs once at the end; "
+                "jaxkv reads verify every record's SHA-256"),
+      "mesh": {"data": data, "model": model},
+  }
+  return out

@@ -1,0 +1,46 @@
+"""Benchmarks. Each suite measures side by side in one run and writes one JSON object.
+
+  python launch/bench.py --suite=tiers --json_out=/tmp/tiers.json
+  python launch/bench.py --suite=tiers --quick          # a small, fast smoke run
+
+Suites: tiers (host and disk paths against memcpy / pread / pwrite of the same bytes).
+"""
+
+import time
+
+from absl import app, flags
+
+import _common
+
+SUITES = ("tiers",)
+_SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
+_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
+_JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
+
+
+def _print(result: dict) -> None:
+  for key, value in result.items():
+    if isinstance(value, float):
+      print(f"{key:32s} {value:8.3f}")
+  for group in ("host", "disk"):
+    for name, fig in result.get(group, {}).items():
+      print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
+            f"({fig['gb_per_s_min']:.2f}-{fig['gb_per_s_max']:.2f})")
+
+
+def main(argv):
+  del argv
+  _common.start_jax({"platform": None, "host_device_count": 8})
+  t0 = time.perf_counter()
+  if _SUITE.value == "tiers":
+    from jaxkv.bench import tiers
+    result = tiers.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  result = {"suite": _SUITE.value, **result, "wall_s": time.perf_counter() - t0,
+            "machine": _common.machine_info()}
+  _print(result)
+  _common.write_json(_JSON_OUT.value, result)
+
+
+if __name__ == "__main__":
+  app.run(main)
