@@ -1,0 +1,304 @@
+"""Costs measured on this machine, and the jitted plan that decides fetch / recompute / split.
+
+The decision (per request r and candidate data shard d)
+  A request's first ``h`` blocks are hot on the shard's device pool; blocks ``[h, e)`` are
+  cached in lower tiers (host, disk, remote); anything after ``e`` must be computed anyway.
+  For a split point ``s`` in ``[h, e]`` jaxkv recomputes blocks ``[h, s)`` while it fetches
+  blocks ``[s, e)``, in parallel, then prefills the rest:
+
+    t(s) = max(t_recompute(h..s), t_fetch(s..e)) + t_prefill(rest | e)
+    s*   = argmin_s t(s)         (s = h: fetch everything; s = e: recompute everything)
+
+  so a plan is never predicted worse than either pure policy.
+- ``t_recompute(h..s)`` is the measured prefill curve for ``n = (s-h)*page_size`` tokens
+  on a cached context of ``c = h*page_size`` tokens:
+  ``t0 + a*n + b*n*(c + (n-1)/2)`` — attention makes it grow faster than linearly.
+- ``t_fetch(s..e)`` charges every link the bytes it carries (host->device carries every
+  fetched block; disk->host the disk ones; remote->host the remote ones) and takes the
+  slowest link: the links form a pipeline, not a sum. A link shared by several requests
+  (one host's PCIe) splits its bandwidth between the requests that use it.
+- Capacity: a shard fetches at most ``min(in-flight budget, free staging pages)`` blocks;
+  the rest is recomputed (``s >= e - budget``).
+
+Costs come from ``CostModel``: calibrated on the machine (``calibrate``), saved/loaded as
+JSON, and updated from observed transfers and prefills (EWMA). No cost is a constant in
+code. ``plan`` is one ``jax.jit`` function over padded arrays (vmapped over requests and
+shards, fixed shapes by bucket): no Python loop over blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Tier codes in plan inputs.
+HOT, HOST, DISK, REMOTE, ABSENT = 0, 1, 2, 3, 4
+LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")
+DECISIONS = ("fetch", "recompute", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+  latency_s: float
+  bytes_per_s: float
+
+  def __post_init__(self):
+    if not (self.latency_s >= 0 and self.bytes_per_s > 0):
+      raise ValueError(f"LinkCost latency_s={self.latency_s} must be >= 0 and bytes_per_s="
+                       f"{self.bytes_per_s} > 0.")
+
+  def seconds(self, nbytes: float) -> float:
+    return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCurve:
+  """``t(n, c) = t0 + a*n + b*n*(c + (n-1)/2)`` seconds for n > 0 tokens after c cached."""
+
+  t0_s: float
+  per_token_s: float
+  per_token_context_s: float
+
+  def seconds(self, n: float, c: float) -> float:
+    if n <= 0:
+      return 0.0
+    return self.t0_s + self.per_token_s * n + self.per_token_context_s * n * (c + (n - 1) / 2)
+
+  @staticmethod
+  def fit(samples: list[tuple[float, float, float]]) -> "PrefillCurve":
+    """Least-squares fit to ``(n, c, seconds)`` samples (coefficients kept >= 0)."""
+    a = np.array([[1.0, n, n * (c + (n - 1) / 2)] for n, c, _ in samples])
+    y = np.array([t for _, _, t in samples])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    if coef[1] == 0 and coef[2] == 0:  # degenerate: fall back to a pure per-token rate
+      coef[1] = float(np.sum(y) / max(np.sum(a[:, 1]), 1.0))
+    return PrefillCurve(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+@dataclasses.dataclass
+class CostModel:
+  """Link costs and the prefill curve for one machine, model and config."""
+
+  links: dict  # name -> LinkCost
+  prefill: PrefillCurve
+  ewma: float = 0.2  # weight of a new observation
+  source: str = "calibrated"
+
+  def __post_init__(self):
+    unknown = set(self.links) - set(LINKS)
+    if unknown:
+      raise ValueError(f"CostModel links {sorted(unknown)} are not among {LINKS}.")
+    if not 0 < self.ewma <= 1:
+      raise ValueError(f"CostModel.ewma={self.ewma} must be in (0, 1].")
+
+  def link(self, name: str) -> LinkCost:
+    if name not in self.links:
+      raise ValueError(f"CostModel has no cost for link {name!r}; calibrate it or set it "
+                       f"(links known: {sorted(self.links)}).")
+    return self.links[name]
+
+  # ---- learning from what happened -----------------------------------------------------------
+  def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
+    """EWMA update of a link's bandwidth from one observed transfer."""
+    if nbytes <= 0 or seconds <= 0 or name not in self.links:
+      return
+    old = self.links[name]
+    rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
+    new_rate = (1 - self.ewma) * old.bytes_per_s + self.ewma * rate
+    self.links[name] = LinkCost(old.latency_s, new_rate)
+
+  def observe_prefill(self, n: float, c: float, seconds: float) -> None:
+    """EWMA update of the prefill curve's scale from one observed prefill."""
+    predicted = self.prefill.seconds(n, c)
+    if n <= 0 or seconds <= 0 or predicted <= 0:
+      return
+    scale = (1 - self.ewma) + self.ewma * (seconds / predicted)
+    p = self.prefill
+    self.prefill = PrefillCurve(p.t0_s * scale, p.per_token_s * scale,
+                                p.per_token_context_s * scale)
+
+  # ---- persistence ---------------------------------------------------------------------------
+  def to_json(self) -> str:
+    return json.dumps({
+        "links": {k: dataclasses.asdict(v) for k, v in sorted(self.links.items())},
+        "prefill": dataclasses.asdict(self.prefill), "ewma": self.ewma, "source": self.source,
+    }, indent=2, sort_keys=True)
+
+  @staticmethod
+  def from_json(text: str) -> "CostModel":
+    d = json.loads(text)
+    return CostModel(links={k: LinkCost(**v) for k, v in d["links"].items()},
+                     prefill=PrefillCurve(**d["prefill"]), ewma=d.get("ewma", 0.2),
+                     source=d.get("source", "file"))
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.to_json())
+
+  @staticmethod
+  def load(path: str) -> "CostModel":
+    try:
+      with open(path) as f:
+        return CostModel.from_json(f.read())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"cannot read a CostModel from {path!r}: {e}") from None
+
+  # ---- for the jitted plan -------------------------------------------------------------------
+  def arrays(self) -> "CostArrays":
+    lat, rate = [], []
+    for name in LINKS:
+      link = self.links.get(name)
+      lat.append(link.latency_s if link else 0.0)
+      rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
+    p = self.prefill
+    return CostArrays(latency_s=jnp.asarray(lat, jnp.float32),
+                      bytes_per_s=jnp.asarray(rate, jnp.float32),
+                      prefill=jnp.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
+                                          jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CostArrays:
+  latency_s: jax.Array  # [links]
+  bytes_per_s: jax.Array  # [links]
+  prefill: jax.Array  # [3]: t0, per token, per token x context
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+  """Padded inputs: R requests x D candidate shards x M blocks (a bucket)."""
+
+  tiers: jax.Array  # [R, D, M] int32: HOT / HOST / DISK / REMOTE / ABSENT per block
+  block_bytes: jax.Array  # [R, D, M] float32 bytes a fetch of the block moves
+  hot: jax.Array  # [R, D] int32 leading blocks resident on the shard's device pool
+  cached_end: jax.Array  # [R, D] int32 end of the cached chain (hot <= cached_end)
+  tail_tokens: jax.Array  # [R] int32 tokens computed after the cached chain in any case
+  free_pages: jax.Array  # [D] int32 device pages free for staging fetched blocks
+  inflight_blocks: jax.Array  # [D] int32 most blocks a shard may have in flight
+  link_group: jax.Array  # [D] int32 shards with equal values share one host's links
+  valid: jax.Array  # [R] bool, False for padding requests
+  page_size: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  split: jax.Array  # [R, D] int32 s*: blocks [hot, s*) recomputed, [s*, cached_end) fetched
+  fetch_blocks: jax.Array  # [R, D, 4] int32 blocks fetched per tier (HOT unused, HOST, DISK, REMOTE)
+  t_pred_s: jax.Array  # [R, D] predicted time of the chosen plan (incl. the tail prefill)
+  t_fetch_all_s: jax.Array  # [R, D] fetch everything cached (s = hot), plus tail
+  t_recompute_all_s: jax.Array  # [R, D] recompute everything (s = cached_end), plus tail
+  decision: jax.Array  # [R, D] int32 index into DECISIONS
+  best_shard: jax.Array  # [R] int32 shard with the lowest predicted time
+
+
+def _prefill_s(prefill, n, c):
+  t = prefill[0] + prefill[1] * n + prefill[2] * n * (c + (n - 1.0) / 2.0)
+  return jnp.where(n > 0, t, 0.0)
+
+
+def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, page_size):
+  """One (request, shard): every split point at once. share: [links] users of each link."""
+  m = tiers.shape[0]
+  idx = jnp.arange(m + 1, dtype=jnp.int32)  # candidate split points s
+  blk = jnp.arange(m, dtype=jnp.int32)
+  in_cold = (blk >= hot) & (blk < end)
+  per_tier = [jnp.where(in_cold & (tiers == t), block_bytes, 0.0) for t in (HOST, DISK, REMOTE)]
+  # suffix[s] = bytes of blocks [s, m) (zeros outside the cold range already)
+  suffix = lambda x: jnp.concatenate([jnp.cumsum(x[::-1])[::-1], jnp.zeros((1,), x.dtype)])
+  host_b, disk_b, remote_b = (suffix(x) for x in per_tier)
+  link_bytes = jnp.stack([host_b + disk_b + remote_b, disk_b, remote_b,
+                          jnp.zeros_like(host_b)])  # [links, m+1]
+  rate = costs.bytes_per_s[:, None] / jnp.maximum(share[:, None], 1.0)
+  link_t = jnp.where(link_bytes > 0, costs.latency_s[:, None] + link_bytes / rate, 0.0)
+  t_fetch = jnp.max(link_t, axis=0)  # pipeline: the slowest link decides
+  ps = jnp.float32(page_size)
+  t_rec = _prefill_s(costs.prefill, (idx - hot).astype(jnp.float32) * ps,
+                     hot.astype(jnp.float32) * ps)
+  t_tail = _prefill_s(costs.prefill, tail_tokens.astype(jnp.float32),
+                      end.astype(jnp.float32) * ps)
+  feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget)
+  cost = jnp.where(feasible, jnp.maximum(t_rec, t_fetch), jnp.inf)
+  s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
+  at = lambda x, i: x[jnp.clip(i, 0, m)]
+  t_fetch_all = jnp.where(end - hot <= budget, at(t_fetch, hot), jnp.inf)
+  counts = jnp.stack([jnp.int32(0)] + [
+      jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
+      for t in (HOST, DISK, REMOTE)])
+  decision = jnp.where(s >= end, 1, jnp.where(s <= hot, 0, 2)).astype(jnp.int32)
+  return (s, counts, at(cost, s) + t_tail, t_fetch_all + t_tail, at(t_rec, end) + t_tail,
+          decision, per_tier)
+
+
+def _plan_all(inputs: PlanInputs, costs: CostArrays, share):  # share: [R, D, links]
+  budget = jnp.minimum(inputs.inflight_blocks, inputs.free_pages)  # [D]
+  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, None, None)),
+               in_axes=(0, 0, 0, 0, 0, None, 0, None, None))
+  return f(inputs.tiers, inputs.block_bytes, inputs.hot, inputs.cached_end, inputs.tail_tokens,
+           budget, share, costs, inputs.page_size)
+
+
+@jax.jit
+def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
+  """Chooses, per request and candidate shard, how to bring a cached prefix back.
+
+  Two passes: the first assumes every link is free; the requests that would fetch over
+  a host's links (at their best shard) are counted; the second divides each link's
+  bandwidth between them.
+  """
+  r, d, _ = inputs.tiers.shape
+  ones = jnp.ones((r, d, len(LINKS)), jnp.float32)
+  s, counts, t_pred, *_ = _plan_all(inputs, costs, ones)
+  t_pred = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
+  best = jnp.argmin(t_pred, axis=1)
+  fetches = jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]  # [R, 4]
+  uses = jnp.stack([fetches[:, 1:].sum(1) > 0, fetches[:, DISK] > 0, fetches[:, REMOTE] > 0,
+                    jnp.zeros((r,), bool)], axis=1) & inputs.valid[:, None]  # [R, links]
+  group_of_req = inputs.link_group[best]  # [R]
+  same = group_of_req[:, None] == inputs.link_group[None, :]  # [R, D]
+  users = jnp.einsum("rd,rl->dl", same.astype(jnp.float32), uses.astype(jnp.float32))  # [D, L]
+  share = jnp.broadcast_to(jnp.maximum(users, 1.0)[None], (r, d, len(LINKS)))
+  s, counts, t_pred, t_fetch_all, t_rec_all, decision, _ = _plan_all(inputs, costs, share)
+  t_pred_masked = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
+  return Plan(split=s, fetch_blocks=counts, t_pred_s=t_pred, t_fetch_all_s=t_fetch_all,
+              t_recompute_all_s=t_rec_all, decision=decision,
+              best_shard=jnp.argmin(t_pred_masked, axis=1).astype(jnp.int32))
+
+
+def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_model: CostModel,
+                page_size: int) -> tuple[int, float]:
+  """The same decision for one (request, shard) by trying every split in Python (tests)."""
+  link_names = LINKS
+  best_s, best_t = None, math.inf
+  for s in range(hot, end + 1):
+    if end - s > budget:
+      continue
+    link_bytes = dict.fromkeys(link_names, 0.0)
+    for b in range(s, end):
+      t = int(tiers[b])
+      if t in (HOST, DISK, REMOTE):
+        link_bytes["host_to_device"] += float(block_bytes[b])
+      if t == DISK:
+        link_bytes["disk_to_host"] += float(block_bytes[b])
+      if t == REMOTE:
+        link_bytes["remote_to_host"] += float(block_bytes[b])
+    t_fetch = 0.0
+    for i, name in enumerate(link_names):
+      if link_bytes[name] > 0:
+        link = cost_model.links[name]
+        t_fetch = max(t_fetch, link.latency_s
+                      + link_bytes[name] / (link.bytes_per_s / max(share[i], 1.0)))
+    t_rec = cost_model.prefill.seconds((s - hot) * page_size, hot * page_size)
+    t = max(t_rec, t_fetch)
+    if t < best_t - 1e-12 * max(1.0, t):
+      best_s, best_t = s, t
+  tail = cost_model.prefill.seconds(tail_tokens, end * page_size)
+  return best_s, best_t + tail

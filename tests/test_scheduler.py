@@ -1,0 +1,124 @@
+"""The jitted plan against a brute-force search, and the cost model's learning."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import scheduler as sch
+
+
+def cost_model(rng) -> sch.CostModel:
+  links = {name: sch.LinkCost(float(rng.uniform(0, 2e-3)), float(10 ** rng.uniform(7, 10)))
+           for name in ("host_to_device", "disk_to_host", "remote_to_host")}
+  curve = sch.PrefillCurve(float(rng.uniform(0, 5e-3)), float(10 ** rng.uniform(-6, -3)),
+                           float(10 ** rng.uniform(-10, -7)))
+  return sch.CostModel(links=links, prefill=curve)
+
+
+def random_inputs(rng, r, d, m, page_size=16):
+  tiers = np.full((r, d, m), sch.ABSENT, np.int32)
+  hot = np.zeros((r, d), np.int32)
+  end = np.zeros((r, d), np.int32)
+  for i in range(r):
+    for j in range(d):
+      e = int(rng.integers(0, m + 1))
+      h = int(rng.integers(0, e + 1))
+      tiers[i, j, :h] = sch.HOT
+      tiers[i, j, h:e] = rng.choice([sch.HOST, sch.DISK, sch.REMOTE], size=e - h)
+      hot[i, j], end[i, j] = h, e
+  return sch.PlanInputs(
+      tiers=tiers, block_bytes=rng.uniform(1e5, 4e6, (r, d, m)).astype(np.float32), hot=hot,
+      cached_end=end, tail_tokens=rng.integers(0, 200, r).astype(np.int32),
+      free_pages=rng.integers(0, m + 4, d).astype(np.int32),
+      inflight_blocks=rng.integers(1, m + 4, d).astype(np.int32),
+      link_group=rng.integers(0, 2, d).astype(np.int32), valid=np.ones(r, bool),
+      page_size=page_size)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed):
+  rng = np.random.default_rng(seed)
+  costs = cost_model(rng)
+  inputs = random_inputs(rng, r=6, d=3, m=12)
+  out = jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
+  # Rebuild the link sharing the plan derived, then search every split in Python.
+  best = out.best_shard
+  uses = np.zeros((6, 4), bool)
+  for i in range(6):
+    c = out.fetch_blocks[i, best[i]]
+    uses[i] = [c[1:].sum() > 0, c[sch.DISK] > 0, c[sch.REMOTE] > 0, False]
+  for i in range(6):
+    for j in range(3):
+      share = np.ones(4)
+      for k in range(6):
+        if inputs.link_group[best[k]] == inputs.link_group[j]:
+          share += uses[k]
+      share = np.maximum(share - 1, 1)  # counts of users, at least one
+      budget = int(min(inputs.inflight_blocks[j], inputs.free_pages[j]))
+      s, t = sch.brute_force(inputs.tiers[i, j], inputs.block_bytes[i, j], int(inputs.hot[i, j]),
+                             int(inputs.cached_end[i, j]), int(inputs.tail_tokens[i]), budget,
+                             share, costs, inputs.page_size)
+      assert math.isclose(out.t_pred_s[i, j], t, rel_tol=2e-5, abs_tol=1e-9), (i, j)
+      # Equal cost at the chosen split (the argmin may differ only between exact ties).
+      assert inputs.hot[i, j] <= out.split[i, j] <= inputs.cached_end[i, j]
+      assert out.t_pred_s[i, j] <= out.t_recompute_all_s[i, j] * (1 + 1e-6) + 1e-9
+      assert out.t_pred_s[i, j] <= out.t_fetch_all_s[i, j] * (1 + 1e-6) + 1e-9
+      # Capacity: never more blocks in flight than the shard allows.
+      assert out.fetch_blocks[i, j].sum() == inputs.cached_end[i, j] - out.split[i, j] <= budget
+      # The decision label agrees with the split point.
+      h, e, sp = inputs.hot[i, j], inputs.cached_end[i, j], out.split[i, j]
+      label = sch.DECISIONS[out.decision[i, j]]
+      assert label == ("recompute" if sp == e else "fetch" if sp == h else "split")
+    assert out.t_pred_s[i, best[i]] == out.t_pred_s[i].min()
+
+
+def test_linear_costs_give_the_closed_form_split():
+  # 10 GB over 64 GB/s vs 20k tokens at 40 ms per 1k tokens: the example from the design brief.
+  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(0.0, 64e9)},
+                        prefill=sch.PrefillCurve(0.0, 40e-3 / 1000, 0.0))
+  m, page = 1250, 16  # 20k tokens
+  inputs = sch.PlanInputs(
+      tiers=np.full((1, 1, m), sch.HOST, np.int32),
+      block_bytes=np.full((1, 1, m), 10e9 / m, np.float32), hot=np.zeros((1, 1), np.int32),
+      cached_end=np.full((1, 1), m, np.int32), tail_tokens=np.zeros(1, np.int32),
+      free_pages=np.full(1, m, np.int32), inflight_blocks=np.full(1, m, np.int32),
+      link_group=np.zeros(1, np.int32), valid=np.ones(1, bool), page_size=page)
+  out = jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
+  t_f, t_r = 10e9 / 64e9, 20000 * 40e-6
+  assert math.isclose(out.t_fetch_all_s[0, 0], t_f, rel_tol=1e-4)
+  assert math.isclose(out.t_recompute_all_s[0, 0], t_r, rel_tol=1e-4)
+  assert math.isclose(out.t_pred_s[0, 0], t_f * t_r / (t_f + t_r), rel_tol=2e-3)
+  assert sch.DECISIONS[out.decision[0, 0]] == "split"
+
+
+def test_plan_compiles_once_per_bucket():
+  rng = np.random.default_rng(0)
+  costs = cost_model(rng).arrays()
+  sch.plan._clear_cache()
+  for _ in range(4):
+    sch.plan(random_inputs(rng, r=8, d=4, m=16), costs)
+  assert sch.plan._cache_size() == 1
+
+
+def test_cost_model_learns_and_round_trips(tmp_path):
+  model = sch.CostModel(links={"host_to_device": sch.LinkCost(1e-4, 1e9)},
+                        prefill=sch.PrefillCurve(1e-3, 1e-5, 1e-9))
+  for _ in range(40):
+    model.observe_transfer("host_to_device", 1e8, 1e-4 + 0.05)  # the link is really 2 GB/s
+    model.observe_prefill(1000, 0, 2 * model.prefill.seconds(1000, 0) / 2 * 3)
+  assert model.links["host_to_device"].bytes_per_s == pytest.approx(2e9, rel=0.01)
+  path = str(tmp_path / "costs.json")
+  model.save(path)
+  again = sch.CostModel.load(path)
+  assert again.links == model.links and again.prefill == model.prefill
+  samples = [(n, c, 2e-3 + 3e-6 * n + 4e-10 * n * (c + (n - 1) / 2))
+             for n in (16, 64, 256, 1024) for c in (0, 512, 4096)]
+  fit = sch.PrefillCurve.fit(samples)
+  assert fit.t0_s == pytest.approx(2e-3, rel=1e-3)
+  assert fit.per_token_context_s == pytest.approx(4e-10, rel=1e-3)
+  with pytest.raises(ValueError, match="cannot read a CostModel"):
+    sch.CostModel.load(str(tmp_path / "missing.json"))
+  with pytest.raises(ValueError, match="not among"):
+    sch.CostModel(links={"pcie": sch.LinkCost(0, 1)}, prefill=fit)
