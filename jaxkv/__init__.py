@@ -7,9 +7,10 @@ attention). Everything else is internal.
 
 from jaxkv import executor, models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
-from jaxkv.config import CacheConfig, EngineConfig, TierConfig
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
 from jaxkv.index import PrefixIndex, Tier
+from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
 from jaxkv.pages import make_mesh
 
 __version__ = "0.1.0"
@@ -20,7 +21,12 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "KVCache",
+    "CostModel",
+    "LinkCost",
+    "PrefillCurve",
     "PrefixIndex",
+    "SchedulerConfig",
+    "plan",
     "Tier",
     "TierConfig",
     "make_mesh",

@@ -201,3 +201,34 @@ class TierConfig:
   @property
   def disk_enabled(self) -> bool:
     return self.disk_pages > 0
+
+
+SCHEDULER_POLICIES = ("cost", "fetch", "recompute", "threshold", "split")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+  """How cached blocks in lower tiers come back.
+
+  ``policy``: ``cost`` (default) lets the jitted plan choose fetch / recompute / split
+  from measured costs; ``fetch`` always fetches; ``recompute`` always recomputes;
+  ``threshold`` fetches only when at least ``threshold_tokens`` tokens are cached below
+  device (what common peers do); ``split`` forces the split ``force_split`` blocks after
+  the hot prefix (tests and experiments).
+  ``inflight_blocks``: most blocks one shard fetches at once (0: no limit).
+  ``cost_model_path``: a calibrated CostModel JSON to load instead of calibrating.
+  """
+
+  policy: str = "cost"
+  threshold_tokens: int = 256
+  force_split: int = 0
+  inflight_blocks: int = 0
+  cost_model_path: str | None = None
+
+  def __post_init__(self):
+    _require(self.policy in SCHEDULER_POLICIES,
+             f"SchedulerConfig.policy={self.policy!r} must be one of {SCHEDULER_POLICIES}.")
+    for name in ("threshold_tokens", "force_split", "inflight_blocks"):
+      v = getattr(self, name)
+      _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
+               f"SchedulerConfig.{name}={v!r} must be an integer >= 0.")

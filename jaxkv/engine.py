@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import nnx as kvnnx
 from jaxkv.cache import CapacityError, KVCache
-from jaxkv.config import EngineConfig
+from jaxkv import scheduler as sched
+from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.executor import Fetch, TierMover
 from jaxkv.index import TIER_NAMES, Tier
 
@@ -64,6 +65,9 @@ class _Request:
   hit_blocks: int = 0  # leading blocks whose KV is reused (device or fetched)
   hit_tiers: list = dataclasses.field(default_factory=list)  # tier of each hit block
   fetches: list = dataclasses.field(default_factory=list)  # lower-tier blocks to bring up
+  hot_blocks: int = 0  # leading hit blocks already on this shard's device pool
+  cold_end: int = 0  # end of the cached chain found at admission
+  split: int = 0  # plan: blocks [hot_blocks, split) recomputed, [split, cold_end) fetched
 
 
 class _Steps:
@@ -120,11 +124,16 @@ def _compiled_steps(graphdef, mesh, config) -> _Steps:
 class Engine:
   """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
 
-  def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None):
+  def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None, *,
+               scheduler: SchedulerConfig | None = None, costs: sched.CostModel | None = None):
     if not isinstance(cache, KVCache):
       raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
     self.cache = cache
     self.config = config or EngineConfig()
+    self.scheduler = scheduler or SchedulerConfig()
+    if costs is None and self.scheduler.cost_model_path:
+      costs = sched.CostModel.load(self.scheduler.cost_model_path)
+    self.costs = costs
     self.mesh = cache.mesh
     cfg = cache.config
     cache.attach(model)
@@ -173,7 +182,9 @@ class Engine:
     for k in ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
               "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
               "prefill_steps", "decode_steps", "waves", "verify_failures", "read_timeouts",
-              "disk_write_failures", "demoted_host", "demoted_disk"):
+              "disk_write_failures", "demoted_host", "demoted_disk", "plans_fetch",
+              "plans_recompute", "plans_split", "plan_s", "calibration_s", "fetch_s",
+              "fetch_wait_s"):
       out.setdefault(k, 0)
     return out
 
@@ -380,6 +391,13 @@ class Engine:
   def _place(self, req: _Request, shard: int, found: list) -> bool:
     """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
     index = self.cache.index
+    # A device block after a lower-tier one is left out (with what follows): a split may
+    # recompute that stretch, and recomputing must never write into a shared page.
+    lower = [j for j, (t, _) in enumerate(found) if t != Tier.DEVICE]
+    if lower:
+      later = [j for j, (t, _) in enumerate(found) if t == Tier.DEVICE and j > lower[0]]
+      if later:
+        found = found[:later[0]]
     for tier, slot in found:
       index.acquire(shard, [slot], tier)
     n_device = sum(t == Tier.DEVICE for t, _ in found)
@@ -426,7 +444,7 @@ class Engine:
     page_table = self._put_rows(table)
 
     try:
-      self._promote(wave)
+      self._plan_wave(wave)
       self._prefill_wave(wave, num_rows, page_table, t_start, logits_out)
       generated = self._decode_wave(wave, num_rows, page_table, logits_out)
     finally:
@@ -445,19 +463,56 @@ class Engine:
     self._stats["generated_tokens"] += sum(r.max_new_tokens for r in wave)
 
   def _prefill_wave(self, wave, num_rows, page_table, t_start, logits_out) -> None:
+    """Recomputes each request's planned stretch while its fetches are in flight, then
+    verifies the fetches and prefills everything after the last good block."""
     c = self.cache.config
-    chunk = self.config.prefill_chunk_pages * c.page_size
-    starts = {r.index: r.hit_blocks * c.page_size for r in wave}
-    for r in wave:
-      for tier in r.hit_tiers[:r.hit_blocks]:
-        self._hits[TIER_NAMES[tier]] += 1
-      self.cache.index.record_hits(r.keys[:r.hit_blocks])
-      self._stats["hit_tokens"] += starts[r.index]
-      self._stats["prompt_tokens"] += len(r.tokens)
-      self._stats["computed_tokens"] += len(r.tokens) - starts[r.index]
-      self._stats["blocks_recomputed"] += len(r.tokens) // c.page_size - r.hit_blocks
-    num_steps = max(-(-(len(r.tokens) - starts[r.index]) // chunk) for r in wave)
+    page = c.page_size
+    fetches = [f for r in wave for f in r.fetches]
+    pending = None
+    if fetches:
+      pools, pending = self._mover.start_promote(self._flat_pools(), fetches)
+      self._set_flat_pools(pools)
     carry = self._put_rows(np.zeros((num_rows,), np.int32))
+    recompute = {r.index: (r.hot_blocks * page, r.split * page) for r in wave
+                 if r.split > r.hot_blocks}
+    t_compute = time.perf_counter()
+    if recompute:
+      carry = self._prefill_range(wave, recompute, carry, num_rows, page_table)
+    if pending is not None:
+      t_end = time.monotonic() + self.cache.tiers.read_deadline_s
+      self._set_flat_pools(self._mover.finish_promote(self._flat_pools(), pending, t_end))
+      self._settle_fetches(wave)
+    if recompute:
+      self._observe_recompute(wave, recompute, time.perf_counter() - t_compute)
+    for r in wave:
+      reused = r.hot_blocks + (r.hit_blocks - r.split if r.hit_blocks > r.split else 0)
+      for j in list(range(r.hot_blocks)) + list(range(r.split, r.hit_blocks)):
+        self._hits[TIER_NAMES[r.hit_tiers[j]]] += 1
+      self.cache.index.record_hits(r.keys[:r.hit_blocks])
+      self._stats["hit_tokens"] += reused * page
+      self._stats["prompt_tokens"] += len(r.tokens)
+      self._stats["computed_tokens"] += len(r.tokens) - reused * page
+      self._stats["blocks_recomputed"] += len(r.tokens) // page - reused
+      self._stats["blocks_split"] += (r.split - r.hot_blocks) if r.hot_blocks < r.split < r.cold_end else 0
+    rest = {r.index: (max(r.hit_blocks, r.split) * page, len(r.tokens)) for r in wave}
+    self._first_tokens = self._prefill_range(wave, rest, carry, num_rows, page_table,
+                                             t_start=t_start, logits_out=logits_out)
+    if self.config.prefix_reuse:
+      published = []
+      for r in wave:  # every block this wave computed is written: publish them
+        computed = list(range(r.hot_blocks, r.split)) + list(
+            range(max(r.hit_blocks, r.split), len(r.tokens) // page))
+        for j in computed:
+          self._publish(r.shard, r.pages[j], r.keys, j, published)
+      self._write_through(published)
+
+  def _prefill_range(self, wave, ranges: dict, carry, num_rows, page_table, *,
+                     t_start: float | None = None, logits_out=None):
+    """Prefills tokens ``[a, b)`` of each request in ``ranges`` (by request index), in
+    block-aligned chunks, all rows in lockstep. With ``t_start``, ``b`` is the prompt's
+    end: the last token's logits give the first generated token (TTFT is taken there)."""
+    chunk = self.config.prefill_chunk_pages * self.cache.config.page_size
+    num_steps = max(-(-(b - a) // chunk) for a, b in ranges.values())
     for step in range(num_steps):
       tokens = np.zeros((num_rows, chunk), np.int32)
       positions = np.full((num_rows, chunk), -1, np.int32)
@@ -466,14 +521,17 @@ class Engine:
       select_mask = np.zeros((num_rows,), bool)
       finishing = []
       for r in wave:
-        a = starts[r.index] + step * chunk
-        b = min(a + chunk, len(r.tokens))
+        if r.index not in ranges:
+          continue
+        start, end = ranges[r.index]
+        a = start + step * chunk
+        b = min(a + chunk, end)
         if a >= b:
           continue
         tokens[r.row, :b - a] = r.tokens[a:b]
         positions[r.row, :b - a] = np.arange(a, b)
         kv_lens[r.row] = b
-        if b == len(r.tokens):
+        if t_start is not None and b == len(r.tokens):
           select_idx[r.row], select_mask[r.row] = b - a - 1, True
           finishing.append(r)
       self._pages, carry, selected = self._prefill(
@@ -490,13 +548,7 @@ class Engine:
           sel = np.asarray(selected)
           for r in finishing:
             logits_out[r.index] = [sel[r.row]]
-    self._first_tokens = carry
-    if self.config.prefix_reuse:
-      published = []
-      for r in wave:  # the prompt's full blocks are written: publish them
-        for j in range(r.hit_blocks, len(r.tokens) // c.page_size):
-          self._publish(r.shard, r.pages[j], r.keys, j, published)
-      self._write_through(published)
+    return carry
 
   def _decode_wave(self, wave, num_rows, page_table, logits_out) -> dict[int, list[int]]:
     c = self.cache.config
@@ -543,13 +595,75 @@ class Engine:
     if published and self.cache.tiers.write_policy == "write_through":
       self._mover.copy_down(self._flat_pools(), published)
 
-  def _promote(self, wave: list[_Request]) -> None:
-    """Brings every lower-tier hit of the wave up; a failed block ends that request's hit."""
-    fetches = [f for r in wave for f in r.fetches]
-    if not fetches:
+  def _plan_wave(self, wave: list[_Request]) -> None:
+    """Chooses each request's split point s: blocks [hot, s) are recomputed, [s, end)
+    fetched. The pins of cached blocks that will be recomputed are released here."""
+    page = self.cache.config.page_size
+    for r in wave:
+      r.hot_blocks = next((j for j, t in enumerate(r.hit_tiers) if t != Tier.DEVICE),
+                          len(r.hit_tiers))
+      r.cold_end = r.hit_blocks
+      r.split = r.hot_blocks
+    cold = [r for r in wave if r.cold_end > r.hot_blocks]
+    if not cold:
       return
-    pools = self._mover.promote(self._flat_pools(), fetches, self.cache.tiers.read_deadline_s)
-    self._set_flat_pools(pools)
+    pol = self.scheduler
+    if pol.policy == "cost":
+      splits = self._cost_splits(cold)
+    for i, r in enumerate(cold):
+      if pol.policy == "cost":
+        r.split = int(splits[i])
+      elif pol.policy == "fetch":
+        r.split = r.hot_blocks
+      elif pol.policy == "recompute":
+        r.split = r.cold_end
+      elif pol.policy == "threshold":
+        cached_tokens = (r.cold_end - r.hot_blocks) * page
+        r.split = r.hot_blocks if cached_tokens >= pol.threshold_tokens else r.cold_end
+      else:  # "split": forced
+        r.split = min(r.hot_blocks + pol.force_split, r.cold_end)
+      decision = ("recompute" if r.split == r.cold_end else
+                  "fetch" if r.split == r.hot_blocks else "split")
+      self._stats[f"plans_{decision}"] += 1
+      skipped = [f for f in r.fetches if f.block < r.split]
+      for f in skipped:  # cached below, but recomputing them is the plan
+        self.cache.index.release(f.shard, [f.slot], f.tier)
+      r.fetches = [f for f in r.fetches if f.block >= r.split]
+
+  def _cost_splits(self, cold: list[_Request]) -> np.ndarray:
+    if self.costs is None:
+      from jaxkv import calibration
+      t0 = time.perf_counter()
+      self.costs = calibration.calibrate(self)
+      self._stats["calibration_s"] += time.perf_counter() - t0
+    c = self.cache.config
+    r_pad = max(8, _pow2_at_least(len(cold)))
+    m_pad = max(8, _pow2_at_least(max(r.cold_end for r in cold)))
+    code = {Tier.HOST: sched.HOST, Tier.DISK: sched.DISK, Tier.REMOTE: sched.REMOTE,
+            Tier.DEVICE: sched.HOT}
+    tiers = np.full((r_pad, 1, m_pad), sched.ABSENT, np.int32)
+    hot = np.zeros((r_pad, 1), np.int32)
+    end = np.zeros((r_pad, 1), np.int32)
+    tail = np.zeros((r_pad,), np.int32)
+    for i, r in enumerate(cold):
+      tiers[i, 0, :r.cold_end] = [code[t] for t in r.hit_tiers[:r.cold_end]]
+      hot[i, 0], end[i, 0] = r.hot_blocks, r.cold_end
+      tail[i] = len(r.tokens) - r.cold_end * c.page_size
+    budget = self.scheduler.inflight_blocks or m_pad
+    inputs = sched.PlanInputs(
+        tiers=tiers, block_bytes=np.full(tiers.shape, c.page_bytes, np.float32), hot=hot,
+        cached_end=end, tail_tokens=tail, free_pages=np.full((1,), m_pad, np.int32),
+        inflight_blocks=np.full((1,), budget, np.int32), link_group=np.zeros((1,), np.int32),
+        valid=np.arange(r_pad) < len(cold), page_size=c.page_size)
+    t0 = time.perf_counter()
+    out = sched.plan(inputs, self.costs.arrays())
+    splits = np.asarray(out.split)[:len(cold), 0]
+    self._stats["plan_s"] += time.perf_counter() - t0
+    self.last_plan = out
+    return splits
+
+  def _settle_fetches(self, wave: list[_Request]) -> None:
+    """After verification: a failed fetch ends that request's reuse at its block."""
     for r in wave:
       for f in sorted(r.fetches, key=lambda f: f.block):
         if not f.ok and f.block < r.hit_blocks:
@@ -560,6 +674,16 @@ class Engine:
         if f.ok and f.block < r.hit_blocks:
           self._publish(r.shard, f.page, r.keys, f.block, [])
       r.fetches = []
+    if self.costs is not None and self._mover.last_fetch.get("bytes"):
+      lf = self._mover.last_fetch
+      self.costs.observe_transfer("disk_to_host" if int(Tier.DISK) in lf["tiers"]
+                                  else "host_to_device", lf["bytes"], lf["seconds"])
+
+  def _observe_recompute(self, wave, ranges: dict, seconds: float) -> None:
+    if self.costs is None:
+      return
+    longest = max(ranges.values(), key=lambda ab: ab[1] - ab[0])
+    self.costs.observe_prefill(longest[1] - longest[0], longest[0], seconds)
 
   def _flat_pools(self) -> list:
     return jax.tree.leaves(self._pages)

@@ -75,6 +75,7 @@ class TierMover:
     self.counters: collections.Counter = collections.Counter()
     self.failures: collections.Counter = collections.Counter()  # by reason
     self._pending_writes: list = []
+    self.last_fetch: dict = {}
     self._ids_sharding = NamedSharding(self.mesh, P(self.config.data_axis, None))
     self._stack_sharding = NamedSharding(self.mesh, pages_lib.stacked_spec(self.config))
 
@@ -245,23 +246,42 @@ class TierMover:
 
   # ---- upwards -----------------------------------------------------------------------------
   def promote(self, pools, fetches: list[Fetch], deadline_s: float):
-    """Copies lower-tier blocks into device pages and verifies them. Returns new pools.
+    """Copies lower-tier blocks into device pages and verifies them. Returns new pools."""
+    pools, pending = self.start_promote(pools, fetches)
+    return self.finish_promote(pools, pending, time.monotonic() + deadline_s)
 
-    Sets ``ok``/``reason`` on every fetch; the caller truncates each request's hit at
-    its first failed block and calls ``drop_failed``.
-    """
+  def start_promote(self, pools, fetches: list[Fetch]):
+    """Issues every fetch without waiting: disk reads go in flight, host copies are
+    dispatched. Returns ``(pools, pending)``; compute dispatched meanwhile overlaps."""
     host = [f for f in fetches if f.tier == Tier.HOST]
     disk = [f for f in fetches if f.tier == Tier.DISK]
-    t_end = time.monotonic() + deadline_s
     reads = [(f, self.disk.read(f.slot)) for f in disk]  # all disk reads in flight at once
+    host_check = None
     if host:
-      pools = self._promote_host(pools, host)
-    if disk:
+      pools, host_check = self._promote_host(pools, host)
+    return pools, (fetches, reads, host_check, time.perf_counter())
+
+  def finish_promote(self, pools, pending, t_end: float):
+    """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
+    them and scatters the disk ones. Sets ``ok``/``reason`` on every fetch; the caller
+    truncates each request's hit at its first failed block and calls ``drop_failed``."""
+    fetches, reads, host_check, t_start = pending
+    t_wait = time.perf_counter()
+    if host_check is not None:
+      self._verify_host(*host_check)
+    if reads:
       pools = self._promote_disk(pools, reads, t_end)
+    jax.block_until_ready(pools)
+    t_done = time.perf_counter()
+    self.counters["fetch_wait_s"] += t_done - t_wait
+    self.counters["fetch_s"] += t_done - t_start
     for f in fetches:
       self.index.release(f.shard, [f.slot], f.tier)  # the pin taken at admission
-    self.counters["blocks_fetched"] += sum(f.ok for f in fetches)
-    self.counters["bytes_moved"] += self._bytes(sum(f.ok for f in fetches))
+    ok = sum(f.ok for f in fetches)
+    self.counters["blocks_fetched"] += ok
+    self.counters["bytes_moved"] += self._bytes(ok)
+    self.last_fetch = {"blocks": ok, "bytes": self._bytes(ok), "seconds": t_done - t_start,
+                       "tiers": sorted({int(f.tier) for f in fetches})}
     return pools
 
   def _promote_host(self, pools, fetches: list[Fetch]):
@@ -274,6 +294,9 @@ class TierMover:
     stack, sums = self.host.load(host_ids)
     pools = pages_lib.scatter_stacked(pools, jax.device_put(dest, self._ids_sharding), stack,
                                       mesh=self.mesh, config=self.config)
+    return pools, (host_ids, per, sums)
+
+  def _verify_host(self, host_ids, per, sums) -> None:
     expected = self.host.expected_checksums(host_ids)
     got = np.asarray(sums).reshape(expected.shape)
     for s, its in enumerate(per):
@@ -281,7 +304,6 @@ class TierMover:
         f = it[3]
         f.ok = bool((got[s, i] == expected[s, i]).all())
         f.reason = "" if f.ok else "checksum"
-    return pools
 
   def _promote_disk(self, pools, reads, t_end: float):
     n_arrays, heads, page, dim = self.cache.payload_shape
