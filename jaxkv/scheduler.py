@@ -302,3 +302,38 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
       best_s, best_t = s, t
   tail = cost_model.prefill.seconds(tail_tokens, end * page_size)
   return best_s, best_t + tail
+
+
+def capacity_plan(*, kv_bytes: float, tokens: int, costs: CostModel, requests: int = 1,
+                  page_size: int = 16, context_tokens: int = 0, tier: int = HOST) -> dict:
+  """What ``plan`` decides for ``requests`` equal requests sharing one host's links, each
+  with ``tokens / requests`` cold tokens (``kv_bytes / requests`` bytes) after
+  ``context_tokens`` hot ones. Returns the figures ``launch/plan.py`` reports."""
+  if requests < 1 or tokens < requests or kv_bytes <= 0:
+    raise ValueError(f"need requests >= 1, tokens >= requests and kv_bytes > 0; got "
+                     f"requests={requests}, tokens={tokens}, kv_bytes={kv_bytes}.")
+  per_tokens = tokens // requests
+  blocks = max(1, -(-per_tokens // page_size))
+  hot = context_tokens // page_size
+  m = hot + blocks
+  tiers = np.full((requests, 1, m), tier, np.int32)
+  tiers[:, :, :hot] = HOT
+  bytes_per_block = kv_bytes / requests / blocks
+  inputs = PlanInputs(
+      tiers=tiers, block_bytes=np.full(tiers.shape, bytes_per_block, np.float32),
+      hot=np.full((requests, 1), hot, np.int32), cached_end=np.full((requests, 1), m, np.int32),
+      tail_tokens=np.zeros((requests,), np.int32), free_pages=np.full((1,), m, np.int32),
+      inflight_blocks=np.full((1,), m, np.int32), link_group=np.zeros((1,), np.int32),
+      valid=np.ones((requests,), bool), page_size=page_size)
+  out = jax.tree.map(np.asarray, plan(inputs, costs.arrays()))
+  split_blocks = int(out.split[0, 0]) - hot
+  return {
+      "t_fetch_s": float(out.t_fetch_all_s[0, 0]),
+      "t_recompute_s": float(out.t_recompute_all_s[0, 0]),
+      "t_split_s": float(out.t_pred_s[0, 0]),
+      "decision": DECISIONS[int(out.decision[0, 0])],
+      "split_tokens": split_blocks * page_size,
+      "fetch_tokens": (blocks - split_blocks) * page_size,
+      "requests": requests, "tokens_per_request": per_tokens,
+      "bytes_per_request": kv_bytes / requests,
+  }

@@ -1,0 +1,78 @@
+"""Capacity planner: fetch, recompute or split a cold KV cache — no model needed.
+
+  python launch/plan.py --kv_bytes=10e9 --tokens=20000 --link_gb_per_s=64 \
+      --prefill_ms_per_1k=40
+  python launch/plan.py --layers=32 --kv_heads=8 --head_dim=128 --dtype=bfloat16 \
+      --tokens=32000 --requests=4 --link_gb_per_s=25 --link_latency_ms=0.05 \
+      --cost_model=/tmp/costs.json          # a calibrated prefill curve
+
+Prints the three options and the chosen split; --json_out writes t_fetch_s, t_recompute_s,
+decision, split_tokens and t_split_s (1 GB = 1e9 bytes).
+"""
+
+from absl import app, flags
+
+import _common
+
+_KV_BYTES = flags.DEFINE_float("kv_bytes", None, "Total bytes of the cold KV (or give a model "
+                               "shape: --layers, --kv_heads, --head_dim, --dtype).")
+_LAYERS = flags.DEFINE_integer("layers", None, "Model layers (with --kv_heads, --head_dim).")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", None, "KV heads per layer.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", None, "Head dimension.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "KV dtype.")
+_TOKENS = flags.DEFINE_integer("tokens", None, "Total cold tokens (over all requests).",
+                               lower_bound=1)
+_REQUESTS = flags.DEFINE_integer("requests", 1, "Requests sharing the link.", lower_bound=1)
+_CONTEXT = flags.DEFINE_integer("context_tokens", 0, "Hot tokens before the cold ones.",
+                                lower_bound=0)
+_LINK = flags.DEFINE_float("link_gb_per_s", None, "Link bandwidth, GB/s (1 GB = 1e9 bytes).")
+_LATENCY = flags.DEFINE_float("link_latency_ms", 0.0, "Link latency per transfer, ms.")
+_PREFILL = flags.DEFINE_float("prefill_ms_per_1k", None, "Prefill time per 1000 tokens, ms "
+                              "(linear), unless --cost_model gives a calibrated curve.")
+_COST_MODEL = flags.DEFINE_string("cost_model", None, "A CostModel JSON (jaxkv calibration).")
+_PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per block.", lower_bound=1)
+_JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
+
+
+def main(argv):
+  del argv
+  _common.start_jax({"platform": "cpu"})
+  import jax.numpy as jnp
+  from jaxkv import scheduler as sch
+  if _TOKENS.value is None:
+    raise app.UsageError("--tokens is required.")
+  kv_bytes = _KV_BYTES.value
+  if kv_bytes is None:
+    if None in (_LAYERS.value, _KV_HEADS.value, _HEAD_DIM.value):
+      raise app.UsageError("give --kv_bytes, or the model shape --layers, --kv_heads and "
+                           "--head_dim.")
+    per_token = 2 * _LAYERS.value * _KV_HEADS.value * _HEAD_DIM.value * jnp.dtype(
+        _DTYPE.value).itemsize
+    kv_bytes = float(per_token * _TOKENS.value)
+  if _COST_MODEL.value:
+    costs = sch.CostModel.load(_COST_MODEL.value)
+  elif _PREFILL.value is not None:
+    costs = sch.CostModel(links={}, prefill=sch.PrefillCurve(0.0, _PREFILL.value / 1e6, 0.0),
+                          source="flags")
+  else:
+    raise app.UsageError("give --prefill_ms_per_1k or --cost_model.")
+  if _LINK.value is not None:
+    costs.links["host_to_device"] = sch.LinkCost(_LATENCY.value / 1e3, _LINK.value * 1e9)
+  if "host_to_device" not in costs.links:
+    raise app.UsageError("give --link_gb_per_s (or a cost model that has host_to_device).")
+  r = sch.capacity_plan(kv_bytes=kv_bytes, tokens=_TOKENS.value, costs=costs,
+                        requests=_REQUESTS.value, page_size=_PAGE.value,
+                        context_tokens=_CONTEXT.value)
+  print(f"per request: {r['tokens_per_request']} tokens, {r['bytes_per_request'] / 1e9:.3f} GB")
+  print(f"  fetch all      {1e3 * r['t_fetch_s']:10.1f} ms")
+  print(f"  recompute all  {1e3 * r['t_recompute_s']:10.1f} ms")
+  print(f"  split          {1e3 * r['t_split_s']:10.1f} ms  (recompute {r['split_tokens']} "
+        f"tokens while fetching {r['fetch_tokens']})")
+  print(f"decision: {r['decision']}; fetch vs recompute: "
+        f"{r['t_recompute_s'] / r['t_fetch_s']:.2f}x")
+  _common.write_json(_JSON_OUT.value, {**r, "kv_bytes": kv_bytes, "tokens": _TOKENS.value,
+                                       "cost_model": costs.source})
+
+
+if __name__ == "__main__":
+  app.run(main)
