@@ -281,6 +281,17 @@ class Engine:
         n += 1
     top = max(sorted({_pow2_at_least(r) for r in rows_per_shard}))
     self._set_flat_pools(self._mover.warmup(self._flat_pools(), top * max(widths)))
+    if self.scheduler.policy == "cost" and (self.cache.host or self.cache.disk):
+      if self.costs is None:
+        from jaxkv import calibration
+        self.costs = calibration.calibrate(self)
+      r = 8
+      while True:  # the plan's buckets: requests (>= 8) x blocks (>= 8)
+        for m in sorted({max(8, _pow2_at_least(w)) for w in widths}):
+          self._plan_shape(r, m)
+        if r >= top * self.cache.num_shards:
+          break
+        r *= 2
     jax.block_until_ready(self._pages)
     return n
 
@@ -654,13 +665,26 @@ class Engine:
         tiers=tiers, block_bytes=np.full(tiers.shape, c.page_bytes, np.float32), hot=hot,
         cached_end=end, tail_tokens=tail, free_pages=np.full((1,), m_pad, np.int32),
         inflight_blocks=np.full((1,), budget, np.int32), link_group=np.zeros((1,), np.int32),
-        valid=np.arange(r_pad) < len(cold), page_size=c.page_size)
+        valid=np.arange(r_pad) < len(cold), page_size=c.page_size,
+        chunk_tokens=self.config.prefill_chunk_pages * c.page_size)
     t0 = time.perf_counter()
     out = sched.plan(inputs, self.costs.arrays())
     splits = np.asarray(out.split)[:len(cold), 0]
     self._stats["plan_s"] += time.perf_counter() - t0
     self.last_plan = out
     return splits
+
+  def _plan_shape(self, r_pad: int, m_pad: int) -> None:
+    """Compiles the plan for one bucket (all padding requests)."""
+    c = self.cache.config
+    z = lambda *shape: np.zeros(shape, np.int32)
+    inputs = sched.PlanInputs(
+        tiers=np.full((r_pad, 1, m_pad), sched.ABSENT, np.int32),
+        block_bytes=np.zeros((r_pad, 1, m_pad), np.float32), hot=z(r_pad, 1), cached_end=z(r_pad, 1),
+        tail_tokens=z(r_pad), free_pages=z(1), inflight_blocks=z(1), link_group=z(1),
+        valid=np.zeros((r_pad,), bool), page_size=c.page_size,
+        chunk_tokens=self.config.prefill_chunk_pages * c.page_size)
+    jax.block_until_ready(sched.plan(inputs, self.costs.arrays()))
 
   def _settle_fetches(self, wave: list[_Request]) -> None:
     """After verification: a failed fetch ends that request's reuse at its block."""

@@ -186,6 +186,9 @@ class PlanInputs:
   link_group: jax.Array  # [D] int32 shards with equal values share one host's links
   valid: jax.Array  # [R] bool, False for padding requests
   page_size: int = dataclasses.field(metadata=dict(static=True))
+  # Prefill runs in chunks of this many tokens: n tokens cost ceil(n / chunk) chunks
+  # (0: no rounding). Recomputing one block can cost a whole chunk.
+  chunk_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -200,12 +203,15 @@ class Plan:
   best_shard: jax.Array  # [R] int32 shard with the lowest predicted time
 
 
-def _prefill_s(prefill, n, c):
+def _prefill_s(prefill, n, c, chunk_tokens=0):
+  if chunk_tokens:
+    n = jnp.ceil(n / chunk_tokens) * chunk_tokens
   t = prefill[0] + prefill[1] * n + prefill[2] * n * (c + (n - 1.0) / 2.0)
   return jnp.where(n > 0, t, 0.0)
 
 
-def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, page_size):
+def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, page_size,
+              chunk_tokens):
   """One (request, shard): every split point at once. share: [links] users of each link."""
   m = tiers.shape[0]
   idx = jnp.arange(m + 1, dtype=jnp.int32)  # candidate split points s
@@ -222,9 +228,9 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
   t_fetch = jnp.max(link_t, axis=0)  # pipeline: the slowest link decides
   ps = jnp.float32(page_size)
   t_rec = _prefill_s(costs.prefill, (idx - hot).astype(jnp.float32) * ps,
-                     hot.astype(jnp.float32) * ps)
+                     hot.astype(jnp.float32) * ps, chunk_tokens)
   t_tail = _prefill_s(costs.prefill, tail_tokens.astype(jnp.float32),
-                      end.astype(jnp.float32) * ps)
+                      end.astype(jnp.float32) * ps, chunk_tokens)
   feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget)
   cost = jnp.where(feasible, jnp.maximum(t_rec, t_fetch), jnp.inf)
   s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
@@ -240,10 +246,10 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
 
 def _plan_all(inputs: PlanInputs, costs: CostArrays, share):  # share: [R, D, links]
   budget = jnp.minimum(inputs.inflight_blocks, inputs.free_pages)  # [D]
-  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, None, None)),
-               in_axes=(0, 0, 0, 0, 0, None, 0, None, None))
+  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, None, None, None)),
+               in_axes=(0, 0, 0, 0, 0, None, 0, None, None, None))
   return f(inputs.tiers, inputs.block_bytes, inputs.hot, inputs.cached_end, inputs.tail_tokens,
-           budget, share, costs, inputs.page_size)
+           budget, share, costs, inputs.page_size, inputs.chunk_tokens)
 
 
 @jax.jit
@@ -274,8 +280,9 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
 
 
 def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_model: CostModel,
-                page_size: int) -> tuple[int, float]:
+                page_size: int, chunk_tokens: int = 0) -> tuple[int, float]:
   """The same decision for one (request, shard) by trying every split in Python (tests)."""
+  rounded = lambda n: -(-n // chunk_tokens) * chunk_tokens if chunk_tokens else n
   link_names = LINKS
   best_s, best_t = None, math.inf
   for s in range(hot, end + 1):
@@ -296,11 +303,11 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
         link = cost_model.links[name]
         t_fetch = max(t_fetch, link.latency_s
                       + link_bytes[name] / (link.bytes_per_s / max(share[i], 1.0)))
-    t_rec = cost_model.prefill.seconds((s - hot) * page_size, hot * page_size)
+    t_rec = cost_model.prefill.seconds(rounded((s - hot) * page_size), hot * page_size)
     t = max(t_rec, t_fetch)
     if t < best_t - 1e-12 * max(1.0, t):
       best_s, best_t = s, t
-  tail = cost_model.prefill.seconds(tail_tokens, end * page_size)
+  tail = cost_model.prefill.seconds(rounded(tail_tokens), end * page_size)
   return best_s, best_t + tail
 
 

@@ -3,7 +3,8 @@
   python launch/bench.py --suite=tiers --json_out=/tmp/tiers.json
   python launch/bench.py --suite=tiers --quick          # a small, fast smoke run
 
-Suites: tiers (host and disk paths against memcpy / pread / pwrite of the same bytes).
+Suites: tiers (host and disk paths against memcpy / pread / pwrite of the same bytes);
+scheduler (policies side by side on the real host tier and on emulated links).
 """
 
 import time
@@ -12,7 +13,7 @@ from absl import app, flags
 
 import _common
 
-SUITES = ("tiers",)
+SUITES = ("tiers", "scheduler")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -23,6 +24,10 @@ def _print(result: dict) -> None:
   for key, value in result.items():
     if isinstance(value, float):
       print(f"{key:32s} {value:8.3f}")
+  for name, link in result.get("links", {}).items():
+    label = "emulated" if link["emulated"] else "measured"
+    ttft = "  ".join(f"{p}={1e3 * t:.0f}ms" for p, t in link["ttft_s"].items())
+    print(f"  {name:16s} ({label}, {link['link_vs_break_even']:.2g}x break-even) {ttft}")
   for group in ("host", "disk"):
     for name, fig in result.get(group, {}).items():
       print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
@@ -36,6 +41,9 @@ def main(argv):
   if _SUITE.value == "tiers":
     from jaxkv.bench import tiers
     result = tiers.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  else:
+    from jaxkv.bench import scheduler
+    result = scheduler.run(quick=_QUICK.value)
   result = {"suite": _SUITE.value, **result, "wall_s": time.perf_counter() - t0,
             "machine": _common.machine_info()}
   _print(result)
