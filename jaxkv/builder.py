@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxkv import models
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig, TierConfig
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
 from jaxkv.pages import make_mesh
 
@@ -65,4 +65,5 @@ def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None) -> Engine:
   model = models.Llama(model_config(cfg), rngs=nnx.Rngs(int(cfg.get("seed", 0))))
   engine_cfg = EngineConfig(**{**_section(cfg, "engine"), "prefix_reuse": policy == "jaxkv"})
   tiers = tier_config(cfg) if policy == "jaxkv" else TierConfig()
-  return Engine(model, KVCache(cache_cfg, mesh, tiers), engine_cfg)
+  scheduler = SchedulerConfig(**_section(cfg, "scheduler")) if "scheduler" in cfg else None
+  return Engine(model, KVCache(cache_cfg, mesh, tiers), engine_cfg, scheduler=scheduler)
