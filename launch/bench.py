@@ -24,6 +24,9 @@ def _print(result: dict) -> None:
   for key, value in result.items():
     if isinstance(value, float):
       print(f"{key:32s} {value:8.3f}")
+  for name, value in result.get("chunk_layout", {}).items():
+    if isinstance(value, float):
+      print(f"  layout {name:28s} {value:7.2f}")
   for name, link in result.get("links", {}).items():
     label = "emulated" if link["emulated"] else "measured"
     ttft = "  ".join(f"{p}={1e3 * t:.0f}ms" for p, t in link["ttft_s"].items())

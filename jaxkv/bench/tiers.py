@@ -148,6 +148,7 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
       "jaxkv_gather": disk_read(gather_slots), "pread_gather": raw_gather,
   }, reps=reps, setup=cold)
 
+  layout = _chunk_layouts(workdir, n_blocks, rec, rng, reps)
   disk_bytes = n_blocks * rec
   gather_bytes = len(gather_slots) * rec
   out = {
@@ -170,6 +171,56 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
       "notes": ("reads are cold (fsync + POSIX_FADV_DONTNEED before each repetition); jaxkv "
                 "writes fsync every record (temp file + rename), pwrite fsyncs once at the end; "
                 "jaxkv reads verify every record's SHA-256"),
+      "chunk_layout": layout,
       "mesh": {"data": data, "model": model},
   }
+  return out
+
+
+def _chunk_layouts(workdir: str, n_blocks: int, rec: int, rng, reps: int) -> dict:
+  """Random-block writes and gathers with one record per chunk (what the disk tier uses)
+  against 8 records per chunk, plain zarr3 + crc32c on the file driver, same bytes."""
+  import tensorstore as ts
+  out = {}
+  data = np.frombuffer(rng.bytes(rec), np.uint8)
+  picks = sorted(rng.choice(n_blocks, max(1, n_blocks // 4), replace=False).tolist())
+  stores = {}
+  for per_chunk in (1, 8):
+    root = os.path.join(workdir, f"layout{per_chunk}")
+    stores[per_chunk] = (root, ts.open({
+        "driver": "zarr3", "kvstore": {"driver": "file", "path": root + "/"},
+        "metadata": {"shape": [n_blocks, rec], "data_type": "uint8",
+                     "chunk_grid": {"name": "regular",
+                                    "configuration": {"chunk_shape": [per_chunk, rec]}},
+                     "codecs": [{"name": "bytes"}, {"name": "crc32c"}], "fill_value": 0},
+        "create": True, "delete_existing": True}).result())
+    arr = stores[per_chunk][1]
+    for f in [arr[i].write(data) for i in range(n_blocks)]:
+      f.result()
+
+  def writes(arr):
+    def go():
+      for f in [arr[i].write(data) for i in picks]:
+        f.result()
+    return go
+
+  def gathers(arr):
+    def go():
+      for f in [arr[i].read() for i in picks]:
+        f.result()
+    return go
+
+  cand = {}
+  for k, (_, arr) in stores.items():
+    cand[f"write_{k}_per_chunk"] = writes(arr)
+    cand[f"gather_{k}_per_chunk"] = gathers(arr)
+  cold = lambda _name: _drop_page_cache(
+      [p for root, _ in stores.values() for p in _files_under(root)])
+  res = common.interleaved(cand, reps=reps, setup=cold)
+  nbytes = len(picks) * rec
+  for name, r in res.items():
+    out[name] = common.throughput(nbytes, r)
+  out["write_1_vs_8_per_chunk"] = common.ratio(res["write_1_per_chunk"], res["write_8_per_chunk"])
+  out["gather_1_vs_8_per_chunk"] = common.ratio(res["gather_1_per_chunk"],
+                                                res["gather_8_per_chunk"])
   return out

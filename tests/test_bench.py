@@ -1,0 +1,27 @@
+"""launch/bench.py --suite=tiers --quick: runs, and reports every figure its issue names."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
+  out = tmp_path / "tiers.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "launch/bench.py", "--suite=tiers", "--quick",
+                         f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  for key in ("host_to_device_vs_memcpy", "device_to_host_vs_memcpy", "disk_read_vs_pread",
+              "disk_gather_vs_pread", "disk_write_vs_pwrite"):
+    assert 0 < r[key] < 100, key
+  # The ratio is the quotient of the absolute figures it came from.
+  host = r["host"]
+  assert abs(r["host_to_device_vs_memcpy"]
+             - host["jaxkv_host_to_device"]["gb_per_s"] / host["memcpy"]["gb_per_s"]) < 1e-6
+  assert r["chunk_layout"]["gather_1_per_chunk"]["reps"] == 2
+  assert len(r["machine"]["devices"]) == 8 and r["suite"] == "tiers"
