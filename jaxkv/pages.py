@@ -225,19 +225,30 @@ _OFFSET = np.uint32(0x9E3779B9)
 
 @functools.lru_cache(maxsize=None)
 def _checksum_fn(mesh: Mesh, config: CacheConfig):
+  model = mesh.shape[config.model_axis]
+
   def local(stack):  # [arrays, kv_heads/model, n/data, page_size, head_dim] raw bits
     if stack.dtype.itemsize == 2 and stack.shape[-1] % 2 == 0:  # two uint16 per uint32
       stack = jax.lax.bitcast_convert_type(
           stack.reshape(*stack.shape[:-1], stack.shape[-1] // 2, 2), jnp.uint32)
     words = stack.astype(jnp.uint32)
     a, h, _, t, d = words.shape
-    # One weight per position inside a page, broadcast over the page axis (no transpose).
-    weights = (jnp.arange(a * h * t * d, dtype=jnp.uint32) * _MIX + _OFFSET).reshape(
-        a, h, 1, t, d)
+    # One weight per position in the *global* page (kv heads numbered across the model
+    # axis), broadcast over the page axis: the partial sums of the model shards add up
+    # to the same total on any mesh.
+    head = jax.lax.axis_index(config.model_axis) * h + jnp.arange(h)
+    pos = ((jnp.arange(a)[:, None, None, None] * (h * model) + head[None, :, None, None]) * t
+           + jnp.arange(t)[None, None, :, None]) * d + jnp.arange(d)[None, None, None, :]
+    weights = (pos.astype(jnp.uint32) * _MIX + _OFFSET)[:, :, None]
     return jnp.sum(words * weights, axis=(0, 1, 3, 4), dtype=jnp.uint32)[:, None]
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=stacked_spec(config),
                                out_specs=P(config.data_axis, config.model_axis)))
+
+
+def checksum_total(partials: np.ndarray) -> np.ndarray:
+  """One checksum per page from ``page_checksums`` partials, equal on every mesh."""
+  return np.asarray(partials, np.uint64).sum(axis=-1).astype(np.uint32)
 
 
 def page_checksums(stack: jax.Array, *, mesh: Mesh, config: CacheConfig) -> jax.Array:

@@ -11,7 +11,11 @@ import sys
 
 
 def start_jax(cfg) -> None:
-  """Sets the platform and the virtual CPU device count, then imports JAX."""
+  """Sets the platform and the virtual CPU device count, then imports JAX. Library INFO
+  logs (Orbax, XLA backends) are silenced unless --verbosity asks for them."""
+  from absl import flags, logging
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
   if "jax" in sys.modules:
     return
   platform = cfg.get("platform", None)

@@ -4,7 +4,8 @@
   python launch/bench.py --suite=tiers --quick          # a small, fast smoke run
 
 Suites: tiers (host and disk paths against memcpy / pread / pwrite of the same bytes);
-scheduler (policies side by side on the real host tier and on emulated links).
+scheduler (policies side by side on the real host tier and on emulated links);
+restart (restoring a checkpoint against recomputing the same prefixes; warm vs cold TTFT).
 """
 
 import time
@@ -13,7 +14,7 @@ from absl import app, flags
 
 import _common
 
-SUITES = ("tiers", "scheduler")
+SUITES = ("tiers", "scheduler", "restart")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -44,9 +45,12 @@ def main(argv):
   if _SUITE.value == "tiers":
     from jaxkv.bench import tiers
     result = tiers.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
-  else:
+  elif _SUITE.value == "scheduler":
     from jaxkv.bench import scheduler
     result = scheduler.run(quick=_QUICK.value)
+  else:
+    from jaxkv.bench import restart
+    result = restart.run(quick=_QUICK.value, reps=_REPS.value)
   result = {"suite": _SUITE.value, **result, "wall_s": time.perf_counter() - t0,
             "machine": _common.machine_info()}
   _print(result)

@@ -31,12 +31,18 @@ _DEVICE_PAGES = flags.DEFINE_integer(
 _HOST_PAGES = flags.DEFINE_integer("host_pages", None, "Host-memory pages per data shard "
                                    "(0 = no host tier).", lower_bound=0)
 _DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (enables it).")
+_CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
+_RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
+                             "--checkpoint_dir (a warm restart).")
 _DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in blocks, with "
                                    "--disk_dir.", lower_bound=1)
 
 
 def main(argv):
   del argv
+  if _RESTORE.value and not _CHECKPOINT_DIR.value:
+    raise app.UsageError("--restore needs --checkpoint_dir.")
   cfg = _CONFIG.value
   _apply_tier_flags(cfg)
   _common.start_jax(cfg)
@@ -53,6 +59,15 @@ def main(argv):
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
   engines[policies[0]].warmup(max_seq_len=spec.max_seq_len())
+  checkpointer = None
+  if _CHECKPOINT_DIR.value:
+    from jaxkv.checkpoint import Checkpointer
+    checkpointer = Checkpointer(engines["jaxkv"] if "jaxkv" in engines else engines[policies[0]],
+                                _CHECKPOINT_DIR.value)
+    if _RESTORE.value:
+      counts = checkpointer.restore()
+      print(f"restored step {counts['step']}: {counts['placed']} blocks "
+            f"({counts['failed_checksum']} failed their checksum)")
   print(f"compiled in {time.perf_counter() - t0:.1f} s; {spec.users} users x {spec.turns} turns")
 
   outputs = {p: [] for p in policies}
@@ -72,6 +87,10 @@ def main(argv):
 
   main_policy = policies[0]
   engines[main_policy].flush()
+  if checkpointer is not None:
+    step = checkpointer.save()
+    checkpointer.close()
+    print(f"saved the cache as step {step} in {_CHECKPOINT_DIR.value}")
   stats = engines[main_policy].stats()
   result = {
       "config": cfg.name,

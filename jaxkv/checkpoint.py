@@ -1,0 +1,264 @@
+"""Warm restart: an Orbax checkpoint of the cache that restores onto any mesh.
+
+What is saved (one Orbax ``CheckpointManager`` step, written asynchronously and
+finalised atomically):
+- ``device``: every published device block, gathered into one raw-bits stack
+  ``[2 * layers, kv_heads, rows, page_size, head_dim]`` (``rows = shards * n``, padded);
+- ``host``: the host pool as it is (the same layout), when there is a host tier;
+- ``meta`` (JSON): format version, the model/layout fingerprint and the config fields
+  behind it, and for every saved row its block key, parent key, old shard and a
+  checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
+  persistent by itself and re-verifies and adopts its records when it is opened.
+
+Restoring reads the metadata first and refuses a checkpoint whose fingerprint differs,
+naming the fields that differ. Arrays come back through host memory (``pinned_host``,
+replicated over the data axis, kv heads split over the model axis), so a checkpoint
+restores onto another mesh shape or device count: a block saved by old shard ``s``
+goes to new shard ``s % new_shards`` (a chain stays on one shard, so it still matches),
+into device pages or straight into the host tier (``into="host"``). Every row is
+checked against its saved checksum before it is published; rows that do not fit in the
+new budget or fail the check are left out and counted. Stale temporary checkpoint
+folders of interrupted saves are removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import pages as pages_lib
+from jaxkv.config import LAYOUT_VERSION
+from jaxkv.executor import bucket
+from jaxkv.index import Tier
+
+FORMAT = 1
+_FINGERPRINT_FIELDS = ("model_name", "dtype", "page_size", "num_layers", "num_kv_heads",
+                       "head_dim")
+
+
+def _manager(directory: str) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True,
+                                           cleanup_tmp_directories=True))
+
+
+def remove_stale_temporaries(directory: str) -> int:
+  """Deletes folders an interrupted save left (``*.orbax-checkpoint-tmp*``)."""
+  if not os.path.isdir(directory):
+    return 0
+  n = 0
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      n += 1
+  return n
+
+
+def _config_fields(config) -> dict:
+  return {**{f: getattr(config, f) for f in _FINGERPRINT_FIELDS}, "layout": LAYOUT_VERSION}
+
+
+class Checkpointer:
+  """Saves and restores one engine's cache; keeps the async save in flight."""
+
+  def __init__(self, engine, directory: str):
+    self.engine = engine
+    self.directory = os.path.abspath(directory)
+    self.removed_temporaries = remove_stale_temporaries(self.directory)
+    self._manager = None
+
+  # ---- save --------------------------------------------------------------------------------
+  def save(self, step: int | None = None, *, wait: bool = True) -> int:
+    """Saves the cache as ``step`` (default: one after the latest). With ``wait=False``
+    the files are written in the background; call ``wait`` before relying on them."""
+    e = self.engine
+    e.flush()
+    index, c = e.cache.index, e.cache.config
+    shards = e.cache.num_shards
+    per = [[(p, index.key_of(s, p)) for p in range(c.pages_per_shard)
+            if index.key_of(s, p) is not None] for s in range(shards)]
+    n = bucket(max(1, max(len(x) for x in per)))
+    ids = np.zeros((shards, n), np.int32)
+    rows = []
+    for s, items in enumerate(per):
+      ids[s, :len(items)] = [p for p, _ in items]
+      rows += [(s, key) for _, key in items] + [None] * (n - len(items))
+    ids_dev = jax.device_put(ids, NamedSharding(e.mesh, P(c.data_axis, None)))
+    stack = pages_lib.gather_stacked(e._flat_pools(), ids_dev, mesh=e.mesh, config=c)
+    sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    state = {"device": stack}
+    meta = {
+        "format": FORMAT, "fingerprint": c.fingerprint().hex(), "config": _config_fields(c),
+        "device_rows": [self._row(r, sums[i], index) for i, r in enumerate(rows)],
+        "disk": e.cache.disk.kvstore if e.cache.disk is not None else None,
+    }
+    if e.cache.host is not None:
+      host = e.cache.host
+      host_sums = pages_lib.checksum_total(pages_lib.page_checksums(host.pool, mesh=e.mesh,
+                                                                      config=c))
+      host_rows = []
+      for s in range(shards):
+        for p in range(host.pages_per_shard):
+          key = index.key_of(s, p, Tier.HOST)
+          row = s * host.pages_per_shard + p
+          host_rows.append(self._row((s, key) if key else None, host_sums[row], index))
+      state["host"] = host.pool
+      meta["host_rows"] = host_rows
+    meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
+                      for k, v in state.items()}
+    if self._manager is None:
+      self._manager = _manager(self.directory)
+    if step is None:
+      latest = self._manager.latest_step()
+      step = 0 if latest is None else latest + 1
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)))
+    if wait:
+      self.wait()
+    return step
+
+  @staticmethod
+  def _row(row, checksum, index):
+    if row is None:
+      return None
+    shard, key = row
+    parent = index.parent_of(key)
+    return [shard, key.hex(), parent.hex() if parent else None, int(checksum)]
+
+  def wait(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._manager = None
+
+  # ---- restore -----------------------------------------------------------------------------
+  def restore(self, step: int | None = None, *, into: str = "device") -> dict:
+    """Loads a checkpoint into the (empty or not) cache. Returns counts of what came back."""
+    if into not in ("device", "host"):
+      raise ValueError(f"into={into!r} must be 'device' or 'host'.")
+    e = self.engine
+    if into == "host" and e.cache.host is None:
+      raise ValueError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
+                       " > 0).")
+    if not os.path.isdir(self.directory):
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
+    manager = _manager(self.directory)
+    try:
+      step = manager.latest_step() if step is None else step
+      if step is None:
+        raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      self._check_compatible(meta)
+      target = self._restore_target(meta)
+      state = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))["state"]
+    finally:
+      manager.close()
+    counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0}
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+      if name in state:
+        self._place(state[name], meta[rows_key], into, counts)
+    return counts
+
+  def _check_compatible(self, meta: dict) -> None:
+    c = self.engine.cache.config
+    if meta.get("format") != FORMAT:
+      raise ValueError(f"checkpoint format {meta.get('format')} is not {FORMAT}: it was "
+                       "written by another jaxkv version.")
+    if meta["fingerprint"] != c.fingerprint().hex():
+      mine = _config_fields(c)
+      diff = {k: (meta["config"].get(k), mine[k]) for k in mine if meta["config"].get(k) != mine[k]}
+      what = ", ".join(f"{k}: checkpoint {a!r} vs this cache {b!r}" for k, (a, b) in diff.items())
+      raise ValueError(f"checkpoint in {self.directory!r} was written for another model or "
+                       f"layout ({what or 'fingerprint differs'}); restore it into a matching "
+                       "cache or start cold.")
+
+  def _restore_target(self, meta: dict) -> dict:
+    e = self.engine
+    c = e.cache.config
+    spec = P(None, c.model_axis, None, None, None)  # rows on every data shard, in host memory
+    sharding = NamedSharding(e.mesh, spec).with_memory_kind("pinned_host")
+    return {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=sharding)
+            for k, v in meta["arrays"].items()}
+
+  def _place(self, saved, rows, into: str, counts: dict) -> None:
+    e = self.engine
+    index, c = e.cache.index, e.cache.config
+    shards = e.cache.num_shards
+    tier = Tier.DEVICE if into == "device" else Tier.HOST
+    chosen = [[] for _ in range(shards)]  # per new shard: (saved row, key, parent, checksum)
+    for i, row in enumerate(rows):
+      if row is None:
+        continue
+      old_shard, key, parent, checksum = row
+      key = bytes.fromhex(key)
+      s = old_shard % shards
+      if index.slot_of(s, key, tier) is not None:
+        continue
+      chosen[s].append((i, key, bytes.fromhex(parent) if parent else None, checksum))
+    if not any(chosen):
+      return
+    n = bucket(max(len(x) for x in chosen))
+    src = np.zeros((shards, n), np.int32)
+    for s, items in enumerate(chosen):
+      src[s, :len(items)] = [it[0] for it in items]
+    stack = _host_take(e.mesh, c)(saved, jax.device_put(
+        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
+    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    limit = c.pages_per_shard if tier == Tier.DEVICE else e.cache.host.pages_per_shard
+    dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
+    publish = []
+    for s, items in enumerate(chosen):
+      for j, (_, key, parent, checksum) in enumerate(items):
+        if int(got[s * n + j]) != checksum:
+          counts["failed_checksum"] += 1
+          continue
+        slot = index.allocate(s, 1, tier)
+        if slot is None:
+          counts["skipped_no_room"] += 1
+          continue
+        dest[s, j] = slot[0]
+        publish.append((s, slot[0], key, parent))
+    if tier == Tier.DEVICE:
+      e._set_flat_pools(pages_lib.scatter_stacked(
+          e._flat_pools(), jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None))),
+          stack, mesh=e.mesh, config=c))
+    else:
+      e.cache.host.store(stack, dest)
+    for s, slot, key, parent in publish:
+      index.publish(s, slot, key, tier, parent=parent)
+      index.release(s, [slot], tier)
+    counts["placed"] += len(publish)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_take(mesh, config):
+  """Rows of a host-resident, data-replicated stack, per data shard, onto device."""
+  full = P(None, config.model_axis, None, None, None)
+  ids = P(config.data_axis, None)
+  stacked = pages_lib.stacked_spec(config)
+
+  def local(saved, rows):
+    return saved[:, :, rows[0]]
+
+  take = jax.shard_map(local, mesh=mesh, in_specs=(full, ids), out_specs=stacked)
+
+  def run(saved, rows):
+    with compute_on("device_host"):
+      part = take(saved, rows)
+    return jax.device_put(part, NamedSharding(mesh, stacked))
+
+  return jax.jit(run)
