@@ -20,7 +20,7 @@ from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.index import PrefixIndex, Tier
 
 
-class CapacityError(RuntimeError):
+class CapacityError(ValueError):
   """A request needs more device pages than the cache can ever give it."""
 
 

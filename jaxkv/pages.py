@@ -84,10 +84,14 @@ def pool_shape(mesh: Mesh, config: CacheConfig) -> tuple[int, int, int, int]:
 
 def zeros_pool(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None) -> jax.Array:
   """One layer's pool of zeros, created directly in its sharding (no host copy)."""
+  return _zeros_fn(mesh, config, memory_kind)()
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None):
   shape = pool_shape(mesh, config)
-  make = jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype),
+  return jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype),
                  out_shardings=pool_sharding(mesh, config, memory_kind))
-  return make()
 
 
 # ---- the fused write + attention used by every model layer --------------------------------

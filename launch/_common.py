@@ -53,3 +53,20 @@ def write_json(path: str, obj: dict) -> None:
   with open(path, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
     f.write("\n")
+
+
+def run(main) -> None:
+  """``app.run(main)``, where bad input (a config that does not load, a value that does not
+  validate, a path that cannot be used) ends in one line on stderr and exit status 2,
+  not a traceback. Anything else is a bug and keeps its traceback."""
+  from absl import app
+
+  def guarded(argv):
+    try:
+      return main(argv)
+    except (ValueError, OSError) as e:
+      first = " ".join(str(e).split())  # one line, whatever the message's layout
+      print(f"error: {first}", file=sys.stderr)
+      sys.exit(2)
+
+  app.run(guarded)

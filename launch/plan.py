@@ -5,15 +5,21 @@
   python launch/plan.py --layers=32 --kv_heads=8 --head_dim=128 --dtype=bfloat16 \
       --tokens=32000 --requests=4 --link_gb_per_s=25 --link_latency_ms=0.05 \
       --cost_model=/tmp/costs.json          # a calibrated prefill curve
+  python launch/plan.py --config=configs/llama3_8b_h200.py --tokens=32000
+                                            # model shape and hardware from a config
 
 Prints the three options and the chosen split; --json_out writes t_fetch_s, t_recompute_s,
 decision, split_tokens and t_split_s (1 GB = 1e9 bytes).
 """
 
 from absl import app, flags
+from ml_collections import config_flags
 
 import _common
 
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Optional config (configs/*.py): its model shape, page size and "
+    "hardware section give defaults for the flags below.")
 _KV_BYTES = flags.DEFINE_float("kv_bytes", None, "Total bytes of the cold KV (or give a model "
                                "shape: --layers, --kv_heads, --head_dim, --dtype).")
 _LAYERS = flags.DEFINE_integer("layers", None, "Model layers (with --kv_heads, --head_dim).")
@@ -41,27 +47,43 @@ def main(argv):
   from jaxkv import scheduler as sch
   if _TOKENS.value is None:
     raise app.UsageError("--tokens is required.")
+  cfg = _CONFIG.value
+  layers, kv_heads, head_dim, dtype = (_LAYERS.value, _KV_HEADS.value, _HEAD_DIM.value,
+                                       _DTYPE.value)
+  link, prefill, page = _LINK.value, _PREFILL.value, _PAGE.value
+  latency = _LATENCY.value
+  if cfg is not None:
+    m, hw = cfg.model, cfg.get("hardware", {})
+    layers, kv_heads, head_dim = (layers or m.num_layers, kv_heads or m.num_kv_heads,
+                                  head_dim or m.head_dim)
+    if not flags.FLAGS["dtype"].present:
+      dtype = cfg.cache.get("dtype", m.dtype)
+    if not flags.FLAGS["page_size"].present:
+      page = cfg.cache.page_size
+    link = link if link is not None else hw.get("host_link_gb_per_s")
+    prefill = prefill if prefill is not None else hw.get("prefill_ms_per_1k")
+    if not flags.FLAGS["link_latency_ms"].present:
+      latency = hw.get("host_link_latency_ms", latency)
   kv_bytes = _KV_BYTES.value
   if kv_bytes is None:
-    if None in (_LAYERS.value, _KV_HEADS.value, _HEAD_DIM.value):
+    if None in (layers, kv_heads, head_dim):
       raise app.UsageError("give --kv_bytes, or the model shape --layers, --kv_heads and "
                            "--head_dim.")
-    per_token = 2 * _LAYERS.value * _KV_HEADS.value * _HEAD_DIM.value * jnp.dtype(
-        _DTYPE.value).itemsize
+    per_token = 2 * layers * kv_heads * head_dim * jnp.dtype(dtype).itemsize
     kv_bytes = float(per_token * _TOKENS.value)
   if _COST_MODEL.value:
     costs = sch.CostModel.load(_COST_MODEL.value)
-  elif _PREFILL.value is not None:
-    costs = sch.CostModel(links={}, prefill=sch.PrefillCurve(0.0, _PREFILL.value / 1e6, 0.0),
-                          source="flags")
+  elif prefill is not None:
+    costs = sch.CostModel(links={}, prefill=sch.PrefillCurve(0.0, prefill / 1e6, 0.0),
+                          source="flags" if cfg is None else f"config {cfg.name}")
   else:
     raise app.UsageError("give --prefill_ms_per_1k or --cost_model.")
-  if _LINK.value is not None:
-    costs.links["host_to_device"] = sch.LinkCost(_LATENCY.value / 1e3, _LINK.value * 1e9)
+  if link is not None:
+    costs.links["host_to_device"] = sch.LinkCost(latency / 1e3, link * 1e9)
   if "host_to_device" not in costs.links:
     raise app.UsageError("give --link_gb_per_s (or a cost model that has host_to_device).")
   r = sch.capacity_plan(kv_bytes=kv_bytes, tokens=_TOKENS.value, costs=costs,
-                        requests=_REQUESTS.value, page_size=_PAGE.value,
+                        requests=_REQUESTS.value, page_size=page,
                         context_tokens=_CONTEXT.value)
   print(f"per request: {r['tokens_per_request']} tokens, {r['bytes_per_request'] / 1e9:.3f} GB")
   print(f"  fetch all      {1e3 * r['t_fetch_s']:10.1f} ms")
@@ -75,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run(main)

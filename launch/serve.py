@@ -46,7 +46,11 @@ def main(argv):
   cfg = _CONFIG.value
   _apply_tier_flags(cfg)
   _common.start_jax(cfg)
+  import jax
   from jaxkv import builder, workloads
+  if cfg.get("platform") and jax.default_backend() != cfg.platform:
+    raise ValueError(f"config {cfg.name} is for platform {cfg.platform!r} but this machine runs "
+                     f"{jax.default_backend()!r}; size it with launch/plan.py --config=... instead.")
 
   policies = [_POLICY.value] + ([p for p in builder.POLICIES if p != _POLICY.value]
                                 if _COMPARE.value else [])
@@ -72,12 +76,15 @@ def main(argv):
 
   outputs = {p: [] for p in policies}
   ttft = {p: [] for p in policies}
+  wall_s = {p: 0.0 for p in policies}
   print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
   for turn in range(spec.turns):
     prompts = chat.prompts(turn)
     for p, engine in engines.items():
       before = len(engine.stats()["ttft_s"])
+      t0 = time.perf_counter()
       answers = engine.generate(prompts, spec.max_new_tokens)
+      wall_s[p] += time.perf_counter() - t0
       ttft[p].append(engine.stats()["ttft_s"][before:])
       outputs[p].extend(answers)
     chat.record(turn, outputs[policies[0]][-spec.users:])
@@ -114,11 +121,43 @@ def main(argv):
     result["ttft_speedup_later_turns"] = speedup
     print(f"later turns (1..{spec.turns - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
           f"outputs identical: {result['outputs_match']}")
-  print(f"fetched {stats['blocks_fetched']} blocks, demoted {stats['demoted_host']} to host and "
-        f"{stats['demoted_disk']} to disk, {stats['verify_failures']} failed verification")
-  print(f"hits {stats['hits']}  hit tokens {stats['hit_tokens']}  computed tokens "
-        f"{stats['computed_tokens']}  output_digest {result['output_digest'][:16]}")
+  result["summary"] = _summary({p: e.stats() for p, e in engines.items()}, wall_s)
+  print()
+  print(_summary_table(result["summary"]))
+  print(f"output_digest {result['output_digest']}")
   _common.write_json(_JSON_OUT.value, result)
+
+
+def _summary(stats: dict, wall_s: dict) -> dict:
+  out = {}
+  for p, s in stats.items():
+    t = sorted(s["ttft_s"])
+    pct = lambda q: t[min(len(t) - 1, int(round(q * (len(t) - 1))))]
+    out[p] = {"ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9), "ttft_p99_s": pct(0.99),
+              "tokens_per_s": s["generated_tokens"] / wall_s[p], "hits": s["hits"],
+              "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],
+              "blocks_split": s["blocks_split"], "bytes_moved": s["bytes_moved"],
+              "verify_failures": s["verify_failures"]}
+  return out
+
+
+def _summary_table(summary: dict) -> str:
+  rows = [("TTFT p50 (ms)", lambda v: f"{1e3 * v['ttft_p50_s']:.1f}"),
+          ("TTFT p90 (ms)", lambda v: f"{1e3 * v['ttft_p90_s']:.1f}"),
+          ("TTFT p99 (ms)", lambda v: f"{1e3 * v['ttft_p99_s']:.1f}"),
+          ("throughput (tok/s)", lambda v: f"{v['tokens_per_s']:.1f}"),
+          ("hits device/host/disk", lambda v: "/".join(str(v["hits"][k])
+                                                       for k in ("device", "host", "disk"))),
+          ("blocks fetched", lambda v: str(v["blocks_fetched"])),
+          ("blocks recomputed", lambda v: str(v["blocks_recomputed"])),
+          ("blocks split", lambda v: str(v["blocks_split"])),
+          ("bytes moved", lambda v: f"{v['bytes_moved'] / 2**20:.1f} MiB"),
+          ("verify failures", lambda v: str(v["verify_failures"]))]
+  names = list(summary)
+  lines = [f"{'':24s}" + "".join(f"{n:>14s}" for n in names)]
+  for label, fmt in rows:
+    lines.append(f"{label:24s}" + "".join(f"{fmt(summary[n]):>14s}" for n in names))
+  return "\n".join(lines)
 
 
 def _apply_tier_flags(cfg) -> None:
@@ -134,4 +173,4 @@ def _apply_tier_flags(cfg) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run(main)

@@ -1,0 +1,42 @@
+"""Llama-3-8B shapes on one NVIDIA H200 (141 GB HBM; about 139 GiB usable).
+
+For `launch/serve.py` with random weights on a GPU machine, and for sizing on any machine:
+`python launch/plan.py --config=configs/llama3_8b_h200.py --tokens=32000`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = "llama3_8b_h200"
+  c.platform = "gpu"
+  c.host_device_count = 0
+  c.seed = 0
+  c.mesh = ml_collections.ConfigDict(dict(data=1, model=1))
+  c.model = ml_collections.ConfigDict(dict(
+      name="llama-3-8b-random", vocab_size=128256, hidden_size=4096, num_layers=32,
+      num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16"))
+  # One block = 2 (K,V) x 32 layers x 8 kv heads x 16 tokens x 128 x 2 bytes = 2 MiB.
+  # 48 GiB of HBM for KV (weights take 16 GB, activations the rest): 24576 pages.
+  c.cache = ml_collections.ConfigDict(dict(
+      page_size=16, pages_per_shard=24576, max_pages_per_seq=8192, attention_chunk_pages=32,
+      dtype="bfloat16"))
+  c.engine = ml_collections.ConfigDict(dict(
+      max_seqs_per_shard=32, prefill_chunk_pages=32, cache_decode_blocks=True))
+  # 256 GiB of pinned host memory and a local NVMe directory below it.
+  c.tiers = ml_collections.ConfigDict(dict(
+      host_pages_per_shard=131072, host_memory_kind="pinned_host",
+      disk_kvstore="/mnt/nvme/jaxkv", disk_pages=1 << 20, write_policy="write_back",
+      read_deadline_s=10.0))
+  c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
+  # What the planner assumes before calibration replaces it: PCIe Gen5 x16 (64 GB/s
+  # nominal, ~50 achievable one way) and prefill at 2 x 8e9 FLOPs per token on 989 TFLOP/s
+  # bf16 at 40% utilisation, about 40 ms per 1000 tokens.
+  c.hardware = ml_collections.ConfigDict(dict(
+      host_link_gb_per_s=50.0, host_link_latency_ms=0.02, disk_gb_per_s=6.0,
+      prefill_ms_per_1k=40.0))
+  c.workload = ml_collections.ConfigDict(dict(
+      kind="chat", users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
+      max_new_tokens=256))
+  return c
