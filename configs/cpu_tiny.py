@@ -33,7 +33,18 @@ def get_config() -> ml_collections.ConfigDict:
   # How lower-tier hits come back: "cost" plans fetch / recompute / split from costs
   # calibrated at start-up (see jaxkv.SchedulerConfig for the other policies).
   c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
+  # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
+  # (launch/serve.py) replays recorded requests instead.
   c.workload = ml_collections.ConfigDict(dict(
-      kind="chat", users=8, turns=4, system_prompt_tokens=128, user_tokens=(32, 96),
-      max_new_tokens=16))
+      kind="chat",
+      chat=ml_collections.ConfigDict(dict(
+          users=8, turns=4, system_prompt_tokens=128, user_tokens=(32, 96),
+          max_new_tokens=16)),
+      rag=ml_collections.ConfigDict(dict(
+          requests=8, rounds=4, num_docs=6, doc_tokens=128, docs_per_request=2,
+          system_prompt_tokens=64, question_tokens=(8, 24), max_new_tokens=16)),
+      agent=ml_collections.ConfigDict(dict(
+          agents=4, steps=6, system_prompt_tokens=128, tool_tokens=(32, 96),
+          max_new_tokens=16)),
+      trace=ml_collections.ConfigDict(dict(path=""))))
   return c

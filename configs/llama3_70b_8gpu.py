@@ -34,7 +34,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=200.0, host_link_latency_ms=0.02, disk_gb_per_s=12.0,
       prefill_ms_per_1k=45.0))
+  # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
+  # (launch/serve.py) replays recorded requests instead.
   c.workload = ml_collections.ConfigDict(dict(
-      kind="chat", users=128, turns=8, system_prompt_tokens=4096, user_tokens=(64, 1024),
-      max_new_tokens=256))
+      kind="chat",
+      chat=ml_collections.ConfigDict(dict(
+          users=128, turns=8, system_prompt_tokens=4096, user_tokens=(64, 1024),
+          max_new_tokens=256)),
+      rag=ml_collections.ConfigDict(dict(
+          requests=8, rounds=4, num_docs=6, doc_tokens=128, docs_per_request=2,
+          system_prompt_tokens=64, question_tokens=(8, 24), max_new_tokens=16)),
+      agent=ml_collections.ConfigDict(dict(
+          agents=4, steps=6, system_prompt_tokens=128, tool_tokens=(32, 96),
+          max_new_tokens=16)),
+      trace=ml_collections.ConfigDict(dict(path=""))))
   return c

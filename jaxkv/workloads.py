@@ -3,6 +3,9 @@
 A workload produces the prompts of each round and learns the answers, so later rounds
 can build on them (a chat's history grows with every answer). Everything is a function
 of the seed: two runs with the same seed and the same answers see the same prompts.
+Every workload has ``rounds``, ``max_new_tokens``, ``max_seq_len()``, ``prompts(round)``
+and ``record(round, answers)``: multi-turn chat, RAG over shared documents in varying
+order, an agent loop with a growing context, or a JSONL trace.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Chat:
 
   def __init__(self, spec: ChatSpec):
     self.spec = spec
+    self.rounds = spec.turns
+    self.max_new_tokens = spec.max_new_tokens
     system = self._tokens(-1, -1, spec.system_prompt_tokens)
     self.history = [list(system) for _ in range(spec.users)]
     self._next_turn = 0
@@ -70,9 +75,176 @@ class Chat:
       raise ValueError(f"turn {turn} requested, but turn {self._next_turn} is next.")
     return [h + self._message(u, turn) for u, h in enumerate(self.history)]
 
+  def max_seq_len(self) -> int:
+    return self.spec.max_seq_len()
+
   def record(self, turn: int, answers: list[list[int]]) -> None:
     prompts = self.prompts(turn)
     if len(answers) != len(prompts):
       raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts.")
     self.history = [p + list(a) for p, a in zip(prompts, answers)]
     self._next_turn += 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RagSpec:
+  """Retrieval-augmented requests: each prompt is a system prompt, ``docs_per_request``
+  documents drawn from a shared pool of ``num_docs`` (in varying order), and a question.
+  Only a prefix in the same order is shared, so reuse depends on how orders repeat."""
+
+  requests: int = 8
+  rounds: int = 4
+  num_docs: int = 6
+  doc_tokens: int = 128
+  docs_per_request: int = 2
+  system_prompt_tokens: int = 64
+  question_tokens: tuple[int, int] = (8, 24)
+  max_new_tokens: int = 16
+  vocab_size: int = 256
+  seed: int = 0
+
+  def max_seq_len(self) -> int:
+    return (self.system_prompt_tokens + self.docs_per_request * self.doc_tokens
+            + self.question_tokens[1] + self.max_new_tokens)
+
+
+class Rag:
+  """Drives a ``RagSpec``."""
+
+  def __init__(self, spec: RagSpec):
+    if spec.docs_per_request > spec.num_docs:
+      raise ValueError(f"RagSpec.docs_per_request={spec.docs_per_request} exceeds num_docs="
+                       f"{spec.num_docs}.")
+    self.spec = spec
+    rng = np.random.default_rng([spec.seed, 1])
+    self.system = rng.integers(1, spec.vocab_size, spec.system_prompt_tokens).tolist()
+    self.docs = [rng.integers(1, spec.vocab_size, spec.doc_tokens).tolist()
+                 for _ in range(spec.num_docs)]
+    self.rounds = spec.rounds
+    self.max_new_tokens = spec.max_new_tokens
+
+  def max_seq_len(self) -> int:
+    return self.spec.max_seq_len()
+
+  def prompts(self, turn: int) -> list[list[int]]:
+    s = self.spec
+    out = []
+    for r in range(s.requests):
+      rng = np.random.default_rng([s.seed, 2, turn, r])
+      picks = rng.choice(s.num_docs, s.docs_per_request, replace=False)
+      q = rng.integers(1, s.vocab_size, int(rng.integers(s.question_tokens[0],
+                                                         s.question_tokens[1] + 1))).tolist()
+      out.append(self.system + [t for d in picks for t in self.docs[d]] + q)
+    return out
+
+  def record(self, turn: int, answers) -> None:
+    del turn, answers  # requests do not build on answers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentSpec:
+  """An agent loop: ``agents`` contexts that grow every step by a tool result and the
+  agent's own answer; every step's prompt is the whole context so far."""
+
+  agents: int = 4
+  steps: int = 6
+  system_prompt_tokens: int = 128
+  tool_tokens: tuple[int, int] = (32, 96)
+  max_new_tokens: int = 16
+  vocab_size: int = 256
+  seed: int = 0
+
+  def max_seq_len(self) -> int:
+    return (self.system_prompt_tokens
+            + self.steps * (self.tool_tokens[1] + self.max_new_tokens))
+
+
+class Agent:
+  """Drives an ``AgentSpec``."""
+
+  def __init__(self, spec: AgentSpec):
+    self.spec = spec
+    rng = np.random.default_rng([spec.seed, 3])
+    system = rng.integers(1, spec.vocab_size, spec.system_prompt_tokens).tolist()
+    self.context = [list(system) for _ in range(spec.agents)]
+    self.rounds = spec.steps
+    self.max_new_tokens = spec.max_new_tokens
+
+  def max_seq_len(self) -> int:
+    return self.spec.max_seq_len()
+
+  def _tool(self, agent: int, step: int) -> list[int]:
+    rng = np.random.default_rng([self.spec.seed, 4, agent, step])
+    lo, hi = self.spec.tool_tokens
+    return rng.integers(1, self.spec.vocab_size, int(rng.integers(lo, hi + 1))).tolist()
+
+  def prompts(self, step: int) -> list[list[int]]:
+    return [c + self._tool(a, step) for a, c in enumerate(self.context)]
+
+  def record(self, step: int, answers) -> None:
+    self.context = [p + list(a) for p, a in zip(self.prompts(step), answers)]
+
+
+class Trace:
+  """Requests from a JSONL file, one object per line: ``{"round": 0, "prompt": [1, 2, 3],
+  "max_new_tokens": 16}`` (``tenant`` optional). Rounds run in order."""
+
+  def __init__(self, path: str, vocab_size: int):
+    import json
+    import os
+    if not os.path.isfile(path):
+      raise ValueError(f"trace file {path!r} does not exist; give a JSONL file of requests.")
+    by_round: dict = {}
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          obj = json.loads(line)
+          prompt = [int(t) for t in obj["prompt"]]
+          by_round.setdefault(int(obj.get("round", 0)), []).append(
+              (prompt, int(obj.get("max_new_tokens", 16))))
+        except (ValueError, KeyError, TypeError) as e:
+          raise ValueError(f"trace file {path!r} line {n} is not a request ({e}); each line "
+                           'needs {"prompt": [token ids], "round": int, "max_new_tokens": int}.'
+                           ) from None
+        if any(not 0 <= t < vocab_size for t in prompt):
+          raise ValueError(f"trace file {path!r} line {n} has token ids outside [0, "
+                           f"{vocab_size}).")
+    if not by_round:
+      raise ValueError(f"trace file {path!r} holds no requests.")
+    self._rounds = [by_round[r] for r in sorted(by_round)]
+    self.rounds = len(self._rounds)
+    self.max_new_tokens = max(m for r in self._rounds for _, m in r)
+
+  def prompts(self, turn: int) -> list[list[int]]:
+    return [p for p, _ in self._rounds[turn]]
+
+  def record(self, turn: int, answers) -> None:
+    del turn, answers
+
+  def max_seq_len(self) -> int:
+    return max(len(p) + m for r in self._rounds for p, m in r)
+
+
+def from_config(w, vocab_size: int, seed: int):
+  """A workload from a config's ``workload`` section: ``kind`` picks the type and the
+  sub-section of that name holds its fields (``workload.chat.users``, ...)."""
+  w = dict(w.to_dict() if hasattr(w, "to_dict") else w)
+  kind = w.get("kind", "chat")
+  kinds = {"chat": (ChatSpec, Chat), "rag": (RagSpec, Rag), "agent": (AgentSpec, Agent)}
+  if kind not in kinds and kind != "trace":
+    raise ValueError(f"workload kind={kind!r} is not one of {sorted(kinds) + ['trace']}.")
+  w = dict(w.get(kind) or {})
+  if kind == "trace":
+    return Trace(w.get("path", ""), vocab_size)
+  spec_cls, run_cls = kinds[kind]
+  fields = {f.name for f in dataclasses.fields(spec_cls)}
+  unknown = sorted(set(w) - fields)
+  if unknown:
+    raise ValueError(f"workload {kind} has no fields {unknown}; it takes {sorted(fields)}.")
+  for k, v in w.items():
+    if isinstance(v, list):
+      w[k] = tuple(v)
+  spec = spec_cls(**{**w, "vocab_size": vocab_size, "seed": seed})
+  return run_cls(spec)

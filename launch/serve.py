@@ -20,7 +20,7 @@ import _common
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                            "cpu_tiny.py"), "Config file (see configs/); fields can be overridden, "
-    "e.g. --config.workload.turns=6.")
+    "e.g. --config.workload.chat.turns=6.")
 _POLICY = flags.DEFINE_enum("policy", "jaxkv", ["jaxkv", "nocache"],
                             "jaxkv: reuse cached prefixes; nocache: recompute every prompt.")
 _COMPARE = flags.DEFINE_bool("compare", True, "Also run the other policy side by side.")
@@ -35,6 +35,12 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 _RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
                              "--checkpoint_dir (a warm restart).")
+_TRACE = flags.DEFINE_string("trace", None, "Run requests from this JSONL trace file instead "
+                             "of the config's workload.")
+_PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per policy and tier "
+                            "occupancy over time.")
+_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the counters as a Prometheus "
+                                   "text exposition file.")
 _DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in blocks, with "
                                    "--disk_dir.", lower_bound=1)
 
@@ -55,14 +61,14 @@ def main(argv):
   policies = [_POLICY.value] + ([p for p in builder.POLICIES if p != _POLICY.value]
                                 if _COMPARE.value else [])
   engines = {p: builder.build_engine(cfg, policy=p) for p in policies}
-  w = cfg.workload
-  spec = workloads.ChatSpec(users=w.users, turns=w.turns, system_prompt_tokens=w.system_prompt_tokens,
-                            user_tokens=tuple(w.user_tokens), max_new_tokens=w.max_new_tokens,
-                            vocab_size=cfg.model.vocab_size, seed=cfg.seed)
-  chat = workloads.Chat(spec)
+  if _TRACE.value:
+    with cfg.unlocked():
+      cfg.workload.kind = "trace"
+      cfg.workload.trace.path = _TRACE.value
+  work = workloads.from_config(cfg.workload, cfg.model.vocab_size, cfg.seed)
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
-  engines[policies[0]].warmup(max_seq_len=spec.max_seq_len())
+  engines[policies[0]].warmup(max_seq_len=work.max_seq_len())
   checkpointer = None
   if _CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer
@@ -72,22 +78,25 @@ def main(argv):
       counts = checkpointer.restore()
       print(f"restored step {counts['step']}: {counts['placed']} blocks "
             f"({counts['failed_checksum']} failed their checksum)")
-  print(f"compiled in {time.perf_counter() - t0:.1f} s; {spec.users} users x {spec.turns} turns")
+  print(f"compiled in {time.perf_counter() - t0:.1f} s; workload {cfg.workload.kind}, "
+        f"{work.rounds} rounds")
 
   outputs = {p: [] for p in policies}
   ttft = {p: [] for p in policies}
   wall_s = {p: 0.0 for p in policies}
+  occupancy = []  # blocks cached per tier after every round (main policy)
   print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
-  for turn in range(spec.turns):
-    prompts = chat.prompts(turn)
+  for turn in range(work.rounds):
+    prompts = work.prompts(turn)
     for p, engine in engines.items():
       before = len(engine.stats()["ttft_s"])
       t0 = time.perf_counter()
-      answers = engine.generate(prompts, spec.max_new_tokens)
+      answers = engine.generate(prompts, work.max_new_tokens)
       wall_s[p] += time.perf_counter() - t0
       ttft[p].append(engine.stats()["ttft_s"][before:])
       outputs[p].extend(answers)
-    chat.record(turn, outputs[policies[0]][-spec.users:])
+    work.record(turn, outputs[policies[0]][-len(prompts):])
+    occupancy.append(_occupancy(engines[policies[0]]))
     mean_prompt = statistics.mean(len(x) for x in prompts)
     print(f"{turn:>4} {mean_prompt:>10.0f} "
           + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in policies))
@@ -114,25 +123,76 @@ def main(argv):
     other = policies[1]
     later = lambda p: statistics.mean(t for turn in ttft[p][1:] for t in turn)
     reuse, nocache = ("jaxkv", "nocache")
-    speedup = later(nocache) / later(reuse) if spec.turns > 1 else float("nan")
+    speedup = later(nocache) / later(reuse) if work.rounds > 1 else float("nan")
     result["baseline"] = {"policy": other, "ttft_s": engines[other].stats()["ttft_s"],
                           "output_digest": _common.token_digest(outputs[other])}
     result["outputs_match"] = outputs[reuse] == outputs[nocache]
     result["ttft_speedup_later_turns"] = speedup
-    print(f"later turns (1..{spec.turns - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
+    print(f"later turns (1..{work.rounds - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
           f"outputs identical: {result['outputs_match']}")
   result["summary"] = _summary({p: e.stats() for p, e in engines.items()}, wall_s)
+  result["tier_occupancy_blocks"] = occupancy
   print()
   print(_summary_table(result["summary"]))
   print(f"output_digest {result['output_digest']}")
   _common.write_json(_JSON_OUT.value, result)
+  if _METRICS_OUT.value:
+    from jaxkv import metrics
+    metrics.write_prometheus(_METRICS_OUT.value, stats, labels={"config": cfg.name})
+  if _PLOT.value:
+    _plot(_PLOT.value, ttft, occupancy, cfg.name)
+    print(f"plot written to {_PLOT.value}")
+
+
+def _occupancy(engine) -> dict:
+  from jaxkv.index import TIER_NAMES, Tier
+  index = engine.cache.index
+  out = {}
+  for tier in (Tier.DEVICE, Tier.HOST):
+    out[TIER_NAMES[tier]] = sum(index.num_cached(s, tier) for s in range(engine.cache.num_shards))
+  out["disk"] = index.num_cached(0, Tier.DISK)
+  return out
+
+
+def _plot(path: str, ttft: dict, occupancy: list, title: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise ValueError("--plot needs matplotlib: pip install matplotlib (or the [plot] extra).")
+  from matplotlib.ticker import MaxNLocator
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for ax in (ax1, ax2):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  for p, turns in ttft.items():
+    ax1.plot(range(len(turns)), [1e3 * statistics.mean(t) for t in turns], marker="o", label=p)
+  ax1.set_xlabel("turn")
+  ax1.set_ylabel("mean TTFT (ms)")
+  ax1.set_title("Time to first token by turn")
+  ax1.set_ylim(bottom=0)
+  ax1.legend()
+  ax1.grid(alpha=0.3)
+  rounds = range(len(occupancy))
+  for tier in ("device", "host", "disk"):
+    ax2.plot(rounds, [o[tier] for o in occupancy], marker="s", label=tier)
+  ax2.set_xlabel("turn (after)")
+  ax2.set_ylabel("cached blocks")
+  ax2.set_title("Tier occupancy (jaxkv)")
+  ax2.set_ylim(bottom=0)
+  ax2.legend()
+  ax2.grid(alpha=0.3)
+  fig.suptitle(f"jaxkv serve — {title}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def _summary(stats: dict, wall_s: dict) -> dict:
+  from jaxkv.metrics import percentile
   out = {}
   for p, s in stats.items():
-    t = sorted(s["ttft_s"])
-    pct = lambda q: t[min(len(t) - 1, int(round(q * (len(t) - 1))))]
+    pct = lambda q, s=s: percentile(s["ttft_s"], q)
     out[p] = {"ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9), "ttft_p99_s": pct(0.99),
               "tokens_per_s": s["generated_tokens"] / wall_s[p], "hits": s["hits"],
               "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],

@@ -129,9 +129,9 @@ def test_restore_in_a_new_process_and_after_a_save_killed_midway(mesh, tmp_path)
 def test_serve_restarts_warm(tmp_path):
   """launch/serve.py --checkpoint_dir, then --restore: the second run reuses the first."""
   import json
-  small = ["--config.workload.users=4", "--config.workload.turns=2",
-           "--config.workload.system_prompt_tokens=40", "--config.workload.user_tokens=(8, 30)",
-           "--config.workload.max_new_tokens=6", "--config.model.num_layers=2", "--nocompare",
+  small = ["--config.workload.chat.users=4", "--config.workload.chat.turns=2",
+           "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.user_tokens=(8, 30)",
+           "--config.workload.chat.max_new_tokens=6", "--config.model.num_layers=2", "--nocompare",
            f"--checkpoint_dir={tmp_path / 'ckpt'}"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   runs = []

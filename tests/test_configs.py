@@ -57,7 +57,7 @@ def test_serve_refuses_a_gpu_config_on_cpu_in_one_line():
 @pytest.mark.parametrize("flags,needle", [
     (["--config=configs/nope.py"], "nope.py"),
     (["--device_pages=-4"], "device_pages"),
-    (["--disk_dir=/proc/jaxkv-nope", "--config.workload.turns=1"], "cannot be created"),
+    (["--disk_dir=/proc/jaxkv-nope", "--config.workload.chat.turns=1"], "cannot be created"),
     (["--config.cache.page_size=0"], "page_size=0"),
 ])
 def test_bad_flags_give_one_clear_line(flags, needle):

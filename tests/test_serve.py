@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--config.workload.users=4", "--config.workload.turns=3",
-         "--config.workload.system_prompt_tokens=40", "--config.workload.user_tokens=(8, 30)",
-         "--config.workload.max_new_tokens=6", "--config.model.num_layers=2",
+SMALL = ["--config.workload.chat.users=4", "--config.workload.chat.turns=3",
+         "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.user_tokens=(8, 30)",
+         "--config.workload.chat.max_new_tokens=6", "--config.model.num_layers=2",
          "--config.model.hidden_size=64", "--config.cache.max_pages_per_seq=16"]
 
 
@@ -32,3 +32,41 @@ def test_serve_default_and_nocache_give_the_same_output_digest(tmp_path):
   assert both["machine"]["devices"] and len(both["machine"]["devices"]) == 8
   assert both["ttft_speedup_later_turns"] > 0
   assert "TTFT" in stdout and "output_digest" in stdout
+
+
+def test_serve_plot_metrics_and_other_workloads(tmp_path):
+  import matplotlib.image as mpimg
+  import numpy as np
+  png, prom = tmp_path / "serve.png", tmp_path / "metrics.prom"
+  trace = tmp_path / "trace.jsonl"
+  lines = [json.dumps({"round": r, "prompt": list(range(1 + r, 40 + 5 * u)), "max_new_tokens": 4})
+           for r in range(2) for u in range(3)]
+  trace.write_text("\n".join(lines) + "\n")
+  result, stdout = serve(tmp_path, "trace", f"--trace={trace}", f"--plot={png}",
+                         f"--metrics_out={prom}")
+  assert result["outputs_match"] is True and len(result["ttft_s"]) == 6
+  assert result["tier_occupancy_blocks"][-1]["device"] > 0
+  img = mpimg.imread(str(png))
+  assert img.shape[0] > 300 and img.shape[1] > 800  # two panels side by side
+  rgb = (img[..., :3] * 255).astype(int).reshape(-1, 3)
+  blue = np.abs(rgb - np.array([31, 119, 180])).sum(axis=1) < 30  # the first series' colour
+  orange = np.abs(rgb - np.array([255, 127, 14])).sum(axis=1) < 30
+  assert blue.sum() > 200 and orange.sum() > 200  # both policies are drawn
+  text = prom.read_text()
+  assert 'jaxkv_block_hits_total{config="cpu_tiny",tier="device"}' in text
+  assert "jaxkv_ttft_seconds_count" in text and "# TYPE jaxkv_requests_total counter" in text
+  rag, _ = serve(tmp_path, "rag", "--config.workload.kind=rag", "--config.workload.rag.rounds=2",
+                 "--config.workload.rag.doc_tokens=48", "--nocompare")
+  assert rag["hits"]["device"] > 0  # the system prompt and same-order documents
+  agent, _ = serve(tmp_path, "agent", "--config.workload.kind=agent",
+                   "--config.workload.agent.steps=3", "--config.workload.agent.tool_tokens=(16, 40)",
+                   "--config.workload.agent.system_prompt_tokens=48",
+                   "--nocompare")
+  assert agent["hits"]["device"] > agent["stats"]["prompt_tokens"] / 16 / 3
+
+
+def test_bad_trace_file_is_one_line(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "launch/serve.py", f"--trace={tmp_path / 'no.jsonl'}"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "trace file" in proc.stderr and "Traceback" not in proc.stderr
