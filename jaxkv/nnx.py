@@ -28,6 +28,7 @@ sequence. It is a frozen pytree; the mesh and config ride along as static fields
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,20 @@ class KVPages(nnx.Cache):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StreamBatch:
+  """Sequences longer than the device holds: which table entries are hot (on device)
+  and which pages to stream from the host pool (see ``jaxkv.ops.streamed``)."""
+
+  block_valid: jax.Array  # [B, pages_per_seq] bool: the entry's page is on device
+  host_pool: jax.Array  # the host tier's pool (raw bits, host memory kind)
+  cold_slots: jax.Array  # [B, C] int32 host slots of the cold pages, oldest first
+  cold_first: jax.Array  # [B] int32 logical block of the first cold page
+  cold_count: jax.Array  # [B] int32 cold pages in use
+  pages_per_chunk: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PageBatch:
   """What every paged-attention layer needs to know about the current step."""
 
@@ -52,6 +67,7 @@ class PageBatch:
   kv_lens: jax.Array  # [B] int32 valid KV tokens after this step's write
   mesh: Mesh = dataclasses.field(metadata=dict(static=True))
   config: CacheConfig = dataclasses.field(metadata=dict(static=True))
+  stream: StreamBatch | None = None
 
 
 class PagedKV(nnx.Module):
@@ -60,6 +76,8 @@ class PagedKV(nnx.Module):
   def __init__(self, *, num_kv_heads: int, head_dim: int):
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
+    self.k_index = -1  # where this layer's K and V sit among the cache's page arrays
+    self.v_index = -1  # (set by init_pages; used to find them in the host pool)
     empty = jnp.zeros((num_kv_heads, 0, 1, head_dim), jnp.float32)
     self.k_pages = KVPages(empty)
     self.v_pages = KVPages(empty)
@@ -73,9 +91,16 @@ class PagedKV(nnx.Module):
     if k.shape[2:] != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
       raise ValueError(f"k/v must be [B, T, {self.num_kv_heads}, {self.head_dim}]; "
                        f"got k {k.shape}, v {v.shape}.")
+    stream = None
+    if batch.stream is not None:
+      st = batch.stream
+      stream = types.SimpleNamespace(
+          block_valid=st.block_valid, host_pool=st.host_pool, cold_slots=st.cold_slots,
+          cold_first=st.cold_first, cold_count=st.cold_count,
+          pages_per_chunk=st.pages_per_chunk, k_index=self.k_index, v_index=self.v_index)
     out, k_pages, v_pages = pages_lib.write_and_attend(
         q, k, v, k_pages, v_pages, batch.page_table, batch.positions, batch.kv_lens,
-        mesh=batch.mesh, config=batch.config)
+        mesh=batch.mesh, config=batch.config, stream=stream)
     self.k_pages.set_value(k_pages)
     self.v_pages.set_value(v_pages)
     return out
@@ -103,3 +128,9 @@ def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
   for layer in layers:
     layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config))
     layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config))
+  # The order of the page arrays in the flattened cache state is the order of the
+  # stacks the tiers move (gather_stacked): remember where each layer's K and V are.
+  order = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(nnx.state(model, KVPages)))}
+  for layer in layers:
+    layer.k_index = order[id(layer.k_pages.get_value())]
+    layer.v_index = order[id(layer.v_pages.get_value())]

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import CacheConfig
-from jaxkv.ops import chunked
+from jaxkv.ops import chunked, streamed
 from jaxkv.ops import reference
 
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
@@ -96,30 +96,45 @@ def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None):
 
 # ---- the fused write + attention used by every model layer --------------------------------
 def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *,
-                     mesh: Mesh, config: CacheConfig):
+                     mesh: Mesh, config: CacheConfig, stream=None):
   """Writes this step's K/V into the pages, then attends over them. Traced inside jit.
 
   q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D]; pages: one layer's pool;
   page_table: [B, M] shard-local ids; positions: [B, T] (-1 = padding); kv_lens: [B].
+  ``stream``: for sequences longer than the device holds, a ``StreamArgs`` naming the
+  hot entries of the table and the cold pages to stream from the host pool.
   Returns (out [B, T, Hq, D], k_pages, v_pages).
   """
   heads = P(config.data_axis, None, config.model_axis, None)
   rows = P(config.data_axis, None)
+  row = P(config.data_axis)
+  pool = pool_spec(config)
 
-  def local(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens):
+  def local(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *extra):
     k_pages = reference.write_pages_reference(k_pages, k_new, page_table, positions)
     v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions)
-    out = chunked.paged_attention(q, k_pages, v_pages, page_table, positions, kv_lens,
-                                        pages_per_chunk=config.attention_chunk_pages)
-    return out, k_pages, v_pages
+    qg, state = chunked.init_state(q, k_pages.shape[0])
+    block_valid = extra[0] if extra else None
+    state = chunked.paged_state(state, qg, k_pages, v_pages, page_table, positions, kv_lens,
+                                pages_per_chunk=config.attention_chunk_pages,
+                                block_valid=block_valid)
+    if extra:
+      _, host_pool, slots, first, count = extra
+      state = streamed.stream_state(state, qg, host_pool, stream.k_index, stream.v_index,
+                                    slots, first, count, positions, kv_lens,
+                                    pages_per_chunk=stream.pages_per_chunk,
+                                    dtype=k_pages.dtype)
+    return chunked.finish(state, q), k_pages, v_pages
 
-  fn = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(heads, heads, heads, pool_spec(config), pool_spec(config), rows, rows,
-                P(config.data_axis)),
-      out_specs=(heads, pool_spec(config), pool_spec(config)),
-  )
-  return fn(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens)
+  in_specs = [heads, heads, heads, pool, pool, rows, rows, row]
+  args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens]
+  if stream is not None:
+    in_specs += [rows, stacked_spec(config), rows, row, row]
+    args += [stream.block_valid, stream.host_pool, stream.cold_slots, stream.cold_first,
+             stream.cold_count]
+  fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                     out_specs=(heads, pool, pool), check_vma=stream is None)
+  return fn(*args)
 
 
 # ---- whole-page moves (tiers use these) ---------------------------------------------------

@@ -23,51 +23,96 @@ import jax.numpy as jnp
 from jaxkv.ops.reference import check_shapes
 
 
-def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                    pages_per_chunk: int = 8, scale: float | None = None):
-  """Attention of ``q`` over each sequence's pages. Returns ``q``'s shape and dtype."""
-  check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
-  if pages_per_chunk <= 0:
-    raise ValueError(f"{pages_per_chunk=} must be positive.")
+def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
+  """Folds one chunk of keys/values into the running (max, sum, weighted sum).
+
+  qg: [B, T, H, G, D] scaled float32 queries; k, v: [H, B, L, D]; kpos: [B or 1, L]
+  absolute key positions; qpos: [B, T]; lens: [B]; valid: optional [B, L] bool.
+  A chunk whose keys are all masked leaves the state bit-for-bit unchanged.
+  """
+  m, l, acc = state  # [B, H, G, T, 1], [B, H, G, T, 1], [B, H, G, T, D]
+  s = jnp.einsum("bthgd,hbld->bhgtl", qg, k.astype(jnp.float32))
+  kp = kpos[:, None, None, None, :]
+  mask = (kp <= qpos[:, None, None, :, None]) & (kp < lens[:, None, None, None, None])
+  if valid is not None:
+    mask = mask & valid[:, None, None, None, :]
+  s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+  p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
+  l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+  acc = acc * alpha + jnp.einsum("bhgtl,hbld->bhgtd", p, v.astype(jnp.float32))
+  return m_new, l, acc
+
+
+def init_state(q, num_kv_heads: int, scale: float | None = None):
+  """Scaled grouped queries ``[B, T, H, G, D]`` and an empty (max, sum, acc) state.
+
+  The state is built with ``*_like`` from q, so it carries q's sharding / varying axes
+  when this runs inside ``shard_map``.
+  """
   batch, q_len, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
+  if scale is None:
+    scale = head_dim ** -0.5
+  qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+  acc0 = jnp.zeros_like(jnp.moveaxis(qg, 1, 3))  # [B, H, G, T, D]
+  return qg, (jnp.full_like(acc0[..., :1], -jnp.inf), jnp.zeros_like(acc0[..., :1]), acc0)
+
+
+def finish(state, q):
+  """Normalises the running state into attention output of ``q``'s shape and dtype."""
+  _, l, acc = state
+  out = acc / jnp.maximum(l, 1e-30)  # fully masked (padding) rows: 0
+  out = out.transpose(0, 3, 1, 2, 4)  # [B, T, H, G, D]
+  return out.reshape(q.shape).astype(q.dtype)
+
+
+def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
+                pages_per_chunk: int, block_valid=None):
+  """Folds every page of ``page_table`` into ``state``, ``pages_per_chunk`` at a time.
+
+  ``block_valid`` ([B, M] bool, optional) masks whole table entries: a sequence whose
+  older pages live in a lower tier marks those entries invalid here and streams them.
+  """
+  batch = page_table.shape[0]
+  num_kv_heads, _, page_size, head_dim = k_pages.shape
   width = page_table.shape[1]
   num_chunks = -(-width // pages_per_chunk)
   pad = num_chunks * pages_per_chunk - width
   if pad:  # padded entries point at page 0 and are masked by position
     page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
-  if scale is None:
-    scale = head_dim ** -0.5
+    if block_valid is not None:
+      block_valid = jnp.pad(block_valid, ((0, 0), (0, pad)))
   chunk_tokens = pages_per_chunk * page_size
   # [chunks, batch, pages_per_chunk]: the scan walks the leading axis.
   tables = page_table.reshape(batch, num_chunks, pages_per_chunk).transpose(1, 0, 2)
-  qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
-  qpos = q_positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
-  lens = kv_lens[:, None, None, None, None]
+  if block_valid is None:
+    valids = jnp.ones_like(tables, dtype=bool)
+  else:
+    valids = block_valid.reshape(batch, num_chunks, pages_per_chunk).transpose(1, 0, 2)
 
   def step(carry, xs):
-    m, l, acc = carry  # [B, H, G, T, 1], [B, H, G, T, 1], [B, H, G, T, D]
-    table, c = xs
+    table, valid, c = xs
     k = k_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     v = v_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
-    s = jnp.einsum("bthgd,hbld->bhgtl", qg, k.astype(jnp.float32))
-    kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None, None, None, None]
-    mask = (kpos <= qpos) & (kpos < lens)
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-    p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
-    l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
-    acc = acc * alpha + jnp.einsum("bhgtl,hbld->bhgtd", p, v.astype(jnp.float32))
-    return (m_new, l, acc), None
+    kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None]
+    tok_valid = jnp.repeat(valid, page_size, axis=1)
+    return _merge(carry, qg, k, v, kpos, q_positions, kv_lens,
+                  None if block_valid is None else tok_valid), None
 
-  # Initial state built with *_like from q, so it carries q's sharding/varying axes when
-  # this runs inside shard_map.
-  acc0 = jnp.zeros_like(jnp.moveaxis(qg, 1, 3))  # [B, H, G, T, D]
-  init = (jnp.full_like(acc0[..., :1], -jnp.inf), jnp.zeros_like(acc0[..., :1]), acc0)
-  (_, l, acc), _ = jax.lax.scan(step, init, (tables, jnp.arange(num_chunks, dtype=jnp.int32)))
-  out = acc / jnp.maximum(l, 1e-30)  # fully masked (padding) rows: 0
-  out = out.transpose(0, 3, 1, 2, 4)  # [B, T, H, G, D]
-  return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
+  state, _ = jax.lax.scan(step, state, (tables, valids, jnp.arange(num_chunks, dtype=jnp.int32)))
+  return state
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
+                    pages_per_chunk: int = 8, scale: float | None = None, block_valid=None):
+  """Attention of ``q`` over each sequence's pages. Returns ``q``'s shape and dtype."""
+  check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
+  if pages_per_chunk <= 0:
+    raise ValueError(f"{pages_per_chunk=} must be positive.")
+  qg, state = init_state(q, k_pages.shape[0], scale)
+  state = paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
+                      pages_per_chunk=pages_per_chunk, block_valid=block_valid)
+  return finish(state, q)
