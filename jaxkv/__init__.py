@@ -7,7 +7,7 @@ attention). Everything else is internal.
 
 from jaxkv import executor, models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, StreamConfig, TierConfig
 from jaxkv.engine import Engine
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
@@ -26,6 +26,7 @@ __all__ = [
     "PrefillCurve",
     "PrefixIndex",
     "SchedulerConfig",
+    "StreamConfig",
     "plan",
     "Tier",
     "TierConfig",

@@ -232,3 +232,27 @@ class SchedulerConfig:
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
                f"SchedulerConfig.{name}={v!r} must be an integer >= 0.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+  """Sequences longer than a device pool holds: which pages stay on device, how the rest
+  is streamed from the host tier.
+
+  ``sink_pages``: the first pages of the sequence stay on device (attention sinks, a
+  system prompt); ``window_pages``: the most recent pages stay on device; every page in
+  between lives in host memory and is streamed through attention ``chunk_pages`` at a
+  time, at most two chunks per layer in flight (the device staging budget).
+  ``max_cold_pages``: the most host pages one sequence may hold.
+  """
+
+  sink_pages: int = 1
+  window_pages: int = 8
+  chunk_pages: int = 4
+  max_cold_pages: int = 4096
+
+  def __post_init__(self):
+    for name in ("window_pages", "chunk_pages", "max_cold_pages"):
+      _positive_int(self, name)
+    _require(isinstance(self.sink_pages, int) and self.sink_pages >= 0,
+             f"StreamConfig.sink_pages={self.sink_pages!r} must be an integer >= 0.")

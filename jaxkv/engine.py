@@ -41,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import nnx as kvnnx
 from jaxkv.cache import CapacityError, KVCache
+from jaxkv import pages as pages_lib
 from jaxkv import scheduler as sched
-from jaxkv.config import EngineConfig, SchedulerConfig
+from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig
 from jaxkv.executor import Fetch, TierMover
 from jaxkv.index import TIER_NAMES, Tier
 
@@ -59,6 +60,7 @@ class _Request:
   tenant: str
   keys: list  # block keys of the prompt's full blocks
   num_pages_needed: int  # KV is written for the prompt and all generated tokens but the last
+  streamed: bool = False  # longer than a device pool holds: cold pages stream from host
   shard: int = -1
   row: int = -1
   pages: list = dataclasses.field(default_factory=list)  # device pages, one per block
@@ -84,24 +86,25 @@ class _Steps:
     self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
     self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
 
-  def _forward(self, pages, rest, tokens, page_table, positions, kv_lens):
+  def _forward(self, pages, rest, tokens, page_table, positions, kv_lens, stream=None):
     model = nnx.merge(self.graphdef, pages, rest)
     batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
-                            mesh=self.mesh, config=self.config)
+                            mesh=self.mesh, config=self.config, stream=stream)
     logits = model(tokens, batch)
     return logits, nnx.state(model, kvnnx.KVPages)
 
   def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
-                    select_idx, select_mask):
-    self.trace_counts[("prefill", tokens.shape, page_table.shape)] += 1
-    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens)
+                    select_idx, select_mask, stream=None):
+    self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream)
     selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
     next_tokens = jnp.argmax(selected, axis=-1).astype(jnp.int32)
     return pages, jnp.where(select_mask, next_tokens, carry), selected
 
-  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens):
-    self.trace_counts[("decode", carry.shape, page_table.shape)] += 1
-    logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens)
+  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, stream=None):
+    self.trace_counts[("decode", carry.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
+                                  stream)
     selected = logits[:, 0]
     return pages, jnp.argmax(selected, axis=-1).astype(jnp.int32), selected
 
@@ -116,6 +119,18 @@ class _Steps:
     return int(out[2].shape[-1])
 
 
+@dataclasses.dataclass
+class _StreamState:
+  free: list  # device pages not holding a block of the sequence
+  block_page: dict  # logical block -> device page (the hot blocks)
+  cold: list  # host slots of the cold blocks, oldest first (blocks sink, sink+1, ...)
+  dev: list  # every device page the sequence holds
+
+
+def _stream_key(stream):
+  return None if stream is None else tuple(stream.cold_slots.shape)
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_steps(graphdef, mesh, config) -> _Steps:
   return _Steps(graphdef, mesh, config)
@@ -125,7 +140,8 @@ class Engine:
   """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
 
   def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None, *,
-               scheduler: SchedulerConfig | None = None, costs: sched.CostModel | None = None):
+               scheduler: SchedulerConfig | None = None, costs: sched.CostModel | None = None,
+               stream: StreamConfig | None = None):
     if not isinstance(cache, KVCache):
       raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
     self.cache = cache
@@ -134,6 +150,17 @@ class Engine:
     if costs is None and self.scheduler.cost_model_path:
       costs = sched.CostModel.load(self.scheduler.cost_model_path)
     self.costs = costs
+    self.stream = stream
+    if stream is not None:
+      need = stream.sink_pages + stream.window_pages + self.config.prefill_chunk_pages
+      if need > cache.config.pages_per_shard:
+        raise ValueError(
+            f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
+            f"{stream.window_pages} + a prefill chunk of {self.config.prefill_chunk_pages} "
+            f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
+      if cache.host is None:
+        raise ValueError("StreamConfig needs a host tier to stream from: set "
+                         "TierConfig(host_pages_per_shard=...).")
     self.mesh = cache.mesh
     cfg = cache.config
     cache.attach(model)
@@ -311,10 +338,13 @@ class Engine:
     requests = self._validate(prompts, max_new_tokens, tenant)
     outputs: list = [None] * len(requests)
     logits_out: list = [None] * len(requests)
-    pending = collections.deque(requests)
+    long = [r for r in requests if r.streamed]
+    pending = collections.deque(r for r in requests if not r.streamed)
     while pending:
       wave = self._admit(pending)
       self._run_wave(wave, t_start, outputs, logits_out if return_logits else None)
+    for r in long:
+      self._run_stream(r, t_start, outputs, logits_out if return_logits else None)
     if return_logits:
       return outputs, logits_out
     return outputs
@@ -346,28 +376,46 @@ class Engine:
         raise ValueError(f"prompt {i} token {j} is {int(arr[j])}, outside the vocabulary "
                          f"[0, {self.vocab_size}).")
       total = len(arr) + max_new_tokens - 1
-      if total > c.max_seq_len:
-        raise ValueError(
-            f"prompt {i} has {len(arr)} tokens + max_new_tokens={max_new_tokens} needs KV for "
-            f"{total} tokens, more than a sequence can hold (max_pages_per_seq="
-            f"{c.max_pages_per_seq} x page_size={c.page_size} = {c.max_seq_len}). Shorten the "
-            "prompt, lower max_new_tokens or raise max_pages_per_seq.")
+      streamed = total > c.max_seq_len
+      if streamed:
+        self._check_streamable(i, len(arr), max_new_tokens, total)
       tokens = arr.astype(np.int32)
-      keys = self.cache.index.block_keys(tokens, tenant) if self.config.prefix_reuse else []
+      keys = (self.cache.index.block_keys(tokens, tenant)
+              if self.config.prefix_reuse and not streamed else [])
       req = _Request(index=i, tokens=tokens, max_new_tokens=int(max_new_tokens), tenant=tenant,
-                     keys=keys, num_pages_needed=-(-total // c.page_size))
+                     keys=keys, num_pages_needed=-(-total // c.page_size), streamed=streamed)
       requests.append(req)
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
     index = self.cache.index
     room = max(index.num_available(s) for s in range(self.cache.num_shards))
     for req in requests:
-      if req.num_pages_needed > room:
+      if not req.streamed and req.num_pages_needed > room:
         raise CapacityError(
             f"prompt {req.index} needs {req.num_pages_needed} device pages but at most {room} "
             f"are free or evictable on any shard (pages_per_shard={c.pages_per_shard}); "
             "release pinned blocks or raise pages_per_shard.")
     return requests
+
+  def _check_streamable(self, i: int, prompt_len: int, max_new_tokens: int, total: int) -> None:
+    """Refuses, before any work, a sequence that even the lower tiers cannot hold."""
+    c, st = self.cache.config, self.stream
+    if st is None:
+      raise ValueError(
+          f"prompt {i} has {prompt_len} tokens + max_new_tokens={max_new_tokens} needs KV for "
+          f"{total} tokens, more than a sequence can hold (max_pages_per_seq="
+          f"{c.max_pages_per_seq} x page_size={c.page_size} = {c.max_seq_len}). Shorten the "
+          "prompt, lower max_new_tokens, raise max_pages_per_seq, or stream long contexts "
+          "from host memory (Engine(..., stream=jaxkv.StreamConfig(...))).")
+    cold = -(-total // c.page_size) - st.sink_pages - st.window_pages
+    room = min(st.max_cold_pages, max(self.cache.index.num_available(s, Tier.HOST)
+                                      for s in range(self.cache.num_shards)))
+    if cold > room:
+      raise CapacityError(
+          f"prompt {i} needs {cold} pages in host memory beyond the {st.sink_pages} sink and "
+          f"{st.window_pages} window pages on device, but a shard can give it {room} "
+          f"(StreamConfig.max_cold_pages={st.max_cold_pages}, host pages free or evictable); "
+          "raise host_pages_per_shard or max_cold_pages, or shorten the request.")
 
   def _admit(self, pending: collections.deque) -> list[_Request]:
     index = self.cache.index
@@ -708,6 +756,132 @@ class Engine:
       return
     longest = max(ranges.values(), key=lambda ab: ab[1] - ab[0])
     self.costs.observe_prefill(longest[1] - longest[0], longest[0], seconds)
+
+  # ---- long sequences: hot pages on device, cold pages streamed from host ----------------
+  def _run_stream(self, r: _Request, t_start: float, outputs, logits_out) -> None:
+    """Prefills and decodes one sequence longer than the device pool holds.
+
+    Its first ``sink_pages`` and latest ``window_pages`` pages stay on device; when the
+    window moves on, its oldest page is copied to a host slot and its device page reused.
+    Every step attends over the hot pages and streams the cold ones from host memory.
+    The sequence's blocks are not published for reuse.
+    """
+    c, st, index = self.cache.config, self.stream, self.cache.index
+    shards, page = self.cache.num_shards, c.page_size
+    shard = max(range(shards), key=lambda s: (index.num_available(s, Tier.HOST), -s))
+    n_dev = st.sink_pages + st.window_pages + self.config.prefill_chunk_pages
+    dev = index.allocate(shard, n_dev)
+    if dev is None:
+      raise CapacityError(f"shard {shard} cannot give {n_dev} device pages to a streamed "
+                          "sequence now; pages are held elsewhere.")
+    state = _StreamState(free=list(dev), block_page={}, cold=[], dev=list(dev))
+    width = _pow2_at_least(r.num_pages_needed)
+    r.shard, r.row = shard, shard  # one row per shard; this one is ours
+    try:
+      carry = self._put_rows(np.zeros((shards,), np.int32))
+      chunk = self.config.prefill_chunk_pages * page
+      for a in range(0, len(r.tokens), chunk):
+        b = min(a + chunk, len(r.tokens))
+        self._stream_make_room(r, state, a // page, -(-b // page))
+        tokens = np.zeros((shards, chunk), np.int32)
+        positions = np.full((shards, chunk), -1, np.int32)
+        kv_lens = np.zeros((shards,), np.int32)
+        tokens[shard, :b - a] = r.tokens[a:b]
+        positions[shard, :b - a] = np.arange(a, b)
+        kv_lens[shard] = b
+        last = b == len(r.tokens)
+        sel = np.zeros((shards,), np.int32)
+        mask = np.zeros((shards,), bool)
+        sel[shard], mask[shard] = b - a - 1, last
+        table, stream = self._stream_batch(r, state, width)
+        self._pages, carry, selected = self._prefill(
+            self._pages, self._rest, self._put_rows(tokens), carry, table,
+            self._put_rows(positions), self._put_rows(kv_lens), self._put_rows(sel),
+            self._put_rows(mask), stream)
+        self._stats["prefill_steps"] += 1
+      carry.block_until_ready()
+      self._ttft.append(time.perf_counter() - t_start)
+      produced, logits = [carry], [np.asarray(selected)[shard]] if logits_out is not None else []
+      for step in range(1, r.max_new_tokens):
+        pos = len(r.tokens) + step - 1
+        self._stream_make_room(r, state, pos // page, pos // page + 1)
+        positions = np.full((shards, 1), -1, np.int32)
+        kv_lens = np.zeros((shards,), np.int32)
+        positions[shard, 0], kv_lens[shard] = pos, pos + 1
+        table, stream = self._stream_batch(r, state, width)
+        self._pages, carry, selected = self._decode(
+            self._pages, self._rest, carry, table, self._put_rows(positions),
+            self._put_rows(kv_lens), stream)
+        self._stats["decode_steps"] += 1
+        produced.append(carry)
+        if logits_out is not None:
+          logits.append(np.asarray(selected)[shard])
+      tokens_out = np.asarray(jnp.stack(produced, axis=1))[shard].tolist()
+    finally:
+      index.release(shard, state.dev)
+      index.release(shard, state.cold, Tier.HOST)
+    outputs[r.index] = tokens_out
+    if logits_out is not None:
+      logits_out[r.index] = np.stack(logits)
+    self._stats["requests"] += 1
+    self._stats["streamed_requests"] += 1
+    self._stats["prompt_tokens"] += len(r.tokens)
+    self._stats["computed_tokens"] += len(r.tokens)
+    self._stats["generated_tokens"] += r.max_new_tokens
+    self._stats["streamed_pages"] += len(state.cold)
+
+  def _stream_make_room(self, r: _Request, state, lo: int, hi: int) -> None:
+    """Gives blocks ``[lo, hi)`` device pages, moving the oldest window pages to host."""
+    st, index, c = self.stream, self.cache.index, self.cache.config
+    need = [j for j in range(lo, hi) if j not in state.block_page]
+    short = len(need) - len(state.free)
+    if short > 0:
+      movable = sorted(j for j in state.block_page if j >= st.sink_pages and j < lo)
+      victims = movable[:short]
+      if len(victims) < short:
+        raise CapacityError("a streamed sequence ran out of device pages for its window.")
+      slots = []
+      for _ in victims:
+        evicted: list = []
+        slot = index.allocate(r.shard, 1, Tier.HOST, evicted=evicted)
+        if slot is None:
+          raise CapacityError("the host tier has no room left for a streamed sequence.")
+        if evicted and self.cache.disk is not None:  # cached host blocks go on to disk
+          self._mover._host_to_disk([(r.shard, p, k) for k, p in evicted])
+        slots.append(slot[0])
+      ids = np.zeros((self.cache.num_shards, len(victims)), np.int32)
+      host_ids = np.full(ids.shape, self.cache.host.pages_per_shard, np.int32)
+      ids[r.shard] = [state.block_page[j] for j in victims]
+      host_ids[r.shard] = slots
+      stack = pages_lib.gather_stacked(self._flat_pools(), self._put_rows(ids), mesh=self.mesh,
+                                       config=c)
+      self.cache.host.store(stack, host_ids)
+      for j, slot in zip(victims, slots):
+        assert j == st.sink_pages + len(state.cold), "cold pages must stay contiguous"
+        state.cold.append(slot)
+        state.free.append(state.block_page.pop(j))
+      self._stats["stream_demotions"] += len(victims)
+    for j in need:
+      state.block_page[j] = state.free.pop()
+
+  def _stream_batch(self, r: _Request, state, width: int):
+    st, shards = self.stream, self.cache.num_shards
+    table = np.zeros((shards, width), np.int32)
+    valid = np.zeros((shards, width), bool)
+    for j, p in state.block_page.items():
+      table[r.shard, j], valid[r.shard, j] = p, True
+    cold_width = max(st.chunk_pages, _pow2_at_least(len(state.cold)))
+    cold_width = -(-cold_width // st.chunk_pages) * st.chunk_pages
+    slots = np.zeros((shards, cold_width), np.int32)
+    slots[r.shard, :len(state.cold)] = state.cold
+    first = np.full((shards,), st.sink_pages, np.int32)
+    count = np.zeros((shards,), np.int32)
+    count[r.shard] = len(state.cold)
+    stream = kvnnx.StreamBatch(
+        block_valid=self._put_rows(valid), host_pool=self.cache.host.pool,
+        cold_slots=self._put_rows(slots), cold_first=self._put_rows(first),
+        cold_count=self._put_rows(count), pages_per_chunk=st.chunk_pages)
+    return self._put_rows(table), stream
 
   def _flat_pools(self) -> list:
     return jax.tree.leaves(self._pages)

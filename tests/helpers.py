@@ -21,7 +21,7 @@ def cache_config_for(mc: jaxkv.models.LlamaConfig, **overrides) -> jaxkv.CacheCo
 
 
 def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None, costs=None,
-                **engine_kw) -> jaxkv.Engine:
+                stream=None, **engine_kw) -> jaxkv.Engine:
   """An engine over a tiny model. Lower-tier hits are always fetched unless a test asks
   for another scheduler policy (measured costs would make tier tests nondeterministic)."""
   mc = mc or tiny_model_config()
@@ -29,4 +29,4 @@ def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(seed))
   scheduler = scheduler or jaxkv.SchedulerConfig(policy="fetch")
   return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh, tiers), jaxkv.EngineConfig(**engine_kw),
-                      scheduler=scheduler, costs=costs)
+                      scheduler=scheduler, costs=costs, stream=stream)

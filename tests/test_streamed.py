@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkv
 from jaxkv import pages as pages_lib
+from jaxkv.index import Tier
 from jaxkv.ops import paged_attention_reference, write_pages_reference
 
 
@@ -96,3 +97,63 @@ def test_streamed_equals_all_pages_at_once(mesh, hq, hkv, page, attn_chunk, stre
                   rows(positions), rows(lens))
   np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
   assert count.sum() > 0 and (count > 0).all()  # every row really streamed something
+
+
+# ---- the engine: contexts several times the device budget ------------------------------------
+import helpers  # noqa: E402
+
+
+def stream_engines(mesh, host_pages=64, dtype="float32"):
+  mc = helpers.tiny_model_config(dtype=dtype)
+  small = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96)
+  engine = helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2,
+                               tiers=jaxkv.TierConfig(host_pages_per_shard=host_pages),
+                               stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
+                                                         chunk_pages=3))
+  everything = helpers.make_engine(mesh, mc, cache=big, prefill_chunk_pages=2)
+  return engine, everything
+
+
+def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh):
+  engine, everything = stream_engines(mesh)
+  rng = np.random.default_rng(1)
+  # 3.3x and 4.4x the 12-page device budget, plus a short prompt served normally.
+  prompts = [rng.integers(1, 128, 150).tolist(), [5, 6, 7, 8, 9],
+             rng.integers(1, 128, 205).tolist()]
+  got, got_logits = engine.generate(prompts, 8, return_logits=True)
+  want, want_logits = everything.generate(prompts, 8, return_logits=True)
+  assert got == want
+  for a, b in zip(got_logits, want_logits):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+  s = engine.stats()
+  assert s["streamed_requests"] == 2 and s["streamed_pages"] > 2 * 24
+  engine.cache.index.check_invariants()
+  for sh in range(4):  # every device page and host slot a stream held is back
+    assert not engine.cache.index._pool(Tier.DEVICE, sh).refcount.any()
+    assert not engine.cache.index._pool(Tier.HOST, sh).refcount.any()
+  # The same long request again compiles nothing new: staging shapes are fixed per bucket.
+  before = dict(engine.trace_counts)
+  engine.generate(prompts[:1], 8)
+  assert dict(engine.trace_counts) == before
+
+
+def test_a_request_no_tier_can_hold_is_refused_before_any_work(mesh):
+  engine, _ = stream_engines(mesh, host_pages=16)
+  engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9]], 2)
+  digest = engine.cache.index.digest()
+  with pytest.raises(jaxkv.CapacityError, match="prompt 1 needs 35 pages in host memory"):
+    engine.generate([[3] * 60, [7] * 157], 4)  # the first would stream; the second cannot
+  assert engine.cache.index.digest() == digest  # nothing else was touched
+  engine.stream = None
+  with pytest.raises(ValueError, match="StreamConfig"):
+    engine.generate([[7] * 157], 4)
+
+
+def test_stream_config_is_validated(mesh):
+  with pytest.raises(ValueError, match="window_pages=0"):
+    jaxkv.StreamConfig(window_pages=0)
+  mc = helpers.tiny_model_config()
+  with pytest.raises(ValueError, match="needs a host tier"):
+    helpers.make_engine(mesh, mc, cache=helpers.cache_config_for(mc),
+                        stream=jaxkv.StreamConfig())
