@@ -344,3 +344,29 @@ def capacity_plan(*, kv_bytes: float, tokens: int, costs: CostModel, requests: i
       "requests": requests, "tokens_per_request": per_tokens,
       "bytes_per_request": kv_bytes / requests,
   }
+
+
+def stream_step_s(costs: CostModel, *, cold_pages: int, page_bytes: int, compute_s: float,
+                  overlap: float = 1.0) -> float:
+  """Predicted decode step of a streamed sequence: the attention compute and the transfer
+  of its cold pages (host -> device) in parallel (``overlap=1``) or in series (0)."""
+  link = costs.link("host_to_device")
+  transfer = link.seconds(cold_pages * page_bytes)
+  return max(compute_s, transfer) + (1.0 - overlap) * min(compute_s, transfer)
+
+
+def choose_window(costs: CostModel, *, context_pages: int, device_pages: int, sink_pages: int,
+                  page_bytes: int, compute_s: float, overlap: float = 1.0) -> dict:
+  """Which window (pages kept on device) makes a streamed decode step fastest, within
+  ``device_pages``. More window means fewer cold pages to stream each step."""
+  best = None
+  options = {}
+  for window in range(1, max(1, device_pages - sink_pages) + 1):
+    cold = max(0, context_pages - sink_pages - window)
+    t = stream_step_s(costs, cold_pages=cold, page_bytes=page_bytes, compute_s=compute_s,
+                      overlap=overlap)
+    options[window] = t
+    if best is None or t < options[best] - 1e-12:
+      best = window
+  return {"window_pages": best, "step_s": options[best],
+          "all_streamed_s": options[min(options)], "options": options}

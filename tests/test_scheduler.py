@@ -122,3 +122,23 @@ def test_cost_model_learns_and_round_trips(tmp_path):
     sch.CostModel.load(str(tmp_path / "missing.json"))
   with pytest.raises(ValueError, match="not among"):
     sch.CostModel(links={"pcie": sch.LinkCost(0, 1)}, prefill=fit)
+
+
+def test_streaming_cost_and_window_choice():
+  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(0.0, 1e9)},
+                        prefill=sch.PrefillCurve(0.0, 1e-6, 0.0))
+  # 100 cold pages of 1 MB over 1 GB/s: 0.1 s against 0.03 s of compute.
+  assert sch.stream_step_s(costs, cold_pages=100, page_bytes=1e6, compute_s=0.03) == (
+      pytest.approx(0.1))
+  assert sch.stream_step_s(costs, cold_pages=100, page_bytes=1e6, compute_s=0.03,
+                           overlap=0.0) == pytest.approx(0.13)
+  # 120 device pages can keep at most 119 in the window: 80 pages still stream (0.08 s).
+  pick = sch.choose_window(costs, context_pages=200, device_pages=120, sink_pages=1,
+                           page_bytes=1e6, compute_s=0.03)
+  assert pick["window_pages"] == 119 and pick["step_s"] == pytest.approx(0.08)
+  assert pick["options"][1] == pytest.approx(0.198)
+  # With room for 180 pages the transfer is hidden once at most 30 pages stream: the
+  # smallest window that gets there is chosen (the rest of the pool stays free).
+  pick = sch.choose_window(costs, context_pages=200, device_pages=180, sink_pages=1,
+                           page_bytes=1e6, compute_s=0.03)
+  assert pick["window_pages"] == 169 and pick["step_s"] == pytest.approx(0.03)
