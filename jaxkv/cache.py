@@ -53,6 +53,11 @@ class KVCache:
     if tiers.host_enabled:
       from jaxkv.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
+    self.remotes = []
+    if tiers.remote_peers:
+      from jaxkv.tiers.remote import RemoteClient
+      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s)
+                      for p in tiers.remote_peers]
     if tiers.disk_enabled:
       from jaxkv.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,

@@ -165,6 +165,8 @@ class TierConfig:
   ``write_policy``: ``write_back`` copies a block down only when it is evicted from the
   tier above; ``write_through`` copies every block down as soon as it is published.
   ``read_deadline_s``: a lower-tier read that has not verified by then counts as a miss.
+  ``remote_peers``: control addresses (``host:port``) of other jobs' ``BlockServer``s whose
+  blocks this cache may pull (the REMOTE tier).
   """
 
   host_pages_per_shard: int = 0
@@ -173,8 +175,13 @@ class TierConfig:
   disk_pages: int = 0
   write_policy: str = "write_back"
   read_deadline_s: float = 10.0
+  remote_peers: tuple = ()
 
   def __post_init__(self):
+    _require(isinstance(self.remote_peers, (tuple, list)) and all(
+        isinstance(p, str) and ":" in p for p in self.remote_peers),
+             f"TierConfig.remote_peers={self.remote_peers!r} must be a tuple of 'host:port' "
+             "addresses of jaxkv block servers.")
     for name in ("host_pages_per_shard", "disk_pages"):
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,

@@ -45,7 +45,7 @@ from jaxkv import pages as pages_lib
 from jaxkv import scheduler as sched
 from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig
 from jaxkv.executor import Fetch, TierMover
-from jaxkv.index import TIER_NAMES, Tier
+from jaxkv.index import LOCAL_TIERS, TIER_NAMES, Tier
 
 
 def _pow2_at_least(n: int) -> int:
@@ -202,7 +202,7 @@ class Engine:
     out = dict(self._stats)
     for k, v in self._mover.counters.items():
       out[k] = out.get(k, 0) + v
-    out["hits"] = {name: self._hits[name] for name in ("device", "host", "disk")}
+    out["hits"] = {name: self._hits[name] for name in ("device", "host", "disk", "remote")}
     out["verify_failures_by_reason"] = dict(self._mover.failures)
     out["ttft_s"] = list(self._ttft)
     out["evictions"] = self.cache.index.counters.evictions
@@ -429,6 +429,10 @@ class Engine:
       usable = (len(req.tokens) - 1) // self.cache.config.page_size  # >= 1 token to compute
       keys = req.keys[:usable]
       found = [index.locate(s, keys) if keys else [] for s in range(num_shards)]
+      remote = self._remote_prefix(keys, max(len(f) for f in found))
+      if remote:
+        peer, n = remote
+        found = [f + [(Tier.REMOTE, peer)] * (n - len(f)) for f in found]
       on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
       order = sorted(range(num_shards),
                      key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
@@ -447,9 +451,21 @@ class Engine:
                           "elsewhere.")
     return wave
 
+  def _remote_prefix(self, keys: list, local: int) -> tuple[int, int] | None:
+    """``(peer, blocks)`` of the peer holding the longest prefix of ``keys``, when it is
+    longer than what the local tiers hold."""
+    best = None
+    if len(keys) > local:
+      for i, client in enumerate(self.cache.remotes):
+        n = client.lookup(keys)
+        if n > local and (best is None or n > best[1]):
+          best = (i, n)
+    return best
+
   def _place(self, req: _Request, shard: int, found: list) -> bool:
     """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
     index = self.cache.index
+    local = lambda t: t in LOCAL_TIERS
     # A device block after a lower-tier one is left out (with what follows): a split may
     # recompute that stretch, and recomputing must never write into a shared page.
     lower = [j for j, (t, _) in enumerate(found) if t != Tier.DEVICE]
@@ -458,13 +474,15 @@ class Engine:
       if later:
         found = found[:later[0]]
     for tier, slot in found:
-      index.acquire(shard, [slot], tier)
+      if local(tier):
+        index.acquire(shard, [slot], tier)
     n_device = sum(t == Tier.DEVICE for t, _ in found)
     evicted: list = []
     fresh = index.allocate(shard, req.num_pages_needed - n_device, Tier.DEVICE, evicted=evicted)
     if fresh is None:
       for tier, slot in found:
-        index.release(shard, [slot], tier)
+        if local(tier):
+          index.release(shard, [slot], tier)
       return False
     if evicted:  # copy the evicted blocks down before their pages are overwritten
       self._mover.demote(self._flat_pools(), [(shard, p, k) for k, p in evicted])
@@ -686,7 +704,8 @@ class Engine:
       self._stats[f"plans_{decision}"] += 1
       skipped = [f for f in r.fetches if f.block < r.split]
       for f in skipped:  # cached below, but recomputing them is the plan
-        self.cache.index.release(f.shard, [f.slot], f.tier)
+        if f.tier in LOCAL_TIERS:
+          self.cache.index.release(f.shard, [f.slot], f.tier)
       r.fetches = [f for f in r.fetches if f.block >= r.split]
 
   def _cost_splits(self, cold: list[_Request]) -> np.ndarray:
@@ -748,8 +767,9 @@ class Engine:
       r.fetches = []
     if self.costs is not None and self._mover.last_fetch.get("bytes"):
       lf = self._mover.last_fetch
-      self.costs.observe_transfer("disk_to_host" if int(Tier.DISK) in lf["tiers"]
-                                  else "host_to_device", lf["bytes"], lf["seconds"])
+      link = ("remote_to_host" if int(Tier.REMOTE) in lf["tiers"] else
+              "disk_to_host" if int(Tier.DISK) in lf["tiers"] else "host_to_device")
+      self.costs.observe_transfer(link, lf["bytes"], lf["seconds"])
 
   def _observe_recompute(self, wave, ranges: dict, seconds: float) -> None:
     if self.costs is None:

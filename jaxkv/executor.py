@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import pages as pages_lib
-from jaxkv.index import Tier
+from jaxkv.index import LOCAL_TIERS, Tier
 
 Block = tuple  # (shard, device page, key)
 
@@ -261,6 +261,41 @@ class TierMover:
       pools, host_check = self._promote_host(pools, host)
     return pools, (fetches, reads, host_check, time.perf_counter())
 
+  def _promote_remote(self, pools, fetches: list[Fetch], t_end: float):
+    """Pulls each request's remote blocks (one offer per request and peer), verifies them
+    and scatters them into their device pages."""
+    groups: dict = {}
+    for f in fetches:
+      groups.setdefault((id(f.owner), f.slot), []).append(f)
+    n_arrays, heads, page, dim = self.cache.payload_shape
+    items = []
+    for (_, peer), group in groups.items():
+      group.sort(key=lambda f: f.block)
+      client = self.cache.remotes[peer]
+      try:
+        stack = client.fetch([f.key for f in group], self.cache.payload_shape,
+                             self.config.jnp_dtype, t_end)
+      except Exception as e:  # pylint: disable=broad-except  (any failed pull is a miss)
+        for f in group:
+          f.reason = getattr(e, "reason", "remote")
+        continue
+      for i, f in enumerate(group):
+        f.ok = True
+        items.append((f.shard, f.page, stack[i]))
+    if not items:
+      return pools
+    dest, per = self._grid(items, self.config.pages_per_shard)
+    n = dest.shape[1]
+    staged = np.zeros((n_arrays, heads, self.cache.num_shards * n, page, dim),
+                      pages_lib.bits_dtype(self.config.jnp_dtype))
+    for s, its in enumerate(per):
+      for i, (_, page_id, block) in enumerate(its):
+        staged[:, :, s * n + i] = block
+        dest[s, i] = page_id
+    return pages_lib.scatter_stacked(pools, jax.device_put(dest, self._ids_sharding),
+                                     jax.device_put(staged, self._stack_sharding),
+                                     mesh=self.mesh, config=self.config)
+
   def finish_promote(self, pools, pending, t_end: float):
     """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
     them and scatters the disk ones. Sets ``ok``/``reason`` on every fetch; the caller
@@ -271,12 +306,16 @@ class TierMover:
       self._verify_host(*host_check)
     if reads:
       pools = self._promote_disk(pools, reads, t_end)
+    remote = [f for f in fetches if f.tier == Tier.REMOTE]
+    if remote:
+      pools = self._promote_remote(pools, remote, t_end)
     jax.block_until_ready(pools)
     t_done = time.perf_counter()
     self.counters["fetch_wait_s"] += t_done - t_wait
     self.counters["fetch_s"] += t_done - t_start
     for f in fetches:
-      self.index.release(f.shard, [f.slot], f.tier)  # the pin taken at admission
+      if f.tier in LOCAL_TIERS:
+        self.index.release(f.shard, [f.slot], f.tier)  # the pin taken at admission
     ok = sum(f.ok for f in fetches)
     self.counters["blocks_fetched"] += ok
     self.counters["bytes_moved"] += self._bytes(ok)
@@ -334,8 +373,12 @@ class TierMover:
   def drop_failed(self, fetch: Fetch) -> None:
     """Records a failed fetch and drops the bad copy and the chain after it."""
     self.failures[fetch.reason] += 1
-    self.counters["verify_failures"] += fetch.reason not in ("deadline",)
+    self.counters["verify_failures"] += fetch.reason not in ("deadline", "breaker", "io",
+                                                             "refused", "closed", "pull")
     self.counters["read_timeouts"] += fetch.reason == "deadline"
+    if fetch.tier == Tier.REMOTE:
+      self.counters["remote_failures"] += 1
+      return  # nothing of ours to drop: the peer's copy is the peer's
     shard = 0 if fetch.tier == Tier.DISK else fetch.shard
     self.index.drop_chain(shard, fetch.key, fetch.tier)
     if fetch.tier == Tier.DISK and fetch.reason != "deadline":

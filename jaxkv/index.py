@@ -49,6 +49,7 @@ class Tier(enum.IntEnum):
 
 TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
               Tier.REMOTE: "remote"}
+LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
 def tenant_root_key(fingerprint: bytes, tenant: str) -> Key:

@@ -106,7 +106,10 @@ class CostModel:
   # ---- learning from what happened -----------------------------------------------------------
   def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
     """EWMA update of a link's bandwidth from one observed transfer."""
-    if nbytes <= 0 or seconds <= 0 or name not in self.links:
+    if nbytes <= 0 or seconds <= 0:
+      return
+    if name not in self.links:
+      self.links[name] = LinkCost(0.0, nbytes / seconds)
       return
     old = self.links[name]
     rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
@@ -154,6 +157,10 @@ class CostModel:
     lat, rate = [], []
     for name in LINKS:
       link = self.links.get(name)
+      if link is None and name == "remote_to_host":
+        # Until a pull has been observed, a remote block is assumed to cost what a host
+        # block does; the first observed pull replaces this (observe_transfer).
+        link = self.links.get("host_to_device")
       lat.append(link.latency_s if link else 0.0)
       rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
     p = self.prefill

@@ -1,0 +1,319 @@
+"""REMOTE tier: blocks held by another job, pulled with ``jax.experimental.transfer``.
+
+Two parts, in two processes:
+- ``BlockServer`` runs in the job that holds the blocks (a serving peer with spare memory).
+  It answers a small JSON-lines control protocol on TCP and offers block data through a
+  JAX transfer server. All JAX work (gathering the blocks, offering them) runs on the
+  serving job's main thread in ``serve``/``poll`` — the control thread only queues
+  requests — so transfers are issued from one thread in order.
+- ``RemoteClient`` runs in the job that wants them (``TierConfig.remote_peers``). It asks
+  how long a prefix of block keys the peer holds (``lookup``), then asks for an offer of
+  those blocks and pulls them (``fetch``).
+
+What the reader never trusts: every offer names its block keys, dtype and shape, and
+carries a SHA-256 per block computed by the owner from the bytes it offers; the reader
+checks keys, dtype and shape before pulling and every block's digest after, and rejects
+the whole pull on any mismatch. Transfer ids are 63-bit random numbers bound to the
+request's own random token. Pulls run in a helper thread that the reader waits for with
+its own deadline (a pull of an id never offered can hang); a late, refused or broken pull
+is a miss and the request recomputes. A peer that keeps failing trips a circuit breaker
+and is not asked again until its cool-down has passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import queue
+import secrets
+import socket
+import socketserver
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import pages as pages_lib
+from jaxkv.index import Tier
+
+PROTOCOL = 1
+
+
+class RemoteError(RuntimeError):
+  """A remote fetch that cannot be used; ``reason`` is one short word."""
+
+  def __init__(self, reason: str, detail: str = ""):
+    super().__init__(f"{reason}: {detail}" if detail else reason)
+    self.reason = reason
+
+
+def _digest(block: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(block).tobytes()).hexdigest()
+
+
+# ---- the serving side ---------------------------------------------------------------------------
+class BlockServer:
+  """Serves the blocks of ``engine``'s cache to other jobs."""
+
+  def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, *, fault: str | None = None):
+    import jax.experimental.transfer as transfer
+    self.engine = engine
+    # Fault injection for tests, around the real transfer: "checksum" (a bit flipped after
+    # hashing), "dtype" (values sent widened, the right dtype claimed), "shape" (a wrong
+    # shape claimed), "keys" (other blocks named), "hang" (an id offered but never served).
+    self.fault = fault
+    self._device = jax.local_devices()[0]
+    self._transfer = transfer.start_transfer_server(self._device.client, f"{host}:0",
+                                                    [f"{host}:0"])
+    self._requests: queue.Queue = queue.Queue()
+    self._offers = 0
+    outer = self
+
+    class Handler(socketserver.StreamRequestHandler):
+      def handle(self):
+        for line in self.rfile:
+          try:
+            msg = json.loads(line)
+            reply: queue.Queue = queue.Queue(maxsize=1)
+            outer._requests.put((msg, reply))
+            answer = reply.get(timeout=30.0)
+          except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
+            answer = {"error": f"{type(e).__name__}: {e}"}
+          self.wfile.write((json.dumps(answer) + "\n").encode())
+          self.wfile.flush()
+
+    class Server(socketserver.ThreadingTCPServer):
+      daemon_threads = True
+      allow_reuse_address = True
+
+    self._tcp = Server((host, port), Handler)
+    self.address = f"{host}:{self._tcp.server_address[1]}"
+    self._thread = threading.Thread(target=self._tcp.serve_forever, daemon=True)
+    self._thread.start()
+
+  def poll(self, timeout_s: float = 0.0) -> int:
+    """Answers queued requests on this thread; returns how many were answered."""
+    n = 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+      try:
+        msg, reply = self._requests.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        return n
+      try:
+        reply.put(self._answer(msg))
+      except Exception as e:  # pylint: disable=broad-except
+        reply.put({"error": f"{type(e).__name__}: {e}"})
+      n += 1
+
+  def serve(self, duration_s: float) -> None:
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+      self.poll(min(0.1, max(0.0, end - time.monotonic())))
+
+  def close(self) -> None:
+    self._tcp.shutdown()
+    self._tcp.server_close()
+
+  def _where(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
+    """(shard, tier, slot) of the longest prefix of ``keys`` on any one shard."""
+    index = self.engine.cache.index
+    best: list = []
+    for s in range(self.engine.cache.num_shards):
+      found = [(s, t, slot) for t, slot in index.locate(s, keys) if t in (Tier.DEVICE, Tier.HOST)]
+      if len(found) > len(best):
+        best = found
+    return best
+
+  def _answer(self, msg: dict) -> dict:
+    if msg.get("protocol") != PROTOCOL:
+      return {"error": f"protocol {msg.get('protocol')} is not {PROTOCOL}"}
+    if msg.get("fingerprint") != self.engine.cache.config.fingerprint().hex():
+      return {"error": "fingerprint: another model or layout"}
+    keys = [bytes.fromhex(k) for k in msg.get("keys", [])]
+    if msg["op"] == "lookup":
+      return {"have": len(self._where(keys))}
+    if msg["op"] == "offer":
+      where = self._where(keys)
+      if len(where) < len(keys):
+        return {"error": f"missing: holds {len(where)} of {len(keys)} blocks"}
+      stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
+      digests = [_digest(stack[i]) for i in range(len(keys))]
+      if self.fault == "checksum":
+        stack = stack.copy()
+        stack.reshape(-1)[7] ^= 1
+      claimed_dtype, claimed_shape = stack.dtype, list(stack.shape)
+      if self.fault == "dtype":
+        stack = stack.astype(np.uint32 if stack.dtype == np.uint16 else np.uint16)
+      if self.fault == "shape":
+        claimed_shape = [claimed_shape[0] + 1, *claimed_shape[1:]]
+      send = jax.device_put(stack, self._device)
+      transfer_id = secrets.randbits(63)
+      if self.fault != "hang":
+        self._transfer.await_pull(transfer_id, [send])
+      self._offers += 1
+      offered_keys = [k.hex() for k in keys]
+      if self.fault == "keys":
+        offered_keys = offered_keys[::-1]
+      return {"transfer_id": transfer_id, "transfer_address": self._transfer.address(),
+              "shape": claimed_shape, "dtype": np.dtype(claimed_dtype).name,
+              "digests": digests, "keys": offered_keys, "token": msg.get("token")}
+    return {"error": f"unknown op {msg.get('op')!r}"}
+
+  def _gather(self, where) -> np.ndarray:
+    e = self.engine
+    c = e.cache.config
+    shards = e.cache.num_shards
+    out = []
+    for shard, tier, slot in where:
+      ids = np.zeros((shards, 4), np.int32)
+      ids[shard, 0] = slot
+      if tier == Tier.DEVICE:
+        stack = pages_lib.gather_stacked(e._flat_pools(), e._put_rows(ids), mesh=e.mesh,
+                                         config=c)
+        block = np.asarray(stack)[:, :, shard * 4]
+      else:
+        block = e.cache.host.read_numpy(ids)[:, :, shard * 4]
+      out.append(block)
+    return np.stack(out)
+
+
+# ---- the reading side ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Breaker:
+  failures: int = 0
+  open_until: float = 0.0
+
+
+class RemoteClient:
+  """Fetches blocks from one peer, with deadlines and a circuit breaker."""
+
+  def __init__(self, address: str, fingerprint: bytes, *, deadline_s: float = 5.0,
+               trip_after: int = 3, cool_down_s: float = 10.0):
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+      raise ValueError(f"remote peer {address!r} must be 'host:port'.")
+    self.address, self.host, self.port = address, host, int(port)
+    self.fingerprint = fingerprint.hex()
+    self.deadline_s = deadline_s
+    self.trip_after, self.cool_down_s = trip_after, cool_down_s
+    self.breaker = _Breaker()
+    self._sock = None
+    self._file = None
+    self._transfer_server = None
+    self._connections: dict = {}
+
+  @property
+  def available(self) -> bool:
+    return time.monotonic() >= self.breaker.open_until
+
+  def _failed(self) -> None:
+    self.breaker.failures += 1
+    self._close()
+    if self.breaker.failures >= self.trip_after:
+      self.breaker.open_until = time.monotonic() + self.cool_down_s
+
+  def _close(self) -> None:
+    for x in (self._file, self._sock):
+      try:
+        if x is not None:
+          x.close()
+      except OSError:
+        pass
+    self._sock = self._file = None
+
+  def _call(self, msg: dict, deadline: float) -> dict:
+    if self._sock is None:
+      self._sock = socket.create_connection((self.host, self.port),
+                                            timeout=max(0.05, deadline - time.monotonic()))
+      self._file = self._sock.makefile("rwb")
+    self._sock.settimeout(max(0.05, deadline - time.monotonic()))
+    self._file.write((json.dumps({**msg, "protocol": PROTOCOL,
+                                  "fingerprint": self.fingerprint}) + "\n").encode())
+    self._file.flush()
+    line = self._file.readline()
+    if not line:
+      raise RemoteError("closed", "the peer closed the connection")
+    answer = json.loads(line)
+    if "error" in answer:
+      raise RemoteError("refused", answer["error"])
+    return answer
+
+  def lookup(self, keys: list[bytes]) -> int:
+    """How many leading ``keys`` the peer holds (0 when it cannot be asked)."""
+    if not keys or not self.available:
+      return 0
+    try:
+      n = int(self._call({"op": "lookup", "keys": [k.hex() for k in keys]},
+                         time.monotonic() + min(self.deadline_s, 1.0))["have"])
+      self.breaker.failures = 0
+      return n
+    except (OSError, ValueError, RemoteError):
+      self._failed()
+      return 0
+
+  def fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
+    """The blocks' raw bits ``[blocks, *payload_shape]``, verified; raises RemoteError."""
+    if not self.available:
+      raise RemoteError("breaker", f"peer {self.address} is cooling down")
+    try:
+      bits = np.dtype(pages_lib.bits_dtype(dtype))
+      token = secrets.token_hex(16)
+      offer = self._call({"op": "offer", "keys": [k.hex() for k in keys], "token": token},
+                         deadline)
+      want_shape = [len(keys), *payload_shape]
+      if offer.get("token") != token:
+        raise RemoteError("token", "the offer answers another request")
+      if offer["keys"] != [k.hex() for k in keys]:
+        raise RemoteError("key", "the offer names other blocks")
+      if offer["dtype"] != bits.name or offer["shape"] != want_shape:
+        raise RemoteError("shape", f"offered {offer['dtype']}{offer['shape']}, expected "
+                          f"{bits.name}{want_shape}")
+      stack = self._pull(offer, want_shape, bits, deadline)
+      for i, d in enumerate(offer["digests"]):
+        if _digest(stack[i]) != d:
+          raise RemoteError("checksum", f"block {i} does not match its digest")
+      self.breaker.failures = 0
+      return stack
+    except RemoteError as e:
+      if e.reason in ("deadline", "closed", "refused", "pull"):
+        self._failed()
+      raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      self._failed()
+      raise RemoteError("io", str(e)) from None
+
+  def _pull(self, offer, shape, bits, deadline: float) -> np.ndarray:
+    import jax.experimental.transfer as transfer
+    device = jax.local_devices()[0]
+    if self._transfer_server is None:
+      self._transfer_server = transfer.start_transfer_server(device.client, "127.0.0.1:0",
+                                                             ["127.0.0.1:0"])
+    addr = offer["transfer_address"]
+    result: dict = {}
+
+    def pull():
+      try:
+        conn = self._connections.get(addr)
+        if conn is None:
+          conn = self._connections[addr] = self._transfer_server.connect(addr)
+        out = conn.pull(offer["transfer_id"], [jax.ShapeDtypeStruct(
+            tuple(shape), jnp.dtype(bits), sharding=jax.sharding.SingleDeviceSharding(device))])
+        result["value"] = np.asarray(out[0])
+      except Exception as e:  # pylint: disable=broad-except  (reported below)
+        result["error"] = e
+
+    worker = threading.Thread(target=pull, daemon=True)  # a pull can hang: never join blindly
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if worker.is_alive():
+      raise RemoteError("deadline", "the pull did not finish in time")
+    if "error" in result:
+      raise RemoteError("pull", str(result["error"]))
+    value = result["value"]
+    if value.dtype != bits or list(value.shape) != list(shape):
+      raise RemoteError("shape", f"pulled {value.dtype}{list(value.shape)}")
+    return value

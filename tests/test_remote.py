@@ -1,0 +1,114 @@
+"""REMOTE tier: another job's blocks pulled over jax.experimental.transfer, verified, and a
+dead or lying peer only ever costs a recompute."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jaxkv
+
+import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = list(range(1, 42))  # 10 full blocks of 4 tokens
+OWNER = r"""
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, "tests")
+import jaxkv, helpers
+from jaxkv.tiers.remote import BlockServer
+mesh = jaxkv.make_mesh(data=2, model=2)
+engine = helpers.make_engine(mesh)
+engine.generate([list(range(1, 42))], 2)            # the prefix the other job will reuse
+server = BlockServer(engine, fault=sys.argv[1] if sys.argv[1] != "none" else None)
+print("ADDRESS", server.address, flush=True)
+server.serve(float(sys.argv[2]))
+"""
+
+
+def start_owner(fault="none", seconds=120):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen([sys.executable, "-c", OWNER, fault, str(seconds)], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True, env=env)
+  line = proc.stdout.readline()
+  assert line.startswith("ADDRESS"), line
+  return proc, line.split()[1]
+
+
+def reader(mesh, peers, deadline=5.0):
+  return helpers.make_engine(mesh, tiers=jaxkv.TierConfig(remote_peers=tuple(peers),
+                                                          read_deadline_s=deadline))
+
+
+@pytest.fixture(scope="module")
+def want(mesh):
+  fresh = helpers.make_engine(mesh, prefix_reuse=False)
+  return fresh.generate([PREFIX + [50, 51, 52]], 5)
+
+
+def test_a_prefix_computed_by_another_job_is_pulled_and_exact(mesh, want):
+  proc, addr = start_owner()
+  try:
+    engine = reader(mesh, [addr])
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+    s = engine.stats()
+    assert s["hits"]["remote"] == 10 and s["blocks_fetched"] == 10
+    assert s["hits"]["device"] == 0 and s["verify_failures"] == 0
+    # Now local: the next request reuses the pulled blocks from device.
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+    assert engine.stats()["hits"]["device"] == 10
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("fault", ["checksum", "dtype", "shape", "keys"])
+def test_wrong_pulls_are_rejected_never_used(mesh, want, fault):
+  proc, addr = start_owner(fault)
+  try:
+    engine = reader(mesh, [addr])
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+    s = engine.stats()
+    assert s["hits"]["remote"] == 0 and s["remote_failures"] == 10
+    reason = {"checksum": "checksum", "keys": "key", "shape": "shape", "dtype": None}[fault]
+    reasons = s["verify_failures_by_reason"]
+    if reason:
+      assert reasons == {reason: 10}
+    else:  # widened values: the pull itself fails or its bytes do not match their digests
+      assert set(reasons) <= {"pull", "checksum", "shape"} and sum(reasons.values()) == 10
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want):
+  proc, addr = start_owner("hang")
+  try:
+    engine = reader(mesh, [addr], deadline=1.0)
+    t0 = time.perf_counter()
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want  # the pull never comes
+    assert time.perf_counter() - t0 < 20
+    assert engine.stats()["read_timeouts"] >= 1
+  finally:
+    proc.kill()
+    proc.wait()
+  proc, addr = start_owner()
+  engine = reader(mesh, [addr], deadline=2.0)
+  engine.generate([[9, 9, 9, 9, 9]], 2)  # the peer is alive and answering
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  client = engine.cache.remotes[0]
+  for _ in range(4):  # every request still finishes, with the right tokens
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+    engine.cache.index.evict_all_unreferenced(0)
+    for s in range(4):
+      engine.cache.index.evict_all_unreferenced(s)
+  assert engine.stats()["hits"]["remote"] == 0
+  assert not client.available  # the breaker is open: the dead peer is not asked again
+  t0 = time.perf_counter()
+  assert client.lookup([b"x" * 32]) == 0 and time.perf_counter() - t0 < 0.01
