@@ -99,6 +99,8 @@ class KVCache:
   def _check_fits_in_memory(self) -> None:
     need = self.pool_bytes_per_device
     for d in self.mesh.devices.flat:
+      if d.process_index != jax.process_index():
+        continue  # another process checks its own devices
       stats = d.memory_stats() if hasattr(d, "memory_stats") else None
       limit = (stats or {}).get("bytes_limit")
       if limit and need > limit:

@@ -45,6 +45,7 @@ from jaxkv import pages as pages_lib
 from jaxkv import scheduler as sched
 from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig
 from jaxkv.executor import Fetch, TierMover
+from jaxkv.distributed import to_host
 from jaxkv.index import LOCAL_TIERS, TIER_NAMES, Tier
 
 
@@ -622,7 +623,7 @@ class Engine:
         for r in finishing:
           self._ttft.append(now)
         if logits_out is not None:
-          sel = np.asarray(selected)
+          sel = to_host(selected)
           for r in finishing:
             logits_out[r.index] = [sel[r.row]]
     return carry
@@ -645,11 +646,11 @@ class Engine:
       self._stats["decode_steps"] += 1
       produced.append(carry)
       if logits_out is not None:
-        sel = np.asarray(selected)
+        sel = to_host(selected)
         for r in wave:
           if step < r.max_new_tokens:
             logits_out[r.index].append(sel[r.row])
-    all_tokens = np.asarray(jnp.stack(produced, axis=1))  # [rows, steps]
+    all_tokens = to_host(jnp.stack(produced, axis=1))  # [rows, steps]
     generated = {r.index: all_tokens[r.row, :r.max_new_tokens].tolist() for r in wave}
     if logits_out is not None:
       for r in wave:
@@ -736,7 +737,7 @@ class Engine:
         chunk_tokens=self.config.prefill_chunk_pages * c.page_size)
     t0 = time.perf_counter()
     out = sched.plan(inputs, self.costs.arrays())
-    splits = np.asarray(out.split)[:len(cold), 0]
+    splits = to_host(out.split)[:len(cold), 0]
     self._stats["plan_s"] += time.perf_counter() - t0
     self.last_plan = out
     return splits
@@ -821,7 +822,7 @@ class Engine:
         self._stats["prefill_steps"] += 1
       carry.block_until_ready()
       self._ttft.append(time.perf_counter() - t_start)
-      produced, logits = [carry], [np.asarray(selected)[shard]] if logits_out is not None else []
+      produced, logits = [carry], [to_host(selected)[shard]] if logits_out is not None else []
       for step in range(1, r.max_new_tokens):
         pos = len(r.tokens) + step - 1
         self._stream_make_room(r, state, pos // page, pos // page + 1)
@@ -835,8 +836,8 @@ class Engine:
         self._stats["decode_steps"] += 1
         produced.append(carry)
         if logits_out is not None:
-          logits.append(np.asarray(selected)[shard])
-      tokens_out = np.asarray(jnp.stack(produced, axis=1))[shard].tolist()
+          logits.append(to_host(selected)[shard])
+      tokens_out = to_host(jnp.stack(produced, axis=1))[shard].tolist()
     finally:
       index.release(shard, state.dev)
       index.release(shard, state.cold, Tier.HOST)

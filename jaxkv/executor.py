@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import pages as pages_lib
+from jaxkv.distributed import to_host
 from jaxkv.index import LOCAL_TIERS, Tier
 
 Block = tuple  # (shard, device page, key)
@@ -192,7 +193,7 @@ class TierMover:
     if not blocks:
       return
     stack, per = self._gather_device(pools, blocks)
-    self._write_disk(np.asarray(stack), per, stack.shape[2] // self.cache.num_shards)
+    self._write_disk(to_host(stack), per, stack.shape[2] // self.cache.num_shards)
 
   def _write_disk(self, stack: np.ndarray, per: list[list], n: int) -> None:
     for s, items in enumerate(per):
@@ -337,7 +338,7 @@ class TierMover:
 
   def _verify_host(self, host_ids, per, sums) -> None:
     expected = self.host.expected_checksums(host_ids)
-    got = np.asarray(sums).reshape(expected.shape)
+    got = to_host(sums).reshape(expected.shape)
     for s, its in enumerate(per):
       for i, it in enumerate(its):
         f = it[3]

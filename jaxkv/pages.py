@@ -265,9 +265,10 @@ def _checksum_fn(mesh: Mesh, config: CacheConfig):
                                out_specs=P(config.data_axis, config.model_axis)))
 
 
-def checksum_total(partials: np.ndarray) -> np.ndarray:
+def checksum_total(partials) -> np.ndarray:
   """One checksum per page from ``page_checksums`` partials, equal on every mesh."""
-  return np.asarray(partials, np.uint64).sum(axis=-1).astype(np.uint32)
+  from jaxkv.distributed import to_host
+  return to_host(partials).astype(np.uint64).sum(axis=-1).astype(np.uint32)
 
 
 def page_checksums(stack: jax.Array, *, mesh: Mesh, config: CacheConfig) -> jax.Array:

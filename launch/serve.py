@@ -53,7 +53,8 @@ def main(argv):
   _apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax
-  from jaxkv import builder, workloads
+  from jaxkv import builder, distributed, workloads
+  multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
   if cfg.get("platform") and jax.default_backend() != cfg.platform:
     raise ValueError(f"config {cfg.name} is for platform {cfg.platform!r} but this machine runs "
                      f"{jax.default_backend()!r}; size it with launch/plan.py --config=... instead.")
@@ -69,6 +70,10 @@ def main(argv):
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
   engines[policies[0]].warmup(max_seq_len=work.max_seq_len())
+  if multi:  # one job plans from one set of costs: process 0's
+    for e in engines.values():
+      if e.costs is not None:
+        e.costs = distributed.agree_costs(e.costs)
   checkpointer = None
   if _CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer
@@ -103,6 +108,9 @@ def main(argv):
 
   main_policy = policies[0]
   engines[main_policy].flush()
+  index_digest = engines[main_policy].cache.index.digest()
+  if multi:
+    distributed.agree_digest(index_digest, "the PrefixIndex")
   if checkpointer is not None:
     step = checkpointer.save()
     checkpointer.close()
@@ -116,6 +124,8 @@ def main(argv):
       "hits": stats["hits"],
       "verify_failures": stats["verify_failures"],
       "output_digest": _common.token_digest(outputs[main_policy]),
+      "index_digest": index_digest,
+      "process": {"index": jax.process_index(), "count": jax.process_count()},
       "stats": stats,
       "machine": _common.machine_info(),
   }

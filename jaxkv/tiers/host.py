@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig, TierConfig
+from jaxkv.distributed import to_host
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +121,7 @@ class HostTier:
     """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied)."""
     ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
         self.mesh, P(self.config.data_axis, None)))
-    return np.asarray(self._read(self.pool, ids))
+    return to_host(self._read(self.pool, ids))
 
   def expected_checksums(self, host_ids: np.ndarray) -> np.ndarray:
     """Checksums recorded for ``host_ids`` ``[data_shards, n]`` when they were stored:
@@ -134,7 +135,7 @@ class HostTier:
 
   def _settle(self) -> None:
     for ids, sums in self._pending:
-      sums = np.asarray(sums).reshape(*ids.shape, -1)
+      sums = to_host(sums).reshape(*ids.shape, -1)
       for s in range(ids.shape[0]):
         valid = ids[s] < self.pages_per_shard
         self._checksums[s, ids[s, valid]] = sums[s, valid]

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import pages as pages_lib
+from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 
 PROTOCOL = 1
@@ -174,7 +175,7 @@ class BlockServer:
       if tier == Tier.DEVICE:
         stack = pages_lib.gather_stacked(e._flat_pools(), e._put_rows(ids), mesh=e.mesh,
                                          config=c)
-        block = np.asarray(stack)[:, :, shard * 4]
+        block = to_host(stack)[:, :, shard * 4]
       else:
         block = e.cache.host.read_numpy(ids)[:, :, shard * 4]
       out.append(block)

@@ -1,0 +1,101 @@
+"""Everything jaxkv does across the processes of one ``jax.distributed`` job.
+
+- ``initialize``: joins the job from explicit arguments or the ``JAXKV_COORDINATOR``,
+  ``JAXKV_NUM_PROCESSES``, ``JAXKV_PROCESS_ID`` environment (what ``launch/multihost.py``
+  sets), selecting gloo CPU collectives so a job runs on one machine's loopback. On a
+  cluster whose launcher already provides these (TPU pods, SLURM), pass nothing.
+- ``agree_digest``: every process contributes the digest of a piece of replicated state
+  (the PrefixIndex, a plan); it raises if any process differs. The index is built by the
+  same deterministic operations everywhere (hashlib, ordered dicts), so it should never
+  differ; this is how a job proves it.
+- ``agree_costs``: calibration measures each host's own costs; a job must plan from one
+  set, so process 0's CostModel is broadcast and every process plans with it.
+- ``plan_digest``: a SHA-256 over a plan's arrays, for ``agree_digest``.
+
+Failure domain: in one ``jax.distributed`` job, a process that dies makes the others fail
+their next collective and, after the coordinator's heartbeat timeout, abort (FACTS: a few
+seconds). jaxkv cannot keep such a job alive; what it does is keep other *jobs* alive: a
+cache shared across jobs goes through the REMOTE tier (``jaxkv.tiers.remote``), where a
+dead peer is a miss, a recompute and an open circuit breaker — never a hang or a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+import numpy as np
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, cpu_collectives: str = "gloo") -> bool:
+  """Joins a multi-process job. Returns False (and does nothing) for a single process."""
+  coordinator = coordinator or os.environ.get("JAXKV_COORDINATOR")
+  if num_processes is None and "JAXKV_NUM_PROCESSES" in os.environ:
+    num_processes = int(os.environ["JAXKV_NUM_PROCESSES"])
+  if process_id is None and "JAXKV_PROCESS_ID" in os.environ:
+    process_id = int(os.environ["JAXKV_PROCESS_ID"])
+  if not coordinator or not num_processes or num_processes <= 1:
+    return False
+  if process_id is None or not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id={process_id} must be in [0, {num_processes}) for a job of "
+                     f"{num_processes} processes.")
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.distributed.initialize(coordinator, num_processes, process_id)
+  return True
+
+
+def _allgather_bytes(payload: bytes, size: int) -> list[bytes]:
+  from jax.experimental import multihost_utils
+  buf = np.zeros((size,), np.uint8)
+  data = np.frombuffer(payload, np.uint8)
+  if data.size > size:
+    raise ValueError(f"payload of {data.size} bytes exceeds {size}.")
+  buf[:data.size] = data
+  rows = np.asarray(multihost_utils.process_allgather(buf))
+  return [bytes(r) for r in rows.reshape(jax.process_count(), size)]
+
+
+def agree_digest(digest: str, what: str) -> None:
+  """Raises ValueError naming the processes whose ``digest`` of ``what`` differs."""
+  if jax.process_count() == 1:
+    return
+  got = [b.rstrip(b"\x00").decode() for b in _allgather_bytes(digest.encode(), 128)]
+  if len(set(got)) != 1:
+    raise ValueError(f"{what} differs between processes: "
+                     + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(got)))
+
+
+def agree_costs(costs):
+  """Every process gets process 0's CostModel (the one the job plans with)."""
+  from jaxkv.scheduler import CostModel
+  if jax.process_count() == 1:
+    return costs
+  from jax.experimental import multihost_utils
+  text = costs.to_json().encode() if jax.process_index() == 0 else b""
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+  buf = np.zeros((size,), np.uint8)
+  if jax.process_index() == 0:
+    buf[:] = np.frombuffer(text, np.uint8)
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  return CostModel.from_json(bytes(buf).decode())
+
+
+def plan_digest(plan) -> str:
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(plan):
+    arr = np.asarray(jax.device_get(leaf))
+    h.update(json.dumps([list(arr.shape), arr.dtype.name]).encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()
+
+
+def to_host(x) -> np.ndarray:
+  """A jax.Array's whole value on this host, also when it spans other processes' devices
+  (then every process must call this at the same point: it is a collective)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,78 @@
+"""Runs a launch script as a multi-process JAX job on this machine (loopback, CPU devices
+split among the processes), so a multi-host job can be tried without a cluster.
+
+  python launch/multihost.py --num_processes=2 -- launch/serve.py --nocompare \
+      --json_out=/tmp/serve.json          # writes /tmp/serve.p0.json and /tmp/serve.p1.json
+
+Every process joins one jax.distributed job (gloo collectives) through the JAXKV_*
+environment that jaxkv.distributed.initialize reads. The command exits non-zero if any
+process fails, and stops the others when one does.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_NUM = flags.DEFINE_integer("num_processes", 2, "Processes in the job.", lower_bound=1)
+_DEVICES = flags.DEFINE_integer("devices", 8, "CPU devices in the whole job (split evenly).",
+                                lower_bound=1)
+_TIMEOUT = flags.DEFINE_float("timeout_s", 1800.0, "Stop every process after this long.")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _with_suffix(args: list[str], pid: int) -> list[str]:
+  out = []
+  for a in args:
+    if a.startswith("--json_out=") and len(a) > len("--json_out="):
+      root, ext = os.path.splitext(a[len("--json_out="):])
+      a = f"--json_out={root}.p{pid}{ext or '.json'}"
+    out.append(a)
+  return out
+
+
+def main(argv):
+  script = argv[1:]
+  if not script:
+    raise app.UsageError("give the script to run after --, e.g. -- launch/serve.py --nocompare")
+  n = _NUM.value
+  if _DEVICES.value % n:
+    raise app.UsageError(f"--devices={_DEVICES.value} must divide evenly among "
+                         f"--num_processes={n}.")
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = []
+  for pid in range(n):
+    env = dict(os.environ, JAXKV_COORDINATOR=coordinator, JAXKV_NUM_PROCESSES=str(n),
+               JAXKV_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={_DEVICES.value // n}")
+    procs.append(subprocess.Popen([sys.executable, *_with_suffix(script, pid)], env=env))
+  deadline = time.monotonic() + _TIMEOUT.value
+  codes = [None] * n
+  while None in codes:
+    for i, p in enumerate(procs):
+      if codes[i] is None:
+        codes[i] = p.poll()
+    if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+      for p in procs:  # one failed (or time is up): the job cannot finish, stop the rest
+        if p.poll() is None:
+          p.kill()
+      codes = [p.wait() for p in procs]
+      break
+    time.sleep(0.2)
+  failed = [i for i, c in enumerate(codes) if c != 0]
+  if failed:
+    print(f"error: process(es) {failed} failed with exit status "
+          f"{[codes[i] for i in failed]}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
