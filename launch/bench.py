@@ -7,7 +7,8 @@ Suites: tiers (host and disk paths against memcpy / pread / pwrite of the same b
 scheduler (policies side by side on the real host tier and on emulated links);
 restart (restoring a checkpoint against recomputing the same prefixes; warm vs cold TTFT);
 engine (no cache vs device-only LRU vs jaxkv with tiers, a quarter of the working set on device);
-stream (decoding a context 4x the device budget, streamed from host, against all on device).
+stream (decoding a context 4x the device budget, streamed from host, against all on device);
+remote (blocks pulled from another job against loopback TCP and against recomputing).
 """
 
 import time
@@ -16,7 +17,7 @@ from absl import app, flags
 
 import _common
 
-SUITES = ("tiers", "scheduler", "restart", "engine", "stream")
+SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -56,9 +57,12 @@ def main(argv):
   elif _SUITE.value == "engine":
     from jaxkv.bench import engine
     result = engine.run(quick=_QUICK.value)
-  else:
+  elif _SUITE.value == "stream":
     from jaxkv.bench import stream
     result = stream.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  else:
+    from jaxkv.bench import remote
+    result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   result = {"suite": _SUITE.value, **result, "wall_s": time.perf_counter() - t0,
             "machine": _common.machine_info()}
   _print(result)

@@ -165,20 +165,29 @@ class BlockServer:
     return {"error": f"unknown op {msg.get('op')!r}"}
 
   def _gather(self, where) -> np.ndarray:
+    """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
+    gather per tier for all of them."""
+    from jaxkv.executor import bucket
     e = self.engine
-    c = e.cache.config
     shards = e.cache.num_shards
-    out = []
-    for shard, tier, slot in where:
-      ids = np.zeros((shards, 4), np.int32)
-      ids[shard, 0] = slot
+    out = [None] * len(where)
+    for tier in (Tier.DEVICE, Tier.HOST):
+      picks = [(i, s, slot) for i, (s, t, slot) in enumerate(where) if t == tier]
+      if not picks:
+        continue
+      per = [[p for p in picks if p[1] == s] for s in range(shards)]
+      n = bucket(max(len(p) for p in per))
+      ids = np.zeros((shards, n), np.int32)
+      for s, items in enumerate(per):
+        ids[s, :len(items)] = [slot for _, _, slot in items]
       if tier == Tier.DEVICE:
-        stack = pages_lib.gather_stacked(e._flat_pools(), e._put_rows(ids), mesh=e.mesh,
-                                         config=c)
-        block = to_host(stack)[:, :, shard * 4]
+        stack = to_host(pages_lib.gather_stacked(e._flat_pools(), e._put_rows(ids),
+                                                 mesh=e.mesh, config=e.cache.config))
       else:
-        block = e.cache.host.read_numpy(ids)[:, :, shard * 4]
-      out.append(block)
+        stack = e.cache.host.read_numpy(ids)
+      for s, items in enumerate(per):
+        for j, (i, _, _) in enumerate(items):
+          out[i] = stack[:, :, s * n + j]
     return np.stack(out)
 
 
