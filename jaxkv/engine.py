@@ -203,7 +203,8 @@ class Engine:
     out = dict(self._stats)
     for k, v in self._mover.counters.items():
       out[k] = out.get(k, 0) + v
-    out["hits"] = {name: self._hits[name] for name in ("device", "host", "disk", "remote")}
+    out["hits"] = {name: self._hits[name]
+                   for name in ("device", "host", "disk", "remote", "shard")}
     out["verify_failures_by_reason"] = dict(self._mover.failures)
     out["ttft_s"] = list(self._ttft)
     out["evictions"] = self.cache.index.counters.evictions
@@ -430,6 +431,7 @@ class Engine:
       usable = (len(req.tokens) - 1) // self.cache.config.page_size  # >= 1 token to compute
       keys = req.keys[:usable]
       found = [index.locate(s, keys) if keys else [] for s in range(num_shards)]
+      found = self._with_other_shards(found)
       remote = self._remote_prefix(keys, max(len(f) for f in found))
       if remote:
         peer, n = remote
@@ -451,6 +453,17 @@ class Engine:
       raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
                           "elsewhere.")
     return wave
+
+  def _with_other_shards(self, found: list) -> list:
+    """Extends each shard's cached prefix with blocks another shard holds on device: a
+    request placed there can copy them across (a collective) instead of recomputing."""
+    lead = [next((j for j, (t, _) in enumerate(f) if t != Tier.DEVICE), len(f)) for f in found]
+    best = max(range(len(found)), key=lambda s: (lead[s], -s))
+    if lead[best] == 0 or len(found) == 1:
+      return found
+    src = [(Tier.SHARD, (best, slot)) for _, slot in found[best][:lead[best]]]
+    return [f if s == best or len(f) >= lead[best] else f + src[len(f):]
+            for s, f in enumerate(found)]
 
   def _remote_prefix(self, keys: list, local: int) -> tuple[int, int] | None:
     """``(peer, blocks)`` of the peer holding the longest prefix of ``keys``, when it is
@@ -474,16 +487,20 @@ class Engine:
       later = [j for j, (t, _) in enumerate(found) if t == Tier.DEVICE and j > lower[0]]
       if later:
         found = found[:later[0]]
-    for tier, slot in found:
-      if local(tier):
-        index.acquire(shard, [slot], tier)
+
+    def pins(take: bool):
+      for tier, slot in found:
+        if local(tier):
+          (index.acquire if take else index.release)(shard, [slot], tier)
+        elif tier == Tier.SHARD:  # the source page on the other shard stays put meanwhile
+          (index.acquire if take else index.release)(slot[0], [slot[1]], Tier.DEVICE)
+
+    pins(True)
     n_device = sum(t == Tier.DEVICE for t, _ in found)
     evicted: list = []
     fresh = index.allocate(shard, req.num_pages_needed - n_device, Tier.DEVICE, evicted=evicted)
     if fresh is None:
-      for tier, slot in found:
-        if local(tier):
-          index.release(shard, [slot], tier)
+      pins(False)
       return False
     if evicted:  # copy the evicted blocks down before their pages are overwritten
       self._mover.demote(self._flat_pools(), [(shard, p, k) for k, p in evicted])
@@ -705,8 +722,7 @@ class Engine:
       self._stats[f"plans_{decision}"] += 1
       skipped = [f for f in r.fetches if f.block < r.split]
       for f in skipped:  # cached below, but recomputing them is the plan
-        if f.tier in LOCAL_TIERS:
-          self.cache.index.release(f.shard, [f.slot], f.tier)
+        self._mover.release_pin(f)
       r.fetches = [f for f in r.fetches if f.block >= r.split]
 
   def _cost_splits(self, cold: list[_Request]) -> np.ndarray:
@@ -719,7 +735,7 @@ class Engine:
     r_pad = max(8, _pow2_at_least(len(cold)))
     m_pad = max(8, _pow2_at_least(max(r.cold_end for r in cold)))
     code = {Tier.HOST: sched.HOST, Tier.DISK: sched.DISK, Tier.REMOTE: sched.REMOTE,
-            Tier.DEVICE: sched.HOT}
+            Tier.DEVICE: sched.HOT, Tier.SHARD: sched.SHARD}
     tiers = np.full((r_pad, 1, m_pad), sched.ABSENT, np.int32)
     hot = np.zeros((r_pad, 1), np.int32)
     end = np.zeros((r_pad, 1), np.int32)
@@ -769,7 +785,8 @@ class Engine:
     if self.costs is not None and self._mover.last_fetch.get("bytes"):
       lf = self._mover.last_fetch
       link = ("remote_to_host" if int(Tier.REMOTE) in lf["tiers"] else
-              "disk_to_host" if int(Tier.DISK) in lf["tiers"] else "host_to_device")
+              "disk_to_host" if int(Tier.DISK) in lf["tiers"] else
+              "host_to_device" if int(Tier.HOST) in lf["tiers"] else "cross_shard")
       self.costs.observe_transfer(link, lf["bytes"], lf["seconds"])
 
   def _observe_recompute(self, wave, ranges: dict, seconds: float) -> None:

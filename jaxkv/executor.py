@@ -258,9 +258,31 @@ class TierMover:
     disk = [f for f in fetches if f.tier == Tier.DISK]
     reads = [(f, self.disk.read(f.slot)) for f in disk]  # all disk reads in flight at once
     host_check = None
+    t0 = time.perf_counter()
+    shard = [f for f in fetches if f.tier == Tier.SHARD]
+    if shard:  # device to device inside the job: a collective, no verification needed
+      pools = self._promote_shard(pools, shard)
     if host:
       pools, host_check = self._promote_host(pools, host)
-    return pools, (fetches, reads, host_check, time.perf_counter())
+    return pools, (fetches, reads, host_check, t0)
+
+  def _promote_shard(self, pools, fetches: list[Fetch]):
+    per_shard = self.config.pages_per_shard
+    n = bucket(len(fetches))
+    src = np.zeros((n,), np.int32)
+    dst = np.full((n,), self.cache.num_shards * per_shard, np.int32)  # padding: dropped
+    for i, f in enumerate(fetches):
+      src_shard, src_page = f.slot
+      src[i], dst[i] = src_shard * per_shard + src_page, f.shard * per_shard + f.page
+      f.ok = True
+    return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
+
+  def release_pin(self, f: Fetch) -> None:
+    """Drops the reference a fetch took at admission on its source."""
+    if f.tier == Tier.SHARD:
+      self.index.release(f.slot[0], [f.slot[1]], Tier.DEVICE)
+    elif f.tier in LOCAL_TIERS:
+      self.index.release(f.shard, [f.slot], f.tier)
 
   def _promote_remote(self, pools, fetches: list[Fetch], t_end: float):
     """Pulls each request's remote blocks (one offer per request and peer), verifies them
@@ -315,8 +337,7 @@ class TierMover:
     self.counters["fetch_wait_s"] += t_done - t_wait
     self.counters["fetch_s"] += t_done - t_start
     for f in fetches:
-      if f.tier in LOCAL_TIERS:
-        self.index.release(f.shard, [f.slot], f.tier)  # the pin taken at admission
+      self.release_pin(f)  # the pin taken at admission
     ok = sum(f.ok for f in fetches)
     self.counters["blocks_fetched"] += ok
     self.counters["bytes_moved"] += self._bytes(ok)

@@ -45,10 +45,11 @@ class Tier(enum.IntEnum):
   HOST = 1
   DISK = 2
   REMOTE = 3
+  SHARD = 4  # on another data shard's device pool of the same job
 
 
 TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
-              Tier.REMOTE: "remote"}
+              Tier.REMOTE: "remote", Tier.SHARD: "shard"}
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 

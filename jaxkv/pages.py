@@ -279,3 +279,18 @@ def page_checksums(stack: jax.Array, *, mesh: Mesh, config: CacheConfig) -> jax.
   flipped bit changes it, and so does a page moved to another slot.
   """
   return _checksum_fn(mesh, config)(stack)
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+  def copy(pools, src, dst):  # global page ids: XLA moves the pages between shards
+    return tuple(p.at[:, dst].set(p[:, src], mode="drop") for p in pools)
+
+  return jax.jit(copy, donate_argnums=(0,),
+                 out_shardings=(pool_sharding(mesh, config),) * num_arrays)
+
+
+def copy_across_shards(pools, src, dst, *, mesh: Mesh, config: CacheConfig) -> tuple:
+  """Copies pages between data shards (a jitted collective): ``src``/``dst`` are global
+  page ids (``shard * pages_per_shard + page``); ``dst`` beyond the pool is dropped."""
+  return _copy_fn(mesh, config, len(pools))(tuple(pools), src, dst)

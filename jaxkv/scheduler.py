@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Tier codes in plan inputs.
-HOT, HOST, DISK, REMOTE, ABSENT = 0, 1, 2, 3, 4
+HOT, HOST, DISK, REMOTE, ABSENT, SHARD = 0, 1, 2, 3, 4, 5  # SHARD: on another data shard
 LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")
 DECISIONS = ("fetch", "recompute", "split")
 
@@ -157,9 +157,9 @@ class CostModel:
     lat, rate = [], []
     for name in LINKS:
       link = self.links.get(name)
-      if link is None and name == "remote_to_host":
-        # Until a pull has been observed, a remote block is assumed to cost what a host
-        # block does; the first observed pull replaces this (observe_transfer).
+      if link is None and name in ("remote_to_host", "cross_shard"):
+        # Until a transfer over this link has been observed, a block over it is assumed
+        # to cost what a host block does; the first observation replaces this.
         link = self.links.get("host_to_device")
       lat.append(link.latency_s if link else 0.0)
       rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
@@ -183,7 +183,7 @@ class CostArrays:
 class PlanInputs:
   """Padded inputs: R requests x D candidate shards x M blocks (a bucket)."""
 
-  tiers: jax.Array  # [R, D, M] int32: HOT / HOST / DISK / REMOTE / ABSENT per block
+  tiers: jax.Array  # [R, D, M] int32: HOT / HOST / DISK / REMOTE / SHARD / ABSENT per block
   block_bytes: jax.Array  # [R, D, M] float32 bytes a fetch of the block moves
   hot: jax.Array  # [R, D] int32 leading blocks resident on the shard's device pool
   cached_end: jax.Array  # [R, D] int32 end of the cached chain (hot <= cached_end)
@@ -202,7 +202,7 @@ class PlanInputs:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   split: jax.Array  # [R, D] int32 s*: blocks [hot, s*) recomputed, [s*, cached_end) fetched
-  fetch_blocks: jax.Array  # [R, D, 4] int32 blocks fetched per tier (HOT unused, HOST, DISK, REMOTE)
+  fetch_blocks: jax.Array  # [R, D, 6] int32 blocks fetched, indexed by tier code
   t_pred_s: jax.Array  # [R, D] predicted time of the chosen plan (incl. the tail prefill)
   t_fetch_all_s: jax.Array  # [R, D] fetch everything cached (s = hot), plus tail
   t_recompute_all_s: jax.Array  # [R, D] recompute everything (s = cached_end), plus tail
@@ -224,12 +224,12 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
   idx = jnp.arange(m + 1, dtype=jnp.int32)  # candidate split points s
   blk = jnp.arange(m, dtype=jnp.int32)
   in_cold = (blk >= hot) & (blk < end)
-  per_tier = [jnp.where(in_cold & (tiers == t), block_bytes, 0.0) for t in (HOST, DISK, REMOTE)]
+  per_tier = [jnp.where(in_cold & (tiers == t), block_bytes, 0.0)
+              for t in (HOST, DISK, REMOTE, SHARD)]
   # suffix[s] = bytes of blocks [s, m) (zeros outside the cold range already)
   suffix = lambda x: jnp.concatenate([jnp.cumsum(x[::-1])[::-1], jnp.zeros((1,), x.dtype)])
-  host_b, disk_b, remote_b = (suffix(x) for x in per_tier)
-  link_bytes = jnp.stack([host_b + disk_b + remote_b, disk_b, remote_b,
-                          jnp.zeros_like(host_b)])  # [links, m+1]
+  host_b, disk_b, remote_b, shard_b = (suffix(x) for x in per_tier)
+  link_bytes = jnp.stack([host_b + disk_b + remote_b, disk_b, remote_b, shard_b])
   rate = costs.bytes_per_s[:, None] / jnp.maximum(share[:, None], 1.0)
   link_t = jnp.where(link_bytes > 0, costs.latency_s[:, None] + link_bytes / rate, 0.0)
   t_fetch = jnp.max(link_t, axis=0)  # pipeline: the slowest link decides
@@ -243,9 +243,9 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
   s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
   at = lambda x, i: x[jnp.clip(i, 0, m)]
   t_fetch_all = jnp.where(end - hot <= budget, at(t_fetch, hot), jnp.inf)
-  counts = jnp.stack([jnp.int32(0)] + [
-      jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
-      for t in (HOST, DISK, REMOTE)])
+  counts = jnp.stack([jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
+                      if t in (HOST, DISK, REMOTE, SHARD) else jnp.int32(0)
+                      for t in range(6)])
   decision = jnp.where(s >= end, 1, jnp.where(s <= hot, 0, 2)).astype(jnp.int32)
   return (s, counts, at(cost, s) + t_tail, t_fetch_all + t_tail, at(t_rec, end) + t_tail,
           decision, per_tier)
@@ -273,8 +273,9 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   t_pred = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   best = jnp.argmin(t_pred, axis=1)
   fetches = jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]  # [R, 4]
-  uses = jnp.stack([fetches[:, 1:].sum(1) > 0, fetches[:, DISK] > 0, fetches[:, REMOTE] > 0,
-                    jnp.zeros((r,), bool)], axis=1) & inputs.valid[:, None]  # [R, links]
+  uses = jnp.stack([fetches[:, HOST] + fetches[:, DISK] + fetches[:, REMOTE] > 0,
+                    fetches[:, DISK] > 0, fetches[:, REMOTE] > 0, fetches[:, SHARD] > 0],
+                   axis=1) & inputs.valid[:, None]  # [R, links]
   group_of_req = inputs.link_group[best]  # [R]
   same = group_of_req[:, None] == inputs.link_group[None, :]  # [R, D]
   users = jnp.einsum("rd,rl->dl", same.astype(jnp.float32), uses.astype(jnp.float32))  # [D, L]
@@ -304,6 +305,8 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
         link_bytes["disk_to_host"] += float(block_bytes[b])
       if t == REMOTE:
         link_bytes["remote_to_host"] += float(block_bytes[b])
+      if t == SHARD:
+        link_bytes["cross_shard"] += float(block_bytes[b])
     t_fetch = 0.0
     for i, name in enumerate(link_names):
       if link_bytes[name] > 0:

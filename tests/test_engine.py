@@ -216,3 +216,25 @@ def test_pinned_prefix_stays_on_every_shard_under_pressure(mesh):
   assert all(engine.cache.index.refcount(s, p) == 0 for s in range(4) for p in range(12))
   with pytest.raises(ValueError, match="not pinned"):
     engine.unpin(system)
+
+
+def test_a_prefix_on_a_busy_shard_is_copied_across_shards_not_recomputed(mesh):
+  engine = helpers.make_engine(mesh, max_seqs_per_shard=1)
+  fresh = helpers.make_engine(mesh, max_seqs_per_shard=1, prefix_reuse=False)
+  shared = list(range(1, 34))  # 8 full blocks
+  engine.generate([shared + [40]], 2)  # computed on one shard only
+  users = [shared + [60 + u, 61, 62] for u in range(4)]  # one per shard in the next wave
+  assert engine.generate(users, 4) == fresh.generate(users, 4)
+  s = engine.stats()
+  assert s["hits"]["device"] == 8  # the user placed on the prefix's own shard
+  assert s["hits"]["shard"] == 3 * 8  # the three others copied it across
+  assert s["blocks_fetched"] == 3 * 8 and s["computed_tokens"] < 2 * 34 + 4 * 4
+  engine.cache.index.check_invariants()
+  for sh in range(4):  # the source pages were pinned only for the copy
+    assert all(engine.cache.index.refcount(sh, p) == 0 for p in range(64))
+  # The copy is a collective (that is the point); page writes and attention stay local.
+  import jax
+  text = jaxkv.pages._copy_fn(mesh, engine.cache.config, 4).lower(
+      tuple(engine._flat_pools()), jax.numpy.zeros(4, jax.numpy.int32),
+      jax.numpy.zeros(4, jax.numpy.int32)).compile().as_text()
+  assert any(op in text for op in jaxkv.pages.COLLECTIVE_OPS)

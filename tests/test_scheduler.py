@@ -11,7 +11,7 @@ from jaxkv import scheduler as sch
 
 def cost_model(rng) -> sch.CostModel:
   links = {name: sch.LinkCost(float(rng.uniform(0, 2e-3)), float(10 ** rng.uniform(7, 10)))
-           for name in ("host_to_device", "disk_to_host", "remote_to_host")}
+           for name in ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")}
   curve = sch.PrefillCurve(float(rng.uniform(0, 5e-3)), float(10 ** rng.uniform(-6, -3)),
                            float(10 ** rng.uniform(-10, -7)))
   return sch.CostModel(links=links, prefill=curve)
@@ -26,7 +26,7 @@ def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0):
       e = int(rng.integers(0, m + 1))
       h = int(rng.integers(0, e + 1))
       tiers[i, j, :h] = sch.HOT
-      tiers[i, j, h:e] = rng.choice([sch.HOST, sch.DISK, sch.REMOTE], size=e - h)
+      tiers[i, j, h:e] = rng.choice([sch.HOST, sch.DISK, sch.REMOTE, sch.SHARD], size=e - h)
       hot[i, j], end[i, j] = h, e
   return sch.PlanInputs(
       tiers=tiers, block_bytes=rng.uniform(1e5, 4e6, (r, d, m)).astype(np.float32), hot=hot,
@@ -48,7 +48,8 @@ def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed
   uses = np.zeros((6, 4), bool)
   for i in range(6):
     c = out.fetch_blocks[i, best[i]]
-    uses[i] = [c[1:].sum() > 0, c[sch.DISK] > 0, c[sch.REMOTE] > 0, False]
+    uses[i] = [c[sch.HOST] + c[sch.DISK] + c[sch.REMOTE] > 0, c[sch.DISK] > 0,
+               c[sch.REMOTE] > 0, c[sch.SHARD] > 0]
   for i in range(6):
     for j in range(3):
       share = np.ones(4)
