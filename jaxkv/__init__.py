@@ -5,7 +5,7 @@ calls), ``jaxkv.models`` (a small Llama-style decoder) and ``jaxkv.ops`` (paged
 attention). Everything else is internal.
 """
 
-from jaxkv import executor, models, nnx, ops
+from jaxkv import models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, StreamConfig, TierConfig
 from jaxkv.engine import Engine

@@ -1,21 +1,25 @@
-"""Engine: batched greedy generation over a Flax NNX model with prefix reuse.
+"""Engine: batched greedy generation over a Flax NNX model with tiered prefix reuse.
 
 How a call to ``generate`` runs
 1. Validate every prompt before any work (empty prompt, token outside the vocabulary,
-   non-integer tokens, more tokens than a sequence can ever hold).
+   non-integer tokens, more tokens than any tier can hold).
 2. Admit requests into a *wave* of at most ``max_seqs_per_shard`` sequences per data
-   shard. Each request goes to the shard holding its longest cached prefix (ties: the
-   least loaded shard); it takes references on the hit pages and allocates fresh pages
-   for everything it will write. Allocation evicts unreferenced cached blocks, oldest
-   first. A request that no longer fits waits for the next wave.
-3. Prefill the uncached rest of every prompt in block-aligned chunks of
-   ``prefill_chunk_pages`` pages (so a block's KV comes from the same computation
-   whether or not its prefix was cached), all rows of the wave in one jitted step.
-   A cache hit always leaves at least one prompt token to compute: its logits give the
-   first generated token.
+   shard. Each request goes to the shard holding its longest cached prefix, wherever the
+   blocks are (device, host, disk, another shard, another job); it pins those blocks and
+   allocates device pages for everything it will write. Allocation evicts unreferenced
+   cached blocks (reused ones last), copying them down first under write-back.
+3. Plan (``jaxkv.plan``, from measured costs): for each request, blocks ``[hot, s)`` are
+   recomputed while blocks ``[s, end)`` are fetched. Fetches are issued first, the
+   recompute runs meanwhile, then every fetched block is verified; a failed one ends the
+   hit there. The rest of the prompt is prefilled in block-aligned chunks of
+   ``prefill_chunk_pages`` pages (a block's KV comes from the same computation whether
+   or not its prefix was cached), all rows of the wave in one jitted step. A hit always
+   leaves at least one prompt token to compute: its logits give the first token.
 4. Decode greedily, one jitted step per token, with the token ids staying on device.
 5. Publish the full blocks that were written (prompt, and the answer when
-   ``cache_decode_blocks``) in the index, then release the wave's page references.
+   ``cache_decode_blocks``), copy them down under write-through, release the references.
+Sequences longer than a device pool holds run one at a time with ``StreamConfig``: sink
+and window pages on device, the rest streamed from host memory through attention.
 
 The page pools are donated to every step, so they are updated in place. Steps compile
 once per shape bucket: batch rows per shard and page-table width are rounded up to
@@ -40,12 +44,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import nnx as kvnnx
-from jaxkv.cache import CapacityError, KVCache
 from jaxkv import pages as pages_lib
 from jaxkv import scheduler as sched
+from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig
-from jaxkv.executor import Fetch, TierMover
 from jaxkv.distributed import to_host
+from jaxkv.executor import Fetch, TierMover
 from jaxkv.index import LOCAL_TIERS, TIER_NAMES, Tier
 
 
@@ -523,7 +527,6 @@ class Engine:
     return jax.device_put(x, self._row_sharding(x.ndim))
 
   def _run_wave(self, wave: list[_Request], t_start: float, outputs, logits_out) -> None:
-    c = self.cache.config
     num_shards = self.cache.num_shards
     per_shard = collections.Counter(r.shard for r in wave)
     rows_per_shard = _pow2_at_least(max(per_shard.values()))

@@ -13,7 +13,7 @@ remote (blocks pulled from another job against loopback TCP and against recomput
 
 import time
 
-from absl import app, flags
+from absl import flags
 
 import _common
 

@@ -4,10 +4,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
-import numpy as np
 import pytest
 
 import jaxkv

@@ -53,3 +53,31 @@ def throughput(nbytes: int, s: dict) -> dict:
 def ratio(a: dict, b: dict) -> float:
   """Throughput ratio a / b from two ``summary`` dicts over the same bytes."""
   return b["median_s"] / a["median_s"]
+
+
+# The model most suites share: small enough for 2 CPU cores, big enough that prefill costs.
+BENCH_MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                   head_dim=32, mlp_dim=512)
+
+
+def bench_mesh():
+  """4 data x 2 model over 8 devices when there are 8, else all devices on the data axis."""
+  import jax
+  from jaxkv.pages import make_mesh
+  devices = jax.devices()
+  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
+  return make_mesh(data=data, model=model, devices=devices[:data * model])
+
+
+def bench_model_config():
+  from jaxkv import models
+  return models.LlamaConfig(**BENCH_MODEL)
+
+
+def bench_cache_config(**overrides):
+  """The cache of ``BENCH_MODEL``: 16-token pages; pass the page budgets."""
+  from jaxkv.config import CacheConfig
+  m = BENCH_MODEL
+  return CacheConfig(**{"model_name": "bench-llama", "num_layers": m["num_layers"],
+                        "num_kv_heads": m["num_kv_heads"], "head_dim": m["head_dim"],
+                        "page_size": 16, **overrides})

@@ -16,20 +16,17 @@ import time
 from flax import nnx
 
 from jaxkv import models
+from jaxkv.bench import common
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.config import EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
-from jaxkv.pages import make_mesh
 from jaxkv.workloads import Chat, ChatSpec
 
 
 def run(*, quick: bool = False) -> dict:
-  import jax
-  devices = jax.devices()
-  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
-  mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
-  mc = models.LlamaConfig(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8,
-                          num_kv_heads=2, head_dim=32, mlp_dim=512)
+  mesh = common.bench_mesh()
+  mc = common.bench_model_config()
+  data = mesh.shape["data"]
   spec = ChatSpec(users=2 * data if quick else 4 * data, turns=3 if quick else 4,
                   system_prompt_tokens=256, user_tokens=(32, 64), max_new_tokens=16,
                   vocab_size=512, seed=11)
@@ -37,8 +34,7 @@ def run(*, quick: bool = False) -> dict:
   seq_pages = -(-spec.max_seq_len() // page)
   working_set = (spec.users // data) * seq_pages  # pages per shard at the end
   budget = max(seq_pages + 2, working_set // 4)
-  cache = CacheConfig(model_name="bench-llama", num_layers=4, num_kv_heads=2, head_dim=32,
-                      page_size=page, pages_per_shard=budget, max_pages_per_seq=seq_pages)
+  cache = common.bench_cache_config(page_size=page, pages_per_shard=budget, max_pages_per_seq=seq_pages)
   engine_cfg = EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=4)
 
   def make(reuse: bool, tiers: TierConfig | None, policy: str) -> Engine:

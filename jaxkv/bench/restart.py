@@ -19,21 +19,16 @@ from jaxkv import models
 from jaxkv.bench import common
 from jaxkv.cache import KVCache
 from jaxkv.checkpoint import Checkpointer
-from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.config import EngineConfig
 from jaxkv.engine import Engine
-from jaxkv.pages import make_mesh
 from jaxkv.workloads import Chat, ChatSpec
 
 
 def run(*, quick: bool = False, reps: int = 5) -> dict:
   import jax
-  devices = jax.devices()
-  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
-  mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
-  mc = models.LlamaConfig(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8,
-                          num_kv_heads=2, head_dim=32, mlp_dim=512)
-  cache = CacheConfig(model_name="bench-llama", num_layers=4, num_kv_heads=2, head_dim=32,
-                      page_size=16, pages_per_shard=128, max_pages_per_seq=64)
+  mesh = common.bench_mesh()
+  mc = common.bench_model_config()
+  cache = common.bench_cache_config(pages_per_shard=128, max_pages_per_seq=64)
   spec = ChatSpec(users=8, turns=3 if quick else 4, system_prompt_tokens=128,
                   user_tokens=(32, 64), max_new_tokens=8, vocab_size=512, seed=5)
   engine_cfg = EngineConfig(max_seqs_per_shard=2, prefill_chunk_pages=4)

@@ -27,11 +27,11 @@ from flax import nnx
 
 from jaxkv import calibration
 from jaxkv import models
+from jaxkv.bench import common
 from jaxkv import scheduler as sch
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.config import EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
-from jaxkv.pages import make_mesh
 from jaxkv.workloads import Chat, ChatSpec
 
 POLICIES = {
@@ -63,14 +63,9 @@ class EmulatedLink:
 
 
 def _setup(quick: bool):
-  import jax
-  devices = jax.devices()
-  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
-  mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
-  mc = models.LlamaConfig(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8,
-                          num_kv_heads=2, head_dim=32, mlp_dim=512)
-  cache = CacheConfig(model_name="bench-llama", num_layers=4, num_kv_heads=2, head_dim=32,
-                      page_size=16, pages_per_shard=64, max_pages_per_seq=64)
+  mesh = common.bench_mesh()
+  mc = common.bench_model_config()
+  cache = common.bench_cache_config(pages_per_shard=64, max_pages_per_seq=64)
   spec = ChatSpec(users=4, turns=3 if quick else 4, system_prompt_tokens=256,
                   user_tokens=(24, 48), max_new_tokens=8, vocab_size=512, seed=3)
   tiers = TierConfig(host_pages_per_shard=64)

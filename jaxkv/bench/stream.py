@@ -15,24 +15,19 @@ from __future__ import annotations
 import statistics
 import time
 
-import jax
 import numpy as np
 from flax import nnx
 
 from jaxkv import models
 from jaxkv.bench import common
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, StreamConfig, TierConfig
+from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig, TierConfig
 from jaxkv.engine import Engine
-from jaxkv.pages import make_mesh
 
 
 def run(*, quick: bool = False, reps: int = 5) -> dict:
-  devices = jax.devices()
-  data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
-  mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
-  mc = models.LlamaConfig(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8,
-                          num_kv_heads=2, head_dim=32, mlp_dim=512)
+  mesh = common.bench_mesh()
+  mc = common.bench_model_config()
   page = 16
   budget = 12 if quick else 16  # device pages for the streamed engine
   context_pages = 4 * budget
@@ -42,8 +37,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   engine_cfg = EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=4, prefix_reuse=False)
 
   def make(pages: int, tiers, stream_cfg) -> Engine:
-    cache = CacheConfig(model_name="bench-llama", num_layers=4, num_kv_heads=2, head_dim=32,
-                        page_size=page, pages_per_shard=pages,
+    cache = common.bench_cache_config(page_size=page, pages_per_shard=pages,
                         max_pages_per_seq=min(pages, context_pages + 1))
     return Engine(models.Llama(mc, rngs=nnx.Rngs(0)), KVCache(cache, mesh, tiers), engine_cfg,
                   scheduler=SchedulerConfig(policy="fetch"), stream=stream_cfg)

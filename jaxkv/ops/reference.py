@@ -17,7 +17,6 @@ kv_heads)``. Scores, softmax and the weighted sum run in float32.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
