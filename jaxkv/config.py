@@ -251,14 +251,20 @@ class StreamConfig:
   between lives in host memory and is streamed through attention ``chunk_pages`` at a
   time, at most two chunks per layer in flight (the device staging budget).
   ``max_cold_pages``: the most host pages one sequence may hold.
+  ``source``: where cold pages live between steps: ``host`` keeps them in host slots;
+  ``disk`` writes them to the disk tier and reads them back into host slots for each step
+  (host memory is held only while a step runs).
   """
 
   sink_pages: int = 1
   window_pages: int = 8
   chunk_pages: int = 4
   max_cold_pages: int = 4096
+  source: str = "host"
 
   def __post_init__(self):
+    _require(self.source in ("host", "disk"),
+             f"StreamConfig.source={self.source!r} must be 'host' or 'disk'.")
     for name in ("window_pages", "chunk_pages", "max_cold_pages"):
       _positive_int(self, name)
     _require(isinstance(self.sink_pages, int) and self.sink_pages >= 0,

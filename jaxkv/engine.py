@@ -130,6 +130,8 @@ class _StreamState:
   block_page: dict  # logical block -> device page (the hot blocks)
   cold: list  # host slots of the cold blocks, oldest first (blocks sink, sink+1, ...)
   dev: list  # every device page the sequence holds
+  disk: list = dataclasses.field(default_factory=list)  # source="disk": cold blocks' slots
+  nonce: bytes = b""  # names this sequence's disk records
 
 
 def _stream_key(stream):
@@ -166,6 +168,9 @@ class Engine:
       if cache.host is None:
         raise ValueError("StreamConfig needs a host tier to stream from: set "
                          "TierConfig(host_pages_per_shard=...).")
+      if stream.source == "disk" and cache.disk is None:
+        raise ValueError("StreamConfig(source='disk') needs a disk tier: set "
+                         "TierConfig(disk_kvstore=..., disk_pages=...).")
     self.mesh = cache.mesh
     cfg = cache.config
     cache.attach(model)
@@ -416,6 +421,8 @@ class Engine:
     cold = -(-total // c.page_size) - st.sink_pages - st.window_pages
     room = min(st.max_cold_pages, max(self.cache.index.num_available(s, Tier.HOST)
                                       for s in range(self.cache.num_shards)))
+    if st.source == "disk":
+      room = min(room, self.cache.index.num_available(0, Tier.DISK))
     if cold > room:
       raise CapacityError(
           f"prompt {i} needs {cold} pages in host memory beyond the {st.sink_pages} sink and "
@@ -815,7 +822,9 @@ class Engine:
     if dev is None:
       raise CapacityError(f"shard {shard} cannot give {n_dev} device pages to a streamed "
                           "sequence now; pages are held elsewhere.")
-    state = _StreamState(free=list(dev), block_page={}, cold=[], dev=list(dev))
+    import secrets
+    state = _StreamState(free=list(dev), block_page={}, cold=[], dev=list(dev),
+                         nonce=secrets.token_bytes(16))
     width = _pow2_at_least(r.num_pages_needed)
     r.shard, r.row = shard, shard  # one row per shard; this one is ours
     try:
@@ -834,12 +843,15 @@ class Engine:
         sel = np.zeros((shards,), np.int32)
         mask = np.zeros((shards,), bool)
         sel[shard], mask[shard] = b - a - 1, last
+        if st.source == "disk":
+          self._stream_stage(r, state)
         table, stream = self._stream_batch(r, state, width)
         self._pages, carry, selected = self._prefill(
             self._pages, self._rest, self._put_rows(tokens), carry, table,
             self._put_rows(positions), self._put_rows(kv_lens), self._put_rows(sel),
             self._put_rows(mask), stream)
         self._stats["prefill_steps"] += 1
+        self._stream_unstage(r, state)
       carry.block_until_ready()
       self._ttft.append(time.perf_counter() - t_start)
       produced, logits = [carry], [to_host(selected)[shard]] if logits_out is not None else []
@@ -849,11 +861,14 @@ class Engine:
         positions = np.full((shards, 1), -1, np.int32)
         kv_lens = np.zeros((shards,), np.int32)
         positions[shard, 0], kv_lens[shard] = pos, pos + 1
+        if st.source == "disk":
+          self._stream_stage(r, state)
         table, stream = self._stream_batch(r, state, width)
         self._pages, carry, selected = self._decode(
             self._pages, self._rest, carry, table, self._put_rows(positions),
             self._put_rows(kv_lens), stream)
         self._stats["decode_steps"] += 1
+        self._stream_unstage(r, state)
         produced.append(carry)
         if logits_out is not None:
           logits.append(to_host(selected)[shard])
@@ -861,6 +876,10 @@ class Engine:
     finally:
       index.release(shard, state.dev)
       index.release(shard, state.cold, Tier.HOST)
+      if state.disk:  # the records name no block anyone can ask for: remove them
+        index.release(0, state.disk, Tier.DISK)
+        for slot in state.disk:
+          self.cache.disk.delete(slot)
     outputs[r.index] = tokens_out
     if logits_out is not None:
       logits_out[r.index] = np.stack(logits)
@@ -869,7 +888,7 @@ class Engine:
     self._stats["prompt_tokens"] += len(r.tokens)
     self._stats["computed_tokens"] += len(r.tokens)
     self._stats["generated_tokens"] += r.max_new_tokens
-    self._stats["streamed_pages"] += len(state.cold)
+    self._stats["streamed_pages"] += max(len(state.cold), len(state.disk))
 
   def _stream_make_room(self, r: _Request, state, lo: int, hi: int) -> None:
     """Gives blocks ``[lo, hi)`` device pages, moving the oldest window pages to host."""
@@ -896,14 +915,70 @@ class Engine:
       host_ids[r.shard] = slots
       stack = pages_lib.gather_stacked(self._flat_pools(), self._put_rows(ids), mesh=self.mesh,
                                        config=c)
-      self.cache.host.store(stack, host_ids)
+      if st.source == "disk":
+        self._stream_to_disk(r, state, victims, to_host(stack), slots)
+      else:
+        self.cache.host.store(stack, host_ids)
       for j, slot in zip(victims, slots):
-        assert j == st.sink_pages + len(state.cold), "cold pages must stay contiguous"
-        state.cold.append(slot)
+        if st.source == "host":
+          assert j == st.sink_pages + len(state.cold), "cold pages must stay contiguous"
+          state.cold.append(slot)
         state.free.append(state.block_page.pop(j))
       self._stats["stream_demotions"] += len(victims)
     for j in need:
       state.block_page[j] = state.free.pop()
+
+  def _stream_key(self, state, block: int) -> bytes:
+    import hashlib
+    return hashlib.sha256(state.nonce + block.to_bytes(8, "little")).digest()
+
+  def _stream_to_disk(self, r, state, victims, stack, host_slots) -> None:
+    """source='disk': the victims' pages go to disk records (durable before use)."""
+    index, disk, st = self.cache.index, self.cache.disk, self.stream
+    index.release(r.shard, host_slots, Tier.HOST)  # not needed: the pages go straight down
+    n = stack.shape[2] // self.cache.num_shards
+    writes = []
+    for i, j in enumerate(victims):
+      assert j == st.sink_pages + len(state.disk), "cold pages must stay contiguous"
+      slot = index.allocate(0, 1, Tier.DISK)
+      if slot is None:
+        raise CapacityError("the disk tier has no room left for a streamed sequence.")
+      state.disk.append(slot[0])
+      payload = np.ascontiguousarray(stack[:, :, r.shard * n + i]).view(self.cache.config.jnp_dtype)
+      writes.append(disk.write(slot[0], payload, self._stream_key(state, j), None))
+    deadline = time.monotonic() + self.cache.tiers.read_deadline_s
+    for w in writes:
+      w.future.result(timeout=max(0.0, deadline - time.monotonic()))
+
+  def _stream_stage(self, r, state) -> None:
+    """source='disk': reads every cold record into host slots for the coming step."""
+    index, disk, st = self.cache.index, self.cache.disk, self.stream
+    if len(state.cold) == len(state.disk):
+      return
+    self._stream_unstage(r, state)
+    slots = index.allocate(r.shard, len(state.disk), Tier.HOST)
+    if slots is None:
+      raise CapacityError("the host tier has no room to stage a streamed sequence's pages.")
+    reads = [disk.read(s) for s in state.disk]  # all in flight
+    deadline = time.monotonic() + self.cache.tiers.read_deadline_s
+    bits = pages_lib.bits_dtype(self.cache.config.jnp_dtype)
+    n = len(slots)
+    stack = np.zeros((*self.cache.payload_shape[:2], self.cache.num_shards * n,
+                      *self.cache.payload_shape[2:]), bits)
+    for i, rd in enumerate(reads):
+      record = rd.future.result(timeout=max(0.0, deadline - time.monotonic()))
+      stack[:, :, r.shard * n + i] = disk.verify(
+          record, self._stream_key(state, st.sink_pages + i)).view(bits)
+    host_ids = np.full((self.cache.num_shards, n), self.cache.host.pages_per_shard, np.int32)
+    host_ids[r.shard] = slots
+    self.cache.host.store(jax.device_put(stack, self._mover._stack_sharding), host_ids)
+    state.cold = list(slots)
+    self._stats["stream_disk_reads"] += n
+
+  def _stream_unstage(self, r, state) -> None:
+    if self.stream.source == "disk" and state.cold:
+      self.cache.index.release(r.shard, state.cold, Tier.HOST)
+      state.cold = []
 
   def _stream_batch(self, r: _Request, state, width: int):
     st, shards = self.stream, self.cache.num_shards

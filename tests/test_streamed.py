@@ -103,20 +103,23 @@ def test_streamed_equals_all_pages_at_once(mesh, hq, hkv, page, attn_chunk, stre
 import helpers  # noqa: E402
 
 
-def stream_engines(mesh, host_pages=64, dtype="float32"):
+def stream_engines(mesh, host_pages=64, dtype="float32", source="host", disk_dir=None):
   mc = helpers.tiny_model_config(dtype=dtype)
   small = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
   big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96)
-  engine = helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2,
-                               tiers=jaxkv.TierConfig(host_pages_per_shard=host_pages),
+  tiers = jaxkv.TierConfig(host_pages_per_shard=host_pages,
+                           disk_kvstore=disk_dir, disk_pages=256 if disk_dir else 0)
+  engine = helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2, tiers=tiers,
                                stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
-                                                         chunk_pages=3))
+                                                         chunk_pages=3, source=source))
   everything = helpers.make_engine(mesh, mc, cache=big, prefill_chunk_pages=2)
   return engine, everything
 
 
-def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh):
-  engine, everything = stream_engines(mesh)
+@pytest.mark.parametrize("source", ["host", "disk"])
+def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path, source):
+  engine, everything = stream_engines(mesh, source=source,
+                                      disk_dir=str(tmp_path / "d") if source == "disk" else None)
   rng = np.random.default_rng(1)
   # 3.3x and 4.4x the 12-page device budget, plus a short prompt served normally.
   prompts = [rng.integers(1, 128, 150).tolist(), [5, 6, 7, 8, 9],
@@ -128,6 +131,10 @@ def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
   s = engine.stats()
   assert s["streamed_requests"] == 2 and s["streamed_pages"] > 2 * 24
+  if source == "disk":  # every step read its cold pages back from disk records
+    assert s["stream_disk_reads"] > 8 * s["streamed_pages"]
+    assert not engine.cache.index._pool(Tier.DISK, 0).refcount.any()
+    assert engine.cache.index.num_cached(0, Tier.DISK) == 0  # no stray records published
   engine.cache.index.check_invariants()
   for sh in range(4):  # every device page and host slot a stream held is back
     assert not engine.cache.index._pool(Tier.DEVICE, sh).refcount.any()
