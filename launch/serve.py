@@ -173,25 +173,18 @@ def _plot(path: str, ttft: dict, occupancy: list, title: str) -> None:
     raise ValueError("--plot needs matplotlib: pip install matplotlib (or the [plot] extra).")
   from matplotlib.ticker import MaxNLocator
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for ax in (ax1, ax2):
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   for p, turns in ttft.items():
     ax1.plot(range(len(turns)), [1e3 * statistics.mean(t) for t in turns], marker="o", label=p)
-  ax1.set_xlabel("turn")
-  ax1.set_ylabel("mean TTFT (ms)")
-  ax1.set_title("Time to first token by turn")
-  ax1.set_ylim(bottom=0)
-  ax1.legend()
-  ax1.grid(alpha=0.3)
-  rounds = range(len(occupancy))
   for tier in ("device", "host", "disk"):
-    ax2.plot(rounds, [o[tier] for o in occupancy], marker="s", label=tier)
-  ax2.set_xlabel("turn (after)")
-  ax2.set_ylabel("cached blocks")
-  ax2.set_title("Tier occupancy (jaxkv)")
-  ax2.set_ylim(bottom=0)
-  ax2.legend()
-  ax2.grid(alpha=0.3)
+    ax2.plot(range(len(occupancy)), [o[tier] for o in occupancy], marker="s", label=tier)
+  for ax, xlabel, ylabel, name in (
+      (ax1, "turn", "mean TTFT (ms)", "Time to first token by turn"),
+      (ax2, "turn (after)", "cached blocks", "Tier occupancy (jaxkv)")):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=name)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
   fig.suptitle(f"jaxkv serve — {title}")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
