@@ -323,6 +323,8 @@ class Engine:
       if self.costs is None:
         from jaxkv import calibration
         self.costs = calibration.calibrate(self)
+      for m in sorted({max(8, _pow2_at_least(w)) for w in widths}):
+        self._plan_shape(8, m, self.cache.num_shards)  # placement: one request, every shard
       r = 8
       while True:  # the plan's buckets: requests (>= 8) x blocks (>= 8)
         for m in sorted({max(8, _pow2_at_least(w)) for w in widths}):
@@ -448,8 +450,12 @@ class Engine:
         peer, n = remote
         found = [f + [(Tier.REMOTE, peer)] * (n - len(f)) for f in found]
       on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
-      order = sorted(range(num_shards),
-                     key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
+      predicted = self._shard_costs(req, found)
+      if predicted is not None:  # the plan's predicted time on each shard decides
+        order = sorted(range(num_shards), key=lambda s: (predicted[s], load[s], s))
+      else:
+        order = sorted(range(num_shards),
+                       key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
       if self._force_shard is not None:
         order = [self._force_shard]
       for s in order:
@@ -464,6 +470,36 @@ class Engine:
       raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
                           "elsewhere.")
     return wave
+
+  def _shard_costs(self, req: _Request, found: list) -> np.ndarray | None:
+    """Predicted time of ``req`` on every shard (cost policy, and only when some shard's
+    prefix is not all on device: otherwise the longest device prefix wins anyway)."""
+    if (self.scheduler.policy != "cost" or self.costs is None or self.cache.num_shards == 1
+        or all(t == Tier.DEVICE for f in found for t, _ in f)):
+      return None
+    c = self.cache.config
+    code = {Tier.HOST: sched.HOST, Tier.DISK: sched.DISK, Tier.REMOTE: sched.REMOTE,
+            Tier.DEVICE: sched.HOT, Tier.SHARD: sched.SHARD}
+    d = self.cache.num_shards
+    end = max(len(f) for f in found)
+    m_pad = max(8, _pow2_at_least(end))
+    tiers = np.full((8, d, m_pad), sched.ABSENT, np.int32)
+    hot = np.zeros((8, d), np.int32)
+    for s, f in enumerate(found):
+      tiers[0, s, :len(f)] = [code[t] for t, _ in f]
+      hot[0, s] = next((j for j, (t, _) in enumerate(f) if t != Tier.DEVICE), len(f))
+    inputs = sched.PlanInputs(
+        tiers=tiers, block_bytes=np.full(tiers.shape, c.page_bytes, np.float32), hot=hot,
+        cached_end=np.full((8, d), end, np.int32),
+        tail_tokens=np.full((8,), len(req.tokens) - end * c.page_size, np.int32),
+        free_pages=np.full((d,), m_pad, np.int32),
+        inflight_blocks=np.full((d,), self.scheduler.inflight_blocks or m_pad, np.int32),
+        link_group=np.zeros((d,), np.int32), valid=np.arange(8) == 0, page_size=c.page_size,
+        chunk_tokens=self.config.prefill_chunk_pages * c.page_size)
+    t0 = time.perf_counter()
+    out = to_host(sched.plan(inputs, self.costs.arrays()).t_pred_s)[0]
+    self._stats["plan_s"] += time.perf_counter() - t0
+    return out
 
   def _with_other_shards(self, found: list) -> list:
     """Extends each shard's cached prefix with blocks another shard holds on device: a
@@ -677,7 +713,7 @@ class Engine:
         for r in wave:
           if step < r.max_new_tokens:
             logits_out[r.index].append(sel[r.row])
-    all_tokens = to_host(jnp.stack(produced, axis=1))  # [rows, steps]
+    all_tokens = np.stack([to_host(t) for t in produced], axis=1)  # [rows, steps]
     generated = {r.index: all_tokens[r.row, :r.max_new_tokens].tolist() for r in wave}
     if logits_out is not None:
       for r in wave:
@@ -768,14 +804,15 @@ class Engine:
     self.last_plan = out
     return splits
 
-  def _plan_shape(self, r_pad: int, m_pad: int) -> None:
+  def _plan_shape(self, r_pad: int, m_pad: int, d: int = 1) -> None:
     """Compiles the plan for one bucket (all padding requests)."""
     c = self.cache.config
     z = lambda *shape: np.zeros(shape, np.int32)
     inputs = sched.PlanInputs(
-        tiers=np.full((r_pad, 1, m_pad), sched.ABSENT, np.int32),
-        block_bytes=np.zeros((r_pad, 1, m_pad), np.float32), hot=z(r_pad, 1), cached_end=z(r_pad, 1),
-        tail_tokens=z(r_pad), free_pages=z(1), inflight_blocks=z(1), link_group=z(1),
+        tiers=np.full((r_pad, d, m_pad), sched.ABSENT, np.int32),
+        block_bytes=np.zeros((r_pad, d, m_pad), np.float32), hot=z(r_pad, d),
+        cached_end=z(r_pad, d), tail_tokens=z(r_pad), free_pages=z(d), inflight_blocks=z(d),
+        link_group=z(d),
         valid=np.zeros((r_pad,), bool), page_size=c.page_size,
         chunk_tokens=self.config.prefill_chunk_pages * c.page_size)
     jax.block_until_ready(sched.plan(inputs, self.costs.arrays()))
@@ -872,7 +909,7 @@ class Engine:
         produced.append(carry)
         if logits_out is not None:
           logits.append(to_host(selected)[shard])
-      tokens_out = to_host(jnp.stack(produced, axis=1))[shard].tolist()
+      tokens_out = np.stack([to_host(t) for t in produced], axis=1)[shard].tolist()
     finally:
       index.release(shard, state.dev)
       index.release(shard, state.cold, Tier.HOST)

@@ -103,9 +103,17 @@ class TierMover:
   def warmup(self, pools, max_pages: int) -> list:
     """Compiles every transfer for each bucket up to ``max_pages`` pages per shard, with
     all-padding ids (nothing is read into or written over a page). Returns the pools."""
-    if self.host is None and self.disk is None:
-      return pools
     shards = self.cache.num_shards
+    n = MIN_BUCKET
+    while shards > 1:  # copies between shards (destinations all padding: dropped)
+      src = np.zeros((n,), np.int32)
+      dst = np.full((n,), shards * self.config.pages_per_shard, np.int32)
+      pools = pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
+      if n >= max_pages:
+        break
+      n *= 2
+    if self.host is None and self.disk is None:
+      return list(pools)
     n = MIN_BUCKET
     while True:
       pad_dev = jax.device_put(np.full((shards, n), self.config.pages_per_shard, np.int32),

@@ -238,11 +238,15 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
                      hot.astype(jnp.float32) * ps, chunk_tokens)
   t_tail = _prefill_s(costs.prefill, tail_tokens.astype(jnp.float32),
                       end.astype(jnp.float32) * ps, chunk_tokens)
-  feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget)
+  # A block cached nowhere (ABSENT) inside the range can only be recomputed: every
+  # split point before it is infeasible.
+  absent = suffix(jnp.where(in_cold & (tiers == ABSENT), 1.0, 0.0))
+  feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget) & (absent == 0)
   cost = jnp.where(feasible, jnp.maximum(t_rec, t_fetch), jnp.inf)
   s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
   at = lambda x, i: x[jnp.clip(i, 0, m)]
-  t_fetch_all = jnp.where(end - hot <= budget, at(t_fetch, hot), jnp.inf)
+  t_fetch_all = jnp.where((end - hot <= budget) & (at(absent, hot) == 0), at(t_fetch, hot),
+                          jnp.inf)
   counts = jnp.stack([jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
                       if t in (HOST, DISK, REMOTE, SHARD) else jnp.int32(0)
                       for t in range(6)])
@@ -294,7 +298,7 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
   link_names = LINKS
   best_s, best_t = None, math.inf
   for s in range(hot, end + 1):
-    if end - s > budget:
+    if end - s > budget or any(int(tiers[b]) == ABSENT for b in range(s, end)):
       continue
     link_bytes = dict.fromkeys(link_names, 0.0)
     for b in range(s, end):

@@ -26,7 +26,8 @@ def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0):
       e = int(rng.integers(0, m + 1))
       h = int(rng.integers(0, e + 1))
       tiers[i, j, :h] = sch.HOT
-      tiers[i, j, h:e] = rng.choice([sch.HOST, sch.DISK, sch.REMOTE, sch.SHARD], size=e - h)
+      tiers[i, j, h:e] = rng.choice([sch.HOST, sch.DISK, sch.REMOTE, sch.SHARD, sch.ABSENT],
+                                    size=e - h, p=[0.24, 0.24, 0.2, 0.2, 0.12])
       hot[i, j], end[i, j] = h, e
   return sch.PlanInputs(
       tiers=tiers, block_bytes=rng.uniform(1e5, 4e6, (r, d, m)).astype(np.float32), hot=hot,
@@ -66,6 +67,9 @@ def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed
       assert inputs.hot[i, j] <= out.split[i, j] <= inputs.cached_end[i, j]
       assert out.t_pred_s[i, j] <= out.t_recompute_all_s[i, j] * (1 + 1e-6) + 1e-9
       assert out.t_pred_s[i, j] <= out.t_fetch_all_s[i, j] * (1 + 1e-6) + 1e-9
+      absent = [b for b in range(inputs.hot[i, j], inputs.cached_end[i, j])
+                if inputs.tiers[i, j, b] == sch.ABSENT]
+      assert not absent or out.split[i, j] > max(absent)  # a block cached nowhere: recomputed
       # Capacity: never more blocks in flight than the shard allows.
       assert out.fetch_blocks[i, j].sum() == inputs.cached_end[i, j] - out.split[i, j] <= budget
       # The decision label agrees with the split point.
