@@ -1,50 +1,19 @@
 """The embedded default: CPU, a tiny random-weight Llama, 8 virtual devices (4 data x 2 model).
 
 Small enough that `python launch/serve.py` finishes in about a minute on 2 cores, large
-enough that a multi-turn chat overflows nothing and shows what prefix reuse saves.
+enough that a multi-turn chat overflows nothing and shows what prefix reuse saves. Every
+value is `configs/default.py`'s.
 """
+
+import os
+import runpy
 
 import ml_collections
 
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = runpy.run_path(_DEFAULT)["get_config"]()
   c.name = "cpu_tiny"
-  c.platform = "cpu"
-  c.host_device_count = 8  # virtual CPU devices (XLA_FLAGS), set before JAX starts
-  c.seed = 0
-  c.mesh = ml_collections.ConfigDict(dict(data=4, model=2))
-  c.model = ml_collections.ConfigDict(dict(
-      name="llama-tiny-random",
-      vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-      head_dim=32, mlp_dim=256, dtype="float32"))
-  c.cache = ml_collections.ConfigDict(dict(
-      page_size=16, pages_per_shard=256, max_pages_per_seq=64, attention_chunk_pages=8,
-      dtype="float32"))
-  # Prefill one page per step: every block's KV is then the same bits whether it was
-  # computed in a prefill, in a decode, or reused (see BUILD.md, "Exactness").
-  c.engine = ml_collections.ConfigDict(dict(
-      max_seqs_per_shard=2, prefill_chunk_pages=1, cache_decode_blocks=True))
-  # Lower tiers are off by default; `--host_pages`, `--disk_dir` (launch/serve.py) or
-  # --config.tiers.* turn them on.
-  c.tiers = ml_collections.ConfigDict(dict(
-      host_pages_per_shard=0, host_memory_kind="pinned_host", disk_kvstore="", disk_pages=0,
-      write_policy="write_back", read_deadline_s=10.0))
-  # How lower-tier hits come back: "cost" plans fetch / recompute / split from costs
-  # calibrated at start-up (see jaxkv.SchedulerConfig for the other policies).
-  c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
-  # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
-  # (launch/serve.py) replays recorded requests instead.
-  c.workload = ml_collections.ConfigDict(dict(
-      kind="chat",
-      chat=ml_collections.ConfigDict(dict(
-          users=8, turns=4, system_prompt_tokens=128, user_tokens=(32, 96),
-          max_new_tokens=16)),
-      rag=ml_collections.ConfigDict(dict(
-          requests=8, rounds=4, num_docs=6, doc_tokens=128, docs_per_request=2,
-          system_prompt_tokens=64, question_tokens=(8, 24), max_new_tokens=16)),
-      agent=ml_collections.ConfigDict(dict(
-          agents=4, steps=6, system_prompt_tokens=128, tool_tokens=(32, 96),
-          max_new_tokens=16)),
-      trace=ml_collections.ConfigDict(dict(path=""))))
   return c

@@ -4,15 +4,19 @@ For `launch/serve.py` with random weights on a GPU machine, and for sizing on an
 `python launch/plan.py --config=configs/llama3_8b_h200.py --tokens=32000`.
 """
 
+import os
+import runpy
+
 import ml_collections
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = runpy.run_path(_DEFAULT)["get_config"]()
   c.name = "llama3_8b_h200"
   c.platform = "gpu"
   c.host_device_count = 0
-  c.seed = 0
   c.mesh = ml_collections.ConfigDict(dict(data=1, model=1))
   c.model = ml_collections.ConfigDict(dict(
       name="llama-3-8b-random", vocab_size=128256, hidden_size=4096, num_layers=32,
@@ -29,25 +33,14 @@ def get_config() -> ml_collections.ConfigDict:
       host_pages_per_shard=131072, host_memory_kind="pinned_host",
       disk_kvstore="/mnt/nvme/jaxkv", disk_pages=1 << 20, write_policy="write_back",
       read_deadline_s=10.0))
-  c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
   # What the planner assumes before calibration replaces it: PCIe Gen5 x16 (64 GB/s
   # nominal, ~50 achievable one way) and prefill at 2 x 8e9 FLOPs per token on 989 TFLOP/s
   # bf16 at 40% utilisation, about 40 ms per 1000 tokens.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=50.0, host_link_latency_ms=0.02, disk_gb_per_s=6.0,
       prefill_ms_per_1k=40.0))
-  # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
-  # (launch/serve.py) replays recorded requests instead.
-  c.workload = ml_collections.ConfigDict(dict(
-      kind="chat",
-      chat=ml_collections.ConfigDict(dict(
-          users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
-          max_new_tokens=256)),
-      rag=ml_collections.ConfigDict(dict(
-          requests=8, rounds=4, num_docs=6, doc_tokens=128, docs_per_request=2,
-          system_prompt_tokens=64, question_tokens=(8, 24), max_new_tokens=16)),
-      agent=ml_collections.ConfigDict(dict(
-          agents=4, steps=6, system_prompt_tokens=128, tool_tokens=(32, 96),
-          max_new_tokens=16)),
-      trace=ml_collections.ConfigDict(dict(path=""))))
+  # The chat workload at this model's scale (the other workloads as in default.py).
+  c.workload.chat = ml_collections.ConfigDict(dict(
+      users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
+      max_new_tokens=256))
   return c

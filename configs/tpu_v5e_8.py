@@ -4,15 +4,19 @@
 Sizing: `python launch/plan.py --config=configs/tpu_v5e_8.py --tokens=32000`.
 """
 
+import os
+import runpy
+
 import ml_collections
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = runpy.run_path(_DEFAULT)["get_config"]()
   c.name = "tpu_v5e_8"
   c.platform = "tpu"
   c.host_device_count = 0
-  c.seed = 0
   c.mesh = ml_collections.ConfigDict(dict(data=4, model=2))
   c.model = ml_collections.ConfigDict(dict(
       name="llama-3-8b-random", vocab_size=128256, hidden_size=4096, num_layers=32,
@@ -27,24 +31,13 @@ def get_config() -> ml_collections.ConfigDict:
       host_pages_per_shard=32768, host_memory_kind="pinned_host",
       disk_kvstore="/tmp/jaxkv-disk", disk_pages=1 << 19, write_policy="write_back",
       read_deadline_s=10.0))
-  c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
   # Host link per v5e host (PCIe Gen4, ~25 GB/s shared by its chips); prefill 2 x 8e9
   # FLOPs per token over 8 x 197 TFLOP/s at 40%: about 25 ms per 1000 tokens.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=25.0, host_link_latency_ms=0.05, disk_gb_per_s=2.0,
       prefill_ms_per_1k=25.0))
-  # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
-  # (launch/serve.py) replays recorded requests instead.
-  c.workload = ml_collections.ConfigDict(dict(
-      kind="chat",
-      chat=ml_collections.ConfigDict(dict(
-          users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
-          max_new_tokens=256)),
-      rag=ml_collections.ConfigDict(dict(
-          requests=8, rounds=4, num_docs=6, doc_tokens=128, docs_per_request=2,
-          system_prompt_tokens=64, question_tokens=(8, 24), max_new_tokens=16)),
-      agent=ml_collections.ConfigDict(dict(
-          agents=4, steps=6, system_prompt_tokens=128, tool_tokens=(32, 96),
-          max_new_tokens=16)),
-      trace=ml_collections.ConfigDict(dict(path=""))))
+  # The chat workload at this model's scale (the other workloads as in default.py).
+  c.workload.chat = ml_collections.ConfigDict(dict(
+      users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
+      max_new_tokens=256))
   return c

@@ -1,23 +1,30 @@
 """KVCache: the tiered, sharded, paged cache a model's attention layers read and write.
 
-It ties together what describes the cache: the ``CacheConfig`` (shapes and budgets), the
-mesh the pools are sharded over, the ``TierConfig`` (host pages, disk store), the tiers
-themselves, and the host-side ``PrefixIndex`` that says which slot of which tier holds
-which block. The device page arrays live in the model's ``jaxkv.nnx.KVPages`` variables
-(allocated by ``attach``), so a Flax model carries its cache the way NNX models carry any
-other state; the host pool and the disk store live here.
+It owns everything that holds or describes cached bytes: the ``CacheConfig`` (shapes and
+budgets), the mesh the pools are sharded over, the device page pools, the lower tiers
+(host pool, disk store, remote peers) with the ``TierMover`` that moves blocks between
+them, the host-side ``PrefixIndex`` that says which slot of which tier holds which block,
+the pins that keep prefixes resident, and the ``Stats`` every part adds to.
+
+The device pools start as the ``jaxkv.nnx.KVPages`` variables of a model: ``attach``
+allocates them inside the model's ``PagedKV`` layers and then takes them out of it, so
+the model's weights and structure go to the runner while the pools stay here. Every
+jitted step takes the pools donated and gives them back (``pools``/``set_pools``).
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv import nnx as kvnnx
 from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.index import PrefixIndex, Tier
+from jaxkv.stats import Stats
+from jaxkv.transfers import TierMover
 
 
 class CapacityError(ValueError):
@@ -49,21 +56,31 @@ class KVCache:
                              disk_slots=tiers.disk_pages)
     self.host = None
     self.disk = None
+    self.remote = None
     self.disk_recovered = {"adopted": 0, "deleted": 0, "temporaries": 0}
     if tiers.host_enabled:
       from jaxkv.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
     self.remotes = []
     if tiers.remote_peers:
-      from jaxkv.tiers.remote import RemoteClient
+      from jaxkv.tiers.remote import RemoteClient, RemoteTier
       self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s)
                       for p in tiers.remote_peers]
+      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
     if tiers.disk_enabled:
       from jaxkv.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
                            payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint())
       self._adopt_disk_blocks()
+    self.stats = Stats()
+    self.mover = TierMover(index=self.index, mesh=mesh, config=config,
+                           num_shards=self.num_shards, payload_shape=self.payload_shape,
+                           host=self.host, disk=self.disk, remote=self.remote,
+                           stats=self.stats)
+    self._page_state = None  # the pools, as the nnx.State of the model's KVPages
+    self._pins: dict = {}
+    self._row_shardings: dict = {}
 
   @property
   def num_arrays(self) -> int:
@@ -82,9 +99,111 @@ class KVCache:
     model = self.mesh.shape[c.model_axis]
     return c.pages_per_shard * c.page_bytes // model
 
-  def attach(self, model: nnx.Module) -> None:
-    """Allocates the device pools inside ``model``'s ``PagedKV`` layers."""
+  # ---- the device pools --------------------------------------------------------------------
+  def attach(self, model: nnx.Module) -> tuple:
+    """Allocates the device pools inside ``model``'s ``PagedKV`` layers and takes them
+    over. Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
     kvnnx.init_pages(model, self.config, self.mesh)
+    graphdef, self._page_state, rest = nnx.split(model, kvnnx.KVPages, ...)
+    return graphdef, rest
+
+  @property
+  def page_state(self):
+    """The pools as the ``nnx.State`` a jitted step takes (donated) and returns."""
+    if self._page_state is None:
+      raise ValueError("the cache has no device pools yet: attach(model) allocates them "
+                       "(jaxkv.Engine does this when it is built).")
+    return self._page_state
+
+  @page_state.setter
+  def page_state(self, state) -> None:
+    self._page_state = state
+
+  @property
+  def pools(self) -> list[jax.Array]:
+    """The device pools, K and V of every layer (the order the tiers' stacks use)."""
+    return jax.tree.leaves(self.page_state)
+
+  def set_pools(self, pools) -> None:
+    self._page_state = jax.tree.unflatten(jax.tree.structure(self.page_state), list(pools))
+
+  def pools_alive(self) -> bool:
+    return not any(x.is_deleted() for x in self.pools)
+
+  def reset_pools(self) -> None:
+    """After a failed step consumed the donated pools: the cached bytes are gone, so the
+    index forgets every unreferenced device block and the pools start again from zeros."""
+    for s in range(self.num_shards):
+      self.index.evict_all_unreferenced(s)
+    self._page_state = jax.tree.map(lambda _: pages_lib.zeros_pool(self.mesh, self.config),
+                                    self.page_state)
+
+  def put_rows(self, x: np.ndarray) -> jax.Array:
+    """A host array whose leading axis is split over the data shards, on device."""
+    sharding = self._row_shardings.get(x.ndim)
+    if sharding is None:
+      sharding = NamedSharding(self.mesh, P(self.config.data_axis, *([None] * (x.ndim - 1))))
+      self._row_shardings[x.ndim] = sharding
+    return jax.device_put(x, sharding)
+
+  def allocate_pages(self, shard: int, n: int) -> list[int] | None:
+    """``n`` device pages on ``shard`` (referenced), evicting unreferenced cached blocks
+    (reused ones last) and copying them down first under write-back. None when the shard
+    cannot give them now."""
+    evicted: list = []
+    pages = self.index.allocate(shard, n, Tier.DEVICE, evicted=evicted)
+    if evicted:  # copy the evicted blocks down before their pages are overwritten
+      self.mover.demote(self.pools, [(shard, p, k) for k, p in evicted])
+    return pages
+
+  # ---- residency -------------------------------------------------------------------------------
+  def hold(self, tokens, tenant: str) -> int:
+    """Takes a reference on a prefix's full blocks on every data shard (all must be on
+    device there), so no eviction touches them until ``release_hold``. Returns the number
+    of blocks held per shard. ``Engine.pin`` computes what is missing first."""
+    keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
+    held = []
+    try:
+      for s in range(self.num_shards):
+        pages = self.index.match(s, keys)
+        if len(pages) < len(keys):
+          raise CapacityError(f"could not keep {len(keys)} blocks on shard {s}.")
+        self.index.acquire(s, pages)
+        held.append((s, pages))
+    except BaseException:
+      for s, pages in held:
+        self.index.release(s, pages)
+      raise
+    self._pins.setdefault((tenant, keys[-1]), []).append(held)
+    return len(keys)
+
+  def release_hold(self, tokens, tenant: str) -> None:
+    """Releases one ``hold`` of the same prefix."""
+    keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
+    held = self._pins.get((tenant, keys[-1]) if keys else None)
+    if not held:
+      raise ValueError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
+    for s, pages in held.pop():
+      self.index.release(s, pages)
+
+  def offload(self) -> int:
+    """Moves every unreferenced cached block out of device memory (copying it down first
+    under write-back) and frees its page. Returns the number of blocks moved out."""
+    index = self.index
+    victims = []
+    for s in range(self.num_shards):
+      for key in index.cached_keys(s, Tier.DEVICE):
+        page = index.slot_of(s, key, Tier.DEVICE)
+        if index.refcount(s, page) == 0:
+          victims.append((s, page, key))
+    self.mover.demote(self.pools, victims)
+    for s in range(self.num_shards):
+      index.evict_all_unreferenced(s, Tier.DEVICE)
+    return len(victims)
+
+  def flush(self, timeout_s: float = 60.0) -> int:
+    """Waits for lower-tier writes in flight; returns how many did not finish in time."""
+    return self.mover.flush(timeout_s)
 
   def _adopt_disk_blocks(self) -> None:
     """Blocks a previous run left on disk come back into the index once verified."""

@@ -4,7 +4,7 @@
   and bandwidth from the line through both points.
 - ``disk_to_host``: verified reads of freshly written records from a scratch store beside
   the disk tier (cold when the store is a local directory), one read and a batch in flight.
-- prefill: the engine's own prefill step, timed for every page-table width bucket; the
+- prefill: the model runner's own prefill step, timed for every page-table width bucket; the
   curve ``t(n, c)`` is fitted to what ``n`` tokens after ``c`` cached ones cost in steps.
 Nothing here is a constant: a different machine, model or config measures differently.
 """
@@ -18,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve
 
@@ -39,32 +40,27 @@ def _line(points: list[tuple[float, float]]) -> LinkCost:
   return LinkCost(latency_s=max(t0 - slope * b0, 0.0), bytes_per_s=1.0 / slope)
 
 
-def _host_link(engine, reps: int) -> LinkCost:
-  mover, host, c = engine._mover, engine.cache.host, engine.cache.config
-  shards = engine.cache.num_shards
+def _host_link(cache, reps: int) -> LinkCost:
+  host, c, mover = cache.host, cache.config, cache.mover
   points = []
-  for n in (mover_bucket(1), 8 * mover_bucket(1)):
-    ids = np.zeros((shards, n), np.int32)  # reads slot 0 n times: the bytes move all the same
-    dest = jax.device_put(np.full((shards, n), c.pages_per_shard, np.int32), mover._ids_sharding)
+  for n in (buckets.transfer_pages(1), 8 * buckets.transfer_pages(1)):
+    ids = np.zeros((cache.num_shards, n), np.int32)  # reads slot 0 n times: same bytes moved
+    dest = jax.device_put(np.full((cache.num_shards, n), c.pages_per_shard, np.int32),
+                          mover.ids_sharding)
 
     def move():
       stack, _ = host.load(ids)
-      engine._set_flat_pools(pages_lib.scatter_stacked(engine._flat_pools(), dest, stack,
-                                                       mesh=engine.mesh, config=c))
-      jax.block_until_ready(engine._flat_pools())
+      cache.set_pools(pages_lib.scatter_stacked(cache.pools, dest, stack, mesh=cache.mesh,
+                                                config=c))
+      jax.block_until_ready(cache.pools)
 
-    points.append((n * shards * c.page_bytes, _median_time(move, reps)))
+    points.append((n * cache.num_shards * c.page_bytes, _median_time(move, reps)))
   return _line(points)
 
 
-def mover_bucket(n: int) -> int:
-  from jaxkv.executor import bucket
-  return bucket(n)
-
-
-def _disk_link(engine, reps: int) -> LinkCost:
+def _disk_link(cache, reps: int) -> LinkCost:
   from jaxkv.tiers.disk import DiskTier
-  disk = engine.cache.disk
+  disk = cache.disk
   spec = dict(disk.kvstore)
   spec["path"] = spec.get("path", "") + "calibration/"
   n = 16
@@ -94,25 +90,13 @@ def _disk_link(engine, reps: int) -> LinkCost:
   return _line(points)
 
 
-def _prefill_curve(engine, reps: int) -> PrefillCurve:
-  c = engine.cache.config
-  chunk = engine.config.prefill_chunk_pages * c.page_size
-  rows = pages_lib.data_shards(engine.mesh, c) * min(
-      1 << (engine.config.max_seqs_per_shard - 1).bit_length(), engine.config.max_seqs_per_shard)
-  widths = sorted({engine._table_width(p) for p in range(1, c.max_pages_per_seq + 1)})
-  step_s = {}
-  for w in widths:
-    z = lambda *shape: engine._put_rows(np.zeros(shape, np.int32))
-    table, tokens = z(rows, w), z(rows, chunk)
-    pad = engine._put_rows(np.full((rows, chunk), -1, np.int32))
-    mask = engine._put_rows(np.zeros((rows,), bool))
-
-    def step():
-      engine._pages, carry, _ = engine._prefill(engine._pages, engine._rest, tokens, z(rows),
-                                                table, pad, z(rows), z(rows), mask)
-      carry.block_until_ready()
-
-    step_s[w] = _median_time(step, reps)
+def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> PrefillCurve:
+  c = cache.config
+  chunk = runner.chunk_tokens
+  rows = cache.num_shards * min(buckets.pow2_at_least(max_seqs_per_shard), max_seqs_per_shard)
+  widths = sorted({buckets.table_width(p, c) for p in range(1, c.max_pages_per_seq + 1)})
+  step_s = {w: runner.time_prefill_step(rows, w, lambda step: _median_time(step, reps))
+            for w in widths}
   samples = []
   max_tokens = c.max_seq_len
   for n in sorted({chunk, 2 * chunk, 4 * chunk, max_tokens // 4, max_tokens // 2}):
@@ -120,17 +104,19 @@ def _prefill_curve(engine, reps: int) -> PrefillCurve:
       if n <= 0 or n + ctx > max_tokens:
         continue
       steps = -(-n // chunk)
-      width = engine._table_width(-(-(n + ctx) // c.page_size))
+      width = buckets.table_width(-(-(n + ctx) // c.page_size), c)
       samples.append((float(n), float(ctx), steps * step_s[width]))
   return PrefillCurve.fit(samples)
 
 
-def calibrate(engine, *, reps: int = 3) -> CostModel:
-  """A CostModel measured for ``engine`` (its model, cache config, tiers and machine)."""
+def calibrate(cache, runner, *, max_seqs_per_shard: int, reps: int = 3) -> CostModel:
+  """A CostModel measured for ``cache`` (its config, tiers and machine) and the model
+  ``runner`` runs, batching up to ``max_seqs_per_shard`` sequences per shard."""
   links = {}
-  if engine.cache.host is not None:
-    links["host_to_device"] = _host_link(engine, reps)
-  if engine.cache.disk is not None:
-    links["disk_to_host"] = _disk_link(engine, reps)
+  if cache.host is not None:
+    links["host_to_device"] = _host_link(cache, reps)
+  if cache.disk is not None:
+    links["disk_to_host"] = _disk_link(cache, reps)
     links.setdefault("host_to_device", links["disk_to_host"])  # disk blocks land via host
-  return CostModel(links=links, prefill=_prefill_curve(engine, reps), source="calibrated")
+  return CostModel(links=links, prefill=_prefill_curve(cache, runner, max_seqs_per_shard, reps),
+                   source="calibrated")

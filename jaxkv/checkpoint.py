@@ -34,9 +34,9 @@ import orbax.checkpoint as ocp
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv.config import LAYOUT_VERSION
-from jaxkv.executor import bucket
 from jaxkv.index import Tier
 
 FORMAT = 1
@@ -68,10 +68,10 @@ def _config_fields(config) -> dict:
 
 
 class Checkpointer:
-  """Saves and restores one engine's cache; keeps the async save in flight."""
+  """Saves and restores one ``KVCache``; keeps the async save in flight."""
 
-  def __init__(self, engine, directory: str):
-    self.engine = engine
+  def __init__(self, cache, directory: str):
+    self.cache = cache
     self.directory = os.path.abspath(directory)
     self.removed_temporaries = remove_stale_temporaries(self.directory)
     self._manager = None
@@ -80,29 +80,29 @@ class Checkpointer:
   def save(self, step: int | None = None, *, wait: bool = True) -> int:
     """Saves the cache as ``step`` (default: one after the latest). With ``wait=False``
     the files are written in the background; call ``wait`` before relying on them."""
-    e = self.engine
+    e = self.cache
     e.flush()
-    index, c = e.cache.index, e.cache.config
-    shards = e.cache.num_shards
+    index, c = e.index, e.config
+    shards = e.num_shards
     per = [[(p, index.key_of(s, p)) for p in range(c.pages_per_shard)
             if index.key_of(s, p) is not None] for s in range(shards)]
-    n = bucket(max(1, max(len(x) for x in per)))
+    n = buckets.transfer_pages(max(len(x) for x in per))
     ids = np.zeros((shards, n), np.int32)
     rows = []
     for s, items in enumerate(per):
       ids[s, :len(items)] = [p for p, _ in items]
       rows += [(s, key) for _, key in items] + [None] * (n - len(items))
     ids_dev = jax.device_put(ids, NamedSharding(e.mesh, P(c.data_axis, None)))
-    stack = pages_lib.gather_stacked(e._flat_pools(), ids_dev, mesh=e.mesh, config=c)
+    stack = pages_lib.gather_stacked(e.pools, ids_dev, mesh=e.mesh, config=c)
     sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
     state = {"device": stack}
     meta = {
         "format": FORMAT, "fingerprint": c.fingerprint().hex(), "config": _config_fields(c),
         "device_rows": [self._row(r, sums[i], index) for i, r in enumerate(rows)],
-        "disk": e.cache.disk.kvstore if e.cache.disk is not None else None,
+        "disk": e.disk.kvstore if e.disk is not None else None,
     }
-    if e.cache.host is not None:
-      host = e.cache.host
+    if e.host is not None:
+      host = e.host
       host_sums = pages_lib.checksum_total(pages_lib.page_checksums(host.pool, mesh=e.mesh,
                                                                       config=c))
       host_rows = []
@@ -149,8 +149,7 @@ class Checkpointer:
     """Loads a checkpoint into the (empty or not) cache. Returns counts of what came back."""
     if into not in ("device", "host"):
       raise ValueError(f"into={into!r} must be 'device' or 'host'.")
-    e = self.engine
-    if into == "host" and e.cache.host is None:
+    if into == "host" and self.cache.host is None:
       raise ValueError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
                        " > 0).")
     if not os.path.isdir(self.directory):
@@ -174,7 +173,7 @@ class Checkpointer:
     return counts
 
   def _check_compatible(self, meta: dict) -> None:
-    c = self.engine.cache.config
+    c = self.cache.config
     if meta.get("format") != FORMAT:
       raise ValueError(f"checkpoint format {meta.get('format')} is not {FORMAT}: it was "
                        "written by another jaxkv version.")
@@ -187,17 +186,17 @@ class Checkpointer:
                        "cache or start cold.")
 
   def _restore_target(self, meta: dict) -> dict:
-    e = self.engine
-    c = e.cache.config
+    e = self.cache
+    c = e.config
     spec = P(None, c.model_axis, None, None, None)  # rows on every data shard, in host memory
     sharding = NamedSharding(e.mesh, spec).with_memory_kind("pinned_host")
     return {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=sharding)
             for k, v in meta["arrays"].items()}
 
   def _place(self, saved, rows, into: str, counts: dict) -> None:
-    e = self.engine
-    index, c = e.cache.index, e.cache.config
-    shards = e.cache.num_shards
+    e = self.cache
+    index, c = e.index, e.config
+    shards = e.num_shards
     tier = Tier.DEVICE if into == "device" else Tier.HOST
     chosen = [[] for _ in range(shards)]  # per new shard: (saved row, key, parent, checksum)
     for i, row in enumerate(rows):
@@ -211,14 +210,14 @@ class Checkpointer:
       chosen[s].append((i, key, bytes.fromhex(parent) if parent else None, checksum))
     if not any(chosen):
       return
-    n = bucket(max(len(x) for x in chosen))
+    n = buckets.transfer_pages(max(len(x) for x in chosen))
     src = np.zeros((shards, n), np.int32)
     for s, items in enumerate(chosen):
       src[s, :len(items)] = [it[0] for it in items]
     stack = _host_take(e.mesh, c)(saved, jax.device_put(
         src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
     got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
-    limit = c.pages_per_shard if tier == Tier.DEVICE else e.cache.host.pages_per_shard
+    limit = c.pages_per_shard if tier == Tier.DEVICE else e.host.pages_per_shard
     dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
     publish = []
     for s, items in enumerate(chosen):
@@ -233,11 +232,11 @@ class Checkpointer:
         dest[s, j] = slot[0]
         publish.append((s, slot[0], key, parent))
     if tier == Tier.DEVICE:
-      e._set_flat_pools(pages_lib.scatter_stacked(
-          e._flat_pools(), jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None))),
+      e.set_pools(pages_lib.scatter_stacked(
+          e.pools, jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None))),
           stack, mesh=e.mesh, config=c))
     else:
-      e.cache.host.store(stack, dest)
+      e.host.store(stack, dest)
     for s, slot, key, parent in publish:
       index.publish(s, slot, key, tier, parent=parent)
       index.release(s, [slot], tier)

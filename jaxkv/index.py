@@ -41,11 +41,15 @@ Key = bytes  # a 32-byte SHA-256 digest
 
 
 class Tier(enum.IntEnum):
+  """Where a block's copy lives. The one tier numbering of jaxkv: the index, the executor,
+  stats and the plan's inputs (``jaxkv.plan``) all use these values."""
+
   DEVICE = 0
   HOST = 1
   DISK = 2
   REMOTE = 3
   SHARD = 4  # on another data shard's device pool of the same job
+  ABSENT = 5  # cached nowhere (plan inputs only: such a block can only be recomputed)
 
 
 TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",

@@ -31,13 +31,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Tier codes in plan inputs.
-HOT, HOST, DISK, REMOTE, ABSENT, SHARD = 0, 1, 2, 3, 4, 5  # SHARD: on another data shard
+from jaxkv import buckets
+from jaxkv.distributed import to_host
+from jaxkv.index import Tier
+
+# Tier codes in plan inputs: ``jaxkv.Tier`` values (HOT = on this shard's device pool).
+HOT, HOST, DISK, REMOTE, SHARD, ABSENT = (int(t) for t in (
+    Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE, Tier.SHARD, Tier.ABSENT))
 LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")
 DECISIONS = ("fetch", "recompute", "split")
 
@@ -183,7 +190,7 @@ class CostArrays:
 class PlanInputs:
   """Padded inputs: R requests x D candidate shards x M blocks (a bucket)."""
 
-  tiers: jax.Array  # [R, D, M] int32: HOT / HOST / DISK / REMOTE / SHARD / ABSENT per block
+  tiers: jax.Array  # [R, D, M] int32: a jaxkv.Tier per block (DEVICE = hot, ABSENT = nowhere)
   block_bytes: jax.Array  # [R, D, M] float32 bytes a fetch of the block moves
   hot: jax.Array  # [R, D] int32 leading blocks resident on the shard's device pool
   cached_end: jax.Array  # [R, D] int32 end of the cached chain (hot <= cached_end)
@@ -289,6 +296,166 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   return Plan(split=s, fetch_blocks=counts, t_pred_s=t_pred, t_fetch_all_s=t_fetch_all,
               t_recompute_all_s=t_rec_all, decision=decision,
               best_shard=jnp.argmin(t_pred_masked, axis=1).astype(jnp.int32))
+
+
+# ---- the only builders of PlanInputs ----------------------------------------------------------
+def build_inputs(requests: Sequence[tuple[Sequence[Sequence[int]], int]], *, num_shards: int,
+                 page_size: int, page_bytes: int, chunk_tokens: int = 0,
+                 inflight_blocks: int = 0) -> PlanInputs:
+  """Plan inputs for requests, each ``(tiers_by_shard, prompt_tokens)``: the tier of every
+  cached block of its chain on each candidate shard (``Tier.DEVICE`` = hot there; blocks
+  after a shard's list are cached nowhere on it). A request's cached chain ends where its
+  longest list ends; the tokens after it are prefilled whatever the plan.
+
+  Padded to the plan's buckets (``buckets.plan_rows``); the staging and in-flight budgets
+  are the padded block count unless ``inflight_blocks`` caps them.
+  """
+  r_pad = buckets.plan_rows(len(requests))
+  ends = [max((len(t) for t in by_shard), default=0) for by_shard, _ in requests]
+  m_pad = buckets.plan_rows(max(ends, default=0))
+  tiers = np.full((r_pad, num_shards, m_pad), ABSENT, np.int32)
+  hot = np.zeros((r_pad, num_shards), np.int32)
+  end = np.zeros((r_pad, num_shards), np.int32)
+  tail = np.zeros((r_pad,), np.int32)
+  for i, ((by_shard, prompt_tokens), e) in enumerate(zip(requests, ends)):
+    for s, ts in enumerate(by_shard):
+      tiers[i, s, :len(ts)] = [int(t) for t in ts]
+      hot[i, s] = next((j for j, t in enumerate(ts) if t != HOT), len(ts))
+    end[i, :] = e
+    tail[i] = prompt_tokens - e * page_size
+  return PlanInputs(
+      tiers=tiers, block_bytes=np.full(tiers.shape, page_bytes, np.float32), hot=hot,
+      cached_end=end, tail_tokens=tail, free_pages=np.full((num_shards,), m_pad, np.int32),
+      inflight_blocks=np.full((num_shards,), inflight_blocks or m_pad, np.int32),
+      link_group=np.zeros((num_shards,), np.int32), valid=np.arange(r_pad) < len(requests),
+      page_size=page_size, chunk_tokens=chunk_tokens)
+
+
+def padding_inputs(r_pad: int, m_pad: int, num_shards: int, *, page_size: int,
+                   chunk_tokens: int = 0) -> PlanInputs:
+  """All-padding inputs of one bucket (to compile it ahead of traffic)."""
+  z = lambda *shape: np.zeros(shape, np.int32)
+  return PlanInputs(
+      tiers=np.full((r_pad, num_shards, m_pad), ABSENT, np.int32),
+      block_bytes=np.zeros((r_pad, num_shards, m_pad), np.float32), hot=z(r_pad, num_shards),
+      cached_end=z(r_pad, num_shards), tail_tokens=z(r_pad), free_pages=z(num_shards),
+      inflight_blocks=z(num_shards), link_group=z(num_shards),
+      valid=np.zeros((r_pad,), bool), page_size=page_size, chunk_tokens=chunk_tokens)
+
+
+class Planner:
+  """Applies ``SchedulerConfig.policy`` to the requests of a step: which of their cached
+  blocks are fetched and which recomputed, and which shard a request is cheapest on.
+
+  The ``cost`` policy runs ``plan`` on costs measured on this machine: calibrated on first
+  use (``calibrate``, a callable the engine gives) unless a ``CostModel`` was given or
+  loaded, then refined by what the executor observes.
+  """
+
+  def __init__(self, config, costs: "CostModel | None", *, num_shards: int, page_size: int,
+               page_bytes: int, chunk_tokens: int, stats, calibrate):
+    self.config = config
+    if costs is None and config.cost_model_path:
+      costs = CostModel.load(config.cost_model_path)
+    self.costs = costs
+    self.num_shards, self.page_size, self.page_bytes = num_shards, page_size, page_bytes
+    self.chunk_tokens = chunk_tokens
+    self.stats = stats
+    self._calibrate = calibrate
+
+  def ensure_costs(self) -> CostModel:
+    if self.costs is None:
+      t0 = time.perf_counter()
+      self.costs = self._calibrate()
+      self.stats.add("calibration_s", time.perf_counter() - t0)
+    return self.costs
+
+  def _run(self, requests, num_shards: int) -> Plan:
+    inputs = build_inputs(requests, num_shards=num_shards, page_size=self.page_size,
+                          page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,
+                          inflight_blocks=self.config.inflight_blocks)
+    return plan(inputs, self.costs.arrays())
+
+  def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
+                  ) -> np.ndarray | None:
+    """Predicted time of one request on every shard (``cost`` policy), or None when the
+    longest prefix with the most of it on device decides anyway (no plan is run then)."""
+    if (self.config.policy != "cost" or self.costs is None or self.num_shards == 1
+        or all(t == Tier.DEVICE for ts in tiers_by_shard for t in ts)):
+      return None
+    longest = max(len(ts) for ts in tiers_by_shard)
+    on_device = [sum(t == Tier.DEVICE for t in ts) for ts in tiers_by_shard]
+    if any(len(ts) == longest and n == max(on_device)
+           for ts, n in zip(tiers_by_shard, on_device)):
+      return None
+    t0 = time.perf_counter()
+    out = to_host(self._run([(tiers_by_shard, prompt_tokens)], self.num_shards).t_pred_s)[0]
+    self.stats.add("plan_s", time.perf_counter() - t0)
+    return out
+
+  def splits(self, requests: list[tuple[list[Tier], int]]) -> list[int]:
+    """Split point ``s`` of each request ``(tiers of its cached blocks, prompt tokens)``:
+    blocks ``[hot, s)`` are recomputed, ``[s, end)`` fetched (``hot`` = leading DEVICE)."""
+    hot = [next((j for j, t in enumerate(ts) if t != Tier.DEVICE), len(ts))
+           for ts, _ in requests]
+    out = list(hot)
+    cold = [i for i, (ts, _) in enumerate(requests) if len(ts) > hot[i]]
+    if not cold:
+      return out
+    pol = self.config
+    if pol.policy == "cost":
+      self.ensure_costs()
+      t0 = time.perf_counter()
+      result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1)
+      chosen = to_host(result.split)[:len(cold), 0]
+      self.stats.add("plan_s", time.perf_counter() - t0)
+    for k, i in enumerate(cold):
+      h, end = hot[i], len(requests[i][0])
+      if pol.policy == "cost":
+        s = int(chosen[k])
+      elif pol.policy == "fetch":
+        s = h
+      elif pol.policy == "recompute":
+        s = end
+      elif pol.policy == "threshold":
+        s = h if (end - h) * self.page_size >= pol.threshold_tokens else end
+      else:  # "split": forced
+        s = min(h + pol.force_split, end)
+      out[i] = s
+      self.stats.add("plans_" + ("recompute" if s == end else "fetch" if s == h else "split"))
+    return out
+
+  def warm(self, block_counts: list[int], max_requests: int) -> None:
+    """Compiles the plan's buckets: placement (one request on every shard) and steps of up
+    to ``max_requests`` requests, for chains of ``block_counts`` blocks."""
+    self.ensure_costs()
+    ms = sorted({buckets.plan_rows(m) for m in block_counts})
+    arrays = self.costs.arrays()
+    pad = lambda r, m, d: jax.block_until_ready(plan(padding_inputs(
+        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens), arrays))
+    for m in ms:
+      pad(buckets.MIN_PLAN_ROWS, m, self.num_shards)
+    r = buckets.MIN_PLAN_ROWS
+    while True:
+      for m in ms:
+        pad(r, m, 1)
+      if r >= max_requests:
+        break
+      r *= 2
+
+  def observe_fetch(self, last_fetch: dict) -> None:
+    """Learns a link's bandwidth from the fetch the executor just finished."""
+    if self.costs is None or not last_fetch.get("bytes"):
+      return
+    tiers = last_fetch["tiers"]
+    link = ("remote_to_host" if int(Tier.REMOTE) in tiers else
+            "disk_to_host" if int(Tier.DISK) in tiers else
+            "host_to_device" if int(Tier.HOST) in tiers else "cross_shard")
+    self.costs.observe_transfer(link, last_fetch["bytes"], last_fetch["seconds"])
+
+  def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
+    if self.costs is not None:
+      self.costs.observe_prefill(tokens, context, seconds)
 
 
 def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_model: CostModel,

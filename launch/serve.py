@@ -77,8 +77,8 @@ def main(argv):
   checkpointer = None
   if _CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer
-    checkpointer = Checkpointer(engines["jaxkv"] if "jaxkv" in engines else engines[policies[0]],
-                                _CHECKPOINT_DIR.value)
+    checkpointer = Checkpointer((engines["jaxkv"] if "jaxkv" in engines
+                                 else engines[policies[0]]).cache, _CHECKPOINT_DIR.value)
     if _RESTORE.value:
       counts = checkpointer.restore()
       print(f"restored step {counts['step']}: {counts['placed']} blocks "

@@ -33,9 +33,9 @@ def test_restore_onto_another_mesh_gives_hits_and_exact_tokens(tmp_path, src, ds
   mesh_b = jaxkv.make_mesh(data=dst[0], model=dst[1], devices=devices[:dst[0] * dst[1]])
   a = engine_on(mesh_a)
   want = a.generate(PROMPTS, 4)
-  step = Checkpointer(a, str(tmp_path / "ckpt")).save()
+  step = Checkpointer(a.cache, str(tmp_path / "ckpt")).save()
   b = engine_on(mesh_b)
-  counts = Checkpointer(b, str(tmp_path / "ckpt")).restore()
+  counts = Checkpointer(b.cache, str(tmp_path / "ckpt")).restore()
   assert counts["step"] == step and counts["placed"] > 0 and counts["failed_checksum"] == 0
   fresh = engine_on(mesh_b, reuse=False)
   follow = [p + w + [7, 8, 9] for p, w in zip(PROMPTS, want)]
@@ -48,9 +48,9 @@ def test_restore_onto_another_mesh_gives_hits_and_exact_tokens(tmp_path, src, ds
 def test_restore_straight_into_host_memory(mesh, tmp_path):
   a = engine_on(mesh)
   want = a.generate(PROMPTS, 4)
-  Checkpointer(a, str(tmp_path / "ckpt")).save()
+  Checkpointer(a.cache, str(tmp_path / "ckpt")).save()
   b = engine_on(mesh, tiers=jaxkv.TierConfig(host_pages_per_shard=32))
-  counts = Checkpointer(b, str(tmp_path / "ckpt")).restore(into="host")
+  counts = Checkpointer(b.cache, str(tmp_path / "ckpt")).restore(into="host")
   assert counts["placed"] > 0
   assert all(b.cache.index.num_cached(s) == 0 for s in range(4))  # nothing on device yet
   assert b.generate(PROMPTS, 4) == want
@@ -60,15 +60,15 @@ def test_restore_straight_into_host_memory(mesh, tmp_path):
 def test_mismatched_model_or_layout_is_refused_naming_the_difference(mesh, tmp_path):
   a = engine_on(mesh)
   a.generate(PROMPTS[:1], 2)
-  Checkpointer(a, str(tmp_path / "ckpt")).save()
+  Checkpointer(a.cache, str(tmp_path / "ckpt")).save()
   other = engine_on(mesh, page_size=8)
   with pytest.raises(ValueError, match="page_size: checkpoint 4 vs this cache 8"):
-    Checkpointer(other, str(tmp_path / "ckpt")).restore()
+    Checkpointer(other.cache, str(tmp_path / "ckpt")).restore()
   renamed = engine_on(mesh, model_name="another-model")
   with pytest.raises(ValueError, match="model_name: checkpoint 'test-llama'"):
-    Checkpointer(renamed, str(tmp_path / "ckpt")).restore()
+    Checkpointer(renamed.cache, str(tmp_path / "ckpt")).restore()
   with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
-    Checkpointer(a, str(tmp_path / "empty")).restore()
+    Checkpointer(a.cache, str(tmp_path / "empty")).restore()
 
 
 SAVER = r"""
@@ -82,7 +82,7 @@ from test_checkpoint import engine_on, PROMPTS
 mesh = jaxkv.make_mesh(data=4, model=2)
 e = engine_on(mesh, pages_per_shard=512, max_pages_per_seq=16)
 out = e.generate(PROMPTS, 4)
-ck = Checkpointer(e, sys.argv[1])
+ck = Checkpointer(e.cache, sys.argv[1])
 ck.save(wait=True)
 print("SAVED", out, flush=True)
 if sys.argv[2] == "kill":
@@ -108,7 +108,7 @@ def test_restore_in_a_new_process_and_after_a_save_killed_midway(mesh, tmp_path)
   left = os.listdir(ckpt)
   want = eval(saved[len("SAVED"):])  # the tokens the first process generated
   e = engine_on(mesh, pages_per_shard=512, max_pages_per_seq=16)
-  ck = Checkpointer(e, ckpt)
+  ck = Checkpointer(e.cache, ckpt)
   counts = ck.restore()
   # The save in flight never finalised (its temporary folder is what it left), so the
   # latest good step is the first one. (Had the kill come after it finalised, it would be

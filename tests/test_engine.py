@@ -186,9 +186,9 @@ def test_each_step_compiles_once_per_bucket(mesh):
 def test_pages_and_weights_live_in_device_memory(mesh):
   engine = helpers.make_engine(mesh)
   engine.generate([[1, 2, 3, 4, 5]], 2)
-  for leaf in jax.tree.leaves(engine._pages) + jax.tree.leaves(engine._rest):
+  for leaf in engine.cache.pools + jax.tree.leaves(engine.runner.weights):
     assert leaf.sharding.memory_kind == "device"
-  for leaf in jax.tree.leaves(engine._pages):
+  for leaf in engine.cache.pools:
     assert leaf.sharding.spec == jaxkv.pages.pool_spec(engine.cache.config)
 
 
@@ -235,6 +235,6 @@ def test_a_prefix_on_a_busy_shard_is_copied_across_shards_not_recomputed(mesh):
   # The copy is a collective (that is the point); page writes and attention stay local.
   import jax
   text = jaxkv.pages._copy_fn(mesh, engine.cache.config, 4).lower(
-      tuple(engine._flat_pools()), jax.numpy.zeros(4, jax.numpy.int32),
+      tuple(engine.cache.pools), jax.numpy.zeros(4, jax.numpy.int32),
       jax.numpy.zeros(4, jax.numpy.int32)).compile().as_text()
   assert any(op in text for op in jaxkv.pages.COLLECTIVE_OPS)

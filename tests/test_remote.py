@@ -24,7 +24,7 @@ from jaxkv.tiers.remote import BlockServer
 mesh = jaxkv.make_mesh(data=2, model=2)
 engine = helpers.make_engine(mesh)
 engine.generate([list(range(1, 42))], 2)            # the prefix the other job will reuse
-server = BlockServer(engine, fault=sys.argv[1] if sys.argv[1] != "none" else None)
+server = BlockServer(engine.cache, fault=sys.argv[1] if sys.argv[1] != "none" else None)
 print("ADDRESS", server.address, flush=True)
 server.serve(float(sys.argv[2]))
 """

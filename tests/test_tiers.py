@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 import jaxkv
 from jaxkv import pages as pages_lib
 from jaxkv import workloads
-from jaxkv.executor import Fetch
+from jaxkv.tiers.base import Fetch
 from jaxkv.index import Tier
 from jaxkv.tiers import blocks
 from jaxkv.tiers.disk import DiskTier
@@ -131,9 +131,9 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     rng = np.random.default_rng(3)
     pools = [jax.device_put(random_bits(rng, pages_lib.pool_shape(mesh, cc), dtype),
                             pages_lib.pool_sharding(mesh, cc)) for _ in range(4)]
-    engine._set_flat_pools(pools)
+    engine.cache.set_pools(pools)
     before = [bits(p) for p in pools]
-    index, mover = engine.cache.index, engine._mover
+    index, mover = engine.cache.index, engine.cache.mover
     keys = [bytes([i]) * 32 for i in range(5)]
     pages = index.allocate(1, 5)
     for p, k in zip(pages, keys):
@@ -141,8 +141,8 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     index.release(1, pages)
     # Two fit on host; then the host evicts those to disk to take the next two, and the
     # last one goes straight to disk (both host slots are in flight).
-    mover.demote(engine._flat_pools(), [(1, p, k) for p, k in zip(pages[:2], keys[:2])])
-    mover.demote(engine._flat_pools(), [(1, p, k) for p, k in zip(pages[2:], keys[2:])])
+    mover.demote(engine.cache.pools, [(1, p, k) for p, k in zip(pages[:2], keys[:2])])
+    mover.demote(engine.cache.pools, [(1, p, k) for p, k in zip(pages[2:], keys[2:])])
     assert mover.flush(30) == 0
     assert [index.slot_of(1, k, Tier.HOST) is not None for k in keys] == [0, 0, 1, 1, 0]
     assert index.num_cached(1, Tier.HOST) == 2 and index.num_cached(0, Tier.DISK) == 3
@@ -152,8 +152,8 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     for k, d in zip(keys, dest):
       (tier, slot), = index.locate(1, [k])
       index.acquire(1, [slot], tier)
-      fetches.append(Fetch(None, 0, 1, tier, slot, k, d))
-    new = mover.promote(engine._flat_pools(), fetches, deadline_s=30)
+      fetches.append(Fetch(0, 0, 1, tier, slot, k, d))
+    new = mover.promote(engine.cache.pools, fetches, deadline_s=30)
     assert all(f.ok for f in fetches), [f.reason for f in fetches]
     for b, p in zip(before, new):
       got = bits(p)
@@ -220,7 +220,7 @@ def test_compute_never_reads_host_memory(mesh, tmp_path):
   engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1,
                                tiers=jaxkv.TierConfig(host_pages_per_shard=8))
   kinds = set()
-  steps = engine._steps
+  steps = engine.runner.steps
   real_prefill, real_decode = steps.prefill, steps.decode
 
   def spy(fn):
@@ -509,7 +509,7 @@ def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_pa
       assert not engine.cache.index._pool(Tier.DEVICE, s).refcount.any()
       assert not engine.cache.index._pool(Tier.HOST, s).refcount.any()
     disk_refs = int(engine.cache.index._pool(Tier.DISK, 0).refcount.sum())
-    assert disk_refs == len(engine._mover._pending_writes)  # ...but uncommitted disk writes
+    assert disk_refs == engine.cache.mover.writes_in_flight  # ...but uncommitted disk writes
     if round_ % 2:
       assert engine.offload() > 0  # everything below device: the next round promotes
   assert engine.flush(30) == 0

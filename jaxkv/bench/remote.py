@@ -38,7 +38,7 @@ from jaxkv.bench import remote
 engine = remote.build_engine(data=2, model=2, peers=())
 engine.generate([remote.prompt(int(sys.argv[1]))], 1)
 from jaxkv.tiers.remote import BlockServer
-server = BlockServer(engine)
+server = BlockServer(engine.cache)
 print("ADDRESS", server.address, flush=True)
 server.serve(float(sys.argv[2]))
 """

@@ -44,7 +44,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   histories = chat.history
   directory = tempfile.mkdtemp(prefix="jaxkv-restart-")
   t0 = time.perf_counter()
-  Checkpointer(first, directory).save()
+  Checkpointer(first.cache, directory).save()
   save_s = time.perf_counter() - t0
   blocks_saved = sum(first.cache.index.num_cached(s) for s in range(first.cache.num_shards))
 
@@ -54,8 +54,8 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
     engines[name] = fresh()
 
   def restore():
-    Checkpointer(engines["restore"], directory).restore()
-    jax.block_until_ready(engines["restore"]._flat_pools())
+    Checkpointer(engines["restore"].cache, directory).restore()
+    jax.block_until_ready(engines["restore"].cache.pools)
 
   def recompute():
     engines["recompute"].generate(histories, 1)
@@ -66,7 +66,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   ttft = {"warm": [], "cold": []}
   for _ in range(2 if quick else reps):
     warm = fresh()
-    Checkpointer(warm, directory).restore()
+    Checkpointer(warm.cache, directory).restore()
     cold = fresh()
     for name, e in (("warm", warm), ("cold", cold)):
       e.generate(next_prompts, spec.max_new_tokens)

@@ -47,12 +47,12 @@ class EmulatedLink:
   after it started (the wait overlaps whatever compute was dispatched meanwhile)."""
 
   def __init__(self, engine: Engine, bytes_per_s: float, latency_s: float):
-    mover = engine._mover
+    mover = engine.cache.mover
     real = mover.finish_promote
     page_bytes = engine.cache.config.page_bytes
 
     def finish(pools, pending, t_end):
-      fetches, _, _, t_start = pending
+      fetches, _, t_start = pending
       ready = t_start + latency_s + len(fetches) * page_bytes / bytes_per_s
       delay = ready - time.perf_counter()
       if delay > 0:
@@ -83,7 +83,8 @@ def run(*, quick: bool = False) -> dict:
   mesh, mc, cache, spec, tiers, engine_cfg = _setup(quick)
   probe = _engine(mesh, mc, cache, tiers, engine_cfg, POLICIES["always_fetch"], None)
   probe.warmup(max_seq_len=spec.max_seq_len())
-  measured = calibration.calibrate(probe)
+  measured = calibration.calibrate(probe.cache, probe.runner,
+                                   max_seqs_per_shard=engine_cfg.max_seqs_per_shard)
   real_link = measured.link("host_to_device")
   # Break-even: the bandwidth at which fetching the cold histories of one wave (half the
   # longest, for every user: their fetches share the link while their recomputes share

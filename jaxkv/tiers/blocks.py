@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import SUPPORTED_DTYPES
+from jaxkv.tiers.base import Failure
 
 MAGIC = b"JAXKVBK1"
 FORMAT_VERSION = 1
@@ -31,11 +32,11 @@ NO_PARENT = b"\x00" * 32
 
 
 class BlockError(ValueError):
-  """A stored block failed verification; ``reason`` is one short word."""
+  """A stored block failed verification; ``reason`` says how (a ``base.Failure``)."""
 
   def __init__(self, reason: str, detail: str):
     super().__init__(f"{reason}: {detail}")
-    self.reason = reason
+    self.reason = Failure(reason)
 
 
 def _dtype_code(dtype) -> int:

@@ -32,7 +32,9 @@ import time
 import numpy as np
 import tensorstore as ts
 
+from jaxkv.index import Tier
 from jaxkv.tiers import blocks
+from jaxkv.tiers.base import Failure, Fetch, Landing
 
 ARRAY_PATH = "blocks/"
 
@@ -68,7 +70,9 @@ class PendingWrite:
 
 
 class DiskTier:
-  """One process's disk block store."""
+  """One process's disk block store (a ``FetchSource``)."""
+
+  tier = Tier.DISK
 
   def __init__(self, location, *, num_slots: int, payload_shape: tuple, dtype,
                fingerprint: bytes):
@@ -202,6 +206,33 @@ class DiskTier:
     """Payload of a record read for block ``key`` (raises ``blocks.BlockError``)."""
     return blocks.decode(record, key=key, fingerprint=self.fingerprint, dtype=self.dtype,
                          shape=self.payload_shape)
+
+  # ---- FetchSource -------------------------------------------------------------------------
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list]:
+    """Puts every read in flight at once."""
+    return None, [(f, self.read(f.slot)) for f in fetches]
+
+  def finish_fetch(self, pending: list, t_end: float, stage) -> Landing | None:
+    """Waits for each read until ``t_end`` at the latest and verifies its record."""
+    staged = []
+    for f, r in pending:
+      try:
+        record = r.future.result(timeout=max(0.0, t_end - time.monotonic()))
+        staged.append((f.shard, f.page, self.verify(record, f.key)))
+        f.ok = True
+      except TimeoutError:
+        f.reason = Failure.DEADLINE
+        r.future.cancel()
+      except Exception as e:  # pylint: disable=broad-except  (any failed read is a miss)
+        f.reason = Failure.of(e, Failure.READ_ERROR)
+    return stage(staged) if staged else None
+
+  def read_verified(self, slots: list[int], keys: list[bytes], t_end: float) -> list[np.ndarray]:
+    """Reads and verifies records (all in flight at once) until ``t_end`` at the latest;
+    raises the first failure (``TimeoutError`` or ``blocks.BlockError``)."""
+    reads = [self.read(s) for s in slots]
+    return [self.verify(r.future.result(timeout=max(0.0, t_end - time.monotonic())), k)
+            for r, k in zip(reads, keys)]
 
   def delete(self, slot: int) -> None:
     """Removes a slot's record (best effort; an absent record reads as zeros anyway)."""

@@ -27,9 +27,12 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.distributed import to_host
+from jaxkv.index import Tier
+from jaxkv.tiers.base import Failure, Fetch, Landing
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +75,9 @@ def _host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
 
 
 class HostTier:
-  """The host page pool of every data shard of this process."""
+  """The host page pool of every data shard of this process (a ``FetchSource``)."""
+
+  tier = Tier.HOST
 
   def __init__(self, mesh: Mesh, config: CacheConfig, tiers: TierConfig, num_arrays: int):
     self.mesh, self.config = mesh, config
@@ -132,6 +137,31 @@ class HostTier:
       valid = host_ids[s] < self.pages_per_shard
       out[s, valid] = self._checksums[s, host_ids[s, valid]]
     return out
+
+  # ---- FetchSource -------------------------------------------------------------------------
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[Landing, tuple]:
+    """Dispatches the copy of every fetched slot to device (async) and the checksums of
+    what arrives; the pages can be scattered now, they are verified in ``finish_fetch``."""
+    host_ids, per = buckets.shard_ids(fetches, self.num_shards, self.pages_per_shard,
+                                      lambda f: f.slot, shard_of=lambda f: f.shard)
+    dest = np.full(host_ids.shape, self.config.pages_per_shard, np.int32)  # padding: dropped
+    for s, fs in enumerate(per):
+      dest[s, :len(fs)] = [f.page for f in fs]
+    stack, sums = self.load(host_ids)
+    return Landing(dest, stack), (host_ids, per, sums)
+
+  def finish_fetch(self, pending: tuple, t_end: float, stage=None) -> None:
+    """Compares the checksums of the bytes that arrived with those recorded at store time
+    (``t_end`` is unused: the device copy was dispatched already and cannot be late)."""
+    del t_end, stage
+    host_ids, per, sums = pending
+    expected = self.expected_checksums(host_ids)
+    got = to_host(sums).reshape(expected.shape)
+    for s, fs in enumerate(per):
+      for i, f in enumerate(fs):
+        f.ok = bool((got[s, i] == expected[s, i]).all())
+        f.reason = None if f.ok else Failure.CHECKSUM
+    return None
 
   def _settle(self) -> None:
     for ids, sums in self._pending:

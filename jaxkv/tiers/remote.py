@@ -36,19 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
+from jaxkv.tiers.base import Failure, Fetch, Landing
 
 PROTOCOL = 1
 
 
 class RemoteError(RuntimeError):
-  """A remote fetch that cannot be used; ``reason`` is one short word."""
+  """A remote fetch that cannot be used; ``reason`` says how (a ``base.Failure``)."""
 
   def __init__(self, reason: str, detail: str = ""):
     super().__init__(f"{reason}: {detail}" if detail else reason)
-    self.reason = reason
+    self.reason = Failure(reason)
 
 
 def _digest(block: np.ndarray) -> str:
@@ -57,11 +59,11 @@ def _digest(block: np.ndarray) -> str:
 
 # ---- the serving side ---------------------------------------------------------------------------
 class BlockServer:
-  """Serves the blocks of ``engine``'s cache to other jobs."""
+  """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs."""
 
-  def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, *, fault: str | None = None):
+  def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *, fault: str | None = None):
     import jax.experimental.transfer as transfer
-    self.engine = engine
+    self.cache = cache
     # Fault injection for tests, around the real transfer: "checksum" (a bit flipped after
     # hashing), "dtype" (values sent widened, the right dtype claimed), "shape" (a wrong
     # shape claimed), "keys" (other blocks named), "hang" (an id offered but never served).
@@ -121,9 +123,9 @@ class BlockServer:
 
   def _where(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
     """(shard, tier, slot) of the longest prefix of ``keys`` on any one shard."""
-    index = self.engine.cache.index
+    index = self.cache.index
     best: list = []
-    for s in range(self.engine.cache.num_shards):
+    for s in range(self.cache.num_shards):
       found = [(s, t, slot) for t, slot in index.locate(s, keys) if t in (Tier.DEVICE, Tier.HOST)]
       if len(found) > len(best):
         best = found
@@ -132,7 +134,7 @@ class BlockServer:
   def _answer(self, msg: dict) -> dict:
     if msg.get("protocol") != PROTOCOL:
       return {"error": f"protocol {msg.get('protocol')} is not {PROTOCOL}"}
-    if msg.get("fingerprint") != self.engine.cache.config.fingerprint().hex():
+    if msg.get("fingerprint") != self.cache.config.fingerprint().hex():
       return {"error": "fingerprint: another model or layout"}
     keys = [bytes.fromhex(k) for k in msg.get("keys", [])]
     if msg["op"] == "lookup":
@@ -167,24 +169,20 @@ class BlockServer:
   def _gather(self, where) -> np.ndarray:
     """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
     gather per tier for all of them."""
-    from jaxkv.executor import bucket
-    e = self.engine
-    shards = e.cache.num_shards
+    cache = self.cache
     out = [None] * len(where)
     for tier in (Tier.DEVICE, Tier.HOST):
       picks = [(i, s, slot) for i, (s, t, slot) in enumerate(where) if t == tier]
       if not picks:
         continue
-      per = [[p for p in picks if p[1] == s] for s in range(shards)]
-      n = bucket(max(len(p) for p in per))
-      ids = np.zeros((shards, n), np.int32)
-      for s, items in enumerate(per):
-        ids[s, :len(items)] = [slot for _, _, slot in items]
+      ids, per = buckets.shard_ids(picks, cache.num_shards, 0, lambda p: p[2],
+                                   shard_of=lambda p: p[1])
+      n = ids.shape[1]
       if tier == Tier.DEVICE:
-        stack = to_host(pages_lib.gather_stacked(e._flat_pools(), e._put_rows(ids),
-                                                 mesh=e.mesh, config=e.cache.config))
+        stack = to_host(pages_lib.gather_stacked(cache.pools, cache.put_rows(ids),
+                                                 mesh=cache.mesh, config=cache.config))
       else:
-        stack = e.cache.host.read_numpy(ids)
+        stack = cache.host.read_numpy(ids)
       for s, items in enumerate(per):
         for j, (i, _, _) in enumerate(items):
           out[i] = stack[:, :, s * n + j]
@@ -192,6 +190,50 @@ class BlockServer:
 
 
 # ---- the reading side ----------------------------------------------------------------------------
+class RemoteTier:
+  """The peers of ``TierConfig.remote_peers`` as one ``FetchSource``: each request's
+  blocks from one peer come in one offer and one pull."""
+
+  tier = Tier.REMOTE
+
+  def __init__(self, clients: list["RemoteClient"], payload_shape: tuple, dtype):
+    self.clients, self.payload_shape, self.dtype = clients, tuple(payload_shape), dtype
+
+  def longest_prefix(self, keys: list[bytes], local: int) -> tuple[int, int] | None:
+    """``(peer, blocks)`` of the peer holding the longest prefix of ``keys``, when it is
+    longer than the ``local`` blocks this job holds."""
+    best = None
+    if len(keys) > local:
+      for i, client in enumerate(self.clients):
+        n = client.lookup(keys)
+        if n > local and (best is None or n > best[1]):
+          best = (i, n)
+    return best
+
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list[Fetch]]:
+    return None, list(fetches)  # a pull waits: it runs in finish_fetch, after the recompute
+
+  def finish_fetch(self, fetches: list[Fetch], t_end: float, stage) -> Landing | None:
+    groups: dict = {}
+    for f in fetches:
+      groups.setdefault((f.request, f.slot), []).append(f)
+    staged = []
+    for (_, peer), group in groups.items():
+      group.sort(key=lambda f: f.block)
+      try:
+        stack = self.clients[peer].fetch([f.key for f in group], self.payload_shape,
+                                         self.dtype, t_end)
+      except Exception as e:  # pylint: disable=broad-except  (any failed pull is a miss)
+        for f in group:
+          f.reason = Failure.of(e, Failure.REMOTE)
+        continue
+      for i, f in enumerate(group):
+        f.ok = True
+        staged.append((f.shard, f.page, stack[i]))
+    return stage(staged) if staged else None
+
+
+
 @dataclasses.dataclass
 class _Breaker:
   failures: int = 0

@@ -1,0 +1,235 @@
+"""ModelRunner: the jitted prefill and decode steps, and the one builder of a step's batch.
+
+A step runs the model over a batch of rows (``data_shards x rows_per_shard``, each data
+shard's rows on its own devices) with the cache's page pools donated, so pages are written
+in place. What a step needs besides the pools and the weights is a ``StepBatch``: tokens,
+their absolute positions (``-1`` = padding), each row's KV length after the step, and for
+prefill which token's logits give the row's next token. ``prefill_batch`` and
+``decode_batch`` are the only places these arrays are built.
+
+Shapes come from ``jaxkv.buckets``: rows per shard and page-table widths are powers of two,
+a prefill step is ``prefill_chunk_pages * page_size`` tokens wide. Engines over models of
+the same structure (graphdef), mesh and cache config share one compiled ``_Steps``, so a
+side-by-side comparison of two engines compares policies, not compilations, and each
+bucket compiles once (``trace_counts`` records every trace; tests check it).
+
+The runner asks only this of a model: ``model(tokens [B, T] int32, batch: PageBatch) ->
+logits [B, T, vocab]``, with its attention layers holding ``jaxkv.nnx.PagedKV``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import buckets
+from jaxkv import nnx as kvnnx
+from jaxkv.distributed import to_host
+
+
+def _stream_key(stream):
+  return None if stream is None else tuple(stream.cold_slots.shape)
+
+
+class _Steps:
+  """The jitted prefill and decode steps of one model structure on one mesh."""
+
+  def __init__(self, graphdef, mesh, config):
+    self.graphdef, self.mesh, self.config = graphdef, mesh, config
+    self.trace_counts: collections.Counter = collections.Counter()
+    self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
+    self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
+
+  def _forward(self, pages, rest, tokens, page_table, positions, kv_lens, stream=None):
+    model = nnx.merge(self.graphdef, pages, rest)
+    batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
+                            mesh=self.mesh, config=self.config, stream=stream)
+    logits = model(tokens, batch)
+    return logits, nnx.state(model, kvnnx.KVPages)
+
+  def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
+                    select_idx, select_mask, stream=None):
+    self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream)
+    selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
+    next_tokens = jnp.argmax(selected, axis=-1).astype(jnp.int32)
+    return pages, jnp.where(select_mask, next_tokens, carry), selected
+
+  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, stream=None):
+    self.trace_counts[("decode", carry.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
+                                  stream)
+    selected = logits[:, 0]
+    return pages, jnp.argmax(selected, axis=-1).astype(jnp.int32), selected
+
+  def vocab_size(self, pages, rest, num_rows: int) -> int:
+    """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    before = collections.Counter(self.trace_counts)
+    out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), i32(num_rows, 1),
+                         i32(num_rows, 1), i32(num_rows))
+    self.trace_counts.clear()
+    self.trace_counts.update(before)
+    return int(out[2].shape[-1])
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_steps(graphdef, mesh, config) -> _Steps:
+  return _Steps(graphdef, mesh, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  """One step's per-row inputs, on device (rows split over the data shards)."""
+
+  positions: jax.Array  # [rows, T] int32 absolute positions, -1 = padding
+  kv_lens: jax.Array  # [rows] int32 valid KV tokens after the step's write
+  tokens: jax.Array | None = None  # [rows, T] int32 (prefill; decode feeds the carry)
+  select_idx: jax.Array | None = None  # [rows] int32 token whose logits pick the next token
+  select_mask: jax.Array | None = None  # [rows] bool: the row's prompt ends in this step
+
+
+# A prefill row: (row, token ids, position of the first one, whether its logits give the
+# row's next token). A decode row: (row, position of the token fed in).
+PrefillRow = tuple[int, np.ndarray, int, bool]
+DecodeRow = tuple[int, int]
+
+
+class ModelRunner:
+  """Runs a model's steps over a ``KVCache``'s pools (taken from the model by ``attach``)."""
+
+  def __init__(self, model: nnx.Module, cache, prefill_chunk_pages: int):
+    self.cache = cache
+    self.mesh, self.config = cache.mesh, cache.config
+    graphdef, rest = cache.attach(model)
+    self.weights = jax.device_put(rest, NamedSharding(self.mesh, P()))  # replicated
+    self.steps = _compiled_steps(graphdef, self.mesh, self.config)
+    self.chunk_tokens = prefill_chunk_pages * self.config.page_size
+    self.vocab_size = self.steps.vocab_size(cache.page_state, self.weights, cache.num_shards)
+
+  @property
+  def trace_counts(self) -> collections.Counter:
+    return self.steps.trace_counts
+
+  # ---- batches -------------------------------------------------------------------------------
+  def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int) -> StepBatch:
+    chunk = self.chunk_tokens
+    tokens = np.zeros((num_rows, chunk), np.int32)
+    positions = np.full((num_rows, chunk), -1, np.int32)
+    kv_lens = np.zeros((num_rows,), np.int32)
+    select_idx = np.zeros((num_rows,), np.int32)
+    select_mask = np.zeros((num_rows,), bool)
+    for row, toks, start, select in rows:
+      n = len(toks)
+      tokens[row, :n] = toks
+      positions[row, :n] = np.arange(start, start + n)
+      kv_lens[row] = start + n
+      select_idx[row], select_mask[row] = n - 1, select
+    put = self.cache.put_rows
+    return StepBatch(positions=put(positions), kv_lens=put(kv_lens), tokens=put(tokens),
+                     select_idx=put(select_idx), select_mask=put(select_mask))
+
+  def decode_batch(self, rows: Sequence[DecodeRow], num_rows: int) -> StepBatch:
+    positions = np.full((num_rows, 1), -1, np.int32)
+    kv_lens = np.zeros((num_rows,), np.int32)
+    for row, pos in rows:
+      positions[row, 0], kv_lens[row] = pos, pos + 1
+    return StepBatch(positions=self.cache.put_rows(positions),
+                     kv_lens=self.cache.put_rows(kv_lens))
+
+  # ---- steps ---------------------------------------------------------------------------------
+  def prefill(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
+              count: bool = True):
+    """One prefill step. Returns ``(carry, selected logits)``: the carry's rows whose
+    prompt ended here hold their first generated token. ``count=False``: not served work
+    (warm-up, calibration), not counted in stats."""
+    pages, carry, selected = self.steps.prefill(
+        self.cache.page_state, self.weights, batch.tokens, carry, table, batch.positions,
+        batch.kv_lens, batch.select_idx, batch.select_mask, stream)
+    self.cache.page_state = pages
+    self.cache.stats.add("prefill_steps", int(count))
+    return carry, selected
+
+  def decode(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
+             count: bool = True):
+    """One decode step: feeds ``carry`` (each row's last token); returns the next ones."""
+    pages, carry, selected = self.steps.decode(
+        self.cache.page_state, self.weights, carry, table, batch.positions, batch.kv_lens,
+        stream)
+    self.cache.page_state = pages
+    self.cache.stats.add("decode_steps", int(count))
+    return carry, selected
+
+  def prefill_spans(self, spans: Sequence[tuple[int, np.ndarray, int, int]], carry, num_rows: int,
+                    table, *, on_first_token: Callable | None = None):
+    """Prefills tokens ``[a, b)`` of each span ``(row, prompt, a, b)`` in chunks, all rows in
+    lockstep. With ``on_first_token``, a span ending at its prompt's end selects its first
+    token, and ``on_first_token(span indices, selected logits)`` is called once that token
+    exists (that is the time to first token)."""
+    chunk = self.chunk_tokens
+    num_steps = max(-(-(b - a) // chunk) for _, _, a, b in spans)
+    for step in range(num_steps):
+      rows, finishing = [], []
+      for i, (row, prompt, start, end) in enumerate(spans):
+        a = start + step * chunk
+        b = min(a + chunk, end)
+        if a >= b:
+          continue
+        last = on_first_token is not None and b == len(prompt)
+        rows.append((row, prompt[a:b], a, last))
+        if last:
+          finishing.append(i)
+      carry, selected = self.prefill(self.prefill_batch(rows, num_rows), table, carry)
+      if finishing:
+        carry.block_until_ready()
+        on_first_token(finishing, selected)
+    return carry
+
+  def decode_rows(self, rows: Sequence[tuple[int, int, int]], num_rows: int, table,
+                  first_tokens, *, want_logits: bool = False):
+    """Greedy decode of ``rows`` ``(row, prompt length, tokens to generate)`` from their
+    first tokens. Returns ``(tokens [num_rows, steps] np, logits per step or None)``; a
+    row's tokens are valid up to its own count."""
+    carry = first_tokens
+    produced, logits = [carry], []
+    for step in range(1, max(n for _, _, n in rows)):
+      live = [(row, length + step - 1) for row, length, n in rows if step < n]
+      carry, selected = self.decode(self.decode_batch(live, num_rows), table, carry)
+      produced.append(carry)
+      if want_logits:
+        logits.append(to_host(selected))
+    return np.stack([to_host(t) for t in produced], axis=1), (logits if want_logits else None)
+
+  # ---- compiling ahead -----------------------------------------------------------------------
+  def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:
+    """Compiles the prefill and decode steps for every (rows, width) bucket with
+    all-padding steps (they change no page). Returns the widths compiled."""
+    widths = buckets.table_widths(max_seq_len, self.config)
+    for rows in sorted({buckets.pow2_at_least(r) for r in rows_per_shard}):
+      num_rows = rows * self.cache.num_shards
+      for width in widths:
+        table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+        carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+        carry, _ = self.prefill(self.prefill_batch([], num_rows), table, carry, count=False)
+        self.decode(self.decode_batch([], num_rows), table, carry, count=False)
+    return widths
+
+  def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
+    """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""
+    table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+    batch = self.prefill_batch([], num_rows)
+
+    def step():
+      carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+      carry, _ = self.prefill(batch, table, carry, count=False)
+      carry.block_until_ready()
+
+    return timer(step)

@@ -1,0 +1,74 @@
+"""Counters of one cache and the engine serving it: the one record ``Engine.stats()`` and
+``jaxkv.metrics`` read.
+
+Every part that does counted work (admission, the executor, the tier mover, streaming)
+adds to the same ``Stats``, owned by the ``KVCache``; nobody keeps counters of its own.
+``as_dict`` is the public shape of ``Engine.stats()``: every counter below (0 when nothing
+happened), ``hits`` by tier name, ``verify_failures_by_reason``, ``ttft_s`` per request and
+the index's ``evictions``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+# The counters ``Engine.stats()`` always reports, with what they count.
+COUNTERS = {
+    "requests": "requests served",
+    "prompt_tokens": "prompt tokens received",
+    "hit_tokens": "prompt tokens whose KV was reused",
+    "computed_tokens": "prompt tokens prefilled",
+    "generated_tokens": "tokens generated",
+    "blocks_fetched": "blocks brought up from a lower tier and verified",
+    "blocks_recomputed": "prompt blocks computed rather than reused",
+    "blocks_split": "cached blocks recomputed while later ones were fetched",
+    "bytes_moved": "bytes moved between tiers",
+    "prefill_steps": "prefill steps run",
+    "decode_steps": "decode steps run",
+    "waves": "batches of requests admitted together",
+    "verify_failures": "lower-tier blocks whose bytes failed verification",
+    "read_timeouts": "lower-tier reads that missed their deadline",
+    "disk_write_failures": "disk writes that failed (never published)",
+    "demoted_host": "blocks copied down to host memory",
+    "demoted_disk": "blocks committed to disk",
+    "plans_fetch": "requests whose plan fetched every cold block",
+    "plans_recompute": "requests whose plan recomputed every cold block",
+    "plans_split": "requests whose plan recomputed the front and fetched the back",
+    "plan_s": "seconds spent planning",
+    "calibration_s": "seconds spent calibrating costs",
+    "fetch_s": "seconds from issuing fetches to their verification",
+    "fetch_wait_s": "seconds spent waiting for fetches after the recompute",
+}
+HIT_TIERS = ("device", "host", "disk", "remote", "shard")
+
+
+@dataclasses.dataclass
+class Stats:
+  """Counters since construction or ``reset``. ``counters`` holds ``COUNTERS`` and any
+  occasional ones (``streamed_requests``, ``host_full_drops``, ...)."""
+
+  counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  hits: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  ttft_s: list = dataclasses.field(default_factory=list)
+
+  def add(self, name: str, n: float = 1) -> None:
+    self.counters[name] += n
+
+  def __getitem__(self, name: str) -> float:
+    return self.counters[name]
+
+  def reset(self) -> None:
+    for c in (self.counters, self.hits, self.failures):
+      c.clear()
+    self.ttft_s.clear()
+
+  def as_dict(self, *, evictions: int = 0) -> dict:
+    out = {k: 0 for k in COUNTERS}
+    out.update(self.counters)
+    out["hits"] = {name: self.hits[name] for name in HIT_TIERS}
+    out["verify_failures_by_reason"] = dict(self.failures)
+    out["ttft_s"] = list(self.ttft_s)
+    out["evictions"] = evictions
+    return out

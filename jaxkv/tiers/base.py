@@ -1,0 +1,117 @@
+"""What every lower tier offers the executor, and why a block read from one can fail.
+
+A *fetch* brings one cached block from a lower tier (host memory, disk, another job) into
+a device page a request was given. Every tier backend serves fetches in two halves, so
+the executor can issue all of them, run the recompute part of a plan meanwhile, and only
+then wait:
+
+- ``start_fetch(fetches)`` issues every read and returns at once. It may already return
+  a ``Landing`` (the host tier's copy is an async device transfer that can be scattered
+  right away; its verification comes later).
+- ``finish_fetch(pending, t_end, stage)`` waits until ``t_end`` (``time.monotonic``) at
+  the latest, verifies every block (checksum, key, model fingerprint, dtype, shape) and
+  sets ``ok``/``reason`` on each fetch. It returns the verified blocks still to land;
+  ``stage`` (given by the caller, who knows the device layout) turns host bytes into one.
+
+A failed fetch is never an exception: it is a ``Failure`` on the fetch, and the executor
+recomputes from that block on. ``Failure.corrupt`` separates a bad copy (counted as a
+verification failure; the copy and its chain are dropped) from one that was merely
+unavailable (late, unreachable: a miss).
+
+Backends import nothing above them (index, pages, buckets and config only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxkv.index import Tier
+
+
+class Failure(str, enum.Enum):
+  """Why a fetched block was not used (the value is the name stats report)."""
+
+  # The bytes are wrong: a verification failure.
+  SIZE = "size"  # record of the wrong length
+  MAGIC = "magic"  # not a jaxkv record (missing, truncated, foreign)
+  VERSION = "version"  # another record format
+  FINGERPRINT = "fingerprint"  # another model, dtype or layout
+  KEY = "key"  # another block (swapped, stale, another tenant's)
+  SHAPE = "shape"  # wrong dtype or shape
+  CHECKSUM = "checksum"  # the bytes changed
+  TOKEN = "token"  # a remote offer answering another request
+  READ_ERROR = "read_error"  # the store raised while reading
+  REMOTE = "remote"  # a remote fetch failed in an unclassified way
+  # The bytes never came: a miss, not a corruption.
+  DEADLINE = "deadline"  # not there before the deadline
+  BREAKER = "breaker"  # the peer's circuit breaker is open
+  IO = "io"  # the connection to the peer failed
+  REFUSED = "refused"  # the peer answered with an error
+  CLOSED = "closed"  # the peer closed the connection
+  PULL = "pull"  # the transfer itself failed
+
+  @property
+  def corrupt(self) -> bool:
+    """True when the copy was read and is wrong (as opposed to late or unreachable)."""
+    return self not in _UNAVAILABLE
+
+  @classmethod
+  def of(cls, error: BaseException, default: "Failure") -> "Failure":
+    """The failure an exception names through its ``reason``, else ``default``."""
+    try:
+      return cls(getattr(error, "reason", default))
+    except ValueError:
+      return default
+
+
+_UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
+                          Failure.CLOSED, Failure.PULL})
+
+
+@dataclasses.dataclass
+class Fetch:
+  """One lower-tier block to copy into a request's device page (the outcome is set by the
+  tier that serves it: ``ok``, or the ``reason`` it failed)."""
+
+  request: int  # the requesting sequence (groups a request's remote blocks in one pull)
+  block: int  # index of the block in the request's chain
+  shard: int  # data shard of the destination page
+  tier: Tier
+  slot: Any  # where the block is: a slot (host, disk), a peer (remote), (shard, page) (shard)
+  key: bytes
+  page: int  # destination device page (shard-local)
+  ok: bool = False
+  reason: Failure | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Landing:
+  """Blocks ready to scatter into the device pool: shard-local destination pages
+  ``[data_shards, n]`` (``pages_per_shard`` = padding, dropped) and their raw bits on device
+  ``[2 * layers, kv_heads, data_shards * n, page_size, head_dim]``."""
+
+  dest: np.ndarray
+  stack: Any  # jax.Array
+
+
+# (shard, destination page, raw-bits payload [2*layers, kv_heads, page_size, head_dim])
+Staged = tuple[int, int, np.ndarray]
+
+
+class FetchSource(Protocol):
+  """A tier the executor brings blocks up from."""
+
+  tier: Tier
+
+  def start_fetch(self, fetches: Sequence[Fetch]) -> tuple[Landing | None, Any]:
+    """Issues every read without waiting; returns what can land now and a handle."""
+
+  def finish_fetch(self, pending: Any, t_end: float,
+                   stage: Callable[[list[Staged]], Landing]) -> Landing | None:
+    """Waits (until ``t_end`` at the latest), verifies, sets ``ok``/``reason``; returns the
+    verified blocks still to land."""
