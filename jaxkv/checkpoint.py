@@ -84,16 +84,14 @@ class Checkpointer:
     e.flush()
     index, c = e.index, e.config
     shards = e.num_shards
-    per = [[(p, index.key_of(s, p)) for p in range(c.pages_per_shard)
-            if index.key_of(s, p) is not None] for s in range(shards)]
-    n = buckets.transfer_pages(max(len(x) for x in per))
-    ids = np.zeros((shards, n), np.int32)
+    blocks = [(s, p, index.key_of(s, p)) for s in range(shards)
+              for p in range(c.pages_per_shard) if index.key_of(s, p) is not None]
+    ids, per = buckets.shard_ids(blocks, shards, 0, lambda b: b[1])
+    n = ids.shape[1]
     rows = []
-    for s, items in enumerate(per):
-      ids[s, :len(items)] = [p for p, _ in items]
-      rows += [(s, key) for _, key in items] + [None] * (n - len(items))
-    ids_dev = jax.device_put(ids, NamedSharding(e.mesh, P(c.data_axis, None)))
-    stack = pages_lib.gather_stacked(e.pools, ids_dev, mesh=e.mesh, config=c)
+    for items in per:
+      rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
+    stack = pages_lib.gather_stacked(e.pools, e.put_rows(ids), mesh=e.mesh, config=c)
     sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
     state = {"device": stack}
     meta = {
@@ -198,22 +196,19 @@ class Checkpointer:
     index, c = e.index, e.config
     shards = e.num_shards
     tier = Tier.DEVICE if into == "device" else Tier.HOST
-    chosen = [[] for _ in range(shards)]  # per new shard: (saved row, key, parent, checksum)
+    wanted = []  # (new shard, saved row, key, parent, checksum)
     for i, row in enumerate(rows):
       if row is None:
         continue
       old_shard, key, parent, checksum = row
       key = bytes.fromhex(key)
       s = old_shard % shards
-      if index.slot_of(s, key, tier) is not None:
-        continue
-      chosen[s].append((i, key, bytes.fromhex(parent) if parent else None, checksum))
-    if not any(chosen):
+      if index.slot_of(s, key, tier) is None:
+        wanted.append((s, i, key, bytes.fromhex(parent) if parent else None, checksum))
+    if not wanted:
       return
-    n = buckets.transfer_pages(max(len(x) for x in chosen))
-    src = np.zeros((shards, n), np.int32)
-    for s, items in enumerate(chosen):
-      src[s, :len(items)] = [it[0] for it in items]
+    src, chosen = buckets.shard_ids(wanted, shards, 0, lambda w: w[1])
+    n = src.shape[1]
     stack = _host_take(e.mesh, c)(saved, jax.device_put(
         src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
     got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
@@ -221,7 +216,7 @@ class Checkpointer:
     dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
     publish = []
     for s, items in enumerate(chosen):
-      for j, (_, key, parent, checksum) in enumerate(items):
+      for j, (_, _, key, parent, checksum) in enumerate(items):
         if int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
           continue

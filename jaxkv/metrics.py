@@ -1,11 +1,13 @@
-"""``Engine.stats()`` as a Prometheus text exposition (for a node exporter's textfile
-collector or any scraper that reads files)."""
+"""``Engine.stats()`` (``jaxkv.stats.Stats.as_dict``) as a Prometheus text exposition (for
+a node exporter's textfile collector or any scraper that reads files)."""
 
 from __future__ import annotations
 
 import os
 
 import numpy as np
+
+from jaxkv.stats import COUNTERS
 
 
 def percentile(values, q: float) -> float:
@@ -26,20 +28,12 @@ def prometheus_text(stats: dict, labels: dict | None = None) -> str:
 
   emit("block_hits_total", "counter", "Blocks reused, by the tier they came from.",
        [(f'tier="{t}"', n) for t, n in sorted(stats.get("hits", {}).items())])
-  for key, help_text in (
-      ("requests", "Requests served."), ("prompt_tokens", "Prompt tokens received."),
-      ("hit_tokens", "Prompt tokens whose KV was reused."),
-      ("computed_tokens", "Prompt tokens prefilled."),
-      ("generated_tokens", "Tokens generated."),
-      ("blocks_fetched", "Blocks brought up from a lower tier."),
-      ("blocks_recomputed", "Prompt blocks computed rather than reused."),
-      ("blocks_split", "Cached blocks recomputed while later ones were fetched."),
-      ("bytes_moved", "Bytes moved between tiers."),
-      ("verify_failures", "Lower-tier blocks that failed verification."),
-      ("read_timeouts", "Lower-tier reads that missed their deadline."),
-      ("disk_write_failures", "Disk writes that failed."),
-      ("evictions", "Blocks evicted from any tier.")):
-    emit(f"{key}_total", "counter", help_text, [("", stats.get(key, 0))])
+  for key in ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
+              "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
+              "verify_failures", "read_timeouts", "disk_write_failures"):
+    emit(f"{key}_total", "counter", COUNTERS[key].capitalize() + ".", [("", stats.get(key, 0))])
+  emit("evictions_total", "counter", "Blocks evicted from any tier.",
+       [("", stats.get("evictions", 0))])
   ttft = stats.get("ttft_s", [])
   if ttft:
     emit("ttft_seconds", "summary", "Time to first token.",
