@@ -7,7 +7,8 @@ attention). Everything else is internal.
 
 from jaxkv import models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, StreamConfig, TierConfig
+from jaxkv.config import (CacheConfig, EngineConfig, SamplingParams, SchedulerConfig,
+                          StreamConfig, TierConfig)
 from jaxkv.engine import Engine
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
@@ -25,6 +26,7 @@ __all__ = [
     "LinkCost",
     "PrefillCurve",
     "PrefixIndex",
+    "SamplingParams",
     "SchedulerConfig",
     "StreamConfig",
     "plan",

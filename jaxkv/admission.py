@@ -28,6 +28,7 @@ import dataclasses
 import numpy as np
 
 from jaxkv.cache import CapacityError
+from jaxkv.config import SamplingParams
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.tiers.base import Fetch
 
@@ -38,11 +39,15 @@ class Request:
 
   index: int  # position in the caller's prompt list
   tokens: np.ndarray  # [prompt] int32
-  max_new_tokens: int
+  sampling: SamplingParams
   tenant: str
   keys: tuple  # block keys of the prompt's full blocks (empty without prefix reuse)
   num_pages_needed: int  # KV is written for the prompt and all generated tokens but the last
   streamed: bool = False  # longer than a device pool holds: cold pages stream from host
+
+  @property
+  def max_new_tokens(self) -> int:
+    return self.sampling.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,29 +83,33 @@ class Admission:
     self.vocab_size = vocab_size
 
   # ---- validation ------------------------------------------------------------------------------
-  def validate(self, prompts, max_new_tokens, tenant) -> list[Request]:
+  def validate(self, prompts, sampling, tenant) -> list[Request]:
+    """``sampling``: a ``SamplingParams`` for every prompt, one per prompt (a list), or an
+    integer ``max_new_tokens`` (greedy)."""
     c = self.cache.config
     if not isinstance(tenant, str) or not tenant:
       raise ValueError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
-    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
-        or max_new_tokens < 1):
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1.")
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
       prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
       raise ValueError("prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]].")
+    params = _sampling_per_prompt(sampling, len(prompts))
     requests = []
-    for i, p in enumerate(prompts):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
       tokens = self._check_prompt(i, p)
-      total = len(tokens) + max_new_tokens - 1
+      total = len(tokens) + sp.max_new_tokens - 1
       streamed = total > c.max_seq_len
       if streamed:
-        self._check_streamable(i, len(tokens), max_new_tokens, total)
+        self._check_streamable(i, len(tokens), sp.max_new_tokens, total)
+      bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+      if bad:
+        raise ValueError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "
+                         f"[0, {self.vocab_size}).")
       keys = (self.cache.index.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
-      requests.append(Request(index=i, tokens=tokens, max_new_tokens=int(max_new_tokens),
-                              tenant=tenant, keys=tuple(keys),
-                              num_pages_needed=-(-total // c.page_size), streamed=streamed))
+      requests.append(Request(index=i, tokens=tokens, sampling=sp, tenant=tenant,
+                              keys=tuple(keys), num_pages_needed=-(-total // c.page_size),
+                              streamed=streamed))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
     room = max(self.cache.index.num_available(s) for s in range(self.cache.num_shards))
@@ -247,3 +256,18 @@ class Admission:
     pages.extend(fresh)
     return Placement(request=req, shard=shard, pages=tuple(pages),
                      hit_tiers=tuple(t for t, _ in found), fetches=tuple(fetches))
+
+
+def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:
+  if isinstance(sampling, SamplingParams):
+    return [sampling] * n
+  if isinstance(sampling, (list, tuple)):
+    if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
+      raise ValueError(f"sampling must be one jaxkv.SamplingParams or a list of {n} (one per "
+                       f"prompt); got {len(sampling)} items.")
+    return list(sampling)
+  if (not isinstance(sampling, (int, np.integer)) or isinstance(sampling, bool)
+      or sampling < 1):
+    raise ValueError(f"max_new_tokens={sampling!r} must be an integer >= 1 (or pass "
+                     "jaxkv.SamplingParams).")
+  return [SamplingParams(max_new_tokens=int(sampling))] * n

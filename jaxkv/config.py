@@ -269,3 +269,44 @@ class StreamConfig:
       _positive_int(self, name)
     _require(isinstance(self.sink_pages, int) and self.sink_pages >= 0,
              f"StreamConfig.sink_pages={self.sink_pages!r} must be an integer >= 0.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """How one request's tokens are chosen and when it stops.
+
+  ``max_new_tokens``: the most tokens generated. ``temperature``: 0 (default) is greedy;
+  above 0 samples from the softmax of logits / temperature, restricted to the ``top_k``
+  most likely tokens (0: all) and to the smallest set whose probability reaches ``top_p``
+  (1: all). ``seed``: sampling is reproducible per request (the same seed gives the same
+  tokens, alone or batched, with or without cache hits). ``stop_token_ids``: generation
+  ends after any of these tokens (it is the last token returned), e.g. the model's EOS.
+  """
+
+  max_new_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_token_ids: tuple = ()
+
+  def __post_init__(self):
+    _positive_int(self, "max_new_tokens")
+    t = self.temperature
+    _require(isinstance(t, (int, float, np.floating)) and not isinstance(t, bool)
+             and np.isfinite(t) and t >= 0,
+             f"SamplingParams.temperature={t!r} must be a finite number >= 0 (0 = greedy).")
+    k = self.top_k
+    _require(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0,
+             f"SamplingParams.top_k={k!r} must be an integer >= 0 (0 = no limit).")
+    p = self.top_p
+    _require(isinstance(p, (int, float, np.floating)) and not isinstance(p, bool) and 0 < p <= 1,
+             f"SamplingParams.top_p={p!r} must be in (0, 1] (1 = no limit).")
+    s = self.seed
+    _require(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and 0 <= s < 2**32,
+             f"SamplingParams.seed={s!r} must be an integer in [0, 2**32).")
+    stops = self.stop_token_ids
+    _require(isinstance(stops, (tuple, list)) and all(
+        isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in stops),
+             f"SamplingParams.stop_token_ids={stops!r} must be a tuple of token ids >= 0.")
+    object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in stops))

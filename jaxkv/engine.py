@@ -35,7 +35,7 @@ from jaxkv import buckets
 from jaxkv import scheduler as sched
 from jaxkv.admission import Admission
 from jaxkv.cache import KVCache
-from jaxkv.config import EngineConfig, SchedulerConfig, StreamConfig
+from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamConfig
 from jaxkv.executor import Executor
 from jaxkv.runner import ModelRunner
 from jaxkv.streaming import StreamRunner
@@ -102,19 +102,23 @@ class Engine:
                                  max_seqs_per_shard=self.config.max_seqs_per_shard)
 
   # ---- generation ------------------------------------------------------------------------------
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+  def generate(self, prompts: Sequence[Sequence[int]],
+               max_new_tokens: int | SamplingParams | Sequence[SamplingParams],
                tenant: str = "default", *, return_logits: bool = False):
-    """Greedy generation. Returns the new token ids per prompt (a list of lists).
+    """Generates for every prompt; returns the new token ids per prompt (a list of lists).
 
-    With ``return_logits=True`` returns ``(tokens, logits)`` where ``logits[i]`` is a
-    ``[max_new_tokens, vocab]`` float32 array: the logits each token was chosen from.
+    The second argument is ``max_new_tokens`` (greedy), a ``jaxkv.SamplingParams`` for
+    every prompt, or a list with one per prompt (each its own length, sampling and stop
+    tokens; a stop token is the last token returned). With ``return_logits=True`` returns
+    ``(tokens, logits)`` where ``logits[i]`` is a ``[len(tokens[i]), vocab]`` float32
+    array: the logits each token was chosen from.
     """
     return self._generate(prompts, max_new_tokens, tenant, return_logits=return_logits)
 
-  def _generate(self, prompts, max_new_tokens, tenant, *, return_logits: bool,
+  def _generate(self, prompts, sampling, tenant, *, return_logits: bool,
                 only_shard: int | None = None):
     t_start = time.perf_counter()
-    requests = self.admission.validate(prompts, max_new_tokens, tenant)
+    requests = self.admission.validate(prompts, sampling, tenant)
     results: dict = {}
     pending = collections.deque(r for r in requests if not r.streamed)
     while pending:

@@ -13,7 +13,8 @@ For a wave (``admission.Placement`` records, at most ``max_seqs_per_shard`` per 
    its bad copy and the copies chained after it are dropped.
 4. The rest of each prompt is prefilled; a hit always leaves at least one prompt token to
    compute, whose logits give the first token (TTFT is taken when it exists).
-5. Decode greedily, one step per token, token ids staying on device.
+5. Decode, one step per token (greedy or seeded sampling per request, ``jaxkv.sampling``),
+   until each request has its ``max_new_tokens`` or produced one of its stop tokens.
 6. Publish every block the wave wrote (prompt, and the answer when
    ``cache_decode_blocks``), copy them down under write-through, release every reference.
 If a step fails, the donated pools are gone: the cache forgets its device blocks and the
@@ -68,11 +69,16 @@ class Executor:
     for p, row in zip(wave, row_of):
       table[row, :len(p.pages)] = p.pages
     page_table = cache.put_rows(table)
+    sampling = self.runner.row_sampling(
+        {row: p.request.sampling for p, row in zip(wave, row_of)
+         if p.request.sampling.temperature > 0}, num_rows)
     try:
       rows = self._plan(wave, row_of)
       logits: dict = {}
-      first = self._prefill(rows, num_rows, page_table, t_start, logits if want_logits else None)
-      out = self._decode(rows, num_rows, page_table, first, logits if want_logits else None)
+      first = self._prefill(rows, num_rows, page_table, t_start, sampling,
+                            logits if want_logits else None)
+      out = self._decode(rows, num_rows, page_table, first, sampling,
+                         logits if want_logits else None)
     finally:
       for p in wave:
         cache.index.release(p.shard, p.pages)
@@ -81,7 +87,7 @@ class Executor:
     cache.mover.pump()
     self.stats.add("waves")
     self.stats.add("requests", len(wave))
-    self.stats.add("generated_tokens", sum(p.request.max_new_tokens for p in wave))
+    self.stats.add("generated_tokens", sum(len(tokens) for tokens, _ in out.values()))
     return out
 
   # ---- the plan --------------------------------------------------------------------------------
@@ -96,7 +102,8 @@ class Executor:
     return rows
 
   # ---- prefill ---------------------------------------------------------------------------------
-  def _prefill(self, rows: list[_Row], num_rows: int, table, t_start: float, logits) -> object:
+  def _prefill(self, rows: list[_Row], num_rows: int, table, t_start: float, sampling,
+               logits) -> object:
     """Recomputes each request's planned stretch while its fetches are in flight, then
     verifies the fetches and prefills everything after the last good block."""
     cache, page = self.cache, self.cache.config.page_size
@@ -133,7 +140,8 @@ class Executor:
         for i in finishing:
           logits[rows[i].placement.request.index] = [sel[rows[i].row]]
 
-    first = self.runner.prefill_spans(rest, carry, num_rows, table, on_first_token=on_first_token)
+    first = self.runner.prefill_spans(rest, carry, num_rows, table, on_first_token=on_first_token,
+                                      sampling=sampling)
     if self.prefix_reuse:
       published = []
       for r, hit in zip(rows, hits):  # every block this wave computed is written: publish
@@ -177,18 +185,19 @@ class Executor:
     stats.add("blocks_split", (r.split - hot) if hot < r.split < cached else 0)
 
   # ---- decode ----------------------------------------------------------------------------------
-  def _decode(self, rows: list[_Row], num_rows: int, table, first, logits) -> dict:
-    specs = [(r.row, len(r.placement.request.tokens), r.placement.request.max_new_tokens)
-             for r in rows]
+  def _decode(self, rows: list[_Row], num_rows: int, table, first, sampling, logits) -> dict:
+    specs = [(r.row, len(r.placement.request.tokens), r.placement.request.max_new_tokens,
+              r.placement.request.sampling.stop_token_ids) for r in rows]
     tokens, step_logits = self.runner.decode_rows(specs, num_rows, table, first,
+                                                  sampling=sampling,
                                                   want_logits=logits is not None)
     out = {}
     for r in rows:
       req = r.placement.request
-      generated = tokens[r.row, :req.max_new_tokens].tolist()
+      generated = tokens[r.row]
       lg = None
       if logits is not None:
-        lg = np.stack(logits[req.index] + [s[r.row] for s in step_logits[:req.max_new_tokens - 1]])
+        lg = np.stack(logits[req.index] + [s[r.row] for s in step_logits[:len(generated) - 1]])
       out[req.index] = (generated, lg)
     if self.prefix_reuse and self.cache_decode_blocks:
       page, published = self.cache.config.page_size, []

@@ -32,7 +32,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv import nnx as kvnnx
+from jaxkv import sampling as sampling_lib
+from jaxkv.config import SamplingParams
 from jaxkv.distributed import to_host
+from jaxkv.sampling import RowSampling
 
 
 def _stream_key(stream):
@@ -56,26 +59,28 @@ class _Steps:
     return logits, nnx.state(model, kvnnx.KVPages)
 
   def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
-                    select_idx, select_mask, stream=None):
+                    select_idx, select_mask, sampling, stream=None):
     self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
     logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream)
     selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
-    next_tokens = jnp.argmax(selected, axis=-1).astype(jnp.int32)
+    where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
+    next_tokens = sampling_lib.next_tokens(selected, sampling, where)
     return pages, jnp.where(select_mask, next_tokens, carry), selected
 
-  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, stream=None):
+  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, sampling,
+                   stream=None):
     self.trace_counts[("decode", carry.shape, page_table.shape, _stream_key(stream))] += 1
     logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
                                   stream)
     selected = logits[:, 0]
-    return pages, jnp.argmax(selected, axis=-1).astype(jnp.int32), selected
+    return pages, sampling_lib.next_tokens(selected, sampling, positions[:, 0] + 1), selected
 
   def vocab_size(self, pages, rest, num_rows: int) -> int:
     """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     before = collections.Counter(self.trace_counts)
     out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), i32(num_rows, 1),
-                         i32(num_rows, 1), i32(num_rows))
+                         i32(num_rows, 1), i32(num_rows), RowSampling.greedy(num_rows))
     self.trace_counts.clear()
     self.trace_counts.update(before)
     return int(out[2].shape[-1])
@@ -92,6 +97,7 @@ class StepBatch:
 
   positions: jax.Array  # [rows, T] int32 absolute positions, -1 = padding
   kv_lens: jax.Array  # [rows] int32 valid KV tokens after the step's write
+  sampling: RowSampling  # how each row picks its next token (put once per batch of rows)
   tokens: jax.Array | None = None  # [rows, T] int32 (prefill; decode feeds the carry)
   select_idx: jax.Array | None = None  # [rows] int32 token whose logits pick the next token
   select_mask: jax.Array | None = None  # [rows] bool: the row's prompt ends in this step
@@ -114,13 +120,27 @@ class ModelRunner:
     self.steps = _compiled_steps(graphdef, self.mesh, self.config)
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
     self.vocab_size = self.steps.vocab_size(cache.page_state, self.weights, cache.num_shards)
+    self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
 
   @property
   def trace_counts(self) -> collections.Counter:
     return self.steps.trace_counts
 
   # ---- batches -------------------------------------------------------------------------------
-  def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int) -> StepBatch:
+  def row_sampling(self, params: dict[int, SamplingParams], num_rows: int) -> RowSampling:
+    """The rows' sampling parameters on device (rows not in ``params``: greedy)."""
+    if not params:  # all greedy: the same arrays every step
+      if num_rows not in self._greedy:
+        self._greedy[num_rows] = jax.tree.map(self.cache.put_rows, RowSampling.greedy(num_rows))
+      return self._greedy[num_rows]
+    host = RowSampling.greedy(num_rows)
+    for row, sp in params.items():
+      host.temperature[row], host.top_k[row] = sp.temperature, sp.top_k
+      host.top_p[row], host.seed[row] = sp.top_p, sp.seed
+    return jax.tree.map(self.cache.put_rows, host)
+
+  def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int,
+                    sampling: RowSampling | None = None) -> StepBatch:
     chunk = self.chunk_tokens
     tokens = np.zeros((num_rows, chunk), np.int32)
     positions = np.full((num_rows, chunk), -1, np.int32)
@@ -135,15 +155,18 @@ class ModelRunner:
       select_idx[row], select_mask[row] = n - 1, select
     put = self.cache.put_rows
     return StepBatch(positions=put(positions), kv_lens=put(kv_lens), tokens=put(tokens),
-                     select_idx=put(select_idx), select_mask=put(select_mask))
+                     select_idx=put(select_idx), select_mask=put(select_mask),
+                     sampling=sampling or self.row_sampling({}, num_rows))
 
-  def decode_batch(self, rows: Sequence[DecodeRow], num_rows: int) -> StepBatch:
+  def decode_batch(self, rows: Sequence[DecodeRow], num_rows: int,
+                   sampling: RowSampling | None = None) -> StepBatch:
     positions = np.full((num_rows, 1), -1, np.int32)
     kv_lens = np.zeros((num_rows,), np.int32)
     for row, pos in rows:
       positions[row, 0], kv_lens[row] = pos, pos + 1
     return StepBatch(positions=self.cache.put_rows(positions),
-                     kv_lens=self.cache.put_rows(kv_lens))
+                     kv_lens=self.cache.put_rows(kv_lens),
+                     sampling=sampling or self.row_sampling({}, num_rows))
 
   # ---- steps ---------------------------------------------------------------------------------
   def prefill(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
@@ -153,7 +176,7 @@ class ModelRunner:
     (warm-up, calibration), not counted in stats."""
     pages, carry, selected = self.steps.prefill(
         self.cache.page_state, self.weights, batch.tokens, carry, table, batch.positions,
-        batch.kv_lens, batch.select_idx, batch.select_mask, stream)
+        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream)
     self.cache.page_state = pages
     self.cache.stats.add("prefill_steps", int(count))
     return carry, selected
@@ -163,13 +186,14 @@ class ModelRunner:
     """One decode step: feeds ``carry`` (each row's last token); returns the next ones."""
     pages, carry, selected = self.steps.decode(
         self.cache.page_state, self.weights, carry, table, batch.positions, batch.kv_lens,
-        stream)
+        batch.sampling, stream)
     self.cache.page_state = pages
     self.cache.stats.add("decode_steps", int(count))
     return carry, selected
 
   def prefill_spans(self, spans: Sequence[tuple[int, np.ndarray, int, int]], carry, num_rows: int,
-                    table, *, on_first_token: Callable | None = None):
+                    table, *, on_first_token: Callable | None = None,
+                    sampling: RowSampling | None = None):
     """Prefills tokens ``[a, b)`` of each span ``(row, prompt, a, b)`` in chunks, all rows in
     lockstep. With ``on_first_token``, a span ending at its prompt's end selects its first
     token, and ``on_first_token(span indices, selected logits)`` is called once that token
@@ -187,26 +211,44 @@ class ModelRunner:
         rows.append((row, prompt[a:b], a, last))
         if last:
           finishing.append(i)
-      carry, selected = self.prefill(self.prefill_batch(rows, num_rows), table, carry)
+      carry, selected = self.prefill(self.prefill_batch(rows, num_rows, sampling), table, carry)
       if finishing:
         carry.block_until_ready()
         on_first_token(finishing, selected)
     return carry
 
-  def decode_rows(self, rows: Sequence[tuple[int, int, int]], num_rows: int, table,
-                  first_tokens, *, want_logits: bool = False):
-    """Greedy decode of ``rows`` ``(row, prompt length, tokens to generate)`` from their
-    first tokens. Returns ``(tokens [num_rows, steps] np, logits per step or None)``; a
-    row's tokens are valid up to its own count."""
+  def decode_rows(self, rows: Sequence[tuple[int, int, int, tuple]], num_rows: int, table,
+                  first_tokens, *, sampling: RowSampling | None = None,
+                  want_logits: bool = False):
+    """Decodes ``rows`` ``(row, prompt length, most tokens, stop token ids)`` from their
+    first tokens, until each has its most tokens or has produced a stop token (the last
+    token it gets). Returns ``({row: tokens}, logits per step or None)``."""
     carry = first_tokens
     produced, logits = [carry], []
-    for step in range(1, max(n for _, _, n in rows)):
-      live = [(row, length + step - 1) for row, length, n in rows if step < n]
-      carry, selected = self.decode(self.decode_batch(live, num_rows), table, carry)
+    stops = {row: set(ids) for row, _, _, ids in rows if ids}
+    count = {row: n for row, _, n, _ in rows}
+
+    def check(step: int, tokens) -> None:  # a stop token ends its row after it
+      if stops:
+        got = to_host(tokens)
+        for row in list(stops):
+          if count[row] > step and int(got[row]) in stops[row]:
+            count[row] = step + 1
+            del stops[row]
+
+    check(0, carry)
+    for step in range(1, max(count.values())):
+      live = [(row, length + step - 1) for row, length, _, _ in rows if step < count[row]]
+      if not live:
+        break
+      carry, selected = self.decode(self.decode_batch(live, num_rows, sampling), table, carry)
       produced.append(carry)
       if want_logits:
         logits.append(to_host(selected))
-    return np.stack([to_host(t) for t in produced], axis=1), (logits if want_logits else None)
+      check(step, carry)
+    tokens = np.stack([to_host(t) for t in produced], axis=1)
+    return ({row: tokens[row, :count[row]].tolist() for row, _, _, _ in rows},
+            logits if want_logits else None)
 
   # ---- compiling ahead -----------------------------------------------------------------------
   def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:

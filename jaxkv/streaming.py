@@ -69,6 +69,9 @@ class StreamRunner:
                    nonce=secrets.token_bytes(16))
     width = buckets.pow2_at_least(r.num_pages_needed)
     put = self.cache.put_rows
+    sp = r.sampling
+    sampling = self.runner.row_sampling({shard: sp} if sp.temperature > 0 else {}, shards)
+    stops = set(sp.stop_token_ids)
     try:
       carry = put(np.zeros((shards,), np.int32))
       chunk = self.runner.chunk_tokens
@@ -76,7 +79,7 @@ class StreamRunner:
         b = min(a + chunk, len(r.tokens))
         self._make_room(state, a // page, -(-b // page))
         batch = self.runner.prefill_batch([(shard, r.tokens[a:b], a, b == len(r.tokens))],
-                                          shards)
+                                          shards, sampling)
         table, stream = self._stage_and_batch(state, width)
         carry, selected = self.runner.prefill(batch, table, carry, stream)
         self._unstage(state)
@@ -84,11 +87,13 @@ class StreamRunner:
       self.stats.ttft_s.append(time.perf_counter() - t_start)
       produced, logits = [carry], [to_host(selected)[shard]] if want_logits else []
       for step in range(1, r.max_new_tokens):
+        if stops and int(to_host(carry)[shard]) in stops:
+          break
         pos = len(r.tokens) + step - 1
         self._make_room(state, pos // page, pos // page + 1)
         table, stream = self._stage_and_batch(state, width)
-        carry, selected = self.runner.decode(self.runner.decode_batch([(shard, pos)], shards),
-                                             table, carry, stream)
+        carry, selected = self.runner.decode(
+            self.runner.decode_batch([(shard, pos)], shards, sampling), table, carry, stream)
         self._unstage(state)
         produced.append(carry)
         if want_logits:
@@ -97,7 +102,7 @@ class StreamRunner:
     finally:
       self._release(state)
     for name, n in (("requests", 1), ("streamed_requests", 1), ("prompt_tokens", len(r.tokens)),
-                    ("computed_tokens", len(r.tokens)), ("generated_tokens", r.max_new_tokens),
+                    ("computed_tokens", len(r.tokens)), ("generated_tokens", len(tokens_out)),
                     ("streamed_pages", max(len(state.cold), len(state.disk)))):
       self.stats.add(name, n)
     return tokens_out, (np.stack(logits) if want_logits else None)

@@ -43,13 +43,13 @@ POLICIES = {
 
 
 class EmulatedLink:
-  """Makes every promotion of ``engine`` finish no earlier than ``latency + bytes / rate``
+  """Makes every promotion into ``cache`` finish no earlier than ``latency + bytes / rate``
   after it started (the wait overlaps whatever compute was dispatched meanwhile)."""
 
-  def __init__(self, engine: Engine, bytes_per_s: float, latency_s: float):
-    mover = engine.cache.mover
+  def __init__(self, cache: KVCache, bytes_per_s: float, latency_s: float):
+    mover = cache.mover
     real = mover.finish_promote
-    page_bytes = engine.cache.config.page_bytes
+    page_bytes = cache.config.page_bytes
 
     def finish(pools, pending, t_end):
       fetches, _, t_start = pending
@@ -111,7 +111,7 @@ def run(*, quick: bool = False) -> dict:
       e = _engine(mesh, mc, cache, tiers, engine_cfg, pol,
                   sch.CostModel.from_json(costs.to_json()))
       if factor is not None:
-        EmulatedLink(e, costs.links["host_to_device"].bytes_per_s, real_link.latency_s)
+        EmulatedLink(e.cache, costs.links["host_to_device"].bytes_per_s, real_link.latency_s)
       e.warmup(max_seq_len=spec.max_seq_len())  # compiled already: only the plan's buckets
       engines[name] = e
     chats = {name: Chat(spec) for name in engines}
