@@ -37,7 +37,7 @@ from jaxkv.tiers.base import Fetch
 class Request:
   """One prompt of a call, validated."""
 
-  index: int  # position in the caller's prompt list
+  index: int  # request id: the position in the caller's list, or the engine's running count
   tokens: np.ndarray  # [prompt] int32
   sampling: SamplingParams
   tenant: str
@@ -83,9 +83,9 @@ class Admission:
     self.vocab_size = vocab_size
 
   # ---- validation ------------------------------------------------------------------------------
-  def validate(self, prompts, sampling, tenant) -> list[Request]:
+  def validate(self, prompts, sampling, tenant, *, first_id: int = 0) -> list[Request]:
     """``sampling``: a ``SamplingParams`` for every prompt, one per prompt (a list), or an
-    integer ``max_new_tokens`` (greedy)."""
+    integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``."""
     c = self.cache.config
     if not isinstance(tenant, str) or not tenant:
       raise ValueError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
@@ -107,16 +107,16 @@ class Admission:
                          f"[0, {self.vocab_size}).")
       keys = (self.cache.index.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
-      requests.append(Request(index=i, tokens=tokens, sampling=sp, tenant=tenant,
+      requests.append(Request(index=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
                               keys=tuple(keys), num_pages_needed=-(-total // c.page_size),
                               streamed=streamed))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
     room = max(self.cache.index.num_available(s) for s in range(self.cache.num_shards))
-    for req in requests:
+    for i, req in enumerate(requests):
       if not req.streamed and req.num_pages_needed > room:
         raise CapacityError(
-            f"prompt {req.index} needs {req.num_pages_needed} device pages but at most {room} "
+            f"prompt {i} needs {req.num_pages_needed} device pages but at most {room} "
             f"are free or evictable on any shard (pages_per_shard={c.pages_per_shard}); "
             "release pinned blocks or raise pages_per_shard.")
     return requests
@@ -159,12 +159,14 @@ class Admission:
           "raise host_pages_per_shard or max_cold_pages, or shorten the request.")
 
   # ---- placement -------------------------------------------------------------------------------
-  def admit(self, pending: collections.deque, only_shard: int | None = None) -> list[Placement]:
+  def admit(self, pending: collections.deque, only_shard: int | None = None,
+            running: list[int] | None = None) -> list[Placement]:
     """Places requests from the front of ``pending`` (which keeps the rest, in order) into
-    one wave; ``only_shard`` restricts them to one shard (``Engine.pin``)."""
+    one wave; ``only_shard`` restricts them to one shard (``Engine.pin``). ``running``: the
+    sequences each shard runs already (continuous batching); the wave fills the rest."""
     num_shards = self.cache.num_shards
     candidates = list(range(num_shards)) if only_shard is None else [only_shard]
-    load = [0] * num_shards
+    load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
     waiting = collections.deque()
     while pending and any(load[s] < self.max_seqs_per_shard for s in candidates):
@@ -181,7 +183,7 @@ class Admission:
       else:
         waiting.append(req)
     pending.extendleft(reversed(waiting))
-    if not wave:  # cannot happen after validate's room check unless pages leaked
+    if not wave and not any(load):  # cannot happen after validate's room check unless pages leaked
       raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
                           "elsewhere.")
     return wave

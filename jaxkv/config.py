@@ -123,6 +123,9 @@ class CacheConfig:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).digest()
 
 
+BATCHING = ("continuous", "static")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """How the engine batches work.
@@ -134,12 +137,17 @@ class EngineConfig:
   ``prefix_reuse``: False gives the no-cache baseline (every prompt is recomputed).
   ``cache_decode_blocks``: also publish blocks that filled up during decode, so a later
   turn of a conversation reuses the previous answer too.
+  ``batching``: ``continuous`` (default) runs every step over whatever sequences are
+  running: a request joins as soon as a row and its pages are free and leaves the step it
+  finishes; ``static`` admits requests in waves that run to their end together (for
+  comparison and offline use).
   """
 
   max_seqs_per_shard: int = 4
   prefill_chunk_pages: int = 4
   prefix_reuse: bool = True
   cache_decode_blocks: bool = True
+  batching: str = "continuous"
 
   def __post_init__(self):
     for name in ("max_seqs_per_shard", "prefill_chunk_pages"):
@@ -147,6 +155,8 @@ class EngineConfig:
     for name in ("prefix_reuse", "cache_decode_blocks"):
       _require(isinstance(getattr(self, name), bool),
                f"EngineConfig.{name}={getattr(self, name)!r} must be True or False.")
+    _require(self.batching in BATCHING,
+             f"EngineConfig.batching={self.batching!r} must be one of {BATCHING}.")
 
 
 WRITE_POLICIES = ("write_back", "write_through")

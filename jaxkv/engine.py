@@ -38,6 +38,7 @@ from jaxkv.cache import KVCache
 from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamConfig
 from jaxkv.executor import Executor
 from jaxkv.runner import ModelRunner
+from jaxkv.serving import ContinuousBatcher, RequestHandle, StepOutput
 from jaxkv.streaming import StreamRunner
 
 
@@ -68,6 +69,7 @@ class Engine:
     self.executor = Executor(cache, self.runner, self.planner, prefix_reuse=config.prefix_reuse,
                              cache_decode_blocks=config.cache_decode_blocks)
     self.stream = stream
+    self._next_id = 0
 
   @property
   def stream(self) -> StreamConfig | None:
@@ -81,6 +83,14 @@ class Engine:
     self.admission.stream = stream
     self._streamer = (None if stream is None else StreamRunner(
         self.cache, self.runner, stream, prefill_chunk_pages=self.config.prefill_chunk_pages))
+    if getattr(self, "_batcher", None) is not None and self._batcher.has_work():
+      raise ValueError("cannot change the stream config while requests are running; finish "
+                       "them first (Engine.step until has_unfinished() is False).")
+    c = self.config
+    self._batcher = ContinuousBatcher(
+        self.cache, self.runner, self.planner, self.admission, self.executor,
+        max_seqs_per_shard=c.max_seqs_per_shard, prefix_reuse=c.prefix_reuse,
+        cache_decode_blocks=c.cache_decode_blocks, streamer=self._streamer)
 
   @property
   def costs(self) -> sched.CostModel | None:
@@ -113,7 +123,49 @@ class Engine:
     ``(tokens, logits)`` where ``logits[i]`` is a ``[len(tokens[i]), vocab]`` float32
     array: the logits each token was chosen from.
     """
+    if self.config.batching == "continuous":
+      return self._generate_continuous(prompts, max_new_tokens, tenant, return_logits)
     return self._generate(prompts, max_new_tokens, tenant, return_logits=return_logits)
+
+  def _generate_continuous(self, prompts, sampling, tenant, return_logits: bool):
+    requests = self._validate(prompts, sampling, tenant)
+    handles = [self._batcher.add(r, want_logits=return_logits) for r in requests]
+    while not all(h.finished for h in handles):
+      self.step()
+    outputs = [list(h.tokens) for h in handles]
+    if return_logits:
+      return outputs, [np.stack(h.logits) for h in handles]
+    return outputs
+
+  def _validate(self, prompts, sampling, tenant):
+    requests = self.admission.validate(prompts, sampling, tenant, first_id=self._next_id)
+    self._next_id += len(requests)
+    return requests
+
+  # ---- the online API --------------------------------------------------------------------------
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams | int = 16,
+             tenant: str = "default", *, on_token=None) -> RequestHandle:
+    """Queues one request; returns its handle at once (continuous batching).
+
+    ``sampling``: a ``jaxkv.SamplingParams`` or ``max_new_tokens`` (greedy). The request
+    joins the running batch at the next ``step`` that has a row and pages for it.
+    ``on_token(token)`` is called for each token as it is generated; iterating over the
+    handle yields them too (running steps as needed)."""
+    request, = self._validate([prompt], sampling, tenant)
+    return self._batcher.add(request, on_token=on_token)
+
+  def step(self) -> list[StepOutput]:
+    """One iteration over every running request: admits waiting ones that fit, advances
+    each by one prefill chunk or one decoded token. Returns what each request produced."""
+    try:
+      return self._batcher.step()
+    except BaseException:
+      self._batcher.abort_all()  # every reference the running requests held is released
+      raise
+
+  def has_unfinished(self) -> bool:
+    """Whether submitted requests are waiting or running."""
+    return self._batcher.has_work()
 
   def _generate(self, prompts, sampling, tenant, *, return_logits: bool,
                 only_shard: int | None = None):

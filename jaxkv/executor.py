@@ -36,8 +36,8 @@ from jaxkv.index import TIER_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
-class _Row:
-  """A placed request in this wave: its batch row, and the plan's split point."""
+class PlannedRow:
+  """A placed request in a batch: its row, and the plan's split point."""
 
   placement: Placement
   row: int
@@ -91,18 +91,18 @@ class Executor:
     return out
 
   # ---- the plan --------------------------------------------------------------------------------
-  def _plan(self, wave: list[Placement], row_of: list[int]) -> list[_Row]:
+  def _plan(self, wave: list[Placement], row_of: list[int]) -> list[PlannedRow]:
     splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens)) for p in wave])
     rows = []
     for p, row, s in zip(wave, row_of, splits):
       for f in p.fetches:
         if f.block < s:  # cached below, but recomputing it is the plan
           self.cache.mover.release_pin(f)
-      rows.append(_Row(p, row, s, tuple(f for f in p.fetches if f.block >= s)))
+      rows.append(PlannedRow(p, row, s, tuple(f for f in p.fetches if f.block >= s)))
     return rows
 
   # ---- prefill ---------------------------------------------------------------------------------
-  def _prefill(self, rows: list[_Row], num_rows: int, table, t_start: float, sampling,
+  def _prefill(self, rows: list[PlannedRow], num_rows: int, table, t_start: float, sampling,
                logits) -> object:
     """Recomputes each request's planned stretch while its fetches are in flight, then
     verifies the fetches and prefills everything after the last good block."""
@@ -122,13 +122,13 @@ class Executor:
     if pending is not None:
       t_end = time.monotonic() + cache.tiers.read_deadline_s
       cache.set_pools(cache.mover.finish_promote(cache.pools, pending, t_end))
-      hits = self._settle(rows)
+      hits = self.settle(rows)
       self.planner.observe_fetch(cache.mover.last_fetch)
     if recompute:
       _, _, a, b = max(recompute, key=lambda x: x[3] - x[2])
       self.planner.observe_recompute(b - a, a, time.perf_counter() - t_compute)
     for r, hit in zip(rows, hits):
-      self._count_prompt(r, hit)
+      self.count_prompt(r, hit)
     rest = [(r.row, r.placement.request.tokens, max(hit, r.split) * page,
              len(r.placement.request.tokens)) for r, hit in zip(rows, hits)]
 
@@ -149,11 +149,11 @@ class Executor:
         computed = list(range(p.hot_blocks, r.split)) + list(
             range(max(hit, r.split), len(p.request.tokens) // page))
         for j in computed:
-          self._publish(p.shard, p.pages[j], p.request.keys, j, published)
-      self._write_through(published)
+          self.publish(p.shard, p.pages[j], p.request.keys, j, published)
+      self.write_through(published)
     return first
 
-  def _settle(self, rows: list[_Row]) -> list[int]:
+  def settle(self, rows: list[PlannedRow]) -> list[int]:
     """After verification: a failed fetch ends that request's reuse at its block. Returns
     each request's hit (leading blocks whose KV is reused or was recomputed as planned)."""
     hits = []
@@ -166,11 +166,11 @@ class Executor:
           self.cache.mover.drop_failed(f)
       for f in r.fetches:  # verified and still part of the hit: the device copy is good
         if f.ok and f.block < hit:
-          self._publish(r.placement.shard, f.page, r.placement.request.keys, f.block, [])
+          self.publish(r.placement.shard, f.page, r.placement.request.keys, f.block, [])
       hits.append(hit)
     return hits
 
-  def _count_prompt(self, r: _Row, hit: int) -> None:
+  def count_prompt(self, r: PlannedRow, hit: int) -> None:
     p, page, stats = r.placement, self.cache.config.page_size, self.stats
     hot, cached = p.hot_blocks, p.cached_blocks
     reused = hot + (hit - r.split if hit > r.split else 0)
@@ -185,7 +185,7 @@ class Executor:
     stats.add("blocks_split", (r.split - hot) if hot < r.split < cached else 0)
 
   # ---- decode ----------------------------------------------------------------------------------
-  def _decode(self, rows: list[_Row], num_rows: int, table, first, sampling, logits) -> dict:
+  def _decode(self, rows: list[PlannedRow], num_rows: int, table, first, sampling, logits) -> dict:
     specs = [(r.row, len(r.placement.request.tokens), r.placement.request.max_new_tokens,
               r.placement.request.sampling.stop_token_ids) for r in rows]
     tokens, step_logits = self.runner.decode_rows(specs, num_rows, table, first,
@@ -207,15 +207,15 @@ class Executor:
                                                                np.int32)])
         keys = self.cache.index.block_keys(written, p.request.tenant)
         for j in range(len(p.request.tokens) // page, len(keys)):
-          self._publish(p.shard, p.pages[j], keys, j, published)
-      self._write_through(published)
+          self.publish(p.shard, p.pages[j], keys, j, published)
+      self.write_through(published)
     return out
 
   # ---- publishing ------------------------------------------------------------------------------
-  def _publish(self, shard, page, keys, j, published: list) -> None:
+  def publish(self, shard, page, keys, j, published: list) -> None:
     if self.cache.index.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
       published.append((shard, page, keys[j]))
 
-  def _write_through(self, published: list) -> None:
+  def write_through(self, published: list) -> None:
     if published and self.cache.tiers.write_policy == "write_through":
       self.cache.mover.copy_down(self.cache.pools, published)

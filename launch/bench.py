@@ -8,7 +8,8 @@ scheduler (policies side by side on the real host tier and on emulated links);
 restart (restoring a checkpoint against recomputing the same prefixes; warm vs cold TTFT);
 engine (no cache vs device-only LRU vs jaxkv with tiers, a quarter of the working set on device);
 stream (decoding a context 4x the device budget, streamed from host, against all on device);
-remote (blocks pulled from another job against loopback TCP and against recomputing).
+remote (blocks pulled from another job against loopback TCP and against recomputing);
+load (Poisson arrivals under, near and over saturation: continuous batching vs waves vs no cache).
 """
 
 import time
@@ -17,7 +18,7 @@ from absl import flags
 
 import _common
 
-SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote")
+SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -35,6 +36,10 @@ def _print(result: dict) -> None:
     label = "emulated" if link["emulated"] else "measured"
     ttft = "  ".join(f"{p}={1e3 * t:.0f}ms" for p, t in link["ttft_s"].items())
     print(f"  {name:16s} ({label}, {link['link_vs_break_even']:.2g}x break-even) {ttft}")
+  for label, row in result.get("rates", {}).items():
+    print(f"  {label:5s} {row['requests_per_s']:6.2f} req/s  " + "  ".join(
+        f"{name}: {fig['tokens_per_s']:6.1f} tok/s p90 {1e3 * fig['ttft_p90_s']:6.0f} ms"
+        for name, fig in row.items() if isinstance(fig, dict)))
   for group in ("host", "disk"):
     for name, fig in result.get(group, {}).items():
       print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
@@ -60,6 +65,9 @@ def main(argv):
   elif _SUITE.value == "stream":
     from jaxkv.bench import stream
     result = stream.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  elif _SUITE.value == "load":
+    from jaxkv.bench import load
+    result = load.run(quick=_QUICK.value)
   else:
     from jaxkv.bench import remote
     result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -1,0 +1,356 @@
+"""Continuous batching: every step runs whatever sequences are running, nobody waits for a wave.
+
+Each data shard has ``max_seqs_per_shard`` rows (bucketed to a power of two). A request
+submitted to the engine waits in a queue until a row and its pages are free on some shard;
+admission places it (``admission``), the planner picks its split point, its fetches are
+issued at once, and from the next step on it advances one prefill chunk per step: first
+the planned recompute ``[hot, s)``, then, once its fetches are verified (``TierMover``,
+with the read deadline), the rest of the prompt. The chunk that reaches the prompt's end
+yields its first token. From then on it decodes one token per step until it has
+``max_new_tokens`` or produced a stop token; that step it leaves: its blocks are published
+(write-through copies them down), its pages are released, and its row takes the next
+request at the following step.
+
+A step is at most two jitted calls over all rows: the decode step for the decoding rows,
+then the prefill step for one chunk of each prefilling row (the prefill keeps every row's
+last token unless its prompt ends in this chunk). Shapes are the static engine's: rows
+and page-table widths come from ``buckets``, prefill chunks are block-aligned, so a
+block's KV is the same whether it was computed here, in a wave, or reused, and arrivals
+never trigger a compile beyond the warmed buckets.
+
+A sequence longer than a device pool (``StreamConfig``) runs alone: new admissions pause
+until the running sequences have left, then it runs to its end in one step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxkv import buckets
+from jaxkv.admission import Placement, Request
+from jaxkv.distributed import to_host
+from jaxkv.executor import PlannedRow
+
+
+class RequestHandle:
+  """One submitted request: its tokens so far, whether it finished and why.
+
+  Iterating over a handle yields its tokens as they are generated, running engine steps
+  as needed (every running request advances meanwhile)."""
+
+  def __init__(self, request: Request, step: Callable[[], object],
+               on_token: Callable[[int], None] | None):
+    self.request = request
+    self.id = request.index
+    self.tokens: list[int] = []
+    self.logits: list | None = None
+    self.finished = False
+    self.finish_reason: str | None = None  # "length" or "stop"
+    self.ttft_s: float | None = None
+    self._step, self._on_token = step, on_token
+
+  def _emit(self, token: int, logits=None) -> None:
+    self.tokens.append(token)
+    if self.logits is not None and logits is not None:
+      self.logits.append(logits)
+    if self._on_token is not None:
+      self._on_token(token)
+
+  def __iter__(self):
+    sent = 0
+    while True:
+      while sent < len(self.tokens):
+        sent += 1
+        yield self.tokens[sent - 1]
+      if self.finished:
+        return
+      self._step()
+
+  def result(self) -> list[int]:
+    """Runs steps until this request has finished; returns its tokens."""
+    while not self.finished:
+      self._step()
+    return list(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+  """What one step produced for one request."""
+
+  handle: RequestHandle
+  new_tokens: tuple
+  finished: bool
+
+
+@dataclasses.dataclass
+class _Seq:
+  """A running sequence (mutable: it advances every step)."""
+
+  handle: RequestHandle
+  placement: Placement
+  row: int
+  split: int
+  fetches: tuple
+  group: list  # the sequences admitted with it (their fetches were issued together)
+  spans: collections.deque  # prefill spans [a, b) still to run, in order
+  t_submit: float
+  hit: int = -1  # known once its fetches were verified
+  decoding: bool = False
+  pos: int = 0  # position of the next token fed to decode
+
+
+class ContinuousBatcher:
+  """Runs submitted requests step by step over one cache."""
+
+  def __init__(self, cache, runner, planner, admission, executor, *, max_seqs_per_shard: int,
+               prefix_reuse: bool, cache_decode_blocks: bool, streamer=None):
+    self.cache, self.runner, self.planner = cache, runner, planner
+    self.admission, self.executor, self.streamer = admission, executor, streamer
+    self.prefix_reuse, self.cache_decode_blocks = prefix_reuse, cache_decode_blocks
+    self.stats = cache.stats
+    self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)
+    self.max_seqs_per_shard = max_seqs_per_shard
+    self.num_rows = cache.num_shards * self.rows_per_shard
+    self.waiting: collections.deque = collections.deque()  # Requests not yet placed
+    self.handles: dict[int, RequestHandle] = {}
+    self.submitted_at: dict[int, float] = {}
+    self.running: dict[int, _Seq] = {}  # by row
+    self.groups: list[tuple[list, object]] = []  # (sequences, pending fetches) unverified
+    self._carry = cache.put_rows(np.zeros((self.num_rows,), np.int32))
+    self._table = None  # (device table, width) while membership is unchanged
+    self._sampling = None
+
+  # ---- the queue -------------------------------------------------------------------------------
+  def add(self, request: Request, on_token=None, want_logits: bool = False) -> RequestHandle:
+    handle = RequestHandle(request, self.step, on_token)
+    if want_logits:
+      handle.logits = []
+    self.handles[request.index] = handle
+    self.submitted_at[request.index] = time.perf_counter()
+    self.waiting.append(request)
+    return handle
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  # ---- one step --------------------------------------------------------------------------------
+  def step(self) -> list[StepOutput]:
+    """Admits what fits, advances every running sequence by one chunk or one token."""
+    if self.waiting and self.waiting[0].streamed:
+      if self.running:  # a long sequence runs alone: let the others finish first
+        return self._advance()
+      return [self._run_streamed(self.waiting.popleft())]
+    self._admit()
+    return self._advance()
+
+  def _run_streamed(self, request: Request) -> StepOutput:
+    handle = self.handles.pop(request.index)
+    t0 = self.submitted_at.pop(request.index)
+    tokens, logits = self.streamer.run(request, t0, handle.logits is not None)
+    for i, t in enumerate(tokens):
+      handle._emit(int(t), None if logits is None else logits[i])
+    self._finish_handle(handle, request, counted=True)  # the streamer counted it
+    return StepOutput(handle, tuple(tokens), True)
+
+  def _free_rows(self) -> list[list[int]]:
+    used = {row for row in self.running}
+    return [[s * self.rows_per_shard + i for i in range(self.max_seqs_per_shard)
+             if s * self.rows_per_shard + i not in used] for s in range(self.cache.num_shards)]
+
+  def _admit(self) -> None:
+    ordinary = collections.deque()
+    while self.waiting and not self.waiting[0].streamed:
+      ordinary.append(self.waiting.popleft())
+    if not ordinary:
+      return
+    free = self._free_rows()
+    running = [self.max_seqs_per_shard - len(f) for f in free]
+    placed = self.admission.admit(ordinary, running=running) if any(free) else []
+    self.waiting.extendleft(reversed(ordinary))
+    if not placed:
+      return
+    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens)) for p in placed])
+    group: list[_Seq] = []
+    page = self.cache.config.page_size
+    for p, s in zip(placed, splits):
+      for f in p.fetches:
+        if f.block < s:  # cached below, but recomputing it is the plan
+          self.cache.mover.release_pin(f)
+      row = free[p.shard].pop(0)
+      seq = _Seq(handle=self.handles[p.request.index], placement=p, row=row, split=s,
+                 fetches=tuple(f for f in p.fetches if f.block >= s), group=group,
+                 spans=collections.deque(), t_submit=self.submitted_at.pop(p.request.index))
+      if s > p.hot_blocks:
+        seq.spans.append((p.hot_blocks * page, s * page))
+      group.append(seq)
+      self.running[row] = seq
+    fetches = [f for seq in group for f in seq.fetches]
+    pending = None
+    if fetches:
+      pools, pending = self.cache.mover.start_promote(self.cache.pools, fetches)
+      self.cache.set_pools(pools)
+    self.groups.append((group, pending))
+    self._table = self._sampling = None  # membership changed
+
+  def _settle_groups(self) -> None:
+    """Verifies the fetches of groups whose planned recompute has been dispatched, and
+    gives their sequences the rest of their prompt to prefill."""
+    still = []
+    for group, pending in self.groups:
+      if any(seq.spans for seq in group):
+        still.append((group, pending))
+        continue
+      rows = [PlannedRow(seq.placement, seq.row, seq.split, seq.fetches) for seq in group]
+      if pending is not None:
+        t_end = time.monotonic() + self.cache.tiers.read_deadline_s
+        self.cache.set_pools(self.cache.mover.finish_promote(self.cache.pools, pending, t_end))
+        hits = self.executor.settle(rows)
+        self.planner.observe_fetch(self.cache.mover.last_fetch)
+      else:
+        hits = [seq.placement.cached_blocks for seq in group]
+      page = self.cache.config.page_size
+      for seq, r, hit in zip(group, rows, hits):
+        seq.hit = hit
+        self.executor.count_prompt(r, hit)
+        n = len(seq.placement.request.tokens)
+        seq.spans.append((max(hit, seq.split) * page, n))
+    self.groups = still
+
+  def _advance(self) -> list[StepOutput]:
+    if not self.running:
+      return []
+    self._settle_groups()
+    if self._table is None:
+      width = buckets.table_width(max(s.placement.request.num_pages_needed
+                                      for s in self.running.values()), self.cache.config)
+      table = np.zeros((self.num_rows, width), np.int32)
+      for row, seq in self.running.items():
+        table[row, :len(seq.placement.pages)] = seq.placement.pages
+      self._table = self.cache.put_rows(table)
+      self._sampling = self.runner.row_sampling(
+          {row: s.placement.request.sampling for row, s in self.running.items()
+           if s.placement.request.sampling.temperature > 0}, self.num_rows)
+    want_logits = any(s.handle.logits is not None for s in self.running.values())
+    decoding = [s for s in self.running.values() if s.decoding]
+    prefilling = [s for s in self.running.values() if not s.decoding and s.spans]
+    dec_logits = pre_logits = None
+    if decoding:
+      batch = self.runner.decode_batch([(s.row, s.pos) for s in decoding], self.num_rows,
+                                       self._sampling)
+      self._carry, sel = self.runner.decode(batch, self._table, self._carry)
+      dec_logits = to_host(sel) if want_logits else None
+    finishing = []
+    if prefilling:
+      chunk = self.runner.chunk_tokens
+      rows = []
+      for s in prefilling:
+        a, b = s.spans[0]
+        end = min(a + chunk, b)
+        prompt = s.placement.request.tokens
+        last = end == len(prompt)  # only the rest span (after verification) reaches it
+        rows.append((s.row, prompt[a:end], a, last))
+        if end == b:
+          s.spans.popleft()
+        else:
+          s.spans[0] = (end, b)
+        if last:
+          finishing.append(s)
+      batch = self.runner.prefill_batch(rows, self.num_rows, self._sampling)
+      self._carry, sel = self.runner.prefill(batch, self._table, self._carry)
+      pre_logits = to_host(sel) if want_logits and finishing else None
+    if decoding or prefilling:
+      self.stats.add("steps")
+    if not (decoding or finishing):
+      return []
+    tokens = to_host(self._carry)
+    now = time.perf_counter()
+    out = []
+    for s in finishing:  # the prompt ended: the first token exists
+      s.handle.ttft_s = now - s.t_submit
+      self.stats.ttft_s.append(s.handle.ttft_s)
+      s.decoding, s.pos = True, len(s.placement.request.tokens)
+      self._publish_prompt(s)
+    for s in decoding + finishing:
+      token = int(tokens[s.row])
+      lg = (pre_logits if s in finishing else dec_logits)
+      s.handle._emit(token, None if lg is None else lg[s.row])
+      if s in decoding:
+        s.pos += 1
+      out.append(self._maybe_finish(s, token))
+    return out
+
+  def _maybe_finish(self, s: _Seq, token: int) -> StepOutput:
+    req = s.placement.request
+    stopped = token in req.sampling.stop_token_ids
+    done = stopped or len(s.handle.tokens) >= req.max_new_tokens
+    if done:
+      s.handle.finish_reason = "stop" if stopped else "length"
+      self._leave(s)
+    return StepOutput(s.handle, (token,), done)
+
+  def _publish_prompt(self, s: _Seq) -> None:
+    if not self.prefix_reuse:
+      return
+    p, page = s.placement, self.cache.config.page_size
+    computed = list(range(p.hot_blocks, s.split)) + list(
+        range(max(s.hit, s.split), len(p.request.tokens) // page))
+    published = []
+    for j in computed:
+      self.executor.publish(p.shard, p.pages[j], p.request.keys, j, published)
+    self.executor.write_through(published)
+
+  def _leave(self, s: _Seq) -> None:
+    p = s.placement
+    if self.prefix_reuse and self.cache_decode_blocks:
+      written = np.concatenate([p.request.tokens, np.asarray(s.handle.tokens[:-1], np.int32)])
+      keys = self.cache.index.block_keys(written, p.request.tenant)
+      published = []
+      for j in range(len(p.request.tokens) // self.cache.config.page_size, len(keys)):
+        self.executor.publish(p.shard, p.pages[j], keys, j, published)
+      self.executor.write_through(published)
+    self.cache.index.release(p.shard, p.pages)
+    del self.running[s.row]
+    self._table = self._sampling = None
+    self._finish_handle(s.handle, p.request)
+
+  def _finish_handle(self, handle: RequestHandle, request: Request, *,
+                     counted: bool = False) -> None:
+    handle.finished = True
+    if handle.finish_reason is None:
+      handle.finish_reason = ("stop" if handle.tokens and handle.tokens[-1]
+                              in request.sampling.stop_token_ids else "length")
+    self.handles.pop(request.index, None)
+    if not counted:
+      self.stats.add("requests")
+      self.stats.add("generated_tokens", len(handle.tokens))
+    self.cache.mover.pump()
+
+  def abort_all(self) -> None:
+    """After a failed step: every running and waiting request ends (``finish_reason``
+    "error") and every reference the running ones held is released."""
+    for request in self.waiting:
+      handle = self.handles.pop(request.index, None)
+      if handle is not None:
+        handle.finished, handle.finish_reason = True, "error"
+    self.waiting.clear()
+    self.submitted_at.clear()
+    for group, pending in self.groups:
+      if pending is not None:
+        for f in pending[0]:
+          self.cache.mover.release_pin(f)
+    self.groups = []
+    for s in list(self.running.values()):
+      self.cache.index.release(s.placement.shard, s.placement.pages)
+      s.handle.finished, s.handle.finish_reason = True, "error"
+      self.handles.pop(s.handle.id, None)
+    self.running.clear()
+    self._table = self._sampling = None
+    if not self.cache.pools_alive():
+      self.cache.reset_pools()
+    self._carry = self.cache.put_rows(np.zeros((self.num_rows,), np.int32))
+

@@ -1,0 +1,138 @@
+"""Continuous batching and the online API: submit / step / token streams."""
+
+import numpy as np
+import pytest
+
+import helpers
+import jaxkv
+from jaxkv import workloads
+from jaxkv.index import Tier
+
+
+def no_refs(engine, tiers=(Tier.DEVICE,)):
+  index = engine.cache.index
+  index.check_invariants()
+  for tier in tiers:
+    for s in range(engine.cache.num_shards if tier != Tier.DISK else 1):
+      n = index._pool(tier, s).num_slots
+      assert all(index.refcount(s, p, tier) == 0 for p in range(n)), (tier, s)
+
+
+@pytest.fixture(scope="module")
+def pair(mesh):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
+  return (helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2),
+          helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=False,
+                              batching="static"))
+
+
+def test_requests_arriving_mid_decode_equal_recompute_from_scratch(pair):
+  engine, fresh = pair
+  rng = np.random.default_rng(2)
+  shared = rng.integers(1, 128, 13).tolist()
+  prompts = [shared + rng.integers(1, 128, int(rng.integers(2, 12))).tolist()
+             for _ in range(10)]
+  params = [jaxkv.SamplingParams(max_new_tokens=int(rng.integers(1, 9))) for _ in prompts]
+  want = [fresh.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+  # Stop two of them early at a token their answer holds.
+  for i in (1, 6):
+    if len(want[i]) > 2:
+      params[i] = jaxkv.SamplingParams(max_new_tokens=params[i].max_new_tokens,
+                                       stop_token_ids=(want[i][1],))
+      want[i] = want[i][:want[i].index(want[i][1]) + 1]
+  handles, streamed = [], {}
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    handles.append(engine.submit(p, sp, on_token=lambda t, i=i: streamed.setdefault(i, []).append(t)))
+    for _ in range(i % 3):  # arrivals between steps, some while others decode
+      engine.step()
+  while engine.has_unfinished():
+    engine.step()
+  assert [h.tokens for h in handles] == want
+  assert [streamed[i] for i in range(len(prompts))] == want  # the callback saw every token
+  assert {h.finish_reason for h in (handles[1], handles[6])} <= {"stop", "length"}
+  assert all(h.finished and h.ttft_s > 0 for h in handles)
+  s = engine.stats()
+  assert s["hits"]["device"] > 0 and s["steps"] > 0
+  no_refs(engine)
+
+
+def test_iterating_a_handle_streams_its_tokens_while_others_advance(pair):
+  engine, fresh = pair
+  a = engine.submit([5, 6, 7, 8, 9, 10], 6)
+  b = engine.submit([50, 51, 52, 53, 54, 55, 56, 57, 58], 4)
+  got = []
+  for t in a:
+    got.append(t)
+  assert got == fresh.generate([[5, 6, 7, 8, 9, 10]], 6)[0] == a.tokens
+  assert b.result() == fresh.generate([[50, 51, 52, 53, 54, 55, 56, 57, 58]], 4)[0]
+  assert not engine.has_unfinished()
+  no_refs(engine)
+
+
+def test_continuous_and_static_batching_give_the_same_chat_through_every_tier(mesh, tmp_path):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  spec = workloads.ChatSpec(users=6, turns=3, system_prompt_tokens=9, user_tokens=(3, 8),
+                            max_new_tokens=4, vocab_size=128, seed=4)
+  outs = {}
+  for batching in ("continuous", "static"):
+    tiers = jaxkv.TierConfig(host_pages_per_shard=3, disk_kvstore=str(tmp_path / batching),
+                             disk_pages=200)
+    engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1,
+                                 batching=batching,
+                                 scheduler=jaxkv.SchedulerConfig(policy="split", force_split=1))
+    chat = workloads.Chat(spec)
+    outs[batching] = []
+    for turn in range(spec.turns):
+      out = engine.generate(chat.prompts(turn), spec.max_new_tokens)
+      outs[batching].append(out)
+      chat.record(turn, out)
+      engine.offload()  # every cached block now comes back from host or disk
+      assert engine.flush(30) == 0
+    st = engine.stats()
+    assert st["hits"]["host"] + st["hits"]["disk"] > 0 and st["blocks_split"] > 0, batching
+    assert st["verify_failures"] == 0
+    no_refs(engine, (Tier.DEVICE, Tier.HOST, Tier.DISK))
+  assert outs["continuous"] == outs["static"]
+
+
+def test_arrival_patterns_compile_nothing_after_warmup(mesh):
+  engine = helpers.make_engine(mesh, max_seqs_per_shard=2)
+  engine.warmup(max_seq_len=64)
+  after = dict(engine.trace_counts)
+  rng = np.random.default_rng(3)
+  for burst in (1, 5, 2, 9, 3):
+    for _ in range(burst):
+      engine.submit(rng.integers(1, 128, int(rng.integers(1, 40))).tolist(),
+                    int(rng.integers(1, 12)))
+    for _ in range(int(rng.integers(0, 4))):
+      engine.step()
+  while engine.has_unfinished():
+    engine.step()
+  assert dict(engine.trace_counts) == after
+  no_refs(engine)
+
+
+def test_a_failed_step_releases_every_reference_and_the_engine_goes_on(pair, monkeypatch):
+  engine, fresh = pair
+  for p in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5]):
+    engine.submit(p, 5)
+  engine.step()
+  real = engine.runner.decode
+
+  def broken(*args, **kw):
+    raise RuntimeError("injected step failure")
+
+  monkeypatch.setattr(engine.runner, "decode", broken)
+  with pytest.raises(RuntimeError, match="injected"):
+    while engine.has_unfinished():
+      engine.step()
+  monkeypatch.setattr(engine.runner, "decode", real)
+  no_refs(engine)
+  assert engine.generate([[3, 1, 4, 1, 5, 9, 2, 6]], 3) == fresh.generate([[3, 1, 4, 1, 5, 9, 2, 6]], 3)
+
+
+def test_bad_batching_is_refused():
+  with pytest.raises(ValueError, match="batching='waves' must be one of"):
+    jaxkv.EngineConfig(batching="waves")
