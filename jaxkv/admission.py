@@ -173,6 +173,9 @@ class Admission:
       req = pending.popleft()
       found = self._lookup(req)
       order = self._shard_order(req, found, load) if only_shard is None else candidates
+      if running is not None and self._wait_for_own_shard(found, order, load):
+        waiting.append(req)
+        continue
       for s in order:
         placed = (self._place(req, s, found[s]) if load[s] < self.max_seqs_per_shard
                   else None)
@@ -210,6 +213,16 @@ class Admission:
       return sorted(shards, key=lambda s: (predicted[s], load[s], s))
     on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
     return sorted(shards, key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
+
+  def _wait_for_own_shard(self, found: list, order: list[int], load: list[int]) -> bool:
+    """Continuous batching: whether a request should wait for the busy shard that holds
+    more of its prefix on device than any shard with a free row (it runs there as soon as
+    a row frees, instead of copying or recomputing what that shard holds)."""
+    free = [s for s in order if load[s] < self.max_seqs_per_shard]
+    if not free or load[order[0]] < self.max_seqs_per_shard:
+      return False
+    on_device = lambda s: sum(t == Tier.DEVICE for t, _ in found[s])
+    return on_device(order[0]) > max(on_device(s) for s in free)
 
   def _with_other_shards(self, found: list) -> list:
     """Extends each shard's cached prefix with blocks another shard holds on device: a

@@ -215,6 +215,10 @@ class Plan:
   t_recompute_all_s: jax.Array  # [R, D] recompute everything (s = cached_end), plus tail
   decision: jax.Array  # [R, D] int32 index into DECISIONS
   best_shard: jax.Array  # [R] int32 shard with the lowest predicted time
+  # [R, D, 2] seconds of compute the other requests placed on the shard add: their
+  # recompute (runs beside this request's recompute) and their tail prefill.
+  others_s: jax.Array
+  link_users: jax.Array  # [D, links] requests whose fetches share each link of the shard
 
 
 def _prefill_s(prefill, n, c, chunk_tokens=0):
@@ -224,9 +228,10 @@ def _prefill_s(prefill, n, c, chunk_tokens=0):
   return jnp.where(n > 0, t, 0.0)
 
 
-def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, page_size,
-              chunk_tokens):
-  """One (request, shard): every split point at once. share: [links] users of each link."""
+def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, costs,
+              page_size, chunk_tokens):
+  """One (request, shard): every split point at once. share: [links] users of each link;
+  others: [2] seconds of the other requests' recompute and tail prefill on this shard."""
   m = tiers.shape[0]
   idx = jnp.arange(m + 1, dtype=jnp.int32)  # candidate split points s
   blk = jnp.arange(m, dtype=jnp.int32)
@@ -249,40 +254,57 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, costs, p
   # split point before it is infeasible.
   absent = suffix(jnp.where(in_cold & (tiers == ABSENT), 1.0, 0.0))
   feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget) & (absent == 0)
-  cost = jnp.where(feasible, jnp.maximum(t_rec, t_fetch), jnp.inf)
+  # The shard's compute is shared like a link: this request's recompute runs in the same
+  # batched steps as the other requests' recompute, and its tail prefill with their tails.
+  cost = jnp.where(feasible, jnp.maximum(t_rec + others[0], t_fetch), jnp.inf)
   s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
   at = lambda x, i: x[jnp.clip(i, 0, m)]
-  t_fetch_all = jnp.where((end - hot <= budget) & (at(absent, hot) == 0), at(t_fetch, hot),
-                          jnp.inf)
+  t_fetch_all = jnp.where((end - hot <= budget) & (at(absent, hot) == 0),
+                          jnp.maximum(at(t_fetch, hot), others[0]), jnp.inf)
   counts = jnp.stack([jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
                       if t in (HOST, DISK, REMOTE, SHARD) else jnp.int32(0)
                       for t in range(6)])
   decision = jnp.where(s >= end, 1, jnp.where(s <= hot, 0, 2)).astype(jnp.int32)
-  return (s, counts, at(cost, s) + t_tail, t_fetch_all + t_tail, at(t_rec, end) + t_tail,
-          decision, per_tier)
+  # What this request adds to the shard's compute at its split (one fixed step overhead
+  # t0 is shared, so only the marginal part counts).
+  marginal = lambda t: jnp.where(t > 0, t - costs.prefill[0], 0.0)
+  work = jnp.stack([marginal(at(t_rec, s)), marginal(t_tail)])
+  tail = t_tail + others[1]
+  return (s, counts, at(cost, s) + tail, t_fetch_all + tail, at(t_rec, end) + others[0] + tail,
+          decision, work)
 
 
-def _plan_all(inputs: PlanInputs, costs: CostArrays, share):  # share: [R, D, links]
+def _plan_all(inputs: PlanInputs, costs: CostArrays, share, others):
+  """share: [R, D, links]; others: [R, D, 2]."""
   budget = jnp.minimum(inputs.inflight_blocks, inputs.free_pages)  # [D]
-  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, None, None, None)),
-               in_axes=(0, 0, 0, 0, 0, None, 0, None, None, None))
+  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, 0, None, None, None)),
+               in_axes=(0, 0, 0, 0, 0, None, 0, 0, None, None, None))
   return f(inputs.tiers, inputs.block_bytes, inputs.hot, inputs.cached_end, inputs.tail_tokens,
-           budget, share, costs, inputs.page_size, inputs.chunk_tokens)
+           budget, share, others, costs, inputs.page_size, inputs.chunk_tokens)
 
 
 @jax.jit
 def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   """Chooses, per request and candidate shard, how to bring a cached prefix back.
 
-  Two passes: the first assumes every link is free; the requests that would fetch over
-  a host's links (at their best shard) are counted; the second divides each link's
-  bandwidth between them.
+  Two passes: the first assumes every link and every shard's compute is free; the
+  requests that would fetch over a host's links (at their best shard) are counted, and the
+  compute each request would add to its best shard is summed; the second divides each
+  link's bandwidth between its users and charges every request, on every shard, the
+  compute the other requests placed there need (recompute and tail prefill run in the
+  same batched steps, so R requests' recompute costs what their total tokens cost).
   """
   r, d, _ = inputs.tiers.shape
   ones = jnp.ones((r, d, len(LINKS)), jnp.float32)
-  s, counts, t_pred, *_ = _plan_all(inputs, costs, ones)
+  s, counts, t_pred, _, _, _, work = _plan_all(inputs, costs, ones,
+                                               jnp.zeros((r, d, 2), jnp.float32))
   t_pred = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   best = jnp.argmin(t_pred, axis=1)
+  placed = ((best[:, None] == jnp.arange(d)[None, :]) & inputs.valid[:, None]).astype(
+      jnp.float32)  # [R, D]
+  work_best = jnp.take_along_axis(work, best[:, None, None], axis=1)[:, 0]  # [R, 2]
+  per_shard = jnp.einsum("rd,rk->dk", placed, work_best)  # [D, 2]
+  others = per_shard[None] - placed[:, :, None] * work_best[:, None, :]  # [R, D, 2]
   fetches = jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]  # [R, 4]
   uses = jnp.stack([fetches[:, HOST] + fetches[:, DISK] + fetches[:, REMOTE] > 0,
                     fetches[:, DISK] > 0, fetches[:, REMOTE] > 0, fetches[:, SHARD] > 0],
@@ -291,11 +313,13 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   same = group_of_req[:, None] == inputs.link_group[None, :]  # [R, D]
   users = jnp.einsum("rd,rl->dl", same.astype(jnp.float32), uses.astype(jnp.float32))  # [D, L]
   share = jnp.broadcast_to(jnp.maximum(users, 1.0)[None], (r, d, len(LINKS)))
-  s, counts, t_pred, t_fetch_all, t_rec_all, decision, _ = _plan_all(inputs, costs, share)
+  s, counts, t_pred, t_fetch_all, t_rec_all, decision, _ = _plan_all(inputs, costs, share,
+                                                                      others)
   t_pred_masked = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   return Plan(split=s, fetch_blocks=counts, t_pred_s=t_pred, t_fetch_all_s=t_fetch_all,
               t_recompute_all_s=t_rec_all, decision=decision,
-              best_shard=jnp.argmin(t_pred_masked, axis=1).astype(jnp.int32))
+              best_shard=jnp.argmin(t_pred_masked, axis=1).astype(jnp.int32),
+              others_s=others, link_users=jnp.maximum(users, 1.0))
 
 
 # ---- the only builders of PlanInputs ----------------------------------------------------------
@@ -459,8 +483,9 @@ class Planner:
 
 
 def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_model: CostModel,
-                page_size: int, chunk_tokens: int = 0) -> tuple[int, float]:
-  """The same decision for one (request, shard) by trying every split in Python (tests)."""
+                page_size: int, chunk_tokens: int = 0, others=(0.0, 0.0)) -> tuple[int, float]:
+  """The same decision for one (request, shard) by trying every split in Python (tests).
+  ``others``: seconds of the other requests' recompute and tail on the shard."""
   rounded = lambda n: -(-n // chunk_tokens) * chunk_tokens if chunk_tokens else n
   link_names = LINKS
   best_s, best_t = None, math.inf
@@ -485,18 +510,20 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
         t_fetch = max(t_fetch, link.latency_s
                       + link_bytes[name] / (link.bytes_per_s / max(share[i], 1.0)))
     t_rec = cost_model.prefill.seconds(rounded((s - hot) * page_size), hot * page_size)
-    t = max(t_rec, t_fetch)
+    t = max(t_rec + others[0], t_fetch)
     if t < best_t - 1e-12 * max(1.0, t):
       best_s, best_t = s, t
   tail = cost_model.prefill.seconds(rounded(tail_tokens), end * page_size)
-  return best_s, best_t + tail
+  return best_s, best_t + tail + others[1]
 
 
 def capacity_plan(*, kv_bytes: float, tokens: int, costs: CostModel, requests: int = 1,
                   page_size: int = 16, context_tokens: int = 0, tier: int = HOST) -> dict:
-  """What ``plan`` decides for ``requests`` equal requests sharing one host's links, each
-  with ``tokens / requests`` cold tokens (``kv_bytes / requests`` bytes) after
-  ``context_tokens`` hot ones. Returns the figures ``launch/plan.py`` reports."""
+  """What ``plan`` decides for ``requests`` equal requests in one step, sharing one host's
+  links and one device's compute, each with ``tokens / requests`` cold tokens
+  (``kv_bytes / requests`` bytes) after ``context_tokens`` hot ones. Returns the figures
+  ``launch/plan.py`` reports: the step's time if every request fetched everything, if
+  every one recomputed everything, and with the plan's split (``t_split_s``)."""
   if requests < 1 or tokens < requests or kv_bytes <= 0:
     raise ValueError(f"need requests >= 1, tokens >= requests and kv_bytes > 0; got "
                      f"requests={requests}, tokens={tokens}, kv_bytes={kv_bytes}.")
@@ -515,9 +542,16 @@ def capacity_plan(*, kv_bytes: float, tokens: int, costs: CostModel, requests: i
       valid=np.ones((requests,), bool), page_size=page_size)
   out = jax.tree.map(np.asarray, plan(inputs, costs.arrays()))
   split_blocks = int(out.split[0, 0]) - hot
+  # The two pure policies for the whole step: every request fetches everything (each link
+  # carries all of their bytes) or recomputes everything (one device computes all).
+  t_one = costs.prefill.seconds(blocks * page_size, hot * page_size)
+  t_recompute = t_one + (requests - 1) * max(t_one - costs.prefill.t0_s, 0.0)
+  links = ["host_to_device"] + {DISK: ["disk_to_host"], REMOTE: ["remote_to_host"]}.get(tier, [])
+  t_fetch = max((costs.links.get(name) or costs.link("host_to_device")).seconds(kv_bytes)
+                for name in links)
   return {
-      "t_fetch_s": float(out.t_fetch_all_s[0, 0]),
-      "t_recompute_s": float(out.t_recompute_all_s[0, 0]),
+      "t_fetch_s": t_fetch,
+      "t_recompute_s": t_recompute,
       "t_split_s": float(out.t_pred_s[0, 0]),
       "decision": DECISIONS[int(out.decision[0, 0])],
       "split_tokens": split_blocks * page_size,

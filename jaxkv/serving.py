@@ -11,12 +11,13 @@ yields its first token. From then on it decodes one token per step until it has
 (write-through copies them down), its pages are released, and its row takes the next
 request at the following step.
 
-A step is at most two jitted calls over all rows: the decode step for the decoding rows,
-then the prefill step for one chunk of each prefilling row (the prefill keeps every row's
-last token unless its prompt ends in this chunk). Shapes are the static engine's: rows
-and page-table widths come from ``buckets``, prefill chunks are block-aligned, so a
-block's KV is the same whether it was computed here, in a wave, or reused, and arrivals
-never trigger a compile beyond the warmed buckets.
+A step is at most two jitted calls, each over compact rows (a power of two per shard, as
+many as the busiest shard needs): the decode step for the decoding sequences, each fed
+its last token (kept on host, read back every step), and the prefill step for one chunk
+of each prefilling sequence. Shapes are the static engine's: rows and page-table widths
+come from ``buckets``, prefill chunks are block-aligned, so a block's KV is the same
+whether it was computed here, in a wave, or reused, and arrivals never trigger a compile
+beyond the warmed buckets.
 
 A sequence longer than a device pool (``StreamConfig``) runs alone: new admissions pause
 until the running sequences have left, then it runs to its end in one step.
@@ -121,9 +122,6 @@ class ContinuousBatcher:
     self.submitted_at: dict[int, float] = {}
     self.running: dict[int, _Seq] = {}  # by row
     self.groups: list[tuple[list, object]] = []  # (sequences, pending fetches) unverified
-    self._carry = cache.put_rows(np.zeros((self.num_rows,), np.int32))
-    self._table = None  # (device table, width) while membership is unchanged
-    self._sampling = None
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, request: Request, on_token=None, want_logits: bool = False) -> RequestHandle:
@@ -195,7 +193,6 @@ class ContinuousBatcher:
       pools, pending = self.cache.mover.start_promote(self.cache.pools, fetches)
       self.cache.set_pools(pools)
     self.groups.append((group, pending))
-    self._table = self._sampling = None  # membership changed
 
   def _settle_groups(self) -> None:
     """Verifies the fetches of groups whose planned recompute has been dispatched, and
@@ -221,68 +218,86 @@ class ContinuousBatcher:
         seq.spans.append((max(hit, seq.split) * page, n))
     self.groups = still
 
+  def _layout(self, seqs: list[_Seq]):
+    """Compact batch rows for ``seqs`` (rows per shard bucketed to what they need, so a
+    step with one prefilling sequence does not pay for every row): ``(num_rows, row of
+    each sequence, page table on device, sampling)``."""
+    per_shard = collections.Counter(s.placement.shard for s in seqs)
+    rows_per_shard = buckets.pow2_at_least(max(per_shard.values()))
+    num_rows = self.cache.num_shards * rows_per_shard
+    slot, row = collections.Counter(), {}
+    width = buckets.table_width(max(s.placement.request.num_pages_needed for s in seqs),
+                                self.cache.config)
+    table = np.zeros((num_rows, width), np.int32)
+    for s in seqs:
+      shard = s.placement.shard
+      row[id(s)] = shard * rows_per_shard + slot[shard]
+      slot[shard] += 1
+      table[row[id(s)], :len(s.placement.pages)] = s.placement.pages
+    sampling = self.runner.row_sampling(
+        {row[id(s)]: s.placement.request.sampling for s in seqs
+         if s.placement.request.sampling.temperature > 0}, num_rows)
+    return num_rows, row, self.cache.put_rows(table), sampling
+
   def _advance(self) -> list[StepOutput]:
     if not self.running:
       return []
     self._settle_groups()
-    if self._table is None:
-      width = buckets.table_width(max(s.placement.request.num_pages_needed
-                                      for s in self.running.values()), self.cache.config)
-      table = np.zeros((self.num_rows, width), np.int32)
-      for row, seq in self.running.items():
-        table[row, :len(seq.placement.pages)] = seq.placement.pages
-      self._table = self.cache.put_rows(table)
-      self._sampling = self.runner.row_sampling(
-          {row: s.placement.request.sampling for row, s in self.running.items()
-           if s.placement.request.sampling.temperature > 0}, self.num_rows)
     want_logits = any(s.handle.logits is not None for s in self.running.values())
     decoding = [s for s in self.running.values() if s.decoding]
     prefilling = [s for s in self.running.values() if not s.decoding and s.spans]
-    dec_logits = pre_logits = None
-    if decoding:
-      batch = self.runner.decode_batch([(s.row, s.pos) for s in decoding], self.num_rows,
-                                       self._sampling)
-      self._carry, sel = self.runner.decode(batch, self._table, self._carry)
-      dec_logits = to_host(sel) if want_logits else None
+    dispatched = []  # (sequences, their rows, carry out, selected logits)
+    if decoding:  # each row feeds its last token (known on host: no merge on device)
+      num_rows, row, table, sampling = self._layout(decoding)
+      carry = np.zeros((num_rows,), np.int32)
+      for s in decoding:
+        carry[row[id(s)]] = s.handle.tokens[-1]
+      batch = self.runner.decode_batch([(row[id(s)], s.pos) for s in decoding], num_rows,
+                                       sampling)
+      out, sel = self.runner.decode(batch, table, self.cache.put_rows(carry))
+      dispatched.append((decoding, row, out, sel))
     finishing = []
     if prefilling:
-      chunk = self.runner.chunk_tokens
-      rows = []
+      num_rows, row, table, sampling = self._layout(prefilling)
+      chunk, rows = self.runner.chunk_tokens, []
       for s in prefilling:
         a, b = s.spans[0]
         end = min(a + chunk, b)
         prompt = s.placement.request.tokens
         last = end == len(prompt)  # only the rest span (after verification) reaches it
-        rows.append((s.row, prompt[a:end], a, last))
+        rows.append((row[id(s)], prompt[a:end], a, last))
         if end == b:
           s.spans.popleft()
         else:
           s.spans[0] = (end, b)
         if last:
           finishing.append(s)
-      batch = self.runner.prefill_batch(rows, self.num_rows, self._sampling)
-      self._carry, sel = self.runner.prefill(batch, self._table, self._carry)
-      pre_logits = to_host(sel) if want_logits and finishing else None
+      batch = self.runner.prefill_batch(rows, num_rows, sampling)
+      out, sel = self.runner.prefill(batch, table,
+                                     self.cache.put_rows(np.zeros((num_rows,), np.int32)))
+      if finishing:
+        dispatched.append((finishing, row, out, sel))
     if decoding or prefilling:
       self.stats.add("steps")
-    if not (decoding or finishing):
-      return []
-    tokens = to_host(self._carry)
-    now = time.perf_counter()
-    out = []
-    for s in finishing:  # the prompt ended: the first token exists
-      s.handle.ttft_s = now - s.t_submit
-      self.stats.ttft_s.append(s.handle.ttft_s)
-      s.decoding, s.pos = True, len(s.placement.request.tokens)
-      self._publish_prompt(s)
-    for s in decoding + finishing:
-      token = int(tokens[s.row])
-      lg = (pre_logits if s in finishing else dec_logits)
-      s.handle._emit(token, None if lg is None else lg[s.row])
-      if s in decoding:
-        s.pos += 1
-      out.append(self._maybe_finish(s, token))
-    return out
+    now = None
+    result = []
+    for seqs, row, out, sel in dispatched:
+      tokens = to_host(out)
+      if now is None:
+        now = time.perf_counter()
+      logits = to_host(sel) if want_logits else None
+      for s in seqs:
+        if not s.decoding:  # its prompt ended: the first token exists
+          s.handle.ttft_s = now - s.t_submit
+          self.stats.ttft_s.append(s.handle.ttft_s)
+          s.decoding, s.pos = True, len(s.placement.request.tokens)
+          self._publish_prompt(s)
+        else:
+          s.pos += 1
+        token = int(tokens[row[id(s)]])
+        s.handle._emit(token, None if logits is None else logits[row[id(s)]])
+        result.append(self._maybe_finish(s, token))
+    return result
 
   def _maybe_finish(self, s: _Seq, token: int) -> StepOutput:
     req = s.placement.request
@@ -315,7 +330,6 @@ class ContinuousBatcher:
       self.executor.write_through(published)
     self.cache.index.release(p.shard, p.pages)
     del self.running[s.row]
-    self._table = self._sampling = None
     self._finish_handle(s.handle, p.request)
 
   def _finish_handle(self, handle: RequestHandle, request: Request, *,
@@ -349,8 +363,6 @@ class ContinuousBatcher:
       s.handle.finished, s.handle.finish_reason = True, "error"
       self.handles.pop(s.handle.id, None)
     self.running.clear()
-    self._table = self._sampling = None
     if not self.cache.pools_alive():
       self.cache.reset_pools()
-    self._carry = self.cache.put_rows(np.zeros((self.num_rows,), np.int32))
 

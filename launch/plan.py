@@ -20,15 +20,19 @@ import _common
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Optional config (configs/*.py): its model shape, page size and "
     "hardware section give defaults for the flags below.")
-_KV_BYTES = flags.DEFINE_float("kv_bytes", None, "Total bytes of the cold KV (or give a model "
-                               "shape: --layers, --kv_heads, --head_dim, --dtype).")
+_KV_BYTES = flags.DEFINE_float("kv_bytes", None, "Total bytes of the cold KV over all "
+                               "--requests (or give a model shape: --layers, --kv_heads, "
+                               "--head_dim, --dtype).")
 _LAYERS = flags.DEFINE_integer("layers", None, "Model layers (with --kv_heads, --head_dim).")
 _KV_HEADS = flags.DEFINE_integer("kv_heads", None, "KV heads per layer.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", None, "Head dimension.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "KV dtype.")
-_TOKENS = flags.DEFINE_integer("tokens", None, "Total cold tokens (over all requests).",
+_TOKENS = flags.DEFINE_integer("tokens", None, "Total cold tokens over all --requests.",
                                lower_bound=1)
-_REQUESTS = flags.DEFINE_integer("requests", 1, "Requests sharing the link.", lower_bound=1)
+_REQUESTS = flags.DEFINE_integer("requests", 1, "Equal requests in one step: they share the "
+                                 "link and the one device that recomputes them (the "
+                                 "recompute of all is what their total tokens cost).",
+                                 lower_bound=1)
 _CONTEXT = flags.DEFINE_integer("context_tokens", 0, "Hot tokens before the cold ones.",
                                 lower_bound=0)
 _LINK = flags.DEFINE_float("link_gb_per_s", None, "Link bandwidth, GB/s (1 GB = 1e9 bytes).")

@@ -44,24 +44,18 @@ def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed
   costs = cost_model(rng)
   inputs = random_inputs(rng, r=6, d=3, m=12, chunk_tokens=(0, 16, 48)[seed % 3])
   out = jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
-  # Rebuild the link sharing the plan derived, then search every split in Python.
+  # The link sharing and the compute the plan charged for the other requests (from its
+  # first pass) are its outputs; given them, every split must be the brute-force optimum.
   best = out.best_shard
-  uses = np.zeros((6, 4), bool)
-  for i in range(6):
-    c = out.fetch_blocks[i, best[i]]
-    uses[i] = [c[sch.HOST] + c[sch.DISK] + c[sch.REMOTE] > 0, c[sch.DISK] > 0,
-               c[sch.REMOTE] > 0, c[sch.SHARD] > 0]
+  assert (out.link_users >= 1).all() and (out.others_s >= 0).all()
   for i in range(6):
     for j in range(3):
-      share = np.ones(4)
-      for k in range(6):
-        if inputs.link_group[best[k]] == inputs.link_group[j]:
-          share += uses[k]
-      share = np.maximum(share - 1, 1)  # counts of users, at least one
+      share = out.link_users[j]
       budget = int(min(inputs.inflight_blocks[j], inputs.free_pages[j]))
       s, t = sch.brute_force(inputs.tiers[i, j], inputs.block_bytes[i, j], int(inputs.hot[i, j]),
                              int(inputs.cached_end[i, j]), int(inputs.tail_tokens[i]), budget,
-                             share, costs, inputs.page_size, inputs.chunk_tokens)
+                             share, costs, inputs.page_size, inputs.chunk_tokens,
+                             others=tuple(out.others_s[i, j]))
       assert math.isclose(out.t_pred_s[i, j], t, rel_tol=2e-5, abs_tol=1e-9), (i, j)
       # Equal cost at the chosen split (the argmin may differ only between exact ties).
       assert inputs.hot[i, j] <= out.split[i, j] <= inputs.cached_end[i, j]
@@ -147,3 +141,37 @@ def test_streaming_cost_and_window_choice():
   pick = sch.choose_window(costs, context_pages=200, device_pages=180, sink_pages=1,
                            page_bytes=1e6, compute_s=0.03)
   assert pick["window_pages"] == 169 and pick["step_s"] == pytest.approx(0.03)
+
+
+def test_requests_in_one_step_share_the_device_that_recomputes_them():
+  # A latency-bound link (20 ms, then fast) against 256 tokens of recompute (10 ms alone).
+  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(0.02, 1e12)},
+                        prefill=sch.PrefillCurve(0.0, 4e-5, 0.0))
+  m, page = 16, 16
+
+  def plan_for(r):
+    inputs = sch.PlanInputs(
+        tiers=np.full((r, 1, m), sch.HOST, np.int32),
+        block_bytes=np.full((r, 1, m), 1e6, np.float32), hot=np.zeros((r, 1), np.int32),
+        cached_end=np.full((r, 1), m, np.int32), tail_tokens=np.zeros(r, np.int32),
+        free_pages=np.full(1, m, np.int32), inflight_blocks=np.full(1, m, np.int32),
+        link_group=np.zeros(1, np.int32), valid=np.ones(r, bool), page_size=page)
+    return jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
+
+  alone, crowd = plan_for(1), plan_for(4)
+  t_alone = 256 * 4e-5
+  assert sch.DECISIONS[alone.decision[0, 0]] == "recompute"
+  assert math.isclose(alone.t_recompute_all_s[0, 0], t_alone, rel_tol=1e-5)
+  # Four at once: each request's recompute waits for the other three's (4 x 10 ms), more
+  # than the 20 ms fetch; before compute was shared, each saw 10 ms and recomputed.
+  for i in range(4):
+    assert math.isclose(crowd.others_s[i, 0, 0], 3 * t_alone, rel_tol=1e-5)
+    assert math.isclose(crowd.t_recompute_all_s[i, 0], 4 * t_alone, rel_tol=1e-5)
+    assert sch.DECISIONS[crowd.decision[i, 0]] == "fetch"
+
+
+def test_capacity_plan_charges_every_request_to_one_device():
+  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(0.0, 25e9)},
+                        prefill=sch.PrefillCurve(0.0, 20e-3 / 1000, 0.0))
+  r = sch.capacity_plan(kv_bytes=4e9, tokens=32768, costs=costs, requests=4)
+  assert math.isclose(r["t_recompute_s"], 32768 * 20e-6, rel_tol=1e-3)  # 655 ms, not 164
