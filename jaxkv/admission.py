@@ -215,14 +215,14 @@ class Admission:
     return sorted(shards, key=lambda s: (-len(found[s]), -on_device[s], load[s], s))
 
   def _wait_for_own_shard(self, found: list, order: list[int], load: list[int]) -> bool:
-    """Continuous batching: whether a request should wait for the busy shard that holds
-    more of its prefix on device than any shard with a free row (it runs there as soon as
-    a row frees, instead of copying or recomputing what that shard holds)."""
+    """Continuous batching: whether a request should wait for a busy shard that can give
+    it a longer cached prefix than any shard with a free row (its host-tier copies, say,
+    which other shards cannot reach): it runs there as soon as a row frees instead of
+    recomputing. Blocks another shard holds on device count everywhere (copied across)."""
     free = [s for s in order if load[s] < self.max_seqs_per_shard]
     if not free or load[order[0]] < self.max_seqs_per_shard:
       return False
-    on_device = lambda s: sum(t == Tier.DEVICE for t, _ in found[s])
-    return on_device(order[0]) > max(on_device(s) for s in free)
+    return len(found[order[0]]) > max(len(found[s]) for s in free)
 
   def _with_other_shards(self, found: list) -> list:
     """Extends each shard's cached prefix with blocks another shard holds on device: a
