@@ -92,7 +92,8 @@ class Executor:
 
   # ---- the plan --------------------------------------------------------------------------------
   def _plan(self, wave: list[Placement], row_of: list[int]) -> list[PlannedRow]:
-    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens)) for p in wave])
+    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
+                                  for p in wave])
     rows = []
     for p, row, s in zip(wave, row_of, splits):
       for f in p.fetches:

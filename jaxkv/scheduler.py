@@ -203,6 +203,10 @@ class PlanInputs:
   # Prefill runs in chunks of this many tokens: n tokens cost ceil(n / chunk) chunks
   # (0: no rounding). Recomputing one block can cost a whole chunk.
   chunk_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
+  # [R] int32: the data shard whose device computes the request when that is already
+  # decided (a step's plan over placed requests), -1 (or None for all) when the plan
+  # chooses it among the D candidates. Requests share compute only on one device.
+  compute_group: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -300,11 +304,14 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
                                                jnp.zeros((r, d, 2), jnp.float32))
   t_pred = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   best = jnp.argmin(t_pred, axis=1)
-  placed = ((best[:, None] == jnp.arange(d)[None, :]) & inputs.valid[:, None]).astype(
-      jnp.float32)  # [R, D]
+  group = (jnp.full((r,), -1, jnp.int32) if inputs.compute_group is None
+           else inputs.compute_group)
+  runs_on = jnp.where(group >= 0, group, best)  # [R] the device each request computes on
+  device = jnp.where(group[:, None] >= 0, group[:, None], jnp.arange(d)[None, :])  # [R, D]
   work_best = jnp.take_along_axis(work, best[:, None, None], axis=1)[:, 0]  # [R, 2]
-  per_shard = jnp.einsum("rd,rk->dk", placed, work_best)  # [D, 2]
-  others = per_shard[None] - placed[:, :, None] * work_best[:, None, :]  # [R, D, 2]
+  same = ((runs_on[None, None, :] == device[:, :, None]) & inputs.valid[None, None, :]
+          & ~jnp.eye(r, dtype=bool)[:, None, :])  # [R, D, R]: j shares i's device at d
+  others = jnp.einsum("rdj,jk->rdk", same.astype(jnp.float32), work_best)  # [R, D, 2]
   fetches = jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]  # [R, 4]
   uses = jnp.stack([fetches[:, HOST] + fetches[:, DISK] + fetches[:, REMOTE] > 0,
                     fetches[:, DISK] > 0, fetches[:, REMOTE] > 0, fetches[:, SHARD] > 0],
@@ -325,14 +332,17 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
 # ---- the only builders of PlanInputs ----------------------------------------------------------
 def build_inputs(requests: Sequence[tuple[Sequence[Sequence[int]], int]], *, num_shards: int,
                  page_size: int, page_bytes: int, chunk_tokens: int = 0,
-                 inflight_blocks: int = 0) -> PlanInputs:
+                 inflight_blocks: int = 0, devices: Sequence[int] | None = None
+                 ) -> PlanInputs:
   """Plan inputs for requests, each ``(tiers_by_shard, prompt_tokens)``: the tier of every
   cached block of its chain on each candidate shard (``Tier.DEVICE`` = hot there; blocks
   after a shard's list are cached nowhere on it). A request's cached chain ends where its
   longest list ends; the tokens after it are prefilled whatever the plan.
 
   Padded to the plan's buckets (``buckets.plan_rows``); the staging and in-flight budgets
-  are the padded block count unless ``inflight_blocks`` caps them.
+  are the padded block count unless ``inflight_blocks`` caps them. ``devices``: the data
+  shard each request computes on when placement is done (requests on one shard share its
+  compute); None when the plan chooses among the candidate shards.
   """
   r_pad = buckets.plan_rows(len(requests))
   ends = [max((len(t) for t in by_shard), default=0) for by_shard, _ in requests]
@@ -352,11 +362,13 @@ def build_inputs(requests: Sequence[tuple[Sequence[Sequence[int]], int]], *, num
       cached_end=end, tail_tokens=tail, free_pages=np.full((num_shards,), m_pad, np.int32),
       inflight_blocks=np.full((num_shards,), inflight_blocks or m_pad, np.int32),
       link_group=np.zeros((num_shards,), np.int32), valid=np.arange(r_pad) < len(requests),
-      page_size=page_size, chunk_tokens=chunk_tokens)
+      page_size=page_size, chunk_tokens=chunk_tokens,
+      compute_group=None if devices is None else np.pad(
+          np.asarray(devices, np.int32), (0, r_pad - len(requests)), constant_values=-1))
 
 
 def padding_inputs(r_pad: int, m_pad: int, num_shards: int, *, page_size: int,
-                   chunk_tokens: int = 0) -> PlanInputs:
+                   chunk_tokens: int = 0, placed: bool = False) -> PlanInputs:
   """All-padding inputs of one bucket (to compile it ahead of traffic)."""
   z = lambda *shape: np.zeros(shape, np.int32)
   return PlanInputs(
@@ -364,7 +376,8 @@ def padding_inputs(r_pad: int, m_pad: int, num_shards: int, *, page_size: int,
       block_bytes=np.zeros((r_pad, num_shards, m_pad), np.float32), hot=z(r_pad, num_shards),
       cached_end=z(r_pad, num_shards), tail_tokens=z(r_pad), free_pages=z(num_shards),
       inflight_blocks=z(num_shards), link_group=z(num_shards),
-      valid=np.zeros((r_pad,), bool), page_size=page_size, chunk_tokens=chunk_tokens)
+      valid=np.zeros((r_pad,), bool), page_size=page_size, chunk_tokens=chunk_tokens,
+      compute_group=np.full((r_pad,), -1, np.int32) if placed else None)
 
 
 class Planner:
@@ -394,10 +407,10 @@ class Planner:
       self.stats.add("calibration_s", time.perf_counter() - t0)
     return self.costs
 
-  def _run(self, requests, num_shards: int) -> Plan:
+  def _run(self, requests, num_shards: int, devices=None) -> Plan:
     inputs = build_inputs(requests, num_shards=num_shards, page_size=self.page_size,
                           page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,
-                          inflight_blocks=self.config.inflight_blocks)
+                          inflight_blocks=self.config.inflight_blocks, devices=devices)
     return plan(inputs, self.costs.arrays())
 
   def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
@@ -417,20 +430,22 @@ class Planner:
     self.stats.add("plan_s", time.perf_counter() - t0)
     return out
 
-  def splits(self, requests: list[tuple[list[Tier], int]]) -> list[int]:
-    """Split point ``s`` of each request ``(tiers of its cached blocks, prompt tokens)``:
-    blocks ``[hot, s)`` are recomputed, ``[s, end)`` fetched (``hot`` = leading DEVICE)."""
+  def splits(self, requests: list[tuple[list[Tier], int, int]]) -> list[int]:
+    """Split point ``s`` of each request ``(tiers of its cached blocks, prompt tokens, data
+    shard it runs on)``: blocks ``[hot, s)`` are recomputed, ``[s, end)`` fetched (``hot``
+    = leading DEVICE). Requests on one shard share its compute in the plan."""
     hot = [next((j for j, t in enumerate(ts) if t != Tier.DEVICE), len(ts))
-           for ts, _ in requests]
+           for ts, _, _ in requests]
     out = list(hot)
-    cold = [i for i, (ts, _) in enumerate(requests) if len(ts) > hot[i]]
+    cold = [i for i, (ts, _, _) in enumerate(requests) if len(ts) > hot[i]]
     if not cold:
       return out
     pol = self.config
     if pol.policy == "cost":
       self.ensure_costs()
       t0 = time.perf_counter()
-      result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1)
+      result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1,
+                         devices=[requests[i][2] for i in cold])
       chosen = to_host(result.split)[:len(cold), 0]
       self.stats.add("plan_s", time.perf_counter() - t0)
     for k, i in enumerate(cold):
@@ -455,14 +470,15 @@ class Planner:
     self.ensure_costs()
     ms = sorted({buckets.plan_rows(m) for m in block_counts})
     arrays = self.costs.arrays()
-    pad = lambda r, m, d: jax.block_until_ready(plan(padding_inputs(
-        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens), arrays))
+    pad = lambda r, m, d, placed: jax.block_until_ready(plan(padding_inputs(
+        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens, placed=placed),
+        arrays))
     for m in ms:
-      pad(buckets.MIN_PLAN_ROWS, m, self.num_shards)
+      pad(buckets.MIN_PLAN_ROWS, m, self.num_shards, False)
     r = buckets.MIN_PLAN_ROWS
     while True:
       for m in ms:
-        pad(r, m, 1)
+        pad(r, m, 1, True)
       if r >= max_requests:
         break
       r *= 2

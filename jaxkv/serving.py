@@ -172,7 +172,8 @@ class ContinuousBatcher:
     self.waiting.extendleft(reversed(ordinary))
     if not placed:
       return
-    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens)) for p in placed])
+    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
+                                  for p in placed])
     group: list[_Seq] = []
     page = self.cache.config.page_size
     for p, s in zip(placed, splits):

@@ -105,7 +105,7 @@ def test_plan_inputs_for_a_step_and_for_placement():
 
 def test_planner_policies_choose_split_points():
   D, H = Tier.DEVICE, Tier.HOST
-  reqs = [([D, H, H, H, H], 100), ([D, D], 40), ([H] * 20, 400)]
+  reqs = [([D, H, H, H, H], 100, 0), ([D, D], 40, 1), ([H] * 20, 400, 0)]
 
   def splits(**kw):
     stats = Stats()

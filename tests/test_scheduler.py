@@ -175,3 +175,18 @@ def test_capacity_plan_charges_every_request_to_one_device():
                         prefill=sch.PrefillCurve(0.0, 20e-3 / 1000, 0.0))
   r = sch.capacity_plan(kv_bytes=4e9, tokens=32768, costs=costs, requests=4)
   assert math.isclose(r["t_recompute_s"], 32768 * 20e-6, rel_tol=1e-3)  # 655 ms, not 164
+
+
+def test_placed_requests_share_compute_only_with_their_own_device():
+  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(0.02, 1e12)},
+                        prefill=sch.PrefillCurve(0.0, 4e-5, 0.0))
+  from jaxkv.index import Tier
+  reqs = [([[Tier.HOST] * 16], 300)] * 3
+  for devices, shared in (([0, 1, 2], 0.0), ([1, 1, 1], 2 * 16 * 16 * 4e-5)):
+    inputs = sch.build_inputs(reqs, num_shards=1, page_size=16, page_bytes=1e6,
+                              devices=devices)
+    out = jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
+    for i in range(3):  # alone on its device: recompute (10 ms) beats the 20 ms fetch
+      assert math.isclose(out.others_s[i, 0, 0], shared, rel_tol=1e-4, abs_tol=1e-9)
+      want = "recompute" if not shared else "fetch"
+      assert sch.DECISIONS[out.decision[i, 0]] == want, (devices, i)
