@@ -36,7 +36,9 @@ def _median_time(fn, reps: int) -> float:
 def _line(points: list[tuple[float, float]]) -> LinkCost:
   """Latency and bandwidth of ``t = latency + bytes / bandwidth`` through two points."""
   (b0, t0), (b1, t1) = points
-  slope = max((t1 - t0) / (b1 - b0), 1e-15)
+  slope = (t1 - t0) / (b1 - b0)
+  if slope <= 0:  # noise hid the bytes' cost: take the larger transfer's average rate
+    return LinkCost(latency_s=0.0, bytes_per_s=b1 / max(t1, 1e-9))
   return LinkCost(latency_s=max(t0 - slope * b0, 0.0), bytes_per_s=1.0 / slope)
 
 

@@ -190,3 +190,11 @@ def test_placed_requests_share_compute_only_with_their_own_device():
       assert math.isclose(out.others_s[i, 0, 0], shared, rel_tol=1e-4, abs_tol=1e-9)
       want = "recompute" if not shared else "fetch"
       assert sch.DECISIONS[out.decision[i, 0]] == want, (devices, i)
+
+
+def test_a_noisy_calibration_never_reports_an_infinite_link():
+  from jaxkv import calibration
+  link = calibration._line([(1e6, 0.004), (8e6, 0.003)])  # the larger copy measured faster
+  assert link.bytes_per_s == pytest.approx(8e6 / 0.003) and link.latency_s == 0.0
+  link = calibration._line([(1e6, 0.002), (8e6, 0.009)])
+  assert link.bytes_per_s == pytest.approx(1e9) and link.latency_s == pytest.approx(0.001)
