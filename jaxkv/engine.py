@@ -129,7 +129,7 @@ class Engine:
 
   def _generate_continuous(self, prompts, sampling, tenant, return_logits: bool):
     requests = self._validate(prompts, sampling, tenant)
-    handles = [self._batcher.add(r, want_logits=return_logits) for r in requests]
+    handles = [self._batcher.add(r, self.step, want_logits=return_logits) for r in requests]
     while not all(h.finished for h in handles):
       self.step()
     outputs = [list(h.tokens) for h in handles]
@@ -152,7 +152,7 @@ class Engine:
     ``on_token(token)`` is called for each token as it is generated; iterating over the
     handle yields them too (running steps as needed)."""
     request, = self._validate([prompt], sampling, tenant)
-    return self._batcher.add(request, on_token=on_token)
+    return self._batcher.add(request, self.step, on_token=on_token)
 
   def step(self) -> list[StepOutput]:
     """One iteration over every running request: admits waiting ones that fit, advances

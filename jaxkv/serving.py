@@ -114,9 +114,8 @@ class ContinuousBatcher:
     self.admission, self.executor, self.streamer = admission, executor, streamer
     self.prefix_reuse, self.cache_decode_blocks = prefix_reuse, cache_decode_blocks
     self.stats = cache.stats
-    self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)
+    self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)  # slots, for capacity
     self.max_seqs_per_shard = max_seqs_per_shard
-    self.num_rows = cache.num_shards * self.rows_per_shard
     self.waiting: collections.deque = collections.deque()  # Requests not yet placed
     self.handles: dict[int, RequestHandle] = {}
     self.submitted_at: dict[int, float] = {}
@@ -124,8 +123,10 @@ class ContinuousBatcher:
     self.groups: list[tuple[list, object]] = []  # (sequences, pending fetches) unverified
 
   # ---- the queue -------------------------------------------------------------------------------
-  def add(self, request: Request, on_token=None, want_logits: bool = False) -> RequestHandle:
-    handle = RequestHandle(request, self.step, on_token)
+  def add(self, request: Request, step: Callable[[], object], on_token=None,
+          want_logits: bool = False) -> RequestHandle:
+    """Queues ``request``; its handle runs ``step`` (the engine's) when iterated."""
+    handle = RequestHandle(request, step, on_token)
     if want_logits:
       handle.logits = []
     self.handles[request.index] = handle
