@@ -79,13 +79,13 @@ class Engine:
   @stream.setter
   def stream(self, stream: StreamConfig | None) -> None:
     _check_stream(stream, self.cache, self.config)
+    if getattr(self, "_batcher", None) is not None and self._batcher.has_work():
+      raise ValueError("cannot change the stream config while requests are running; finish "
+                       "them first (Engine.step until has_unfinished() is False).")
     self._stream = stream
     self.admission.stream = stream
     self._streamer = (None if stream is None else StreamRunner(
         self.cache, self.runner, stream, prefill_chunk_pages=self.config.prefill_chunk_pages))
-    if getattr(self, "_batcher", None) is not None and self._batcher.has_work():
-      raise ValueError("cannot change the stream config while requests are running; finish "
-                       "them first (Engine.step until has_unfinished() is False).")
     c = self.config
     self._batcher = ContinuousBatcher(
         self.cache, self.runner, self.planner, self.admission, self.executor,
