@@ -97,7 +97,6 @@ class _Seq:
   row: int
   split: int
   fetches: tuple
-  group: list  # the sequences admitted with it (their fetches were issued together)
   spans: collections.deque  # prefill spans [a, b) still to run, in order
   t_submit: float
   hit: int = -1  # known once its fetches were verified
@@ -183,8 +182,7 @@ class ContinuousBatcher:
           self.cache.mover.release_pin(f)
       row = free[p.shard].pop(0)
       seq = _Seq(handle=self.handles[p.request.index], placement=p, row=row, split=s,
-                 fetches=tuple(f for f in p.fetches if f.block >= s), group=group,
-                 spans=collections.deque(), t_submit=self.submitted_at.pop(p.request.index))
+                 fetches=tuple(f for f in p.fetches if f.block >= s), spans=collections.deque(), t_submit=self.submitted_at.pop(p.request.index))
       if s > p.hot_blocks:
         seq.spans.append((p.hot_blocks * page, s * page))
       group.append(seq)
