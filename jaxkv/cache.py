@@ -78,7 +78,8 @@ class KVCache:
                            num_shards=self.num_shards, payload_shape=self.payload_shape,
                            host=self.host, disk=self.disk, remote=self.remote,
                            stats=self.stats)
-    self._page_state = None  # the pools, as the nnx.State of the model's KVPages
+    self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
+    self.pool_def = None  # their tree structure
     self._pins: dict = {}
     self._row_shardings: dict = {}
 
@@ -104,28 +105,31 @@ class KVCache:
     """Allocates the device pools inside ``model``'s ``PagedKV`` layers and takes them
     over. Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
     kvnnx.init_pages(model, self.config, self.mesh)
-    graphdef, self._page_state, rest = nnx.split(model, kvnnx.KVPages, ...)
+    graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
+    self._pools, self.pool_def = jax.tree.flatten(state)
     return graphdef, rest
+
+  def _check_attached(self) -> None:
+    if self._pools is None:
+      raise ValueError("the cache has no device pools yet: attach(model) allocates them "
+                       "(jaxkv.Engine does this when it is built).")
 
   @property
   def page_state(self):
-    """The pools as the ``nnx.State`` a jitted step takes (donated) and returns."""
-    if self._page_state is None:
-      raise ValueError("the cache has no device pools yet: attach(model) allocates them "
-                       "(jaxkv.Engine does this when it is built).")
-    return self._page_state
-
-  @page_state.setter
-  def page_state(self, state) -> None:
-    self._page_state = state
+    """The pools as the ``nnx.State`` of the model's ``KVPages``."""
+    self._check_attached()
+    return jax.tree.unflatten(self.pool_def, self._pools)
 
   @property
   def pools(self) -> list[jax.Array]:
-    """The device pools, K and V of every layer (the order the tiers' stacks use)."""
-    return jax.tree.leaves(self.page_state)
+    """The device pools, K and V of every layer (the order the tiers' stacks use; a
+    jitted step takes them flat, donated, and returns them)."""
+    self._check_attached()
+    return self._pools
 
   def set_pools(self, pools) -> None:
-    self._page_state = jax.tree.unflatten(jax.tree.structure(self.page_state), list(pools))
+    self._check_attached()
+    self._pools = list(pools)
 
   def pools_alive(self) -> bool:
     return not any(x.is_deleted() for x in self.pools)
@@ -135,8 +139,7 @@ class KVCache:
     index forgets every unreferenced device block and the pools start again from zeros."""
     for s in range(self.num_shards):
       self.index.evict_all_unreferenced(s)
-    self._page_state = jax.tree.map(lambda _: pages_lib.zeros_pool(self.mesh, self.config),
-                                    self.page_state)
+    self._pools = [pages_lib.zeros_pool(self.mesh, self.config) for _ in self._pools]
 
   def put_rows(self, x: np.ndarray) -> jax.Array:
     """A host array whose leading axis is split over the data shards, on device."""

@@ -45,18 +45,22 @@ def _stream_key(stream):
 class _Steps:
   """The jitted prefill and decode steps of one model structure on one mesh."""
 
-  def __init__(self, graphdef, mesh, config):
+  def __init__(self, graphdef, pool_def, weight_def, mesh, config):
     self.graphdef, self.mesh, self.config = graphdef, mesh, config
+    self.pool_def, self.weight_def = pool_def, weight_def
     self.trace_counts: collections.Counter = collections.Counter()
     self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
     self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
 
-  def _forward(self, pages, rest, tokens, page_table, positions, kv_lens, stream=None):
-    model = nnx.merge(self.graphdef, pages, rest)
+  def _forward(self, pools, weights, tokens, page_table, positions, kv_lens, stream=None):
+    # The pools and weights travel flat (a list of arrays flattens at no cost on every
+    # call; an nnx.State does not) and are put back in their trees here, at trace time.
+    model = nnx.merge(self.graphdef, jax.tree.unflatten(self.pool_def, pools),
+                      jax.tree.unflatten(self.weight_def, weights))
     batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
                             mesh=self.mesh, config=self.config, stream=stream)
     logits = model(tokens, batch)
-    return logits, nnx.state(model, kvnnx.KVPages)
+    return logits, jax.tree.leaves(nnx.state(model, kvnnx.KVPages))
 
   def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
                     select_idx, select_mask, sampling, stream=None):
@@ -73,7 +77,11 @@ class _Steps:
     logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
                                   stream)
     selected = logits[:, 0]
-    return pages, sampling_lib.next_tokens(selected, sampling, positions[:, 0] + 1), selected
+    live = positions >= 0  # the next step's inputs, so a steady batch needs no host arrays
+    advanced = (jnp.where(live, positions + 1, positions),
+                kv_lens + live[:, 0].astype(jnp.int32))
+    return (pages, sampling_lib.next_tokens(selected, sampling, positions[:, 0] + 1), selected,
+            advanced)
 
   def vocab_size(self, pages, rest, num_rows: int) -> int:
     """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
@@ -87,8 +95,8 @@ class _Steps:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_steps(graphdef, mesh, config) -> _Steps:
-  return _Steps(graphdef, mesh, config)
+def _compiled_steps(graphdef, pool_def, weight_def, mesh, config) -> _Steps:
+  return _Steps(graphdef, pool_def, weight_def, mesh, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +124,11 @@ class ModelRunner:
     self.cache = cache
     self.mesh, self.config = cache.mesh, cache.config
     graphdef, rest = cache.attach(model)
-    self.weights = jax.device_put(rest, NamedSharding(self.mesh, P()))  # replicated
-    self.steps = _compiled_steps(graphdef, self.mesh, self.config)
+    self.weights, weight_def = jax.tree.flatten(
+        jax.device_put(rest, NamedSharding(self.mesh, P())))  # replicated, flat
+    self.steps = _compiled_steps(graphdef, cache.pool_def, weight_def, self.mesh, self.config)
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
-    self.vocab_size = self.steps.vocab_size(cache.page_state, self.weights, cache.num_shards)
+    self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
 
   @property
@@ -175,21 +184,23 @@ class ModelRunner:
     prompt ended here hold their first generated token. ``count=False``: not served work
     (warm-up, calibration), not counted in stats."""
     pages, carry, selected = self.steps.prefill(
-        self.cache.page_state, self.weights, batch.tokens, carry, table, batch.positions,
+        self.cache.pools, self.weights, batch.tokens, carry, table, batch.positions,
         batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream)
-    self.cache.page_state = pages
+    self.cache.set_pools(pages)
     self.cache.stats.add("prefill_steps", int(count))
     return carry, selected
 
   def decode(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
              count: bool = True):
-    """One decode step: feeds ``carry`` (each row's last token); returns the next ones."""
-    pages, carry, selected = self.steps.decode(
-        self.cache.page_state, self.weights, carry, table, batch.positions, batch.kv_lens,
+    """One decode step: feeds ``carry`` (each row's last token). Returns ``(next tokens,
+    selected logits, the next step's batch)``: the same rows one position further, on
+    device (a batch whose rows do not change needs nothing from the host)."""
+    pages, carry, selected, (positions, kv_lens) = self.steps.decode(
+        self.cache.pools, self.weights, carry, table, batch.positions, batch.kv_lens,
         batch.sampling, stream)
-    self.cache.page_state = pages
+    self.cache.set_pools(pages)
     self.cache.stats.add("decode_steps", int(count))
-    return carry, selected
+    return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
 
   def prefill_spans(self, spans: Sequence[tuple[int, np.ndarray, int, int]], carry, num_rows: int,
                     table, *, on_first_token: Callable | None = None,
@@ -241,7 +252,8 @@ class ModelRunner:
       live = [(row, length + step - 1) for row, length, _, _ in rows if step < count[row]]
       if not live:
         break
-      carry, selected = self.decode(self.decode_batch(live, num_rows, sampling), table, carry)
+      carry, selected, _ = self.decode(self.decode_batch(live, num_rows, sampling), table,
+                                       carry)
       produced.append(carry)
       if want_logits:
         logits.append(to_host(selected))

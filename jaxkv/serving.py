@@ -11,13 +11,21 @@ yields its first token. From then on it decodes one token per step until it has
 (write-through copies them down), its pages are released, and its row takes the next
 request at the following step.
 
+A request whose prompt shares blocks that a running sequence is computing right now (or
+that one ahead of it in the queue will compute), cached nowhere yet, waits until that
+sequence publishes them and then reuses them: a shared new document is prefilled once.
+
 A step is at most two jitted calls, each over compact rows (a power of two per shard, as
-many as the busiest shard needs): the decode step for the decoding sequences, each fed
-its last token (kept on host, read back every step), and the prefill step for one chunk
-of each prefilling sequence. Shapes are the static engine's: rows and page-table widths
-come from ``buckets``, prefill chunks are block-aligned, so a block's KV is the same
-whether it was computed here, in a wave, or reused, and arrivals never trigger a compile
-beyond the warmed buckets.
+many as the busiest shard needs): the decode step for the decoding sequences and the
+prefill step for one chunk of each prefilling sequence. The decode step's inputs stay on
+device while the set of decoding sequences is unchanged: it returns the next step's
+positions and lengths, its tokens feed the next step directly, and only the tokens are
+read back (every step: stops and streaming need them). A sequence joining or leaving
+rebuilds the rows from the host's copy (each row's last token and position).
+
+Shapes are the static engine's: rows and page-table widths come from ``buckets``, prefill
+chunks are block-aligned, so a block's KV is the same whether it was computed here, in a
+wave, or reused, and arrivals never trigger a compile beyond the warmed buckets.
 
 A sequence longer than a device pool (``StreamConfig``) runs alone: new admissions pause
 until the running sequences have left, then it runs to its end in one step.
@@ -120,6 +128,10 @@ class ContinuousBatcher:
     self.submitted_at: dict[int, float] = {}
     self.running: dict[int, _Seq] = {}  # by row
     self.groups: list[tuple[list, object]] = []  # (sequences, pending fetches) unverified
+    # The decoding rows as the last decode step left them on device: (which sequence in
+    # which row, rows, table, next batch, next carry). Reused while the set is unchanged.
+    self._resident = None
+    self._held_once: set[int] = set()  # requests counted in stats' shared_prefix_waits
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, request: Request, step: Callable[[], object], on_token=None,
@@ -168,8 +180,11 @@ class ContinuousBatcher:
       return
     free = self._free_rows()
     running = [self.max_seqs_per_shard - len(f) for f in free]
-    placed = self.admission.admit(ordinary, running=running) if any(free) else []
-    self.waiting.extendleft(reversed(ordinary))
+    held = self._held_for_shared_prefix(ordinary)
+    candidates = collections.deque(r for r in ordinary if r.index not in held)
+    placed = self.admission.admit(candidates, running=running) if any(free) else []
+    left = held | {r.index for r in candidates}
+    self.waiting.extendleft(reversed([r for r in ordinary if r.index in left]))
     if not placed:
       return
     splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
@@ -177,12 +192,14 @@ class ContinuousBatcher:
     group: list[_Seq] = []
     page = self.cache.config.page_size
     for p, s in zip(placed, splits):
+      self._held_once.discard(p.request.index)
       for f in p.fetches:
         if f.block < s:  # cached below, but recomputing it is the plan
           self.cache.mover.release_pin(f)
       row = free[p.shard].pop(0)
       seq = _Seq(handle=self.handles[p.request.index], placement=p, row=row, split=s,
-                 fetches=tuple(f for f in p.fetches if f.block >= s), spans=collections.deque(), t_submit=self.submitted_at.pop(p.request.index))
+                 fetches=tuple(f for f in p.fetches if f.block >= s),
+                 spans=collections.deque(), t_submit=self.submitted_at.pop(p.request.index))
       if s > p.hot_blocks:
         seq.spans.append((p.hot_blocks * page, s * page))
       group.append(seq)
@@ -193,6 +210,33 @@ class ContinuousBatcher:
       pools, pending = self.cache.mover.start_promote(self.cache.pools, fetches)
       self.cache.set_pools(pools)
     self.groups.append((group, pending))
+
+  def _held_for_shared_prefix(self, queue) -> set[int]:
+    """Requests that wait this step because blocks of their prompt are being computed by
+    a running sequence (or will be, by one ahead of them in the queue) and are cached
+    nowhere yet: once that sequence publishes its prompt they reuse the blocks instead
+    of computing them a second time. Block keys are chained, so sharing block ``j``
+    means sharing the whole prefix up to it."""
+    if not self.prefix_reuse:
+      return set()
+    computing = set()
+    for s in self.running.values():
+      if not s.decoding:
+        computing.update(s.placement.request.keys)
+    index, held = self.cache.index, set()
+    for req in queue:
+      shared = 0
+      while shared < len(req.keys) and req.keys[shared] in computing:
+        shared += 1
+      if shared and max(len(index.locate(s, req.keys[:shared]))
+                        for s in range(self.cache.num_shards)) < shared:
+        held.add(req.index)
+        if req.index not in self._held_once:
+          self._held_once.add(req.index)
+          self.stats.add("shared_prefix_waits")
+      else:  # it computes its own blocks: requests behind it may wait for them
+        computing.update(req.keys)
+    return held
 
   def _settle_groups(self) -> None:
     """Verifies the fetches of groups whose planned recompute has been dispatched, and
@@ -247,14 +291,20 @@ class ContinuousBatcher:
     decoding = [s for s in self.running.values() if s.decoding]
     prefilling = [s for s in self.running.values() if not s.decoding and s.spans]
     dispatched = []  # (sequences, their rows, carry out, selected logits)
-    if decoding:  # each row feeds its last token (known on host: no merge on device)
-      num_rows, row, table, sampling = self._layout(decoding)
-      carry = np.zeros((num_rows,), np.int32)
-      for s in decoding:
-        carry[row[id(s)]] = s.handle.tokens[-1]
-      batch = self.runner.decode_batch([(row[id(s)], s.pos) for s in decoding], num_rows,
-                                       sampling)
-      out, sel = self.runner.decode(batch, table, self.cache.put_rows(carry))
+    if decoding:
+      key = tuple(s.handle.id for s in decoding)
+      if self._resident is not None and self._resident[0] == key:
+        _, row, table, batch, carry = self._resident  # last step's outputs, on device
+      else:  # each row feeds its last token (known on host)
+        num_rows, row, table, sampling = self._layout(decoding)
+        carry = np.zeros((num_rows,), np.int32)
+        for s in decoding:
+          carry[row[id(s)]] = s.handle.tokens[-1]
+        batch = self.runner.decode_batch([(row[id(s)], s.pos) for s in decoding], num_rows,
+                                         sampling)
+        carry = self.cache.put_rows(carry)
+      out, sel, batch = self.runner.decode(batch, table, carry)
+      self._resident = (key, row, table, batch, out)
       dispatched.append((decoding, row, out, sel))
     finishing = []
     if prefilling:
@@ -353,11 +403,13 @@ class ContinuousBatcher:
         handle.finished, handle.finish_reason = True, "error"
     self.waiting.clear()
     self.submitted_at.clear()
+    self._held_once.clear()
     for group, pending in self.groups:
       if pending is not None:
         for f in pending[0]:
           self.cache.mover.release_pin(f)
     self.groups = []
+    self._resident = None
     for s in list(self.running.values()):
       self.cache.index.release(s.placement.shard, s.placement.pages)
       s.handle.finished, s.handle.finish_reason = True, "error"

@@ -28,6 +28,8 @@ COUNTERS = {
     "decode_steps": "decode steps run",
     "waves": "batches of requests admitted together (static batching)",
     "steps": "iterations of continuous batching",
+    "shared_prefix_waits": "requests that waited for a running request's blocks of their "
+                           "prompt instead of computing them again",
     "verify_failures": "lower-tier blocks whose bytes failed verification",
     "read_timeouts": "lower-tier reads that missed their deadline",
     "disk_write_failures": "disk writes that failed (never published)",

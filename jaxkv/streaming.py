@@ -92,7 +92,7 @@ class StreamRunner:
         pos = len(r.tokens) + step - 1
         self._make_room(state, pos // page, pos // page + 1)
         table, stream = self._stage_and_batch(state, width)
-        carry, selected = self.runner.decode(
+        carry, selected, _ = self.runner.decode(
             self.runner.decode_batch([(shard, pos)], shards, sampling), table, carry, stream)
         self._unstage(state)
         produced.append(carry)

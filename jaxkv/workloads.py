@@ -6,6 +6,12 @@ of the seed: two runs with the same seed and the same answers see the same promp
 Every workload has ``rounds``, ``max_new_tokens``, ``max_seq_len()``, ``prompts(round)``
 and ``record(round, answers)``: multi-turn chat, RAG over shared documents in varying
 order, an agent loop with a growing context, or a JSONL trace.
+
+For online load (``jaxkv.online``) a workload is also a set of ``users`` who each send
+their rounds in order, one request at a time: ``user_request(user, round)`` gives the
+prompt and its ``SamplingParams``, ``user_record(user, round, answer)`` learns the answer
+(a chat user's next prompt builds on it). ``arrivals()`` gives fixed first-arrival times
+(a trace that carries them) or None.
 """
 
 from __future__ import annotations
@@ -13,6 +19,41 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jaxkv.config import SamplingParams
+
+
+class Workload:
+  """What every workload shares: per-request sampling and the per-user (online) view.
+
+  Subclasses define ``prompts(round)``, ``record(round, answers)``, ``rounds``,
+  ``max_new_tokens``, ``users``, and ``_user_prompt``/``_user_answer`` for the online
+  view (the defaults suit workloads whose prompts do not build on answers)."""
+
+  def sampling(self, turn: int):
+    """What ``Engine.generate`` takes as its second argument for round ``turn``."""
+    del turn
+    return self.max_new_tokens
+
+  @property
+  def turns_per_user(self) -> int:
+    """Requests each user sends online, one after another."""
+    return self.rounds
+
+  def user_request(self, user: int, turn: int) -> tuple[list[int], SamplingParams]:
+    if not 0 <= user < self.users or not 0 <= turn < self.rounds:
+      raise ValueError(f"user {user}, round {turn}: this workload has {self.users} users "
+                       f"and {self.rounds} rounds.")
+    return self._user_prompt(user, turn), SamplingParams(max_new_tokens=self.max_new_tokens)
+
+  def _user_prompt(self, user: int, turn: int) -> list[int]:
+    return self.prompts(turn)[user]
+
+  def user_record(self, user: int, turn: int, answer) -> None:
+    del user, turn, answer
+
+  def arrivals(self) -> list[float] | None:
+    return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,12 +91,13 @@ class ChatSpec:
             + self.turns * (self.user_tokens[1] + self.max_new_tokens))
 
 
-class Chat:
+class Chat(Workload):
   """Drives a ``ChatSpec``: ``prompts(turn)``, then ``record(turn, answers)``."""
 
   def __init__(self, spec: ChatSpec):
     self.spec = spec
     self.rounds = spec.turns
+    self.users = spec.users
     self.max_new_tokens = spec.max_new_tokens
     system = self._tokens(-1, -1, spec.system_prompt_tokens)
     self.history = [list(system) for _ in range(spec.users)]
@@ -85,6 +127,12 @@ class Chat:
     self.history = [p + list(a) for p, a in zip(prompts, answers)]
     self._next_turn += 1
 
+  def _user_prompt(self, user: int, turn: int) -> list[int]:
+    return self.history[user] + self._message(user, turn)
+
+  def user_record(self, user: int, turn: int, answer) -> None:
+    self.history[user] = self._user_prompt(user, turn) + list(answer)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RagSpec:
@@ -108,7 +156,7 @@ class RagSpec:
             + self.question_tokens[1] + self.max_new_tokens)
 
 
-class Rag:
+class Rag(Workload):
   """Drives a ``RagSpec``."""
 
   def __init__(self, spec: RagSpec):
@@ -121,6 +169,7 @@ class Rag:
     self.docs = [rng.integers(1, spec.vocab_size, spec.doc_tokens).tolist()
                  for _ in range(spec.num_docs)]
     self.rounds = spec.rounds
+    self.users = spec.requests
     self.max_new_tokens = spec.max_new_tokens
 
   def max_seq_len(self) -> int:
@@ -159,7 +208,7 @@ class AgentSpec:
             + self.steps * (self.tool_tokens[1] + self.max_new_tokens))
 
 
-class Agent:
+class Agent(Workload):
   """Drives an ``AgentSpec``."""
 
   def __init__(self, spec: AgentSpec):
@@ -168,6 +217,7 @@ class Agent:
     system = rng.integers(1, spec.vocab_size, spec.system_prompt_tokens).tolist()
     self.context = [list(system) for _ in range(spec.agents)]
     self.rounds = spec.steps
+    self.users = spec.agents
     self.max_new_tokens = spec.max_new_tokens
 
   def max_seq_len(self) -> int:
@@ -184,17 +234,30 @@ class Agent:
   def record(self, step: int, answers) -> None:
     self.context = [p + list(a) for p, a in zip(self.prompts(step), answers)]
 
+  def _user_prompt(self, user: int, turn: int) -> list[int]:
+    return self.context[user] + self._tool(user, turn)
 
-class Trace:
-  """Requests from a JSONL file, one object per line: ``{"round": 0, "prompt": [1, 2, 3],
-  "max_new_tokens": 16}`` (``tenant`` optional). Rounds run in order."""
+  def user_record(self, user: int, turn: int, answer) -> None:
+    self.context[user] = self._user_prompt(user, turn) + list(answer)
+
+
+class Trace(Workload):
+  """Requests from a JSONL file, one object per line: ``{"prompt": [1, 2, 3]}`` with
+  optional ``"round"`` (default 0; rounds run in order), ``"max_new_tokens"`` (default 16),
+  ``"stop_token_ids"`` (ids that end the answer) and ``"arrival_s"`` (seconds from the
+  start: online runs submit the request then; give it on every line or on none).
+  Online, each line is one user with one request."""
+
+  _FORMAT = ('each line needs {"prompt": [token ids]} and may have "round": int, '
+             '"max_new_tokens": int, "stop_token_ids": [ids], "arrival_s": seconds')
 
   def __init__(self, path: str, vocab_size: int):
     import json
+    import math
     import os
     if not os.path.isfile(path):
       raise ValueError(f"trace file {path!r} does not exist; give a JSONL file of requests.")
-    by_round: dict = {}
+    self._requests = []  # (round, prompt, SamplingParams, arrival or None), file order
     with open(path) as f:
       for n, line in enumerate(f, 1):
         if not line.strip():
@@ -202,29 +265,60 @@ class Trace:
         try:
           obj = json.loads(line)
           prompt = [int(t) for t in obj["prompt"]]
-          by_round.setdefault(int(obj.get("round", 0)), []).append(
-              (prompt, int(obj.get("max_new_tokens", 16))))
+          sp = SamplingParams(max_new_tokens=int(obj.get("max_new_tokens", 16)),
+                              stop_token_ids=tuple(int(t) for t in obj.get("stop_token_ids", ())))
+          arrival = obj.get("arrival_s")
+          if arrival is not None:
+            arrival = float(arrival)
+            if not math.isfinite(arrival) or arrival < 0:
+              raise ValueError(f"arrival_s={arrival} must be a finite number >= 0")
+          self._requests.append((int(obj.get("round", 0)), prompt, sp, arrival))
         except (ValueError, KeyError, TypeError) as e:
-          raise ValueError(f"trace file {path!r} line {n} is not a request ({e}); each line "
-                           'needs {"prompt": [token ids], "round": int, "max_new_tokens": int}.'
-                           ) from None
-        if any(not 0 <= t < vocab_size for t in prompt):
+          raise ValueError(f"trace file {path!r} line {n} is not a request ({e}); "
+                           f"{self._FORMAT}.") from None
+        if any(not 0 <= t < vocab_size for t in prompt + list(sp.stop_token_ids)):
           raise ValueError(f"trace file {path!r} line {n} has token ids outside [0, "
                            f"{vocab_size}).")
-    if not by_round:
+    if not self._requests:
       raise ValueError(f"trace file {path!r} holds no requests.")
+    timed = sum(r[3] is not None for r in self._requests)
+    if timed not in (0, len(self._requests)):
+      raise ValueError(f"trace file {path!r} gives arrival_s on {timed} of "
+                       f"{len(self._requests)} lines; give it on every line or on none.")
+    by_round: dict = {}
+    for r in self._requests:
+      by_round.setdefault(r[0], []).append(r)
     self._rounds = [by_round[r] for r in sorted(by_round)]
     self.rounds = len(self._rounds)
-    self.max_new_tokens = max(m for r in self._rounds for _, m in r)
+    self.users = len(self._requests)
+    self.max_new_tokens = max(r[2].max_new_tokens for r in self._requests)
+
+  @property
+  def turns_per_user(self) -> int:
+    return 1
 
   def prompts(self, turn: int) -> list[list[int]]:
-    return [p for p, _ in self._rounds[turn]]
+    return [r[1] for r in self._rounds[turn]]
+
+  def sampling(self, turn: int) -> list[SamplingParams]:
+    return [r[2] for r in self._rounds[turn]]
 
   def record(self, turn: int, answers) -> None:
     del turn, answers
 
+  def user_request(self, user: int, turn: int) -> tuple[list[int], SamplingParams]:
+    if not 0 <= user < self.users or turn != 0:
+      raise ValueError(f"user {user}, round {turn}: this trace has {self.users} requests, "
+                       "one round each online.")
+    return self._requests[user][1], self._requests[user][2]
+
+  def arrivals(self) -> list[float] | None:
+    if self._requests[0][3] is None:
+      return None
+    return [r[3] for r in self._requests]
+
   def max_seq_len(self) -> int:
-    return max(len(p) + m for r in self._rounds for p, m in r)
+    return max(len(r[1]) + r[2].max_new_tokens for r in self._requests)
 
 
 def from_config(w, vocab_size: int, seed: int):

@@ -9,7 +9,8 @@ restart (restoring a checkpoint against recomputing the same prefixes; warm vs c
 engine (no cache vs device-only LRU vs jaxkv with tiers, a quarter of the working set on device);
 stream (decoding a context 4x the device budget, streamed from host, against all on device);
 remote (blocks pulled from another job against loopback TCP and against recomputing);
-load (Poisson arrivals under, near and over saturation: continuous batching vs waves vs no cache).
+load (Poisson arrivals under, near and over saturation: continuous batching vs waves vs no cache);
+overhead (one device: jaxkv's steps against a plain dense-KV loop written in the bench).
 """
 
 import time
@@ -18,7 +19,7 @@ from absl import flags
 
 import _common
 
-SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load")
+SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -68,6 +69,9 @@ def main(argv):
   elif _SUITE.value == "load":
     from jaxkv.bench import load
     result = load.run(quick=_QUICK.value)
+  elif _SUITE.value == "overhead":
+    from jaxkv.bench import overhead
+    result = overhead.run(quick=_QUICK.value)
   else:
     from jaxkv.bench import remote
     result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -3,9 +3,14 @@
   python launch/serve.py                               # configs/cpu_tiny.py, both policies
   python launch/serve.py --policy=nocache --nocompare  # the no-cache baseline alone
   python launch/serve.py --json_out=/tmp/serve.json
+  python launch/serve.py --request_rate=4              # online: users arrive over time
 
-Each turn runs the chosen policy and, unless --nocompare, the other one right after it
-on the same prompts (interleaved, so both see the same machine noise).
+By default the workload runs in rounds: each round's requests are generated together, by
+the chosen policy and, unless --nocompare, by the other one right after it on the same
+prompts (interleaved, so both see the same machine noise). With --request_rate, users
+arrive by a Poisson process and each sends its next request a think time after its
+previous answer (jaxkv.online); each policy runs the same arrivals in turn, and the
+summary adds time per output token and end-to-end latency.
 """
 
 import os
@@ -43,6 +48,11 @@ _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the counters as a
                                    "text exposition file.")
 _DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in blocks, with "
                                    "--disk_dir.", lower_bound=1)
+_RATE = flags.DEFINE_float("request_rate", 0.0, "Online load: users arriving per second "
+                           "(Poisson); 0 = run the workload in rounds. A trace whose lines "
+                           "carry arrival_s arrives at those times.", lower_bound=0.0)
+_THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (exponential) "
+                            "between a user's answer and its next request.", lower_bound=0.0)
 
 
 def main(argv):
@@ -66,7 +76,12 @@ def main(argv):
     with cfg.unlocked():
       cfg.workload.kind = "trace"
       cfg.workload.trace.path = _TRACE.value
-  work = workloads.from_config(cfg.workload, cfg.model.vocab_size, cfg.seed)
+  make_work = lambda: workloads.from_config(cfg.workload, cfg.model.vocab_size, cfg.seed)
+  work = make_work()
+  online = bool(_RATE.value) or work.arrivals() is not None  # a trace with arrival times
+  if online and multi:
+    raise ValueError("--request_rate runs on one process (arrivals follow one clock); "
+                     "drop it or run without launch/multihost.py.")
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
   engines[policies[0]].warmup(max_seq_len=work.max_seq_len())
@@ -86,25 +101,11 @@ def main(argv):
   print(f"compiled in {time.perf_counter() - t0:.1f} s; workload {cfg.workload.kind}, "
         f"{work.rounds} rounds")
 
-  outputs = {p: [] for p in policies}
-  ttft = {p: [] for p in policies}
-  wall_s = {p: 0.0 for p in policies}
-  occupancy = []  # blocks cached per tier after every round (main policy)
-  print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
-  for turn in range(work.rounds):
-    prompts = work.prompts(turn)
-    for p, engine in engines.items():
-      before = len(engine.stats()["ttft_s"])
-      t0 = time.perf_counter()
-      answers = engine.generate(prompts, work.max_new_tokens)
-      wall_s[p] += time.perf_counter() - t0
-      ttft[p].append(engine.stats()["ttft_s"][before:])
-      outputs[p].extend(answers)
-    work.record(turn, outputs[policies[0]][-len(prompts):])
-    occupancy.append(_occupancy(engines[policies[0]]))
-    mean_prompt = statistics.mean(len(x) for x in prompts)
-    print(f"{turn:>4} {mean_prompt:>10.0f} "
-          + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in policies))
+  if online:
+    outputs, ttft, wall_s, occupancy, online_summary = _run_online(engines, make_work)
+  else:
+    outputs, ttft, wall_s, occupancy = _run_rounds(engines, work)
+    online_summary = None
 
   main_policy = policies[0]
   engines[main_policy].flush()
@@ -119,7 +120,7 @@ def main(argv):
   result = {
       "config": cfg.name,
       "policy": main_policy,
-      "ttft_s": stats["ttft_s"],
+      "ttft_s": [t for turn in ttft[main_policy] for t in turn],
       "ttft_s_by_turn": ttft[main_policy],
       "hits": stats["hits"],
       "verify_failures": stats["verify_failures"],
@@ -133,14 +134,20 @@ def main(argv):
     other = policies[1]
     later = lambda p: statistics.mean(t for turn in ttft[p][1:] for t in turn)
     reuse, nocache = ("jaxkv", "nocache")
-    speedup = later(nocache) / later(reuse) if work.rounds > 1 else float("nan")
-    result["baseline"] = {"policy": other, "ttft_s": engines[other].stats()["ttft_s"],
+    rounds = len(ttft[main_policy])
+    speedup = later(nocache) / later(reuse) if rounds > 1 else float("nan")
+    result["baseline"] = {"policy": other, "ttft_s": [t for turn in ttft[other] for t in turn],
                           "output_digest": _common.token_digest(outputs[other])}
     result["outputs_match"] = outputs[reuse] == outputs[nocache]
     result["ttft_speedup_later_turns"] = speedup
-    print(f"later turns (1..{work.rounds - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
+    print(f"later turns (1..{rounds - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
           f"outputs identical: {result['outputs_match']}")
   result["summary"] = _summary({p: e.stats() for p, e in engines.items()}, wall_s)
+  if online_summary is not None:
+    for p, fig in online_summary.items():  # TTFT from arrival, TPOT, end-to-end
+      result["summary"][p].update(fig)
+    result["online"] = {"request_rate": _RATE.value, "think_time_s": _THINK.value,
+                        "arrivals": "trace" if not _RATE.value else "poisson"}
   result["tier_occupancy_blocks"] = occupancy
   print()
   print(_summary_table(result["summary"]))
@@ -152,6 +159,53 @@ def main(argv):
   if _PLOT.value:
     _plot(_PLOT.value, ttft, occupancy, cfg.name)
     print(f"plot written to {_PLOT.value}")
+
+
+def _run_rounds(engines: dict, work):
+  """Every round's requests together, each policy in turn on the same prompts."""
+  policies = list(engines)
+  outputs = {p: [] for p in policies}
+  ttft = {p: [] for p in policies}
+  wall_s = {p: 0.0 for p in policies}
+  occupancy = []  # blocks cached per tier after every round (main policy)
+  print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
+  for turn in range(work.rounds):
+    prompts = work.prompts(turn)
+    for p, engine in engines.items():
+      before = len(engine.stats()["ttft_s"])
+      t0 = time.perf_counter()
+      answers = engine.generate(prompts, work.sampling(turn))
+      wall_s[p] += time.perf_counter() - t0
+      ttft[p].append(engine.stats()["ttft_s"][before:])
+      outputs[p].extend(answers)
+    work.record(turn, outputs[policies[0]][-len(prompts):])
+    occupancy.append(_occupancy(engines[policies[0]]))
+    mean_prompt = statistics.mean(len(x) for x in prompts)
+    print(f"{turn:>4} {mean_prompt:>10.0f} "
+          + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in policies))
+  return outputs, ttft, wall_s, occupancy
+
+
+def _run_online(engines: dict, make_work):
+  """Each policy in turn under the same arrivals (a fresh workload each: same users)."""
+  from jaxkv import online
+  outputs, ttft, wall_s, figures = {}, {}, {}, {}
+  occupancy = []
+  for p, engine in engines.items():
+    records, makespan = online.run(engine, make_work(), rate=_RATE.value,
+                                   think_s=_THINK.value, seed=_CONFIG.value.seed)
+    outputs[p] = [r.tokens for r in records]
+    turns = max(r.turn for r in records) + 1
+    ttft[p] = [[r.ttft_s for r in records if r.turn == t] for t in range(turns)]
+    wall_s[p] = makespan
+    figures[p] = online.summary(records, makespan)
+    if not occupancy:
+      occupancy.append(_occupancy(engine))
+    f = figures[p]
+    print(f"{p:>8}: {f['requests']} requests in {makespan:.1f} s; TTFT p50/p90 "
+          f"{1e3 * f['ttft_p50_s']:.0f}/{1e3 * f['ttft_p90_s']:.0f} ms, TPOT p50 "
+          f"{1e3 * f['tpot_p50_s']:.1f} ms, {f['tokens_per_s']:.1f} tok/s")
+  return outputs, ttft, wall_s, occupancy, figures
 
 
 def _occupancy(engine) -> dict:
@@ -209,6 +263,8 @@ def _summary_table(summary: dict) -> str:
           ("TTFT p90 (ms)", lambda v: f"{1e3 * v['ttft_p90_s']:.1f}"),
           ("TTFT p99 (ms)", lambda v: f"{1e3 * v['ttft_p99_s']:.1f}"),
           ("throughput (tok/s)", lambda v: f"{v['tokens_per_s']:.1f}"),
+          ("TPOT p50 (ms)", lambda v: f"{1e3 * v['tpot_p50_s']:.1f}" if "tpot_p50_s" in v
+           else "-"),
           ("hits device/host/disk", lambda v: "/".join(str(v["hits"][k])
                                                        for k in ("device", "host", "disk"))),
           ("blocks fetched", lambda v: str(v["blocks_fetched"])),

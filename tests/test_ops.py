@@ -82,6 +82,26 @@ def test_chunked_attention_does_not_depend_on_table_width():
   np.testing.assert_array_equal(narrow, wide)
 
 
+def test_chunked_attention_reads_no_chunk_past_the_longest_sequence():
+  """Chunks wholly past every row's length are never read: table entries there may point
+  at pages of NaN (a masked read would turn 0 * NaN into NaN), and a short row's output is
+  the same bits alone as next to a longer one."""
+  rng = np.random.default_rng(2)
+  q, kp, vp, table, pos, lens, k_seq, v_seq = random_case(
+      rng, batch=2, q_len=3, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=16, num_pages=40,
+      lens=[21, 6])  # 21 tokens: chunks of 4 pages (16 tokens) 0 and 1 are used, 2-3 not
+  kp, vp = kp.copy(), vp.copy()
+  kp[:, 39], vp[:, 39] = np.nan, np.nan
+  table = table.copy()
+  table[:, 8:] = 39  # every entry of the unused chunks: the NaN page
+  fn = jax.jit(paged_attention, static_argnames="pages_per_chunk")
+  both = np.asarray(fn(q, kp, vp, table, pos, lens, pages_per_chunk=4))
+  assert np.isfinite(both).all()
+  np.testing.assert_allclose(both, dense_oracle(q, k_seq, v_seq, pos, lens), atol=2e-5)
+  alone = np.asarray(fn(q[1:], kp, vp, table[1:], pos[1:], lens[1:], pages_per_chunk=4))
+  np.testing.assert_array_equal(both[1:], alone)
+
+
 @pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 3e-3)])
 def test_low_precision_pages(dtype, atol):
   rng = np.random.default_rng(1)

@@ -32,6 +32,15 @@ def test_serve_default_and_nocache_give_the_same_output_digest(tmp_path):
   assert both["machine"]["devices"] and len(both["machine"]["devices"]) == 8
   assert both["ttft_speedup_later_turns"] > 0
   assert "TTFT" in stdout and "output_digest" in stdout
+  # Online: users arrive over time; the answers (greedy) are those of the run in rounds.
+  live, stdout = serve(tmp_path, "online", "--request_rate=40", "--think_time_s=0.01")
+  assert live["output_digest"] == both["output_digest"] and live["outputs_match"] is True
+  assert live["online"] == {"request_rate": 40.0, "think_time_s": 0.01, "arrivals": "poisson"}
+  for policy in ("jaxkv", "nocache"):
+    fig = live["summary"][policy]
+    assert fig["requests"] == 12 and 0 < fig["ttft_p50_s"] <= fig["ttft_p99_s"]
+    assert fig["tpot_p50_s"] > 0 and fig["e2e_p90_s"] >= fig["ttft_p90_s"]
+  assert len(live["ttft_s_by_turn"]) == 3 and "TPOT p50 (ms)" in stdout
 
 
 def test_serve_plot_metrics_and_other_workloads(tmp_path):

@@ -2,15 +2,17 @@
 
 Same contract as ``reference.paged_attention_reference`` (see there for the layout).
 Instead of gathering every page of a sequence at once, it walks the page table in
-chunks of ``pages_per_chunk`` pages (a ``lax.scan``), keeping a running max, sum and
-weighted accumulator per query, and merges each chunk into them.
+chunks of ``pages_per_chunk`` pages (a loop that stops after the chunk holding the
+batch's longest sequence), keeping a running max, sum and weighted accumulator per
+query, and merges each chunk into them.
 
 Why this is the path the engine runs:
 - Memory: it materialises one chunk of K/V per step, not the whole context.
 - Exactness of cache hits: a chunk covers a fixed range of absolute positions, and a
   chunk whose keys are all masked leaves the running state bit-for-bit unchanged
   (``alpha == 1``, nothing added). So a token's attention output does not depend on
-  how wide the page table happened to be (the engine buckets widths by powers of two):
+  how wide the page table happened to be (the engine buckets widths by powers of two),
+  nor on how many chunks the loop ran for the other rows of its batch:
   KV computed in a short early turn and KV recomputed later in a wide batch are the
   same bits. Tests check both the tolerance against the reference and this invariance.
 """
@@ -86,23 +88,22 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
     if block_valid is not None:
       block_valid = jnp.pad(block_valid, ((0, 0), (0, pad)))
   chunk_tokens = pages_per_chunk * page_size
-  # [chunks, batch, pages_per_chunk]: the scan walks the leading axis.
-  tables = page_table.reshape(batch, num_chunks, pages_per_chunk).transpose(1, 0, 2)
-  if block_valid is None:
-    valids = jnp.ones_like(tables, dtype=bool)
-  else:
-    valids = block_valid.reshape(batch, num_chunks, pages_per_chunk).transpose(1, 0, 2)
+  entries = lambda x, c: jax.lax.dynamic_slice_in_dim(x, c * pages_per_chunk, pages_per_chunk, 1)
 
-  def step(carry, xs):
-    table, valid, c = xs
+  def step(c, state):
+    table = entries(page_table, c)
     k = k_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     v = v_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None]
-    tok_valid = jnp.repeat(valid, page_size, axis=1)
-    return _merge(carry, qg, k, v, kpos, q_positions, kv_lens,
-                  None if block_valid is None else tok_valid), None
+    valid = (None if block_valid is None
+             else jnp.repeat(entries(block_valid, c), page_size, axis=1))
+    return _merge(state, qg, k, v, kpos, q_positions, kv_lens, valid)
 
-  state, _ = jax.lax.scan(step, state, (tables, valids, jnp.arange(num_chunks, dtype=jnp.int32)))
+  # Only the chunks below the longest sequence's length: the rest are masked for every
+  # row and would leave the state unchanged, so a step costs what its sequences hold,
+  # not what the table's width could hold.
+  used = jnp.minimum(num_chunks, -(-jnp.max(kv_lens, initial=0) // chunk_tokens))
+  state = jax.lax.fori_loop(0, used, step, state)
   return state
 
 
