@@ -141,13 +141,20 @@ class KVCache:
       self.index.evict_all_unreferenced(s)
     self._pools = [pages_lib.zeros_pool(self.mesh, self.config) for _ in self._pools]
 
+  def _row_sharding(self, ndim: int) -> NamedSharding:
+    sharding = self._row_shardings.get(ndim)
+    if sharding is None:
+      sharding = NamedSharding(self.mesh, P(self.config.data_axis, *([None] * (ndim - 1))))
+      self._row_shardings[ndim] = sharding
+    return sharding
+
   def put_rows(self, x: np.ndarray) -> jax.Array:
     """A host array whose leading axis is split over the data shards, on device."""
-    sharding = self._row_shardings.get(x.ndim)
-    if sharding is None:
-      sharding = NamedSharding(self.mesh, P(self.config.data_axis, *([None] * (x.ndim - 1))))
-      self._row_shardings[x.ndim] = sharding
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, self._row_sharding(x.ndim))
+
+  def put_rows_many(self, *xs: np.ndarray) -> list[jax.Array]:
+    """``put_rows`` of several arrays in one transfer call (a step's inputs)."""
+    return jax.device_put(list(xs), [self._row_sharding(x.ndim) for x in xs])
 
   def allocate_pages(self, shard: int, n: int) -> list[int] | None:
     """``n`` device pages on ``shard`` (referenced), evicting unreferenced cached blocks

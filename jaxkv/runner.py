@@ -130,6 +130,7 @@ class ModelRunner:
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
     self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
+    self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
 
   @property
   def trace_counts(self) -> collections.Counter:
@@ -146,7 +147,8 @@ class ModelRunner:
     for row, sp in params.items():
       host.temperature[row], host.top_k[row] = sp.temperature, sp.top_k
       host.top_p[row], host.seed[row] = sp.top_p, sp.seed
-    return jax.tree.map(self.cache.put_rows, host)
+    leaves, tree = jax.tree.flatten(host)
+    return jax.tree.unflatten(tree, self.cache.put_rows_many(*leaves))
 
   def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int,
                     sampling: RowSampling | None = None) -> StepBatch:
@@ -162,9 +164,10 @@ class ModelRunner:
       positions[row, :n] = np.arange(start, start + n)
       kv_lens[row] = start + n
       select_idx[row], select_mask[row] = n - 1, select
-    put = self.cache.put_rows
-    return StepBatch(positions=put(positions), kv_lens=put(kv_lens), tokens=put(tokens),
-                     select_idx=put(select_idx), select_mask=put(select_mask),
+    positions, kv_lens, tokens, select_idx, select_mask = self.cache.put_rows_many(
+        positions, kv_lens, tokens, select_idx, select_mask)
+    return StepBatch(positions=positions, kv_lens=kv_lens, tokens=tokens,
+                     select_idx=select_idx, select_mask=select_mask,
                      sampling=sampling or self.row_sampling({}, num_rows))
 
   def decode_batch(self, rows: Sequence[DecodeRow], num_rows: int,
@@ -173,9 +176,15 @@ class ModelRunner:
     kv_lens = np.zeros((num_rows,), np.int32)
     for row, pos in rows:
       positions[row, 0], kv_lens[row] = pos, pos + 1
-    return StepBatch(positions=self.cache.put_rows(positions),
-                     kv_lens=self.cache.put_rows(kv_lens),
+    positions, kv_lens = self.cache.put_rows_many(positions, kv_lens)
+    return StepBatch(positions=positions, kv_lens=kv_lens,
                      sampling=sampling or self.row_sampling({}, num_rows))
+
+  def zero_carry(self, num_rows: int) -> jax.Array:
+    """A carry of zeros for ``num_rows`` rows (steps do not donate it: shared)."""
+    if num_rows not in self._zeros:
+      self._zeros[num_rows] = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+    return self._zeros[num_rows]
 
   # ---- steps ---------------------------------------------------------------------------------
   def prefill(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,

@@ -323,8 +323,7 @@ class ContinuousBatcher:
         if last:
           finishing.append(s)
       batch = self.runner.prefill_batch(rows, num_rows, sampling)
-      out, sel = self.runner.prefill(batch, table,
-                                     self.cache.put_rows(np.zeros((num_rows,), np.int32)))
+      out, sel = self.runner.prefill(batch, table, self.runner.zero_carry(num_rows))
       if finishing:
         dispatched.append((finishing, row, out, sel))
     if decoding or prefilling:
