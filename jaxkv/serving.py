@@ -44,6 +44,7 @@ from jaxkv import buckets
 from jaxkv.admission import Placement, Request
 from jaxkv.distributed import to_host
 from jaxkv.executor import PlannedRow
+from jaxkv.index import Tier
 
 
 class RequestHandle:
@@ -131,6 +132,7 @@ class ContinuousBatcher:
     # The decoding rows as the last decode step left them on device: (which sequence in
     # which row, rows, table, next batch, next carry). Reused while the set is unchanged.
     self._resident = None
+    self._ahead = None  # (key, rows, tokens, logits) of a decode step dispatched early
     self._held_once: set[int] = set()  # requests counted in stats' shared_prefix_waits
 
   # ---- the queue -------------------------------------------------------------------------------
@@ -228,8 +230,10 @@ class ContinuousBatcher:
       shared = 0
       while shared < len(req.keys) and req.keys[shared] in computing:
         shared += 1
-      if shared and max(len(index.locate(s, req.keys[:shared]))
-                        for s in range(self.cache.num_shards)) < shared:
+      last = req.keys[shared - 1] if shared else None
+      if last is not None and all(  # the last shared block is cached nowhere
+          index.slot_of(s, last, t) is None for s in range(self.cache.num_shards)
+          for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
         held.add(req.index)
         if req.index not in self._held_once:
           self._held_once.add(req.index)
@@ -275,13 +279,31 @@ class ContinuousBatcher:
     table = np.zeros((num_rows, width), np.int32)
     for s in seqs:
       shard = s.placement.shard
-      row[id(s)] = shard * rows_per_shard + slot[shard]
+      row[s.handle.id] = shard * rows_per_shard + slot[shard]
       slot[shard] += 1
-      table[row[id(s)], :len(s.placement.pages)] = s.placement.pages
+      table[row[s.handle.id], :len(s.placement.pages)] = s.placement.pages
     sampling = self.runner.row_sampling(
-        {row[id(s)]: s.placement.request.sampling for s in seqs
+        {row[s.handle.id]: s.placement.request.sampling for s in seqs
          if s.placement.request.sampling.temperature > 0}, num_rows)
     return num_rows, row, self.cache.put_rows(table), sampling
+
+  def _decode(self, decoding: list[_Seq], key: tuple):
+    """Dispatches one decode step of ``decoding``: from the last step's outputs on device
+    when the set is unchanged, else from the host's copy (each row's last token).
+    Returns ``(row of each sequence, tokens out, selected logits)``."""
+    if self._resident is not None and self._resident[0] == key:
+      _, row, table, batch, carry = self._resident
+    else:
+      num_rows, row, table, sampling = self._layout(decoding)
+      carry = np.zeros((num_rows,), np.int32)
+      for s in decoding:
+        carry[row[s.handle.id]] = s.handle.tokens[-1]
+      batch = self.runner.decode_batch([(row[s.handle.id], s.pos) for s in decoding],
+                                       num_rows, sampling)
+      carry = self.cache.put_rows(carry)
+    out, sel, batch = self.runner.decode(batch, table, carry)
+    self._resident = (key, row, table, batch, out)
+    return row, out, sel
 
   def _advance(self) -> list[StepOutput]:
     if not self.running:
@@ -291,20 +313,15 @@ class ContinuousBatcher:
     decoding = [s for s in self.running.values() if s.decoding]
     prefilling = [s for s in self.running.values() if not s.decoding and s.spans]
     dispatched = []  # (sequences, their rows, carry out, selected logits)
+    ahead, self._ahead = self._ahead, None
+    key = tuple(s.handle.id for s in decoding)
     if decoding:
-      key = tuple(s.handle.id for s in decoding)
-      if self._resident is not None and self._resident[0] == key:
-        _, row, table, batch, carry = self._resident  # last step's outputs, on device
-      else:  # each row feeds its last token (known on host)
-        num_rows, row, table, sampling = self._layout(decoding)
-        carry = np.zeros((num_rows,), np.int32)
-        for s in decoding:
-          carry[row[id(s)]] = s.handle.tokens[-1]
-        batch = self.runner.decode_batch([(row[id(s)], s.pos) for s in decoding], num_rows,
-                                         sampling)
-        carry = self.cache.put_rows(carry)
-      out, sel, batch = self.runner.decode(batch, table, carry)
-      self._resident = (key, row, table, batch, out)
+      if ahead is not None and set(key) <= set(ahead[0]):  # dispatched last step
+        _, row, out, sel = ahead
+        if key != ahead[0]:  # some left (a stop token): their rows are dropped
+          self._resident = None
+      else:
+        row, out, sel = self._decode(decoding, key)
       dispatched.append((decoding, row, out, sel))
     finishing = []
     if prefilling:
@@ -315,7 +332,7 @@ class ContinuousBatcher:
         end = min(a + chunk, b)
         prompt = s.placement.request.tokens
         last = end == len(prompt)  # only the rest span (after verification) reaches it
-        rows.append((row[id(s)], prompt[a:end], a, last))
+        rows.append((row[s.handle.id], prompt[a:end], a, last))
         if end == b:
           s.spans.popleft()
         else:
@@ -328,6 +345,16 @@ class ContinuousBatcher:
         dispatched.append((finishing, row, out, sel))
     if decoding or prefilling:
       self.stats.add("steps")
+    if (decoding and not finishing and self._resident is not None
+        and self._resident[0] == key
+        and all(len(s.handle.tokens) + 1 < s.placement.request.max_new_tokens
+                for s in decoding)):
+      # Every decoding sequence decodes again next step (none can reach its length with
+      # this step's token; a stop token is seen only after the readback): dispatch that
+      # step now, from this one's outputs on device, so the device runs it while the
+      # host reads this step's tokens and prepares the next. A sequence that stops here
+      # drops its row of it; the token written for it lies past what it publishes.
+      self._ahead = (key, *self._decode(decoding, key))
     now = None
     result = []
     for seqs, row, out, sel in dispatched:
@@ -343,8 +370,8 @@ class ContinuousBatcher:
           self._publish_prompt(s)
         else:
           s.pos += 1
-        token = int(tokens[row[id(s)]])
-        s.handle._emit(token, None if logits is None else logits[row[id(s)]])
+        token = int(tokens[row[s.handle.id]])
+        s.handle._emit(token, None if logits is None else logits[row[s.handle.id]])
         result.append(self._maybe_finish(s, token))
     return result
 
@@ -408,7 +435,7 @@ class ContinuousBatcher:
         for f in pending[0]:
           self.cache.mover.release_pin(f)
     self.groups = []
-    self._resident = None
+    self._resident = self._ahead = None
     for s in list(self.running.values()):
       self.cache.index.release(s.placement.shard, s.placement.pages)
       s.handle.finished, s.handle.finish_reason = True, "error"

@@ -136,3 +136,26 @@ def test_a_failed_step_releases_every_reference_and_the_engine_goes_on(pair, mon
 def test_bad_batching_is_refused():
   with pytest.raises(ValueError, match="batching='waves' must be one of"):
     jaxkv.EngineConfig(batching="waves")
+
+
+def test_a_stop_inside_a_steady_decode_batch_changes_no_other_answer(pair):
+  """Steps decode ahead while the decoding set holds; one sequence stopping drops its row
+  of the step already dispatched, the others' tokens are those of recompute."""
+  engine, fresh = pair
+  rng = np.random.default_rng(9)
+  prompts = [rng.integers(1, 128, int(rng.integers(5, 14))).tolist() for _ in range(4)]
+  want = fresh.generate(prompts, 10)
+  params = [jaxkv.SamplingParams(max_new_tokens=10) for _ in prompts]
+  params[2] = jaxkv.SamplingParams(max_new_tokens=10, stop_token_ids=(want[2][3],))
+  cut = want[2].index(want[2][3]) + 1
+  before = engine.stats()["decode_steps"]
+  handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+  while engine.has_unfinished():
+    engine.step()
+  assert [h.tokens for h in handles] == want[:2] + [want[2][:cut]] + want[3:]
+  assert handles[2].finish_reason == "stop"
+  assert engine.stats()["decode_steps"] - before >= 9  # every token after the first
+  no_refs(engine)
+  # What the stopped one left behind is reusable and exact.
+  assert engine.generate([prompts[2] + want[2][:cut]], 3) == fresh.generate(
+      [prompts[2] + want[2][:cut]], 3)
