@@ -37,6 +37,33 @@ def plan_rows(n: int) -> int:
   return max(MIN_PLAN_ROWS, pow2_at_least(n))
 
 
+# A prefill step is at least this many tokens wide when its chunk allows (a prompt's last,
+# partial chunk runs in the narrowest step that holds it, down to this). Measured on
+# XLA:CPU with the benchmark model: steps of 16 or 32 tokens compute a block's K/V with
+# other bits than steps of 64, while 64, 128 and 512 agree; keeping every step at least
+# this wide keeps cached blocks bitwise equal to recomputed ones wherever chunks end.
+MIN_STEP_TOKENS = 64
+
+
+def prefill_widths(chunk_tokens: int, page_size: int) -> list[int]:
+  """Token widths of prefill steps: the chunk, and halvings of it down to
+  ``MIN_STEP_TOKENS`` (whole pages), so a short tail does not pay for a whole chunk."""
+  floor = max(page_size, -(-MIN_STEP_TOKENS // page_size) * page_size)
+  widths, w = {chunk_tokens}, chunk_tokens
+  while w % 2 == 0 and w // 2 >= floor and (w // 2) % page_size == 0:
+    w //= 2
+    widths.add(w)
+  return sorted(widths)
+
+
+def prefill_width(tokens: int, widths: list[int]) -> int:
+  """The narrowest prefill step (of ``prefill_widths``) that holds ``tokens`` tokens."""
+  for w in widths:
+    if w >= tokens:
+      return w
+  return widths[-1]
+
+
 def table_width(pages_needed: int, config) -> int:
   """Page-table width for a sequence of ``pages_needed`` pages: a power of two, at least
   one attention chunk, at most ``max_pages_per_seq`` (``config`` is a ``CacheConfig``)."""

@@ -62,7 +62,7 @@ class Engine:
     self.planner = sched.Planner(
         self.scheduler, costs, num_shards=cache.num_shards, page_size=c.page_size,
         page_bytes=c.page_bytes, chunk_tokens=self.runner.chunk_tokens, stats=cache.stats,
-        calibrate=self._calibrate)
+        calibrate=self._calibrate, tail_widths=self.runner.prefill_widths)
     self.admission = Admission(cache, max_seqs_per_shard=config.max_seqs_per_shard,
                                prefix_reuse=config.prefix_reuse, vocab_size=self.vocab_size,
                                planner=self.planner, stream=stream)

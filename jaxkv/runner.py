@@ -128,6 +128,8 @@ class ModelRunner:
         jax.device_put(rest, NamedSharding(self.mesh, P())))  # replicated, flat
     self.steps = _compiled_steps(graphdef, cache.pool_def, weight_def, self.mesh, self.config)
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
+    # A chunk's width, and narrower steps for a prompt's last, partial chunk.
+    self.prefill_widths = buckets.prefill_widths(self.chunk_tokens, self.config.page_size)
     self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
@@ -151,8 +153,13 @@ class ModelRunner:
     return jax.tree.unflatten(tree, self.cache.put_rows_many(*leaves))
 
   def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int,
-                    sampling: RowSampling | None = None) -> StepBatch:
-    chunk = self.chunk_tokens
+                    sampling: RowSampling | None = None, width: int | None = None
+                    ) -> StepBatch:
+    """The step's inputs, ``width`` tokens per row: by default the narrowest prefill
+    width that holds every row's tokens (a whole chunk when there are none)."""
+    chunk = width or (buckets.prefill_width(max(len(t) for _, t, _, _ in rows),
+                                            self.prefill_widths) if rows
+                      else self.chunk_tokens)
     tokens = np.zeros((num_rows, chunk), np.int32)
     positions = np.full((num_rows, chunk), -1, np.int32)
     kv_lens = np.zeros((num_rows,), np.int32)
@@ -273,15 +280,18 @@ class ModelRunner:
 
   # ---- compiling ahead -----------------------------------------------------------------------
   def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:
-    """Compiles the prefill and decode steps for every (rows, width) bucket with
-    all-padding steps (they change no page). Returns the widths compiled."""
+    """Compiles the prefill (every step width) and decode steps for every (rows, table
+    width) bucket with all-padding steps (they change no page). Returns the table widths
+    compiled."""
     widths = buckets.table_widths(max_seq_len, self.config)
     for rows in sorted({buckets.pow2_at_least(r) for r in rows_per_shard}):
       num_rows = rows * self.cache.num_shards
       for width in widths:
         table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
         carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
-        carry, _ = self.prefill(self.prefill_batch([], num_rows), table, carry, count=False)
+        for step_width in self.prefill_widths:
+          carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
+                                  carry, count=False)
         self.decode(self.decode_batch([], num_rows), table, carry, count=False)
     return widths
 

@@ -203,6 +203,9 @@ class PlanInputs:
   # Prefill runs in chunks of this many tokens: n tokens cost ceil(n / chunk) chunks
   # (0: no rounding). Recomputing one block can cost a whole chunk.
   chunk_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
+  # Narrower steps a partial last chunk runs in (``buckets.prefill_widths``): n tokens
+  # cost their whole chunks plus the narrowest of these (or a chunk) holding the rest.
+  tail_widths: tuple = dataclasses.field(default=(), metadata=dict(static=True))
   # [R] int32: the data shard whose device computes the request when that is already
   # decided (a step's plan over placed requests), -1 (or None for all) when the plan
   # chooses it among the D candidates. Requests share compute only on one device.
@@ -225,15 +228,26 @@ class Plan:
   link_users: jax.Array  # [D, links] requests whose fetches share each link of the shard
 
 
-def _prefill_s(prefill, n, c, chunk_tokens=0):
+def _charged(n, chunk_tokens, tail_widths):
+  """Tokens a prefill of ``n`` pays for: whole chunks, and the narrowest step that holds
+  what is left."""
+  full = jnp.floor(n / chunk_tokens) * chunk_tokens
+  rest = n - full
+  step = jnp.full_like(rest, chunk_tokens)
+  for w in sorted(set(tail_widths), reverse=True):  # the narrowest that holds the rest
+    step = jnp.where(rest <= w, jnp.float32(w), step)
+  return full + jnp.where(rest > 0, step, 0.0)
+
+
+def _prefill_s(prefill, n, c, chunk_tokens=0, tail_widths=()):
   if chunk_tokens:
-    n = jnp.ceil(n / chunk_tokens) * chunk_tokens
+    n = _charged(n, chunk_tokens, tail_widths)
   t = prefill[0] + prefill[1] * n + prefill[2] * n * (c + (n - 1.0) / 2.0)
   return jnp.where(n > 0, t, 0.0)
 
 
 def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, costs,
-              page_size, chunk_tokens):
+              page_size, chunk_tokens, tail_widths):
   """One (request, shard): every split point at once. share: [links] users of each link;
   others: [2] seconds of the other requests' recompute and tail prefill on this shard."""
   m = tiers.shape[0]
@@ -251,9 +265,9 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
   t_fetch = jnp.max(link_t, axis=0)  # pipeline: the slowest link decides
   ps = jnp.float32(page_size)
   t_rec = _prefill_s(costs.prefill, (idx - hot).astype(jnp.float32) * ps,
-                     hot.astype(jnp.float32) * ps, chunk_tokens)
+                     hot.astype(jnp.float32) * ps, chunk_tokens, tail_widths)
   t_tail = _prefill_s(costs.prefill, tail_tokens.astype(jnp.float32),
-                      end.astype(jnp.float32) * ps, chunk_tokens)
+                      end.astype(jnp.float32) * ps, chunk_tokens, tail_widths)
   # A block cached nowhere (ABSENT) inside the range can only be recomputed: every
   # split point before it is infeasible.
   absent = suffix(jnp.where(in_cold & (tiers == ABSENT), 1.0, 0.0))
@@ -281,10 +295,11 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
 def _plan_all(inputs: PlanInputs, costs: CostArrays, share, others):
   """share: [R, D, links]; others: [R, D, 2]."""
   budget = jnp.minimum(inputs.inflight_blocks, inputs.free_pages)  # [D]
-  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, 0, None, None, None)),
-               in_axes=(0, 0, 0, 0, 0, None, 0, 0, None, None, None))
+  f = jax.vmap(jax.vmap(_plan_one, in_axes=(0, 0, 0, 0, None, 0, 0, 0, None, None, None, None)),
+               in_axes=(0, 0, 0, 0, 0, None, 0, 0, None, None, None, None))
   return f(inputs.tiers, inputs.block_bytes, inputs.hot, inputs.cached_end, inputs.tail_tokens,
-           budget, share, others, costs, inputs.page_size, inputs.chunk_tokens)
+           budget, share, others, costs, inputs.page_size, inputs.chunk_tokens,
+           inputs.tail_widths)
 
 
 @jax.jit
@@ -332,8 +347,8 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
 # ---- the only builders of PlanInputs ----------------------------------------------------------
 def build_inputs(requests: Sequence[tuple[Sequence[Sequence[int]], int]], *, num_shards: int,
                  page_size: int, page_bytes: int, chunk_tokens: int = 0,
-                 inflight_blocks: int = 0, devices: Sequence[int] | None = None
-                 ) -> PlanInputs:
+                 inflight_blocks: int = 0, devices: Sequence[int] | None = None,
+                 tail_widths: tuple = ()) -> PlanInputs:
   """Plan inputs for requests, each ``(tiers_by_shard, prompt_tokens)``: the tier of every
   cached block of its chain on each candidate shard (``Tier.DEVICE`` = hot there; blocks
   after a shard's list are cached nowhere on it). A request's cached chain ends where its
@@ -362,13 +377,14 @@ def build_inputs(requests: Sequence[tuple[Sequence[Sequence[int]], int]], *, num
       cached_end=end, tail_tokens=tail, free_pages=np.full((num_shards,), m_pad, np.int32),
       inflight_blocks=np.full((num_shards,), inflight_blocks or m_pad, np.int32),
       link_group=np.zeros((num_shards,), np.int32), valid=np.arange(r_pad) < len(requests),
-      page_size=page_size, chunk_tokens=chunk_tokens,
+      page_size=page_size, chunk_tokens=chunk_tokens, tail_widths=tuple(tail_widths),
       compute_group=None if devices is None else np.pad(
           np.asarray(devices, np.int32), (0, r_pad - len(requests)), constant_values=-1))
 
 
 def padding_inputs(r_pad: int, m_pad: int, num_shards: int, *, page_size: int,
-                   chunk_tokens: int = 0, placed: bool = False) -> PlanInputs:
+                   chunk_tokens: int = 0, placed: bool = False,
+                   tail_widths: tuple = ()) -> PlanInputs:
   """All-padding inputs of one bucket (to compile it ahead of traffic)."""
   z = lambda *shape: np.zeros(shape, np.int32)
   return PlanInputs(
@@ -377,7 +393,7 @@ def padding_inputs(r_pad: int, m_pad: int, num_shards: int, *, page_size: int,
       cached_end=z(r_pad, num_shards), tail_tokens=z(r_pad), free_pages=z(num_shards),
       inflight_blocks=z(num_shards), link_group=z(num_shards),
       valid=np.zeros((r_pad,), bool), page_size=page_size, chunk_tokens=chunk_tokens,
-      compute_group=np.full((r_pad,), -1, np.int32) if placed else None)
+      tail_widths=tuple(tail_widths), compute_group=np.full((r_pad,), -1, np.int32) if placed else None)
 
 
 class Planner:
@@ -390,13 +406,14 @@ class Planner:
   """
 
   def __init__(self, config, costs: "CostModel | None", *, num_shards: int, page_size: int,
-               page_bytes: int, chunk_tokens: int, stats, calibrate):
+               page_bytes: int, chunk_tokens: int, stats, calibrate,
+               tail_widths: tuple = ()):
     self.config = config
     if costs is None and config.cost_model_path:
       costs = CostModel.load(config.cost_model_path)
     self.costs = costs
     self.num_shards, self.page_size, self.page_bytes = num_shards, page_size, page_bytes
-    self.chunk_tokens = chunk_tokens
+    self.chunk_tokens, self.tail_widths = chunk_tokens, tuple(tail_widths)
     self.stats = stats
     self._calibrate = calibrate
 
@@ -410,7 +427,7 @@ class Planner:
   def _run(self, requests, num_shards: int, devices=None) -> Plan:
     inputs = build_inputs(requests, num_shards=num_shards, page_size=self.page_size,
                           page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,
-                          inflight_blocks=self.config.inflight_blocks, devices=devices)
+                          tail_widths=self.tail_widths, inflight_blocks=self.config.inflight_blocks, devices=devices)
     return plan(inputs, self.costs.arrays())
 
   def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
@@ -471,7 +488,8 @@ class Planner:
     ms = sorted({buckets.plan_rows(m) for m in block_counts})
     arrays = self.costs.arrays()
     pad = lambda r, m, d, placed: jax.block_until_ready(plan(padding_inputs(
-        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens, placed=placed),
+        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens, placed=placed,
+        tail_widths=self.tail_widths),
         arrays))
     for m in ms:
       pad(buckets.MIN_PLAN_ROWS, m, self.num_shards, False)
@@ -499,10 +517,16 @@ class Planner:
 
 
 def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_model: CostModel,
-                page_size: int, chunk_tokens: int = 0, others=(0.0, 0.0)) -> tuple[int, float]:
+                page_size: int, chunk_tokens: int = 0, others=(0.0, 0.0),
+                tail_widths: tuple = ()) -> tuple[int, float]:
   """The same decision for one (request, shard) by trying every split in Python (tests).
   ``others``: seconds of the other requests' recompute and tail on the shard."""
-  rounded = lambda n: -(-n // chunk_tokens) * chunk_tokens if chunk_tokens else n
+
+  def rounded(n):  # whole chunks, then the narrowest step holding the rest
+    if not chunk_tokens:
+      return n
+    full, rest = (n // chunk_tokens) * chunk_tokens, n % chunk_tokens
+    return full + (min([w for w in tail_widths if w >= rest] + [chunk_tokens]) if rest else 0)
   link_names = LINKS
   best_s, best_t = None, math.inf
   for s in range(hot, end + 1):

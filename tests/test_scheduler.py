@@ -17,7 +17,7 @@ def cost_model(rng) -> sch.CostModel:
   return sch.CostModel(links=links, prefill=curve)
 
 
-def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0):
+def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0, tail_widths=()):
   tiers = np.full((r, d, m), sch.ABSENT, np.int32)
   hot = np.zeros((r, d), np.int32)
   end = np.zeros((r, d), np.int32)
@@ -35,14 +35,15 @@ def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0):
       free_pages=rng.integers(0, m + 4, d).astype(np.int32),
       inflight_blocks=rng.integers(1, m + 4, d).astype(np.int32),
       link_group=rng.integers(0, 2, d).astype(np.int32), valid=np.ones(r, bool),
-      page_size=page_size, chunk_tokens=chunk_tokens)
+      page_size=page_size, chunk_tokens=chunk_tokens, tail_widths=tail_widths)
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed):
   rng = np.random.default_rng(seed)
   costs = cost_model(rng)
-  inputs = random_inputs(rng, r=6, d=3, m=12, chunk_tokens=(0, 16, 48)[seed % 3])
+  chunk, widths = ((0, ()), (16, ()), (48, ()), (128, (32, 64)))[seed % 4]
+  inputs = random_inputs(rng, r=6, d=3, m=12, chunk_tokens=chunk, tail_widths=widths)
   out = jax.tree.map(np.asarray, sch.plan(inputs, costs.arrays()))
   # The link sharing and the compute the plan charged for the other requests (from its
   # first pass) are its outputs; given them, every split must be the brute-force optimum.
@@ -55,7 +56,7 @@ def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed
       s, t = sch.brute_force(inputs.tiers[i, j], inputs.block_bytes[i, j], int(inputs.hot[i, j]),
                              int(inputs.cached_end[i, j]), int(inputs.tail_tokens[i]), budget,
                              share, costs, inputs.page_size, inputs.chunk_tokens,
-                             others=tuple(out.others_s[i, j]))
+                             others=tuple(out.others_s[i, j]), tail_widths=inputs.tail_widths)
       assert math.isclose(out.t_pred_s[i, j], t, rel_tol=2e-5, abs_tol=1e-9), (i, j)
       # Equal cost at the chosen split (the argmin may differ only between exact ties).
       assert inputs.hot[i, j] <= out.split[i, j] <= inputs.cached_end[i, j]

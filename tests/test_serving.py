@@ -159,3 +159,41 @@ def test_a_stop_inside_a_steady_decode_batch_changes_no_other_answer(pair):
   # What the stopped one left behind is reusable and exact.
   assert engine.generate([prompts[2] + want[2][:cut]], 3) == fresh.generate(
       [prompts[2] + want[2][:cut]], 3)
+
+
+def test_a_short_tail_runs_in_a_narrower_step_and_stays_exact(mesh):
+  """With a wide chunk (32 pages of 4 = 128 tokens), a prompt's last partial chunk runs in
+  the narrowest step that holds it (64 tokens here), nothing compiles after warmup, and a
+  chat's answers are those of recompute-from-scratch."""
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=48)
+  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, prefill_chunk_pages=32)
+  fresh = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, prefill_chunk_pages=32,
+                              prefix_reuse=False)
+  assert engine.runner.prefill_widths == [64, 128]
+  engine.warmup(max_seq_len=160)
+  after = dict(engine.trace_counts)
+  assert {k[1][1] for k in after if k[0] == "prefill"} == {64, 128}
+  spec = workloads.ChatSpec(users=4, turns=2, system_prompt_tokens=70, user_tokens=(5, 30),
+                            max_new_tokens=4, vocab_size=128, seed=12)
+  chat, ref = workloads.Chat(spec), workloads.Chat(spec)
+  widths = []
+  real = engine.runner.prefill
+
+  def spy(batch, *a, **kw):
+    widths.append(batch.tokens.shape[1])
+    return real(batch, *a, **kw)
+
+  engine.runner.prefill = spy
+  for turn in range(spec.turns):
+    got, lg = engine.generate(chat.prompts(turn), spec.max_new_tokens, return_logits=True)
+    want, lg_want = fresh.generate(ref.prompts(turn), spec.max_new_tokens, return_logits=True)
+    assert got == want
+    for a, b in zip(lg, lg_want):
+      np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    chat.record(turn, got)
+    ref.record(turn, want)
+  assert 64 in widths and 128 in widths  # later turns' short tails take the narrow step
+  assert dict(engine.trace_counts) == after
+  assert engine.stats()["hits"]["device"] > 0
+  no_refs(engine)
