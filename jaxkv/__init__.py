@@ -10,6 +10,7 @@ from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import (CacheConfig, EngineConfig, SamplingParams, SchedulerConfig,
                           StreamConfig, TierConfig)
 from jaxkv.engine import Engine
+from jaxkv.identity import weights_digest
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
 from jaxkv.pages import make_mesh
@@ -36,4 +37,5 @@ __all__ = [
     "models",
     "nnx",
     "ops",
+    "weights_digest",
 ]

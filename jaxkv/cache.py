@@ -6,6 +6,11 @@ budgets), the mesh the pools are sharded over, the device page pools, the lower 
 them, the host-side ``PrefixIndex`` that says which slot of which tier holds which block,
 the pins that keep prefixes resident, and the ``Stats`` every part adds to.
 
+A cache belongs to one model's weights: ``CacheConfig.weights_digest`` is part of every
+block key and record fingerprint. Left empty, ``attach`` computes it from the model
+(``jaxkv.identity``) before anything is read from disk or a peer, so blocks written under
+other weights are never adopted, pulled or restored.
+
 The device pools start as the ``jaxkv.nnx.KVPages`` variables of a model: ``attach``
 allocates them inside the model's ``PagedKV`` layers and then takes them out of it, so
 the model's weights and structure go to the runner while the pools stay here. Every
@@ -14,11 +19,14 @@ jitted step takes the pools donated and gives them back (``pools``/``set_pools``
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxkv import identity
 from jaxkv import nnx as kvnnx
 from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig, TierConfig
@@ -62,26 +70,54 @@ class KVCache:
       from jaxkv.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
     self.remotes = []
-    if tiers.remote_peers:
-      from jaxkv.tiers.remote import RemoteClient, RemoteTier
-      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s)
-                      for p in tiers.remote_peers]
-      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
     if tiers.disk_enabled:
       from jaxkv.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
                            payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint())
-      self._adopt_disk_blocks()
     self.stats = Stats()
-    self.mover = TierMover(index=self.index, mesh=mesh, config=config,
-                           num_shards=self.num_shards, payload_shape=self.payload_shape,
-                           host=self.host, disk=self.disk, remote=self.remote,
-                           stats=self.stats)
+    self.mover = None
+    if config.weights_digest:  # the model is known: open what depends on its identity now
+      self._open_shared_tiers()
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
     self.pool_def = None  # their tree structure
     self._pins: dict = {}
     self._row_shardings: dict = {}
+
+  def _open_shared_tiers(self) -> None:
+    """What depends on the cache's fingerprint, so on the model's weights: blocks a
+    previous run left on disk (adopted only if written under this fingerprint), the
+    remote peers, and the mover over every tier."""
+    config, tiers = self.config, self.tiers
+    if tiers.remote_peers:
+      from jaxkv.tiers.remote import RemoteClient, RemoteTier
+      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s)
+                      for p in tiers.remote_peers]
+      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
+    if self.disk is not None:
+      self._adopt_disk_blocks()
+    # The mover's jitted page moves depend on shapes only: it keeps the config without
+    # the weights, so caches of differently trained models share their compilations.
+    self.mover = TierMover(index=self.index, mesh=self.mesh,
+                           config=dataclasses.replace(config, weights_digest=""),
+                           num_shards=self.num_shards, payload_shape=self.payload_shape,
+                           host=self.host, disk=self.disk, remote=self.remote,
+                           stats=self.stats)
+
+  def _bind_weights(self, digest: str) -> None:
+    """Makes ``digest`` part of the fingerprint (before anything was cached under it)."""
+    if self.config.weights_digest:
+      if self.config.weights_digest != digest:
+        raise ValueError(
+            f"CacheConfig.weights_digest={self.config.weights_digest!r} but the model's "
+            f"weights give {digest!r}: this cache belongs to other weights. Build a cache for "
+            "this model (weights_digest='' computes it) or load the weights it was made for.")
+      return
+    self.config = dataclasses.replace(self.config, weights_digest=digest)
+    self.index.fingerprint = self.config.fingerprint()
+    if self.disk is not None:
+      self.disk.fingerprint = self.config.fingerprint()
+    self._open_shared_tiers()
 
   @property
   def num_arrays(self) -> int:
@@ -104,8 +140,11 @@ class KVCache:
   def attach(self, model: nnx.Module) -> tuple:
     """Allocates the device pools inside ``model``'s ``PagedKV`` layers and takes them
     over. Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
+    if self._pools is not None:
+      raise ValueError("this KVCache already serves a model; build one KVCache per engine.")
     kvnnx.init_pages(model, self.config, self.mesh)
     graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
+    self._bind_weights(identity.weights_digest(model, rest))
     self._pools, self.pool_def = jax.tree.flatten(state)
     return graphdef, rest
 

@@ -41,7 +41,7 @@ from jaxkv.index import Tier
 
 FORMAT = 1
 _FINGERPRINT_FIELDS = ("model_name", "dtype", "page_size", "num_layers", "num_kv_heads",
-                       "head_dim")
+                       "head_dim", "weights_digest")
 
 
 def _manager(directory: str) -> ocp.CheckpointManager:

@@ -61,8 +61,16 @@ class CacheConfig:
   attention_chunk_pages: int = 8
   data_axis: str = "data"
   model_axis: str = "model"
+  # The model's structure and weights (``jaxkv.identity.weights_digest``), part of the
+  # fingerprint: "" = computed from the model when an engine attaches it to the cache.
+  weights_digest: str = ""
 
   def __post_init__(self):
+    _require(
+        isinstance(self.weights_digest, str) and not any(c.isspace() for c in self.weights_digest),
+        f"CacheConfig.weights_digest={self.weights_digest!r} must be a string without spaces "
+        "(a hash of the weights), or '' to compute it from the model.",
+    )
     _require(
         isinstance(self.model_name, str) and self.model_name.strip() != "",
         f"CacheConfig.model_name={self.model_name!r} must be a non-empty string: it is part "
@@ -119,6 +127,7 @@ class CacheConfig:
         "num_layers": self.num_layers,
         "num_kv_heads": self.num_kv_heads,
         "head_dim": self.head_dim,
+        "weights": self.weights_digest,
     }
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).digest()
 
