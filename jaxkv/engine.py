@@ -190,9 +190,10 @@ class Engine:
 
     ``max_seq_len`` bounds prompt + generated tokens (default: the config's maximum);
     ``rows_per_shard`` lists batch buckets (default: every power of two up to
-    ``max_seqs_per_shard``). With lower tiers, also compiles their page transfers and the
-    plan. Runs all-padding steps, which change no page. Returns the number of (prefill,
-    decode) bucket pairs compiled.
+    ``max_seqs_per_shard``). With lower tiers, also compiles their page transfers; when
+    blocks may come from a lower tier or another shard, measures the costs (``cost``
+    policy) and compiles the plan. Runs all-padding steps, which change no page. Returns
+    the number of (prefill, decode) bucket pairs compiled.
     """
     c = self.cache.config
     max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
@@ -201,8 +202,11 @@ class Engine:
     rows = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
     widths = self.runner.warmup(max_seq_len, rows)
     self.cache.set_pools(self.cache.mover.warmup(self.cache.pools, rows[-1] * max(widths)))
-    if self.scheduler.policy == "cost" and (self.cache.host or self.cache.disk):
-      self.planner.warm(widths, rows[-1] * self.cache.num_shards)
+    cache = self.cache
+    cold = (cache.host or cache.disk or cache.remote
+            or (cache.num_shards > 1 and self.config.prefix_reuse))
+    if self.scheduler.policy == "cost" and cold:  # blocks on another tier or shard
+      self.planner.warm(widths, rows[-1] * cache.num_shards)
     jax.block_until_ready(self.cache.pools)
     return len(rows) * len(widths)
 

@@ -5,15 +5,17 @@ submitted to the engine waits in a queue until a row and its pages are free on s
 admission places it (``admission``), the planner picks its split point, its fetches are
 issued at once, and from the next step on it advances one prefill chunk per step: first
 the planned recompute ``[hot, s)``, then, once its fetches are verified (``TierMover``,
-with the read deadline), the rest of the prompt. The chunk that reaches the prompt's end
-yields its first token. From then on it decodes one token per step until it has
-``max_new_tokens`` or produced a stop token; that step it leaves: its blocks are published
-(write-through copies them down), its pages are released, and its row takes the next
-request at the following step.
+with the read deadline), the rest of the prompt. Each chunk's full blocks are published
+(and, under write-through, copied down) as soon as its step is dispatched. The chunk that
+reaches the prompt's end yields its first token. From then on it decodes one token per
+step until it has ``max_new_tokens`` or produced a stop token; that step it leaves: the
+blocks its answer filled are published, its pages are released, and its row takes the
+next request at the following step.
 
-A request whose prompt shares blocks that a running sequence is computing right now (or
-that one ahead of it in the queue will compute), cached nowhere yet, waits until that
-sequence publishes them and then reuses them: a shared new document is prefilled once.
+A request whose prompt shares blocks that are being computed on the shard it would run on
+(by a running sequence there, or by one ahead of it in the queue when there is one data
+shard), cached nowhere yet, waits until they are published and then reuses them: a shared
+new document is prefilled once per device.
 
 A step is at most two jitted calls, each over compact rows (a power of two per shard, as
 many as the busiest shard needs): the decode step for the decoding sequences and the
@@ -182,7 +184,7 @@ class ContinuousBatcher:
       return
     free = self._free_rows()
     running = [self.max_seqs_per_shard - len(f) for f in free]
-    held = self._held_for_shared_prefix(ordinary)
+    held = self._held_for_shared_prefix(ordinary, free)
     candidates = collections.deque(r for r in ordinary if r.index not in held)
     placed = self.admission.admit(candidates, running=running) if any(free) else []
     left = held | {r.index for r in candidates}
@@ -213,33 +215,41 @@ class ContinuousBatcher:
       self.cache.set_pools(pools)
     self.groups.append((group, pending))
 
-  def _held_for_shared_prefix(self, queue) -> set[int]:
-    """Requests that wait this step because blocks of their prompt are being computed by
-    a running sequence (or will be, by one ahead of them in the queue) and are cached
-    nowhere yet: once that sequence publishes its prompt they reuse the blocks instead
-    of computing them a second time. Block keys are chained, so sharing block ``j``
-    means sharing the whole prefix up to it."""
+  def _held_for_shared_prefix(self, queue, free: list[list[int]]) -> set[int]:
+    """Requests that wait this step because blocks of their prompt are being computed,
+    cached nowhere yet, on the shard they would run on: by a running sequence on a shard
+    with a free row (as many as it has free rows), or, with one data shard, by a request
+    ahead of them in the queue.
+    Once the blocks are published they reuse them there instead of computing them a second
+    time on the same device. (On another shard, computing them costs no wait: they run in
+    parallel.) Block keys are chained, so sharing block ``j`` means sharing the whole
+    prefix up to it."""
     if not self.prefix_reuse:
       return set()
-    computing = set()
+    computing: dict = {}  # key -> shard computing it (None: a request ahead in the queue)
     for s in self.running.values():
-      if not s.decoding:
-        computing.update(s.placement.request.keys)
+      if not s.decoding and free[s.placement.shard]:
+        computing.update(dict.fromkeys(s.placement.request.keys, s.placement.shard))
+    one_shard = self.cache.num_shards == 1
+    room = [len(f) for f in free]  # requests that can still join each shard
     index, held = self.cache.index, set()
     for req in queue:
       shared = 0
       while shared < len(req.keys) and req.keys[shared] in computing:
         shared += 1
       last = req.keys[shared - 1] if shared else None
-      if last is not None and all(  # the last shared block is cached nowhere
+      there = None if last is None else computing[last]
+      if last is not None and (one_shard or (there is not None and room[there] > 0)) and all(
           index.slot_of(s, last, t) is None for s in range(self.cache.num_shards)
           for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
         held.add(req.index)
+        if there is not None:
+          room[there] -= 1
         if req.index not in self._held_once:
           self._held_once.add(req.index)
           self.stats.add("shared_prefix_waits")
-      else:  # it computes its own blocks: requests behind it may wait for them
-        computing.update(req.keys)
+      else:  # it computes its own blocks: on one shard, requests behind it may wait
+        computing.update(dict.fromkeys(req.keys[shared:], None))
     return held
 
   def _settle_groups(self) -> None:
@@ -343,6 +353,7 @@ class ContinuousBatcher:
       out, sel = self.runner.prefill(batch, table, self.runner.zero_carry(num_rows))
       if finishing:
         dispatched.append((finishing, row, out, sel))
+      self._publish_chunks(prefilling, rows, row)
     if decoding or prefilling:
       self.stats.add("steps")
     if (decoding and not finishing and self._resident is not None
@@ -367,7 +378,6 @@ class ContinuousBatcher:
           s.handle.ttft_s = now - s.t_submit
           self.stats.ttft_s.append(s.handle.ttft_s)
           s.decoding, s.pos = True, len(s.placement.request.tokens)
-          self._publish_prompt(s)
         else:
           s.pos += 1
         token = int(tokens[row[s.handle.id]])
@@ -384,15 +394,20 @@ class ContinuousBatcher:
       self._leave(s)
     return StepOutput(s.handle, (token,), done)
 
-  def _publish_prompt(self, s: _Seq) -> None:
+  def _publish_chunks(self, seqs: list[_Seq], rows: list, row: dict) -> None:
+    """Publishes the full blocks each sequence's chunk of this step writes, as soon as
+    the step is dispatched: any later read of those pages (another request's step, a
+    copy down) runs after it on the device, so a request waiting for a shared prefix can
+    start once its blocks are written, not once the writer's whole prompt is done."""
     if not self.prefix_reuse:
       return
-    p, page = s.placement, self.cache.config.page_size
-    computed = list(range(p.hot_blocks, s.split)) + list(
-        range(max(s.hit, s.split), len(p.request.tokens) // page))
-    published = []
-    for j in computed:
-      self.executor.publish(p.shard, p.pages[j], p.request.keys, j, published)
+    page, published = self.cache.config.page_size, []
+    chunk_of = {r: (start, len(toks)) for r, toks, start, _ in rows}
+    for s in seqs:
+      start, n = chunk_of[row[s.handle.id]]
+      p = s.placement
+      for j in range(start // page, (start + n) // page):
+        self.executor.publish(p.shard, p.pages[j], p.request.keys, j, published)
     self.executor.write_through(published)
 
   def _leave(self, s: _Seq) -> None:

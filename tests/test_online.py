@@ -2,10 +2,12 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 import helpers
+import jaxkv
 from jaxkv import online, workloads
 
 
@@ -96,10 +98,11 @@ def test_online_needs_continuous_batching_and_a_rate(engines):
 
 
 def test_requests_sharing_a_new_prefix_compute_it_once(mesh):
+  one = jaxkv.make_mesh(data=1, model=2, devices=jax.devices()[:2])  # one data shard
   mc = helpers.tiny_model_config()
-  cc = helpers.cache_config_for(mc, pages_per_shard=40, max_pages_per_seq=16)
-  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=4)
-  fresh = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=4, prefix_reuse=False)
+  cc = helpers.cache_config_for(mc, pages_per_shard=64, max_pages_per_seq=16)
+  engine = helpers.make_engine(one, mc, cache=cc, max_seqs_per_shard=4)
+  fresh = helpers.make_engine(one, mc, cache=cc, max_seqs_per_shard=4, prefix_reuse=False)
   rng = np.random.default_rng(6)
   doc = rng.integers(1, 128, 24).tolist()  # 6 blocks of 4, cached nowhere
   tails = [rng.integers(1, 128, int(rng.integers(1, 6))).tolist() for _ in range(5)]
@@ -121,3 +124,11 @@ def test_requests_sharing_a_new_prefix_compute_it_once(mesh):
     engine.step()
   assert [a.tokens, b.tokens] == fresh.generate([doc2 + [5], doc2 + [9, 9]], 3)
   assert engine.stats()["shared_prefix_waits"] == 5
+  # On several data shards, a request that would run elsewhere computes in parallel.
+  spread = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1)
+  doc3 = rng.integers(1, 128, 24).tolist()
+  handles = [spread.submit(doc3 + [i + 1], 3) for i in range(3)]
+  while spread.has_unfinished():
+    spread.step()
+  assert [h.tokens for h in handles] == fresh.generate([doc3 + [i + 1] for i in range(3)], 3)
+  assert spread.stats()["shared_prefix_waits"] == 0
