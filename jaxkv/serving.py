@@ -184,7 +184,8 @@ class ContinuousBatcher:
       return
     free = self._free_rows()
     running = [self.max_seqs_per_shard - len(f) for f in free]
-    held = self._held_for_shared_prefix(ordinary, free)
+    # Nothing is admitted without a free row: then nobody needs to be held back either.
+    held = self._held_for_shared_prefix(ordinary, free) if any(free) else set()
     candidates = collections.deque(r for r in ordinary if r.index not in held)
     placed = self.admission.admit(candidates, running=running) if any(free) else []
     left = held | {r.index for r in candidates}
