@@ -17,8 +17,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.host_device_count = 8  # virtual CPU devices (XLA_FLAGS), set before JAX starts
   c.seed = 0
   c.mesh = ml_collections.ConfigDict(dict(data=4, model=2))
+  # model_dir: a Hugging Face checkpoint directory (Llama, Mistral, Qwen2) whose weights,
+  # shapes and name replace the ones below (launch/serve.py --model_dir=DIR sets it);
+  # empty: random weights of these shapes from `seed`. `dtype` is used either way.
   c.model = ml_collections.ConfigDict(dict(
-      name="llama-tiny-random",
+      name="llama-tiny-random", model_dir="",
       vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
       head_dim=32, mlp_dim=256, dtype="float32"))
   c.cache = ml_collections.ConfigDict(dict(

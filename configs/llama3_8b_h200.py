@@ -18,8 +18,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.platform = "gpu"
   c.host_device_count = 0
   c.mesh = ml_collections.ConfigDict(dict(data=1, model=1))
+  # Random weights of these shapes; --model_dir=DIR (launch/serve.py) or
+  # --config.model.model_dir=DIR serves a Hugging Face checkpoint instead (BUILD.md).
   c.model = ml_collections.ConfigDict(dict(
-      name="llama-3-8b-random", vocab_size=128256, hidden_size=4096, num_layers=32,
+      name="llama-3-8b-random", model_dir="",
+      vocab_size=128256, hidden_size=4096, num_layers=32,
       num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16"))
   # One block = 2 (K,V) x 32 layers x 8 kv heads x 16 tokens x 128 x 2 bytes = 2 MiB.
   # 48 GiB of HBM for KV (weights take 16 GB, activations the rest): 24576 pages.

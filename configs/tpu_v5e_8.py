@@ -18,8 +18,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.platform = "tpu"
   c.host_device_count = 0
   c.mesh = ml_collections.ConfigDict(dict(data=4, model=2))
+  # Random weights of these shapes; --model_dir=DIR (launch/serve.py) or
+  # --config.model.model_dir=DIR serves a Hugging Face checkpoint instead (BUILD.md).
   c.model = ml_collections.ConfigDict(dict(
-      name="llama-3-8b-random", vocab_size=128256, hidden_size=4096, num_layers=32,
+      name="llama-3-8b-random", model_dir="",
+      vocab_size=128256, hidden_size=4096, num_layers=32,
       num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16"))
   # 2 MiB per block, 1 MiB per chip; 6 GiB of KV per chip: 6144 pages per data shard.
   c.cache = ml_collections.ConfigDict(dict(

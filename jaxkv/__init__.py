@@ -1,8 +1,8 @@
 """jaxkv: a tiered, sharded KV cache for LLM inference in JAX.
 
 The public API is this module's names plus ``jaxkv.nnx`` (the layer a Flax NNX model
-calls), ``jaxkv.models`` (a small Llama-style decoder) and ``jaxkv.ops`` (paged
-attention). Everything else is internal.
+calls), ``jaxkv.models`` (the Llama family's decoder, random or from a Hugging Face
+checkpoint) and ``jaxkv.ops`` (paged attention). Everything else is internal.
 """
 
 from jaxkv import models, nnx, ops
@@ -14,6 +14,7 @@ from jaxkv.identity import weights_digest
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
 from jaxkv.pages import make_mesh
+from jaxkv.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "PrefillCurve",
     "PrefixIndex",
     "SamplingParams",
+    "Tokenizer",
     "SchedulerConfig",
     "StreamConfig",
     "plan",

@@ -55,6 +55,7 @@ class Engine:
     self.scheduler = scheduler or SchedulerConfig()
     self.mesh = cache.mesh
     _check_stream(stream, cache, config)
+    _check_context(model, cache)
     self.model = model
     self.runner = ModelRunner(model, cache, config.prefill_chunk_pages)
     self.vocab_size = self.runner.vocab_size
@@ -247,6 +248,18 @@ class Engine:
   def stats(self) -> dict:
     """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request."""
     return self.cache.stats.as_dict(evictions=self.cache.index.counters.evictions)
+
+
+def _check_context(model, cache: KVCache) -> None:
+  """A model that computes only up to ``max_context`` tokens as its checkpoint does (a
+  sliding window jaxkv's attention does not apply) gets no cache for longer sequences."""
+  limit = getattr(model, "max_context", None)
+  c = cache.config
+  if limit and c.max_pages_per_seq * c.page_size > limit:
+    raise ValueError(
+        f"the model attends over at most {limit} tokens (its sliding window) but "
+        f"CacheConfig allows sequences of max_pages_per_seq={c.max_pages_per_seq} x "
+        f"page_size={c.page_size} tokens; set max_pages_per_seq <= {limit // c.page_size}.")
 
 
 def _check_stream(stream: StreamConfig | None, cache: KVCache, config: EngineConfig) -> None:

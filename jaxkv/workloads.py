@@ -246,12 +246,18 @@ class Trace(Workload):
   optional ``"round"`` (default 0; rounds run in order), ``"max_new_tokens"`` (default 16),
   ``"stop_token_ids"`` (ids that end the answer) and ``"arrival_s"`` (seconds from the
   start: online runs submit the request then; give it on every line or on none).
-  Online, each line is one user with one request."""
+  Online, each line is one user with one request.
 
-  _FORMAT = ('each line needs {"prompt": [token ids]} and may have "round": int, '
-             '"max_new_tokens": int, "stop_token_ids": [ids], "arrival_s": seconds')
+  With a ``tokenizer`` (``jaxkv.tokenizer.Tokenizer``), a line may give text instead:
+  ``"prompt": "some text"`` (encoded with the tokenizer's special tokens) or
+  ``"messages": [{"role": ..., "content": ...}]`` (through its chat template); such a line
+  stops at the tokenizer's end-of-sequence ids unless it names ``stop_token_ids``."""
 
-  def __init__(self, path: str, vocab_size: int):
+  _FORMAT = ('each line needs {"prompt": [token ids]} (or, with a tokenizer, "prompt": '
+             '"text" or "messages": [...]) and may have "round": int, "max_new_tokens": int, '
+             '"stop_token_ids": [ids], "arrival_s": seconds')
+
+  def __init__(self, path: str, vocab_size: int, tokenizer=None):
     import json
     import math
     import os
@@ -264,9 +270,10 @@ class Trace(Workload):
           continue
         try:
           obj = json.loads(line)
-          prompt = [int(t) for t in obj["prompt"]]
+          prompt, stops = self._prompt(obj, tokenizer)
           sp = SamplingParams(max_new_tokens=int(obj.get("max_new_tokens", 16)),
-                              stop_token_ids=tuple(int(t) for t in obj.get("stop_token_ids", ())))
+                              stop_token_ids=tuple(int(t) for t in obj.get("stop_token_ids",
+                                                                           stops)))
           arrival = obj.get("arrival_s")
           if arrival is not None:
             arrival = float(arrival)
@@ -292,6 +299,19 @@ class Trace(Workload):
     self.rounds = len(self._rounds)
     self.users = len(self._requests)
     self.max_new_tokens = max(r[2].max_new_tokens for r in self._requests)
+
+  @staticmethod
+  def _prompt(obj: dict, tokenizer) -> tuple[list[int], tuple]:
+    """A line's prompt ids and its default stop ids."""
+    text = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None
+    if text is None and "messages" not in obj:
+      return [int(t) for t in obj["prompt"]], ()
+    if tokenizer is None:
+      raise ValueError("a text prompt needs a tokenizer (serve a --model_dir that has "
+                       "tokenizer.json)")
+    ids = (tokenizer.encode(text) if text is not None
+           else tokenizer.encode_chat(obj["messages"]))
+    return ids, tokenizer.eos_token_ids
 
   @property
   def turns_per_user(self) -> int:
@@ -321,9 +341,10 @@ class Trace(Workload):
     return max(len(r[1]) + r[2].max_new_tokens for r in self._requests)
 
 
-def from_config(w, vocab_size: int, seed: int):
+def from_config(w, vocab_size: int, seed: int, tokenizer=None):
   """A workload from a config's ``workload`` section: ``kind`` picks the type and the
-  sub-section of that name holds its fields (``workload.chat.users``, ...)."""
+  sub-section of that name holds its fields (``workload.chat.users``, ...). A
+  ``tokenizer`` lets a trace give text prompts."""
   w = dict(w.to_dict() if hasattr(w, "to_dict") else w)
   kind = w.get("kind", "chat")
   kinds = {"chat": (ChatSpec, Chat), "rag": (RagSpec, Rag), "agent": (AgentSpec, Agent)}
@@ -331,7 +352,7 @@ def from_config(w, vocab_size: int, seed: int):
     raise ValueError(f"workload kind={kind!r} is not one of {sorted(kinds) + ['trace']}.")
   w = dict(w.get(kind) or {})
   if kind == "trace":
-    return Trace(w.get("path", ""), vocab_size)
+    return Trace(w.get("path", ""), vocab_size, tokenizer)
   spec_cls, run_cls = kinds[kind]
   fields = {f.name for f in dataclasses.fields(spec_cls)}
   unknown = sorted(set(w) - fields)

@@ -51,6 +51,10 @@ _DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in bl
 _RATE = flags.DEFINE_float("request_rate", 0.0, "Online load: users arriving per second "
                            "(Poisson); 0 = run the workload in rounds. A trace whose lines "
                            "carry arrival_s arrives at those times.", lower_bound=0.0)
+_MODEL_DIR = flags.DEFINE_string(
+    "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2) instead of "
+    "the config's random weights: its shapes replace the config's model section; a trace "
+    "may then give text prompts (its tokenizer.json).")
 _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (exponential) "
                             "between a user's answer and its next request.", lower_bound=0.0)
 
@@ -69,14 +73,30 @@ def main(argv):
     raise ValueError(f"config {cfg.name} is for platform {cfg.platform!r} but this machine runs "
                      f"{jax.default_backend()!r}; size it with launch/plan.py --config=... instead.")
 
+  model_dir = _MODEL_DIR.value or cfg.model.get("model_dir", "")
+  tokenizer = None
+  if model_dir:
+    from jaxkv.tokenizer import Tokenizer
+    builder.use_model_dir(cfg, model_dir)
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+      tokenizer = Tokenizer.from_dir(model_dir)
+
   policies = [_POLICY.value] + ([p for p in builder.POLICIES if p != _POLICY.value]
                                 if _COMPARE.value else [])
-  engines = {p: builder.build_engine(cfg, policy=p) for p in policies}
+  mesh = builder.make_mesh_for(cfg)
+  t_load = time.perf_counter()
+  model = builder.load_model(cfg, mesh)  # once: the engines share its weights
+  if model_dir:
+    print(f"loaded {model_dir} in {time.perf_counter() - t_load:.1f} s")
+  models = [model] + [builder.share_weights(model) for _ in policies[1:]]
+  engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m)
+             for p, m in zip(policies, models)}
   if _TRACE.value:
     with cfg.unlocked():
       cfg.workload.kind = "trace"
       cfg.workload.trace.path = _TRACE.value
-  make_work = lambda: workloads.from_config(cfg.workload, cfg.model.vocab_size, cfg.seed)
+  make_work = lambda: workloads.from_config(cfg.workload, cfg.model.vocab_size, cfg.seed,
+                                            tokenizer)
   work = make_work()
   online = bool(_RATE.value) or work.arrivals() is not None  # a trace with arrival times
   if online and multi:
@@ -149,6 +169,11 @@ def main(argv):
     result["online"] = {"request_rate": _RATE.value, "think_time_s": _THINK.value,
                         "arrivals": "trace" if not _RATE.value else "poisson"}
   result["tier_occupancy_blocks"] = occupancy
+  if tokenizer is not None:  # text out: every answer of the main policy, in request order
+    result["texts"] = [tokenizer.decode(o) for o in outputs[main_policy]]
+    if cfg.workload.kind == "trace":
+      for i, text in enumerate(result["texts"]):
+        print(f"answer {i}: {' '.join(text.split())[:120]}")
   print()
   print(_summary_table(result["summary"]))
   print(f"output_digest {result['output_digest']}")

@@ -1,5 +1,8 @@
-"""Models built on the public ``jaxkv.nnx`` layer (used by tests, examples, benchmarks)."""
+"""Models built on the public ``jaxkv.nnx`` layer: the Llama family's decoder, random or
+loaded from a Hugging Face checkpoint (``from_pretrained``)."""
 
-from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.hf import ARCHITECTURES, CheckpointError, from_pretrained, llama_config
+from jaxkv.models.llama import Llama, LlamaConfig, RopeScaling
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "Llama", "LlamaConfig", "RopeScaling",
+           "from_pretrained", "llama_config"]

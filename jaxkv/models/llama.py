@@ -1,14 +1,18 @@
-"""A small Llama-style decoder in Flax NNX whose attention keeps its KV in jaxkv pages.
+"""The Llama family's decoder in Flax NNX, with its attention's KV in jaxkv pages.
 
-RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP. It uses
-only the public layer ``jaxkv.nnx`` (``PagedKV`` + ``PageBatch``), exactly as a user's
-own model would. Sizes are configurable so tests can run many shapes on CPU and
-benchmarks can build realistic ones with random weights.
+RMSNorm, rotary position embeddings (the rotate-half convention of Hugging Face
+checkpoints, with Llama 3's frequency scaling), grouped-query attention and a SwiGLU MLP;
+optional q/k/v biases (Qwen2) and an output head tied to the embedding. It uses only the
+public layer ``jaxkv.nnx`` (``PagedKV`` + ``PageBatch``), exactly as a user's own model
+would. ``jaxkv.models.from_pretrained`` fills it from a checkpoint; sizes are
+configurable so tests run many shapes on CPU and benchmarks build realistic ones with
+random weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,26 @@ from flax import nnx
 
 from jaxkv import nnx as kvnnx
 from jaxkv.config import SUPPORTED_DTYPES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama 3's RoPE frequency scaling (``rope_scaling`` with ``rope_type: llama3``):
+  wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+  divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and the band
+  between interpolated."""
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(f"RopeScaling({self}) needs factor > 0 and high_freq_factor > "
+                       "low_freq_factor > 0.")
+    if self.original_max_position_embeddings <= 0:
+      raise ValueError(f"RopeScaling.original_max_position_embeddings="
+                       f"{self.original_max_position_embeddings} must be positive.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,8 +54,24 @@ class LlamaConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   dtype: str = "float32"  # activations and weights
+  rope_scaling: RopeScaling | None = None  # a RopeScaling or its fields as a mapping
+  qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama attention_bias)
+  out_bias: bool = False  # a bias on the output projection (Llama attention_bias)
+  tie_embeddings: bool = False  # the output head is the embedding matrix transposed
+  # Attention in the checkpoint's own model reaches back at most this many tokens (0: no
+  # limit). jaxkv's attention does not window, so sequences are limited to it instead.
+  sliding_window: int = 0
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict) or hasattr(self.rope_scaling, "to_dict"):
+      d = dict(self.rope_scaling.to_dict() if hasattr(self.rope_scaling, "to_dict")
+               else self.rope_scaling)
+      object.__setattr__(self, "rope_scaling", RopeScaling(**d) if d else None)
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} must be a "
+                       "jaxkv.models.RopeScaling, its fields as a mapping, or None.")
+    if self.sliding_window < 0:
+      raise ValueError(f"LlamaConfig.sliding_window={self.sliding_window} must be >= 0.")
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "mlp_dim"):
       v = getattr(self, name)
@@ -47,6 +87,8 @@ class LlamaConfig:
 
 
 class RMSNorm(nnx.Module):
+  """Normalises in float32, rounds to the activations' dtype, then scales (the order of
+  the Hugging Face Llama implementation; in float32 the rounding is a no-op)."""
 
   def __init__(self, dim: int, eps: float, dtype):
     self.eps = eps
@@ -55,13 +97,28 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.scale.get_value().astype(jnp.float32)).astype(x.dtype)
+    return (self.scale.get_value() * x32.astype(x.dtype)).astype(x.dtype)
 
 
-def apply_rope(x, positions, theta: float):
-  """x: [B, T, H, D]; positions: [B, T] (negative = padding, treated as 0)."""
-  d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+  """The ``head_dim / 2`` rotary frequencies (radians per position), float32."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is not None:
+    wavelen = 2 * math.pi / inv_freq
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    inv_freq = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+                         jnp.where(wavelen < high_wavelen, inv_freq, between))
+  return inv_freq
+
+
+def apply_rope(x, positions, theta: float, scaling: RopeScaling | None = None):
+  """x: [B, T, H, D]; positions: [B, T] (negative = padding, treated as 0). Rotates the
+  pair (i, i + D/2) by position x frequency i (rotate-half)."""
+  inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
   angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -72,12 +129,13 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.dtype)
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+    lin = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dt, param_dtype=dt,
+                                        rngs=rngs)
     self.cfg = cfg
-    self.q_proj = lin(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
-    self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
-    self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
-    self.o_proj = lin(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+    self.q_proj = lin(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
+    self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+    self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+    self.o_proj = lin(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.out_bias)
     self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
 
   def __call__(self, x, batch: kvnnx.PageBatch):
@@ -86,8 +144,8 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
     k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    q = apply_rope(q, batch.positions, c.rope_theta)
-    k = apply_rope(k, batch.positions, c.rope_theta)
+    q = apply_rope(q, batch.positions, c.rope_theta, c.rope_scaling)
+    k = apply_rope(k, batch.positions, c.rope_theta, c.rope_scaling)
     out = self.kv(q, k, v, batch)
     return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
 
@@ -130,11 +188,21 @@ class Llama(nnx.Module):
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
-    self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dt,
-                              param_dtype=dt, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dt,
+                                param_dtype=dt, rngs=rngs)
+
+  @property
+  def max_context(self) -> int | None:
+    """The longest sequence this model computes as its checkpoint's own implementation
+    does (a sliding-window checkpoint's window), or None: no limit. The engine refuses a
+    cache whose sequences could be longer."""
+    return self.cfg.sliding_window or None
 
   def __call__(self, tokens, batch: kvnnx.PageBatch):
     x = self.embed(tokens)
     for layer in self.layers:
       x = layer(x, batch)
-    return self.lm_head(self.norm(x)).astype(jnp.float32)
+    x = self.norm(x)
+    logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
+    return logits.astype(jnp.float32)
