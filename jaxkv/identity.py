@@ -46,12 +46,13 @@ def _settings(module) -> dict:
 
 def _sample(x) -> np.ndarray:
   from jaxkv.distributed import to_host
-  flat = x.reshape(-1)
-  n = flat.shape[0]
+  n = int(np.prod(x.shape))
   if n == 0:
     return np.zeros((0,), np.uint8)
   idx = np.unique(np.linspace(0, n - 1, min(n, SAMPLE)).astype(np.int64))
-  return to_host(flat[idx])
+  # A gather at the sampled coordinates: no reshape, so a tensor split over devices is
+  # never assembled whole on one of them.
+  return to_host(x[np.unravel_index(idx, x.shape)] if x.ndim else x.reshape(1))
 
 
 def weights_digest(model: nnx.Module, weights=None) -> str:

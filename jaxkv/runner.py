@@ -124,8 +124,9 @@ class ModelRunner:
     self.cache = cache
     self.mesh, self.config = cache.mesh, cache.config
     graphdef, rest = cache.attach(model)
-    self.weights, weight_def = jax.tree.flatten(
-        jax.device_put(rest, NamedSharding(self.mesh, P())))  # replicated, flat
+    # Weights already on this mesh keep their placement (e.g. split over the model axis
+    # by from_pretrained); any other is replicated over it. Flat from here on.
+    self.weights, weight_def = jax.tree.flatten(jax.tree.map(self._on_mesh, rest))
     self.steps = _compiled_steps(graphdef, cache.pool_def, weight_def, self.mesh, self.config)
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
     # A chunk's width, and narrower steps for a prompt's last, partial chunk.
@@ -133,6 +134,12 @@ class ModelRunner:
     self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
+
+  def _on_mesh(self, leaf):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+      return leaf
+    return jax.device_put(leaf, NamedSharding(self.mesh, P()))
 
   @property
   def trace_counts(self) -> collections.Counter:

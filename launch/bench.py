@@ -10,7 +10,9 @@ engine (no cache vs device-only LRU vs jaxkv with tiers, a quarter of the workin
 stream (decoding a context 4x the device budget, streamed from host, against all on device);
 remote (blocks pulled from another job against loopback TCP and against recomputing);
 load (Poisson arrivals under, near and over saturation: continuous batching vs waves vs no cache);
-overhead (one device: jaxkv's steps against a plain dense-KV loop written in the bench).
+overhead (one device: jaxkv's steps against a plain dense-KV loop written in the bench);
+weights (loading a Hugging Face checkpoint: time and peak host memory against
+safetensors.load_file + device_put and against reading the files).
 """
 
 import time
@@ -19,7 +21,8 @@ from absl import flags
 
 import _common
 
-SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead")
+SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
+          "weights")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -41,6 +44,9 @@ def _print(result: dict) -> None:
     print(f"  {label:5s} {row['requests_per_s']:6.2f} req/s  " + "  ".join(
         f"{name}: {fig['tokens_per_s']:6.1f} tok/s p90 {1e3 * fig['ttft_p90_s']:6.0f} ms"
         for name, fig in row.items() if isinstance(fig, dict)))
+  for name, fig in result.get("loads", {}).items():
+    print(f"  load {name:10s} {fig['seconds']:7.2f} s {fig['gb_per_s']:6.2f} GB/s  peak anon "
+          f"{fig['peak_anon_bytes'] / 2**20:8.0f} MiB  file {fig['peak_file_bytes'] / 2**20:8.0f} MiB")
   for group in ("host", "disk"):
     for name, fig in result.get(group, {}).items():
       print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
@@ -72,6 +78,9 @@ def main(argv):
   elif _SUITE.value == "overhead":
     from jaxkv.bench import overhead
     result = overhead.run(quick=_QUICK.value)
+  elif _SUITE.value == "weights":
+    from jaxkv.bench import weights
+    result = weights.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
   else:
     from jaxkv.bench import remote
     result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -57,6 +57,9 @@ def main(argv):
   link, prefill, page = _LINK.value, _PREFILL.value, _PAGE.value
   latency = _LATENCY.value
   if cfg is not None:
+    if cfg.model.get("model_dir"):  # a checkpoint's shapes replace the config's
+      from jaxkv import builder
+      builder.use_model_dir(cfg, cfg.model.model_dir)
     m, hw = cfg.model, cfg.get("hardware", {})
     layers, kv_heads, head_dim = (layers or m.num_layers, kv_heads or m.num_kv_heads,
                                   head_dim or m.head_dim)

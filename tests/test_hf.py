@@ -77,9 +77,19 @@ def test_the_model_is_built_from_the_checkpoint_not_initialised(tmp_path, mesh):
   model = from_pretrained(path, mesh=mesh, dtype="bfloat16")
   assert model.cfg.tie_embeddings and model.cfg.qkv_bias and not model.cfg.out_bias
   assert not hasattr(model, "lm_head")
-  kernel = model.layers[0].attn.q_proj.kernel.get_value()
-  assert kernel.dtype == np.dtype("bfloat16") and kernel.sharding.is_fully_replicated
-  assert len(kernel.sharding.device_set) == mesh.size
+  # Tensor-parallel over the model axis (2 devices): whole heads per device, rows of the
+  # output projections, vocabulary of nothing here (tied: the embedding is replicated).
+  q = model.layers[0].attn.q_proj.kernel.get_value()  # [32, 4 heads x 8]
+  assert q.dtype == np.dtype("bfloat16") and len(q.sharding.device_set) == mesh.size
+  assert {s.data.shape for s in q.addressable_shards} == {(32, 16)}
+  assert {s.data.shape for s in model.layers[0].attn.q_proj.bias.get_value()
+          .addressable_shards} == {(16,)}
+  assert {s.data.shape for s in model.layers[0].mlp.down.kernel.get_value()
+          .addressable_shards} == {(32, 32)}  # [mlp 64, hidden 32]: rows split
+  assert model.embed.embedding.get_value().sharding.is_fully_replicated
+  want = hf.random_weights(cfg, seed=0)["model.layers.0.self_attn.q_proj.weight"].T
+  np.testing.assert_array_equal(np.asarray(q, np.float32),
+                                want.astype(np.dtype("bfloat16")).astype(np.float32))
 
 
 def write_bad(tmp_path, name, *, drop=None, shape=None, **cfg_overrides):

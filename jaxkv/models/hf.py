@@ -9,10 +9,16 @@ Reads ``config.json`` and the weights (``model.safetensors``, or the shards that
 checkpoint's q/k projections are used as they are: Hugging Face stores them for the
 rotate-half RoPE that ``jaxkv.models.llama.apply_rope`` applies.
 
-Memory: the model is built abstract (no random initialisation), then each tensor is read
-from its file (memory-mapped), converted, placed on the mesh (replicated, as the engine
-runs the weights) and dropped from host memory before the next: the host holds about one
-tensor at a time, never the checkpoint.
+Placement (``mesh`` given): tensor-parallel over the mesh's model axis, the axis that
+already splits the KV heads. q/k/v, gate and up projections are split by output columns
+(whole heads: a device computes the heads whose pages it holds), o and down projections by
+input rows (XLA sums the partial products), the output head by vocabulary; embedding and
+norms are replicated, and every tensor is replicated over the data axis. A dimension the
+axis does not divide stays whole. Without a mesh: the first device.
+
+Memory: the model is built abstract (no random initialisation); each device's part of a
+tensor is read from its memory-mapped file as a slice, converted and placed, so the host
+holds at most one tensor's part at a time, never the checkpoint.
 
 Anything the loader does not support (an architecture, an activation, a RoPE scaling type,
 a missing or misshapen tensor) is refused with one line naming it.
@@ -20,6 +26,7 @@ a missing or misshapen tensor) is refused with one line naming it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -121,6 +128,54 @@ def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
     yield ("lm_head", "kernel"), "lm_head.weight", True
 
 
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+class SafetensorsFile:
+  """A safetensors file's tensors as read-only views of one memory map: nothing is read
+  until a slice is copied, and a device's slice is copied once, straight to the device.
+  (The format: an 8-byte little-endian header length, a JSON header of name -> dtype,
+  shape, data offsets, then the data.)"""
+
+  def __init__(self, file: str):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+    self.file = file
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+      head = f.read(8)
+      n = int.from_bytes(head, "little") if len(head) == 8 else -1
+      if not 0 < n <= size - 8:
+        raise CheckpointError(f"{file} is not a safetensors file (header length {n}, file "
+                              f"size {size}).")
+      try:
+        self.header = json.loads(f.read(n))
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} has an unreadable safetensors header ({e}).") from None
+    self.header.pop("__metadata__", None)
+    self._data = np.memmap(file, np.uint8, "r", offset=8 + n) if size > 8 + n else None
+
+  def keys(self):
+    return self.header.keys()
+
+  def shape(self, name: str) -> tuple:
+    return tuple(self.header[name]["shape"])
+
+  def view(self, name: str) -> np.ndarray:
+    entry = self.header[name]
+    dtype = _DTYPES.get(entry.get("dtype"))
+    if dtype is None:
+      raise CheckpointError(f"tensor {name!r} in {self.file} has dtype {entry.get('dtype')!r}; "
+                            f"jaxkv reads {', '.join(_DTYPES)}.")
+    start, stop = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    dt = np.dtype(dtype)
+    if (self._data is None or not 0 <= start <= stop <= self._data.shape[0]
+        or stop - start != dt.itemsize * int(np.prod(shape))):
+      raise CheckpointError(f"tensor {name!r} in {self.file} has offsets {start}..{stop} that do "
+                            f"not hold {shape} {dtype} within the file (truncated?).")
+    return self._data[start:stop].view(dt).reshape(shape)
+
+
 def _weight_files(path: str) -> dict[str, str]:
   """Tensor name -> the safetensors file holding it."""
   index = os.path.join(path, _INDEX)
@@ -134,22 +189,39 @@ def _weight_files(path: str) -> dict[str, str]:
   if not os.path.exists(single):
     raise CheckpointError(f"{path!r} has neither {_SINGLE} nor {_INDEX}; jaxkv reads "
                           "safetensors weights only.")
-  from safetensors import safe_open
-  with safe_open(single, framework="np") as f:
-    return {name: single for name in f.keys()}
+  return {name: single for name in SafetensorsFile(single).keys()}
 
 
-def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None) -> Llama:
+def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: int) -> P:
+  """Where a parameter of ``Llama`` lives on a mesh whose model axis has ``axis_size``
+  devices (see the module docstring)."""
+  leaf, owner = nnx_path[-1], nnx_path[-2]
+  if owner in ("q_proj", "k_proj", "v_proj", "gate", "up", "lm_head"):
+    dim = len(shape) - 1  # output columns (a q/k/v bias has only those)
+  elif owner in ("o_proj", "down") and leaf == "kernel":
+    dim = 0  # input rows
+  else:
+    return P()
+  if axis_size == 1 or shape[dim] % axis_size:
+    return P()
+  spec = [None] * len(shape)
+  spec[dim] = model_axis
+  return P(*spec)
+
+
+def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None,
+                    model_axis: str = "model") -> Llama:
   """A ``Llama`` holding the checkpoint in directory ``path``.
 
   ``dtype``: the weights' and activations' dtype (default: the checkpoint's
-  ``torch_dtype``). ``mesh``: where the weights go (replicated over it; default: the
-  first device). Weights are read tensor by tensor (see the module docstring)."""
-  from safetensors import safe_open
+  ``torch_dtype``). ``mesh``: where the weights go, split over its ``model_axis`` (the
+  ``CacheConfig.model_axis`` of the cache it will serve; default: the first device).
+  Weights are read slice by slice (see the module docstring)."""
   cfg = llama_config(read_config(path), dtype=dtype)
   files = _weight_files(path)
-  sharding = (NamedSharding(mesh, P()) if mesh is not None
-              else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  if mesh is not None and model_axis not in mesh.shape:
+    raise CheckpointError(f"mesh axes {tuple(mesh.shape)} have no model_axis={model_axis!r}; "
+                          "pass the axis the cache splits KV heads over.")
   abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   flat = dict(nnx.to_flat_state(params))
@@ -163,25 +235,57 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   if unknown:  # the model has a parameter this loader does not fill: a bug here
     raise AssertionError(f"parameters without a checkpoint tensor: {sorted(unknown)}")
   dt = jnp.dtype(cfg.dtype)
-  handles: dict[str, object] = {}
-  try:
-    for nnx_path, name, transposed in wanted:
-      file = files[name]
-      if file not in handles:
-        handles[file] = safe_open(file, framework="np").__enter__()
-      value = handles[file].get_tensor(name)
-      if transposed:
-        value = value.T
-      want = flat[nnx_path].get_value().shape
-      if tuple(value.shape) != tuple(want):
-        raise CheckpointError(
-            f"tensor {name!r} has shape {tuple(value.shape if not transposed else value.T.shape)}"
-            f"; config.json implies {tuple(want if not transposed else want[::-1])}.")
-      flat[nnx_path].set_value(jax.device_put(np.asarray(value, dt), sharding))
-      del value
-  finally:
-    for h in handles.values():
-      h.__exit__(None, None, None)
+  handles: dict[str, SafetensorsFile] = {}
+  for nnx_path, name, transposed in wanted:
+    file = files[name]
+    if file not in handles:
+      if not os.path.exists(file):
+        raise CheckpointError(f"{file} (listed for tensor {name!r}) does not exist.")
+      handles[file] = SafetensorsFile(file)
+    if name not in handles[file].header:
+      raise CheckpointError(f"tensor {name!r} is not in {file}, where the index puts it.")
+    theirs = handles[file].shape(name)
+    want = tuple(flat[nnx_path].get_value().shape)
+    if (theirs[::-1] if transposed else theirs) != want:
+      raise CheckpointError(f"tensor {name!r} has shape {theirs}; config.json implies "
+                            f"{want[::-1] if transposed else want}.")
+    flat[nnx_path].set_value(_place(handles[file].view(name), want, transposed, dt, nnx_path,
+                                    mesh, model_axis))
+  handles.clear()  # the memory maps close with their last view
   placed = nnx.from_flat_state(flat)
   rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)
   return nnx.merge(graphdef, placed, rest)
+
+
+def _place(tensor: np.ndarray, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Mesh | None,
+           model_axis: str) -> jax.Array:
+  """One parameter on its devices, each reading only its slice of the file. A linear
+  layer's matrix is placed as stored ([out, in]) and transposed on the devices (XLA's
+  transpose is many times faster than a strided copy on the host)."""
+  if mesh is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    stored_sharding = sharding
+  else:
+    spec = partition_spec(nnx_path, shape, model_axis, mesh.shape[model_axis])
+    sharding = NamedSharding(mesh, spec)
+    stored_sharding = NamedSharding(mesh, P(*tuple(spec)[::-1])) if transposed else sharding
+  parts: dict = {}  # devices holding the same slice (data-axis replicas) read it once
+
+  def read(index: tuple) -> np.ndarray:
+    key = tuple((i.start, i.stop) for i in index)
+    if key not in parts:  # a view when the dtype is the file's: the device copy is the read
+      parts[key] = np.asarray(tensor[index], dt)
+    return parts[key]
+
+  stored = shape[::-1] if transposed else shape
+  array = jax.make_array_from_callback(stored, stored_sharding, read)
+  parts.clear()
+  if transposed:
+    array = _transpose(stored_sharding, sharding)(array)
+  return array
+
+
+@functools.lru_cache(maxsize=None)
+def _transpose(in_sharding, out_sharding):
+  return jax.jit(lambda x: x.T, in_shardings=in_sharding, out_shardings=out_sharding,
+                 donate_argnums=0)
