@@ -25,3 +25,20 @@ def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
              - host["jaxkv_host_to_device"]["gb_per_s"] / host["memcpy"]["gb_per_s"]) < 1e-6
   assert r["chunk_layout"]["gather_1_per_chunk"]["reps"] == 2
   assert len(r["machine"]["devices"]) == 8 and r["suite"] == "tiers"
+
+
+def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
+  out = tmp_path / "weights.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "launch/bench.py", "--suite=weights", "--quick",
+                         f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert r["all_loaded_bytes_equal"] and r["checkpoint_bytes"] > 0
+  loads = r["loads"]
+  assert set(loads) == {"jaxkv", "load_file", "read"}
+  assert abs(r["load_vs_load_file"]
+             - loads["load_file"]["seconds"] / loads["jaxkv"]["seconds"]) < 1e-9
+  assert all(f["reps"] == 2 and f["seconds_min"] <= f["seconds"] <= f["seconds_max"]
+             for f in loads.values())

@@ -102,6 +102,13 @@ def write_bad(tmp_path, name, *, drop=None, shape=None, **cfg_overrides):
   return hf.write_checkpoint(str(tmp_path / name), cfg, weights)
 
 
+def truncate(path):
+  file = os.path.join(path, "model.safetensors")
+  with open(file, "r+b") as f:
+    f.truncate(os.path.getsize(file) - 100)
+  return path
+
+
 @pytest.mark.parametrize("kind,needle", [
     ("arch", "architecture 'GPT2LMHeadModel' is not supported"),
     ("missing", "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
@@ -109,6 +116,7 @@ def write_bad(tmp_path, name, *, drop=None, shape=None, **cfg_overrides):
     ("rope", "rope_scaling type 'yarn' is not supported"),
     ("act", "hidden_act='gelu' is not supported"),
     ("nodir", "does not exist"),
+    ("truncated", "truncated?"),
 ])
 def test_an_unloadable_checkpoint_is_refused_in_one_line(kind, needle, tmp_path):
   path = {
@@ -118,6 +126,7 @@ def test_an_unloadable_checkpoint_is_refused_in_one_line(kind, needle, tmp_path)
       "rope": lambda: write_bad(tmp_path, "r", rope_scaling=dict(rope_type="yarn", factor=4.0)),
       "act": lambda: write_bad(tmp_path, "g", hidden_act="gelu"),
       "nodir": lambda: str(tmp_path / "nowhere"),
+      "truncated": lambda: truncate(write_bad(tmp_path, "t")),
   }[kind]()
   with pytest.raises(CheckpointError) as e:
     from_pretrained(path)

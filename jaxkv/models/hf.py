@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -128,7 +129,8 @@ def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
     yield ("lm_head", "kernel"), "lm_head.weight", True
 
 
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+           "F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
 
 
 class SafetensorsFile:
@@ -138,7 +140,6 @@ class SafetensorsFile:
   shape, data offsets, then the data.)"""
 
   def __init__(self, file: str):
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
     self.file = file
     size = os.path.getsize(file)
     with open(file, "rb") as f:
@@ -162,17 +163,16 @@ class SafetensorsFile:
 
   def view(self, name: str) -> np.ndarray:
     entry = self.header[name]
-    dtype = _DTYPES.get(entry.get("dtype"))
-    if dtype is None:
+    dt = _DTYPES.get(entry.get("dtype"))
+    if dt is None:
       raise CheckpointError(f"tensor {name!r} in {self.file} has dtype {entry.get('dtype')!r}; "
                             f"jaxkv reads {', '.join(_DTYPES)}.")
     start, stop = entry["data_offsets"]
     shape = tuple(entry["shape"])
-    dt = np.dtype(dtype)
     if (self._data is None or not 0 <= start <= stop <= self._data.shape[0]
         or stop - start != dt.itemsize * int(np.prod(shape))):
       raise CheckpointError(f"tensor {name!r} in {self.file} has offsets {start}..{stop} that do "
-                            f"not hold {shape} {dtype} within the file (truncated?).")
+                            f"not hold {shape} {dt} within the file (truncated?).")
     return self._data[start:stop].view(dt).reshape(shape)
 
 
