@@ -31,6 +31,7 @@ from jaxkv.cache import CapacityError
 from jaxkv.config import SamplingParams
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.tiers.base import Fetch
+from jaxkv.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +89,11 @@ class Admission:
     integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``."""
     c = self.cache.config
     if not isinstance(tenant, str) or not tenant:
-      raise ValueError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
+      raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
       prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
-      raise ValueError("prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]].")
+      raise InputError("prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]].")
     params = _sampling_per_prompt(sampling, len(prompts))
     requests = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -103,7 +104,7 @@ class Admission:
         self._check_streamable(i, len(tokens), sp.max_new_tokens, total)
       bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
       if bad:
-        raise ValueError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "
+        raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "
                          f"[0, {self.vocab_size}).")
       keys = (self.cache.index.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
@@ -124,15 +125,15 @@ class Admission:
   def _check_prompt(self, i: int, prompt) -> np.ndarray:
     arr = np.asarray(prompt)
     if arr.ndim != 1 or arr.size == 0:
-      raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids; got shape "
+      raise InputError(f"prompt {i} must be a non-empty 1-D list of token ids; got shape "
                        f"{arr.shape}.")
     if arr.dtype.kind not in "iu":
-      raise ValueError(f"prompt {i} has dtype {arr.dtype}; token ids must be integers "
+      raise InputError(f"prompt {i} has dtype {arr.dtype}; token ids must be integers "
                        "(convert with np.asarray(prompt, np.int32)).")
     bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
     if bad.size:
       j = int(bad[0])
-      raise ValueError(f"prompt {i} token {j} is {int(arr[j])}, outside the vocabulary "
+      raise InputError(f"prompt {i} token {j} is {int(arr[j])}, outside the vocabulary "
                        f"[0, {self.vocab_size}).")
     return arr.astype(np.int32)
 
@@ -140,7 +141,7 @@ class Admission:
     """Refuses, before any work, a sequence that even the lower tiers cannot hold."""
     c, st, index = self.cache.config, self.stream, self.cache.index
     if st is None:
-      raise ValueError(
+      raise InputError(
           f"prompt {i} has {prompt_len} tokens + max_new_tokens={max_new_tokens} needs KV for "
           f"{total} tokens, more than a sequence can hold (max_pages_per_seq="
           f"{c.max_pages_per_seq} x page_size={c.page_size} = {c.max_seq_len}). Shorten the "
@@ -278,11 +279,11 @@ def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:
     return [sampling] * n
   if isinstance(sampling, (list, tuple)):
     if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
-      raise ValueError(f"sampling must be one jaxkv.SamplingParams or a list of {n} (one per "
+      raise InputError(f"sampling must be one jaxkv.SamplingParams or a list of {n} (one per "
                        f"prompt); got {len(sampling)} items.")
     return list(sampling)
   if (not isinstance(sampling, (int, np.integer)) or isinstance(sampling, bool)
       or sampling < 1):
-    raise ValueError(f"max_new_tokens={sampling!r} must be an integer >= 1 (or pass "
+    raise InputError(f"max_new_tokens={sampling!r} must be an integer >= 1 (or pass "
                      "jaxkv.SamplingParams).")
   return [SamplingParams(max_new_tokens=int(sampling))] * n

@@ -17,13 +17,14 @@ from jaxkv.cache import KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
 from jaxkv.pages import make_mesh
+from jaxkv.errors import InputError
 
 POLICIES = ("jaxkv", "nocache")
 
 
 def _section(cfg: Mapping, name: str) -> dict:
   if name not in cfg:
-    raise ValueError(f"config has no '{name}' section; see configs/cpu_tiny.py for the layout.")
+    raise InputError(f"config has no '{name}' section; see configs/cpu_tiny.py for the layout.")
   sec = cfg[name]
   return dict(sec.to_dict() if hasattr(sec, "to_dict") else sec)
 
@@ -105,7 +106,7 @@ def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None,
   baseline.
   """
   if policy not in POLICIES:
-    raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
+    raise InputError(f"policy={policy!r} is not one of {POLICIES}.")
   cache_cfg = cache_config(cfg)
   if mesh is None:
     mesh = make_mesh_for(cfg)

@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -33,6 +34,7 @@ from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.stats import Stats
 from jaxkv.transfers import TierMover
+from jaxkv.errors import InputError
 
 
 class CapacityError(ValueError):
@@ -77,6 +79,12 @@ class KVCache:
                            fingerprint=config.fingerprint())
     self.stats = Stats()
     self.mover = None
+    logging.info(
+        "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.2f GiB per device)%s%s",
+        config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
+        self.pool_bytes_per_device / 2**30,
+        f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.host else "",
+        f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "")
     if config.weights_digest:  # the model is known: open what depends on its identity now
       self._open_shared_tiers()
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
@@ -108,7 +116,7 @@ class KVCache:
     """Makes ``digest`` part of the fingerprint (before anything was cached under it)."""
     if self.config.weights_digest:
       if self.config.weights_digest != digest:
-        raise ValueError(
+        raise InputError(
             f"CacheConfig.weights_digest={self.config.weights_digest!r} but the model's "
             f"weights give {digest!r}: this cache belongs to other weights. Build a cache for "
             "this model (weights_digest='' computes it) or load the weights it was made for.")
@@ -141,7 +149,7 @@ class KVCache:
     """Allocates the device pools inside ``model``'s ``PagedKV`` layers and takes them
     over. Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
     if self._pools is not None:
-      raise ValueError("this KVCache already serves a model; build one KVCache per engine.")
+      raise InputError("this KVCache already serves a model; build one KVCache per engine.")
     kvnnx.init_pages(model, self.config, self.mesh)
     graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
     self._bind_weights(identity.weights_digest(model, rest))
@@ -150,7 +158,7 @@ class KVCache:
 
   def _check_attached(self) -> None:
     if self._pools is None:
-      raise ValueError("the cache has no device pools yet: attach(model) allocates them "
+      raise InputError("the cache has no device pools yet: attach(model) allocates them "
                        "(jaxkv.Engine does this when it is built).")
 
   @property
@@ -231,7 +239,7 @@ class KVCache:
     keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
     held = self._pins.get((tenant, keys[-1]) if keys else None)
     if not held:
-      raise ValueError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
+      raise InputError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
     for s, pages in held.pop():
       self.index.release(s, pages)
 
@@ -263,6 +271,9 @@ class KVCache:
       self.index.release(0, [slot], Tier.DISK)
     self.disk_recovered = {"adopted": len(good), "deleted": deleted,
                            "temporaries": self.disk.removed_temporaries}
+    logging.info("disk tier %s: adopted %d blocks from earlier runs; discarded %d records "
+                 "(other weights or layout, or failed verification) and %d unfinished writes",
+                 self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)
 
   def _check_fits_in_memory(self) -> None:
     need = self.pool_bytes_per_device
@@ -273,7 +284,7 @@ class KVCache:
       limit = (stats or {}).get("bytes_limit")
       if limit and need > limit:
         c = self.config
-        raise ValueError(
+        raise InputError(
             f"the device pool needs {need / 2**30:.2f} GiB per device (pages_per_shard="
             f"{c.pages_per_shard} x page_size={c.page_size} x {c.num_layers} layers) but {d} "
             f"has {limit / 2**30:.2f} GiB; lower pages_per_shard or page_size.")

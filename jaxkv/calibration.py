@@ -17,6 +17,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
@@ -120,5 +121,11 @@ def calibrate(cache, runner, *, max_seqs_per_shard: int, reps: int = 3) -> CostM
   if cache.disk is not None:
     links["disk_to_host"] = _disk_link(cache, reps)
     links.setdefault("host_to_device", links["disk_to_host"])  # disk blocks land via host
-  return CostModel(links=links, prefill=_prefill_curve(cache, runner, max_seqs_per_shard, reps),
-                   source="calibrated")
+  prefill = _prefill_curve(cache, runner, max_seqs_per_shard, reps)
+  for name, link in links.items():
+    logging.info("calibrated %s: %.2f GB/s, %.3f ms latency", name, link.bytes_per_s / 1e9,
+                 1e3 * link.latency_s)
+  logging.info("calibrated prefill: %.2f ms + %.4f ms per token + %.3g ms per token x "
+               "context token", 1e3 * prefill.t0_s, 1e3 * prefill.per_token_s,
+               1e3 * prefill.per_token_context_s)
+  return CostModel(links=links, prefill=prefill, source="calibrated")

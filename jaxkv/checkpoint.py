@@ -38,6 +38,7 @@ from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv.config import LAYOUT_VERSION
 from jaxkv.index import Tier
+from jaxkv.errors import InputError
 
 FORMAT = 1
 _FINGERPRINT_FIELDS = ("model_name", "dtype", "page_size", "num_layers", "num_kv_heads",
@@ -49,6 +50,17 @@ def _manager(directory: str) -> ocp.CheckpointManager:
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True,
                                            cleanup_tmp_directories=True))
+
+
+def latest_step(directory: str) -> int | None:
+  """The newest finished checkpoint's step in ``directory``, or None (creates nothing)."""
+  if not os.path.isdir(directory):
+    return None
+  manager = _manager(directory)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
 
 
 def remove_stale_temporaries(directory: str) -> int:
@@ -146,9 +158,9 @@ class Checkpointer:
   def restore(self, step: int | None = None, *, into: str = "device") -> dict:
     """Loads a checkpoint into the (empty or not) cache. Returns counts of what came back."""
     if into not in ("device", "host"):
-      raise ValueError(f"into={into!r} must be 'device' or 'host'.")
+      raise InputError(f"into={into!r} must be 'device' or 'host'.")
     if into == "host" and self.cache.host is None:
-      raise ValueError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
+      raise InputError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
                        " > 0).")
     if not os.path.isdir(self.directory):
       raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
@@ -173,13 +185,13 @@ class Checkpointer:
   def _check_compatible(self, meta: dict) -> None:
     c = self.cache.config
     if meta.get("format") != FORMAT:
-      raise ValueError(f"checkpoint format {meta.get('format')} is not {FORMAT}: it was "
+      raise InputError(f"checkpoint format {meta.get('format')} is not {FORMAT}: it was "
                        "written by another jaxkv version.")
     if meta["fingerprint"] != c.fingerprint().hex():
       mine = _config_fields(c)
       diff = {k: (meta["config"].get(k), mine[k]) for k in mine if meta["config"].get(k) != mine[k]}
       what = ", ".join(f"{k}: checkpoint {a!r} vs this cache {b!r}" for k, (a, b) in diff.items())
-      raise ValueError(f"checkpoint in {self.directory!r} was written for another model or "
+      raise InputError(f"checkpoint in {self.directory!r} was written for another model or "
                        f"layout ({what or 'fingerprint differs'}); restore it into a matching "
                        "cache or start cold.")
 

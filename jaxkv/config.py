@@ -15,6 +15,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.errors import InputError
+
 # The dtypes a page pool may hold. Names, not objects, so configs stay JSON-friendly.
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -25,7 +27,7 @@ LAYOUT_VERSION = "khpsd-v1"  # per layer: [kv_heads, num_pages, page_size, head_
 
 def _require(ok: bool, message: str) -> None:
   if not ok:
-    raise ValueError(message)
+    raise InputError(message)
 
 
 def _positive_int(obj, name: str) -> None:

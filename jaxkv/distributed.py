@@ -28,6 +28,8 @@ import os
 import jax
 import numpy as np
 
+from jaxkv.errors import InputError
+
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, cpu_collectives: str = "gloo") -> bool:
@@ -40,7 +42,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if not coordinator or not num_processes or num_processes <= 1:
     return False
   if process_id is None or not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id={process_id} must be in [0, {num_processes}) for a job of "
+    raise InputError(f"process_id={process_id} must be in [0, {num_processes}) for a job of "
                      f"{num_processes} processes.")
   jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
   jax.distributed.initialize(coordinator, num_processes, process_id)

@@ -40,6 +40,7 @@ from jaxkv.executor import Executor
 from jaxkv.runner import ModelRunner
 from jaxkv.serving import ContinuousBatcher, RequestHandle, StepOutput
 from jaxkv.streaming import StreamRunner
+from jaxkv.errors import InputError
 
 
 class Engine:
@@ -81,7 +82,7 @@ class Engine:
   def stream(self, stream: StreamConfig | None) -> None:
     _check_stream(stream, self.cache, self.config)
     if getattr(self, "_batcher", None) is not None and self._batcher.has_work():
-      raise ValueError("cannot change the stream config while requests are running; finish "
+      raise InputError("cannot change the stream config while requests are running; finish "
                        "them first (Engine.step until has_unfinished() is False).")
     self._stream = stream
     self.admission.stream = stream
@@ -222,7 +223,7 @@ class Engine:
     index = self.cache.index
     keys = index.block_keys(np.asarray(tokens, np.int32), tenant)
     if not keys:
-      raise ValueError(f"pin needs at least one full block ({self.cache.config.page_size} "
+      raise InputError(f"pin needs at least one full block ({self.cache.config.page_size} "
                        f"tokens); got {len(tokens)} tokens.")
     for s in range(self.cache.num_shards):
       if len(index.match(s, keys)) < len(keys):
@@ -249,6 +250,24 @@ class Engine:
     """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request."""
     return self.cache.stats.as_dict(evictions=self.cache.index.counters.evictions)
 
+  def occupancy(self) -> dict:
+    """What is held now: ``cached_blocks`` and ``capacity_blocks`` by tier (device and host
+    summed over data shards; disk is one store), ``waiting_requests`` (queued, not yet
+    admitted) and ``running_requests`` (continuous batching)."""
+    from jaxkv.index import TIER_NAMES, Tier
+    cache, index = self.cache, self.cache.index
+    shards = range(cache.num_shards)
+    cached = {TIER_NAMES[t]: sum(index.num_cached(s, t) for s in shards)
+              for t in (Tier.DEVICE, Tier.HOST)}
+    cached["disk"] = index.num_cached(0, Tier.DISK)
+    capacity = {"device": cache.config.pages_per_shard * cache.num_shards,
+                "host": cache.tiers.host_pages_per_shard * cache.num_shards,
+                "disk": cache.tiers.disk_pages if cache.disk is not None else 0}
+    batcher = getattr(self, "_batcher", None)
+    return {"cached_blocks": cached, "capacity_blocks": capacity,
+            "waiting_requests": len(batcher.waiting) if batcher else 0,
+            "running_requests": len(batcher.running) if batcher else 0}
+
 
 def _check_context(model, cache: KVCache) -> None:
   """A model that computes only up to ``max_context`` tokens as its checkpoint does (a
@@ -256,7 +275,7 @@ def _check_context(model, cache: KVCache) -> None:
   limit = getattr(model, "max_context", None)
   c = cache.config
   if limit and c.max_pages_per_seq * c.page_size > limit:
-    raise ValueError(
+    raise InputError(
         f"the model attends over at most {limit} tokens (its sliding window) but "
         f"CacheConfig allows sequences of max_pages_per_seq={c.max_pages_per_seq} x "
         f"page_size={c.page_size} tokens; set max_pages_per_seq <= {limit // c.page_size}.")
@@ -267,13 +286,13 @@ def _check_stream(stream: StreamConfig | None, cache: KVCache, config: EngineCon
     return
   need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
   if need > cache.config.pages_per_shard:
-    raise ValueError(
+    raise InputError(
         f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
         f"{stream.window_pages} + a prefill chunk of {config.prefill_chunk_pages} "
         f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
   if cache.host is None:
-    raise ValueError("StreamConfig needs a host tier to stream from: set "
+    raise InputError("StreamConfig needs a host tier to stream from: set "
                      "TierConfig(host_pages_per_shard=...).")
   if stream.source == "disk" and cache.disk is None:
-    raise ValueError("StreamConfig(source='disk') needs a disk tier: set "
+    raise InputError("StreamConfig(source='disk') needs a disk tier: set "
                      "TierConfig(disk_kvstore=..., disk_pages=...).")

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv.errors import InputError
+
 Key = bytes  # a 32-byte SHA-256 digest
 
 
@@ -60,7 +62,7 @@ LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 def tenant_root_key(fingerprint: bytes, tenant: str) -> Key:
   """The chain's starting key: model/layout fingerprint mixed with the tenant salt."""
   if not isinstance(tenant, str) or not tenant:
-    raise ValueError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
+    raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
   salt = hashlib.sha256(b"jaxkv-tenant\x00" + tenant.encode("utf-8")).digest()
   return hashlib.sha256(b"jaxkv-root\x00" + fingerprint + salt).digest()
 
@@ -117,7 +119,7 @@ class PrefixIndex:
                          ("host_pages_per_shard", host_pages_per_shard, 0),
                          ("disk_slots", disk_slots, 0)):
       if not isinstance(v, int) or v < low:
-        raise ValueError(f"PrefixIndex {name}={v!r} must be an integer >= {low}.")
+        raise InputError(f"PrefixIndex {name}={v!r} must be an integer >= {low}.")
     self.num_shards = num_shards
     self.pages_per_shard = pages_per_shard
     self.page_size = page_size
@@ -214,7 +216,7 @@ class PrefixIndex:
     """
     pool = self._pool(tier, shard)
     if n < 0:
-      raise ValueError(f"allocate n={n} must be >= 0.")
+      raise InputError(f"allocate n={n} must be >= 0.")
     if n > len(pool.free_queue):
       return None
     out = []
@@ -242,7 +244,7 @@ class PrefixIndex:
     pool = self._pool(tier, shard)
     self._check_slot(pool, slot)
     if pool.refcount[slot] <= 0:
-      raise ValueError(f"publish of {TIER_NAMES[tier]} slot {slot} on shard {shard} that no "
+      raise InputError(f"publish of {TIER_NAMES[tier]} slot {slot} on shard {shard} that no "
                        "request references.")
     existing = pool.slot_of_key.get(key)
     if existing is not None:
@@ -250,7 +252,7 @@ class PrefixIndex:
         self.counters.duplicate_publishes += 1
       return existing == slot
     if pool.key_of_slot[slot] is not None:
-      raise ValueError(f"{TIER_NAMES[tier]} slot {slot} on shard {shard} already holds "
+      raise InputError(f"{TIER_NAMES[tier]} slot {slot} on shard {shard} already holds "
                        "another block.")
     pool.slot_of_key[key] = slot
     pool.key_of_slot[slot] = key
@@ -273,7 +275,7 @@ class PrefixIndex:
     for p in reversed(list(slots)):
       self._check_slot(pool, p)
       if pool.refcount[p] <= 0:
-        raise ValueError(
+        raise InputError(
             f"release of {TIER_NAMES[tier]} slot {p} on shard {shard} whose refcount is "
             f"{pool.refcount[p]}: each acquire/allocate must be released exactly once.")
       pool.refcount[p] -= 1
@@ -389,12 +391,12 @@ class PrefixIndex:
     if tier == Tier.DISK:
       return self._pools[Tier.DISK][0]
     if tier not in self._pools:
-      raise ValueError(f"tier {tier!r} has no pools in the index.")
+      raise InputError(f"tier {tier!r} has no pools in the index.")
     if not 0 <= shard < self.num_shards:
-      raise ValueError(f"shard={shard} is out of range [0, {self.num_shards}).")
+      raise InputError(f"shard={shard} is out of range [0, {self.num_shards}).")
     return self._pools[tier][shard]
 
   @staticmethod
   def _check_slot(pool: _Pool, slot: int) -> None:
     if not 0 <= slot < pool.num_slots:
-      raise ValueError(f"slot={slot} is out of range [0, {pool.num_slots}).")
+      raise InputError(f"slot={slot} is out of range [0, {pool.num_slots}).")

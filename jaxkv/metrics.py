@@ -1,13 +1,38 @@
-"""``Engine.stats()`` (``jaxkv.stats.Stats.as_dict``) as a Prometheus text exposition (for
-a node exporter's textfile collector or any scraper that reads files)."""
+"""Prometheus metrics of serving engines, through ``prometheus_client``.
+
+``EngineCollector`` reads each engine's ``stats()`` and ``occupancy()`` when scraped, so
+the numbers are always the engine's own (nothing is counted twice) and a live endpoint
+shows them mid-run:
+
+    registry = jaxkv.metrics.registry({"jaxkv": engine}, labels={"config": "llama3"})
+    jaxkv.metrics.serve(registry, port=9400)          # http://host:9400/metrics
+    jaxkv.metrics.write_textfile(path, registry)      # atomic, for a textfile collector
+
+Families (every sample labelled with ``policy`` and the given labels):
+- histograms (seconds): ``jaxkv_ttft_seconds``, ``jaxkv_time_per_output_token_seconds``,
+  ``jaxkv_e2e_latency_seconds`` — bucket counts, so replicas aggregate;
+- counters (``_total``): block hits by ``tier``; requests, prompt/hit/computed/generated
+  tokens; blocks fetched, recomputed and split; bytes moved between tiers; verification
+  failures by ``reason``; read timeouts; disk write failures; evictions;
+- gauges: ``jaxkv_cached_blocks`` and ``jaxkv_capacity_blocks`` by ``tier``,
+  ``jaxkv_waiting_requests``, ``jaxkv_running_requests``.
+"""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 
 from jaxkv.stats import COUNTERS
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_COUNTED = ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
+            "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
+            "read_timeouts", "disk_write_failures")
 
 
 def percentile(values, q: float) -> float:
@@ -15,37 +40,91 @@ def percentile(values, q: float) -> float:
   return float(np.percentile(np.asarray(values, np.float64), 100 * q))
 
 
-def prometheus_text(stats: dict, labels: dict | None = None) -> str:
-  label = ",".join(f'{k}="{v}"' for k, v in sorted((labels or {}).items()))
-  wrap = lambda extra="": "{" + ",".join(x for x in (label, extra) if x) + "}"
-  lines = []
-
-  def emit(name, kind, help_text, samples):
-    lines.append(f"# HELP jaxkv_{name} {help_text}")
-    lines.append(f"# TYPE jaxkv_{name} {kind}")
-    for extra, value in samples:
-      lines.append(f"jaxkv_{name}{wrap(extra)} {float(value):g}")
-
-  emit("block_hits_total", "counter", "Blocks reused, by the tier they came from.",
-       [(f'tier="{t}"', n) for t, n in sorted(stats.get("hits", {}).items())])
-  for key in ("requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
-              "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
-              "verify_failures", "read_timeouts", "disk_write_failures"):
-    emit(f"{key}_total", "counter", COUNTERS[key].capitalize() + ".", [("", stats.get(key, 0))])
-  emit("evictions_total", "counter", "Blocks evicted from any tier.",
-       [("", stats.get("evictions", 0))])
-  ttft = stats.get("ttft_s", [])
-  if ttft:
-    emit("ttft_seconds", "summary", "Time to first token.",
-         [(f'quantile="{q}"', percentile(ttft, q)) for q in (0.5, 0.9, 0.99)])
-    lines.append(f"jaxkv_ttft_seconds_sum{wrap()} {sum(ttft):g}")
-    lines.append(f"jaxkv_ttft_seconds_count{wrap()} {len(ttft)}")
-  return "\n".join(lines) + "\n"
+def _snapshot(engine) -> tuple[dict, dict]:
+  """``stats()`` and ``occupancy()``, retried if the serving thread changed a counter
+  while a scrape thread copied it."""
+  for _ in range(5):
+    try:
+      return engine.stats(), engine.occupancy()
+    except RuntimeError:  # "dictionary changed size during iteration"
+      continue
+  return engine.stats(), engine.occupancy()
 
 
-def write_prometheus(path: str, stats: dict, labels: dict | None = None) -> None:
-  """Writes atomically (temporary file + rename), as textfile collectors expect."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(prometheus_text(stats, labels))
-  os.replace(tmp, path)
+class EngineCollector:
+  """A ``prometheus_client`` collector over ``{policy: engine}``."""
+
+  def __init__(self, engines: dict, labels: dict | None = None):
+    self.engines = dict(engines)
+    self.labels = dict(labels or {})
+
+  def collect(self):
+    names = ["policy", *sorted(self.labels)]
+    fixed = [self.labels[k] for k in sorted(self.labels)]
+    hist = {key: HistogramMetricFamily(f"jaxkv_{name}", doc, labels=names)
+            for key, name, doc in (
+                ("ttft_s", "ttft_seconds", "Time to first token, from submission."),
+                ("tpot_s", "time_per_output_token_seconds",
+                 "Time per output token after the first, per request."),
+                ("e2e_s", "e2e_latency_seconds", "Submission to last token, per request."))}
+    buckets = {"ttft_s": TTFT_BUCKETS, "tpot_s": TPOT_BUCKETS, "e2e_s": E2E_BUCKETS}
+    hits = CounterMetricFamily("jaxkv_block_hits", "Blocks reused, by the tier they came "
+                               "from.", labels=names + ["tier"])
+    failures = CounterMetricFamily("jaxkv_verify_failures", "Lower-tier blocks whose bytes "
+                                   "failed verification, by reason.", labels=names + ["reason"])
+    counters = {k: CounterMetricFamily(f"jaxkv_{k}", COUNTERS[k].capitalize() + ".",
+                                       labels=names) for k in _COUNTED}
+    evictions = CounterMetricFamily("jaxkv_evictions", "Blocks evicted from any tier.",
+                                    labels=names)
+    cached = GaugeMetricFamily("jaxkv_cached_blocks", "Blocks held now, by tier.",
+                               labels=names + ["tier"])
+    capacity = GaugeMetricFamily("jaxkv_capacity_blocks", "Blocks each tier can hold.",
+                                 labels=names + ["tier"])
+    waiting = GaugeMetricFamily("jaxkv_waiting_requests", "Requests queued, not yet admitted.",
+                                labels=names)
+    running = GaugeMetricFamily("jaxkv_running_requests", "Requests in the running batch.",
+                                labels=names)
+    for policy, engine in self.engines.items():
+      stats, occ = _snapshot(engine)
+      values = [policy, *fixed]
+      for key, family in hist.items():
+        series = np.asarray(stats.get(key, []), np.float64)
+        counts = [(repr(b), float(np.count_nonzero(series <= b))) for b in buckets[key]]
+        family.add_metric(values, counts + [("+Inf", float(series.size))],
+                          sum_value=float(series.sum()))
+      for tier, n in sorted(stats["hits"].items()):
+        hits.add_metric(values + [tier], n)
+      for reason, n in sorted(stats.get("verify_failures_by_reason", {}).items()):
+        failures.add_metric(values + [str(reason)], n)
+      for k, family in counters.items():
+        family.add_metric(values, stats.get(k, 0))
+      evictions.add_metric(values, stats.get("evictions", 0))
+      for tier, n in sorted(occ["cached_blocks"].items()):
+        cached.add_metric(values + [tier], n)
+      for tier, n in sorted(occ["capacity_blocks"].items()):
+        capacity.add_metric(values + [tier], n)
+      waiting.add_metric(values, occ["waiting_requests"])
+      running.add_metric(values, occ["running_requests"])
+    yield from hist.values()
+    yield hits
+    yield failures
+    yield from counters.values()
+    yield evictions
+    yield from (cached, capacity, waiting, running)
+
+
+def registry(engines: dict, labels: dict | None = None) -> CollectorRegistry:
+  """A registry holding only jaxkv's families for ``{policy: engine}``."""
+  reg = CollectorRegistry(auto_describe=True)
+  reg.register(EngineCollector(engines, labels))
+  return reg
+
+
+def write_textfile(path: str, reg: CollectorRegistry) -> None:
+  """The exposition text at ``path``, atomically (a temporary file renamed over it)."""
+  write_to_textfile(path, reg)
+
+
+def serve(reg: CollectorRegistry, port: int, addr: str = "0.0.0.0"):
+  """A live ``/metrics`` endpoint in a daemon thread; returns ``(server, thread)``."""
+  return start_http_server(port, addr=addr, registry=reg)

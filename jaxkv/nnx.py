@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig
+from jaxkv.errors import InputError
 
 
 class KVPages(nnx.Cache):
@@ -86,10 +87,10 @@ class PagedKV(nnx.Module):
     """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]. Returns attention output [B, T, Hq, D]."""
     k_pages, v_pages = self.k_pages.get_value(), self.v_pages.get_value()
     if k_pages.shape[1] == 0:
-      raise ValueError("PagedKV has no pages yet: the engine calls jaxkv.nnx.init_pages(model, "
+      raise InputError("PagedKV has no pages yet: the engine calls jaxkv.nnx.init_pages(model, "
                        "config, mesh) before the first step; call it if you drive the model.")
     if k.shape[2:] != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
-      raise ValueError(f"k/v must be [B, T, {self.num_kv_heads}, {self.head_dim}]; "
+      raise InputError(f"k/v must be [B, T, {self.num_kv_heads}, {self.head_dim}]; "
                        f"got k {k.shape}, v {v.shape}.")
     stream = None
     if batch.stream is not None:
@@ -115,12 +116,12 @@ def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
   """Allocates every ``PagedKV`` layer's pools (zeros) in the config's sharding."""
   layers = paged_layers(model)
   if len(layers) != config.num_layers:
-    raise ValueError(
+    raise InputError(
         f"the model has {len(layers)} PagedKV layers but CacheConfig.num_layers="
         f"{config.num_layers}; make them agree.")
   for i, layer in enumerate(layers):
     if (layer.num_kv_heads, layer.head_dim) != (config.num_kv_heads, config.head_dim):
-      raise ValueError(
+      raise InputError(
           f"PagedKV layer {i} has num_kv_heads={layer.num_kv_heads}, head_dim={layer.head_dim}"
           f" but CacheConfig has num_kv_heads={config.num_kv_heads}, head_dim="
           f"{config.head_dim}; make them agree.")

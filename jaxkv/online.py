@@ -23,6 +23,8 @@ import time
 import numpy as np
 
 from jaxkv.metrics import percentile
+from jaxkv.progress import Progress
+from jaxkv.errors import InputError
 
 
 @dataclasses.dataclass
@@ -57,13 +59,13 @@ def run(engine, workload, *, rate: float, think_s: float = 0.0, seed: int = 0,
   the makespan in seconds. Raises
   ``TimeoutError`` if the run is not done within ``timeout_s``."""
   if getattr(engine.config, "batching", "continuous") != "continuous":
-    raise ValueError("online load submits requests while others run: it needs "
+    raise InputError("online load submits requests while others run: it needs "
                      'EngineConfig(batching="continuous").')
   fixed = workload.arrivals()
   if fixed is None and not rate > 0:
-    raise ValueError(f"rate={rate!r} must be a positive number of users per second.")
+    raise InputError(f"rate={rate!r} must be a positive number of users per second.")
   if not think_s >= 0:
-    raise ValueError(f"think_s={think_s!r} must be a number >= 0.")
+    raise InputError(f"think_s={think_s!r} must be a number >= 0.")
   rng = np.random.default_rng(seed)
   users, turns = workload.users, workload.turns_per_user
   first = fixed if fixed is not None else np.cumsum(rng.exponential(1.0 / rate, users)).tolist()
@@ -73,6 +75,7 @@ def run(engine, workload, *, rate: float, think_s: float = 0.0, seed: int = 0,
   running: dict = {}  # handle id -> (handle, record)
   t0 = time.perf_counter()
   clock = lambda: time.perf_counter() - t0
+  progress = Progress("online requests finished", users * turns)
   while due or running:
     now = clock()
     if now > timeout_s:
@@ -96,6 +99,7 @@ def run(engine, workload, *, rate: float, think_s: float = 0.0, seed: int = 0,
         rec.first_token_s = now
       if out.finished:
         del running[out.handle.id]
+        progress.advance(detail=f"{len(running)} running, {len(due)} waiting to arrive")
         rec.tokens, rec.finish_s = list(handle.tokens), now
         rec.finish_reason = handle.finish_reason
         workload.user_record(rec.user, rec.turn, rec.tokens)

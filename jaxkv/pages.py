@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxkv.config import CacheConfig
 from jaxkv.ops import chunked, streamed
 from jaxkv.ops import reference
+from jaxkv.errors import InputError
 
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
                   "reduce-scatter", "collective-broadcast", "ragged-all-to-all")
@@ -37,18 +38,18 @@ def validate_mesh(mesh: Mesh, config: CacheConfig) -> None:
   """Raises ValueError when ``mesh`` cannot hold ``config``'s pool."""
   for axis in (config.data_axis, config.model_axis):
     if axis not in mesh.shape:
-      raise ValueError(
+      raise InputError(
           f"mesh axes {tuple(mesh.axis_names)} lack CacheConfig axis {axis!r}; build the mesh "
           f"with jaxkv.make_mesh(data=..., model=...) or set data_axis/model_axis to its names.")
   model = mesh.shape[config.model_axis]
   if config.num_kv_heads % model:
-    raise ValueError(
+    raise InputError(
         f"num_kv_heads={config.num_kv_heads} must be divisible by the model axis size "
         f"{model}: kv heads are split over it. Use a model axis that divides the kv heads.")
   explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types)
               if t == jax.sharding.AxisType.Explicit]
   if explicit:
-    raise ValueError(
+    raise InputError(
         f"mesh axes {explicit} are Explicit; jaxkv needs Auto axes "
         "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)*n) or jaxkv.make_mesh).")
 
@@ -58,7 +59,7 @@ def make_mesh(*, data: int, model: int = 1, data_axis: str = "data", model_axis:
   """A ``data x model`` mesh with Auto axis types over ``devices`` (default: all)."""
   devices = jax.devices() if devices is None else list(devices)
   if data * model != len(devices):
-    raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices; "
+    raise InputError(f"mesh data={data} x model={model} needs {data * model} devices; "
                      f"{len(devices)} are available. Choose sizes whose product is {len(devices)}.")
   return jax.make_mesh((data, model), (data_axis, model_axis),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)

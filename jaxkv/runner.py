@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
+from jaxkv.progress import Progress
 from jaxkv import nnx as kvnnx
 from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingParams
@@ -291,7 +292,9 @@ class ModelRunner:
     width) bucket with all-padding steps (they change no page). Returns the table widths
     compiled."""
     widths = buckets.table_widths(max_seq_len, self.config)
-    for rows in sorted({buckets.pow2_at_least(r) for r in rows_per_shard}):
+    row_buckets = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
+    progress = Progress("compiling prefill and decode steps", len(row_buckets) * len(widths))
+    for rows in row_buckets:
       num_rows = rows * self.cache.num_shards
       for width in widths:
         table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
@@ -300,6 +303,7 @@ class ModelRunner:
           carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
                                   carry, count=False)
         self.decode(self.decode_batch([], num_rows), table, carry, count=False)
+        progress.advance(detail=f"{rows} rows per shard, table width {width}")
     return widths
 
   def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:

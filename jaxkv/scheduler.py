@@ -37,10 +37,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxkv import buckets
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
+from jaxkv.errors import InputError
 
 # Tier codes in plan inputs: ``jaxkv.Tier`` values (HOT = on this shard's device pool).
 HOT, HOST, DISK, REMOTE, SHARD, ABSENT = (int(t) for t in (
@@ -56,7 +58,7 @@ class LinkCost:
 
   def __post_init__(self):
     if not (self.latency_s >= 0 and self.bytes_per_s > 0):
-      raise ValueError(f"LinkCost latency_s={self.latency_s} must be >= 0 and bytes_per_s="
+      raise InputError(f"LinkCost latency_s={self.latency_s} must be >= 0 and bytes_per_s="
                        f"{self.bytes_per_s} > 0.")
 
   def seconds(self, nbytes: float) -> float:
@@ -100,13 +102,13 @@ class CostModel:
   def __post_init__(self):
     unknown = set(self.links) - set(LINKS)
     if unknown:
-      raise ValueError(f"CostModel links {sorted(unknown)} are not among {LINKS}.")
+      raise InputError(f"CostModel links {sorted(unknown)} are not among {LINKS}.")
     if not 0 < self.ewma <= 1:
-      raise ValueError(f"CostModel.ewma={self.ewma} must be in (0, 1].")
+      raise InputError(f"CostModel.ewma={self.ewma} must be in (0, 1].")
 
   def link(self, name: str) -> LinkCost:
     if name not in self.links:
-      raise ValueError(f"CostModel has no cost for link {name!r}; calibrate it or set it "
+      raise InputError(f"CostModel has no cost for link {name!r}; calibrate it or set it "
                        f"(links known: {sorted(self.links)}).")
     return self.links[name]
 
@@ -157,7 +159,7 @@ class CostModel:
       with open(path) as f:
         return CostModel.from_json(f.read())
     except (OSError, ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"cannot read a CostModel from {path!r}: {e}") from None
+      raise InputError(f"cannot read a CostModel from {path!r}: {e}") from None
 
   # ---- for the jitted plan -------------------------------------------------------------------
   def arrays(self) -> "CostArrays":
@@ -478,7 +480,10 @@ class Planner:
       else:  # "split": forced
         s = min(h + pol.force_split, end)
       out[i] = s
-      self.stats.add("plans_" + ("recompute" if s == end else "fetch" if s == h else "split"))
+      decision = "recompute" if s == end else "fetch" if s == h else "split"
+      self.stats.add("plans_" + decision)
+      logging.debug("plan (%s): %d cold blocks, %s: recompute %d, fetch %d", pol.policy,
+                    end - h, decision, s - h, end - s)
     return out
 
   def warm(self, block_counts: list[int], max_requests: int) -> None:
@@ -565,7 +570,7 @@ def capacity_plan(*, kv_bytes: float, tokens: int, costs: CostModel, requests: i
   ``launch/plan.py`` reports: the step's time if every request fetched everything, if
   every one recomputed everything, and with the plan's split (``t_split_s``)."""
   if requests < 1 or tokens < requests or kv_bytes <= 0:
-    raise ValueError(f"need requests >= 1, tokens >= requests and kv_bytes > 0; got "
+    raise InputError(f"need requests >= 1, tokens >= requests and kv_bytes > 0; got "
                      f"requests={requests}, tokens={tokens}, kv_bytes={kv_bytes}.")
   per_tokens = tokens // requests
   blocks = max(1, -(-per_tokens // page_size))

@@ -64,6 +64,7 @@ class RequestHandle:
     self.finished = False
     self.finish_reason: str | None = None  # "length" or "stop"
     self.ttft_s: float | None = None
+    self.t_submit: float | None = None
     self._step, self._on_token = step, on_token
 
   def _emit(self, token: int, logits=None) -> None:
@@ -145,7 +146,7 @@ class ContinuousBatcher:
     if want_logits:
       handle.logits = []
     self.handles[request.index] = handle
-    self.submitted_at[request.index] = time.perf_counter()
+    self.submitted_at[request.index] = handle.t_submit = time.perf_counter()
     self.waiting.append(request)
     return handle
 
@@ -434,6 +435,11 @@ class ContinuousBatcher:
     if not counted:
       self.stats.add("requests")
       self.stats.add("generated_tokens", len(handle.tokens))
+      if handle.t_submit is not None and handle.ttft_s is not None:
+        e2e = time.perf_counter() - handle.t_submit
+        self.stats.e2e_s.append(e2e)
+        if len(handle.tokens) > 1:
+          self.stats.tpot_s.append((e2e - handle.ttft_s) / (len(handle.tokens) - 1))
     self.cache.mover.pump()
 
   def abort_all(self) -> None:

@@ -4,8 +4,9 @@
 Every part that does counted work (admission, the executor, the tier mover, streaming)
 adds to the same ``Stats``, owned by the ``KVCache``; nobody keeps counters of its own.
 ``as_dict`` is the public shape of ``Engine.stats()``: every counter below (0 when nothing
-happened), ``hits`` by tier name, ``verify_failures_by_reason``, ``ttft_s`` per request and
-the index's ``evictions``.
+happened), ``hits`` by tier name, ``verify_failures_by_reason``, ``ttft_s`` per request
+(``tpot_s``, time per output token, and ``e2e_s``, submission to last token, per request
+that continuous batching finished) and the index's ``evictions``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Stats:
   hits: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   ttft_s: list = dataclasses.field(default_factory=list)
+  tpot_s: list = dataclasses.field(default_factory=list)  # per request with 2+ tokens
+  e2e_s: list = dataclasses.field(default_factory=list)  # submit to last token
 
   def add(self, name: str, n: float = 1) -> None:
     self.counters[name] += n
@@ -65,7 +68,8 @@ class Stats:
   def reset(self) -> None:
     for c in (self.counters, self.hits, self.failures):
       c.clear()
-    self.ttft_s.clear()
+    for series in (self.ttft_s, self.tpot_s, self.e2e_s):
+      series.clear()
 
   def as_dict(self, *, evictions: int = 0) -> dict:
     out = {k: 0 for k in COUNTERS}
@@ -73,5 +77,7 @@ class Stats:
     out["hits"] = {name: self.hits[name] for name in HIT_TIERS}
     out["verify_failures_by_reason"] = dict(self.failures)
     out["ttft_s"] = list(self.ttft_s)
+    out["tpot_s"] = list(self.tpot_s)
+    out["e2e_s"] = list(self.e2e_s)
     out["evictions"] = evictions
     return out

@@ -21,8 +21,10 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from jaxkv.errors import InputError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(InputError):
   """A tokenizer directory or request jaxkv cannot use (the message says what and why)."""
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from jaxkv.config import SamplingParams
+from jaxkv.errors import InputError
 
 
 class Workload:
@@ -42,7 +43,7 @@ class Workload:
 
   def user_request(self, user: int, turn: int) -> tuple[list[int], SamplingParams]:
     if not 0 <= user < self.users or not 0 <= turn < self.rounds:
-      raise ValueError(f"user {user}, round {turn}: this workload has {self.users} users "
+      raise InputError(f"user {user}, round {turn}: this workload has {self.users} users "
                        f"and {self.rounds} rounds.")
     return self._user_prompt(user, turn), SamplingParams(max_new_tokens=self.max_new_tokens)
 
@@ -76,14 +77,14 @@ class ChatSpec:
     for name in ("users", "turns", "max_new_tokens", "vocab_size"):
       v = getattr(self, name)
       if not isinstance(v, int) or v <= 0:
-        raise ValueError(f"ChatSpec.{name}={v!r} must be a positive integer.")
+        raise InputError(f"ChatSpec.{name}={v!r} must be a positive integer.")
     if self.system_prompt_tokens < 0:
-      raise ValueError(f"ChatSpec.system_prompt_tokens={self.system_prompt_tokens} must be >= 0.")
+      raise InputError(f"ChatSpec.system_prompt_tokens={self.system_prompt_tokens} must be >= 0.")
     lo, hi = self.user_tokens
     if not 1 <= lo <= hi:
-      raise ValueError(f"ChatSpec.user_tokens={self.user_tokens} must satisfy 1 <= low <= high.")
+      raise InputError(f"ChatSpec.user_tokens={self.user_tokens} must satisfy 1 <= low <= high.")
     if self.vocab_size < 2:
-      raise ValueError(f"ChatSpec.vocab_size={self.vocab_size} must be at least 2.")
+      raise InputError(f"ChatSpec.vocab_size={self.vocab_size} must be at least 2.")
 
   def max_seq_len(self) -> int:
     """An upper bound on prompt + answer tokens of the last turn."""
@@ -114,7 +115,7 @@ class Chat(Workload):
 
   def prompts(self, turn: int) -> list[list[int]]:
     if turn != self._next_turn:
-      raise ValueError(f"turn {turn} requested, but turn {self._next_turn} is next.")
+      raise InputError(f"turn {turn} requested, but turn {self._next_turn} is next.")
     return [h + self._message(u, turn) for u, h in enumerate(self.history)]
 
   def max_seq_len(self) -> int:
@@ -123,7 +124,7 @@ class Chat(Workload):
   def record(self, turn: int, answers: list[list[int]]) -> None:
     prompts = self.prompts(turn)
     if len(answers) != len(prompts):
-      raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts.")
+      raise InputError(f"{len(answers)} answers for {len(prompts)} prompts.")
     self.history = [p + list(a) for p, a in zip(prompts, answers)]
     self._next_turn += 1
 
@@ -161,7 +162,7 @@ class Rag(Workload):
 
   def __init__(self, spec: RagSpec):
     if spec.docs_per_request > spec.num_docs:
-      raise ValueError(f"RagSpec.docs_per_request={spec.docs_per_request} exceeds num_docs="
+      raise InputError(f"RagSpec.docs_per_request={spec.docs_per_request} exceeds num_docs="
                        f"{spec.num_docs}.")
     self.spec = spec
     rng = np.random.default_rng([spec.seed, 1])
@@ -262,7 +263,7 @@ class Trace(Workload):
     import math
     import os
     if not os.path.isfile(path):
-      raise ValueError(f"trace file {path!r} does not exist; give a JSONL file of requests.")
+      raise InputError(f"trace file {path!r} does not exist; give a JSONL file of requests.")
     self._requests = []  # (round, prompt, SamplingParams, arrival or None), file order
     with open(path) as f:
       for n, line in enumerate(f, 1):
@@ -278,19 +279,19 @@ class Trace(Workload):
           if arrival is not None:
             arrival = float(arrival)
             if not math.isfinite(arrival) or arrival < 0:
-              raise ValueError(f"arrival_s={arrival} must be a finite number >= 0")
+              raise InputError(f"arrival_s={arrival} must be a finite number >= 0")
           self._requests.append((int(obj.get("round", 0)), prompt, sp, arrival))
         except (ValueError, KeyError, TypeError) as e:
-          raise ValueError(f"trace file {path!r} line {n} is not a request ({e}); "
+          raise InputError(f"trace file {path!r} line {n} is not a request ({e}); "
                            f"{self._FORMAT}.") from None
         if any(not 0 <= t < vocab_size for t in prompt + list(sp.stop_token_ids)):
-          raise ValueError(f"trace file {path!r} line {n} has token ids outside [0, "
+          raise InputError(f"trace file {path!r} line {n} has token ids outside [0, "
                            f"{vocab_size}).")
     if not self._requests:
-      raise ValueError(f"trace file {path!r} holds no requests.")
+      raise InputError(f"trace file {path!r} holds no requests.")
     timed = sum(r[3] is not None for r in self._requests)
     if timed not in (0, len(self._requests)):
-      raise ValueError(f"trace file {path!r} gives arrival_s on {timed} of "
+      raise InputError(f"trace file {path!r} gives arrival_s on {timed} of "
                        f"{len(self._requests)} lines; give it on every line or on none.")
     by_round: dict = {}
     for r in self._requests:
@@ -307,7 +308,7 @@ class Trace(Workload):
     if text is None and "messages" not in obj:
       return [int(t) for t in obj["prompt"]], ()
     if tokenizer is None:
-      raise ValueError("a text prompt needs a tokenizer (serve a --model_dir that has "
+      raise InputError("a text prompt needs a tokenizer (serve a --model_dir that has "
                        "tokenizer.json)")
     ids = (tokenizer.encode(text) if text is not None
            else tokenizer.encode_chat(obj["messages"]))
@@ -328,7 +329,7 @@ class Trace(Workload):
 
   def user_request(self, user: int, turn: int) -> tuple[list[int], SamplingParams]:
     if not 0 <= user < self.users or turn != 0:
-      raise ValueError(f"user {user}, round {turn}: this trace has {self.users} requests, "
+      raise InputError(f"user {user}, round {turn}: this trace has {self.users} requests, "
                        "one round each online.")
     return self._requests[user][1], self._requests[user][2]
 
@@ -349,7 +350,7 @@ def from_config(w, vocab_size: int, seed: int, tokenizer=None):
   kind = w.get("kind", "chat")
   kinds = {"chat": (ChatSpec, Chat), "rag": (RagSpec, Rag), "agent": (AgentSpec, Agent)}
   if kind not in kinds and kind != "trace":
-    raise ValueError(f"workload kind={kind!r} is not one of {sorted(kinds) + ['trace']}.")
+    raise InputError(f"workload kind={kind!r} is not one of {sorted(kinds) + ['trace']}.")
   w = dict(w.get(kind) or {})
   if kind == "trace":
     return Trace(w.get("path", ""), vocab_size, tokenizer)
@@ -357,7 +358,7 @@ def from_config(w, vocab_size: int, seed: int, tokenizer=None):
   fields = {f.name for f in dataclasses.fields(spec_cls)}
   unknown = sorted(set(w) - fields)
   if unknown:
-    raise ValueError(f"workload {kind} has no fields {unknown}; it takes {sorted(fields)}.")
+    raise InputError(f"workload {kind} has no fields {unknown}; it takes {sorted(fields)}.")
   for k, v in w.items():
     if isinstance(v, list):
       w[k] = tuple(v)

@@ -10,22 +10,71 @@ import os
 import sys
 
 
+def refuse(message: str) -> None:
+  """Bad input: one line on stderr naming the value and the fix, exit status 2."""
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(2)
+
+
 def start_jax(cfg) -> None:
-  """Sets the platform and the virtual CPU device count, then imports JAX. Library INFO
-  logs (Orbax, XLA backends) are silenced unless --verbosity asks for them."""
+  """Sets the platform and the virtual CPU device count, imports JAX and starts its
+  backend. A config made for a platform this machine does not have is refused here, in
+  one line, before anything is built or compiled.
+
+  Logging: jaxkv's INFO lines (start-up, calibration, compile progress) are shown; other
+  libraries' INFO (Orbax, XLA backends) only when --verbosity asks for them."""
   from absl import flags, logging
   if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  if "jax" in sys.modules:
+    logging.set_verbosity(logging.INFO)
+    logging.get_absl_handler().addFilter(_jaxkv_info_only)
+  if "jax" not in sys.modules:
+    platform = cfg.get("platform", None)
+    if platform:
+      os.environ.setdefault("JAX_PLATFORMS", platform)
+    count = cfg.get("host_device_count", None)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if count and "xla_force_host_platform_device_count" not in xla_flags:
+      os.environ["XLA_FLAGS"] = (
+          f"{xla_flags} --xla_force_host_platform_device_count={count}".strip())
+  import jax  # imported here, after the environment is set
+  want = cfg.get("platform", None)
+  name = cfg.get("name", "this config")
+  try:
+    backend = jax.default_backend()
+  except RuntimeError:
+    backend = None
+  if want and backend != want:
+    has = f"runs {backend!r}" if backend else f"cannot start JAX's {want!r} backend"
+    refuse(f"config {name} is for platform {want!r} but this machine {has} (JAX_PLATFORMS="
+           f"{os.environ.get('JAX_PLATFORMS', '')!r}); run it where that platform is, or size "
+           "it with launch/plan.py --config=... on any machine.")
+
+
+def _jaxkv_info_only(record) -> bool:
+  if record.levelno >= 30:  # warnings and errors from anyone
+    return True
+  path = record.pathname.replace(os.sep, "/")
+  return "/jaxkv/" in path or "/launch/" in path
+
+
+def check_output(path: str | None, flag: str, *, directory: bool = False) -> None:
+  """Refuses, before any work, an output path that cannot be written: a directory where a
+  file is wanted (or the reverse), or a location whose nearest existing parent is not a
+  writable directory. Creates nothing."""
+  if not path:
     return
-  platform = cfg.get("platform", None)
-  if platform:
-    os.environ.setdefault("JAX_PLATFORMS", platform)
-  count = cfg.get("host_device_count", None)
-  flags = os.environ.get("XLA_FLAGS", "")
-  if count and "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-  import jax  # noqa: F401  (imported here, after the environment is set)
+  path = os.path.abspath(path)
+  if directory:
+    if os.path.exists(path) and not os.path.isdir(path):
+      refuse(f"--{flag}={path} is a file; give a directory (it is created if missing).")
+  elif os.path.isdir(path):
+    refuse(f"--{flag}={path} is a directory; give a file path.")
+  parent = path if directory and os.path.isdir(path) else os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    refuse(f"--{flag}={path} cannot be written: {parent} is not a writable directory; "
+           "choose another path.")
 
 
 def token_digest(token_lists) -> str:
@@ -56,17 +105,26 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def run(main) -> None:
-  """``app.run(main)``, where bad input (a config that does not load, a value that does not
-  validate, a path that cannot be used) ends in one line on stderr and exit status 2,
-  not a traceback. Anything else is a bug and keeps its traceback."""
-  from absl import app
+  """``app.run(main)`` where bad input ends in one line on stderr and exit status 2: a flag
+  that does not parse or validate, ``app.UsageError``, and ``jaxkv.errors.InputError``
+  (raised where jaxkv checks a value). Anything else is a bug and keeps its traceback."""
+  from absl import app, flags
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      refuse(str(e))
 
   def guarded(argv):
     try:
       return main(argv)
-    except (ValueError, OSError) as e:
-      first = " ".join(str(e).split())  # one line, whatever the message's layout
-      print(f"error: {first}", file=sys.stderr)
-      sys.exit(2)
+    except app.UsageError as e:
+      refuse(str(e))
+    except Exception as e:
+      errors = sys.modules.get("jaxkv.errors")  # imported if jaxkv could have raised it
+      if errors is not None and isinstance(e, errors.InputError):
+        refuse(str(e))
+      raise
 
-  app.run(guarded)
+  app.run(guarded, flags_parser=parse)

@@ -55,6 +55,7 @@ def _print(result: dict) -> None:
 
 def main(argv):
   del argv
+  _common.check_output(_JSON_OUT.value, "json_out")
   _common.start_jax({"platform": None, "host_device_count": 8})
   t0 = time.perf_counter()
   if _SUITE.value == "tiers":

@@ -15,7 +15,7 @@ unless --platform says otherwise; --mesh_model splits the KV heads over that man
 import math
 import time
 
-from absl import flags
+from absl import app, flags
 
 import _common
 
@@ -49,19 +49,20 @@ flags.register_validator("prompt", lambda v: v is None or v != "",
 
 def main(argv):
   del argv
+  _common.check_output(_JSON_OUT.value, "json_out")
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
-    raise ValueError("give exactly one of --prompt=TEXT or --prompt_ids=1,2,3.")
+    raise app.UsageError("give exactly one of --prompt=TEXT or --prompt_ids=1,2,3.")
   if _CHAT.value and _PROMPT.value is None:
-    raise ValueError("--chat needs --prompt (the user message's text).")
+    raise app.UsageError("--chat needs --prompt (the user message's text).")
   prompt_ids = None
   if _PROMPT_IDS.value is not None:
     try:
       prompt_ids = [int(t) for t in _PROMPT_IDS.value]
     except ValueError:
-      raise ValueError(f"--prompt_ids={','.join(_PROMPT_IDS.value)} must be integers "
+      raise app.UsageError(f"--prompt_ids={','.join(_PROMPT_IDS.value)} must be integers "
                        "separated by commas.") from None
     if not prompt_ids:
-      raise ValueError("--prompt_ids is empty; give at least one token id.")
+      raise app.UsageError("--prompt_ids is empty; give at least one token id.")
   _common.start_jax({"platform": _PLATFORM.value})
   import jax
 
@@ -91,12 +92,12 @@ def main(argv):
 
   total = len(prompt_ids) + _MAX_NEW.value
   if model_cfg.sliding_window and total > model_cfg.sliding_window:
-    raise ValueError(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
+    raise app.UsageError(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
                      f"{_MAX_NEW.value} exceeds the model's sliding window of "
                      f"{model_cfg.sliding_window} tokens, which jaxkv does not apply.")
   devices = jax.devices()[:_MESH_MODEL.value]
   if len(devices) < _MESH_MODEL.value:
-    raise ValueError(f"--mesh_model={_MESH_MODEL.value} but this machine has "
+    raise app.UsageError(f"--mesh_model={_MESH_MODEL.value} but this machine has "
                      f"{len(jax.devices())} {jax.default_backend()} device(s).")
   mesh = jaxkv.make_mesh(data=1, model=_MESH_MODEL.value, devices=devices)
 

@@ -13,6 +13,7 @@ previous answer (jaxkv.online); each policy runs the same arrivals in turn, and 
 summary adds time per output token and end-to-end latency.
 """
 
+import importlib.util
 import os
 import statistics
 import time
@@ -39,15 +40,22 @@ _DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (e
 _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 _RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
-                             "--checkpoint_dir (a warm restart).")
+                             "--checkpoint_dir (a warm restart); with none there yet, start "
+                             "cold with a warning.")
+_REQUIRE_RESTORE = flags.DEFINE_bool("require_restore", False, "With --restore: refuse to "
+                                     "start (before compiling) when there is no checkpoint.")
 _TRACE = flags.DEFINE_string("trace", None, "Run requests from this JSONL trace file instead "
                              "of the config's workload.")
 _PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per policy and tier "
                             "occupancy over time.")
-_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the counters as a Prometheus "
-                                   "text exposition file.")
-_DISK_PAGES = flags.DEFINE_integer("disk_pages", 4096, "Disk tier capacity in blocks, with "
-                                   "--disk_dir.", lower_bound=1)
+_METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the metrics (jaxkv.metrics) "
+                                   "here at the end as a Prometheus text file (atomically).")
+_METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Serve the metrics live on "
+                                     "http://0.0.0.0:PORT/metrics during the run.",
+                                     lower_bound=1, upper_bound=65535)
+_DISK_PAGES = flags.DEFINE_integer("disk_pages", None, "Disk tier capacity in blocks, with "
+                                   "--disk_dir (default: the config's tiers.disk_pages, or "
+                                   "4096 when it has none).", lower_bound=1)
 _RATE = flags.DEFINE_float("request_rate", 0.0, "Online load: users arriving per second "
                            "(Poisson); 0 = run the workload in rounds. A trace whose lines "
                            "carry arrival_s arrives at those times.", lower_bound=0.0)
@@ -61,17 +69,34 @@ _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (
 
 def main(argv):
   del argv
+  # Everything the flags name is checked before JAX starts: a refusal costs no compile.
   if _RESTORE.value and not _CHECKPOINT_DIR.value:
-    raise app.UsageError("--restore needs --checkpoint_dir.")
+    raise app.UsageError("--restore needs --checkpoint_dir=DIR (where the checkpoints are).")
+  if _REQUIRE_RESTORE.value and not _RESTORE.value:
+    raise app.UsageError("--require_restore goes with --restore.")
+  for path, flag in ((_JSON_OUT.value, "json_out"), (_METRICS_OUT.value, "metrics_out"),
+                     (_PLOT.value, "plot")):
+    _common.check_output(path, flag)
+  _common.check_output(_CHECKPOINT_DIR.value, "checkpoint_dir", directory=True)
+  if _PLOT.value and importlib.util.find_spec("matplotlib") is None:
+    raise app.UsageError("--plot needs matplotlib: pip install matplotlib (or the [plot] "
+                         "extra).")
   cfg = _CONFIG.value
   _apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax
-  from jaxkv import builder, distributed, workloads
+  from absl import logging
+  from jaxkv import builder, distributed, metrics, workloads
+  from jaxkv.checkpoint import latest_step
+  restore = _RESTORE.value
+  if restore and latest_step(_CHECKPOINT_DIR.value) is None:
+    if _REQUIRE_RESTORE.value:
+      raise app.UsageError(f"--require_restore: no finished checkpoint in "
+                           f"{_CHECKPOINT_DIR.value}; drop the flag to start cold.")
+    logging.warning("no finished checkpoint in %s yet: starting cold (it is written when "
+                    "this run ends)", _CHECKPOINT_DIR.value)
+    restore = False
   multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
-  if cfg.get("platform") and jax.default_backend() != cfg.platform:
-    raise ValueError(f"config {cfg.name} is for platform {cfg.platform!r} but this machine runs "
-                     f"{jax.default_backend()!r}; size it with launch/plan.py --config=... instead.")
 
   model_dir = _MODEL_DIR.value or cfg.model.get("model_dir", "")
   tokenizer = None
@@ -91,6 +116,10 @@ def main(argv):
   models = [model] + [builder.share_weights(model) for _ in policies[1:]]
   engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m)
              for p, m in zip(policies, models)}
+  registry = metrics.registry(engines, labels={"config": cfg.name})
+  if _METRICS_PORT.value:
+    metrics.serve(registry, _METRICS_PORT.value)
+    print(f"metrics at http://localhost:{_METRICS_PORT.value}/metrics")
   if _TRACE.value:
     with cfg.unlocked():
       cfg.workload.kind = "trace"
@@ -100,7 +129,7 @@ def main(argv):
   work = make_work()
   online = bool(_RATE.value) or work.arrivals() is not None  # a trace with arrival times
   if online and multi:
-    raise ValueError("--request_rate runs on one process (arrivals follow one clock); "
+    raise app.UsageError("--request_rate runs on one process (arrivals follow one clock); "
                      "drop it or run without launch/multihost.py.")
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
@@ -114,7 +143,7 @@ def main(argv):
     from jaxkv.checkpoint import Checkpointer
     checkpointer = Checkpointer((engines["jaxkv"] if "jaxkv" in engines
                                  else engines[policies[0]]).cache, _CHECKPOINT_DIR.value)
-    if _RESTORE.value:
+    if restore:
       counts = checkpointer.restore()
       print(f"restored step {counts['step']}: {counts['placed']} blocks "
             f"({counts['failed_checksum']} failed their checksum)")
@@ -179,8 +208,7 @@ def main(argv):
   print(f"output_digest {result['output_digest']}")
   _common.write_json(_JSON_OUT.value, result)
   if _METRICS_OUT.value:
-    from jaxkv import metrics
-    metrics.write_prometheus(_METRICS_OUT.value, stats, labels={"config": cfg.name})
+    metrics.write_textfile(_METRICS_OUT.value, registry)
   if _PLOT.value:
     _plot(_PLOT.value, ttft, occupancy, cfg.name)
     print(f"plot written to {_PLOT.value}")
@@ -234,13 +262,7 @@ def _run_online(engines: dict, make_work):
 
 
 def _occupancy(engine) -> dict:
-  from jaxkv.index import TIER_NAMES, Tier
-  index = engine.cache.index
-  out = {}
-  for tier in (Tier.DEVICE, Tier.HOST):
-    out[TIER_NAMES[tier]] = sum(index.num_cached(s, tier) for s in range(engine.cache.num_shards))
-  out["disk"] = index.num_cached(0, Tier.DISK)
-  return out
+  return engine.occupancy()["cached_blocks"]
 
 
 def _plot(path: str, ttft: dict, occupancy: list, title: str) -> None:
@@ -248,8 +270,8 @@ def _plot(path: str, ttft: dict, occupancy: list, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-  except ImportError:
-    raise ValueError("--plot needs matplotlib: pip install matplotlib (or the [plot] extra).")
+  except ImportError:  # checked at start-up
+    raise AssertionError("matplotlib vanished during the run") from None
   from matplotlib.ticker import MaxNLocator
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
   for p, turns in ttft.items():
@@ -280,6 +302,8 @@ def _summary(stats: dict, wall_s: dict) -> dict:
               "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],
               "blocks_split": s["blocks_split"], "bytes_moved": s["bytes_moved"],
               "verify_failures": s["verify_failures"]}
+    if s.get("tpot_s"):  # per request, from the engine (online runs give their own)
+      out[p]["tpot_p50_s"] = percentile(s["tpot_s"], 0.5)
   return out
 
 
@@ -313,7 +337,10 @@ def _apply_tier_flags(cfg) -> None:
       cfg.tiers.host_pages_per_shard = _HOST_PAGES.value
     if _DISK_DIR.value:
       cfg.tiers.disk_kvstore = _DISK_DIR.value
+    if _DISK_PAGES.value is not None:
       cfg.tiers.disk_pages = _DISK_PAGES.value
+    elif cfg.tiers.get("disk_kvstore") and not cfg.tiers.get("disk_pages"):
+      cfg.tiers.disk_pages = 4096  # a disk tier named without a capacity
 
 
 if __name__ == "__main__":

@@ -61,9 +61,15 @@ def test_serve_plot_metrics_and_other_workloads(tmp_path):
   blue = np.abs(rgb - np.array([31, 119, 180])).sum(axis=1) < 30  # the first series' colour
   orange = np.abs(rgb - np.array([255, 127, 14])).sum(axis=1) < 30
   assert blue.sum() > 200 and orange.sum() > 200  # both policies are drawn
-  text = prom.read_text()
-  assert 'jaxkv_block_hits_total{config="cpu_tiny",tier="device"}' in text
-  assert "jaxkv_ttft_seconds_count" in text and "# TYPE jaxkv_requests_total counter" in text
+  from prometheus_client.parser import text_string_to_metric_families
+  fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
+  hits = {(s.labels["policy"], s.labels["tier"]): s.value
+          for s in fams["jaxkv_block_hits"].samples if s.labels["config"] == "cpu_tiny"}
+  assert hits["jaxkv", "device"] == result["hits"]["device"] > 0
+  assert hits["nocache", "device"] == 0
+  count = [s.value for s in fams["jaxkv_ttft_seconds"].samples
+           if s.name == "jaxkv_ttft_seconds_count" and s.labels["policy"] == "jaxkv"]
+  assert count == [6] and fams["jaxkv_requests"].type == "counter"
   rag, _ = serve(tmp_path, "rag", "--config.workload.kind=rag", "--config.workload.rag.rounds=2",
                  "--config.workload.rag.doc_tokens=48", "--nocompare")
   assert rag["hits"]["device"] > 0  # the system prompt and same-order documents

@@ -10,6 +10,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from jaxkv.progress import Progress
+
 
 def timed(fn: Callable[[], object]) -> float:
   """Seconds one call of ``fn`` takes; ``fn`` must itself wait for completion."""
@@ -31,11 +33,13 @@ def interleaved(candidates: dict[str, Callable[[], object]], *, reps: int = 5,
         setup(name)
       fn()
   times = {name: [] for name in candidates}
-  for _ in range(reps):
+  progress = Progress(f"timing {', '.join(candidates)}", reps)
+  for rep in range(reps):
     for name, fn in candidates.items():
       if setup:
         setup(name)
       times[name].append(timed(fn))
+    progress.advance(detail=f"repetition {rep + 1}")
   return {name: summary(ts) for name, ts in times.items()}
 
 

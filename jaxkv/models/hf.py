@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import SUPPORTED_DTYPES
+from jaxkv.errors import InputError
 from jaxkv.models.llama import Llama, LlamaConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -46,7 +47,7 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
   """A checkpoint directory jaxkv cannot load as it is (the message says what and why)."""
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxkv import nnx as kvnnx
 from jaxkv.config import SUPPORTED_DTYPES
+from jaxkv.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,10 +36,10 @@ class RopeScaling:
 
   def __post_init__(self):
     if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
-      raise ValueError(f"RopeScaling({self}) needs factor > 0 and high_freq_factor > "
+      raise InputError(f"RopeScaling({self}) needs factor > 0 and high_freq_factor > "
                        "low_freq_factor > 0.")
     if self.original_max_position_embeddings <= 0:
-      raise ValueError(f"RopeScaling.original_max_position_embeddings="
+      raise InputError(f"RopeScaling.original_max_position_embeddings="
                        f"{self.original_max_position_embeddings} must be positive.")
 
 
@@ -68,22 +69,22 @@ class LlamaConfig:
                else self.rope_scaling)
       object.__setattr__(self, "rope_scaling", RopeScaling(**d) if d else None)
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-      raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} must be a "
+      raise InputError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} must be a "
                        "jaxkv.models.RopeScaling, its fields as a mapping, or None.")
     if self.sliding_window < 0:
-      raise ValueError(f"LlamaConfig.sliding_window={self.sliding_window} must be >= 0.")
+      raise InputError(f"LlamaConfig.sliding_window={self.sliding_window} must be >= 0.")
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "mlp_dim"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"LlamaConfig.{name}={v!r} must be a positive integer.")
+        raise InputError(f"LlamaConfig.{name}={v!r} must be a positive integer.")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"LlamaConfig num_heads={self.num_heads} must be divisible by "
+      raise InputError(f"LlamaConfig num_heads={self.num_heads} must be divisible by "
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
     if self.head_dim % 2:
-      raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even for RoPE.")
+      raise InputError(f"LlamaConfig.head_dim={self.head_dim} must be even for RoPE.")
     if self.dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"LlamaConfig.dtype={self.dtype!r} must be one of {SUPPORTED_DTYPES}.")
+      raise InputError(f"LlamaConfig.dtype={self.dtype!r} must be one of {SUPPORTED_DTYPES}.")
 
 
 class RMSNorm(nnx.Module):

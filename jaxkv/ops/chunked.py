@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.ops.reference import check_shapes
+from jaxkv.errors import InputError
 
 
 def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
@@ -112,7 +113,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
   """Attention of ``q`` over each sequence's pages. Returns ``q``'s shape and dtype."""
   check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
   if pages_per_chunk <= 0:
-    raise ValueError(f"{pages_per_chunk=} must be positive.")
+    raise InputError(f"{pages_per_chunk=} must be positive.")
   qg, state = init_state(q, k_pages.shape[0], scale)
   state = paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
                       pages_per_chunk=pages_per_chunk, block_valid=block_valid)

@@ -19,26 +19,28 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxkv.errors import InputError
+
 
 def check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens) -> None:
   """Raises ValueError for inconsistent shapes (static; runs at trace time)."""
   if q.ndim != 4 or k_pages.ndim != 4:
-    raise ValueError(f"q must be [batch, q_len, heads, head_dim] (got {q.shape}) and "
+    raise InputError(f"q must be [batch, q_len, heads, head_dim] (got {q.shape}) and "
                      f"k_pages [kv_heads, pages, page_size, head_dim] (got {k_pages.shape}).")
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   if k_pages.shape != v_pages.shape:
-    raise ValueError(f"{k_pages.shape=} must equal {v_pages.shape=}.")
+    raise InputError(f"{k_pages.shape=} must equal {v_pages.shape=}.")
   if k_pages.shape[3] != head_dim:
-    raise ValueError(f"q head_dim={head_dim} must equal the pages' head_dim={k_pages.shape[3]}.")
+    raise InputError(f"q head_dim={head_dim} must equal the pages' head_dim={k_pages.shape[3]}.")
   if num_q_heads % num_kv_heads:
-    raise ValueError(f"{num_q_heads=} must be divisible by {num_kv_heads=}.")
+    raise InputError(f"{num_q_heads=} must be divisible by {num_kv_heads=}.")
   if page_table.ndim != 2 or page_table.shape[0] != batch:
-    raise ValueError(f"page_table must be [batch={batch}, pages_per_seq]; got {page_table.shape}.")
+    raise InputError(f"page_table must be [batch={batch}, pages_per_seq]; got {page_table.shape}.")
   if q_positions.shape != (batch, q_len):
-    raise ValueError(f"q_positions must be [batch, q_len]={(batch, q_len)}; got {q_positions.shape}.")
+    raise InputError(f"q_positions must be [batch, q_len]={(batch, q_len)}; got {q_positions.shape}.")
   if kv_lens.shape != (batch,):
-    raise ValueError(f"kv_lens must be [batch]={(batch,)}; got {kv_lens.shape}.")
+    raise InputError(f"kv_lens must be [batch]={(batch,)}; got {kv_lens.shape}.")
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,

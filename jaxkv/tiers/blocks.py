@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.tiers.base import Failure
+from jaxkv.errors import InputError
 
 MAGIC = b"JAXKVBK1"
 FORMAT_VERSION = 1
@@ -42,7 +43,7 @@ class BlockError(ValueError):
 def _dtype_code(dtype) -> int:
   name = jnp.dtype(dtype).name
   if name not in SUPPORTED_DTYPES:
-    raise ValueError(f"dtype {name} is not one of {SUPPORTED_DTYPES}.")
+    raise InputError(f"dtype {name} is not one of {SUPPORTED_DTYPES}.")
   return SUPPORTED_DTYPES.index(name)
 
 

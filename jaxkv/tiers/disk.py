@@ -35,6 +35,7 @@ import tensorstore as ts
 from jaxkv.index import Tier
 from jaxkv.tiers import blocks
 from jaxkv.tiers.base import Failure, Fetch, Landing
+from jaxkv.errors import InputError
 
 ARRAY_PATH = "blocks/"
 
@@ -46,7 +47,7 @@ def kvstore_spec(location) -> dict:
   elif isinstance(location, dict) and "driver" in location:
     spec = dict(location)
   else:
-    raise ValueError(f"disk_kvstore={location!r} must be a directory path or a TensorStore "
+    raise InputError(f"disk_kvstore={location!r} must be a directory path or a TensorStore "
                      "kvstore spec such as {'driver': 'file', 'path': '/data/kv'}.")
   path = spec.get("path", "")
   if path and not path.endswith("/"):
@@ -99,10 +100,10 @@ class DiskTier:
     try:
       os.makedirs(path, exist_ok=True)
     except OSError as e:
-      raise ValueError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
+      raise InputError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
                        "point disk_kvstore at a writable directory.") from None
     if not os.access(path, os.W_OK | os.X_OK):
-      raise ValueError(f"disk tier directory {path!r} is not writable; point disk_kvstore at "
+      raise InputError(f"disk tier directory {path!r} is not writable; point disk_kvstore at "
                        "a writable directory.")
 
   def _remove_temporaries(self) -> int:
@@ -140,7 +141,7 @@ class DiskTier:
       return ts.open(spec).result()
     except ValueError as e:
       existing = self._existing_metadata()
-      raise ValueError(
+      raise InputError(
           f"the disk tier at {self.kvstore} holds a store this cache cannot use (it has shape "
           f"{existing.get('shape')} and fingerprint "
           f"{existing.get('attributes', {}).get('jaxkv_fingerprint', '?')[:16]}..., this cache "

@@ -41,6 +41,7 @@ from jaxkv import pages as pages_lib
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 from jaxkv.tiers.base import Failure, Fetch, Landing
+from jaxkv.errors import InputError
 
 PROTOCOL = 1
 
@@ -247,7 +248,7 @@ class RemoteClient:
                trip_after: int = 3, cool_down_s: float = 10.0):
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-      raise ValueError(f"remote peer {address!r} must be 'host:port'.")
+      raise InputError(f"remote peer {address!r} must be 'host:port'.")
     self.address, self.host, self.port = address, host, int(port)
     self.fingerprint = fingerprint.hex()
     self.deadline_s = deadline_s
