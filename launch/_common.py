@@ -16,6 +16,18 @@ def refuse(message: str) -> None:
   sys.exit(2)
 
 
+def load_config(holder):
+  """The config a ``config_flags`` flag names, or a one-line refusal when the file does not
+  load (config_flags defers that error until the value is read)."""
+  try:
+    cfg = holder.value
+    if cfg is not None:
+      cfg.keys()  # a config that failed to load raises on first use
+    return cfg
+  except Exception as e:  # a missing file, a syntax error or exception inside it
+    refuse(f"--{holder.name} did not load: {e}")
+
+
 def start_jax(cfg) -> None:
   """Sets the platform and the virtual CPU device count, imports JAX and starts its
   backend. A config made for a platform this machine does not have is refused here, in

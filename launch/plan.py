@@ -54,7 +54,7 @@ for _name in ("kv_bytes", "link_gb_per_s", "prefill_ms_per_1k"):
 def main(argv):
   del argv
   _common.check_output(_JSON_OUT.value, "json_out")
-  cfg = _CONFIG.value
+  cfg = _common.load_config(_CONFIG)
   if cfg is not None and "hardware" not in cfg and (
       (_LINK.value is None and not _COST_MODEL.value)
       or (_PREFILL.value is None and not _COST_MODEL.value)):

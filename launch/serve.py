@@ -81,7 +81,7 @@ def main(argv):
   if _PLOT.value and importlib.util.find_spec("matplotlib") is None:
     raise app.UsageError("--plot needs matplotlib: pip install matplotlib (or the [plot] "
                          "extra).")
-  cfg = _CONFIG.value
+  cfg = _common.load_config(_CONFIG)
   _apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax

@@ -43,6 +43,12 @@ def test_planner_sizes_a_real_model_from_its_config(tmp_path):
   assert r["kv_bytes"] == 2 * 32 * 8 * 128 * 2 * 32000  # 128 KiB per token
   assert r["t_fetch_s"] == pytest.approx(r["kv_bytes"] / 50e9 + 2e-5, rel=1e-3)
   assert r["t_recompute_s"] == pytest.approx(32 * 0.040, rel=1e-3)
+  # The capacity planner's figures: KV per token, what each tier holds, the break-even link.
+  assert r["bytes_per_token"] == 128 * 1024
+  assert r["tier_tokens"] == {"device": 24576 * 16, "host": 131072 * 16, "disk": (1 << 20) * 16}
+  assert r["break_even_link_gb_per_s"] == pytest.approx(
+      r["bytes_per_request"] / (r["t_recompute_s"] - 2e-5) / 1e9, rel=1e-6)
+  assert "fetching beats recomputing above" in proc.stdout
 
 
 def test_serve_refuses_a_gpu_config_on_cpu_in_one_line():

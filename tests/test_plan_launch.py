@@ -45,6 +45,6 @@ def test_slow_link_means_recompute_and_bad_flags_say_what_to_fix(tmp_path):
                      "--prefill_ms_per_1k=1", "--link_latency_ms=5")
   assert proc.returncode == 0 and r["decision"] in ("recompute", "split")
   assert r["t_split_s"] <= r["t_recompute_s"] * (1 + 1e-6)  # the plan computes in float32
-  proc, _ = run_plan(tmp_path, "--tokens=100", "--link_gb_per_s=1")
+  proc, _ = run_plan(tmp_path, "--kv_bytes=1e9", "--tokens=100", "--link_gb_per_s=1")
   assert proc.returncode != 0 and "--prefill_ms_per_1k" in proc.stderr
   assert "Traceback" not in proc.stderr
