@@ -80,9 +80,9 @@ class KVCache:
     self.stats = Stats()
     self.mover = None
     logging.info(
-        "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.2f GiB per device)%s%s",
+        "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
-        self.pool_bytes_per_device / 2**30,
+        self.pool_bytes_per_device / 2**20,
         f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.host else "",
         f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "")
     if config.weights_digest:  # the model is known: open what depends on its identity now
