@@ -50,16 +50,18 @@ def start_jax(cfg) -> None:
           f"{xla_flags} --xla_force_host_platform_device_count={count}".strip())
   import jax  # imported here, after the environment is set
   want = cfg.get("platform", None)
-  name = cfg.get("name", "this config")
+  name = cfg.get("name", None)
+  what = f"config {name} is" if name else "this run is"
   try:
     backend = jax.default_backend()
   except RuntimeError:
     backend = None
   if want and backend != want:
     has = f"runs {backend!r}" if backend else f"cannot start JAX's {want!r} backend"
-    refuse(f"config {name} is for platform {want!r} but this machine {has} (JAX_PLATFORMS="
-           f"{os.environ.get('JAX_PLATFORMS', '')!r}); run it where that platform is, or size "
-           "it with launch/plan.py --config=... on any machine.")
+    refuse(f"{what} for platform {want!r} but this machine {has} (JAX_PLATFORMS="
+           f"{os.environ.get('JAX_PLATFORMS', '')!r}); run it where that platform is"
+           + (", or size it with launch/plan.py --config=... on any machine." if name else
+              ", or choose --platform=cpu."))
 
 
 def _jaxkv_info_only(record) -> bool:
