@@ -113,8 +113,12 @@ class Checkpointer:
     }
     if e.host is not None:
       host = e.host
-      host_sums = pages_lib.checksum_total(pages_lib.page_checksums(host.pool, mesh=e.mesh,
-                                                                      config=c))
+      # The checksums recorded when each slot was stored (the host pool lives in host
+      # memory, where device computations cannot read it); restore checks the saved bytes
+      # against them, so a slot corrupted in host memory since is caught there.
+      slots = np.tile(np.arange(host.pages_per_shard), (shards, 1))
+      host_sums = host.expected_checksums(slots).astype(np.uint64).sum(axis=-1).astype(
+          np.uint32).reshape(-1)
       host_rows = []
       for s in range(shards):
         for p in range(host.pages_per_shard):

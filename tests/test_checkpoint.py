@@ -57,6 +57,35 @@ def test_restore_straight_into_host_memory(mesh, tmp_path):
   assert b.stats()["hits"]["host"] > 0 and b.stats()["hits"]["device"] == 0
 
 
+@pytest.mark.parametrize("tiers,into", [
+    ("host", "device"), ("host", "host"), ("host+disk", "device"), ("disk", "device")])
+def test_checkpoint_of_a_cache_with_lower_tiers_restores_exactly(mesh, tmp_path, tiers, into):
+  """Blocks in host memory are saved too (their checksums are those recorded when they were
+  stored: no device computation reads host memory); disk blocks stay in the store."""
+  def make(reuse=True):
+    return engine_on(mesh, reuse=reuse, pages_per_shard=16, tiers=jaxkv.TierConfig(
+        host_pages_per_shard=32 if "host" in tiers else 0,
+        disk_kvstore=str(tmp_path / "disk") if "disk" in tiers else None,
+        disk_pages=64 if "disk" in tiers else 0, write_policy="write_through"))
+  a = make()
+  want = a.generate(PROMPTS, 4)
+  a.offload()  # every cached block leaves the device: the host (or disk) tier holds them
+  a.flush(30)
+  held = a.occupancy()["cached_blocks"]
+  assert held["device"] == 0 and max(held["host"], held["disk"]) > 0
+  step = Checkpointer(a.cache, str(tmp_path / "ckpt")).save(wait=True)
+  b = make()
+  counts = Checkpointer(b.cache, str(tmp_path / "ckpt")).restore(into=into)
+  assert counts["step"] == step and counts["failed_checksum"] == 0
+  if "host" in tiers:
+    assert counts["placed"] > 0
+  follow = [p + w + [7, 8, 9] for p, w in zip(PROMPTS, want)]
+  assert b.generate(follow, 4) == make(reuse=False).generate(follow, 4)
+  hits = b.stats()["hits"]
+  assert hits["device"] + hits["host"] + hits["disk"] >= sum((len(p) - 1) // 4 for p in PROMPTS)
+  b.cache.index.check_invariants()
+
+
 def test_mismatched_model_or_layout_is_refused_naming_the_difference(mesh, tmp_path):
   a = engine_on(mesh)
   a.generate(PROMPTS[:1], 2)
