@@ -1,7 +1,9 @@
 """Host and disk tiers: exact round trips, exact generation, and faults on real stores."""
 
+import fcntl
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -441,13 +443,24 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   time.sleep(2.0)
   proc.send_signal(signal.SIGKILL)
   proc.wait(timeout=30)
-  # Leave a torn temporary behind as a crash would, and a chunk cut short.
+  # Leave a torn temporary behind as a crash would, and a chunk cut short; and a
+  # temporary that a live writer holds locked, as TensorStore's file driver does while it
+  # writes (an open-file-description lock).
   blocks_dir = os.path.join(path, "blocks")
-  open(os.path.join(blocks_dir, "c.5.0.__lock"), "wb").write(b"partial")
+  torn = os.path.join(blocks_dir, "c.5.0.__lock")
+  open(torn, "wb").write(b"partial")
+  live = os.path.join(blocks_dir, "c.7.0.__lock")
+  live_fd = os.open(live, os.O_RDWR | os.O_CREAT)
+  fcntl.fcntl(live_fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
   os.truncate(os.path.join(blocks_dir, "c.6.0"), 100)
-  disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
-                  fingerprint=b"f" * 32)
-  assert disk.removed_temporaries >= 1
+  try:
+    disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
+                    fingerprint=b"f" * 32)
+    assert disk.removed_temporaries >= 1 and not os.path.exists(torn)
+    assert os.path.exists(live)  # a live writer's temporary is not taken from under it
+  finally:
+    os.close(live_fd)
+  os.remove(live)
   good, deleted = disk.scan()
   assert deleted >= 1 and len(good) >= 8
   for slot, key, _ in good:
@@ -457,6 +470,17 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   assert disk.bytes_on_disk() <= 64 * disk.record_bytes * 1.01 + 4096
   # The cache adopts the survivors.
   assert len(disk.scan()[0]) == len(good)
+
+
+def test_opening_a_store_tolerates_temporaries_that_vanish_meanwhile(tmp_path, monkeypatch):
+  """Another writer finishes (renames) its temporary between our listing and our removal."""
+  path = str(tmp_path / "d")
+  make = lambda: DiskTier(path, num_slots=8, payload_shape=(2, 2, 4, 8), dtype="float32",
+                          fingerprint=b"f" * 32)
+  make()
+  real_listdir = os.listdir
+  monkeypatch.setattr(os, "listdir", lambda d: real_listdir(d) + ["c.3.0.__lock"])
+  assert make().removed_temporaries == 0  # listed, gone by the time it is looked at
 
 
 def test_cache_adopts_verified_disk_blocks_of_a_previous_run(mesh, tmp_path):

@@ -26,6 +26,7 @@ the index (``scan``), and unverifiable ones are deleted. Disk use is bounded by
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import time
 
@@ -38,6 +39,27 @@ from jaxkv.tiers.base import Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
 ARRAY_PATH = "blocks/"
+
+
+def _remove_if_unlocked(path: str) -> bool:
+  """Removes ``path`` if no process holds a lock on it (a POSIX record lock conflicts with
+  a writer's open-file-description lock too). Returns whether it was removed."""
+  try:
+    fd = os.open(path, os.O_RDWR)
+  except FileNotFoundError:
+    return False
+  try:
+    try:
+      fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      return False  # held: a live writer's
+    try:
+      os.remove(path)  # while holding the lock, as the writers' protocol expects
+    except FileNotFoundError:
+      return False
+    return True
+  finally:
+    os.close(fd)
 
 
 def kvstore_spec(location) -> dict:
@@ -107,15 +129,18 @@ class DiskTier:
                        "a writable directory.")
 
   def _remove_temporaries(self) -> int:
-    """Deletes ``*.__lock`` files a killed writer left (file driver only)."""
+    """Deletes ``*.__lock`` files a killed writer left (file driver only). TensorStore's
+    file driver holds a lock on that file while it writes (an open-file-description lock
+    on Linux); if we can take a lock on it, no writer is alive and the file is stale. A
+    live writer's (another process sharing the store) is left alone, and one that vanishes
+    meanwhile was finished by its writer."""
     if self.kvstore["driver"] != "file":
       return 0
     root = os.path.join(self.kvstore["path"], ARRAY_PATH)
     n = 0
     if os.path.isdir(root):
       for name in os.listdir(root):
-        if name.endswith(".__lock"):
-          os.remove(os.path.join(root, name))
+        if name.endswith(".__lock") and _remove_if_unlocked(os.path.join(root, name)):
           n += 1
     return n
 
