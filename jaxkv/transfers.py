@@ -319,6 +319,8 @@ class TierMover:
     if fetch.tier == Tier.REMOTE:
       self.stats.add("remote_failures")
       return  # nothing of ours to drop: the peer's copy is the peer's
+    if fetch.reason == "read_retry":
+      return  # the record stays, and so does its chain: the next lookup reads it again
     shard = 0 if fetch.tier == Tier.DISK else fetch.shard
     self.index.drop_chain(shard, fetch.key, fetch.tier)
     if fetch.tier == Tier.DISK and fetch.reason != "deadline":

@@ -365,6 +365,54 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   assert_clean(engine)
 
 
+class _FailingReads:
+  """Wraps a real DiskTier: the first ``times`` reads of each slot raise (the store's
+  error surfaces in the read's future, as TensorStore reports I/O errors)."""
+
+  def __init__(self, disk, times):
+    self.real_read, self.times, self.failed = disk.read, times, {}
+
+  def __call__(self, slot):
+    if self.failed.get(slot, 0) < self.times:
+      self.failed[slot] = self.failed.get(slot, 0) + 1
+      promise, future = ts.Promise.new()
+      promise.set_exception(OSError(f"transient I/O error reading slot {slot}"))
+      return type(self.real_read(slot))(slot, future, time.monotonic())
+    return self.real_read(slot)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, tmp_path, times):
+  engine = disk_engine(mesh, tmp_path)
+  prompt = list(range(1, 30))
+  want = engine.generate([prompt], 3)
+  engine.flush(30)
+  keys = engine.cache.index.block_keys(prompt, "default")
+  slots = [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys]
+  assert None not in slots
+  engine.cache.disk.read = _FailingReads(engine.cache.disk, times)
+  for attempt in range(times):
+    forget_device_copies(engine)
+    engine.reset_stats()
+    assert engine.generate([prompt], 3) == want  # a miss: recomputed, exact
+    s = engine.stats()
+    assert s["hits"]["disk"] == 0 and s["verify_failures"] == (len(keys) if attempt else 0)
+    reason = "read_retry" if attempt == 0 else "read_error"
+    assert s["verify_failures_by_reason"].get(reason, 0) >= 1
+    engine.flush(30)
+    # Kept (transient): nothing is written again. Given up: dropped as a corrupt record
+    # is, so the recomputed blocks are written anew.
+    assert engine.stats()["demoted_disk"] == (len(keys) if attempt else 0)
+  forget_device_copies(engine)
+  engine.reset_stats()
+  assert engine.generate([prompt], 3) == want
+  assert engine.stats()["hits"]["disk"] == len(keys)  # read this time
+  if times == 1:
+    assert [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys] == slots
+  engine.flush(30)
+  assert_clean(engine)
+
+
 def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
   engine = disk_engine(mesh, tmp_path)
   real_write = engine.cache.disk.write

@@ -45,7 +45,7 @@ class Failure(str, enum.Enum):
   SHAPE = "shape"  # wrong dtype or shape
   CHECKSUM = "checksum"  # the bytes changed
   TOKEN = "token"  # a remote offer answering another request
-  READ_ERROR = "read_error"  # the store raised while reading
+  READ_ERROR = "read_error"  # the store raised while reading, again: given up on
   REMOTE = "remote"  # a remote fetch failed in an unclassified way
   # The bytes never came: a miss, not a corruption.
   DEADLINE = "deadline"  # not there before the deadline
@@ -54,6 +54,7 @@ class Failure(str, enum.Enum):
   REFUSED = "refused"  # the peer answered with an error
   CLOSED = "closed"  # the peer closed the connection
   PULL = "pull"  # the transfer itself failed
+  READ_RETRY = "read_retry"  # the store raised while reading; the record is kept to retry
 
   @property
   def corrupt(self) -> bool:
@@ -70,7 +71,7 @@ class Failure(str, enum.Enum):
 
 
 _UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
-                          Failure.CLOSED, Failure.PULL})
+                          Failure.CLOSED, Failure.PULL, Failure.READ_RETRY})
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ from jaxkv.tiers.base import Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
 ARRAY_PATH = "blocks/"
+READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
 
 
 def _remove_if_unlocked(path: str) -> bool:
@@ -108,6 +109,7 @@ class DiskTier:
     self._check_writable()
     self.removed_temporaries = self._remove_temporaries()
     self.array = self._open()
+    self._read_errors: dict[int, int] = {}  # slot -> reads in a row that raised
 
   # ---- opening ---------------------------------------------------------------------------
   def _array_kvstore(self) -> dict:
@@ -215,6 +217,7 @@ class DiskTier:
             ) -> PendingWrite:
     """Starts writing one block; publish it only once ``future`` has succeeded."""
     record = blocks.encode(payload, key, self.fingerprint, parent)
+    self._read_errors.pop(slot, None)  # a new record in the slot
     try:
       fut = self.array[slot].write(record).commit
     except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
@@ -250,8 +253,19 @@ class DiskTier:
         f.reason = Failure.DEADLINE
         r.future.cancel()
       except Exception as e:  # pylint: disable=broad-except  (any failed read is a miss)
-        f.reason = Failure.of(e, Failure.READ_ERROR)
+        f.reason = Failure.of(e, self._read_error(f.slot))
+      if f.ok:
+        self._read_errors.pop(f.slot, None)
     return stage(staged) if staged else None
+
+  def _read_error(self, slot: int) -> Failure:
+    """The store raised reading ``slot``: a transient error the first time (the record is
+    kept and read again next time), given up on when the next read raises too."""
+    n = self._read_errors[slot] = self._read_errors.get(slot, 0) + 1
+    if n < READ_ATTEMPTS:
+      return Failure.READ_RETRY
+    del self._read_errors[slot]
+    return Failure.READ_ERROR
 
   def read_verified(self, slots: list[int], keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies records (all in flight at once) until ``t_end`` at the latest;
