@@ -55,7 +55,7 @@ def test_failures_separate_corrupt_copies_from_unavailable_ones():
   assert {Failure.CHECKSUM, Failure.KEY, Failure.MAGIC, Failure.SHAPE, Failure.READ_ERROR,
           Failure.TOKEN} <= corrupt
   assert not corrupt & {Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
-                        Failure.CLOSED, Failure.PULL}
+                        Failure.CLOSED, Failure.PULL, Failure.READ_RETRY}
   assert Failure.of(blocks.BlockError("key", "x"), Failure.READ_ERROR) is Failure.KEY
   assert Failure.of(OSError("disk"), Failure.READ_ERROR) is Failure.READ_ERROR
   assert Failure.CHECKSUM == "checksum"  # stats report the plain name
