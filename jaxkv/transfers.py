@@ -53,6 +53,7 @@ class TierMover:
     # longest) and waited for.
     self.sources = [t for t in (disk, host, remote) if t is not None]
     self._pending_writes: list = []
+    self._writing: set[bytes] = set()  # keys of the disk writes in flight
     self.last_fetch: dict = {}
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
@@ -197,8 +198,8 @@ class TierMover:
     for s, items in enumerate(per):
       for i, b in enumerate(items):
         key = b[2]
-        if self.index.slot_of(0, key, Tier.DISK) is not None:
-          continue
+        if self.index.slot_of(0, key, Tier.DISK) is not None or key in self._writing:
+          continue  # on disk already, or being written (another shard's copy of it)
         slot = self.index.allocate(0, 1, Tier.DISK)
         if slot is None:
           self.stats.add("disk_full_drops")
@@ -206,6 +207,7 @@ class TierMover:
         payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
         self._pending_writes.append(self.disk.write(slot[0], payload, key,
                                                     self.index.parent_of(key)))
+        self._writing.add(key)
         self.stats.add("bytes_moved", self._bytes(1))
     self.pump()
 
@@ -235,6 +237,7 @@ class TierMover:
     return len(self._pending_writes)
 
   def _finish_write(self, w) -> None:
+    self._writing.discard(w.key)
     try:
       w.future.result(timeout=0)
       ok = True

@@ -413,6 +413,34 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
   assert_clean(engine)
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, policy):
+  """pin computes a prompt on every data shard; each copy used to take a disk slot of its
+  own when they went down together (and evict other records for it)."""
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, tiers=jaxkv.TierConfig(
+      disk_kvstore=str(tmp_path / "disk"), disk_pages=64, write_policy=policy))
+  page = engine.cache.config.page_size
+  before = [list(range(40 + 20 * i, 40 + 20 * i + 2 * page + 1)) for i in range(3)]
+  engine.generate(before, 2)
+  engine.offload()  # write-back: they go down now
+  engine.flush(30)
+  earlier = engine.occupancy()["cached_blocks"]["disk"]
+  assert earlier > 0
+  prompt = list(range(1, 3 * page + 2))  # 3 full blocks
+  assert engine.pin(prompt) == 3
+  keys = engine.cache.index.block_keys(prompt, "default")
+  assert all(engine.cache.index.slot_of(s, k, Tier.DEVICE) is not None
+             for s in range(4) for k in keys)
+  engine.unpin(prompt)
+  engine.offload()  # every shard's copy goes down in one batch
+  assert engine.flush(30) == 0
+  assert engine.occupancy()["cached_blocks"]["disk"] == earlier + 3  # once each, nothing lost
+  assert engine.stats()["demoted_disk"] == earlier + 3
+  assert_clean(engine)
+
+
 def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
   engine = disk_engine(mesh, tmp_path)
   real_write = engine.cache.disk.write
