@@ -14,8 +14,9 @@ Concepts
   transfer or a user pin holds it). Free and cached slots sit in one queue per pool in
   eviction order: never-used slots first, then cached ones least recently released
   first. Allocation takes from the front; a cached slot in a small window at the front
-  whose block was reused more often is passed over once for a colder one (shared hot
-  prefixes stay, LRU breaks ties). Every operation is O(1) per slot.
+  whose block was reused more often is passed over for a colder one, its reuse count
+  halved each time (shared hot prefixes stay while they are reused, then age out; LRU
+  breaks ties). Every operation is O(1) per slot.
 
 Invariants (``check_invariants``; property tests drive random operation sequences)
 - A referenced slot is never in a free queue and is never evicted or reallocated.
@@ -127,7 +128,7 @@ class PrefixIndex:
     self._pools = {Tier.DEVICE: [_Pool(pages_per_shard) for _ in range(num_shards)],
                    Tier.HOST: [_Pool(host_pages_per_shard) for _ in range(num_shards)],
                    Tier.DISK: [_Pool(disk_slots)]}
-    self._hits: collections.Counter = collections.Counter()  # key -> times reused
+    self._hits: collections.Counter = collections.Counter()  # key -> reuses, aged
     self._parent: dict[Key, Key | None] = {}
     self._children: dict[Key, dict[Key, None]] = {}
     self._copies: collections.Counter = collections.Counter()  # key -> copies in any pool
@@ -360,17 +361,24 @@ class PrefixIndex:
   # ---- internals -------------------------------------------------------------------------
   def _pick_victim(self, pool: _Pool) -> int:
     """Front of the queue, unless a more-reused cached block is there and a colder one
-    follows within the window: then the coldest of the window (first one on ties)."""
-    best, best_hits = None, None
+    follows within the window: then the coldest of the window (first one on ties). Each
+    block passed over has its reuse count halved (zero below one half), so popularity
+    ages: a block reused k times is passed over about log2(k) + 2 times, not forever."""
+    best, best_hits, seen = None, None, []
     for i, p in enumerate(pool.free_queue):
       if i >= _EVICTION_WINDOW:
         break
       key = pool.key_of_slot[p]
       hits = -1 if key is None else self._hits.get(key, 0)
+      seen.append((p, key, hits))
       if best is None or hits < best_hits:
         best, best_hits = p, hits
       if hits <= 0:
         break  # nothing is colder than a free or never-reused slot
+    for p, key, hits in seen:
+      if p != best and key is not None and hits > best_hits:
+        aged = hits / 2  # passed over: it ages, and below half a reuse it counts as cold
+        self._hits[key] = aged if aged >= 0.5 else 0
     pool.free_queue.pop(best)
     return best
 

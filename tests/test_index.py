@@ -231,3 +231,30 @@ def test_reused_blocks_outlive_cold_ones_and_lru_breaks_ties():
   got = idx.allocate(0, 2)
   assert sorted(got) == sorted(pages[2:])  # the cold blocks go, though the hot ones are older
   assert idx.match(0, hot) == pages[:2]
+
+
+@pytest.mark.parametrize("reuses", [1, 8])
+def test_popularity_ages_a_once_hot_block_leaves_under_a_stream_of_new_ones(reuses):
+  """A block reused k times is passed over while colder ones sit in the window, but its
+  count halves each time: after log2(k) + 2 passes it goes like any other."""
+  idx = make_index(num_shards=1, pages=4)
+  hot = idx.block_keys(list(range(4)), "t")
+  page, = idx.allocate(0, 1)
+  idx.publish(0, page, hot[0])
+  idx.release(0, [page])
+  for _ in range(reuses):
+    idx.record_hits(hot)
+  survived = 0
+  for i in range(50):  # a stream of new blocks, each cached once and never reused
+    evicted = []
+    new, = idx.allocate(0, 1, evicted=evicted)
+    idx.publish(0, new, idx.block_keys(list(range(1000 + 4 * i, 1004 + 4 * i)), "t")[0])
+    idx.release(0, [new])
+    if any(k == hot[0] for k, _ in evicted):
+      break
+    survived += 1
+  else:
+    pytest.fail("the once-hot block was never evicted")
+  # Three never-used slots go first, then it is passed over log2(k) + 2 times.
+  assert survived == 3 + reuses.bit_length() + 1
+  idx.check_invariants()
