@@ -40,6 +40,8 @@ from jaxkv.errors import InputError
 
 ARRAY_PATH = "blocks/"
 READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
+# TensorStore error codes that mean the stored bytes are wrong, not that reading failed.
+_DAMAGE = ("DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 
 def _remove_if_unlocked(path: str) -> bool:
@@ -253,14 +255,19 @@ class DiskTier:
         f.reason = Failure.DEADLINE
         r.future.cancel()
       except Exception as e:  # pylint: disable=broad-except  (any failed read is a miss)
-        f.reason = Failure.of(e, self._read_error(f.slot))
+        f.reason = Failure.of(e, self._read_error(f.slot, e))
       if f.ok:
         self._read_errors.pop(f.slot, None)
     return stage(staged) if staged else None
 
-  def _read_error(self, slot: int) -> Failure:
-    """The store raised reading ``slot``: a transient error the first time (the record is
-    kept and read again next time), given up on when the next read raises too."""
+  def _read_error(self, slot: int, error: BaseException) -> Failure:
+    """The store raised reading ``slot``. When it says the bytes are wrong (TensorStore's
+    DATA_LOSS: the chunk's crc32c failed; a short or malformed chunk), that is a corrupt
+    record. Anything else (I/O, unavailable) is taken as transient the first time: the
+    record is kept and read again next time; given up on when the next read raises too."""
+    if str(error).startswith(_DAMAGE):
+      self._read_errors.pop(slot, None)
+      return Failure.READ_ERROR
     n = self._read_errors[slot] = self._read_errors.get(slot, 0) + 1
     if n < READ_ATTEMPTS:
       return Failure.READ_RETRY
