@@ -29,9 +29,9 @@ def load_config(holder):
 
 
 def start_jax(cfg) -> None:
-  """Sets the platform and the virtual CPU device count, imports JAX and starts its
-  backend. A config made for a platform this machine does not have is refused here, in
-  one line, before anything is built or compiled.
+  """Sets the platform and the virtual CPU device count, imports JAX and (outside a
+  multi-process job) starts its backend: a config made for a platform this machine does
+  not have is refused here, in one line, before anything is built or compiled.
 
   Logging: jaxkv's INFO lines (start-up, calibration, compile progress) are shown; other
   libraries' INFO (Orbax, XLA backends) only when --verbosity asks for them."""
@@ -48,7 +48,16 @@ def start_jax(cfg) -> None:
     if count and "xla_force_host_platform_device_count" not in xla_flags:
       os.environ["XLA_FLAGS"] = (
           f"{xla_flags} --xla_force_host_platform_device_count={count}".strip())
-  import jax  # imported here, after the environment is set
+  import jax  # noqa: F401  (imported here, after the environment is set)
+  if not os.environ.get("JAXKV_COORDINATOR"):  # a job's processes check after joining it
+    check_platform(cfg)
+
+
+def check_platform(cfg) -> None:
+  """Starts JAX's backend and refuses, in one line, a config made for a platform this
+  machine does not have. In a multi-process job, call it after ``distributed.initialize``
+  (which must come before the backend starts)."""
+  import jax
   want = cfg.get("platform", None)
   name = cfg.get("name", None)
   what = f"config {name} is" if name else "this run is"

@@ -88,6 +88,8 @@ def main(argv):
   from absl import logging
   from jaxkv import builder, distributed, metrics, workloads
   from jaxkv.checkpoint import latest_step
+  multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
+  _common.check_platform(cfg)  # (done already in one process; a job's processes do it here)
   restore = _RESTORE.value
   if restore and latest_step(_CHECKPOINT_DIR.value) is None:
     if _REQUIRE_RESTORE.value:
@@ -96,7 +98,6 @@ def main(argv):
     logging.warning("no finished checkpoint in %s yet: starting cold (it is written when "
                     "this run ends)", _CHECKPOINT_DIR.value)
     restore = False
-  multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
 
   model_dir = _MODEL_DIR.value or cfg.model.get("model_dir", "")
   tokenizer = None
