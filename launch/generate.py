@@ -60,7 +60,7 @@ def main(argv):
       prompt_ids = [int(t) for t in _PROMPT_IDS.value]
     except ValueError:
       raise app.UsageError(f"--prompt_ids={','.join(_PROMPT_IDS.value)} must be integers "
-                       "separated by commas.") from None
+                           "separated by commas.") from None
     if not prompt_ids:
       raise app.UsageError("--prompt_ids is empty; give at least one token id.")
   _common.start_jax({"platform": _PLATFORM.value})
@@ -93,12 +93,12 @@ def main(argv):
   total = len(prompt_ids) + _MAX_NEW.value
   if model_cfg.sliding_window and total > model_cfg.sliding_window:
     raise app.UsageError(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
-                     f"{_MAX_NEW.value} exceeds the model's sliding window of "
-                     f"{model_cfg.sliding_window} tokens, which jaxkv does not apply.")
+                         f"{_MAX_NEW.value} exceeds the model's sliding window of "
+                         f"{model_cfg.sliding_window} tokens, which jaxkv does not apply.")
   devices = jax.devices()[:_MESH_MODEL.value]
   if len(devices) < _MESH_MODEL.value:
     raise app.UsageError(f"--mesh_model={_MESH_MODEL.value} but this machine has "
-                     f"{len(jax.devices())} {jax.default_backend()} device(s).")
+                         f"{len(jax.devices())} {jax.default_backend()} device(s).")
   mesh = jaxkv.make_mesh(data=1, model=_MESH_MODEL.value, devices=devices)
 
   t0 = time.perf_counter()

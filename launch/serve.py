@@ -131,7 +131,7 @@ def main(argv):
   online = bool(_RATE.value) or work.arrivals() is not None  # a trace with arrival times
   if online and multi:
     raise app.UsageError("--request_rate runs on one process (arrivals follow one clock); "
-                     "drop it or run without launch/multihost.py.")
+                         "drop it or run without launch/multihost.py.")
   t0 = time.perf_counter()
   # Engines over the same model structure share compiled steps: warming one warms all.
   engines[policies[0]].warmup(max_seq_len=work.max_seq_len())
