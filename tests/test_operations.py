@@ -2,6 +2,7 @@
 keeps its traceback, metrics parse with prometheus_client (file and live endpoint), logs
 and progress show, --restore with nothing to restore starts cold."""
 
+import http.client
 import json
 import os
 import socket
@@ -182,7 +183,7 @@ def test_metrics_are_served_live_during_a_run(tmp_path):
       try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
           scraped.append(resp.read().decode())
-      except OSError:
+      except (OSError, http.client.HTTPException):  # not up yet, or cut short by the exit
         pass
       time.sleep(0.5)
   finally:
