@@ -1,4 +1,4 @@
-"""launch/bench.py --suite=tiers --quick: runs, and reports every figure its issue names."""
+"""launch/bench.py --quick suites: they run, and report every figure their issues name."""
 
 import json
 import os
@@ -8,14 +8,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
-  out = tmp_path / "tiers.json"
+def quick_bench(tmp_path, suite: str) -> dict:
+  """``launch/bench.py --suite=SUITE --quick`` as a user runs it; its JSON figures."""
+  out = tmp_path / f"{suite}.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "launch/bench.py", "--suite=tiers", "--quick",
+  proc = subprocess.run([sys.executable, "launch/bench.py", f"--suite={suite}", "--quick",
                          f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
+  return json.loads(out.read_text())
+
+
+def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
+  r = quick_bench(tmp_path, "tiers")
   for key in ("host_to_device_vs_memcpy", "device_to_host_vs_memcpy", "disk_read_vs_pread",
               "disk_gather_vs_pread", "disk_write_vs_pwrite"):
     assert 0 < r[key] < 100, key
@@ -28,13 +33,7 @@ def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
 
 
 def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
-  out = tmp_path / "weights.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "launch/bench.py", "--suite=weights", "--quick",
-                         f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = json.loads(out.read_text())
+  r = quick_bench(tmp_path, "weights")
   assert r["all_loaded_bytes_equal"] and r["checkpoint_bytes"] > 0
   loads = r["loads"]
   assert set(loads) == {"jaxkv", "load_file", "read"}
