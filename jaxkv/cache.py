@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxkv import identity
 from jaxkv import nnx as kvnnx
 from jaxkv import pages as pages_lib
+from jaxkv import security
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.index import PrefixIndex, Tier
 from jaxkv.stats import Stats
@@ -45,7 +46,11 @@ class KVCache:
   """The tiered, sharded KV cache."""
 
   def __init__(self, config: CacheConfig, mesh: Mesh | None = None,
-               tiers: TierConfig | None = None):
+               tiers: TierConfig | None = None, *, deployment_key: bytes | str | None = None):
+    """``deployment_key`` (``jaxkv.security``): the secret that keys tenants' block keys and
+    authenticates remote peers; by default ``$JAXKV_DEPLOYMENT_KEY_FILE`` or
+    ``$JAXKV_DEPLOYMENT_KEY`` if set, else none (keys are then guessable from a tenant's name
+    and a prompt: keep such a cache's stores and servers private)."""
     if not isinstance(config, CacheConfig):
       raise TypeError(f"config must be a jaxkv.CacheConfig, got {type(config).__name__}.")
     tiers = TierConfig() if tiers is None else tiers
@@ -60,10 +65,13 @@ class KVCache:
     self.mesh = mesh
     self.num_shards = pages_lib.data_shards(mesh, config)
     self._check_fits_in_memory()
+    key = security.check_key(deployment_key)
+    self._deployment_key = key if key is not None else security.load_deployment_key()
+    self.key_id = security.key_id(self._deployment_key)
     self.index = PrefixIndex(num_shards=self.num_shards, pages_per_shard=config.pages_per_shard,
                              page_size=config.page_size, fingerprint=config.fingerprint(),
                              host_pages_per_shard=tiers.host_pages_per_shard,
-                             disk_slots=tiers.disk_pages)
+                             disk_slots=tiers.disk_pages, secret=self._deployment_key)
     self.host = None
     self.disk = None
     self.remote = None
@@ -80,11 +88,12 @@ class KVCache:
     self.stats = Stats()
     self.mover = None
     logging.info(
-        "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s",
+        "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
         self.pool_bytes_per_device / 2**20,
         f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.host else "",
-        f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "")
+        f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "",
+        f"; deployment key {self.key_id}" if self._deployment_key else "")
     if config.weights_digest:  # the model is known: open what depends on its identity now
       self._open_shared_tiers()
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
@@ -99,7 +108,8 @@ class KVCache:
     config, tiers = self.config, self.tiers
     if tiers.remote_peers:
       from jaxkv.tiers.remote import RemoteClient, RemoteTier
-      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s)
+      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s,
+                                   secret=self._deployment_key)
                       for p in tiers.remote_peers]
       self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
     if self.disk is not None:

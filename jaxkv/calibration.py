@@ -12,6 +12,7 @@ Nothing here is a constant: a different machine, model or config measures differ
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 
@@ -62,34 +63,37 @@ def _host_link(cache, reps: int) -> LinkCost:
 
 
 def _disk_link(cache, reps: int) -> LinkCost:
+  """Verified reads of records written for the purpose, under a fingerprint of their own
+  (random: processes sharing the store never see or touch each other's), deleted after."""
   from jaxkv.tiers.disk import DiskTier
   disk = cache.disk
-  spec = dict(disk.kvstore)
-  spec["path"] = spec.get("path", "") + "calibration/"
   n = 16
-  scratch = DiskTier(spec, num_slots=n, payload_shape=disk.payload_shape, dtype=disk.dtype,
-                     fingerprint=disk.fingerprint)
+  scratch = DiskTier(disk.kvstore, num_slots=n, payload_shape=disk.payload_shape,
+                     dtype=disk.dtype, fingerprint=b"calibration" + secrets.token_bytes(21))
   rng = np.random.default_rng(0)
   payload = rng.standard_normal(disk.payload_shape).astype(np.float32).astype(disk.dtype)
   keys = [i.to_bytes(32, "little") for i in range(n)]
-  for w in [scratch.write(i, payload, keys[i], None) for i in range(n)]:
-    w.future.result(timeout=120)
+  try:
+    for w in [scratch.write(i, payload, keys[i], None) for i in range(n)]:
+      w.future.result(timeout=120)
 
-  def read(k):
-    def go():
-      if spec["driver"] == "file":
-        root = os.path.join(spec["path"], "blocks")
-        for name in os.listdir(root):
-          fd = os.open(os.path.join(root, name), os.O_RDONLY)
-          os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-          os.close(fd)
-      for i, r in enumerate([scratch.read(i) for i in range(k)]):
-        scratch.verify(r.future.result(timeout=120), keys[i])
-    return go
+    def read(k):
+      def go():
+        if scratch.local:  # cold reads: drop the records from the page cache first
+          for i in range(n):
+            fd = os.open(scratch.path_of(i), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        scratch.read_verified(list(range(k)), keys[:k], time.monotonic() + 120)
+      return go
 
-  points = [(k * scratch.record_bytes, _median_time(read(k), reps)) for k in (1, n)]
-  if spec["driver"] == "file":
-    shutil.rmtree(spec["path"], ignore_errors=True)
+    points = [(k * scratch.record_bytes, _median_time(read(k), reps)) for k in (1, n)]
+  finally:
+    for i in range(n):
+      scratch.delete(i)
+    scratch.settle()
+    if scratch.local:
+      shutil.rmtree(scratch.prefix_path, ignore_errors=True)
   return _line(points)
 
 

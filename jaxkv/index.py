@@ -3,7 +3,8 @@
 Concepts
 - A *block key* names the KV of one full page of tokens *in its context*: it is a SHA-256
   chained over every token before it, ``k_i = sha256(k_{i-1} || tokens_i)``, and the
-  chain starts from ``k_0 = sha256(fingerprint || tenant salt)``. Two requests share a
+  chain starts from ``k_0 = sha256(fingerprint || tenant salt)``, the salt keyed with the
+  deployment key when there is one (``jaxkv.security``). Two requests share a
   block only if their whole prefix up to and including that block is identical, for the
   same model/layout and the same tenant. Partial blocks are never shared.
 - Tiers: every data shard owns a DEVICE pool and a HOST pool of pages with shard-local
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv import security
 from jaxkv.errors import InputError
 
 Key = bytes  # a 32-byte SHA-256 digest
@@ -60,11 +62,12 @@ TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
-def tenant_root_key(fingerprint: bytes, tenant: str) -> Key:
-  """The chain's starting key: model/layout fingerprint mixed with the tenant salt."""
+def tenant_root_key(fingerprint: bytes, tenant: str, secret: bytes | None = None) -> Key:
+  """The chain's starting key: model/layout fingerprint mixed with the tenant's salt
+  (keyed by the deployment key ``secret`` when given)."""
   if not isinstance(tenant, str) or not tenant:
     raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
-  salt = hashlib.sha256(b"jaxkv-tenant\x00" + tenant.encode("utf-8")).digest()
+  salt = security.tenant_salt(tenant, secret)
   return hashlib.sha256(b"jaxkv-root\x00" + fingerprint + salt).digest()
 
 
@@ -114,7 +117,8 @@ class PrefixIndex:
   """Host-side index of cached blocks over per-shard device/host pools and a disk pool."""
 
   def __init__(self, *, num_shards: int, pages_per_shard: int, page_size: int,
-               fingerprint: bytes, host_pages_per_shard: int = 0, disk_slots: int = 0):
+               fingerprint: bytes, host_pages_per_shard: int = 0, disk_slots: int = 0,
+               secret: bytes | None = None):
     for name, v, low in (("num_shards", num_shards, 1), ("pages_per_shard", pages_per_shard, 1),
                          ("page_size", page_size, 1),
                          ("host_pages_per_shard", host_pages_per_shard, 0),
@@ -125,6 +129,7 @@ class PrefixIndex:
     self.pages_per_shard = pages_per_shard
     self.page_size = page_size
     self.fingerprint = fingerprint
+    self._secret = security.check_key(secret)  # the deployment key (never shown)
     self._pools = {Tier.DEVICE: [_Pool(pages_per_shard) for _ in range(num_shards)],
                    Tier.HOST: [_Pool(host_pages_per_shard) for _ in range(num_shards)],
                    Tier.DISK: [_Pool(disk_slots)]}
@@ -137,7 +142,8 @@ class PrefixIndex:
   # ---- keys ------------------------------------------------------------------------------
   def block_keys(self, tokens: Sequence[int], tenant: str) -> list[Key]:
     """Keys of every full block of ``tokens`` for ``tenant``."""
-    return chain_keys(tenant_root_key(self.fingerprint, tenant), tokens, self.page_size)
+    return chain_keys(tenant_root_key(self.fingerprint, tenant, self._secret), tokens,
+                      self.page_size)
 
   # ---- queries ---------------------------------------------------------------------------
   def has_tier(self, tier: Tier) -> bool:

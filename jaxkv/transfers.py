@@ -212,14 +212,13 @@ class TierMover:
     self.pump()
 
   def pump(self) -> None:
-    """Publishes disk writes that committed; releases the slots of failed ones."""
-    still = []
-    for w in self._pending_writes:
-      if not w.future.done():
-        still.append(w)
-        continue
-      self._finish_write(w)
-    self._pending_writes = still
+    """Publishes disk writes that committed (after one flush of the batch to the device);
+    releases the slots of failed ones."""
+    done = [w for w in self._pending_writes if w.future.done()]
+    if not done:
+      return
+    self._pending_writes = [w for w in self._pending_writes if not w.future.done()]
+    self._finish_writes(done)
 
   @property
   def writes_in_flight(self) -> int:
@@ -231,24 +230,35 @@ class TierMover:
     for w in self._pending_writes:
       try:
         w.future.result(timeout=max(0.0, t_end - time.monotonic()))
-      except Exception:  # pylint: disable=broad-except  (handled in _finish_write)
+      except Exception:  # pylint: disable=broad-except  (handled in _finish_writes)
         pass
     self.pump()
     return len(self._pending_writes)
 
-  def _finish_write(self, w) -> None:
-    self._writing.discard(w.key)
+  def _finish_writes(self, done: list) -> None:
+    committed = []
+    for w in done:
+      self._writing.discard(w.key)
+      try:
+        w.future.result(timeout=0)
+        committed.append(w)
+      except Exception:  # pylint: disable=broad-except
+        self.stats.add("disk_write_failures")
+        self.index.release(0, [w.slot], Tier.DISK)
+    if not committed:
+      return
     try:
-      w.future.result(timeout=0)
-      ok = True
-    except Exception:  # pylint: disable=broad-except
-      ok = False
-    if ok:
+      self.disk.sync()
+    except OSError:
+      self.stats.add("disk_write_failures", len(committed))
+      committed, failed = [], committed
+      for w in failed:
+        self.index.release(0, [w.slot], Tier.DISK)
+    for w in committed:
       self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
-      self.stats.add("demoted_disk")
-    else:
-      self.stats.add("disk_write_failures")
-    self.index.release(0, [w.slot], Tier.DISK)
+      self.index.release(0, [w.slot], Tier.DISK)
+    self.stats.add("demoted_disk", len(committed))
+    self.stats.add("disk_syncs", bool(committed))
 
   # ---- upwards -----------------------------------------------------------------------------
   def promote(self, pools, fetches: list[Fetch], deadline_s: float):
@@ -326,8 +336,11 @@ class TierMover:
       return  # the record stays, and so does its chain: the next lookup reads it again
     shard = 0 if fetch.tier == Tier.DISK else fetch.shard
     self.index.drop_chain(shard, fetch.key, fetch.tier)
-    if fetch.tier == Tier.DISK and fetch.reason != "deadline":
-      self.disk.delete(fetch.slot)
+    if fetch.tier == Tier.DISK:
+      if fetch.reason == "gone":
+        self.disk.forget(fetch.slot)  # someone else's eviction: nothing left to delete
+      elif fetch.reason != "deadline":
+        self.disk.delete(fetch.slot)
 
   # ---- records of the long-context path ----------------------------------------------------
   def write_records(self, slots: list[int], payloads: list[np.ndarray], keys: list[bytes],
@@ -338,6 +351,7 @@ class TierMover:
     t_end = time.monotonic() + deadline_s
     for w in writes:
       w.future.result(timeout=max(0.0, t_end - time.monotonic()))
+    self.disk.sync()
 
   def read_records(self, slots: list[int], keys: list[bytes], deadline_s: float
                    ) -> list[np.ndarray]:

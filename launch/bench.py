@@ -12,7 +12,9 @@ remote (blocks pulled from another job against loopback TCP and against recomput
 load (Poisson arrivals under, near and over saturation: continuous batching vs waves vs no cache);
 overhead (one device: jaxkv's steps against a plain dense-KV loop written in the bench);
 weights (loading a Hugging Face checkpoint: time and peak host memory against
-safetensors.load_file + device_put and against reading the files).
+safetensors.load_file + device_put and against reading the files);
+storage (the disk tier on an S3 server on loopback against a plain client's gets, and two
+writer processes racing on one store, directory and bucket: blocks lost).
 """
 
 import time
@@ -22,7 +24,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights")
+          "weights", "storage")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -47,7 +49,7 @@ def _print(result: dict) -> None:
   for name, fig in result.get("loads", {}).items():
     print(f"  load {name:10s} {fig['seconds']:7.2f} s {fig['gb_per_s']:6.2f} GB/s  peak anon "
           f"{fig['peak_anon_bytes'] / 2**20:8.0f} MiB  file {fig['peak_file_bytes'] / 2**20:8.0f} MiB")
-  for group in ("host", "disk"):
+  for group in ("host", "disk", "object_store"):
     for name, fig in result.get(group, {}).items():
       print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
             f"({fig['gb_per_s_min']:.2f}-{fig['gb_per_s_max']:.2f})")
@@ -82,6 +84,9 @@ def main(argv):
   elif _SUITE.value == "weights":
     from jaxkv.bench import weights
     result = weights.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
+  elif _SUITE.value == "storage":
+    from jaxkv.bench import storage
+    result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   else:
     from jaxkv.bench import remote
     result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

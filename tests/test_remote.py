@@ -10,6 +10,7 @@ import time
 import pytest
 
 import jaxkv
+from jaxkv.tiers.remote import RemoteClient, RemoteError
 
 import helpers
 
@@ -26,12 +27,20 @@ engine = helpers.make_engine(mesh)
 engine.generate([list(range(1, 42))], 2)            # the prefix the other job will reuse
 server = BlockServer(engine.cache, fault=sys.argv[1] if sys.argv[1] != "none" else None)
 print("ADDRESS", server.address, flush=True)
-server.serve(float(sys.argv[2]))
+import signal
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+try:
+  server.serve(float(sys.argv[2]))
+finally:
+  print("REFUSED", server.refused, flush=True)
 """
+KEY = b"a deployment key of this test"
 
 
-def start_owner(fault="none", seconds=120):
+def start_owner(fault="none", seconds=120, deployment_key=None):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if deployment_key is not None:
+    env["JAXKV_DEPLOYMENT_KEY"] = deployment_key.decode()
   proc = subprocess.Popen([sys.executable, "-c", OWNER, fault, str(seconds)], cwd=ROOT,
                           stdout=subprocess.PIPE, text=True, env=env)
   line = proc.stdout.readline()
@@ -39,9 +48,10 @@ def start_owner(fault="none", seconds=120):
   return proc, line.split()[1]
 
 
-def reader(mesh, peers, deadline=5.0):
+def reader(mesh, peers, deadline=5.0, deployment_key=None):
   return helpers.make_engine(mesh, tiers=jaxkv.TierConfig(remote_peers=tuple(peers),
-                                                          read_deadline_s=deadline))
+                                                          read_deadline_s=deadline),
+                             deployment_key=deployment_key)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +74,41 @@ def test_a_prefix_computed_by_another_job_is_pulled_and_exact(mesh, want):
   finally:
     proc.kill()
     proc.wait()
+
+
+def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
+  """The owner runs with a deployment key: a client without it, or with another, is
+  refused (and counted); a client with it pulls the prefix. The refusal is the server's,
+  not only a key mismatch: a client sending the right block keys without the MAC is
+  refused too."""
+  proc, addr = start_owner(deployment_key=KEY)
+  try:
+    for key in (None, b"another key of sixteen+ bytes"):
+      engine = reader(mesh, [addr], deployment_key=key)
+      assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+      assert engine.stats()["hits"]["remote"] == 0
+    keyed = reader(mesh, [addr], deployment_key=KEY)
+    keys = keyed.cache.index.block_keys(PREFIX, "default")
+    bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # right keys, no MAC
+    with pytest.raises(RemoteError, match="unauthenticated"):
+      bare._call({"op": "lookup", "keys": [k.hex() for k in keys]}, time.monotonic() + 10)
+    assert RemoteClient(addr, keyed.cache.config.fingerprint(), secret=KEY).lookup(keys) == 10
+    assert keyed.generate([PREFIX + [50, 51, 52]], 5) == want
+    assert keyed.stats()["hits"]["remote"] == 10
+    # A server without the key cannot answer a keyed client (its answers are unsigned).
+    plain, plain_addr = start_owner()
+    try:
+      with pytest.raises(RemoteError, match="not signed"):
+        RemoteClient(plain_addr, keyed.cache.config.fingerprint(), secret=KEY)._call(
+            {"op": "lookup", "keys": [k.hex() for k in keys]}, time.monotonic() + 10)
+    finally:
+      plain.kill()
+      plain.wait()
+  finally:
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+  refused = int(out.split("REFUSED")[1].split()[0])
+  assert refused >= 3  # the two keyless/wrong-key readers' lookups and the bare call
 
 
 @pytest.mark.parametrize("fault", ["checksum", "dtype", "shape", "keys"])

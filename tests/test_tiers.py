@@ -83,15 +83,23 @@ def test_disk_round_trip_is_bit_exact_and_reopens(tmp_path, dtype):
   writes = [disk.write(s, p, bytes([s]) * 32, None) for s, p in zip((5, 0, 7), payloads)]
   for w in writes:
     w.future.result(timeout=30)
+  disk.sync()
   for s, p in zip((5, 0, 7), payloads):
-    got = disk.verify(disk.read(s).future.result(timeout=30), bytes([s]) * 32)
+    [got] = disk.read_verified([s], [bytes([s]) * 32], time.monotonic() + 30)
     np.testing.assert_array_equal(bits(got), bits(p))
   again = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
                    fingerprint=fp)
   good, deleted = again.scan()
-  assert sorted(s for s, _, _ in good) == [0, 5, 7] and deleted == 0
-  with pytest.raises(ValueError, match="another model, layout or capacity"):
-    DiskTier(str(tmp_path / "d"), num_slots=9, payload_shape=shape, dtype=dtype, fingerprint=fp)
+  assert sorted(k for _, k, _ in good) == [bytes([s]) * 32 for s in (0, 5, 7)] and deleted == 0
+  assert sorted(s for s, _, _ in good) == [0, 1, 2]  # this process's quota, numbered anew
+  # A smaller quota takes what it can and deletes nothing; another model sees nothing.
+  small = DiskTier(str(tmp_path / "d"), num_slots=2, payload_shape=shape, dtype=dtype,
+                   fingerprint=fp)
+  assert [len(x) if isinstance(x, list) else x for x in small.scan()] == [2, 0]
+  other = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
+                   fingerprint=b"o" * 32)
+  assert other.scan() == ([], 0)
+  assert len(again.scan()[0]) == 3  # all still there
 
 
 def test_record_verification_names_each_fault():
@@ -253,7 +261,7 @@ def disk_engine(mesh, tmp_path, **tier_kw):
 
 
 def chunk_path(engine, slot):
-  return os.path.join(engine.cache.disk.kvstore["path"], "blocks", f"c.{slot}.0")
+  return engine.cache.disk.path_of(slot)
 
 
 def forget_device_copies(engine):
@@ -305,13 +313,16 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
                      fingerprint=fp or engine.cache.config.fingerprint())
     donor.write(slots[2], np.zeros(engine.cache.payload_shape, np.float32),
                 foreign_key if fp is None else keys[2], None).future.result(timeout=30)
-    open(target, "wb").write(open(os.path.join(str(tmp_path / "donor"), "blocks",
-                                               f"c.{slots[2]}.0"), "rb").read())
+    donor.sync()
+    open(target, "wb").write(open(donor.path_of(slots[2]), "rb").read())
   forget_device_copies(engine)
   got = engine.generate([prompt], 3)
   assert got == want
   s = engine.stats()
-  assert s["verify_failures"] >= 1
+  if fault == "delete":  # as another process sharing the store evicting it: a miss
+    assert s["verify_failures"] == 0 and s["verify_failures_by_reason"]["gone"] == 1
+  else:
+    assert s["verify_failures"] >= 1
   assert s["hits"]["disk"] == 2  # blocks 0 and 1 verified; 2 failed; the rest recomputed
   # The bad copy left the index with the three blocks chained after it (then the
   # recomputed blocks were written through again).
@@ -331,8 +342,8 @@ class _SlowReads:
     self.disk, self.delay_s = disk, delay_s
     self.real_read = disk.read
 
-  def __call__(self, slot):
-    pending = self.real_read(slot)
+  def __call__(self, slot, key=None):
+    pending = self.real_read(slot, key)
     real = pending.future
     promise, future = ts.Promise.new()
 
@@ -372,13 +383,13 @@ class _FailingReads:
   def __init__(self, disk, times):
     self.real_read, self.times, self.failed = disk.read, times, {}
 
-  def __call__(self, slot):
+  def __call__(self, slot, key=None):
     if self.failed.get(slot, 0) < self.times:
       self.failed[slot] = self.failed.get(slot, 0) + 1
       promise, future = ts.Promise.new()
       promise.set_exception(OSError(f"transient I/O error reading slot {slot}"))
-      return type(self.real_read(slot))(slot, future, time.monotonic())
-    return self.real_read(slot)
+      return type(self.real_read(slot, key))(slot, key, future, time.monotonic())
+    return self.real_read(slot, key)
 
 
 @pytest.mark.parametrize("times", [1, 2])
@@ -522,13 +533,16 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   # Leave a torn temporary behind as a crash would, and a chunk cut short; and a
   # temporary that a live writer holds locked, as TensorStore's file driver does while it
   # writes (an open-file-description lock).
-  blocks_dir = os.path.join(path, "blocks")
-  torn = os.path.join(blocks_dir, "c.5.0.__lock")
+  disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
+                  fingerprint=b"f" * 32)
+  records = sorted(os.listdir(disk.prefix_path))
+  assert len(records) >= 8
+  torn = os.path.join(disk.prefix_path, "ab" * 32 + ".__lock")
   open(torn, "wb").write(b"partial")
-  live = os.path.join(blocks_dir, "c.7.0.__lock")
+  live = os.path.join(disk.prefix_path, "cd" * 32 + ".__lock")
   live_fd = os.open(live, os.O_RDWR | os.O_CREAT)
   fcntl.fcntl(live_fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
-  os.truncate(os.path.join(blocks_dir, "c.6.0"), 100)
+  os.truncate(os.path.join(disk.prefix_path, records[0]), 100)
   try:
     disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
                     fingerprint=b"f" * 32)
@@ -538,11 +552,12 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
     os.close(live_fd)
   os.remove(live)
   good, deleted = disk.scan()
-  assert deleted >= 1 and len(good) >= 8
-  for slot, key, _ in good:
-    assert key == slot.to_bytes(32, "little")
-    disk.verify(disk.read(slot).future.result(timeout=30), key)
-  assert not [n for n in os.listdir(blocks_dir) if n.endswith("__lock")]
+  assert deleted >= 1 and len(good) >= 7
+  assert records[0] not in os.listdir(disk.prefix_path)  # the torn record was deleted
+  keys = [key for _, key, _ in good]
+  assert all(int.from_bytes(k, "little") < 10**6 for k in keys)  # the writer's keys
+  disk.read_verified([slot for slot, _, _ in good], keys, time.monotonic() + 30)
+  assert not [n for n in os.listdir(disk.prefix_path) if n.endswith("__lock")]
   assert disk.bytes_on_disk() <= 64 * disk.record_bytes * 1.01 + 4096
   # The cache adopts the survivors.
   assert len(disk.scan()[0]) == len(good)
@@ -554,8 +569,9 @@ def test_opening_a_store_tolerates_temporaries_that_vanish_meanwhile(tmp_path, m
   make = lambda: DiskTier(path, num_slots=8, payload_shape=(2, 2, 4, 8), dtype="float32",
                           fingerprint=b"f" * 32)
   make()
-  real_listdir = os.listdir
-  monkeypatch.setattr(os, "listdir", lambda d: real_listdir(d) + ["c.3.0.__lock"])
+  real_walk = os.walk
+  monkeypatch.setattr(os, "walk", lambda d: ((r, ds, fs + ["ab" * 32 + ".__lock"])
+                                           for r, ds, fs in real_walk(d)))
   assert make().removed_temporaries == 0  # listed, gone by the time it is looked at
 
 

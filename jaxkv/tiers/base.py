@@ -55,6 +55,7 @@ class Failure(str, enum.Enum):
   CLOSED = "closed"  # the peer closed the connection
   PULL = "pull"  # the transfer itself failed
   READ_RETRY = "read_retry"  # the store raised while reading; the record is kept to retry
+  GONE = "gone"  # the record is not in the store (another process sharing it evicted it)
 
   @property
   def corrupt(self) -> bool:
@@ -71,7 +72,8 @@ class Failure(str, enum.Enum):
 
 
 _UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
-                          Failure.CLOSED, Failure.PULL, Failure.READ_RETRY})
+                          Failure.CLOSED, Failure.PULL, Failure.READ_RETRY,
+                          Failure.GONE})
 
 
 @dataclasses.dataclass

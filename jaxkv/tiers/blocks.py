@@ -6,7 +6,14 @@ A record is ``header || payload``. The payload is the block's K and V for every 
 
   magic "JAXKVBK1" | format version u32 | dtype code u32 | shape 4 x u32 | payload bytes u64
   | block key (32) | parent key (32, zeros for a first block) | model/layout fingerprint (32)
-  | SHA-256 of the payload (32) | zero pad
+  | CRC-32C of the payload (u32, then 28 zero bytes) | zero pad
+
+The block key (a SHA-256 chain, ``jaxkv.index``) names what the block *is*; the CRC-32C
+proves the bytes arrived as written (accidental damage: flipped bits, torn or swapped
+records). It is checked on every read, so it must cost little next to the read itself:
+CRC-32C runs at ~7.5 GB/s here against ~0.8 GB/s for SHA-256 (``google_crc32c``, measured on
+the development machine). Integrity against a party who can write the store is not this
+header's job: such a party can write a valid record with any bytes (see BUILD.md, threat model).
 
 ``decode`` checks every field against what the reader expects, so a flipped bit, a
 truncated or missing record, two records swapped, or a record of another tenant or model
@@ -15,8 +22,9 @@ put in place is rejected (``BlockError`` names the reason) and never used.
 
 from __future__ import annotations
 
-import hashlib
 import struct
+
+import google_crc32c
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +34,7 @@ from jaxkv.tiers.base import Failure
 from jaxkv.errors import InputError
 
 MAGIC = b"JAXKVBK1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32C of the payload (1: SHA-256)
 HEADER_BYTES = 192
 _FIXED = struct.Struct("<8sII4IQ32s32s32s32s")  # 8+4+4+16+8+128 = 168 bytes
 NO_PARENT = b"\x00" * 32
@@ -47,6 +55,11 @@ def _dtype_code(dtype) -> int:
   return SUPPORTED_DTYPES.index(name)
 
 
+def _crc(data: np.ndarray) -> bytes:
+  """The 32-byte checksum field: CRC-32C of ``data`` (little-endian u32), zero padded."""
+  return google_crc32c.value(data).to_bytes(4, "little") + bytes(28)
+
+
 def record_bytes(payload_shape, dtype) -> int:
   return HEADER_BYTES + int(np.prod(payload_shape)) * jnp.dtype(dtype).itemsize
 
@@ -58,8 +71,7 @@ def encode(payload: np.ndarray, key: bytes, fingerprint: bytes,
   if payload.dtype.byteorder == ">":
     raise ValueError("payload must be little-endian.")
   header = _FIXED.pack(MAGIC, FORMAT_VERSION, _dtype_code(payload.dtype), *payload.shape,
-                       data.size, key, parent or NO_PARENT, fingerprint,
-                       hashlib.sha256(data).digest())
+                       data.size, key, parent or NO_PARENT, fingerprint, _crc(data))
   out = np.zeros(HEADER_BYTES + data.size, np.uint8)
   out[:len(header)] = np.frombuffer(header, np.uint8)
   out[HEADER_BYTES:] = data
@@ -91,8 +103,8 @@ def decode(record: np.ndarray, *, key: bytes | None, fingerprint: bytes, dtype, 
     raise BlockError("shape", f"holds {SUPPORTED_DTYPES[code] if code < 3 else code}"
                      f"{[s0, s1, s2, s3]}, expected {jnp.dtype(dtype).name}{list(shape)}")
   data = record[HEADER_BYTES:]
-  if nbytes != data.size or hashlib.sha256(data).digest() != digest:
-    raise BlockError("checksum", "payload bytes do not match their SHA-256")
+  if nbytes != data.size or _crc(data) != digest:
+    raise BlockError("checksum", "payload bytes do not match their CRC-32C")
   return data.view(jnp.dtype(dtype)).reshape(shape)
 
 

@@ -1,30 +1,40 @@
-"""DISK tier: blocks as records in a TensorStore zarr3 array, one record per chunk.
+"""DISK tier: every block is one record, named by its key, in any TensorStore kvstore.
 
-The store is ``uint8[num_slots, record_bytes]`` with chunks of one record (one block),
-the ``crc32c`` codec, and flat chunk keys (``c.<slot>.0``), under ``<kvstore>/blocks/``.
-Any TensorStore kvstore works unchanged: ``file`` (the default for a path), ``memory``
-(tests), ``gcs``/``s3`` (a cluster's shared storage).
+A record lives at ``<kvstore>/records/<fingerprint>/<block key>`` (hex; the fingerprint's
+first 16 bytes). Any kvstore works unchanged: ``file`` (the default for a path),
+``memory`` (tests), ``s3`` (tested against an S3-compatible server on loopback) and
+``gcs`` through the same calls.
 
-Why this layout (measured in ``launch/bench.py --suite=tiers``): one block per chunk makes
-every write a single independent object — the file driver writes it to a temporary,
-fsyncs and renames, so a record is either wholly old or wholly new, and a random set of
-blocks is gathered with many reads in flight. A multi-block (sharded) chunk would turn
-each random block write into a read-modify-write of its whole shard.
+Why content-addressed (BUILD.md, "Sharing a store"): a record's name says which block it
+holds, so any number of caches, processes and jobs can share one store. Two writers of one
+block write the same bytes under the same name (an idempotent overwrite; the file driver
+writes a temporary and renames it, an object store replaces the object whole), so nothing
+ever clashes, and a reader verifies what it reads as before. Records of another model or
+layout sit under another fingerprint and are never touched.
 
-Every record carries jaxkv's own header and SHA-256 (``blocks``), since a missing chunk
-reads back as zeros and a flipped bit can slip past a store without ``crc32c``.
-A slot is published in the index only after its write *committed*; a slot being written
-or read is pinned (referenced) so eviction cannot hand it to another block meanwhile.
+Capacity on a shared store is per process: ``num_slots`` is this process's quota, the index
+pools it like any tier (eviction by reuse count, aged, then LRU), and the record of a block
+this process evicts is deleted when its slot is taken. A record another process deleted
+is a miss when read (``Failure.GONE``: its index entry is dropped), never an error. The
+store therefore holds at most the sum of its users' quotas, plus records left by processes
+that stopped (adopted by the next one that opens the store, up to its quota).
 
-On open, the store is checked against this cache (record size and model/layout
-fingerprint, kept in the array's attributes) and repaired: temporaries left by a killed
-writer are deleted, every record is read and verified, verified ones are offered back to
-the index (``scan``), and unverifiable ones are deleted. Disk use is bounded by
-``num_slots * record_bytes``.
+Every record carries jaxkv's own header and CRC-32C (``blocks``), so a record that does not
+verify (damaged, foreign, of another key) is deleted and counted. A slot being written or
+read is pinned so eviction cannot take it meanwhile; a block is published in the index
+only after its write committed and, on a local file system, after the batch it was part of
+was flushed to the device (one ``syncfs`` per batch, not an fsync per record: each record
+is a complete file or absent after a crash, and adoption verifies it anyway).
+
+On open, temporaries a killed writer left are deleted (never a live writer's: see
+``_remove_if_unlocked``), every record of this fingerprint is read and verified, verified
+ones are offered back to the index up to the quota (``scan``), and ones that do not verify
+are deleted.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import fcntl
 import os
@@ -38,10 +48,16 @@ from jaxkv.tiers import blocks
 from jaxkv.tiers.base import Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
-ARRAY_PATH = "blocks/"
+RECORDS_PATH = "records/"
 READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
 # TensorStore error codes that mean the stored bytes are wrong, not that reading failed.
 _DAMAGE = ("DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
+
+
+class Gone(Exception):
+  """The record is not in the store (another process evicted it)."""
+
+  reason = Failure.GONE
 
 
 def _remove_if_unlocked(path: str) -> bool:
@@ -83,6 +99,7 @@ def kvstore_spec(location) -> dict:
 @dataclasses.dataclass
 class PendingRead:
   slot: int
+  key: bytes
   future: object  # tensorstore.Future of the record
   started: float
 
@@ -95,8 +112,21 @@ class PendingWrite:
   future: object  # the commit future
 
 
+def _syncfs(path: str) -> None:
+  """Flushes the file system holding ``path`` to its device (one call for a batch)."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(fd) != 0:
+      raise OSError(ctypes.get_errno(), "syncfs failed", path)
+  except AttributeError:  # no syncfs in this libc
+    os.sync()
+  finally:
+    os.close(fd)
+
+
 class DiskTier:
-  """One process's disk block store (a ``FetchSource``)."""
+  """This process's view of a (possibly shared) block store (a ``FetchSource``)."""
 
   tier = Tier.DISK
 
@@ -108,23 +138,52 @@ class DiskTier:
     self.dtype = dtype
     self.fingerprint = fingerprint
     self.record_bytes = blocks.record_bytes(payload_shape, dtype)
+    self.local = self.kvstore["driver"] == "file"
     self._check_writable()
     self.removed_temporaries = self._remove_temporaries()
-    self.array = self._open()
+    spec = dict(self.kvstore)
+    spec["path"] = spec.get("path", "") + RECORDS_PATH
+    if self.local:
+      spec["file_io_sync"] = False  # flushed once per batch (``sync``)
+    try:
+      self.kv = ts.KvStore.open(spec).result()
+    except Exception as e:  # pylint: disable=broad-except  (bad spec, unreachable store)
+      raise InputError(f"the disk tier at {self.kvstore} cannot be opened ({e}); check the "
+                       "kvstore spec and that the store is reachable.") from None
+    self._key_of_slot: dict[int, bytes] = {}  # what each slot of this process's quota holds
+    self._slot_of_key: dict[bytes, int] = {}
     self._read_errors: dict[int, int] = {}  # slot -> reads in a row that raised
+    self._deletes: dict[str, object] = {}  # name -> deletion in flight (kept: a dropped
+    # TensorStore future may cancel its operation)
+
+  # ---- names -------------------------------------------------------------------------------
+  @property
+  def prefix(self) -> str:
+    """Where this fingerprint's records are (relative to ``<kvstore>/records/``)."""
+    return self.fingerprint[:16].hex() + "/"
+
+  def name(self, key: bytes) -> str:
+    return self.prefix + key.hex()
+
+  def key_of(self, slot: int) -> bytes | None:
+    return self._key_of_slot.get(slot)
+
+  @property
+  def prefix_path(self) -> str:
+    """The directory of this fingerprint's records (file driver)."""
+    return os.path.join(self.kvstore["path"], RECORDS_PATH, self.prefix)
+
+  def path_of(self, slot: int) -> str:
+    """The file of the record ``slot`` holds (file driver)."""
+    return os.path.join(self.kvstore["path"], RECORDS_PATH, self.name(self._key_of_slot[slot]))
 
   # ---- opening ---------------------------------------------------------------------------
-  def _array_kvstore(self) -> dict:
-    spec = dict(self.kvstore)
-    spec["path"] = spec.get("path", "") + ARRAY_PATH
-    return spec
-
   def _check_writable(self) -> None:
-    if self.kvstore["driver"] != "file":
+    if not self.local:
       return
     path = self.kvstore["path"]
     try:
-      os.makedirs(path, exist_ok=True)
+      os.makedirs(os.path.join(path, RECORDS_PATH), exist_ok=True)
     except OSError as e:
       raise InputError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
                        "point disk_kvstore at a writable directory.") from None
@@ -138,100 +197,101 @@ class DiskTier:
     on Linux); if we can take a lock on it, no writer is alive and the file is stale. A
     live writer's (another process sharing the store) is left alone, and one that vanishes
     meanwhile was finished by its writer."""
-    if self.kvstore["driver"] != "file":
+    if not self.local:
       return 0
-    root = os.path.join(self.kvstore["path"], ARRAY_PATH)
     n = 0
-    if os.path.isdir(root):
-      for name in os.listdir(root):
+    for root, _, files in os.walk(os.path.join(self.kvstore["path"], RECORDS_PATH)):
+      for name in files:
         if name.endswith(".__lock") and _remove_if_unlocked(os.path.join(root, name)):
           n += 1
     return n
 
-  def _open(self):
-    attrs = {"jaxkv_fingerprint": self.fingerprint.hex(), "jaxkv_format": blocks.FORMAT_VERSION}
-    spec = {
-        "driver": "zarr3",
-        "kvstore": self._array_kvstore(),
-        "metadata": {
-            "shape": [self.num_slots, self.record_bytes],
-            "data_type": "uint8",
-            "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": [1, self.record_bytes]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-            "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
-            "fill_value": 0,
-            "attributes": attrs,
-        },
-        "open": True,
-        "create": True,
-    }
-    try:
-      return ts.open(spec).result()
-    except ValueError as e:
-      existing = self._existing_metadata()
-      raise InputError(
-          f"the disk tier at {self.kvstore} holds a store this cache cannot use (it has shape "
-          f"{existing.get('shape')} and fingerprint "
-          f"{existing.get('attributes', {}).get('jaxkv_fingerprint', '?')[:16]}..., this cache "
-          f"needs [{self.num_slots}, {self.record_bytes}] and {self.fingerprint.hex()[:16]}...):"
-          f" another model, layout or capacity wrote it. Point disk_kvstore at a new location "
-          f"or delete the old store. ({e})") from None
-
-  def _existing_metadata(self) -> dict:
-    try:
-      return ts.open({"driver": "zarr3", "kvstore": self._array_kvstore(), "open": True}
-                     ).result().spec().to_json().get("metadata", {})
-    except Exception:  # pylint: disable=broad-except
-      return {}
-
   def scan(self, deadline_s: float = 600.0) -> tuple[list[tuple[int, bytes, bytes | None]], int]:
-    """Verifies every stored record. Returns ``([(slot, key, parent), ...], deleted)``.
+    """Verifies the stored records of this fingerprint and takes up to ``num_slots`` of the
+    verified ones into this process's quota, in name order (so every process of a job
+    takes the same). Returns ``([(slot, key, parent), ...], deleted)``.
 
-    Records that do not verify are deleted, so what remains is usable and bounded.
+    Records that do not verify are deleted; verified ones beyond the quota are left to the
+    processes that hold them. Slots are numbered from 0 in the order returned.
     """
-    kv = ts.KvStore.open(self._array_kvstore()).result()
-    slots = []
-    for k in kv.list().result():
-      parts = k.decode("utf-8", "replace").split(".")
-      if len(parts) == 3 and parts[0] == "c" and parts[1].isdigit():
-        slot = int(parts[1])
-        if slot < self.num_slots:
-          slots.append(slot)
-    slots.sort()
-    futures = [(s, self.array[s].read()) for s in slots]
+    names = sorted(k.decode("ascii", "replace")
+                   for k in self.kv.list(ts.KvStore.KeyRange(self.prefix, self.prefix[:-1] + "0"))
+                   .result())
+    futures = [(n, self.kv.read(n)) for n in names if not n.endswith(".__lock")]
     good, deleted = [], 0
     t_end = time.monotonic() + deadline_s
-    for s, fut in futures:
+    for name, fut in futures:
       try:
-        rec = fut.result(timeout=max(0.0, t_end - time.monotonic()))
-        key, parent = blocks.header_keys(rec)
-        blocks.decode(rec, key=key, fingerprint=self.fingerprint, dtype=self.dtype,
-                      shape=self.payload_shape)
-        good.append((s, key, parent))
-      except Exception:  # pylint: disable=broad-except  (unreadable = unverifiable)
-        self.delete(s)
+        got = fut.result(timeout=max(0.0, t_end - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  (unreadable now: leave it)
+        continue
+      if got.state != "value":
+        continue  # removed meanwhile by its owner
+      try:
+        record = np.frombuffer(got.value, np.uint8)
+        key, parent = blocks.header_keys(record)
+        if name != self.name(key):
+          raise blocks.BlockError("key", f"record {name} holds block {key.hex()}")
+        self.verify(record, key)
+      except Exception:  # pylint: disable=broad-except  (unverifiable: delete it)
+        self._delete_name(name)
         deleted += 1
+        continue
+      if len(good) < self.num_slots:
+        slot = len(good)
+        self._key_of_slot[slot] = key
+        self._slot_of_key[key] = slot
+        good.append((slot, key, parent))
     return good, deleted
 
   # ---- I/O ---------------------------------------------------------------------------------
   def write(self, slot: int, payload: np.ndarray, key: bytes, parent: bytes | None
             ) -> PendingWrite:
-    """Starts writing one block; publish it only once ``future`` has succeeded."""
+    """Starts writing block ``key`` into ``slot`` of this process's quota; publish it only
+    once ``future`` has succeeded and ``sync`` has run. The record the slot held before (a
+    block evicted from it) is deleted."""
     record = blocks.encode(payload, key, self.fingerprint, parent)
+    old = self._unmap(slot)
+    if old is not None and old != key:
+      self._delete_name(self.name(old))  # the block evicted from this slot
+    stale = self._slot_of_key.get(key)
+    if stale is not None:  # an earlier slot named this block: not any more
+      self._unmap(stale)
+    self._key_of_slot[slot] = key
+    self._slot_of_key[key] = slot
+    name = self.name(key)
+    deleting = self._deletes.pop(name, None)
+    if deleting is not None:  # a deletion of this very record in flight: let it land first
+      _wait(deleting, 30.0)
     self._read_errors.pop(slot, None)  # a new record in the slot
     try:
-      fut = self.array[slot].write(record).commit
+      fut = self.kv.write(name, record.tobytes())
     except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
       fut = _failed(e)
     return PendingWrite(slot, key, parent, fut)
 
-  def read(self, slot: int) -> PendingRead:
+  def sync(self) -> None:
+    """Makes every committed write durable (local files: one ``syncfs``; an object store's
+    writes are durable when they commit)."""
+    if self.local:
+      _syncfs(os.path.join(self.kvstore["path"], RECORDS_PATH))
+
+  def read(self, slot: int, key: bytes | None = None) -> PendingRead:
+    key = self._key_of_slot.get(slot) if key is None else key
     try:
-      fut = self.array[slot].read()
+      if key is None:
+        raise Gone(f"slot {slot} holds no record")
+      fut = self.kv.read(self.name(key))
     except Exception as e:  # pylint: disable=broad-except
       fut = _failed(e)
-    return PendingRead(slot, fut, time.monotonic())
+    return PendingRead(slot, key, fut, time.monotonic())
+
+  def _record(self, pending: PendingRead, t_end: float) -> np.ndarray:
+    """The bytes of a read (raises ``TimeoutError``, ``Gone`` or the store's error)."""
+    got = pending.future.result(timeout=max(0.0, t_end - time.monotonic()))
+    if got.state != "value":
+      raise Gone(f"no record for block {pending.key.hex()[:16]}")
+    return np.frombuffer(got.value, np.uint8)
 
   def verify(self, record, key: bytes) -> np.ndarray:
     """Payload of a record read for block ``key`` (raises ``blocks.BlockError``)."""
@@ -241,15 +301,14 @@ class DiskTier:
   # ---- FetchSource -------------------------------------------------------------------------
   def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list]:
     """Puts every read in flight at once."""
-    return None, [(f, self.read(f.slot)) for f in fetches]
+    return None, [(f, self.read(f.slot, f.key)) for f in fetches]
 
   def finish_fetch(self, pending: list, t_end: float, stage) -> Landing | None:
     """Waits for each read until ``t_end`` at the latest and verifies its record."""
     staged = []
     for f, r in pending:
       try:
-        record = r.future.result(timeout=max(0.0, t_end - time.monotonic()))
-        staged.append((f.shard, f.page, self.verify(record, f.key)))
+        staged.append((f.shard, f.page, self.verify(self._record(r, t_end), f.key)))
         f.ok = True
       except TimeoutError:
         f.reason = Failure.DEADLINE
@@ -262,9 +321,9 @@ class DiskTier:
 
   def _read_error(self, slot: int, error: BaseException) -> Failure:
     """The store raised reading ``slot``. When it says the bytes are wrong (TensorStore's
-    DATA_LOSS: the chunk's crc32c failed; a short or malformed chunk), that is a corrupt
-    record. Anything else (I/O, unavailable) is taken as transient the first time: the
-    record is kept and read again next time; given up on when the next read raises too."""
+    DATA_LOSS and kin), that is a corrupt record. Anything else (I/O, unavailable) is taken
+    as transient the first time: the record is kept and read again next time; given up on
+    when the next read raises too."""
     if str(error).startswith(_DAMAGE):
       self._read_errors.pop(slot, None)
       return Failure.READ_ERROR
@@ -276,27 +335,61 @@ class DiskTier:
 
   def read_verified(self, slots: list[int], keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies records (all in flight at once) until ``t_end`` at the latest;
-    raises the first failure (``TimeoutError`` or ``blocks.BlockError``)."""
-    reads = [self.read(s) for s in slots]
-    return [self.verify(r.future.result(timeout=max(0.0, t_end - time.monotonic())), k)
-            for r, k in zip(reads, keys)]
+    raises the first failure (``TimeoutError``, ``Gone`` or ``blocks.BlockError``)."""
+    reads = [self.read(s, k) for s, k in zip(slots, keys)]
+    return [self.verify(self._record(r, t_end), r.key) for r in reads]
 
   def delete(self, slot: int) -> None:
-    """Removes a slot's record (best effort; an absent record reads as zeros anyway)."""
+    """Removes the record a slot holds (best effort) and frees the slot's name."""
+    key = self._unmap(slot)
+    if key is not None:
+      self._delete_name(self.name(key))
+
+  def forget(self, slot: int) -> None:
+    """The slot's record is gone from the store (another process removed it): the slot
+    no longer names it, so reusing the slot deletes nothing."""
+    self._unmap(slot)
+
+  def _unmap(self, slot: int) -> bytes | None:
+    key = self._key_of_slot.pop(slot, None)
+    if key is not None:
+      self._slot_of_key.pop(key, None)
+    return key
+
+  def _delete_name(self, name: str) -> None:
+    """Starts deleting a record (best effort: absent already, or unreachable, is fine)."""
+    self._deletes = {n: d for n, d in self._deletes.items() if not d.done()}
     try:
-      kv = ts.KvStore.open(self._array_kvstore()).result()
-      kv.delete_range(ts.KvStore.KeyRange(f"c.{slot}.0", f"c.{slot}.0\x00")).result()
+      self._deletes[name] = self.kv.write(name, None)
     except Exception:  # pylint: disable=broad-except
       pass
 
+  def settle(self, timeout_s: float = 30.0) -> None:
+    """Waits (up to ``timeout_s``) for the deletions in flight."""
+    t_end = time.monotonic() + timeout_s
+    for d in self._deletes.values():
+      _wait(d, max(0.0, t_end - time.monotonic()))
+    self._deletes.clear()
+
   def bytes_on_disk(self) -> int:
     """Bytes the store's files use (file driver; 0 otherwise)."""
-    if self.kvstore["driver"] != "file":
+    if not self.local:
       return 0
     total = 0
     for root, _, files in os.walk(self.kvstore["path"]):
-      total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+      for f in files:
+        try:
+          total += os.path.getsize(os.path.join(root, f))
+        except FileNotFoundError:  # removed meanwhile by another process
+          pass
     return total
+
+
+def _wait(future, timeout_s: float) -> None:
+  try:
+    future.result(timeout=timeout_s)
+  except Exception:  # pylint: disable=broad-except  (best effort)
+    pass
 
 
 class _FailedFuture:

@@ -10,11 +10,19 @@ Two parts, in two processes:
   how long a prefix of block keys the peer holds (``lookup``), then asks for an offer of
   those blocks and pulls them (``fetch``).
 
+Authentication (``jaxkv.security``): when the serving cache has a deployment key, the server
+greets each connection with a random challenge and answers only requests that carry
+``HMAC(key, challenge, request)``; others get an "unauthenticated" refusal and are counted
+(``BlockServer.refused``). Its answers carry ``HMAC(key, nonce, answer)`` over the client's
+per-request nonce, so a client with the key also refuses a server without it. A server
+without a key answers anyone (keep it on a private network).
+
 What the reader never trusts: every offer names its block keys, dtype and shape, and
-carries a SHA-256 per block computed by the owner from the bytes it offers; the reader
-checks keys, dtype and shape before pulling and every block's digest after, and rejects
-the whole pull on any mismatch. Transfer ids are 63-bit random numbers bound to the
-request's own random token. Pulls run in a helper thread that the reader waits for with
+carries a CRC-32C per block computed by the owner from the bytes it offers; the reader
+checks keys, dtype and shape before pulling and every block's CRC after, and rejects
+the whole pull on any mismatch (CRC-32C catches damage at ~10x the speed of SHA-256; the
+block keys themselves stay SHA-256 chains). Transfer ids are 63-bit random numbers bound to
+the request's own random token. Pulls run in a helper thread that the reader waits for with
 its own deadline (a pull of an id never offered can hang); a late, refused or broken pull
 is a miss and the request recomputes. A peer that keeps failing trips a circuit breaker
 and is not asked again until its cool-down has passed.
@@ -23,7 +31,6 @@ and is not asked again until its cool-down has passed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import queue
 import secrets
@@ -34,16 +41,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import google_crc32c
 import numpy as np
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
+from jaxkv import security
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 from jaxkv.tiers.base import Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: challenge greeting, MACs, CRC-32C digests
 
 
 class RemoteError(RuntimeError):
@@ -54,8 +63,8 @@ class RemoteError(RuntimeError):
     self.reason = Failure(reason)
 
 
-def _digest(block: np.ndarray) -> str:
-  return hashlib.sha256(np.ascontiguousarray(block).tobytes()).hexdigest()
+def _digest(block: np.ndarray) -> int:
+  return google_crc32c.value(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
 
 
 # ---- the serving side ---------------------------------------------------------------------------
@@ -76,17 +85,35 @@ class BlockServer:
     self._offers = 0
     outer = self
 
+    key = cache._deployment_key  # pylint: disable=protected-access
+    self.refused = 0  # requests refused for a missing or wrong MAC
+
     class Handler(socketserver.StreamRequestHandler):
       def handle(self):
+        challenge = secrets.token_hex(16)
+        self.wfile.write((json.dumps({"protocol": PROTOCOL, "challenge": challenge}) + "\n"
+                          ).encode())
+        self.wfile.flush()
         for line in self.rfile:
+          nonce = ""
           try:
-            msg = json.loads(line)
-            reply: queue.Queue = queue.Queue(maxsize=1)
-            outer._requests.put((msg, reply))
-            answer = reply.get(timeout=30.0)
+            outer_msg = json.loads(line)
+            body = outer_msg["body"]
+            msg = json.loads(body)
+            nonce = str(msg.get("nonce", ""))
+            if key is not None and not security.mac_ok(key, challenge, body.encode(),
+                                                       outer_msg.get("mac")):
+              outer.refused += 1
+              answer = {"error": "unauthenticated: a wrong or missing deployment key"}
+            else:
+              reply: queue.Queue = queue.Queue(maxsize=1)
+              outer._requests.put((msg, reply))
+              answer = reply.get(timeout=30.0)
           except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
             answer = {"error": f"{type(e).__name__}: {e}"}
-          self.wfile.write((json.dumps(answer) + "\n").encode())
+          text = json.dumps(answer)
+          mac = security.challenge_mac(key, nonce, text.encode()) if key is not None else None
+          self.wfile.write((json.dumps({"body": text, "mac": mac}) + "\n").encode())
           self.wfile.flush()
 
     class Server(socketserver.ThreadingTCPServer):
@@ -245,7 +272,7 @@ class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker."""
 
   def __init__(self, address: str, fingerprint: bytes, *, deadline_s: float = 5.0,
-               trip_after: int = 3, cool_down_s: float = 10.0):
+               trip_after: int = 3, cool_down_s: float = 10.0, secret: bytes | None = None):
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
       raise InputError(f"remote peer {address!r} must be 'host:port'.")
@@ -254,6 +281,8 @@ class RemoteClient:
     self.deadline_s = deadline_s
     self.trip_after, self.cool_down_s = trip_after, cool_down_s
     self.breaker = _Breaker()
+    self._secret = security.check_key(secret)
+    self._challenge = ""
     self._sock = None
     self._file = None
     self._transfer_server = None
@@ -283,14 +312,30 @@ class RemoteClient:
       self._sock = socket.create_connection((self.host, self.port),
                                             timeout=max(0.05, deadline - time.monotonic()))
       self._file = self._sock.makefile("rwb")
+      hello = self._file.readline()
+      if not hello:
+        raise RemoteError("closed", "the peer closed the connection")
+      hello = json.loads(hello)
+      if hello.get("protocol") != PROTOCOL:
+        raise RemoteError("refused", f"the peer speaks protocol {hello.get('protocol')}, "
+                          f"this client {PROTOCOL}")
+      self._challenge = str(hello["challenge"])
     self._sock.settimeout(max(0.05, deadline - time.monotonic()))
-    self._file.write((json.dumps({**msg, "protocol": PROTOCOL,
-                                  "fingerprint": self.fingerprint}) + "\n").encode())
+    nonce = secrets.token_hex(16)
+    body = json.dumps({**msg, "protocol": PROTOCOL, "fingerprint": self.fingerprint,
+                       "nonce": nonce})
+    mac = (security.challenge_mac(self._secret, self._challenge, body.encode())
+           if self._secret is not None else None)
+    self._file.write((json.dumps({"body": body, "mac": mac}) + "\n").encode())
     self._file.flush()
     line = self._file.readline()
     if not line:
       raise RemoteError("closed", "the peer closed the connection")
-    answer = json.loads(line)
+    reply = json.loads(line)
+    if self._secret is not None and not security.mac_ok(self._secret, nonce,
+                                                        reply["body"].encode(), reply.get("mac")):
+      raise RemoteError("refused", "the peer's answer is not signed with this deployment key")
+    answer = json.loads(reply["body"])
     if "error" in answer:
       raise RemoteError("refused", answer["error"])
     return answer
