@@ -97,13 +97,14 @@ def tier_config(cfg: Mapping) -> TierConfig:
 
 
 def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None,
-                 model: nnx.Module | None = None) -> Engine:
+                 model: nnx.Module | None = None, deployment_key: bytes | None = None
+                 ) -> Engine:
   """A cache and engine over ``model`` (default: ``load_model(cfg, mesh)``: the config's
   checkpoint, or random weights from ``cfg.seed``). A model passed in is taken over by
   this engine; give each engine its own (``share_weights``).
 
   The ``nocache`` policy gets no lower tiers either: it is the recompute-everything
-  baseline.
+  baseline. ``deployment_key``: see ``jaxkv.KVCache``.
   """
   if policy not in POLICIES:
     raise InputError(f"policy={policy!r} is not one of {POLICIES}.")
@@ -115,4 +116,5 @@ def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None,
   engine_cfg = EngineConfig(**{**_section(cfg, "engine"), "prefix_reuse": policy == "jaxkv"})
   tiers = tier_config(cfg) if policy == "jaxkv" else TierConfig()
   scheduler = SchedulerConfig(**_section(cfg, "scheduler")) if "scheduler" in cfg else None
-  return Engine(model, KVCache(cache_cfg, mesh, tiers), engine_cfg, scheduler=scheduler)
+  return Engine(model, KVCache(cache_cfg, mesh, tiers, deployment_key=deployment_key),
+                engine_cfg, scheduler=scheduler)

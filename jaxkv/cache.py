@@ -20,6 +20,8 @@ jitted step takes the pools donated and gives them back (``pools``/``set_pools``
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import jax
 import numpy as np
@@ -273,8 +275,13 @@ class KVCache:
     return self.mover.flush(timeout_s)
 
   def _adopt_disk_blocks(self) -> None:
-    """Blocks a previous run left on disk come back into the index once verified."""
-    good, deleted = self.disk.scan()
+    """Blocks a previous run left on disk come back into the index once verified. In a
+    multi-process job the store must be one every process sees (checked); process 0
+    verifies it and the others take its list, so every index starts the same."""
+    if jax.process_count() == 1:
+      good, deleted = self.disk.scan()
+    else:
+      good, deleted = self._adopt_in_job()
     for slot, key, parent in good:
       self.index.acquire(0, [slot], Tier.DISK)
       self.index.publish(0, slot, key, Tier.DISK, parent=parent)
@@ -284,6 +291,32 @@ class KVCache:
     logging.info("disk tier %s: adopted %d blocks from earlier runs; discarded %d records "
                  "(other weights or layout, or failed verification) and %d unfinished writes",
                  self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)
+
+  def _adopt_in_job(self) -> tuple[list, int]:
+    from jaxkv import distributed
+    disk = self.disk
+    probe = distributed.broadcast_bytes(os.urandom(16).hex().encode()).decode()
+    name = f"job-check-{probe}"
+    if jax.process_index() == 0:
+      disk.kv.write(name, probe.encode()).result(timeout=60)
+    distributed.allgather_codes(np.zeros(1, np.int32))  # written before anyone looks
+    seen = disk.kv.read(name).result(timeout=60)
+    sees = distributed.allgather_codes(np.array([seen.state == "value"], np.int32))[:, 0]
+    if jax.process_index() == 0:
+      disk.kv.write(name, None).result(timeout=60)
+    if not sees.all():
+      raise InputError(
+          f"the disk tier at {disk.kvstore} is not one store for the whole job: process(es) "
+          f"{[int(i) for i in np.flatnonzero(sees == 0)]} do not see what process 0 writes there. "
+          "In a multi-process job every process must open the same shared directory or bucket.")
+    good, deleted = disk.scan() if jax.process_index() == 0 else ([], 0)
+    text = json.dumps([[slot, key.hex(), parent.hex() if parent else None]
+                       for slot, key, parent in good] + [deleted])
+    rows = json.loads(distributed.broadcast_bytes(text.encode()).decode())
+    good = [(slot, bytes.fromhex(k), bytes.fromhex(p) if p else None) for slot, k, p in rows[:-1]]
+    if jax.process_index() != 0:
+      disk.adopt([(slot, key) for slot, key, _ in good])
+    return good, rows[-1]
 
   def _check_fits_in_memory(self) -> None:
     need = self.pool_bytes_per_device

@@ -11,6 +11,8 @@
 - ``agree_costs``: calibration measures each host's own costs; a job must plan from one
   set, so process 0's CostModel is broadcast and every process plans with it.
 - ``plan_digest``: a SHA-256 over a plan's arrays, for ``agree_digest``.
+- ``allgather_codes`` / ``broadcast_bytes``: the small collectives that keep per-process
+  outcomes (a disk write committed, a record verified) the same decision everywhere.
 
 Failure domain: in one ``jax.distributed`` job, a process that dies makes the others fail
 their next collective and, after the coordinator's heartbeat timeout, abort (FACTS: a few
@@ -92,6 +94,47 @@ def plan_digest(plan) -> str:
     h.update(json.dumps([list(arr.shape), arr.dtype.name]).encode())
     h.update(np.ascontiguousarray(arr).tobytes())
   return h.hexdigest()
+
+
+def allgather_codes(codes: np.ndarray) -> np.ndarray:
+  """Every process's ``codes`` (ints, the same length everywhere) as ``[processes, n]``; a
+  collective: every process calls it at the same point."""
+  codes = np.asarray(codes, np.int32).reshape(-1)
+  if jax.process_count() == 1:
+    return codes[None]
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(codes)).reshape(jax.process_count(), -1)
+
+
+def broadcast_bytes(payload: bytes) -> bytes:
+  """Process 0's ``payload`` on every process (others pass anything); a collective."""
+  if jax.process_count() == 1:
+    return payload
+  from jax.experimental import multihost_utils
+  data = payload if jax.process_index() == 0 else b""
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+  if size == 0:
+    return b""
+  buf = np.zeros((size,), np.uint8)
+  if jax.process_index() == 0:
+    buf[:] = np.frombuffer(data, np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)))
+
+
+def local_data_shards(mesh, data_axis: str) -> set[int]:
+  """The data shards of ``mesh`` that have a device in this process."""
+  axis = mesh.axis_names.index(data_axis)
+  rows = np.moveaxis(mesh.devices, axis, 0).reshape(mesh.devices.shape[axis], -1)
+  me = jax.process_index()
+  return {i for i, row in enumerate(rows) if any(d.process_index == me for d in row)}
+
+
+def put_global(x: np.ndarray, sharding) -> jax.Array:
+  """A host array onto ``sharding``; in a job only this process's parts of ``x`` are read
+  (others' may hold anything)."""
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
 def to_host(x) -> np.ndarray:

@@ -36,6 +36,8 @@ COUNTERS = {
     "disk_write_failures": "disk writes that failed (never published)",
     "demoted_host": "blocks copied down to host memory",
     "demoted_disk": "blocks committed to disk",
+    "disk_writes": "disk records this process wrote (a job's processes take turns)",
+    "disk_syncs": "flushes of a batch of committed disk writes to the device",
     "plans_fetch": "requests whose plan fetched every cold block",
     "plans_recompute": "requests whose plan recomputed every cold block",
     "plans_split": "requests whose plan recomputed the front and fetched the back",

@@ -24,6 +24,7 @@ committed. A slot in flight holds a reference, so eviction cannot reuse it meanw
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -32,12 +33,22 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
-from jaxkv.distributed import to_host
+from jaxkv.distributed import allgather_codes, local_data_shards, put_global, to_host
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.stats import Stats
-from jaxkv.tiers.base import Fetch, Landing, Staged
+from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, WRITE_PENDING, Failure, Fetch, Landing,
+                              Staged)
 
 Block = tuple  # (shard, device page or host slot, key)
+_FAILURES = list(Failure)
+
+
+@dataclasses.dataclass
+class _JobReads:
+  """Disk fetches of a multi-process job: all of them, and the handle of this process's."""
+
+  fetches: list
+  handle: object
 
 
 class TierMover:
@@ -54,6 +65,11 @@ class TierMover:
     self.sources = [t for t in (disk, host, remote) if t is not None]
     self._pending_writes: list = []
     self._writing: set[bytes] = set()  # keys of the disk writes in flight
+    # A multi-process job shares one disk store: its processes take turns writing blocks
+    # (each written once) and read the records their own devices need.
+    self.processes, self.process = jax.process_count(), jax.process_index()
+    self._next_writer = 0
+    self._local_shards = local_data_shards(mesh, config.data_axis)
     self.last_fetch: dict = {}
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
@@ -79,7 +95,7 @@ class TierMover:
       for i, (_, page_id, payload) in enumerate(its):
         stack[:, :, s * n + i] = payload.view(bits)
         dest[s, i] = page_id
-    return Landing(dest, jax.device_put(stack, self.stack_sharding))  # lands per shard
+    return Landing(dest, put_global(stack, self.stack_sharding))  # lands per shard
 
   def land(self, pools, landing: Landing):
     """Scatters a landing into the (donated) device pools; returns the new pools."""
@@ -204,21 +220,67 @@ class TierMover:
         if slot is None:
           self.stats.add("disk_full_drops")
           continue
-        payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
-        self._pending_writes.append(self.disk.write(slot[0], payload, key,
-                                                    self.index.parent_of(key)))
+        parent = self.index.parent_of(key)
+        writer = self._next_writer % self.processes  # a job's processes take turns
+        self._next_writer += 1
+        if writer == self.process:
+          payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
+          self._pending_writes.append(self.disk.write(slot[0], payload, key, parent))
+          self.stats.add("disk_writes")
+        else:
+          self._pending_writes.append(self.disk.claim(slot[0], key, parent))
         self._writing.add(key)
         self.stats.add("bytes_moved", self._bytes(1))
     self.pump()
 
   def pump(self) -> None:
     """Publishes disk writes that committed (after one flush of the batch to the device);
-    releases the slots of failed ones."""
-    done = [w for w in self._pending_writes if w.future.done()]
-    if not done:
+    releases the slots of failed ones. In a job, every process publishes the same writes at
+    the same call: each reports the outcome of its own writes and all take the writer's word
+    (a collective, at deterministic points, when writes are pending)."""
+    if not self._pending_writes:
       return
-    self._pending_writes = [w for w in self._pending_writes if not w.future.done()]
-    self._finish_writes(done)
+    self._settle_own_writes()
+    codes = np.array([w.code for w in self._pending_writes], np.int32)
+    if self.processes > 1:
+      codes = allgather_codes(codes).sum(axis=0)  # only a write's writer reports it
+    still, published = [], 0
+    for w, code in zip(self._pending_writes, codes):
+      if code in (0, WRITE_PENDING):
+        still.append(w)
+        continue
+      self._writing.discard(w.key)
+      if code == WRITE_OK:
+        self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
+        published += 1
+      else:
+        self.stats.add("disk_write_failures")
+      self.index.release(0, [w.slot], Tier.DISK)
+    self._pending_writes = still
+    self.stats.add("demoted_disk", published)
+
+  def _settle_own_writes(self) -> None:
+    """Sets ``code`` on this process's writes that finished; the committed ones are made
+    durable first, with one flush for all of them."""
+    done = [w for w in self._pending_writes
+            if w.future is not None and not w.code and w.future.done()]
+    committed = []
+    for w in done:
+      try:
+        w.future.result(timeout=0)
+        committed.append(w)
+      except Exception:  # pylint: disable=broad-except  (a failed write: never published)
+        w.code = WRITE_FAILED
+    if not committed:
+      return
+    try:
+      self.disk.sync()
+      ok = WRITE_OK
+      self.stats.add("disk_syncs")
+    except OSError:
+      ok = WRITE_FAILED
+    for w in committed:
+      w.code = ok
 
   @property
   def writes_in_flight(self) -> int:
@@ -229,36 +291,12 @@ class TierMover:
     t_end = time.monotonic() + timeout_s
     for w in self._pending_writes:
       try:
-        w.future.result(timeout=max(0.0, t_end - time.monotonic()))
-      except Exception:  # pylint: disable=broad-except  (handled in _finish_writes)
+        if w.future is not None:
+          w.future.result(timeout=max(0.0, t_end - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  (handled in pump)
         pass
     self.pump()
     return len(self._pending_writes)
-
-  def _finish_writes(self, done: list) -> None:
-    committed = []
-    for w in done:
-      self._writing.discard(w.key)
-      try:
-        w.future.result(timeout=0)
-        committed.append(w)
-      except Exception:  # pylint: disable=broad-except
-        self.stats.add("disk_write_failures")
-        self.index.release(0, [w.slot], Tier.DISK)
-    if not committed:
-      return
-    try:
-      self.disk.sync()
-    except OSError:
-      self.stats.add("disk_write_failures", len(committed))
-      committed, failed = [], committed
-      for w in failed:
-        self.index.release(0, [w.slot], Tier.DISK)
-    for w in committed:
-      self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
-      self.index.release(0, [w.slot], Tier.DISK)
-    self.stats.add("demoted_disk", len(committed))
-    self.stats.add("disk_syncs", bool(committed))
 
   # ---- upwards -----------------------------------------------------------------------------
   def promote(self, pools, fetches: list[Fetch], deadline_s: float):
@@ -273,7 +311,11 @@ class TierMover:
     started = []
     for source in self.sources:
       mine = [f for f in fetches if f.tier == source.tier]
-      if mine:
+      if mine and source.tier == Tier.DISK and self.processes > 1:
+        # A job: each process reads what its own devices need; outcomes agreed later.
+        _, handle = source.start_fetch([f for f in mine if f.shard in self._local_shards])
+        started.append((source, _JobReads(mine, handle)))
+      elif mine:
         landing, handle = source.start_fetch(mine)
         if landing is not None:
           pools = self.land(pools, landing)
@@ -294,6 +336,32 @@ class TierMover:
       f.ok = True
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
+  def _finish_job_reads(self, source, reads: "_JobReads", t_end: float) -> Landing | None:
+    """Waits for this process's reads, then agrees with the job's other processes on every
+    fetch's outcome (a collective): a block lands only if every process that read it
+    verified it; a failure is the first failing process's reason, the same everywhere."""
+    payloads = {}
+
+    def collect(items: list[Staged]) -> None:
+      payloads.update({(shard, page): payload for shard, page, payload in items})
+
+    source.finish_fetch(reads.handle, t_end, collect)
+    codes = [0 if f.shard not in self._local_shards else 1 if f.ok else
+             2 + _FAILURES.index(f.reason) for f in reads.fetches]
+    rows = allgather_codes(np.array(codes, np.int32))
+    items = []
+    for f, column in zip(reads.fetches, rows.T):
+      failed = [c for c in column if c >= 2]
+      f.ok = not failed and bool((column == 1).any())
+      f.reason = None if f.ok else _FAILURES[failed[0] - 2] if failed else Failure.DEADLINE
+      if f.ok:  # another process's shard: its bytes are not needed here
+        items.append((f.shard, f.page, payloads.get((f.shard, f.page), self._zeros)))
+    return self.stage(items) if items else None
+
+  @property
+  def _zeros(self) -> np.ndarray:
+    return np.zeros(self.payload_shape, self.config.jnp_dtype)
+
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source."""
     if f.tier == Tier.SHARD:
@@ -308,7 +376,10 @@ class TierMover:
     fetches, started, t_start = pending
     t_wait = time.perf_counter()
     for source, handle in started:
-      landing = source.finish_fetch(handle, t_end, self.stage)
+      if isinstance(handle, _JobReads):
+        landing = self._finish_job_reads(source, handle, t_end)
+      else:
+        landing = source.finish_fetch(handle, t_end, self.stage)
       if landing is not None:
         pools = self.land(pools, landing)
     jax.block_until_ready(pools)

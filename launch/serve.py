@@ -67,6 +67,12 @@ _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (
                             "between a user's answer and its next request.", lower_bound=0.0)
 
 
+_DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
+    "deployment_key_file", None, "File holding the deployment key (16+ bytes) that keys "
+    "tenants' block keys and authenticates remote peers; default $JAXKV_DEPLOYMENT_KEY_FILE "
+    "or $JAXKV_DEPLOYMENT_KEY. Give every process sharing a store or peer the same key.")
+
+
 def main(argv):
   del argv
   # Everything the flags name is checked before JAX starts: a refusal costs no compile.
@@ -86,7 +92,8 @@ def main(argv):
   _common.start_jax(cfg)
   import jax
   from absl import logging
-  from jaxkv import builder, distributed, metrics, workloads
+  from jaxkv import builder, distributed, metrics, security, workloads
+  deployment_key = security.load_deployment_key(_DEPLOYMENT_KEY_FILE.value)
   from jaxkv.checkpoint import latest_step
   multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
   _common.check_platform(cfg)  # (done already in one process; a job's processes do it here)
@@ -115,7 +122,8 @@ def main(argv):
   if model_dir:
     print(f"loaded {model_dir} in {time.perf_counter() - t_load:.1f} s")
   models = [model] + [builder.share_weights(model) for _ in policies[1:]]
-  engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m)
+  engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m,
+                                    deployment_key=deployment_key)
              for p, m in zip(policies, models)}
   registry = metrics.registry(engines, labels={"config": cfg.name})
   if _METRICS_PORT.value:

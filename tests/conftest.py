@@ -1,6 +1,19 @@
 """Test settings: 8 virtual CPU devices and strict dtype promotion, set before JAX starts."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# One persistent compilation cache for the session and the subprocesses it starts (serve,
+# generate, bench, multi-process jobs compile the same steps over and over): a fresh
+# directory per session, removed at exit. It changes no result, only compile time.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _JIT_CACHE = tempfile.mkdtemp(prefix="jaxkv-test-jit-")
+  atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _JIT_CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()

@@ -22,7 +22,8 @@ def quick_bench(tmp_path, suite: str) -> dict:
 def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
   r = quick_bench(tmp_path, "tiers")
   for key in ("host_to_device_vs_memcpy", "device_to_host_vs_memcpy", "disk_read_vs_pread",
-              "disk_gather_vs_pread", "disk_write_vs_pwrite"):
+              "disk_gather_vs_pread", "disk_write_vs_pwrite", "host_to_device_vs_device_put",
+              "device_to_host_vs_device_put"):
     assert 0 < r[key] < 100, key
   # The ratio is the quotient of the absolute figures it came from.
   host = r["host"]
@@ -41,3 +42,15 @@ def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
              - loads["load_file"]["seconds"] / loads["jaxkv"]["seconds"]) < 1e-9
   assert all(f["reps"] == 2 and f["seconds_min"] <= f["seconds"] <= f["seconds_max"]
              for f in loads.values())
+
+
+def test_storage_suite_reports_the_object_store_ratio_and_lost_blocks(tmp_path):
+  r = quick_bench(tmp_path, "storage")
+  assert r["lost_blocks"] == 0
+  store = r["object_store"]
+  assert abs(r["object_store_read_vs_raw"]
+             - store["client_get"]["median_s"] / store["jaxkv_read"]["median_s"]) < 1e-9
+  for where in ("file", "s3"):
+    race = r["shared_store"][where]
+    assert race["committed"] == race["verified"] == 2 * race["blocks_per_writer"] - race[
+        "shared_blocks"]

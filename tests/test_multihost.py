@@ -1,4 +1,5 @@
-"""A real two-process jax.distributed job on loopback: same outputs, same index, same plans."""
+"""A real two-process jax.distributed job on loopback: same outputs, same index, same plans,
+one disk store shared by the job's processes, checkpoints saved and restored by the job."""
 
 import json
 import os
@@ -13,24 +14,6 @@ SMALL = ["--nocompare", "--config.workload.chat.users=4", "--config.workload.cha
 
 def env():
   return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-
-
-def test_two_process_job_matches_one_process(tmp_path):
-  multi = subprocess.run([sys.executable, "launch/multihost.py", "--num_processes=2", "--",
-                          "launch/serve.py", *SMALL, f"--json_out={tmp_path / 'm.json'}"],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
-  assert multi.returncode == 0, multi.stderr[-3000:]
-  single = subprocess.run([sys.executable, "launch/serve.py", *SMALL,
-                           f"--json_out={tmp_path / 's.json'}"], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900)
-  assert single.returncode == 0, single.stderr[-3000:]
-  p0, p1, one = (json.loads((tmp_path / n).read_text()) for n in ("m.p0.json", "m.p1.json",
-                                                                   "s.json"))
-  assert p0["process"] == {"index": 0, "count": 2} and p1["process"]["index"] == 1
-  assert p0["output_digest"] == p1["output_digest"] == one["output_digest"]
-  assert p0["index_digest"] == p1["index_digest"]  # (serve also checks it across processes)
-  assert p0["hits"]["device"] > 0
-  assert len(p0["machine"]["devices"]) == 8
 
 
 PLANNER = r"""
@@ -84,3 +67,40 @@ def test_a_failing_process_fails_the_job(tmp_path):
                          "launch/serve.py", "--config=configs/nope.py"], cwd=ROOT, env=env(),
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode != 0 and "failed with exit status" in proc.stderr
+
+
+def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
+  """One shared disk store for the job: each block written once (the processes take
+  turns), the same index everywhere, outputs equal to one process with the same tiers;
+  then a job restoring the checkpoint and reading the store gives the same outputs."""
+  tiers = lambda d: ["--config.workload.chat.users=8", "--device_pages=8", "--host_pages=2",
+                     "--config.scheduler.policy=fetch", "--config.tiers.write_policy=write_through",
+                     f"--disk_dir={d / 'disk'}", f"--checkpoint_dir={d / 'ckpt'}"]
+  job = lambda *extra, out: subprocess.run(
+      [sys.executable, "launch/multihost.py", "--num_processes=2", "--", "launch/serve.py",
+       *SMALL, *tiers(tmp_path), *extra, f"--json_out={tmp_path / out}"], cwd=ROOT, env=env(),
+      capture_output=True, text=True, timeout=900)
+  first = job(out="m.json")
+  assert first.returncode == 0, first.stderr[-3000:]
+  single = subprocess.run([sys.executable, "launch/serve.py", *SMALL, *tiers(tmp_path / "one"),
+                           f"--json_out={tmp_path / 's.json'}"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+  assert single.returncode == 0, single.stderr[-3000:]
+  p0, p1, one = (json.loads((tmp_path / n).read_text()) for n in ("m.p0.json", "m.p1.json",
+                                                                   "s.json"))
+  assert p0["process"] == {"index": 0, "count": 2} and p1["process"]["index"] == 1
+  assert len(p0["machine"]["devices"]) == 8
+  assert p0["output_digest"] == p1["output_digest"] == one["output_digest"]
+  assert p0["index_digest"] == p1["index_digest"]  # (serve also checks it across processes)
+  assert p0["hits"]["device"] > 0 and p0["hits"]["disk"] > 0 and p0["verify_failures"] == 0
+  records = [f for _, _, fs in os.walk(tmp_path / "disk" / "records") for f in fs]
+  written = [p["stats"]["disk_writes"] for p in (p0, p1)]
+  assert min(written) > 0 and sum(written) == len(records)  # each block once, both wrote
+  assert p0["stats"]["demoted_disk"] == len(records)
+  again = job("--restore", "--require_restore", out="r.json")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "restored step" in again.stdout
+  r0, r1 = (json.loads((tmp_path / n).read_text()) for n in ("r.p0.json", "r.p1.json"))
+  assert r0["output_digest"] == r1["output_digest"] == one["output_digest"]
+  assert r0["index_digest"] == r1["index_digest"]
+  assert r0["hits"]["device"] > p0["hits"]["device"]  # the restored pages were reused

@@ -7,6 +7,7 @@ live in its memory, and it is stopped on exit. Credentials are dummies the serve
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -31,11 +32,9 @@ class LocalS3:
   """``with LocalS3() as s3: spec = s3.kvstore("bucket", "path/")``."""
 
   def __init__(self, start_timeout_s: float = 60.0):
-    try:
-      import moto.server  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except ImportError:
+    if importlib.util.find_spec("moto") is None:
       raise InputError("the local S3 server needs moto: pip install 'moto[server]' (it is in "
-                       "jaxkv's [test] extra).") from None
+                       "jaxkv's [test] extra).")
     for k, v in CREDENTIALS.items():
       os.environ.setdefault(k, v)
     # Empty AWS config files: TensorStore's AWS library logs an error for each missing one.

@@ -154,6 +154,10 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   out = {
       "host_to_device_vs_memcpy": common.ratio(host_res["jaxkv_host_to_device"], host_res["memcpy"]),
       "device_to_host_vs_memcpy": common.ratio(host_res["jaxkv_device_to_host"], host_res["memcpy"]),
+      "host_to_device_vs_device_put": common.ratio(host_res["jaxkv_host_to_device"],
+                                                   host_res["device_put_to_device"]),
+      "device_to_host_vs_device_put": common.ratio(host_res["jaxkv_device_to_host"],
+                                                   host_res["device_put_to_host"]),
       "disk_read_vs_pread": common.ratio(read_res["jaxkv_bulk_read"], read_res["pread_bulk"]),
       "disk_gather_vs_pread": common.ratio(read_res["jaxkv_gather"], read_res["pread_gather"]),
       "disk_write_vs_pwrite": common.ratio(write_res["jaxkv_write"], write_res["pwrite"]),

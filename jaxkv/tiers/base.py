@@ -76,6 +76,10 @@ _UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure
                           Failure.GONE})
 
 
+# A disk write's outcome as the processes of a job report it (only its writer reports one).
+WRITE_PENDING, WRITE_OK, WRITE_FAILED = 1, 2, 3
+
+
 @dataclasses.dataclass
 class Fetch:
   """One lower-tier block to copy into a request's device page (the outcome is set by the

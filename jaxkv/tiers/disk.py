@@ -109,7 +109,8 @@ class PendingWrite:
   slot: int
   key: bytes
   parent: bytes | None
-  future: object  # the commit future
+  future: object  # the commit future; None for a write another process of the job does
+  code: int = 0  # base.WRITE_* once this process knows the outcome of its own write
 
 
 def _syncfs(path: str) -> None:
@@ -251,6 +252,28 @@ class DiskTier:
     once ``future`` has succeeded and ``sync`` has run. The record the slot held before (a
     block evicted from it) is deleted."""
     record = blocks.encode(payload, key, self.fingerprint, parent)
+    name = self._assign(slot, key)
+    deleting = self._deletes.pop(name, None)
+    if deleting is not None:  # a deletion of this very record in flight: let it land first
+      _wait(deleting, 30.0)
+    try:
+      fut = self.kv.write(name, record.tobytes())
+    except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
+      fut = _failed(e)
+    return PendingWrite(slot, key, parent, fut)
+
+  def claim(self, slot: int, key: bytes, parent: bytes | None) -> PendingWrite:
+    """``slot`` will hold block ``key``, written by another process of the job."""
+    self._assign(slot, key)
+    return PendingWrite(slot, key, parent, None)
+
+  def adopt(self, entries: list[tuple[int, bytes]]) -> None:
+    """Takes ``(slot, key)`` records another process of the job verified (its ``scan``)."""
+    for slot, key in entries:
+      self._assign(slot, key)
+
+  def _assign(self, slot: int, key: bytes) -> str:
+    """Points ``slot`` at block ``key`` (deleting the record of the block it held before)."""
     old = self._unmap(slot)
     if old is not None and old != key:
       self._delete_name(self.name(old))  # the block evicted from this slot
@@ -259,16 +282,8 @@ class DiskTier:
       self._unmap(stale)
     self._key_of_slot[slot] = key
     self._slot_of_key[key] = slot
-    name = self.name(key)
-    deleting = self._deletes.pop(name, None)
-    if deleting is not None:  # a deletion of this very record in flight: let it land first
-      _wait(deleting, 30.0)
     self._read_errors.pop(slot, None)  # a new record in the slot
-    try:
-      fut = self.kv.write(name, record.tobytes())
-    except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
-      fut = _failed(e)
-    return PendingWrite(slot, key, parent, fut)
+    return self.name(key)
 
   def sync(self) -> None:
     """Makes every committed write durable (local files: one ``syncfs``; an object store's
