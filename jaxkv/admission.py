@@ -198,7 +198,9 @@ class Admission:
     index, num_shards = self.cache.index, self.cache.num_shards
     usable = (len(req.tokens) - 1) // self.cache.config.page_size
     keys = list(req.keys[:usable])
-    found = [index.locate(s, keys) if keys else [] for s in range(num_shards)]
+    tiers = LOCAL_TIERS if self.cache.mover.disk_available or self.cache.disk is None else (
+        Tier.DEVICE, Tier.HOST)  # a detached disk tier holds nothing meanwhile
+    found = [index.locate(s, keys, tiers) if keys else [] for s in range(num_shards)]
     found = self._with_other_shards(found)
     if self.cache.remote is not None:
       remote = self.cache.remote.longest_prefix(keys, max(len(f) for f in found))

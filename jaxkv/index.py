@@ -160,12 +160,13 @@ class PrefixIndex:
       slots.append(slot)
     return slots
 
-  def locate(self, shard: int, keys: Sequence[Key]) -> list[tuple[Tier, int]]:
-    """The longest prefix of ``keys`` present in any tier of ``shard``, with the best
-    (fastest) tier and slot of each block."""
+  def locate(self, shard: int, keys: Sequence[Key], tiers: Sequence[Tier] = LOCAL_TIERS
+             ) -> list[tuple[Tier, int]]:
+    """The longest prefix of ``keys`` present in any of ``tiers`` of ``shard``, with the
+    best (fastest) tier and slot of each block."""
     out = []
     for key in keys:
-      for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+      for tier in tiers:
         slot = self._pool(tier, shard).slot_of_key.get(key)
         if slot is not None:
           out.append((tier, slot))

@@ -38,6 +38,8 @@ COUNTERS = {
     "demoted_disk": "blocks committed to disk",
     "disk_writes": "disk records this process wrote (a job's processes take turns)",
     "disk_syncs": "flushes of a batch of committed disk writes to the device",
+    "disk_detached": "times the disk tier was detached for a cool-down after repeated failures",
+    "disk_detached_drops": "blocks not written to disk while it was detached",
     "plans_fetch": "requests whose plan fetched every cold block",
     "plans_recompute": "requests whose plan recomputed every cold block",
     "plans_split": "requests whose plan recomputed the front and fetched the back",

@@ -29,6 +29,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
@@ -36,8 +37,8 @@ from jaxkv import pages as pages_lib
 from jaxkv.distributed import allgather_codes, local_data_shards, put_global, to_host
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.stats import Stats
-from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, WRITE_PENDING, Failure, Fetch, Landing,
-                              Staged)
+from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, WRITE_PENDING, Breaker, Failure, Fetch,
+                              Landing, Staged)
 
 Block = tuple  # (shard, device page or host slot, key)
 _FAILURES = list(Failure)
@@ -70,6 +71,10 @@ class TierMover:
     self.processes, self.process = jax.process_count(), jax.process_index()
     self._next_writer = 0
     self._local_shards = local_data_shards(mesh, config.data_axis)
+    # A disk store that keeps failing (3 batches of reads or writes in a row raising: it is
+    # down or unreachable) is detached for a cool-down: no reads are planned from it and no writes issued.
+    # Not in a job: a wall-clock cool-down would differ between its processes.
+    self.disk_breaker = Breaker() if self.processes == 1 else None
     self.last_fetch: dict = {}
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
@@ -210,7 +215,25 @@ class TierMover:
     stack, per = self._gather_device(pools, blocks)
     self._write_disk(to_host(stack), per, stack.shape[2] // self.num_shards)
 
+  @property
+  def disk_available(self) -> bool:
+    """Whether the disk tier is attached (not cooling down after repeated failures)."""
+    return self.disk is not None and (self.disk_breaker is None or self.disk_breaker.available)
+
+  def _disk_outcome(self, ok: bool) -> None:
+    if self.disk_breaker is not None:
+      was = self.disk_breaker.available
+      self.disk_breaker.record(ok)
+      if was and not self.disk_breaker.available:
+        self.stats.add("disk_detached")
+        logging.warning("disk tier %s keeps failing: detached for %.0f s (requests recompute "
+                        "what it holds meanwhile)", self.disk.kvstore,
+                        self.disk_breaker.cool_down_s)
+
   def _write_disk(self, stack: np.ndarray, per: list[list], n: int) -> None:
+    if not self.disk_available:
+      self.stats.add("disk_detached_drops", sum(len(items) for items in per))
+      return
     for s, items in enumerate(per):
       for i, b in enumerate(items):
         key = b[2]
@@ -244,12 +267,13 @@ class TierMover:
     codes = np.array([w.code for w in self._pending_writes], np.int32)
     if self.processes > 1:
       codes = allgather_codes(codes).sum(axis=0)  # only a write's writer reports it
-    still, published = [], 0
+    still, published, failed = [], 0, 0
     for w, code in zip(self._pending_writes, codes):
       if code in (0, WRITE_PENDING):
         still.append(w)
         continue
       self._writing.discard(w.key)
+      failed += code != WRITE_OK
       if code == WRITE_OK:
         self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
         published += 1
@@ -258,6 +282,8 @@ class TierMover:
       self.index.release(0, [w.slot], Tier.DISK)
     self._pending_writes = still
     self.stats.add("demoted_disk", published)
+    if published or failed:
+      self._disk_outcome(published > 0)  # one outcome per batch that finished
 
   def _settle_own_writes(self) -> None:
     """Sets ``code`` on this process's writes that finished; the committed ones are made
@@ -380,6 +406,9 @@ class TierMover:
         landing = self._finish_job_reads(source, handle, t_end)
       else:
         landing = source.finish_fetch(handle, t_end, self.stage)
+      if source.tier == Tier.DISK:  # the store answered (bad bytes are answers too), or raised
+        self._disk_outcome(any(f.reason not in (Failure.READ_RETRY, Failure.READ_ERROR)
+                               for f in fetches if f.tier == Tier.DISK))
       if landing is not None:
         pools = self.land(pools, landing)
     jax.block_until_ready(pools)

@@ -1,6 +1,5 @@
 """Executing plans: every split point gives the tokens of recompute-from-scratch."""
 
-import os
 
 import numpy as np
 import pytest

@@ -424,6 +424,46 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
   assert_clean(engine)
 
 
+def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
+  engine = disk_engine(mesh, tmp_path)
+  prompt = list(range(1, 30))
+  want = engine.generate([prompt], 3)
+  engine.flush(30)
+  real_read, real_write = engine.cache.disk.read, engine.cache.disk.write
+  failing = _FailingReads(engine.cache.disk, times=10**9)  # the store is down
+
+  def failing_write(slot, payload, key, parent):
+    pending = real_write(slot, payload, key, parent)
+    promise, pending.future = ts.Promise.new()
+    promise.set_exception(OSError(5, "Input/output error"))
+    return pending
+
+  engine.cache.disk.read, engine.cache.disk.write = failing, failing_write
+  engine.cache.mover.disk_breaker.cool_down_s = 1.0
+  for _ in range(3):  # every read and write raises: recomputed; 3 failed batches detach it
+    forget_device_copies(engine)
+    assert engine.generate([prompt], 3) == want
+    engine.flush(30)
+  assert engine.stats()["disk_detached"] == 1
+  reads = sum(failing.failed.values())
+  forget_device_copies(engine)
+  engine.reset_stats()
+  assert engine.generate([prompt], 3) == want
+  s = engine.stats()
+  assert sum(failing.failed.values()) == reads  # detached: nothing was read from it
+  assert s["hits"]["disk"] == 0 and s["disk_detached_drops"] > 0  # nor written to it
+  time.sleep(1.1)  # the cool-down passes and the store is back
+  engine.cache.disk.read, engine.cache.disk.write = real_read, real_write
+  for _ in range(2):  # attached again: written through, then read back
+    forget_device_copies(engine)
+    engine.reset_stats()
+    assert engine.generate([prompt], 3) == want
+    engine.flush(30)
+  assert engine.stats()["hits"]["disk"] > 0 and engine.stats()["demoted_disk"] == 0
+  engine.flush(30)
+  assert_clean(engine)
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, policy):
   """pin computes a prompt on every data shard; each copy used to take a disk slot of its

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -74,6 +75,31 @@ class Failure(str, enum.Enum):
 _UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
                           Failure.CLOSED, Failure.PULL, Failure.READ_RETRY,
                           Failure.GONE})
+
+
+class Breaker:
+  """A circuit breaker for a backend (a peer, a store): after ``trip_after`` failures in a
+  row it is open for ``cool_down_s``, then tried again (one more failure opens it again)."""
+
+  def __init__(self, trip_after: int = 3, cool_down_s: float = 10.0):
+    self.trip_after, self.cool_down_s = trip_after, cool_down_s
+    self.failures = 0
+    self.open_until = 0.0
+    self.trips = 0
+
+  @property
+  def available(self) -> bool:
+    return time.monotonic() >= self.open_until
+
+  def record(self, ok: bool) -> None:
+    if ok:
+      self.failures = 0
+      return
+    self.failures += 1
+    if self.failures >= self.trip_after:
+      self.open_until = time.monotonic() + self.cool_down_s
+      self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
+      self.trips += 1
 
 
 # A disk write's outcome as the processes of a job report it (only its writer reports one).

@@ -30,7 +30,6 @@ and is not asked again until its cool-down has passed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import queue
 import secrets
@@ -49,7 +48,7 @@ from jaxkv import pages as pages_lib
 from jaxkv import security
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
-from jaxkv.tiers.base import Failure, Fetch, Landing
+from jaxkv.tiers.base import Breaker, Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
 PROTOCOL = 2  # 2: challenge greeting, MACs, CRC-32C digests
@@ -262,12 +261,6 @@ class RemoteTier:
 
 
 
-@dataclasses.dataclass
-class _Breaker:
-  failures: int = 0
-  open_until: float = 0.0
-
-
 class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker."""
 
@@ -279,8 +272,7 @@ class RemoteClient:
     self.address, self.host, self.port = address, host, int(port)
     self.fingerprint = fingerprint.hex()
     self.deadline_s = deadline_s
-    self.trip_after, self.cool_down_s = trip_after, cool_down_s
-    self.breaker = _Breaker()
+    self.breaker = Breaker(trip_after, cool_down_s)
     self._secret = security.check_key(secret)
     self._challenge = ""
     self._sock = None
@@ -290,13 +282,11 @@ class RemoteClient:
 
   @property
   def available(self) -> bool:
-    return time.monotonic() >= self.breaker.open_until
+    return self.breaker.available
 
   def _failed(self) -> None:
-    self.breaker.failures += 1
+    self.breaker.record(False)
     self._close()
-    if self.breaker.failures >= self.trip_after:
-      self.breaker.open_until = time.monotonic() + self.cool_down_s
 
   def _close(self) -> None:
     for x in (self._file, self._sock):
@@ -347,7 +337,7 @@ class RemoteClient:
     try:
       n = int(self._call({"op": "lookup", "keys": [k.hex() for k in keys]},
                          time.monotonic() + min(self.deadline_s, 1.0))["have"])
-      self.breaker.failures = 0
+      self.breaker.record(True)
       return n
     except (OSError, ValueError, RemoteError):
       self._failed()
@@ -374,7 +364,7 @@ class RemoteClient:
       for i, d in enumerate(offer["digests"]):
         if _digest(stack[i]) != d:
           raise RemoteError("checksum", f"block {i} does not match its digest")
-      self.breaker.failures = 0
+      self.breaker.record(True)
       return stack
     except RemoteError as e:
       if e.reason in ("deadline", "closed", "refused", "pull"):
