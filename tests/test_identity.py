@@ -1,6 +1,7 @@
 """The model's weights are part of the cache's key: nothing cached under other weights is used."""
 
 import dataclasses
+import os
 
 import pytest
 from flax import nnx
@@ -47,7 +48,10 @@ def test_a_store_or_checkpoint_of_other_weights_is_never_used(mesh, tmp_path):
   # Same name, shapes and directory; other weights (a fine-tune, another seed).
   tuned = tiered_engine(mesh, tmp_path, seed=1)
   assert tuned.cache.disk_recovered["adopted"] == 0
-  assert tuned.cache.disk_recovered["deleted"] >= 7  # the first model's records
+  # The first model's records are another fingerprint's: neither read nor deleted.
+  assert tuned.cache.disk_recovered["deleted"] == 0
+  assert tuned.cache.disk.prefix_path != first.cache.disk.prefix_path
+  assert len(os.listdir(first.cache.disk.prefix_path)) >= 7
   fresh = helpers.make_engine(mesh, helpers.tiny_model_config(), seed=1, prefix_reuse=False)
   assert tuned.generate([PROMPT], 3) == fresh.generate([PROMPT], 3)
   assert tuned.stats()["hits"]["disk"] == 0

@@ -3,7 +3,7 @@
 A serving job (a subprocess with 4 CPU devices) computes a long prefix and serves it with
 ``BlockServer``. In this job, interleaved:
 - ``remote_fetch``: a ``RemoteClient`` pulls the prefix's blocks (offer + transfer +
-  SHA-256 of every block) — against ``tcp``: the same number of bytes sent over a plain
+  CRC-32C of every block) — against ``tcp``: the same number of bytes sent over a plain
   loopback TCP socket (``remote_vs_tcp``, a throughput ratio);
 - ``remote_hit``: TTFT of a request on that prefix in a fresh engine that pulls it,
   against ``recompute``: the same request in a fresh engine without the peer
