@@ -72,8 +72,8 @@ class TierMover:
     self._next_writer = 0
     self._local_shards = local_data_shards(mesh, config.data_axis)
     # A disk store that keeps failing (3 batches of reads or writes in a row raising: it is
-    # down or unreachable) is detached for a cool-down: no reads are planned from it and no writes issued.
-    # Not in a job: a wall-clock cool-down would differ between its processes.
+    # down or unreachable) is detached for a cool-down: no reads are planned from it and no
+    # writes issued. Not in a job: a wall-clock cool-down would differ between its processes.
     self.disk_breaker = Breaker() if self.processes == 1 else None
     self.last_fetch: dict = {}
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))

@@ -39,7 +39,8 @@ class LocalS3:
       os.environ.setdefault(k, v)
     # Empty AWS config files: TensorStore's AWS library logs an error for each missing one.
     self._dir = tempfile.TemporaryDirectory(prefix="jaxkv-s3-")
-    for var, name in (("AWS_CONFIG_FILE", "config"), ("AWS_SHARED_CREDENTIALS_FILE", "credentials")):
+    for var, name in (("AWS_CONFIG_FILE", "config"),
+                      ("AWS_SHARED_CREDENTIALS_FILE", "credentials")):
       if var not in os.environ:
         path = os.path.join(self._dir.name, name)
         open(path, "w").close()

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -106,10 +107,17 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   gather_slots = sorted(rng.choice(n_blocks, n_blocks // 4, replace=False).tolist())
   store_root = os.path.join(workdir, "store")
 
+  generation = [0]
+
   def disk_write():
-    ws = [disk.write(i, payloads[i % 8], keys[i], None) for i in range(n_blocks)]
+    """The store at capacity, as in use: each new block takes the slot (and deletes the
+    record) of an evicted one."""
+    generation[0] += 1
+    fresh = [hashlib.sha256(k + generation[0].to_bytes(8, "little")).digest() for k in keys]
+    ws = [disk.write(i, payloads[i % 8], fresh[i], None) for i in range(n_blocks)]
     for w in ws:
       w.future.result(timeout=600)
+    disk.settle()  # the evicted records' deletions too
     disk.sync()  # durable, as the tier publishes a batch
 
   def raw_write():
@@ -123,7 +131,7 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
 
   def disk_read(slots):
     def go():
-      disk.read_verified(slots, [keys[s] for s in slots], time.monotonic() + 600)
+      disk.read_verified(slots, [disk.key_of(s) for s in slots], time.monotonic() + 600)
     return go
 
   def raw_read_bulk():
@@ -173,8 +181,9 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
           "pread_gather": common.throughput(gather_bytes, read_res["pread_gather"]),
       },
       "notes": ("reads are cold (fsync + POSIX_FADV_DONTNEED before each repetition); jaxkv "
-                "writes one file per record (temp file + rename) and flushes the batch with one "
-                "syncfs, pwrite fsyncs once at the end; jaxkv reads verify every record's "
+                "writes one file per record (temp file + rename), each new block replacing an "
+                "evicted one's record (the store at capacity), and flushes the batch with one "
+                "syncfs; pwrite overwrites a preallocated file in place and fsyncs once; jaxkv reads verify every record's "
                 "header and CRC-32C"),
       "chunk_layout": layout,
       "mesh": {"data": data, "model": model},
