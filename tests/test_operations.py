@@ -55,6 +55,8 @@ def refusal_cases(tmp):
        "no finished checkpoint"),
       ("serve.py", ["--config.cache.page_size=0"], "page_size=0"),
       ("serve.py", ["--config=configs/nope.py"], "nope.py"),
+      ("serve.py", [f"--deployment_key_file={tmp / 'no_key'}"], "cannot be read"),
+      ("serve.py", [f"--deployment_key_file={a_file}"], "at least 16"),
       ("plan.py", ["--kv_bytes=1e9", "--tokens=100", "--link_gb_per_s=10",
                    "--prefill_ms_per_1k=-40"], "prefill_ms_per_1k"),
       ("plan.py", ["--config=configs/cpu_tiny.py", "--tokens=100"], "no hardware section"),
