@@ -42,6 +42,7 @@ import time
 
 import numpy as np
 import tensorstore as ts
+from absl import logging
 
 from jaxkv.index import Tier
 from jaxkv.tiers import blocks
@@ -151,6 +152,10 @@ class DiskTier:
     except Exception as e:  # pylint: disable=broad-except  (bad spec, unreachable store)
       raise InputError(f"the disk tier at {self.kvstore} cannot be opened ({e}); check the "
                        "kvstore spec and that the store is reachable.") from None
+    if self.local and os.path.exists(os.path.join(self.kvstore["path"], "blocks", "zarr.json")):
+      logging.warning("disk tier %s holds a store of an older jaxkv (format 1, one zarr array "
+                      "under blocks/): it is not read; delete %s to free its space.",
+                      self.kvstore["path"], os.path.join(self.kvstore["path"], "blocks"))
     self._key_of_slot: dict[int, bytes] = {}  # what each slot of this process's quota holds
     self._slot_of_key: dict[bytes, int] = {}
     self._read_errors: dict[int, int] = {}  # slot -> reads in a row that raised
