@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import os
 import time
 
@@ -114,12 +115,16 @@ class PendingWrite:
   code: int = 0  # base.WRITE_* once this process knows the outcome of its own write
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+  return ctypes.CDLL(None, use_errno=True)
+
+
 def _syncfs(path: str) -> None:
   """Flushes the file system holding ``path`` to its device (one call for a batch)."""
   fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
   try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syncfs(fd) != 0:
+    if _libc().syncfs(fd) != 0:
       raise OSError(ctypes.get_errno(), "syncfs failed", path)
   except AttributeError:  # no syncfs in this libc
     os.sync()

@@ -38,9 +38,9 @@ import socketserver
 import threading
 import time
 
+import google_crc32c
 import jax
 import jax.numpy as jnp
-import google_crc32c
 import numpy as np
 
 from jaxkv import buckets
@@ -86,6 +86,7 @@ class BlockServer:
 
     key = cache._deployment_key  # pylint: disable=protected-access
     self.refused = 0  # requests refused for a missing or wrong MAC
+    refused_lock = threading.Lock()
 
     class Handler(socketserver.StreamRequestHandler):
       def handle(self):
@@ -102,7 +103,8 @@ class BlockServer:
             nonce = str(msg.get("nonce", ""))
             if key is not None and not security.mac_ok(key, challenge, body.encode(),
                                                        outer_msg.get("mac")):
-              outer.refused += 1
+              with refused_lock:
+                outer.refused += 1
               answer = {"error": "unauthenticated: a wrong or missing deployment key"}
             else:
               reply: queue.Queue = queue.Queue(maxsize=1)
