@@ -7,6 +7,7 @@ It reads no flags: callers pass the config (and overrides) they parsed.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -93,6 +94,13 @@ def tier_config(cfg: Mapping) -> TierConfig:
   t = _section(cfg, "tiers")
   if t.get("disk_kvstore") in ("", None):
     t["disk_kvstore"], t["disk_pages"] = None, 0
+  elif isinstance(t["disk_kvstore"], str) and t["disk_kvstore"].lstrip().startswith("{"):
+    try:  # a TensorStore kvstore spec given as JSON on the command line
+      t["disk_kvstore"] = json.loads(t["disk_kvstore"])
+    except json.JSONDecodeError as e:
+      raise InputError(f"tiers.disk_kvstore={t['disk_kvstore']!r} is not valid JSON ({e}); give "
+                       "a directory or a kvstore spec such as '{\"driver\": \"s3\", "
+                       "\"bucket\": \"b\", \"path\": \"kv/\"}'.") from None
   return TierConfig(**t)
 
 

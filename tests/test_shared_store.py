@@ -149,3 +149,14 @@ def test_two_processes_writing_one_store_lose_no_block(tmp_path, where, request)
   assert r["lost_blocks"] == 0 and r["verified"] == r["committed"] and r["bad_records"] == 0
   assert r["opens_while_writing"] >= 1 and r["open_errors"] == 0
   assert r["deleted_while_writing"] == 0
+
+
+def test_a_kvstore_spec_can_be_given_as_json_on_the_command_line():
+  from jaxkv import builder
+  spec = '{"driver": "s3", "bucket": "kv-bucket", "path": "kv/"}'
+  t = builder.tier_config({"tiers": {"disk_kvstore": spec, "disk_pages": 8}})
+  assert t.disk_kvstore == {"driver": "s3", "bucket": "kv-bucket", "path": "kv/"}
+  assert builder.tier_config({"tiers": {"disk_kvstore": "/data/kv", "disk_pages": 8}}
+                             ).disk_kvstore == "/data/kv"
+  with pytest.raises(ValueError, match="not valid JSON"):
+    builder.tier_config({"tiers": {"disk_kvstore": '{"driver": s3}', "disk_pages": 8}})
