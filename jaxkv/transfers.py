@@ -52,6 +52,21 @@ class _JobReads:
   handle: object
 
 
+def _agree_reads(fetches: list[Fetch], local_shards: set[int]) -> list[Fetch]:
+  """Sets one outcome on every fetch, the same on every process of a job (a collective): a
+  block lands only if every process that read it verified it; a failure takes the first
+  failing process's reason. Returns the fetches that landed (another process's shards'
+  bytes are not needed here: zeros stand in for them)."""
+  codes = [0 if f.shard not in local_shards else 1 if f.ok else 2 + _FAILURES.index(f.reason)
+           for f in fetches]
+  rows = allgather_codes(np.array(codes, np.int32))
+  for f, column in zip(fetches, rows.T):
+    failed = [c for c in column if c >= 2]
+    f.ok = not failed and bool((column == 1).any())
+    f.reason = None if f.ok else _FAILURES[failed[0] - 2] if failed else Failure.DEADLINE
+  return [f for f in fetches if f.ok]
+
+
 class TierMover:
   """Block movement and verification for one cache (its index, tiers and layout)."""
 
@@ -363,30 +378,18 @@ class TierMover:
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
   def _finish_job_reads(self, source, reads: "_JobReads", t_end: float) -> Landing | None:
-    """Waits for this process's reads, then agrees with the job's other processes on every
-    fetch's outcome (a collective): a block lands only if every process that read it
-    verified it; a failure is the first failing process's reason, the same everywhere."""
+    """Waits for this process's reads, then agrees on every fetch's outcome with the job's
+    other processes (``_agree_reads``) and lands the blocks all agree on."""
     payloads = {}
 
     def collect(items: list[Staged]) -> None:
       payloads.update({(shard, page): payload for shard, page, payload in items})
 
     source.finish_fetch(reads.handle, t_end, collect)
-    codes = [0 if f.shard not in self._local_shards else 1 if f.ok else
-             2 + _FAILURES.index(f.reason) for f in reads.fetches]
-    rows = allgather_codes(np.array(codes, np.int32))
-    items = []
-    for f, column in zip(reads.fetches, rows.T):
-      failed = [c for c in column if c >= 2]
-      f.ok = not failed and bool((column == 1).any())
-      f.reason = None if f.ok else _FAILURES[failed[0] - 2] if failed else Failure.DEADLINE
-      if f.ok:  # another process's shard: its bytes are not needed here
-        items.append((f.shard, f.page, payloads.get((f.shard, f.page), self._zeros)))
+    zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
+    items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
+             for f in _agree_reads(reads.fetches, self._local_shards)]
     return self.stage(items) if items else None
-
-  @property
-  def _zeros(self) -> np.ndarray:
-    return np.zeros(self.payload_shape, self.config.jnp_dtype)
 
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source."""

@@ -129,9 +129,9 @@ def test_admission_looks_each_request_up_once_per_shard_not_every_wave(mesh, bat
   calls = collections.Counter()
   real_locate = index.locate
 
-  def counting_locate(shard, keys):
+  def counting_locate(shard, keys, *tiers):
     calls[shard] += 1
-    return real_locate(shard, keys)
+    return real_locate(shard, keys, *tiers)
 
   index.locate = counting_locate  # a spy around the real index
   rng = np.random.default_rng(0)
