@@ -2,9 +2,10 @@
 
 - host: device->host (``gather_stacked`` + ``HostTier.store``) and host->device
   (``HostTier.load`` + ``scatter_stacked``) against a numpy memcpy of the same bytes; a
-  plain ``jax.device_put`` to/from the host memory kind is reported beside them to show
-  what the transfer alone costs.
-- disk: jaxkv writes (one verified record per block, all in flight), bulk reads and
+  plain ``jax.device_put`` to/from the host memory kind is reported beside them (what the
+  transfer alone costs: ``*_vs_device_put``).
+- disk: jaxkv writes (one record per block, all in flight, the store at capacity so each
+  replaces an evicted record, one ``syncfs`` for the batch), bulk reads and
   random-page gathers (all in flight, each verified) against raw ``pwrite``/``pread`` of
   one preallocated file. Reads are cold: files are fsynced and dropped from the page
   cache (``POSIX_FADV_DONTNEED``) before every repetition.
@@ -192,8 +193,9 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
 
 
 def _chunk_layouts(workdir: str, n_blocks: int, rec: int, rng, reps: int) -> dict:
-  """Random-block writes and gathers with one record per chunk (what the disk tier uses)
-  against 8 records per chunk, plain zarr3 + crc32c on the file driver, same bytes."""
+  """Random-block writes and gathers with one record per chunk (one object per block, as the
+  disk tier stores them) against 8 records per chunk, plain zarr3 + crc32c on the file
+  driver, same bytes: why a block is its own object."""
   import tensorstore as ts
   out = {}
   data = np.frombuffer(rng.bytes(rec), np.uint8)
