@@ -77,14 +77,8 @@ def agree_costs(costs):
   from jaxkv.scheduler import CostModel
   if jax.process_count() == 1:
     return costs
-  from jax.experimental import multihost_utils
   text = costs.to_json().encode() if jax.process_index() == 0 else b""
-  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
-  buf = np.zeros((size,), np.uint8)
-  if jax.process_index() == 0:
-    buf[:] = np.frombuffer(text, np.uint8)
-  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-  return CostModel.from_json(bytes(buf).decode())
+  return CostModel.from_json(broadcast_bytes(text).decode())
 
 
 def plan_digest(plan) -> str:

@@ -37,8 +37,8 @@ from jaxkv import pages as pages_lib
 from jaxkv.distributed import allgather_codes, local_data_shards, put_global, to_host
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.stats import Stats
-from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, WRITE_PENDING, Breaker, Failure, Fetch,
-                              Landing, Staged)
+from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, Breaker, Failure, Fetch, Landing,
+                              Staged)
 
 Block = tuple  # (shard, device page or host slot, key)
 _FAILURES = list(Failure)
@@ -284,7 +284,7 @@ class TierMover:
       codes = allgather_codes(codes).sum(axis=0)  # only a write's writer reports it
     still, published, failed = [], 0, 0
     for w, code in zip(self._pending_writes, codes):
-      if code in (0, WRITE_PENDING):
+      if code == 0:  # not finished yet
         still.append(w)
         continue
       self._writing.discard(w.key)

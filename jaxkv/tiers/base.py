@@ -85,7 +85,6 @@ class Breaker:
     self.trip_after, self.cool_down_s = trip_after, cool_down_s
     self.failures = 0
     self.open_until = 0.0
-    self.trips = 0
 
   @property
   def available(self) -> bool:
@@ -99,11 +98,11 @@ class Breaker:
     if self.failures >= self.trip_after:
       self.open_until = time.monotonic() + self.cool_down_s
       self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
-      self.trips += 1
 
 
-# A disk write's outcome as the processes of a job report it (only its writer reports one).
-WRITE_PENDING, WRITE_OK, WRITE_FAILED = 1, 2, 3
+# A disk write's outcome as the processes of a job report it (only its writer reports one;
+# 0 while it is pending or another process's).
+WRITE_OK, WRITE_FAILED = 2, 3
 
 
 @dataclasses.dataclass
