@@ -31,3 +31,9 @@ def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None
   return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh, tiers, deployment_key=deployment_key),
                       jaxkv.EngineConfig(**engine_kw),
                       scheduler=scheduler, costs=costs, stream=stream)
+
+
+def forget_device_copies(engine):
+  """Evicts every unreferenced device page, so the next lookup must come from lower tiers."""
+  for s in range(engine.cache.num_shards):
+    engine.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)

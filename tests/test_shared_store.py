@@ -9,7 +9,7 @@ import pytest
 import jaxkv
 from jaxkv.bench import storage
 from jaxkv.bench.s3server import LocalS3
-from jaxkv.index import PrefixIndex, Tier
+from jaxkv.index import PrefixIndex
 
 import helpers
 
@@ -20,10 +20,6 @@ def disk_engine(mesh, store, *, pages=64, key=None, **kw):
   tiers = jaxkv.TierConfig(disk_kvstore=store, disk_pages=pages, write_policy="write_through")
   return helpers.make_engine(mesh, tiers=tiers, deployment_key=key, **kw)
 
-
-def forget_device_copies(engine):
-  for s in range(engine.cache.num_shards):
-    engine.cache.index.evict_all_unreferenced(s, Tier.DEVICE)
 
 
 def prompts(seed, n, length=22):
@@ -60,7 +56,7 @@ def test_two_caches_on_one_store_clash_never_and_lose_nothing(mesh, tmp_path, wh
   blocks = 22 // a.cache.config.page_size  # a prompt's full blocks
   written = (22 + 3 - 1) // a.cache.config.page_size  # and its answer's (write-through)
   for e, mine in ((a, pa + both), (b, pb + both)):
-    forget_device_copies(e)
+    helpers.forget_device_copies(e)
     e.reset_stats()
     for p in mine:
       assert e.generate([p], 3)[0] == want[tuple(p)]
@@ -89,7 +85,7 @@ def test_a_record_another_cache_evicted_is_a_miss_not_an_error(mesh, tmp_path, f
     a.generate([p], 2)
   a.flush(30)
   a.cache.disk.settle()
-  forget_device_copies(b)
+  helpers.forget_device_copies(b)
   b.reset_stats()
   assert b.generate(old, 3) == want
   s = b.stats()

@@ -264,10 +264,6 @@ def chunk_path(engine, slot):
   return engine.cache.disk.path_of(slot)
 
 
-def forget_device_copies(engine):
-  for s in range(engine.cache.num_shards):
-    engine.cache.index.evict_all_unreferenced(s, Tier.DEVICE)
-
 
 def assert_clean(engine):
   idx = engine.cache.index
@@ -315,7 +311,7 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
                 foreign_key if fp is None else keys[2], None).future.result(timeout=30)
     donor.sync()
     open(target, "wb").write(open(donor.path_of(slots[2]), "rb").read())
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   got = engine.generate([prompt], 3)
   assert got == want
   s = engine.stats()
@@ -330,7 +326,7 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
   assert engine.flush(30) == 0
   assert_clean(engine)
   # Recomputed blocks were written again: the next cold read verifies end to end.
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   assert engine.generate([prompt], 3) == want
   assert engine.stats()["hits"]["disk"] == 2 + 6
 
@@ -364,7 +360,7 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   engine.cache.disk.read = _SlowReads(engine.cache.disk, delay_s=4.0)
   t0 = time.perf_counter()
   assert engine.generate([prompt], 3) == want
@@ -403,7 +399,7 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
   assert None not in slots
   engine.cache.disk.read = _FailingReads(engine.cache.disk, times)
   for attempt in range(times):
-    forget_device_copies(engine)
+    helpers.forget_device_copies(engine)
     engine.reset_stats()
     assert engine.generate([prompt], 3) == want  # a miss: recomputed, exact
     s = engine.stats()
@@ -414,7 +410,7 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
     # Kept (transient): nothing is written again. Given up: dropped as a corrupt record
     # is, so the recomputed blocks are written anew.
     assert engine.stats()["demoted_disk"] == (len(keys) if attempt else 0)
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   engine.reset_stats()
   assert engine.generate([prompt], 3) == want
   assert engine.stats()["hits"]["disk"] == len(keys)  # read this time
@@ -441,12 +437,12 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   engine.cache.disk.read, engine.cache.disk.write = failing, failing_write
   engine.cache.mover.disk_breaker.cool_down_s = 1.0
   for _ in range(3):  # every read and write raises: recomputed; 3 failed batches detach it
-    forget_device_copies(engine)
+    helpers.forget_device_copies(engine)
     assert engine.generate([prompt], 3) == want
     engine.flush(30)
   assert engine.stats()["disk_detached"] == 1
   reads = sum(failing.failed.values())
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   engine.reset_stats()
   assert engine.generate([prompt], 3) == want
   s = engine.stats()
@@ -455,7 +451,7 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   time.sleep(1.1)  # the cool-down passes and the store is back
   engine.cache.disk.read, engine.cache.disk.write = real_read, real_write
   for _ in range(2):  # attached again: written through, then read back
-    forget_device_copies(engine)
+    helpers.forget_device_copies(engine)
     engine.reset_stats()
     assert engine.generate([prompt], 3) == want
     engine.flush(30)
@@ -511,7 +507,7 @@ def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
   s = engine.stats()
   assert s["disk_write_failures"] > 0 and s["demoted_disk"] == 0
   assert engine.cache.index.num_cached(0, Tier.DISK) == 0
-  forget_device_copies(engine)
+  helpers.forget_device_copies(engine)
   assert engine.generate([prompt], 3) == want
   assert_clean(engine)
 
