@@ -111,7 +111,8 @@ class KVCache:
     if tiers.remote_peers:
       from jaxkv.tiers.remote import RemoteClient, RemoteTier
       self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s,
-                                   secret=self._deployment_key)
+                                   secret=self._deployment_key,
+                                   transport=tiers.remote_transport)
                       for p in tiers.remote_peers]
       self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
     if self.disk is not None:

@@ -172,6 +172,7 @@ class EngineConfig:
 
 WRITE_POLICIES = ("write_back", "write_through")
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+REMOTE_TRANSPORTS = ("inline", "transfer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +188,9 @@ class TierConfig:
   tier above; ``write_through`` copies every block down as soon as it is published.
   ``read_deadline_s``: a lower-tier read that has not verified by then counts as a miss.
   ``remote_peers``: control addresses (``host:port``) of other jobs' ``BlockServer``s whose
-  blocks this cache may pull (the REMOTE tier).
+  blocks this cache may pull (the REMOTE tier). ``remote_transport``: how their blocks
+  travel: ``inline`` (in the answer to the request, over the same ZeroMQ connection) or
+  ``transfer`` (a ``jax.experimental.transfer`` pull the answer offers).
   """
 
   host_pages_per_shard: int = 0
@@ -197,8 +200,12 @@ class TierConfig:
   write_policy: str = "write_back"
   read_deadline_s: float = 10.0
   remote_peers: tuple = ()
+  remote_transport: str = "inline"
 
   def __post_init__(self):
+    _require(self.remote_transport in REMOTE_TRANSPORTS,
+             f"TierConfig.remote_transport={self.remote_transport!r} must be one of "
+             f"{REMOTE_TRANSPORTS}.")
     _require(isinstance(self.remote_peers, (tuple, list)) and all(
         isinstance(p, str) and ":" in p for p in self.remote_peers),
              f"TierConfig.remote_peers={self.remote_peers!r} must be a tuple of 'host:port' "

@@ -1,40 +1,41 @@
-"""REMOTE tier: blocks held by another job, pulled with ``jax.experimental.transfer``.
+"""REMOTE tier: blocks held by another job, asked for and carried over ZeroMQ.
 
 Two parts, in two processes:
 - ``BlockServer`` runs in the job that holds the blocks (a serving peer with spare memory).
-  It answers a small JSON-lines control protocol on TCP and offers block data through a
-  JAX transfer server. All JAX work (gathering the blocks, offering them) runs on the
-  serving job's main thread in ``serve``/``poll`` — the control thread only queues
-  requests — so transfers are issued from one thread in order.
+  It binds a ZeroMQ ROUTER socket and answers on the serving job's own thread, in
+  ``serve``/``poll``: a request is only read when that thread is between steps, so
+  gathering blocks never races the engine's donated pools, and the server needs no thread.
 - ``RemoteClient`` runs in the job that wants them (``TierConfig.remote_peers``). It asks
-  how long a prefix of block keys the peer holds (``lookup``), then asks for an offer of
-  those blocks and pulls them (``fetch``).
+  how long a prefix of block keys the peer holds (``lookup``), then for the blocks
+  (``fetch``): one round trip, the blocks travelling in the answer itself as one zero-copy
+  frame after the signed header. ``transport="transfer"`` instead has the answer carry a
+  ``jax.experimental.transfer`` offer that the client pulls (device to device where that
+  library has a direct path; on CPU it is slower than the inline frame).
 
 Authentication (``jaxkv.security``): when the serving cache has a deployment key, the server
-greets each connection with a random challenge and answers only requests that carry
-``HMAC(key, challenge, request)``; others get an "unauthenticated" refusal and are counted
-(``BlockServer.refused``). Its answers carry ``HMAC(key, nonce, answer)`` over the client's
-per-request nonce, so a client with the key also refuses a server without it. A server
-without a key answers anyone (keep it on a private network).
+gives each connection a random challenge (a ``hello`` round trip, once per connection) and
+answers only requests that carry ``HMAC(key, challenge, request)``; others get an
+"unauthenticated" refusal and are counted (``BlockServer.refused``). Its answers carry
+``HMAC(key, nonce, header)`` over the client's per-request nonce, so a client with the key
+also refuses a server without it. A server without a key answers anyone (keep it on a
+private network).
 
-What the reader never trusts: every offer names its block keys, dtype and shape, and
-carries a CRC-32C per block computed by the owner from the bytes it offers; the reader
-checks keys, dtype and shape before pulling and every block's CRC after, and rejects
-the whole pull on any mismatch (CRC-32C catches damage at ~10x the speed of SHA-256; the
-block keys themselves stay SHA-256 chains). Transfer ids are 63-bit random numbers bound to
-the request's own random token. Pulls run in a helper thread that the reader waits for with
-its own deadline (a pull of an id never offered can hang); a late, refused or broken pull
-is a miss and the request recomputes. A peer that keeps failing trips a circuit breaker
-and is not asked again until its cool-down has passed.
+What the reader never trusts: every answer names its block keys, dtype and shape, and
+carries a CRC-32C per block computed by the owner from the bytes it sends (inside the
+signed header); the reader checks keys, dtype, shape and frame length before looking at the
+bytes and every block's CRC after, and rejects the whole fetch on any mismatch (CRC-32C
+catches damage at ~10x the speed of SHA-256; the block keys themselves stay SHA-256 chains).
+Answers to an earlier request that timed out are told apart by their nonce and dropped.
+Every wait has the reader's deadline; a late, refused or broken fetch is a miss and the
+request recomputes. A peer that keeps failing trips a circuit breaker and is not asked
+again until its cool-down has passed.
 """
 
 from __future__ import annotations
 
+import collections
 import json
-import queue
 import secrets
-import socket
-import socketserver
 import threading
 import time
 
@@ -42,16 +43,20 @@ import google_crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zmq
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
 from jaxkv import security
+from jaxkv.config import REMOTE_TRANSPORTS as TRANSPORTS
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 from jaxkv.tiers.base import Breaker, Failure, Fetch, Landing
 from jaxkv.errors import InputError
 
-PROTOCOL = 2  # 2: challenge greeting, MACs, CRC-32C digests
+PROTOCOL = 3  # 3: ZeroMQ, a hello for the challenge, blocks inline in the answer
+_MAX_REQUEST_BYTES = 16 << 20  # a request carries block keys only
+_MAX_CHALLENGES = 4096  # connections remembered by the server (oldest forgotten first)
 
 
 class RemoteError(RuntimeError):
@@ -68,78 +73,43 @@ def _digest(block: np.ndarray) -> int:
 
 # ---- the serving side ---------------------------------------------------------------------------
 class BlockServer:
-  """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs."""
+  """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs.
+
+  Requests are answered only inside ``poll``/``serve``, on the calling thread (one thread
+  at a time)."""
 
   def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *, fault: str | None = None):
-    import jax.experimental.transfer as transfer
     self.cache = cache
-    # Fault injection for tests, around the real transfer: "checksum" (a bit flipped after
+    # Fault injection for tests, around the real path: "checksum" (a bit flipped after
     # hashing), "dtype" (values sent widened, the right dtype claimed), "shape" (a wrong
-    # shape claimed), "keys" (other blocks named), "hang" (an id offered but never served).
+    # shape claimed), "keys" (other blocks named), "hang" (a fetch never answered; with the
+    # transfer transport, an offer never served).
     self.fault = fault
-    self._device = jax.local_devices()[0]
-    self._transfer = transfer.start_transfer_server(self._device.client, f"{host}:0",
-                                                    [f"{host}:0"])
-    self._requests: queue.Queue = queue.Queue()
-    self._offers = 0
-    outer = self
-
-    key = cache._deployment_key  # pylint: disable=protected-access
+    self._key = cache._deployment_key  # pylint: disable=protected-access
     self.refused = 0  # requests refused for a missing or wrong MAC
-    refused_lock = threading.Lock()
-
-    class Handler(socketserver.StreamRequestHandler):
-      def handle(self):
-        challenge = secrets.token_hex(16)
-        self.wfile.write((json.dumps({"protocol": PROTOCOL, "challenge": challenge}) + "\n"
-                          ).encode())
-        self.wfile.flush()
-        for line in self.rfile:
-          nonce = ""
-          try:
-            outer_msg = json.loads(line)
-            body = outer_msg["body"]
-            msg = json.loads(body)
-            nonce = str(msg.get("nonce", ""))
-            if key is not None and not security.mac_ok(key, challenge, body.encode(),
-                                                       outer_msg.get("mac")):
-              with refused_lock:
-                outer.refused += 1
-              answer = {"error": "unauthenticated: a wrong or missing deployment key"}
-            else:
-              reply: queue.Queue = queue.Queue(maxsize=1)
-              outer._requests.put((msg, reply))
-              answer = reply.get(timeout=30.0)
-          except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
-            answer = {"error": f"{type(e).__name__}: {e}"}
-          text = json.dumps(answer)
-          mac = security.challenge_mac(key, nonce, text.encode()) if key is not None else None
-          self.wfile.write((json.dumps({"body": text, "mac": mac}) + "\n").encode())
-          self.wfile.flush()
-
-    class Server(socketserver.ThreadingTCPServer):
-      daemon_threads = True
-      allow_reuse_address = True
-
-    self._tcp = Server((host, port), Handler)
-    self.address = f"{host}:{self._tcp.server_address[1]}"
-    self._thread = threading.Thread(target=self._tcp.serve_forever, daemon=True)
-    self._thread.start()
+    self._challenges: collections.OrderedDict = collections.OrderedDict()
+    self._transfer = None
+    self._context = zmq.Context()
+    self._socket = self._context.socket(zmq.ROUTER)
+    self._socket.setsockopt(zmq.LINGER, 0)
+    self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+    if port:
+      self._socket.bind(f"tcp://{host}:{port}")
+    else:
+      port = self._socket.bind_to_random_port(f"tcp://{host}")
+    self.address = f"{host}:{port}"
 
   def poll(self, timeout_s: float = 0.0) -> int:
-    """Answers queued requests on this thread; returns how many were answered."""
+    """Answers the requests that arrive within ``timeout_s``; returns how many."""
     n = 0
     deadline = time.monotonic() + timeout_s
-    while True:
-      try:
-        msg, reply = self._requests.get(timeout=max(0.0, deadline - time.monotonic()))
-      except queue.Empty:
-        return n
-      try:
-        reply.put(self._answer(msg))
-      except Exception as e:  # pylint: disable=broad-except
-        reply.put({"error": f"{type(e).__name__}: {e}"})
+    while self._socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+      frames = self._socket.recv_multipart(copy=True)
+      reply = self._handle(frames[0], frames[1:])
+      if reply is not None:
+        self._socket.send_multipart([frames[0], *reply], copy=False)
       n += 1
+    return n
 
   def serve(self, duration_s: float) -> None:
     end = time.monotonic() + duration_s
@@ -147,8 +117,37 @@ class BlockServer:
       self.poll(min(0.1, max(0.0, end - time.monotonic())))
 
   def close(self) -> None:
-    self._tcp.shutdown()
-    self._tcp.server_close()
+    self._socket.close(0)
+    self._context.term()
+
+  def _handle(self, peer: bytes, frames: list[bytes]) -> list | None:
+    """The reply frames ``[header, mac, *data]`` to one request, None for no reply."""
+    nonce, data = "", []
+    try:
+      if len(frames) != 2:
+        raise ValueError(f"a request has 2 frames, not {len(frames)}")
+      body, mac = frames
+      msg = json.loads(body)
+      nonce = str(msg.get("nonce", ""))
+      if msg.get("op") == "hello":
+        challenge = self._challenges[peer] = secrets.token_hex(16)
+        while len(self._challenges) > _MAX_CHALLENGES:
+          self._challenges.popitem(last=False)
+        answer = {"protocol": PROTOCOL, "challenge": challenge}
+      elif self._key is not None and not security.mac_ok(
+          self._key, self._challenges.get(peer, ""), body, mac.decode("ascii", "replace")):
+        self.refused += 1
+        answer = {"error": "unauthenticated: a wrong or missing deployment key"}
+      else:
+        answer, data = self._answer(msg)
+        if answer is None:
+          return None  # the "hang" fault
+    except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
+      answer, data = {"error": f"{type(e).__name__}: {e}"}, []
+    header = json.dumps({**answer, "nonce": nonce}).encode()
+    mac = (security.challenge_mac(self._key, nonce, header).encode()
+           if self._key is not None else b"")
+    return [header, mac, *data]
 
   def _where(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
     """(shard, tier, slot) of the longest prefix of ``keys`` on any one shard."""
@@ -160,46 +159,57 @@ class BlockServer:
         best = found
     return best
 
-  def _answer(self, msg: dict) -> dict:
+  def _answer(self, msg: dict) -> tuple[dict | None, list]:
     if msg.get("protocol") != PROTOCOL:
-      return {"error": f"protocol {msg.get('protocol')} is not {PROTOCOL}"}
+      return {"error": f"protocol {msg.get('protocol')} is not {PROTOCOL}"}, []
     if msg.get("fingerprint") != self.cache.config.fingerprint().hex():
-      return {"error": "fingerprint: another model or layout"}
+      return {"error": "fingerprint: another model or layout"}, []
     keys = [bytes.fromhex(k) for k in msg.get("keys", [])]
     if msg["op"] == "lookup":
-      return {"have": len(self._where(keys))}
-    if msg["op"] == "offer":
-      where = self._where(keys)
-      if len(where) < len(keys):
-        return {"error": f"missing: holds {len(where)} of {len(keys)} blocks"}
-      stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
-      digests = [_digest(stack[i]) for i in range(len(keys))]
-      if self.fault == "checksum":
-        stack = stack.copy()
-        stack.reshape(-1)[7] ^= 1
-      claimed_dtype, claimed_shape = stack.dtype, list(stack.shape)
-      if self.fault == "dtype":
-        stack = stack.astype(np.uint32 if stack.dtype == np.uint16 else np.uint16)
-      if self.fault == "shape":
-        claimed_shape = [claimed_shape[0] + 1, *claimed_shape[1:]]
-      send = jax.device_put(stack, self._device)
-      transfer_id = secrets.randbits(63)
-      if self.fault != "hang":
-        self._transfer.await_pull(transfer_id, [send])
-      self._offers += 1
-      offered_keys = [k.hex() for k in keys]
-      if self.fault == "keys":
-        offered_keys = offered_keys[::-1]
-      return {"transfer_id": transfer_id, "transfer_address": self._transfer.address(),
-              "shape": claimed_shape, "dtype": np.dtype(claimed_dtype).name,
+      return {"have": len(self._where(keys))}, []
+    if msg["op"] != "fetch":
+      return {"error": f"unknown op {msg.get('op')!r}"}, []
+    transport = msg.get("transport", "inline")
+    if transport not in TRANSPORTS:
+      return {"error": f"transport {transport!r} is not one of {TRANSPORTS}"}, []
+    where = self._where(keys)
+    if len(where) < len(keys):
+      return {"error": f"missing: holds {len(where)} of {len(keys)} blocks"}, []
+    stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
+    digests = [_digest(stack[i]) for i in range(len(keys))]
+    if self.fault == "checksum":
+      stack.reshape(-1)[7] ^= 1
+    claimed_dtype, claimed_shape = stack.dtype, list(stack.shape)
+    if self.fault == "dtype":
+      stack = stack.astype(np.uint32 if stack.dtype == np.uint16 else np.uint16)
+    if self.fault == "shape":
+      claimed_shape = [claimed_shape[0] + 1, *claimed_shape[1:]]
+    if self.fault == "hang" and transport == "inline":
+      return None, []
+    offered_keys = [k.hex() for k in keys]
+    if self.fault == "keys":
+      offered_keys = offered_keys[::-1]
+    answer = {"shape": claimed_shape, "dtype": np.dtype(claimed_dtype).name,
               "digests": digests, "keys": offered_keys, "token": msg.get("token")}
-    return {"error": f"unknown op {msg.get('op')!r}"}
+    if transport == "inline":
+      return answer, [memoryview(stack).cast("B")]
+    if self._transfer is None:
+      import jax.experimental.transfer as transfer
+      self._transfer = transfer.start_transfer_server(jax.local_devices()[0].client,
+                                                      f"{self.address.rpartition(':')[0]}:0",
+                                                      ["127.0.0.1:0"])
+    transfer_id = secrets.randbits(63)
+    if self.fault != "hang":
+      self._transfer.await_pull(transfer_id, [jax.device_put(stack, jax.local_devices()[0])])
+    return {**answer, "transfer_id": transfer_id,
+            "transfer_address": self._transfer.address()}, []
 
   def _gather(self, where) -> np.ndarray:
     """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
-    gather per tier for all of them."""
+    gather per tier for all of them; only the rows of the shards holding them come to
+    the host, then one numpy copy puts each block in place."""
     cache = self.cache
-    out = [None] * len(where)
+    out = None
     for tier in (Tier.DEVICE, Tier.HOST):
       picks = [(i, s, slot) for i, (s, t, slot) in enumerate(where) if t == tier]
       if not picks:
@@ -208,14 +218,37 @@ class BlockServer:
                                    shard_of=lambda p: p[1])
       n = ids.shape[1]
       if tier == Tier.DEVICE:
-        stack = to_host(pages_lib.gather_stacked(cache.pools, cache.put_rows(ids),
-                                                 mesh=cache.mesh, config=cache.config))
+        stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+                                         config=cache.config)
       else:
         stack = cache.host.read_numpy(ids)
       for s, items in enumerate(per):
-        for j, (i, _, _) in enumerate(items):
-          out[i] = stack[:, :, s * n + j]
-    return np.stack(out)
+        if not items:
+          continue
+        rows = _host_rows(stack, s * n, s * n + len(items))  # [arrays, kv_heads, rows, ...]
+        if out is None:
+          out = np.empty((len(where), *rows.shape[:2], *rows.shape[3:]), rows.dtype)
+        out[[i for i, _, _ in items]] = np.moveaxis(rows, 2, 0)
+    return out
+
+
+def _host_rows(x, start: int, stop: int) -> np.ndarray:
+  """``x[:, :, start:stop]`` as numpy, copying to the host only the device shards that
+  hold those rows (a device gather spans every data shard; a peer wants one)."""
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return to_host(x)[:, :, start:stop]
+  parts = []
+  for shard in x.addressable_shards:
+    rows = shard.index[2]
+    lo, hi, _ = rows.indices(x.shape[2])
+    if shard.replica_id == 0 and lo < stop and start < hi:
+      shard.data.copy_to_host_async()
+      parts.append((shard, lo, max(lo, start), min(hi, stop)))
+  out = np.empty((*x.shape[:2], stop - start, *x.shape[3:]), x.dtype)
+  for shard, lo, a, b in parts:
+    out[shard.index[0], shard.index[1], a - start:b - start] = (
+        np.asarray(shard.data)[:, :, a - lo:b - lo])
+  return out
 
 
 # ---- the reading side ----------------------------------------------------------------------------
@@ -262,23 +295,26 @@ class RemoteTier:
     return stage(staged) if staged else None
 
 
-
 class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker."""
 
   def __init__(self, address: str, fingerprint: bytes, *, deadline_s: float = 5.0,
-               trip_after: int = 3, cool_down_s: float = 10.0, secret: bytes | None = None):
+               trip_after: int = 3, cool_down_s: float = 10.0, secret: bytes | None = None,
+               transport: str = "inline"):
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
       raise InputError(f"remote peer {address!r} must be 'host:port'.")
+    if transport not in TRANSPORTS:
+      raise InputError(f"remote transport {transport!r} must be one of {TRANSPORTS}.")
     self.address, self.host, self.port = address, host, int(port)
     self.fingerprint = fingerprint.hex()
     self.deadline_s = deadline_s
+    self.transport = transport
     self.breaker = Breaker(trip_after, cool_down_s)
     self._secret = security.check_key(secret)
     self._challenge = ""
+    self._context = zmq.Context.instance()
     self._sock = None
-    self._file = None
     self._transfer_server = None
     self._connections: dict = {}
 
@@ -291,57 +327,58 @@ class RemoteClient:
     self._close()
 
   def _close(self) -> None:
-    for x in (self._file, self._sock):
-      try:
-        if x is not None:
-          x.close()
-      except OSError:
-        pass
-    self._sock = self._file = None
+    if self._sock is not None:
+      self._sock.close(0)
+    self._sock = None
 
-  def _call(self, msg: dict, deadline: float) -> dict:
+  def _exchange(self, msg: dict, deadline: float) -> tuple[dict, list]:
+    """Sends one request and waits (until ``deadline``) for the answer to it."""
+    nonce = secrets.token_hex(16)
+    body = json.dumps({**msg, "protocol": PROTOCOL, "fingerprint": self.fingerprint,
+                       "nonce": nonce}).encode()
+    mac = (security.challenge_mac(self._secret, self._challenge, body).encode()
+           if self._secret is not None and msg["op"] != "hello" else b"")
+    self._sock.send_multipart([body, mac], flags=zmq.NOBLOCK)
+    while True:  # answers to earlier requests that timed out carry other nonces: dropped
+      wait_ms = int((deadline - time.monotonic()) * 1000)
+      if wait_ms <= 0 or not self._sock.poll(wait_ms):
+        raise RemoteError("deadline", f"peer {self.address} did not answer in time")
+      frames = self._sock.recv_multipart(copy=False)
+      if len(frames) < 2:
+        raise RemoteError("refused", f"an answer of {len(frames)} frames")
+      header = frames[0].bytes
+      answer = json.loads(header)
+      if answer.get("nonce") != nonce:
+        continue
+      if self._secret is not None and not security.mac_ok(
+          self._secret, nonce, header, frames[1].bytes.decode("ascii", "replace")):
+        raise RemoteError("refused", "the peer's answer is not signed with this deployment key")
+      if "error" in answer:
+        raise RemoteError("refused", answer["error"])
+      return answer, frames[2:]
+
+  def _call(self, msg: dict, deadline: float) -> tuple[dict, list]:
     if self._sock is None:
-      self._sock = socket.create_connection((self.host, self.port),
-                                            timeout=max(0.05, deadline - time.monotonic()))
-      self._file = self._sock.makefile("rwb")
-      hello = self._file.readline()
-      if not hello:
-        raise RemoteError("closed", "the peer closed the connection")
-      hello = json.loads(hello)
+      self._sock = self._context.socket(zmq.DEALER)
+      self._sock.setsockopt(zmq.LINGER, 0)
+      self._sock.connect(f"tcp://{self.host}:{self.port}")
+      hello, _ = self._exchange({"op": "hello"}, deadline)
       if hello.get("protocol") != PROTOCOL:
         raise RemoteError("refused", f"the peer speaks protocol {hello.get('protocol')}, "
                           f"this client {PROTOCOL}")
       self._challenge = str(hello["challenge"])
-    self._sock.settimeout(max(0.05, deadline - time.monotonic()))
-    nonce = secrets.token_hex(16)
-    body = json.dumps({**msg, "protocol": PROTOCOL, "fingerprint": self.fingerprint,
-                       "nonce": nonce})
-    mac = (security.challenge_mac(self._secret, self._challenge, body.encode())
-           if self._secret is not None else None)
-    self._file.write((json.dumps({"body": body, "mac": mac}) + "\n").encode())
-    self._file.flush()
-    line = self._file.readline()
-    if not line:
-      raise RemoteError("closed", "the peer closed the connection")
-    reply = json.loads(line)
-    if self._secret is not None and not security.mac_ok(self._secret, nonce,
-                                                        reply["body"].encode(), reply.get("mac")):
-      raise RemoteError("refused", "the peer's answer is not signed with this deployment key")
-    answer = json.loads(reply["body"])
-    if "error" in answer:
-      raise RemoteError("refused", answer["error"])
-    return answer
+    return self._exchange(msg, deadline)
 
   def lookup(self, keys: list[bytes]) -> int:
     """How many leading ``keys`` the peer holds (0 when it cannot be asked)."""
     if not keys or not self.available:
       return 0
     try:
-      n = int(self._call({"op": "lookup", "keys": [k.hex() for k in keys]},
-                         time.monotonic() + min(self.deadline_s, 1.0))["have"])
+      answer, _ = self._call({"op": "lookup", "keys": [k.hex() for k in keys]},
+                             time.monotonic() + min(self.deadline_s, 1.0))
       self.breaker.record(True)
-      return n
-    except (OSError, ValueError, RemoteError):
+      return int(answer["have"])
+    except (ValueError, KeyError, TypeError, RemoteError, zmq.ZMQError):
       self._failed()
       return 0
 
@@ -352,18 +389,24 @@ class RemoteClient:
     try:
       bits = np.dtype(pages_lib.bits_dtype(dtype))
       token = secrets.token_hex(16)
-      offer = self._call({"op": "offer", "keys": [k.hex() for k in keys], "token": token},
-                         deadline)
+      offer, data = self._call({"op": "fetch", "keys": [k.hex() for k in keys],
+                                "token": token, "transport": self.transport}, deadline)
       want_shape = [len(keys), *payload_shape]
       if offer.get("token") != token:
-        raise RemoteError("token", "the offer answers another request")
+        raise RemoteError("token", "the answer is to another request")
       if offer["keys"] != [k.hex() for k in keys]:
-        raise RemoteError("key", "the offer names other blocks")
+        raise RemoteError("key", "the answer names other blocks")
       if offer["dtype"] != bits.name or offer["shape"] != want_shape:
         raise RemoteError("shape", f"offered {offer['dtype']}{offer['shape']}, expected "
                           f"{bits.name}{want_shape}")
-      stack = self._pull(offer, want_shape, bits, deadline)
-      for i, d in enumerate(offer["digests"]):
+      if self.transport == "inline":
+        stack = self._inline(data, want_shape, bits)
+      else:
+        stack = self._pull(offer, want_shape, bits, deadline)
+      digests = offer["digests"]
+      if len(digests) != len(keys):
+        raise RemoteError("checksum", f"{len(digests)} digests for {len(keys)} blocks")
+      for i, d in enumerate(digests):
         if _digest(stack[i]) != d:
           raise RemoteError("checksum", f"block {i} does not match its digest")
       self.breaker.record(True)
@@ -372,9 +415,17 @@ class RemoteClient:
       if e.reason in ("deadline", "closed", "refused", "pull"):
         self._failed()
       raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, zmq.ZMQError) as e:
       self._failed()
       raise RemoteError("io", str(e)) from None
+
+  @staticmethod
+  def _inline(data: list, shape, bits) -> np.ndarray:
+    """The blocks carried in the answer's data frame, viewed without a copy."""
+    want = int(np.prod(shape)) * bits.itemsize
+    if len(data) != 1 or len(data[0]) != want:
+      raise RemoteError("shape", f"{[len(d) for d in data]} bytes of data, expected [{want}]")
+    return np.frombuffer(data[0].buffer, dtype=bits).reshape(shape)
 
   def _pull(self, offer, shape, bits, deadline: float) -> np.ndarray:
     import jax.experimental.transfer as transfer
