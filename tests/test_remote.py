@@ -162,3 +162,57 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want):
   assert not client.available  # the breaker is open: the dead peer is not asked again
   t0 = time.perf_counter()
   assert client.lookup([b"x" * 32]) == 0 and time.perf_counter() - t0 < 0.01
+
+
+def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
+  """Garbage on the wire (wrong frame counts, bytes that are not JSON, an unknown op, an
+  oversized request, an answer to an earlier request) never stops the server or confuses
+  a client: each gets an error or is dropped, and the next real request is answered."""
+  import json
+  import threading
+  import zmq
+  from jaxkv.tiers import remote
+  owner = helpers.make_engine(mesh)
+  owner.generate([PREFIX], 1)
+  server = remote.BlockServer(owner.cache)
+  stop = threading.Event()
+  thread = threading.Thread(target=lambda: [server.poll(0.05) for _ in iter(stop.is_set, True)])
+  thread.start()
+  try:
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{server.address}")
+
+    def ask(frames):
+      raw.send_multipart(frames)
+      assert raw.poll(10_000), frames
+      return json.loads(raw.recv_multipart()[0])
+
+    assert "2 frames" in ask([b"only one"])["error"]
+    assert "JSONDecodeError" in ask([b"{not json", b""])["error"]
+    fp = owner.cache.config.fingerprint().hex()
+    bad = {"op": "drop", "protocol": remote.PROTOCOL, "fingerprint": fp, "nonce": "n1"}
+    answer = ask([json.dumps(bad).encode(), b""])
+    assert "unknown op" in answer["error"] and answer["nonce"] == "n1"
+    wrong = {"op": "lookup", "protocol": remote.PROTOCOL - 1, "fingerprint": fp, "keys": []}
+    assert "protocol" in ask([json.dumps(wrong).encode(), b""])["error"]
+    huge = zmq.Context.instance().socket(zmq.DEALER)  # over the request size limit: dropped
+    huge.setsockopt(zmq.LINGER, 0)
+    huge.connect(f"tcp://{server.address}")
+    huge.send_multipart([b"x" * (remote._MAX_REQUEST_BYTES + 1), b""])
+    assert not huge.poll(1000)
+    huge.close(0)
+    keys = owner.cache.index.block_keys(PREFIX, "default")
+    client = RemoteClient(server.address, owner.cache.config.fingerprint())
+    assert client.lookup(keys) == 10
+    # An answer to another request waiting on the connection is skipped, not taken.
+    client._sock.send_multipart([json.dumps({**bad, "nonce": "stale"}).encode(), b""])
+    time.sleep(0.5)
+    stack = client.fetch(keys, owner.cache.payload_shape, owner.cache.config.jnp_dtype,
+                         time.monotonic() + 30)
+    assert stack.shape[0] == 10 and client.breaker.available
+    raw.close(0)
+  finally:
+    stop.set()
+    thread.join()
+    server.close()

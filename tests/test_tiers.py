@@ -629,6 +629,8 @@ def test_bad_tier_configs_are_refused(tmp_path):
     jaxkv.TierConfig(host_pages_per_shard=-1)
   with pytest.raises(ValueError, match="write_policy='sometimes'"):
     jaxkv.TierConfig(write_policy="sometimes")
+  with pytest.raises(ValueError, match="remote_transport='rdma'.*inline"):
+    jaxkv.TierConfig(remote_transport="rdma")
   blocker = tmp_path / "file"
   blocker.write_text("x")
   with pytest.raises(ValueError, match="cannot be created"):
