@@ -21,9 +21,9 @@ also refuses a server without it. A server without a key answers anyone (keep it
 private network).
 
 What the reader never trusts: every answer names its block keys, dtype and shape, and
-carries a CRC-32C per block computed by the owner from the bytes it sends (inside the
+carries a CRC-32C of the blocks computed by the owner from the bytes it sends (inside the
 signed header); the reader checks keys, dtype, shape and frame length before looking at the
-bytes and every block's CRC after, and rejects the whole fetch on any mismatch (CRC-32C
+bytes and the CRC after, and rejects the whole fetch on any mismatch (CRC-32C
 catches damage at ~10x the speed of SHA-256; the block keys themselves stay SHA-256 chains).
 Answers to an earlier request that timed out are told apart by their nonce and dropped.
 Every wait has the reader's deadline; a late, refused or broken fetch is a miss and the
@@ -67,8 +67,8 @@ class RemoteError(RuntimeError):
     self.reason = Failure(reason)
 
 
-def _digest(block: np.ndarray) -> int:
-  return google_crc32c.value(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+def _digest(stack: np.ndarray) -> int:
+  return google_crc32c.value(np.ascontiguousarray(stack).reshape(-1).view(np.uint8))
 
 
 # ---- the serving side ---------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class BlockServer:
     if len(where) < len(keys):
       return {"error": f"missing: holds {len(where)} of {len(keys)} blocks"}, []
     stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
-    digests = [_digest(stack[i]) for i in range(len(keys))]
+    digest = _digest(stack)
     if self.fault == "checksum":
       stack.reshape(-1)[7] ^= 1
     claimed_dtype, claimed_shape = stack.dtype, list(stack.shape)
@@ -190,7 +190,7 @@ class BlockServer:
     if self.fault == "keys":
       offered_keys = offered_keys[::-1]
     answer = {"shape": claimed_shape, "dtype": np.dtype(claimed_dtype).name,
-              "digests": digests, "keys": offered_keys, "token": msg.get("token")}
+              "crc32c": digest, "keys": offered_keys, "token": msg.get("token")}
     if transport == "inline":
       return answer, [memoryview(stack).cast("B")]
     if self._transfer is None:
@@ -225,29 +225,32 @@ class BlockServer:
       for s, items in enumerate(per):
         if not items:
           continue
-        rows = _host_rows(stack, s * n, s * n + len(items))  # [arrays, kv_heads, rows, ...]
+        got = _host_blocks(stack, s * n, s * n + len(items))
+        dst = [i for i, _, _ in items]
+        if out is None and dst == list(range(len(where))):
+          return got  # one tier, one shard: already in place
         if out is None:
-          out = np.empty((len(where), *rows.shape[:2], *rows.shape[3:]), rows.dtype)
-        out[[i for i, _, _ in items]] = np.moveaxis(rows, 2, 0)
+          out = np.empty((len(where), *got.shape[1:]), got.dtype)
+        out[dst] = got
     return out
 
 
-def _host_rows(x, start: int, stop: int) -> np.ndarray:
-  """``x[:, :, start:stop]`` as numpy, copying to the host only the device shards that
-  hold those rows (a device gather spans every data shard; a peer wants one)."""
+def _host_blocks(x, start: int, stop: int) -> np.ndarray:
+  """``x[:, :, start:stop]`` as numpy with the rows first (``[rows, arrays, kv_heads, ...]``,
+  a block per row), copying to the host only the device shards that hold those rows (a
+  device gather spans every data shard; a peer wants one): one copy per shard."""
   if not isinstance(x, jax.Array) or not x.is_fully_addressable:
-    return to_host(x)[:, :, start:stop]
+    return np.ascontiguousarray(np.moveaxis(to_host(x)[:, :, start:stop], 2, 0))
   parts = []
   for shard in x.addressable_shards:
-    rows = shard.index[2]
-    lo, hi, _ = rows.indices(x.shape[2])
+    lo, hi, _ = shard.index[2].indices(x.shape[2])
     if shard.replica_id == 0 and lo < stop and start < hi:
       shard.data.copy_to_host_async()
       parts.append((shard, lo, max(lo, start), min(hi, stop)))
-  out = np.empty((*x.shape[:2], stop - start, *x.shape[3:]), x.dtype)
+  out = np.empty((stop - start, *x.shape[:2], *x.shape[3:]), x.dtype)
   for shard, lo, a, b in parts:
-    out[shard.index[0], shard.index[1], a - start:b - start] = (
-        np.asarray(shard.data)[:, :, a - lo:b - lo])
+    out[a - start:b - start, shard.index[0], shard.index[1]] = np.moveaxis(
+        np.asarray(shard.data)[:, :, a - lo:b - lo], 2, 0)
   return out
 
 
@@ -403,12 +406,8 @@ class RemoteClient:
         stack = self._inline(data, want_shape, bits)
       else:
         stack = self._pull(offer, want_shape, bits, deadline)
-      digests = offer["digests"]
-      if len(digests) != len(keys):
-        raise RemoteError("checksum", f"{len(digests)} digests for {len(keys)} blocks")
-      for i, d in enumerate(digests):
-        if _digest(stack[i]) != d:
-          raise RemoteError("checksum", f"block {i} does not match its digest")
+      if _digest(stack) != offer["crc32c"]:
+        raise RemoteError("checksum", "the blocks do not match their CRC-32C")
       self.breaker.record(True)
       return stack
     except RemoteError as e:
