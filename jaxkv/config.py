@@ -23,6 +23,14 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 # Version of the page layout written into every fingerprint. Bump it when the meaning
 # of a page's bytes changes, so caches written by an older layout are never reused.
 LAYOUT_VERSION = "khpsd-v1"  # per layer: [kv_heads, num_pages, page_size, head_dim]
+ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu")
+
+
+def resolve_attention_impl(impl: str) -> str:
+  """What ``auto`` runs: the jnp path on every backend today. jaxkv's Pallas kernel is
+  checked against the reference in Pallas' interpreter only; ``auto`` moves to it on a
+  backend once it has been compiled and measured on that hardware."""
+  return "jnp" if impl == "auto" else impl
 
 
 def _require(ok: bool, message: str) -> None:
@@ -50,6 +58,11 @@ class CacheConfig:
   ``attention_chunk_pages``: attention walks a sequence's pages in chunks of this many
   (online softmax), so its memory is one chunk and its result does not depend on the
   page-table width (see ``jaxkv.ops.paged_attention``).
+  ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the
+  chunked jnp path), ``pallas_gpu`` (jaxkv's Pallas kernel; Pallas' interpreter off GPUs),
+  ``auto`` (see ``jaxkv.ops.resolve_impl``). Implementations may differ in the last bits,
+  and those bits reach later layers' K/V, so the resolved choice is part of the
+  fingerprint when it is not ``jnp``: blocks of one never mix with another's.
   """
 
   model_name: str
@@ -61,6 +74,7 @@ class CacheConfig:
   pages_per_shard: int = 256
   max_pages_per_seq: int = 64
   attention_chunk_pages: int = 8
+  attention_impl: str = "auto"
   data_axis: str = "data"
   model_axis: str = "model"
   # The model's structure and weights (``jaxkv.identity.weights_digest``), part of the
@@ -81,6 +95,9 @@ class CacheConfig:
     for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "pages_per_shard",
                  "max_pages_per_seq", "attention_chunk_pages"):
       _positive_int(self, name)
+    _require(self.attention_impl in ATTENTION_IMPLS,
+             f"CacheConfig.attention_impl={self.attention_impl!r} must be one of "
+             f"{ATTENTION_IMPLS}.")
     _require(
         self.dtype in SUPPORTED_DTYPES,
         f"CacheConfig.dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}.",
@@ -131,6 +148,9 @@ class CacheConfig:
         "head_dim": self.head_dim,
         "weights": self.weights_digest,
     }
+    impl = resolve_attention_impl(self.attention_impl)
+    if impl != "jnp":  # the jnp path's fingerprints stay those of earlier versions
+      meta["attention"] = impl
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).digest()
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import CacheConfig
-from jaxkv.ops import chunked, streamed
+from jaxkv.ops import chunked, select, streamed
 from jaxkv.ops import reference
 from jaxkv.errors import InputError
 
@@ -116,9 +116,9 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
     v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions)
     qg, state = chunked.init_state(q, k_pages.shape[0])
     block_valid = extra[0] if extra else None
-    state = chunked.paged_state(state, qg, k_pages, v_pages, page_table, positions, kv_lens,
-                                pages_per_chunk=config.attention_chunk_pages,
-                                block_valid=block_valid)
+    state = select.paged_state(state, qg, k_pages, v_pages, page_table, positions, kv_lens,
+                               pages_per_chunk=config.attention_chunk_pages,
+                               block_valid=block_valid, impl=config.attention_impl)
     if extra:
       _, host_pool, slots, first, count = extra
       state = streamed.stream_state(state, qg, host_pool, stream.k_index, stream.v_index,
@@ -133,8 +133,10 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
     in_specs += [rows, stacked_spec(config), rows, row, row]
     args += [stream.block_valid, stream.host_pool, stream.cold_slots, stream.cold_first,
              stream.cold_count]
+  # Varying-axis checks are off where a streamed host pool or a Pallas call would trip them.
+  check = stream is None and select.resolve(config.attention_impl)[0] == "jnp"
   fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
-                     out_specs=(heads, pool, pool), check_vma=stream is None)
+                     out_specs=(heads, pool, pool), check_vma=check)
   return fn(*args)
 
 

@@ -1,5 +1,7 @@
-"""Paged attention: reference vs an independent dense oracle, chunked path vs reference."""
+"""Paged attention: reference vs an independent dense oracle; every implementation (the
+chunked jnp path, jaxkv's Pallas kernel in Pallas' interpreter) vs both."""
 
+import functools
 import itertools
 
 import jax
@@ -50,10 +52,20 @@ def random_case(rng, *, batch, q_len, hq, hkv, d, page_size, pages_per_seq, num_
   return q, k_pages, v_pages, table, positions, kv_lens, k_seq, v_seq
 
 
+IMPLS = ["jnp", "pallas_gpu"]
+
+
+def attend(impl):
+  return jax.jit(functools.partial(paged_attention, impl=impl),
+                 static_argnames="pages_per_chunk")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("page_size,pages_per_seq,chunk", [(4, 6, 4), (8, 3, 2), (2, 9, 8)])
-def test_paged_attention_matches_dense_oracle(hq, hkv, q_len, page_size, pages_per_seq, chunk):
+def test_paged_attention_matches_dense_oracle(impl, hq, hkv, q_len, page_size, pages_per_seq,
+                                              chunk):
   rng = np.random.default_rng(hq * 100 + q_len * 10 + page_size)
   cap = page_size * pages_per_seq
   lens = [cap, 1, cap // 2 + 1, 0]  # full, one token, ragged, empty (padding row)
@@ -62,27 +74,30 @@ def test_paged_attention_matches_dense_oracle(hq, hkv, q_len, page_size, pages_p
   q, kp, vp, table, pos, lens_a, k_seq, v_seq = case
   want = dense_oracle(q, k_seq, v_seq, pos, lens_a)
   ref = jax.jit(paged_attention_reference)(q, kp, vp, table, pos, lens_a)
-  fast = jax.jit(paged_attention, static_argnames="pages_per_chunk")(
-      q, kp, vp, table, pos, lens_a, pages_per_chunk=chunk)
+  fast = attend(impl)(q, kp, vp, table, pos, lens_a, pages_per_chunk=chunk)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(np.asarray(fast), want, atol=2e-5, rtol=2e-5)
   assert not np.asarray(fast)[3].any()  # padding rows give exact zeros
 
 
-def test_chunked_attention_does_not_depend_on_table_width():
-  """Padding the page table with more (masked) pages must not change a single bit."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_attention_does_not_depend_on_table_width(impl):
+  """Padding the page table with more (masked) pages must not change a single bit, nor
+  must a width that is not a multiple of the chunk."""
   rng = np.random.default_rng(0)
   q, kp, vp, table, pos, lens, _, _ = random_case(
       rng, batch=3, q_len=4, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=8, num_pages=40,
       lens=[30, 7, 17])
-  fn = jax.jit(paged_attention, static_argnames="pages_per_chunk")
+  fn = attend(impl)
   narrow = np.asarray(fn(q, kp, vp, table, pos, lens, pages_per_chunk=4))
-  wide_table = np.concatenate([table, rng.integers(0, 40, (3, 24)).astype(np.int32)], axis=1)
-  wide = np.asarray(fn(q, kp, vp, wide_table, pos, lens, pages_per_chunk=4))
-  np.testing.assert_array_equal(narrow, wide)
+  for extra in (24, 5):
+    wider = np.concatenate([table, rng.integers(0, 40, (3, extra)).astype(np.int32)], axis=1)
+    np.testing.assert_array_equal(narrow, np.asarray(fn(q, kp, vp, wider, pos, lens,
+                                                        pages_per_chunk=4)))
 
 
-def test_chunked_attention_reads_no_chunk_past_the_longest_sequence():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_attention_reads_no_chunk_past_the_longest_sequence(impl):
   """Chunks wholly past every row's length are never read: table entries there may point
   at pages of NaN (a masked read would turn 0 * NaN into NaN), and a short row's output is
   the same bits alone as next to a longer one."""
@@ -94,7 +109,7 @@ def test_chunked_attention_reads_no_chunk_past_the_longest_sequence():
   kp[:, 39], vp[:, 39] = np.nan, np.nan
   table = table.copy()
   table[:, 8:] = 39  # every entry of the unused chunks: the NaN page
-  fn = jax.jit(paged_attention, static_argnames="pages_per_chunk")
+  fn = attend(impl)
   both = np.asarray(fn(q, kp, vp, table, pos, lens, pages_per_chunk=4))
   assert np.isfinite(both).all()
   np.testing.assert_allclose(both, dense_oracle(q, k_seq, v_seq, pos, lens), atol=2e-5)
@@ -102,8 +117,9 @@ def test_chunked_attention_reads_no_chunk_past_the_longest_sequence():
   np.testing.assert_array_equal(both[1:], alone)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 3e-3)])
-def test_low_precision_pages(dtype, atol):
+def test_low_precision_pages(impl, dtype, atol):
   rng = np.random.default_rng(1)
   q, kp, vp, table, pos, lens, k_seq, v_seq = random_case(
       rng, batch=2, q_len=3, hq=4, hkv=2, d=16, page_size=4, pages_per_seq=4, num_pages=10,
@@ -112,7 +128,8 @@ def test_low_precision_pages(dtype, atol):
   want = dense_oracle(q, np.asarray(kp.astype(jnp.float32))[:, table].transpose(
       1, 2, 3, 0, 4).reshape(2, -1, 2, 16), np.asarray(vp.astype(jnp.float32))[:, table].transpose(
           1, 2, 3, 0, 4).reshape(2, -1, 2, 16), pos, lens)
-  got = paged_attention(jnp.asarray(q, dtype), kp, vp, table, pos, lens, pages_per_chunk=2)
+  got = paged_attention(jnp.asarray(q, dtype), kp, vp, table, pos, lens, pages_per_chunk=2,
+                        impl=impl)
   assert got.dtype == dtype
   np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, atol=atol, rtol=atol)
 
@@ -141,3 +158,36 @@ def test_shape_errors_name_the_values():
   with pytest.raises(ValueError, match="page_table"):
     jaxkv.ops.paged_attention(jnp.zeros((1, 1, 2, 8)), kp, kp, jnp.zeros((2, 2), jnp.int32),
                               jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="impl='triton'.*pallas_gpu"):
+    jaxkv.ops.paged_attention(jnp.zeros((1, 1, 2, 8)), kp, kp, jnp.zeros((1, 2), jnp.int32),
+                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+                              impl="triton")
+  with pytest.raises(ValueError, match="attention_impl='fast'"):
+    jaxkv.CacheConfig(model_name="m", num_layers=1, num_kv_heads=2, head_dim=8,
+                      attention_impl="fast")
+
+
+def test_the_kernel_state_is_the_jnp_paths_state():
+  """The kernel returns the online-softmax state (max, sum, acc), not only the output, and
+  it is the state the jnp path builds: cold pages folded in after either give the same
+  attention (streaming relies on it)."""
+  from jaxkv.ops import chunked, select
+  rng = np.random.default_rng(5)
+  q, kp, vp, table, pos, lens, k_seq, v_seq = random_case(
+      rng, batch=3, q_len=2, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=6, num_pages=30,
+      lens=[24, 13, 5])
+  kp, vp, table = jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table)
+  hot = np.ones(table.shape, bool)
+  hot[:, :2] = False  # the first two pages of every row are "cold": folded in separately
+  states = {}
+  for impl in IMPLS:
+    qg, state = chunked.init_state(jnp.asarray(q), 2)
+    state = select.paged_state(state, qg, kp, vp, table, pos, lens, pages_per_chunk=2,
+                               block_valid=hot, impl=impl)
+    state = select.paged_state(state, qg, kp, vp, table, pos, lens, pages_per_chunk=2,
+                               block_valid=~hot, impl="jnp")  # the cold pages, on the jnp path
+    states[impl] = state
+    np.testing.assert_allclose(np.asarray(chunked.finish(state, jnp.asarray(q))),
+                               dense_oracle(q, k_seq, v_seq, pos, lens), atol=2e-5)
+  for a, b in zip(states["jnp"], states["pallas_gpu"]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)

@@ -1,4 +1,5 @@
-"""Paged attention over fixed-size chunks of pages with an online softmax.
+"""Paged attention over fixed-size chunks of pages with an online softmax (the ``jnp``
+implementation of ``jaxkv.ops.paged_attention``).
 
 Same contract as ``reference.paged_attention_reference`` (see there for the layout).
 Instead of gathering every page of a sequence at once, it walks the page table in
@@ -22,8 +23,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.ops.reference import check_shapes
-from jaxkv.errors import InputError
 
 
 def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
@@ -33,19 +32,29 @@ def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
   absolute key positions; qpos: [B, T]; lens: [B]; valid: optional [B, L] bool.
   A chunk whose keys are all masked leaves the state bit-for-bit unchanged.
   """
-  m, l, acc = state  # [B, H, G, T, 1], [B, H, G, T, 1], [B, H, G, T, D]
+  # state: [B, H, G, T, 1], [B, H, G, T, 1], [B, H, G, T, D]
   s = jnp.einsum("bthgd,hbld->bhgtl", qg, k.astype(jnp.float32))
   kp = kpos[:, None, None, None, :]
   mask = (kp <= qpos[:, None, None, :, None]) & (kp < lens[:, None, None, None, None])
   if valid is not None:
     mask = mask & valid[:, None, None, None, :]
+  v = v.astype(jnp.float32)
+  return fold(state, s, mask, lambda p: jnp.einsum("bhgtl,hbld->bhgtd", p, v))
+
+
+def fold(state, s, mask, weighted):
+  """The online-softmax step every path shares: folds scores ``s`` (``[..., L]``, masked
+  by ``mask``) into ``state`` = (max, sum, acc) (``[..., 1]``, ``[..., 1]``, ``[..., D]``);
+  ``weighted(p)`` is ``p @ V`` of the same chunk. All-masked rows leave the state's bits
+  unchanged (``alpha == 1``, nothing added)."""
+  m, l, acc = state
   s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
   m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
   p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
   l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
-  acc = acc * alpha + jnp.einsum("bhgtl,hbld->bhgtd", p, v.astype(jnp.float32))
+  acc = acc * alpha + weighted(p)
   return m_new, l, acc
 
 
@@ -106,15 +115,3 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   used = jnp.minimum(num_chunks, -(-jnp.max(kv_lens, initial=0) // chunk_tokens))
   state = jax.lax.fori_loop(0, used, step, state)
   return state
-
-
-def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                    pages_per_chunk: int = 8, scale: float | None = None, block_valid=None):
-  """Attention of ``q`` over each sequence's pages. Returns ``q``'s shape and dtype."""
-  check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
-  if pages_per_chunk <= 0:
-    raise InputError(f"{pages_per_chunk=} must be positive.")
-  qg, state = init_state(q, k_pages.shape[0], scale)
-  state = paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
-                      pages_per_chunk=pages_per_chunk, block_valid=block_valid)
-  return finish(state, q)

@@ -1,0 +1,107 @@
+"""jaxkv's Pallas paged-attention kernel: decode and chunked prefill, returning the
+online-softmax state.
+
+Same contract and layout as ``reference.paged_attention_reference``. One program per
+(sequence, kv head) holds every query row of that head's group (``G`` query heads x ``T``
+query tokens, as ``G*T`` rows) and walks the sequence's page table ``pages_per_chunk``
+entries at a time, exactly as ``chunked.paged_state`` does: the same chunk boundaries in
+absolute positions, the same masking, the same fold (``chunked.fold``) into a running
+``(max, sum, acc)``. It stops after the chunk that holds the sequence's last token, and a
+chunk whose keys are all masked leaves the state bit-for-bit unchanged, so its result does
+not depend on the table's width or on the other sequences of the batch: KV computed by
+one decode step and recomputed inside a wide prefill are the same bits on this path too.
+
+It returns the state rather than the normalised output, so cold pages streamed from the
+host (``streamed.stream_state``) merge into it as on the jnp path.
+
+Written against Pallas' pointer-style blocks (a kv head's whole page pool as one block,
+pages gathered by table entries inside the kernel), the form Pallas lowers to Triton on
+GPUs. On other backends it runs in Pallas' interpreter (``interpret=True``): the tests
+check it everywhere that way; interpreter timings say nothing about kernel speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxkv.ops import chunked
+
+
+def _kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref,
+            m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int):
+  length = lens_ref[pl.program_id(0)]
+  q = q_ref[...]  # [R, D] float32, scaled
+  qpos = qpos_ref[...]  # [R]
+  chunk_tokens = pages_per_chunk * page_size
+  num_chunks = table_ref.shape[0] // pages_per_chunk
+  tok = jnp.arange(chunk_tokens, dtype=jnp.int32)
+
+  def step(c, state):
+    m, l, acc = state
+    entries = pl.ds(c * pages_per_chunk, pages_per_chunk)
+    table = table_ref[entries]
+    k = k_ref[table].reshape(chunk_tokens, -1).astype(jnp.float32)
+    v = v_ref[table].reshape(chunk_tokens, -1).astype(jnp.float32)
+    kpos = c * chunk_tokens + tok
+    valid = jnp.repeat(valid_ref[entries], page_size) != 0
+    mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
+    return chunked.fold((m, l, acc), s, mask, lambda p: jnp.dot(
+        p, v, preferred_element_type=jnp.float32))
+
+  used = jnp.minimum(num_chunks, (length + chunk_tokens - 1) // chunk_tokens)
+  m, l, acc = jax.lax.fori_loop(0, used, step, (m_ref[...], l_ref[...], acc_ref[...]))
+  m_out[...] = m
+  l_out[...] = l
+  acc_out[...] = acc
+
+
+def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
+                pages_per_chunk: int, block_valid=None, interpret: bool = False):
+  """``chunked.paged_state`` on the kernel: folds every page of ``page_table`` into
+  ``state`` (``[B, H, G, T, 1]`` max and sum, ``[B, H, G, T, D]`` acc); ``qg``:
+  ``[B, T, H, G, D]`` scaled float32 queries (``chunked.init_state``)."""
+  batch, q_len, heads, group, head_dim = qg.shape
+  page_size = k_pages.shape[2]
+  width = page_table.shape[1]
+  pad = -width % pages_per_chunk
+  valid = (jnp.ones(page_table.shape, jnp.int32) if block_valid is None
+           else block_valid.astype(jnp.int32))
+  if pad:  # padded entries point at page 0 and are masked by position
+    page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+  rows = group * q_len  # row g*T + t: query head g of the group at token t
+  q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
+  qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
+  m, l, acc = (x.reshape(batch, heads, rows, -1) for x in state)
+  out = _call(pages_per_chunk, page_size, bool(interpret), m, l, acc,
+              kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
+              k_pages, v_pages)
+  return tuple(x.reshape(batch, heads, group, q_len, -1) for x in out)
+
+
+def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid,
+          qpos, q, k_pages, v_pages):
+  batch, heads, rows, head_dim = q.shape
+  num_pages, width = k_pages.shape[1], page_table.shape[1]
+  per_row = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h: (b, *([0] * len(tail))))
+  per_head = lambda *tail: pl.BlockSpec((None, None, *tail),
+                                        lambda b, h: (b, h, *([0] * len(tail))))
+  pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
+  state_specs = [per_head(rows, 1), per_head(rows, 1), per_head(rows, head_dim)]
+  kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size)
+  return pl.pallas_call(
+      kernel,
+      grid=(batch, heads),
+      in_specs=[pl.BlockSpec((batch,), lambda b, h: (0,)), per_row(width), per_row(width),
+                per_row(rows), per_head(rows, head_dim), pool, pool, *state_specs],
+      out_specs=state_specs,
+      out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
+      input_output_aliases={7: 0, 8: 1, 9: 2},
+      interpret=interpret,
+      name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
+  )(kv_lens, page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)

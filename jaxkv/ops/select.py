@@ -1,0 +1,57 @@
+"""Picks the implementation of paged attention: the chunked jnp path or jaxkv's Pallas
+kernel. Both fold pages into the same online-softmax state, so the engine and streaming
+use either through ``paged_state``; ``paged_attention`` is the whole op."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxkv.config import ATTENTION_IMPLS, resolve_attention_impl
+from jaxkv.errors import InputError
+from jaxkv.ops import chunked, kernel
+from jaxkv.ops.reference import check_shapes
+
+_KERNEL_PLATFORM = {"pallas_gpu": "gpu"}
+
+
+def resolve(impl: str, interpret: bool | None = None) -> tuple[str, bool]:
+  """``(implementation, interpret)`` for ``impl``; a kernel off its own platform runs in
+  Pallas' interpreter unless ``interpret`` says otherwise."""
+  if impl not in ATTENTION_IMPLS:
+    raise InputError(f"attention impl={impl!r} must be one of {ATTENTION_IMPLS}.")
+  impl = resolve_attention_impl(impl)
+  if impl == "jnp":
+    return impl, False
+  if interpret is None:
+    interpret = jax.default_backend() != _KERNEL_PLATFORM[impl]
+  return impl, bool(interpret)
+
+
+def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
+                pages_per_chunk: int, block_valid=None, impl: str = "auto",
+                interpret: bool | None = None):
+  """Folds every page of ``page_table`` into ``state`` (see ``chunked.paged_state``)."""
+  impl, interpret = resolve(impl, interpret)
+  if impl == "jnp":
+    return chunked.paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
+                               pages_per_chunk=pages_per_chunk, block_valid=block_valid)
+  return kernel.paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
+                            pages_per_chunk=pages_per_chunk, block_valid=block_valid,
+                            interpret=interpret)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
+                    pages_per_chunk: int = 8, scale: float | None = None, block_valid=None,
+                    impl: str = "auto", interpret: bool | None = None):
+  """Attention of ``q`` over each sequence's pages (contract and layout:
+  ``reference.paged_attention_reference``). ``impl``: ``auto``, ``jnp`` or
+  ``pallas_gpu``; ``interpret``: run a Pallas kernel in Pallas' interpreter (default:
+  when the backend is not the kernel's). Returns ``q``'s shape and dtype."""
+  check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
+  if pages_per_chunk <= 0:
+    raise InputError(f"{pages_per_chunk=} must be positive.")
+  qg, state = chunked.init_state(q, k_pages.shape[0], scale)
+  state = paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
+                      pages_per_chunk=pages_per_chunk, block_valid=block_valid, impl=impl,
+                      interpret=interpret)
+  return chunked.finish(state, q)
