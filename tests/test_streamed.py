@@ -15,19 +15,21 @@ from jaxkv.index import Tier
 from jaxkv.ops import paged_attention_reference, write_pages_reference
 
 
-def cfg(hkv, page, chunk):
+def cfg(hkv, page, chunk, impl="jnp"):
   return jaxkv.CacheConfig(model_name="m", num_layers=1, num_kv_heads=hkv, head_dim=8,
                            page_size=page, pages_per_shard=24, max_pages_per_seq=24,
-                           attention_chunk_pages=chunk)
+                           attention_chunk_pages=chunk, attention_impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["jnp", "pallas_gpu"])  # hot pages on either path
 @pytest.mark.parametrize("hq,hkv,page,attn_chunk,stream_chunk,q_len", [
     (4, 2, 4, 4, 3, 1),  # GQA, stream chunk does not divide the cold length
     (2, 2, 8, 2, 2, 3),  # MHA, several queries (a prefill chunk)
     (8, 2, 4, 8, 5, 1),
 ])
-def test_streamed_equals_all_pages_at_once(mesh, hq, hkv, page, attn_chunk, stream_chunk, q_len):
-  c = cfg(hkv, page, attn_chunk)
+def test_streamed_equals_all_pages_at_once(mesh, impl, hq, hkv, page, attn_chunk, stream_chunk,
+                                           q_len):
+  c = cfg(hkv, page, attn_chunk, impl)
   rng = np.random.default_rng(hq * 7 + page)
   shards, rows_per_shard, host_pages = 4, 1, 16
   b = shards * rows_per_shard
@@ -103,10 +105,12 @@ def test_streamed_equals_all_pages_at_once(mesh, hq, hkv, page, attn_chunk, stre
 import helpers  # noqa: E402
 
 
-def stream_engines(mesh, host_pages=64, dtype="float32", source="host", disk_dir=None):
+def stream_engines(mesh, host_pages=64, dtype="float32", source="host", disk_dir=None, impl="jnp"):
   mc = helpers.tiny_model_config(dtype=dtype)
-  small = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
-  big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96)
+  small = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12,
+                                   attention_impl=impl)
+  big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96,
+                                 attention_impl=impl)
   tiers = jaxkv.TierConfig(host_pages_per_shard=host_pages,
                            disk_kvstore=disk_dir, disk_pages=256 if disk_dir else 0)
   engine = helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2, tiers=tiers,
@@ -116,9 +120,9 @@ def stream_engines(mesh, host_pages=64, dtype="float32", source="host", disk_dir
   return engine, everything
 
 
-@pytest.mark.parametrize("source", ["host", "disk"])
-def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path, source):
-  engine, everything = stream_engines(mesh, source=source,
+@pytest.mark.parametrize("source,impl", [("host", "jnp"), ("disk", "jnp"), ("host", "pallas_gpu")])
+def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path, source, impl):
+  engine, everything = stream_engines(mesh, source=source, impl=impl,
                                       disk_dir=str(tmp_path / "d") if source == "disk" else None)
   rng = np.random.default_rng(1)
   # 3.3x and 4.4x the 12-page device budget, plus a short prompt served normally.
