@@ -23,7 +23,7 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 # Version of the page layout written into every fingerprint. Bump it when the meaning
 # of a page's bytes changes, so caches written by an older layout are never reused.
 LAYOUT_VERSION = "khpsd-v1"  # per layer: [kv_heads, num_pages, page_size, head_dim]
-ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu")
+ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_tpu")
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -59,8 +59,8 @@ class CacheConfig:
   (online softmax), so its memory is one chunk and its result does not depend on the
   page-table width (see ``jaxkv.ops.paged_attention``).
   ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the
-  chunked jnp path), ``pallas_gpu`` (jaxkv's Pallas kernel; Pallas' interpreter off GPUs),
-  ``auto`` (see ``jaxkv.ops.resolve_impl``). Implementations may differ in the last bits,
+  chunked jnp path), ``pallas_gpu`` / ``pallas_tpu`` (jaxkv's Pallas kernel in its GPU or
+  TPU form; Pallas' interpreter off that hardware), ``auto`` (see ``jaxkv.ops.resolve_impl``). Implementations may differ in the last bits,
   and those bits reach later layers' K/V, so the resolved choice is part of the
   fingerprint when it is not ``jnp``: blocks of one never mix with another's.
   """

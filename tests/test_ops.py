@@ -52,7 +52,7 @@ def random_case(rng, *, batch, q_len, hq, hkv, d, page_size, pages_per_seq, num_
   return q, k_pages, v_pages, table, positions, kv_lens, k_seq, v_seq
 
 
-IMPLS = ["jnp", "pallas_gpu"]
+IMPLS = ["jnp", "pallas_gpu", "pallas_tpu"]
 
 
 def attend(impl):
@@ -158,7 +158,7 @@ def test_shape_errors_name_the_values():
   with pytest.raises(ValueError, match="page_table"):
     jaxkv.ops.paged_attention(jnp.zeros((1, 1, 2, 8)), kp, kp, jnp.zeros((2, 2), jnp.int32),
                               jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
-  with pytest.raises(ValueError, match="impl='triton'.*pallas_gpu"):
+  with pytest.raises(ValueError, match="impl='triton'.*pallas_tpu"):
     jaxkv.ops.paged_attention(jnp.zeros((1, 1, 2, 8)), kp, kp, jnp.zeros((1, 2), jnp.int32),
                               jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
                               impl="triton")
@@ -189,5 +189,27 @@ def test_the_kernel_state_is_the_jnp_paths_state():
     states[impl] = state
     np.testing.assert_allclose(np.asarray(chunked.finish(state, jnp.asarray(q))),
                                dense_oracle(q, k_seq, v_seq, pos, lens), atol=2e-5)
-  for a, b in zip(states["jnp"], states["pallas_gpu"]):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  for impl in IMPLS[1:]:
+    for a, b in zip(states["jnp"], states[impl]):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  for a, b in zip(states["pallas_gpu"], states["pallas_tpu"]):  # one kernel, two forms
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_tpu_forms_double_buffered_copies_do_not_race():
+  """In the TPU interpreter (simulated DMAs and semaphores, copies landing only when
+  waited for, race detection on), the TPU form's prefetch of the next chunk never
+  touches the buffer being computed on, and it still equals the oracle."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  from jax.experimental.pallas import tpu as pltpu
+  rng = np.random.default_rng(9)
+  q, kp, vp, table, pos, lens, k_seq, v_seq = random_case(
+      rng, batch=2, q_len=3, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=9, num_pages=30,
+      lens=[35, 14])
+  params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait")
+  got = paged_attention(q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), pos, lens,
+                        pages_per_chunk=2, impl="pallas_tpu", interpret=params)
+  np.testing.assert_allclose(np.asarray(got), dense_oracle(q, k_seq, v_seq, pos, lens),
+                             atol=2e-5)
+  assert interpret_pallas_call.races is not None
+  assert not interpret_pallas_call.races.races_found

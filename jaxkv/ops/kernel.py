@@ -14,10 +14,15 @@ one decode step and recomputed inside a wide prefill are the same bits on this p
 It returns the state rather than the normalised output, so cold pages streamed from the
 host (``streamed.stream_state``) merge into it as on the jnp path.
 
-Written against Pallas' pointer-style blocks (a kv head's whole page pool as one block,
-pages gathered by table entries inside the kernel), the form Pallas lowers to Triton on
-GPUs. On other backends it runs in Pallas' interpreter (``interpret=True``): the tests
-check it everywhere that way; interpreter timings say nothing about kernel speed.
+Two forms of the same kernel, one per Pallas backend:
+- ``gpu``: pointer-style blocks (a kv head's whole page pool as one block, pages gathered
+  by table entries inside the kernel), the form Pallas lowers to Triton.
+- ``tpu``: the pools stay in HBM (``memory_space=ANY``); the page table, lengths and valid
+  flags are prefetched scalars, and each chunk's pages are DMA'd into a double-buffered
+  VMEM scratch, the next chunk's copies started before this chunk is computed.
+Off their hardware both run in Pallas' interpreters (``interpret=True``; the TPU form in
+the TPU interpreter, which simulates the DMAs and semaphores): the tests check them that
+way; interpreter timings say nothing about kernel speed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.ops import chunked
 
@@ -60,11 +66,67 @@ def _kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref
   acc_out[...] = acc
 
 
+def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m_ref, l_ref,
+                acc_ref, m_out, l_out, acc_out, k_buf, v_buf, k_sem, v_sem, *,
+                pages_per_chunk: int, page_size: int, width: int):
+  b, h = pl.program_id(0), pl.program_id(1)
+  length = lens_ref[b]
+  q = q_ref[...]  # [R, D] float32, scaled
+  qpos = qpos_ref[0]  # [R]
+  chunk_tokens = pages_per_chunk * page_size
+  head_dim = q.shape[-1]
+  tok = jnp.arange(chunk_tokens, dtype=jnp.int32)
+
+  def copies(c, slot):
+    out = []
+    for i in range(pages_per_chunk):
+      page = table_ref[b * width + c * pages_per_chunk + i]
+      out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, i], k_sem.at[slot]))
+      out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i], v_sem.at[slot]))
+    return out
+
+  used = jnp.minimum(width // pages_per_chunk, (length + chunk_tokens - 1) // chunk_tokens)
+
+  @pl.when(used > 0)
+  def _():
+    for copy in copies(0, 0):
+      copy.start()
+
+  def step(c, state):
+    slot = c % 2
+
+    @pl.when(c + 1 < used)
+    def _():  # the next chunk's pages travel while this one is computed
+      for copy in copies(c + 1, 1 - slot):
+        copy.start()
+
+    for copy in copies(c, slot):
+      copy.wait()
+    k = k_buf[slot].reshape(chunk_tokens, head_dim).astype(jnp.float32)
+    v = v_buf[slot].reshape(chunk_tokens, head_dim).astype(jnp.float32)
+    flags = [valid_ref[b * width + c * pages_per_chunk + i] != 0
+             for i in range(pages_per_chunk)]
+    valid = jnp.concatenate([jnp.full((page_size,), f) for f in flags])
+    kpos = c * chunk_tokens + tok
+    mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
+    return chunked.fold(state, s, mask, lambda p: jnp.dot(
+        p, v, preferred_element_type=jnp.float32))
+
+  m, l, acc = jax.lax.fori_loop(0, used, step, (m_ref[...], l_ref[...], acc_ref[...]))
+  m_out[...] = m
+  l_out[...] = l
+  acc_out[...] = acc
+
+
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                pages_per_chunk: int, block_valid=None, interpret: bool = False):
+                pages_per_chunk: int, block_valid=None, interpret: bool = False,
+                form: str = "gpu"):
   """``chunked.paged_state`` on the kernel: folds every page of ``page_table`` into
   ``state`` (``[B, H, G, T, 1]`` max and sum, ``[B, H, G, T, D]`` acc); ``qg``:
-  ``[B, T, H, G, D]`` scaled float32 queries (``chunked.init_state``)."""
+  ``[B, T, H, G, D]`` scaled float32 queries (``chunked.init_state``); ``form``: ``gpu``
+  or ``tpu`` (see the module's docstring); ``interpret``: a bool, or for the TPU form a
+  ``pltpu.InterpretParams`` (the TPU interpreter: simulated DMAs, race detection)."""
   batch, q_len, heads, group, head_dim = qg.shape
   page_size = k_pages.shape[2]
   width = page_table.shape[1]
@@ -78,9 +140,9 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
   qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
   m, l, acc = (x.reshape(batch, heads, rows, -1) for x in state)
-  out = _call(pages_per_chunk, page_size, bool(interpret), m, l, acc,
-              kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
-              k_pages, v_pages)
+  call = _call_tpu if form == "tpu" else _call
+  out = call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
+             page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
   return tuple(x.reshape(batch, heads, group, q_len, -1) for x in out)
 
 
@@ -105,3 +167,33 @@ def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table,
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
   )(kv_lens, page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
+
+
+def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid, qpos,
+              q, k_pages, v_pages):
+  batch, heads, rows, head_dim = q.shape
+  width = page_table.shape[1]
+  per_head = lambda *tail: pl.BlockSpec((None, None, *tail),
+                                        lambda b, h, *_: (b, h, *([0] * len(tail))))
+  state_specs = [per_head(rows, 1), per_head(rows, 1), per_head(rows, head_dim)]
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  buf = pltpu.VMEM((2, pages_per_chunk, page_size, head_dim), k_pages.dtype)
+  kernel = functools.partial(_tpu_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size,
+                             width=width)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,  # lengths, the page table, the valid flags (flattened)
+          grid=(batch, heads),
+          in_specs=[pl.BlockSpec((None, 1, rows), lambda b, h, *_: (b, 0, 0)),
+                    per_head(rows, head_dim), hbm, hbm, *state_specs],
+          out_specs=state_specs,
+          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)),
+                          pltpu.SemaphoreType.DMA((2,))]),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
+      input_output_aliases={7: 0, 8: 1, 9: 2},
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+      interpret=interpret,
+      name=f"jaxkv_paged_attention_tpu_{pages_per_chunk}x{page_size}",
+  )(kv_lens, page_table.reshape(-1), valid.reshape(-1), qpos[:, None], q, k_pages, v_pages,
+    m, l, acc)

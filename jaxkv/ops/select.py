@@ -11,12 +11,13 @@ from jaxkv.errors import InputError
 from jaxkv.ops import chunked, kernel
 from jaxkv.ops.reference import check_shapes
 
-_KERNEL_PLATFORM = {"pallas_gpu": "gpu"}
+_KERNEL_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
-def resolve(impl: str, interpret: bool | None = None) -> tuple[str, bool]:
+def resolve(impl: str, interpret=None) -> tuple[str, object]:
   """``(implementation, interpret)`` for ``impl``; a kernel off its own platform runs in
-  Pallas' interpreter unless ``interpret`` says otherwise."""
+  Pallas' interpreter unless ``interpret`` says otherwise (``pallas_tpu`` also takes a
+  ``pltpu.InterpretParams``: the TPU interpreter)."""
   if impl not in ATTENTION_IMPLS:
     raise InputError(f"attention impl={impl!r} must be one of {ATTENTION_IMPLS}.")
   impl = resolve_attention_impl(impl)
@@ -24,12 +25,11 @@ def resolve(impl: str, interpret: bool | None = None) -> tuple[str, bool]:
     return impl, False
   if interpret is None:
     interpret = jax.default_backend() != _KERNEL_PLATFORM[impl]
-  return impl, bool(interpret)
+  return impl, interpret
 
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                pages_per_chunk: int, block_valid=None, impl: str = "auto",
-                interpret: bool | None = None):
+                pages_per_chunk: int, block_valid=None, impl: str = "auto", interpret=None):
   """Folds every page of ``page_table`` into ``state`` (see ``chunked.paged_state``)."""
   impl, interpret = resolve(impl, interpret)
   if impl == "jnp":
@@ -37,15 +37,15 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
                                pages_per_chunk=pages_per_chunk, block_valid=block_valid)
   return kernel.paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
                             pages_per_chunk=pages_per_chunk, block_valid=block_valid,
-                            interpret=interpret)
+                            interpret=interpret, form=_KERNEL_PLATFORM[impl])
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
                     pages_per_chunk: int = 8, scale: float | None = None, block_valid=None,
-                    impl: str = "auto", interpret: bool | None = None):
+                    impl: str = "auto", interpret=None):
   """Attention of ``q`` over each sequence's pages (contract and layout:
-  ``reference.paged_attention_reference``). ``impl``: ``auto``, ``jnp`` or
-  ``pallas_gpu``; ``interpret``: run a Pallas kernel in Pallas' interpreter (default:
+  ``reference.paged_attention_reference``). ``impl``: ``auto``, ``jnp``, ``pallas_gpu``
+  or ``pallas_tpu``; ``interpret``: run a Pallas kernel in Pallas' interpreter (default:
   when the backend is not the kernel's). Returns ``q``'s shape and dtype."""
   check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
   if pages_per_chunk <= 0:
