@@ -26,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
       head_dim=32, mlp_dim=256, dtype="float32"))
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=256, max_pages_per_seq=64, attention_chunk_pages=8,
-      dtype="float32"))
+      dtype="float32", attention_impl="auto"))
   # Prefill one page per step: every block's KV is then the same bits whether it was
   # computed in a prefill, in a decode, or reused (see BUILD.md, "Exactness").
   c.engine = ml_collections.ConfigDict(dict(

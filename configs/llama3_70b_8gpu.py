@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   # per device). 24 GiB of KV per device: 39321 pages.
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=39321, max_pages_per_seq=8192, attention_chunk_pages=32,
-      dtype="bfloat16"))
+      dtype="bfloat16", attention_impl="auto"))
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=64, prefill_chunk_pages=32, cache_decode_blocks=True))
   c.tiers = ml_collections.ConfigDict(dict(

@@ -28,7 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
   # 48 GiB of HBM for KV (weights take 16 GB, activations the rest): 24576 pages.
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=24576, max_pages_per_seq=8192, attention_chunk_pages=32,
-      dtype="bfloat16"))
+      dtype="bfloat16", attention_impl="auto"))
+  # --config.cache.attention_impl=pallas_gpu runs jaxkv's Triton-form kernel: 16-token pages
+  # x 32 per chunk = 512 keys per step, head_dim 128; power-of-two shapes throughout.
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=32, prefill_chunk_pages=32, cache_decode_blocks=True))
   # 256 GiB of pinned host memory and a local NVMe directory below it.

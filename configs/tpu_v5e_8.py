@@ -27,7 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 2 MiB per block, 1 MiB per chip; 6 GiB of KV per chip: 6144 pages per data shard.
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=6144, max_pages_per_seq=2048, attention_chunk_pages=16,
-      dtype="bfloat16"))
+      dtype="bfloat16", attention_impl="auto"))
+  # For jaxkv's TPU kernel (--config.cache.attention_impl=pallas_tpu): head_dim 128 fills
+  # the vector lanes, 16-token bf16 pages a packed (16, 128) tile per DMA, and a chunk of 16
+  # pages is a 256-key score tile for the MXU.
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=16, prefill_chunk_pages=16, cache_decode_blocks=True))
   c.tiers = ml_collections.ConfigDict(dict(

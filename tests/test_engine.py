@@ -37,12 +37,12 @@ CASES = {
                                  dict(prefill_chunk_pages=4, max_seqs_per_shard=1,
                                       batching="static"), 9, False),
     # jaxkv's Pallas kernel in both forms (Pallas' interpreters here): the same guarantees.
-    "pallas_gpu_gqa_page4_chunk2": (dict(), dict(page_size=4, attention_impl="pallas_gpu"),
+    "pallas_tpu_gqa_page4_chunk2": (dict(), dict(page_size=4, attention_impl="pallas_tpu"),
                                     dict(prefill_chunk_pages=2, max_seqs_per_shard=2), 5, False),
-    "pallas_tpu_mha_bf16_page8_chunk1": (dict(num_heads=2, num_kv_heads=2, dtype="bfloat16"),
+    "pallas_gpu_mha_bf16_page8_chunk1": (dict(num_heads=2, num_kv_heads=2, dtype="bfloat16"),
                                          dict(page_size=8, max_pages_per_seq=16,
                                               attention_chunk_pages=2,
-                                              attention_impl="pallas_tpu"),
+                                              attention_impl="pallas_gpu"),
                                          dict(prefill_chunk_pages=1, max_seqs_per_shard=1), 6,
                                          True),
 }

@@ -192,8 +192,6 @@ def test_the_kernel_state_is_the_jnp_paths_state():
   for impl in IMPLS[1:]:
     for a, b in zip(states["jnp"], states[impl]):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-  for a, b in zip(states["pallas_gpu"], states["pallas_tpu"]):  # one kernel, two forms
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_tpu_forms_double_buffered_copies_do_not_race():

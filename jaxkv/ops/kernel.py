@@ -39,7 +39,7 @@ from jaxkv.ops import chunked
 
 def _kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref,
             m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int):
-  length = lens_ref[pl.program_id(0)]
+  length = lens_ref[0]
   q = q_ref[...]  # [R, D] float32, scaled
   qpos = qpos_ref[...]  # [R]
   chunk_tokens = pages_per_chunk * page_size
@@ -140,10 +140,17 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
   qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
   m, l, acc = (x.reshape(batch, heads, rows, -1) for x in state)
+  extra = 0
+  if form == "gpu":  # Triton's blocks: a power of two rows, at least 16 for its dot
+    extra = max(16, 1 << (rows - 1).bit_length()) - rows
+    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)],
+                                     constant_values=value)
+    q, m, l, acc = pad(q), pad(m, -jnp.inf), pad(l), pad(acc)
+    qpos = jnp.pad(qpos, ((0, 0), (0, extra)), constant_values=-1)  # masked: nothing read
   call = _call_tpu if form == "tpu" else _call
   out = call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
              page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
-  return tuple(x.reshape(batch, heads, group, q_len, -1) for x in out)
+  return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
 
 def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid,
@@ -159,14 +166,14 @@ def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table,
   return pl.pallas_call(
       kernel,
       grid=(batch, heads),
-      in_specs=[pl.BlockSpec((batch,), lambda b, h: (0,)), per_row(width), per_row(width),
-                per_row(rows), per_head(rows, head_dim), pool, pool, *state_specs],
+      in_specs=[per_row(1), per_row(width), per_row(width), per_row(rows),
+                per_head(rows, head_dim), pool, pool, *state_specs],
       out_specs=state_specs,
       out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
       input_output_aliases={7: 0, 8: 1, 9: 2},
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
-  )(kv_lens, page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
+  )(kv_lens[:, None], page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
 
 
 def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid, qpos,
