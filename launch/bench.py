@@ -14,7 +14,9 @@ overhead (one device: jaxkv's steps against a plain dense-KV loop written in the
 weights (loading a Hugging Face checkpoint: time and peak host memory against
 safetensors.load_file + device_put and against reading the files);
 storage (the disk tier on an S3 server on loopback against a plain client's gets, and two
-writer processes racing on one store, directory and bucket: blocks lost).
+writer processes racing on one store, directory and bucket: blocks lost);
+kernels (each attention implementation on the same decode and prefill steps; Pallas kernels
+off their hardware run in the interpreter and are labelled so).
 """
 
 import time
@@ -24,7 +26,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage")
+          "weights", "storage", "kernels")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -49,6 +51,11 @@ def _print(result: dict) -> None:
   for name, fig in result.get("loads", {}).items():
     print(f"  load {name:10s} {fig['seconds']:7.2f} s {fig['gb_per_s']:6.2f} GB/s  peak anon "
           f"{fig['peak_anon_bytes'] / 2**20:8.0f} MiB  file {fig['peak_file_bytes'] / 2**20:8.0f} MiB")
+  for key, fig in result.items():
+    if isinstance(fig, dict) and "tokens_per_s" in fig:
+      label = " (interpreted: not kernel speed)" if fig["interpreted"] else ""
+      print(f"  {key:22s} {1e3 * fig['median_s']:9.2f} ms {fig['tokens_per_s']:10.0f} tok/s "
+            f"{fig['gb_per_s']:7.2f} GB/s{label}")
   for group in ("host", "disk", "object_store"):
     for name, fig in result.get(group, {}).items():
       print(f"  {group:5s} {name:24s} {fig['gb_per_s']:7.2f} GB/s "
@@ -84,6 +91,9 @@ def main(argv):
   elif _SUITE.value == "weights":
     from jaxkv.bench import weights
     result = weights.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
+  elif _SUITE.value == "kernels":
+    from jaxkv.bench import kernels
+    result = kernels.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "storage":
     from jaxkv.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

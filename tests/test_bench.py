@@ -54,3 +54,17 @@ def test_storage_suite_reports_the_object_store_ratio_and_lost_blocks(tmp_path):
     race = r["shared_store"][where]
     assert race["committed"] == race["verified"] == 2 * race["blocks_per_writer"] - race[
         "shared_blocks"]
+
+
+def test_kernels_suite_times_every_impl_on_the_same_steps_and_labels_the_interpreter(tmp_path):
+  r = quick_bench(tmp_path, "kernels")
+  assert r["backend"] == "cpu"
+  for step in ("decode", "prefill"):
+    for impl in ("jnp", "pallas_gpu", "pallas_tpu"):
+      fig = r[f"{step}_{impl}"]
+      assert fig["interpreted"] == (impl != "jnp")  # off GPU/TPU the kernels are interpreted
+      assert r[f"{step}_{impl}_max_abs_error"] < 1e-4  # what was timed computes attention
+      assert abs(r[f"{step}_{impl}_vs_jnp"]
+                 - r[f"{step}_jnp"]["median_s"] / fig["median_s"]) < 1e-9
+      tokens = r["shapes"]["batch"] * (1 if step == "decode" else r["shapes"]["prefill_tokens"])
+      assert abs(fig["tokens_per_s"] * fig["median_s"] - tokens) < 1e-6 * tokens
