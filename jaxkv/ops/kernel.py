@@ -37,33 +37,46 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxkv.ops import chunked
 
 
+def _fold_chunk(state, c, q, qpos, length, k, v, valid):
+  """Chunk ``c``'s keys and values (``[pages, page_size, D]``; ``valid``: ``[L]``, one flag
+  per key) folded into the state of the rows ``q`` (``[R, D]``) at positions ``qpos``
+  (``[R]``): the arithmetic both forms share."""
+  chunk_tokens, head_dim = valid.shape[0], q.shape[-1]
+  kpos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+  mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
+  k = k.reshape(chunk_tokens, head_dim).astype(jnp.float32)
+  v = v.reshape(chunk_tokens, head_dim).astype(jnp.float32)
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
+  return chunked.fold(state, s, mask, lambda p: jnp.dot(
+      p, v, preferred_element_type=jnp.float32))
+
+
+def _chunks_used(length, width: int, pages_per_chunk: int, page_size: int):
+  """The chunks up to the one holding the sequence's last token (the rest are masked)."""
+  chunk_tokens = pages_per_chunk * page_size
+  return jnp.minimum(width // pages_per_chunk, (length + chunk_tokens - 1) // chunk_tokens)
+
+
+def _run(state_refs, out_refs, used, step) -> None:
+  """Folds chunks ``0 .. used-1`` into the state, then stores it."""
+  state = jax.lax.fori_loop(0, used, step, tuple(r[...] for r in state_refs))
+  for ref, x in zip(out_refs, state):
+    ref[...] = x
+
+
 def _kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref,
             m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int):
   length = lens_ref[0]
-  q = q_ref[...]  # [R, D] float32, scaled
-  qpos = qpos_ref[...]  # [R]
-  chunk_tokens = pages_per_chunk * page_size
-  num_chunks = table_ref.shape[0] // pages_per_chunk
-  tok = jnp.arange(chunk_tokens, dtype=jnp.int32)
+  q, qpos = q_ref[...], qpos_ref[...]  # [R, D] float32 scaled; [R]
 
   def step(c, state):
-    m, l, acc = state
     entries = pl.ds(c * pages_per_chunk, pages_per_chunk)
     table = table_ref[entries]
-    k = k_ref[table].reshape(chunk_tokens, -1).astype(jnp.float32)
-    v = v_ref[table].reshape(chunk_tokens, -1).astype(jnp.float32)
-    kpos = c * chunk_tokens + tok
     valid = jnp.repeat(valid_ref[entries], page_size) != 0
-    mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
-    return chunked.fold((m, l, acc), s, mask, lambda p: jnp.dot(
-        p, v, preferred_element_type=jnp.float32))
+    return _fold_chunk(state, c, q, qpos, length, k_ref[table], v_ref[table], valid)
 
-  used = jnp.minimum(num_chunks, (length + chunk_tokens - 1) // chunk_tokens)
-  m, l, acc = jax.lax.fori_loop(0, used, step, (m_ref[...], l_ref[...], acc_ref[...]))
-  m_out[...] = m
-  l_out[...] = l
-  acc_out[...] = acc
+  used = _chunks_used(length, table_ref.shape[0], pages_per_chunk, page_size)
+  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), used, step)
 
 
 def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m_ref, l_ref,
@@ -71,11 +84,8 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m
                 pages_per_chunk: int, page_size: int, width: int):
   b, h = pl.program_id(0), pl.program_id(1)
   length = lens_ref[b]
-  q = q_ref[...]  # [R, D] float32, scaled
-  qpos = qpos_ref[0]  # [R]
-  chunk_tokens = pages_per_chunk * page_size
-  head_dim = q.shape[-1]
-  tok = jnp.arange(chunk_tokens, dtype=jnp.int32)
+  q, qpos = q_ref[...], qpos_ref[0]  # [R, D] float32 scaled; [R]
+  used = _chunks_used(length, width, pages_per_chunk, page_size)
 
   def copies(c, slot):
     out = []
@@ -84,8 +94,6 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m
       out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, i], k_sem.at[slot]))
       out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i], v_sem.at[slot]))
     return out
-
-  used = jnp.minimum(width // pages_per_chunk, (length + chunk_tokens - 1) // chunk_tokens)
 
   @pl.when(used > 0)
   def _():
@@ -102,21 +110,12 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m
 
     for copy in copies(c, slot):
       copy.wait()
-    k = k_buf[slot].reshape(chunk_tokens, head_dim).astype(jnp.float32)
-    v = v_buf[slot].reshape(chunk_tokens, head_dim).astype(jnp.float32)
     flags = [valid_ref[b * width + c * pages_per_chunk + i] != 0
              for i in range(pages_per_chunk)]
     valid = jnp.concatenate([jnp.full((page_size,), f) for f in flags])
-    kpos = c * chunk_tokens + tok
-    mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
-    return chunked.fold(state, s, mask, lambda p: jnp.dot(
-        p, v, preferred_element_type=jnp.float32))
+    return _fold_chunk(state, c, q, qpos, length, k_buf[slot], v_buf[slot], valid)
 
-  m, l, acc = jax.lax.fori_loop(0, used, step, (m_ref[...], l_ref[...], acc_ref[...]))
-  m_out[...] = m
-  l_out[...] = l
-  acc_out[...] = acc
+  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), used, step)
 
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
@@ -143,9 +142,9 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   extra = 0
   if form == "gpu":  # Triton's blocks: a power of two rows, at least 16 for its dot
     extra = max(16, 1 << (rows - 1).bit_length()) - rows
-    pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)],
-                                     constant_values=value)
-    q, m, l, acc = pad(q), pad(m, -jnp.inf), pad(l), pad(acc)
+    pad_rows = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)],
+                                          constant_values=value)
+    q, m, l, acc = pad_rows(q), pad_rows(m, -jnp.inf), pad_rows(l), pad_rows(acc)
     qpos = jnp.pad(qpos, ((0, 0), (0, extra)), constant_values=-1)  # masked: nothing read
   call = _call_tpu if form == "tpu" else _call
   out = call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
