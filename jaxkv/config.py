@@ -60,9 +60,10 @@ class CacheConfig:
   page-table width (see ``jaxkv.ops.paged_attention``).
   ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the
   chunked jnp path), ``pallas_gpu`` / ``pallas_tpu`` (jaxkv's Pallas kernel in its GPU or
-  TPU form; Pallas' interpreter off that hardware), ``auto`` (see ``jaxkv.ops.resolve_impl``). Implementations may differ in the last bits,
-  and those bits reach later layers' K/V, so the resolved choice is part of the
-  fingerprint when it is not ``jnp``: blocks of one never mix with another's.
+  TPU form; Pallas' interpreter off that hardware), ``auto`` (``resolve_attention_impl``).
+  Implementations may differ in the last bits, and those bits reach later layers' K/V, so
+  the resolved choice is part of the fingerprint when it is not ``jnp``: blocks of one
+  never mix with another's.
   """
 
   model_name: str

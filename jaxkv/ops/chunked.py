@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
   """Folds one chunk of keys/values into the running (max, sum, weighted sum).
 
