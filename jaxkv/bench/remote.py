@@ -2,9 +2,10 @@
 
 A serving job (a subprocess with 4 CPU devices) computes a long prefix and serves it with
 ``BlockServer``. In this job, interleaved:
-- ``remote_fetch``: a ``RemoteClient`` pulls the prefix's blocks (offer + transfer +
-  CRC-32C of every block) — against ``tcp``: the same number of bytes sent over a plain
-  loopback TCP socket (``remote_vs_tcp``, a throughput ratio);
+- ``remote_fetch``: a ``RemoteClient`` fetches the prefix's blocks (one ZeroMQ round trip:
+  the owner's gather, the blocks inline in the answer, CRC-32C on both sides) — against
+  ``tcp``: the same number of bytes sent over a plain loopback TCP socket
+  (``remote_vs_tcp``, a throughput ratio);
 - ``remote_hit``: TTFT of a request on that prefix in a fresh engine that pulls it,
   against ``recompute``: the same request in a fresh engine without the peer
   (``remote_hit_speedup = recompute TTFT / remote-hit TTFT``).

@@ -152,21 +152,33 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
 
+def _per_row(*tail) -> pl.BlockSpec:
+  """Sequence ``b``'s block of a ``[B, *tail]`` operand (grid ``(b, h)``; the TPU form's
+  prefetched scalar refs follow as ``*_``)."""
+  return pl.BlockSpec((None, *tail), lambda b, h, *_: (b, *([0] * len(tail))))
+
+
+def _per_head(*tail) -> pl.BlockSpec:
+  """Program ``(b, h)``'s block of a ``[B, H, *tail]`` operand."""
+  return pl.BlockSpec((None, None, *tail), lambda b, h, *_: (b, h, *([0] * len(tail))))
+
+
+def _state_specs(rows: int, head_dim: int) -> list:
+  return [_per_head(rows, 1), _per_head(rows, 1), _per_head(rows, head_dim)]
+
+
 def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid,
           qpos, q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
   num_pages, width = k_pages.shape[1], page_table.shape[1]
-  per_row = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h: (b, *([0] * len(tail))))
-  per_head = lambda *tail: pl.BlockSpec((None, None, *tail),
-                                        lambda b, h: (b, h, *([0] * len(tail))))
   pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
-  state_specs = [per_head(rows, 1), per_head(rows, 1), per_head(rows, head_dim)]
+  state_specs = _state_specs(rows, head_dim)
   kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size)
   return pl.pallas_call(
       kernel,
       grid=(batch, heads),
-      in_specs=[per_row(1), per_row(width), per_row(width), per_row(rows),
-                per_head(rows, head_dim), pool, pool, *state_specs],
+      in_specs=[_per_row(1), _per_row(width), _per_row(width), _per_row(rows),
+                _per_head(rows, head_dim), pool, pool, *state_specs],
       out_specs=state_specs,
       out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
       input_output_aliases={7: 0, 8: 1, 9: 2},
@@ -179,9 +191,7 @@ def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_ta
               q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
   width = page_table.shape[1]
-  per_head = lambda *tail: pl.BlockSpec((None, None, *tail),
-                                        lambda b, h, *_: (b, h, *([0] * len(tail))))
-  state_specs = [per_head(rows, 1), per_head(rows, 1), per_head(rows, head_dim)]
+  state_specs = _state_specs(rows, head_dim)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   buf = pltpu.VMEM((2, pages_per_chunk, page_size, head_dim), k_pages.dtype)
   kernel = functools.partial(_tpu_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size,
@@ -191,8 +201,7 @@ def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_ta
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,  # lengths, the page table, the valid flags (flattened)
           grid=(batch, heads),
-          in_specs=[pl.BlockSpec((None, 1, rows), lambda b, h, *_: (b, 0, 0)),
-                    per_head(rows, head_dim), hbm, hbm, *state_specs],
+          in_specs=[_per_row(1, rows), _per_head(rows, head_dim), hbm, hbm, *state_specs],
           out_specs=state_specs,
           scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)),
                           pltpu.SemaphoreType.DMA((2,))]),

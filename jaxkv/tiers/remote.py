@@ -257,7 +257,7 @@ def _host_blocks(x, start: int, stop: int) -> np.ndarray:
 # ---- the reading side ----------------------------------------------------------------------------
 class RemoteTier:
   """The peers of ``TierConfig.remote_peers`` as one ``FetchSource``: each request's
-  blocks from one peer come in one offer and one pull."""
+  blocks from one peer come in one ``fetch``."""
 
   tier = Tier.REMOTE
 
@@ -276,7 +276,7 @@ class RemoteTier:
     return best
 
   def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list[Fetch]]:
-    return None, list(fetches)  # a pull waits: it runs in finish_fetch, after the recompute
+    return None, list(fetches)  # a fetch waits: it runs in finish_fetch, after the recompute
 
   def finish_fetch(self, fetches: list[Fetch], t_end: float, stage) -> Landing | None:
     groups: dict = {}
