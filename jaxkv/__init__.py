@@ -3,17 +3,28 @@
 The public API is this module's names plus ``jaxkv.nnx`` (the layer a Flax NNX model
 calls), ``jaxkv.models`` (the Llama family's decoder, random or from a Hugging Face
 checkpoint) and ``jaxkv.ops`` (paged attention). Everything else is internal.
+
+What users touch: configs (``CacheConfig``, ``TierConfig``, ``EngineConfig``,
+``SchedulerConfig``, ``StreamConfig``, ``SamplingParams``), the ``KVCache`` and the
+``Engine`` over it, the handle ``Engine.submit`` returns (``RequestHandle``) and what
+``Engine.step`` returns (``StepOutput``), and the errors (``InputError``: a value you gave
+is unusable; ``CapacityError``: it does not fit). ``PrefixIndex``, ``CostModel``/``LinkCost``/
+``PrefillCurve`` and the jitted ``plan`` are exported for those who drive or calibrate
+the decision themselves (``launch/plan.py`` does).
 """
 
 from jaxkv import models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import (CacheConfig, EngineConfig, SamplingParams, SchedulerConfig,
                           StreamConfig, TierConfig)
+from jaxkv.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.engine import Engine
+from jaxkv.errors import InputError
 from jaxkv.identity import weights_digest
 from jaxkv.index import PrefixIndex, Tier
-from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve, plan
 from jaxkv.pages import make_mesh
+from jaxkv.plan import plan
+from jaxkv.scheduler import RequestHandle, StepOutput
 from jaxkv.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -23,14 +34,17 @@ __all__ = [
     "CapacityError",
     "Engine",
     "EngineConfig",
+    "InputError",
     "KVCache",
     "CostModel",
     "LinkCost",
     "PrefillCurve",
     "PrefixIndex",
+    "RequestHandle",
     "SamplingParams",
     "Tokenizer",
     "SchedulerConfig",
+    "StepOutput",
     "StreamConfig",
     "plan",
     "Tier",

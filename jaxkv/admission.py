@@ -45,6 +45,7 @@ class Request:
   keys: tuple  # block keys of the prompt's full blocks (empty without prefix reuse)
   num_pages_needed: int  # KV is written for the prompt and all generated tokens but the last
   streamed: bool = False  # longer than a device pool holds: cold pages stream from host
+  shard: int | None = None  # runs only on this data shard (``Engine.pin``); None: any
 
   @property
   def max_new_tokens(self) -> int:
@@ -84,9 +85,11 @@ class Admission:
     self.vocab_size = vocab_size
 
   # ---- validation ------------------------------------------------------------------------------
-  def validate(self, prompts, sampling, tenant, *, first_id: int = 0) -> list[Request]:
+  def validate(self, prompts, sampling, tenant, *, first_id: int = 0,
+               shard: int | None = None) -> list[Request]:
     """``sampling``: a ``SamplingParams`` for every prompt, one per prompt (a list), or an
-    integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``."""
+    integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``; ``shard``
+    restricts every request to one data shard."""
     c = self.cache.config
     if not isinstance(tenant, str) or not tenant:
       raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
@@ -110,7 +113,7 @@ class Admission:
               if self.prefix_reuse and not streamed else [])
       requests.append(Request(index=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
                               keys=tuple(keys), num_pages_needed=-(-total // c.page_size),
-                              streamed=streamed))
+                              streamed=streamed, shard=shard))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
     room = max(self.cache.index.num_available(s) for s in range(self.cache.num_shards))
@@ -135,7 +138,9 @@ class Admission:
       j = int(bad[0])
       raise InputError(f"prompt {i} token {j} is {int(arr[j])}, outside the vocabulary "
                        f"[0, {self.vocab_size}).")
-    return arr.astype(np.int32)
+    tokens = arr.astype(np.int32)  # a copy: the caller's list or array stays theirs
+    tokens.setflags(write=False)
+    return tokens
 
   def _check_streamable(self, i: int, prompt_len: int, max_new_tokens: int, total: int) -> None:
     """Refuses, before any work, a sequence that even the lower tiers cannot hold."""
@@ -160,21 +165,20 @@ class Admission:
           "raise host_pages_per_shard or max_cold_pages, or shorten the request.")
 
   # ---- placement -------------------------------------------------------------------------------
-  def admit(self, pending: collections.deque, only_shard: int | None = None,
-            running: list[int] | None = None) -> list[Placement]:
-    """Places requests from the front of ``pending`` (which keeps the rest, in order) into
-    one wave; ``only_shard`` restricts them to one shard (``Engine.pin``). ``running``: the
-    sequences each shard runs already (continuous batching); the wave fills the rest."""
+  def admit(self, pending: collections.deque, running: list[int] | None = None
+            ) -> list[Placement]:
+    """Places requests from the front of ``pending`` (which keeps the rest, in order);
+    a request with a ``shard`` goes only there (``Engine.pin``). ``running``: the
+    sequences each shard runs already; the rows left are filled."""
     num_shards = self.cache.num_shards
-    candidates = list(range(num_shards)) if only_shard is None else [only_shard]
     load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
     waiting = collections.deque()
-    while pending and any(load[s] < self.max_seqs_per_shard for s in candidates):
+    while pending and any(n < self.max_seqs_per_shard for n in load):
       req = pending.popleft()
       found = self._lookup(req)
-      order = self._shard_order(req, found, load) if only_shard is None else candidates
-      if running is not None and self._wait_for_own_shard(found, order, load):
+      order = self._shard_order(req, found, load) if req.shard is None else [req.shard]
+      if req.shard is None and self._wait_for_own_shard(found, order, load):
         waiting.append(req)
         continue
       for s in order:

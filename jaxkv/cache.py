@@ -40,8 +40,9 @@ from jaxkv.transfers import TierMover
 from jaxkv.errors import InputError
 
 
-class CapacityError(ValueError):
-  """A request needs more device pages than the cache can ever give it."""
+class CapacityError(InputError):
+  """A request needs more pages than the cache can ever give it: what the caller asked
+  for does not fit this cache (an ``InputError``: launchers report it in one line)."""
 
 
 class KVCache:
@@ -97,16 +98,23 @@ class KVCache:
         f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "",
         f"; deployment key {self.key_id}" if self._deployment_key else "")
     if config.weights_digest:  # the model is known: open what depends on its identity now
-      self._open_shared_tiers()
+      self.open_tiers()
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
     self.pool_def = None  # their tree structure
     self._pins: dict = {}
     self._row_shardings: dict = {}
 
-  def _open_shared_tiers(self) -> None:
-    """What depends on the cache's fingerprint, so on the model's weights: blocks a
+  def open_tiers(self) -> None:
+    """Opens what depends on the cache's fingerprint, so on the model's weights: blocks a
     previous run left on disk (adopted only if written under this fingerprint), the
-    remote peers, and the mover over every tier."""
+    remote peers, and the mover over every tier. Once the model is known: at
+    construction when ``CacheConfig.weights_digest`` names it, else the engine calls this
+    after ``attach``. Opening twice does nothing."""
+    if self.mover is not None:
+      return
+    if not self.config.weights_digest:
+      raise InputError("the cache's model is not known yet: attach(model) (jaxkv.Engine "
+                       "does) or set CacheConfig.weights_digest before opening its tiers.")
     config, tiers = self.config, self.tiers
     if tiers.remote_peers:
       from jaxkv.tiers.remote import RemoteClient, RemoteTier
@@ -138,7 +146,6 @@ class KVCache:
     self.index.fingerprint = self.config.fingerprint()
     if self.disk is not None:
       self.disk.fingerprint = self.config.fingerprint()
-    self._open_shared_tiers()
 
   @property
   def num_arrays(self) -> int:
@@ -159,8 +166,9 @@ class KVCache:
 
   # ---- the device pools --------------------------------------------------------------------
   def attach(self, model: nnx.Module) -> tuple:
-    """Allocates the device pools inside ``model``'s ``PagedKV`` layers and takes them
-    over. Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
+    """Allocates the device pools inside ``model``'s ``PagedKV`` layers, takes them over
+    and binds the weights' digest into the fingerprint (opening no store: ``open_tiers``).
+    Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
     if self._pools is not None:
       raise InputError("this KVCache already serves a model; build one KVCache per engine.")
     kvnnx.init_pages(model, self.config, self.mesh)
@@ -315,8 +323,6 @@ class KVCache:
                        for slot, key, parent in good] + [deleted])
     rows = json.loads(distributed.broadcast_bytes(text.encode()).decode())
     good = [(slot, bytes.fromhex(k), bytes.fromhex(p) if p else None) for slot, k, p in rows[:-1]]
-    if jax.process_index() != 0:
-      disk.adopt([(slot, key) for slot, key, _ in good])
     return good, rows[-1]
 
   def _check_fits_in_memory(self) -> None:

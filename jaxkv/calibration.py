@@ -1,4 +1,4 @@
-"""Measures the costs the scheduler decides with, on this machine, model and config.
+"""Measures the costs the planner decides with, on this machine, model and config.
 
 - ``host_to_device``: ``HostTier.load`` + the device scatter for two batch sizes; latency
   and bandwidth from the line through both points.
@@ -22,7 +22,7 @@ from absl import logging
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
-from jaxkv.scheduler import CostModel, LinkCost, PrefillCurve
+from jaxkv.costs import CostModel, LinkCost, PrefillCurve
 
 
 def _median_time(fn, reps: int) -> float:
@@ -74,23 +74,23 @@ def _disk_link(cache, reps: int) -> LinkCost:
   payload = rng.standard_normal(disk.payload_shape).astype(np.float32).astype(disk.dtype)
   keys = [i.to_bytes(32, "little") for i in range(n)]
   try:
-    for w in [scratch.write(i, payload, keys[i], None) for i in range(n)]:
-      w.future.result(timeout=120)
+    for w in [scratch.write(k, payload, None) for k in keys]:
+      w.result(timeout=120)
 
     def read(k):
       def go():
         if scratch.local:  # cold reads: drop the records from the page cache first
-          for i in range(n):
-            fd = os.open(scratch.path_of(i), os.O_RDONLY)
+          for key in keys:
+            fd = os.open(scratch.path_of(key), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-        scratch.read_verified(list(range(k)), keys[:k], time.monotonic() + 120)
+        scratch.read_verified(keys[:k], time.monotonic() + 120)
       return go
 
     points = [(k * scratch.record_bytes, _median_time(read(k), reps)) for k in (1, n)]
   finally:
-    for i in range(n):
-      scratch.delete(i)
+    for key in keys:
+      scratch.delete(key)
     scratch.settle()
     if scratch.local:
       shutil.rmtree(scratch.prefix_path, ignore_errors=True)

@@ -8,11 +8,13 @@
   (the PrefixIndex, a plan); it raises if any process differs. The index is built by the
   same deterministic operations everywhere (hashlib, ordered dicts), so it should never
   differ; this is how a job proves it.
-- ``agree_costs``: calibration measures each host's own costs; a job must plan from one
-  set, so process 0's CostModel is broadcast and every process plans with it.
 - ``plan_digest``: a SHA-256 over a plan's arrays, for ``agree_digest``.
+- ``agree_reads`` / ``agree_writes``: the outcome of every disk read and write of the
+  store a job shares, the same on every process (each process reads the records its own
+  devices need, and writes its turn of the blocks; ``jaxkv.transfers``, ``jaxkv.journal``).
 - ``allgather_codes`` / ``broadcast_bytes``: the small collectives that keep per-process
-  outcomes (a disk write committed, a record verified) the same decision everywhere.
+  outcomes (a disk write committed, a record verified) the same decision everywhere, and
+  give every process process 0's costs (``jaxkv.costs.agree_costs``).
 
 Failure domain: in one ``jax.distributed`` job, a process that dies makes the others fail
 their next collective and, after the coordinator's heartbeat timeout, abort (FACTS: a few
@@ -72,15 +74,6 @@ def agree_digest(digest: str, what: str) -> None:
                      + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(got)))
 
 
-def agree_costs(costs):
-  """Every process gets process 0's CostModel (the one the job plans with)."""
-  from jaxkv.scheduler import CostModel
-  if jax.process_count() == 1:
-    return costs
-  text = costs.to_json().encode() if jax.process_index() == 0 else b""
-  return CostModel.from_json(broadcast_bytes(text).decode())
-
-
 def plan_digest(plan) -> str:
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(plan):
@@ -98,6 +91,37 @@ def allgather_codes(codes: np.ndarray) -> np.ndarray:
     return codes[None]
   from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(codes)).reshape(jax.process_count(), -1)
+
+
+def agree_reads(codes: np.ndarray, *, unread: int) -> np.ndarray:
+  """One outcome per read, the same on every process of a job (a collective: every
+  process calls it at the same point, with one code per read, in the same order).
+
+  ``codes[i]`` is this process's outcome of read ``i``: 0 when another process read it,
+  1 when it verified here, a failure code ``>= 2`` when it failed here. The job's outcome
+  is 1 when every process that read it verified it; else the failure code of the first
+  process (by process index) that failed it; ``unread`` when no process read it.
+  """
+  rows = allgather_codes(codes)  # [processes, reads]
+  out = np.full(rows.shape[1], unread, np.int32)
+  for i, column in enumerate(rows.T):
+    failed = column[column >= 2]
+    if failed.size:
+      out[i] = failed[0]
+    elif (column == 1).any():
+      out[i] = 1
+  return out
+
+
+def agree_writes(codes: np.ndarray) -> np.ndarray:
+  """Each write's outcome as its writer reports it, on every process of a job (a
+  collective when there are several processes). ``codes[i]``: this process's code for
+  write ``i``, nonzero only for a finished write of its own; one process writes each
+  block, so the job's code is the sum over processes."""
+  codes = np.asarray(codes, np.int32).reshape(-1)
+  if jax.process_count() == 1:
+    return codes
+  return allgather_codes(codes).sum(axis=0).astype(np.int32)
 
 
 def broadcast_bytes(payload: bytes) -> bytes:

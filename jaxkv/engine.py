@@ -1,21 +1,28 @@
-"""Engine: batched greedy generation over a Flax NNX model with tiered prefix reuse.
+"""Engine: generation over a Flax NNX model with tiered prefix reuse, one step at a time.
 
-The engine is a facade over parts that each do one job; a request passes through them in
-this order and never back:
+The engine is a facade that builds the parts and runs one loop through them. Every
+request — ``generate``, ``submit``, ``pin``, a long streamed context — enters the same
+queue and leaves it through the same steps:
 
-  ``admission``  validate the prompts into frozen ``Request`` records; place each on the
-                 shard where its cached prefix makes it cheapest (a ``Placement``: pages,
-                 hits by tier, fetches), a wave of ``max_seqs_per_shard`` per shard;
-  ``scheduler``  ``Planner``: per request, which cached blocks are fetched and which
-                 recomputed (``jaxkv.plan`` over measured costs);
-  ``executor``   issue the fetches (``transfers.TierMover``, through the tiers'
-                 ``FetchSource``), recompute meanwhile, verify, prefill the rest, decode,
-                 publish what was written, write through;
-  ``runner``     the jitted prefill/decode steps and the one builder of a step's batch;
-  ``streaming``  sequences longer than a device pool: hot pages on device, cold ones
-                 streamed from host (or disk via host) through attention.
-Everything they share lives in the ``KVCache``: the device pools, the tiers, the index,
-the pins and the ``Stats``.
+  ``admission``  ``validate``: the caller's prompts become frozen ``Request`` records, or
+                 are refused before any work; ``admit``: a request is placed on the shard
+                 where its cached prefix makes it cheapest (a frozen ``Placement``).
+  ``planner``    which of a request's cached blocks are fetched and which recomputed
+                 (``jaxkv.plan`` over measured ``costs``).
+  ``scheduler``  the step loop: each ``step`` it decides one frozen ``StepPlan`` (rows,
+                 chunks, fetches to issue, fetch groups to verify) and afterwards takes
+                 the runner's ``StepResult`` into its state (hits, published blocks,
+                 tokens, finished requests).
+  ``runner``     executes a ``StepPlan``: the jitted prefill/decode steps over compact
+                 rows, the tier transfers (``transfers.TierMover``) and their
+                 verification, the readback; returns the ``StepResult``.
+  ``streaming``  executes the plan of a sequence longer than a device pool (hot pages on
+                 device, cold ones streamed from host or disk through attention).
+What goes back up is a return value. Everything the parts share lives in the ``KVCache``:
+the device pools, the tiers, the index, the pins and the ``Stats``.
+
+``EngineConfig(batching="static")`` is an admission policy of the same loop (admit only
+into an empty batch: waves), kept to compare against.
 
 The engine asks only this of a model: ``model(tokens [B, T] int32, batch: PageBatch)
 -> logits [B, T, vocab]``, with its attention layers holding ``jaxkv.nnx.PagedKV``.
@@ -29,16 +36,17 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from jaxkv import buckets
-from jaxkv import scheduler as sched
 from jaxkv.admission import Admission
 from jaxkv.cache import KVCache
 from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamConfig
-from jaxkv.executor import Executor
 from jaxkv.runner import ModelRunner
-from jaxkv.serving import ContinuousBatcher, RequestHandle, StepOutput
+from jaxkv.costs import CostModel
+from jaxkv.planner import Planner
+from jaxkv.scheduler import RequestHandle, Scheduler, StepOutput, StepPlan, StepResult
 from jaxkv.streaming import StreamRunner
 from jaxkv.errors import InputError
 
@@ -47,7 +55,7 @@ class Engine:
   """Prefill/decode with prefix reuse over a Flax NNX model and a ``KVCache``."""
 
   def __init__(self, model: nnx.Module, cache: KVCache, config: EngineConfig | None = None, *,
-               scheduler: SchedulerConfig | None = None, costs: sched.CostModel | None = None,
+               scheduler: SchedulerConfig | None = None, costs: CostModel | None = None,
                stream: StreamConfig | None = None):
     if not isinstance(cache, KVCache):
       raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
@@ -59,17 +67,23 @@ class Engine:
     _check_context(model, cache)
     self.model = model
     self.runner = ModelRunner(model, cache, config.prefill_chunk_pages)
+    cache.open_tiers()  # the model is known now: its stores, peers and the tier mover
     self.vocab_size = self.runner.vocab_size
     c = cache.config
-    self.planner = sched.Planner(
+    self.planner = Planner(
         self.scheduler, costs, num_shards=cache.num_shards, page_size=c.page_size,
         page_bytes=c.page_bytes, chunk_tokens=self.runner.chunk_tokens, stats=cache.stats,
-        calibrate=self._calibrate, tail_widths=self.runner.prefill_widths)
+        tail_widths=self.runner.prefill_widths)
     self.admission = Admission(cache, max_seqs_per_shard=config.max_seqs_per_shard,
                                prefix_reuse=config.prefix_reuse, vocab_size=self.vocab_size,
                                planner=self.planner, stream=stream)
-    self.executor = Executor(cache, self.runner, self.planner, prefix_reuse=config.prefix_reuse,
-                             cache_decode_blocks=config.cache_decode_blocks)
+    self.loop = Scheduler(cache, self.planner, self.admission,
+                          max_seqs_per_shard=config.max_seqs_per_shard,
+                          prefix_reuse=config.prefix_reuse,
+                          cache_decode_blocks=config.cache_decode_blocks,
+                          chunk_tokens=self.runner.chunk_tokens,
+                          policy="waves" if config.batching == "static" else "continuous")
+    self._stream, self._streamer = None, None
     self.stream = stream
     self._next_id = 0
 
@@ -81,26 +95,21 @@ class Engine:
   @stream.setter
   def stream(self, stream: StreamConfig | None) -> None:
     _check_stream(stream, self.cache, self.config)
-    if getattr(self, "_batcher", None) is not None and self._batcher.has_work():
+    if self.loop.has_work():
       raise InputError("cannot change the stream config while requests are running; finish "
                        "them first (Engine.step until has_unfinished() is False).")
     self._stream = stream
     self.admission.stream = stream
     self._streamer = (None if stream is None else StreamRunner(
         self.cache, self.runner, stream, prefill_chunk_pages=self.config.prefill_chunk_pages))
-    c = self.config
-    self._batcher = ContinuousBatcher(
-        self.cache, self.runner, self.planner, self.admission, self.executor,
-        max_seqs_per_shard=c.max_seqs_per_shard, prefix_reuse=c.prefix_reuse,
-        cache_decode_blocks=c.cache_decode_blocks, streamer=self._streamer)
 
   @property
-  def costs(self) -> sched.CostModel | None:
+  def costs(self) -> CostModel | None:
     """The costs the planner decides with (calibrated on first need under ``cost``)."""
     return self.planner.costs
 
   @costs.setter
-  def costs(self, costs: sched.CostModel | None) -> None:
+  def costs(self, costs: CostModel | None) -> None:
     self.planner.costs = costs
 
   @property
@@ -108,10 +117,20 @@ class Engine:
     """Traces per (step, shape bucket), shared by engines over the same model structure."""
     return self.runner.trace_counts
 
-  def _calibrate(self) -> sched.CostModel:
+  def _needs_costs(self) -> bool:
+    """Whether the ``cost`` policy may have to decide (blocks may come from a lower tier
+    or another shard) without costs yet: then they are measured first."""
+    cache = self.cache
+    cold = (cache.host or cache.disk or cache.remote
+            or (cache.num_shards > 1 and self.config.prefix_reuse))
+    return bool(cold) and self.scheduler.policy == "cost" and self.planner.costs is None
+
+  def _calibrate(self) -> None:
     from jaxkv import calibration
-    return calibration.calibrate(self.cache, self.runner,
-                                 max_seqs_per_shard=self.config.max_seqs_per_shard)
+    t0 = time.perf_counter()
+    self.planner.costs = calibration.calibrate(
+        self.cache, self.runner, max_seqs_per_shard=self.config.max_seqs_per_shard)
+    self.cache.stats.add("calibration_s", time.perf_counter() - t0)
 
   # ---- generation ------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]],
@@ -123,15 +142,11 @@ class Engine:
     every prompt, or a list with one per prompt (each its own length, sampling and stop
     tokens; a stop token is the last token returned). With ``return_logits=True`` returns
     ``(tokens, logits)`` where ``logits[i]`` is a ``[len(tokens[i]), vocab]`` float32
-    array: the logits each token was chosen from.
+    array: the logits each token was chosen from. Runs steps until every prompt is done
+    (other submitted requests advance meanwhile).
     """
-    if self.config.batching == "continuous":
-      return self._generate_continuous(prompts, max_new_tokens, tenant, return_logits)
-    return self._generate(prompts, max_new_tokens, tenant, return_logits=return_logits)
-
-  def _generate_continuous(self, prompts, sampling, tenant, return_logits: bool):
-    requests = self._validate(prompts, sampling, tenant)
-    handles = [self._batcher.add(r, self.step, want_logits=return_logits) for r in requests]
+    requests = self._validate(prompts, max_new_tokens, tenant)
+    handles = [self._add(r, want_logits=return_logits) for r in requests]
     while not all(h.finished for h in handles):
       self.step()
     outputs = [list(h.tokens) for h in handles]
@@ -139,52 +154,59 @@ class Engine:
       return outputs, [np.stack(h.logits) for h in handles]
     return outputs
 
-  def _validate(self, prompts, sampling, tenant):
-    requests = self.admission.validate(prompts, sampling, tenant, first_id=self._next_id)
+  def _validate(self, prompts, sampling, tenant, shard: int | None = None):
+    requests = self.admission.validate(prompts, sampling, tenant, first_id=self._next_id,
+                                       shard=shard)
     self._next_id += len(requests)
     return requests
+
+  def _add(self, request, *, on_token=None, want_logits: bool = False) -> RequestHandle:
+    return self.loop.add(RequestHandle(request, self._wait, on_token, want_logits))
+
+  def _wait(self) -> None:
+    """What a handle does to wait for its next token: run a step."""
+    self.step()
 
   # ---- the online API --------------------------------------------------------------------------
   def submit(self, prompt: Sequence[int], sampling: SamplingParams | int = 16,
              tenant: str = "default", *, on_token=None) -> RequestHandle:
-    """Queues one request; returns its handle at once (continuous batching).
+    """Queues one request; returns its handle at once.
 
     ``sampling``: a ``jaxkv.SamplingParams`` or ``max_new_tokens`` (greedy). The request
     joins the running batch at the next ``step`` that has a row and pages for it.
     ``on_token(token)`` is called for each token as it is generated; iterating over the
     handle yields them too (running steps as needed)."""
     request, = self._validate([prompt], sampling, tenant)
-    return self._batcher.add(request, self.step, on_token=on_token)
+    return self._add(request, on_token=on_token)
 
   def step(self) -> list[StepOutput]:
     """One iteration over every running request: admits waiting ones that fit, advances
     each by one prefill chunk or one decoded token. Returns what each request produced."""
+    if self._needs_costs() and self.loop.has_work():
+      self._calibrate()
     try:
-      return self._batcher.step()
+      plan = self.loop.schedule()
+      if plan.empty:
+        return []
+      if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
+        logging.debug("%s", plan.summary())
+      result = self._execute(plan)
+      return self.loop.update(plan, result)
     except BaseException:
-      self._batcher.abort_all()  # every reference the running requests held is released
+      # Every reference the running requests held is released, every fetch abandoned.
+      self.runner.abort(self.loop.abort_all())
       raise
+
+  def _execute(self, plan: StepPlan) -> StepResult:
+    if plan.streamed is None:
+      return self.runner.execute(plan)
+    tokens, logits, t_first = self._streamer.run(plan.streamed, plan.want_logits)
+    return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
+                      streamed=(tokens, logits, t_first))
 
   def has_unfinished(self) -> bool:
     """Whether submitted requests are waiting or running."""
-    return self._batcher.has_work()
-
-  def _generate(self, prompts, sampling, tenant, *, return_logits: bool,
-                only_shard: int | None = None):
-    t_start = time.perf_counter()
-    requests = self.admission.validate(prompts, sampling, tenant)
-    results: dict = {}
-    pending = collections.deque(r for r in requests if not r.streamed)
-    while pending:
-      wave = self.admission.admit(pending, only_shard=only_shard)
-      results.update(self.executor.run(wave, t_start, return_logits))
-    for r in requests:
-      if r.streamed:
-        results[r.index] = self._streamer.run(r, t_start, return_logits)
-    outputs = [results[i][0] for i in range(len(requests))]
-    if return_logits:
-      return outputs, [results[i][1] for i in range(len(requests))]
-    return outputs
+    return self.loop.has_work()
 
   def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None
              ) -> int:
@@ -208,6 +230,8 @@ class Engine:
     cold = (cache.host or cache.disk or cache.remote
             or (cache.num_shards > 1 and self.config.prefix_reuse))
     if self.scheduler.policy == "cost" and cold:  # blocks on another tier or shard
+      if self.planner.costs is None:
+        self._calibrate()
       self.planner.warm(widths, rows[-1] * cache.num_shards)
     jax.block_until_ready(self.cache.pools)
     return len(rows) * len(widths)
@@ -225,9 +249,13 @@ class Engine:
     if not keys:
       raise InputError(f"pin needs at least one full block ({self.cache.config.page_size} "
                        f"tokens); got {len(tokens)} tokens.")
+    handles = []
     for s in range(self.cache.num_shards):
-      if len(index.match(s, keys)) < len(keys):
-        self._generate([list(tokens)], 1, tenant, return_logits=False, only_shard=s)
+      if len(index.match(s, keys)) < len(keys):  # computed there through the loop
+        request, = self._validate([list(tokens)], 1, tenant, shard=s)
+        handles.append(self._add(request))
+    while not all(h.finished for h in handles):
+      self.step()
     return self.cache.hold(tokens, tenant)
 
   def unpin(self, tokens: Sequence[int], tenant: str = "default") -> None:
@@ -253,7 +281,7 @@ class Engine:
   def occupancy(self) -> dict:
     """What is held now: ``cached_blocks`` and ``capacity_blocks`` by tier (device and host
     summed over data shards; disk is one store), ``waiting_requests`` (queued, not yet
-    admitted) and ``running_requests`` (continuous batching)."""
+    admitted) and ``running_requests``."""
     from jaxkv.index import TIER_NAMES, Tier
     cache, index = self.cache, self.cache.index
     shards = range(cache.num_shards)
@@ -263,10 +291,9 @@ class Engine:
     capacity = {"device": cache.config.pages_per_shard * cache.num_shards,
                 "host": cache.tiers.host_pages_per_shard * cache.num_shards,
                 "disk": cache.tiers.disk_pages if cache.disk is not None else 0}
-    batcher = getattr(self, "_batcher", None)
     return {"cached_blocks": cached, "capacity_blocks": capacity,
-            "waiting_requests": len(batcher.waiting) if batcher else 0,
-            "running_requests": len(batcher.running) if batcher else 0}
+            "waiting_requests": len(self.loop.waiting),
+            "running_requests": len(self.loop.running)}
 
 
 def _check_context(model, cache: KVCache) -> None:

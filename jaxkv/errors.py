@@ -1,11 +1,27 @@
-"""The one error type for bad input.
+"""Errors by kind: what a caller gave is wrong, or jaxkv itself is wrong.
 
-``InputError`` is raised where a value a user gave — a config field, a flag, a request, a
-file or directory they point at — is checked and found unusable; its message names the
-value and the fix. Launch scripts report it in one line with exit status 2. Any other
-exception is a bug in jaxkv (or its environment) and keeps its traceback.
+``InputError`` (a ``ValueError``) is raised where a value a user gave — a config field, a
+flag, a request, a file or directory they point at — is checked and found unusable; its
+message names the value and the fix. Launch scripts report it in one line with exit
+status 2 (``launch/_common.run``).
+
+``InvariantError`` (an ``AssertionError``) is raised where jaxkv's own bookkeeping finds
+itself broken: a refcount released below zero, a block published into a slot nobody
+holds, a shard or slot id that no pool has. No user value can cause one; it is a bug in
+jaxkv (or in code driving its internals, such as ``PrefixIndex``, by hand). It is
+deliberately not a ``ValueError``, so that no ``except ValueError`` meant for bad input
+(or for a bad network answer) can swallow it or report it as bad input; launch scripts
+let it propagate with its traceback and exit status 1. Unlike an ``assert`` statement it
+is raised under ``python -O`` too.
+
+Any other exception is also a bug in jaxkv (or its environment) and keeps its traceback.
 """
 
 
 class InputError(ValueError):
   """A value given to jaxkv cannot be used; the message says which and what to do."""
+
+
+class InvariantError(AssertionError):
+  """jaxkv's internal state broke a rule it keeps; a bug, never bad input. The message
+  names the state and the rule."""

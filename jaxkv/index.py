@@ -24,6 +24,11 @@ Invariants (``check_invariants``; property tests drive random operation sequence
 - Refcounts never go negative; releasing an unreferenced slot raises.
 - Per pool, ``slot_of_key`` and ``key_of_slot`` are inverse maps.
 
+Errors by kind (``jaxkv.errors``): a bad value from a user (a tenant, a pool size from a
+config) raises ``InputError``; a broken rule of the bookkeeping above (a release below
+zero, a publish into a slot nobody holds, a shard or slot id no pool has) raises
+``InvariantError``: the caller (jaxkv's own cache and executor) has a bug.
+
 Everything is host-side Python and deterministic (hashlib, insertion-ordered dicts, no
 ``hash()``, no set iteration), so processes that apply the same operations hold the
 same index; ``digest`` compares them.
@@ -40,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv import security
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, InvariantError
 
 Key = bytes  # a 32-byte SHA-256 digest
 
@@ -86,6 +91,11 @@ def chain_keys(root: Key, tokens: Sequence[int], page_size: int, *, parent: Key 
     key = hashlib.sha256(key + block).digest()
     keys.append(key)
   return keys
+
+
+def _expect(holds, message: str) -> None:
+  if not holds:
+    raise InvariantError(f"PrefixIndex invariant broken: {message}.")
 
 
 class _Pool:
@@ -187,10 +197,24 @@ class PrefixIndex:
     return len(self._pool(tier, shard).free_queue)
 
   def refcount(self, shard: int, slot: int, tier: Tier = Tier.DEVICE) -> int:
-    return int(self._pool(tier, shard).refcount[slot])
+    pool = self._pool(tier, shard)
+    self._check_slot(pool, slot)
+    return int(pool.refcount[slot])
+
+  def held_slots(self, shard: int, tier: Tier = Tier.DEVICE) -> dict[int, int]:
+    """The referenced slots of one pool (a running request, an in-flight transfer or a
+    pin holds them), in slot order, each with its refcount; empty when nothing is held.
+
+    ``not index.held_slots(shard, tier)`` says that no reference leaked; the dict names
+    the slots that did. ``sum(...values())`` is the pool's total reference count.
+    """
+    refcount = self._pool(tier, shard).refcount
+    return {int(p): int(refcount[p]) for p in np.flatnonzero(refcount)}
 
   def key_of(self, shard: int, slot: int, tier: Tier = Tier.DEVICE) -> Key | None:
-    return self._pool(tier, shard).key_of_slot[slot]
+    pool = self._pool(tier, shard)
+    self._check_slot(pool, slot)
+    return pool.key_of_slot[slot]
 
   def num_cached(self, shard: int, tier: Tier = Tier.DEVICE) -> int:
     return len(self._pool(tier, shard).slot_of_key)
@@ -224,7 +248,8 @@ class PrefixIndex:
     """
     pool = self._pool(tier, shard)
     if n < 0:
-      raise InputError(f"allocate n={n} must be >= 0.")
+      raise InvariantError(f"allocate n={n} on shard {shard}: a slot count must be >= 0; "
+                           "the caller computed it wrong.")
     if n > len(pool.free_queue):
       return None
     out = []
@@ -252,16 +277,17 @@ class PrefixIndex:
     pool = self._pool(tier, shard)
     self._check_slot(pool, slot)
     if pool.refcount[slot] <= 0:
-      raise InputError(f"publish of {TIER_NAMES[tier]} slot {slot} on shard {shard} that no "
-                       "request references.")
+      raise InvariantError(f"publish of {TIER_NAMES[tier]} slot {slot} on shard {shard} that no "
+                           "request references: only a slot taken by allocate/acquire (and not "
+                           "yet released) may be published.")
     existing = pool.slot_of_key.get(key)
     if existing is not None:
       if existing != slot:
         self.counters.duplicate_publishes += 1
       return existing == slot
     if pool.key_of_slot[slot] is not None:
-      raise InputError(f"{TIER_NAMES[tier]} slot {slot} on shard {shard} already holds "
-                       "another block.")
+      raise InvariantError(f"{TIER_NAMES[tier]} slot {slot} on shard {shard} already holds "
+                           "another block: publish only into a freshly allocated slot.")
     pool.slot_of_key[key] = slot
     pool.key_of_slot[slot] = key
     if self._copies[key] == 0:
@@ -283,7 +309,7 @@ class PrefixIndex:
     for p in reversed(list(slots)):
       self._check_slot(pool, p)
       if pool.refcount[p] <= 0:
-        raise InputError(
+        raise InvariantError(
             f"release of {TIER_NAMES[tier]} slot {p} on shard {shard} whose refcount is "
             f"{pool.refcount[p]}: each acquire/allocate must be released exactly once.")
       pool.refcount[p] -= 1
@@ -337,22 +363,25 @@ class PrefixIndex:
 
   # ---- checks ----------------------------------------------------------------------------
   def check_invariants(self) -> None:
+    """Raises ``InvariantError`` naming the first rule of the module docstring that the
+    index breaks (also under ``python -O``, unlike ``assert``)."""
     copies = collections.Counter()
     for tier, pools in self._pools.items():
       for s, pool in enumerate(pools):
         where = f"{TIER_NAMES[tier]} pool {s}"
-        assert (pool.refcount >= 0).all(), f"negative refcount in {where}"
+        _expect((pool.refcount >= 0).all(), f"negative refcount in {where}")
         for p in pool.free_queue:
-          assert pool.refcount[p] == 0, f"referenced slot {p} is in {where}'s free queue"
+          _expect(pool.refcount[p] == 0, f"referenced slot {p} is in {where}'s free queue")
         for p in range(pool.num_slots):
           if pool.refcount[p] == 0:
-            assert p in pool.free_queue, f"unreferenced slot {p} of {where} is lost"
+            _expect(p in pool.free_queue, f"unreferenced slot {p} of {where} is lost")
         for key, p in pool.slot_of_key.items():
-          assert pool.key_of_slot[p] == key, f"maps disagree for slot {p} of {where}"
+          _expect(pool.key_of_slot[p] == key, f"maps disagree for slot {p} of {where}")
           copies[key] += 1
-        assert sum(k is not None for k in pool.key_of_slot) == len(pool.slot_of_key)
-    assert copies == +self._copies, "copy counts disagree with the pools"
-    assert set(self._parent) == set(copies), "chain links kept for keys with no copy"
+        _expect(sum(k is not None for k in pool.key_of_slot) == len(pool.slot_of_key),
+                f"{where} has slots holding keys that slot_of_key does not list")
+    _expect(copies == +self._copies, "copy counts disagree with the pools")
+    _expect(set(self._parent) == set(copies), "chain links kept for keys with no copy")
 
   def digest(self) -> str:
     """SHA-256 over the full index state; equal on processes that did the same work."""
@@ -406,12 +435,13 @@ class PrefixIndex:
     if tier == Tier.DISK:
       return self._pools[Tier.DISK][0]
     if tier not in self._pools:
-      raise InputError(f"tier {tier!r} has no pools in the index.")
+      raise InvariantError(f"tier={tier!r} has no pools in the index; its pools are "
+                           f"{[TIER_NAMES[t] for t in LOCAL_TIERS]}.")
     if not 0 <= shard < self.num_shards:
-      raise InputError(f"shard={shard} is out of range [0, {self.num_shards}).")
+      raise InvariantError(f"shard={shard} is out of range [0, {self.num_shards}).")
     return self._pools[tier][shard]
 
   @staticmethod
   def _check_slot(pool: _Pool, slot: int) -> None:
     if not 0 <= slot < pool.num_slots:
-      raise InputError(f"slot={slot} is out of range [0, {pool.num_slots}).")
+      raise InvariantError(f"slot={slot} is out of range [0, {pool.num_slots}).")

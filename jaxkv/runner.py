@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -37,6 +38,7 @@ from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingParams
 from jaxkv.distributed import to_host
 from jaxkv.sampling import RowSampling
+from jaxkv.scheduler import StepPlan, StepResult
 
 
 def _stream_key(stream):
@@ -135,6 +137,12 @@ class ModelRunner:
     self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
+    # Device state between steps: the decoding rows as the last decode step left them
+    # (request ids, row of each, table, next batch, tokens out), reused while the set is
+    # unchanged; a decode step dispatched a step early; fetch groups issued, not settled.
+    self._resident = None
+    self._ahead = None
+    self._pending: dict = {}
 
   def _on_mesh(self, leaf):
     sharding = getattr(leaf, "sharding", None)
@@ -226,65 +234,110 @@ class ModelRunner:
     self.cache.stats.add("decode_steps", int(count))
     return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
 
-  def prefill_spans(self, spans: Sequence[tuple[int, np.ndarray, int, int]], carry, num_rows: int,
-                    table, *, on_first_token: Callable | None = None,
-                    sampling: RowSampling | None = None):
-    """Prefills tokens ``[a, b)`` of each span ``(row, prompt, a, b)`` in chunks, all rows in
-    lockstep. With ``on_first_token``, a span ending at its prompt's end selects its first
-    token, and ``on_first_token(span indices, selected logits)`` is called once that token
-    exists (that is the time to first token)."""
-    chunk = self.chunk_tokens
-    num_steps = max(-(-(b - a) // chunk) for _, _, a, b in spans)
-    for step in range(num_steps):
-      rows, finishing = [], []
-      for i, (row, prompt, start, end) in enumerate(spans):
-        a = start + step * chunk
-        b = min(a + chunk, end)
-        if a >= b:
-          continue
-        last = on_first_token is not None and b == len(prompt)
-        rows.append((row, prompt[a:b], a, last))
-        if last:
-          finishing.append(i)
-      carry, selected = self.prefill(self.prefill_batch(rows, num_rows, sampling), table, carry)
-      if finishing:
-        carry.block_until_ready()
-        on_first_token(finishing, selected)
-    return carry
+  # ---- executing a step plan ------------------------------------------------------------------
+  def execute(self, plan: StepPlan) -> StepResult:
+    """Runs one ``StepPlan``: issues its fetches, dispatches its decode and prefill rows
+    (compact rows per shard, bucketed), verifies the fetch groups it settles while the
+    device computes, and reads back the tokens. Returns a ``StepResult``."""
+    cache = self.cache
+    if plan.fetch is not None:
+      pools, pending = cache.mover.start_promote(cache.pools, list(plan.fetch.fetches))
+      cache.set_pools(pools)
+      self._pending[plan.fetch.group] = pending
+    ahead, self._ahead = self._ahead, None
+    dispatched = []  # (request ids, row of each, tokens out, selected logits)
+    if plan.decode:
+      dispatched.append(self._decode_rows(plan.decode, ahead))
+    if plan.prefill:
+      num_rows, row, table, sampling = self._layout([c.seq for c in plan.prefill])
+      batch = self.prefill_batch([(row[c.seq.request], c.tokens, c.start, c.last)
+                                  for c in plan.prefill], num_rows, sampling)
+      out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
+      dispatched.append(([c.seq.request for c in plan.prefill if c.last], row, out, sel))
+    key = tuple(r.seq.request for r in plan.decode)
+    if plan.decode_again and self._resident is not None and self._resident[0] == key:
+      # The next step's decode, dispatched now from this one's outputs on device: the
+      # device runs it while the host reads this step's tokens and plans the next.
+      self._ahead = (key, *self._decode_rows(plan.decode, None)[1:])
+    fetched = []
+    for group in plan.settle:
+      pools, report = cache.mover.finish_promote(
+          cache.pools, self._pending.pop(group), time.monotonic() + cache.tiers.read_deadline_s)
+      cache.set_pools(pools)
+      fetched.append((group, report))
+    tokens, logits, t_tokens = {}, ({} if plan.want_logits else None), None
+    for requests, row, out, sel in dispatched:
+      if not requests:
+        continue
+      got = to_host(out)
+      if t_tokens is None:
+        t_tokens = time.perf_counter()
+      lg = to_host(sel) if logits is not None else None
+      for r in requests:
+        tokens[r] = int(got[row[r]])
+        if lg is not None:
+          logits[r] = lg[row[r]]
+    return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
+                      t_tokens=time.perf_counter() if t_tokens is None else t_tokens)
 
-  def decode_rows(self, rows: Sequence[tuple[int, int, int, tuple]], num_rows: int, table,
-                  first_tokens, *, sampling: RowSampling | None = None,
-                  want_logits: bool = False):
-    """Decodes ``rows`` ``(row, prompt length, most tokens, stop token ids)`` from their
-    first tokens, until each has its most tokens or has produced a stop token (the last
-    token it gets). Returns ``({row: tokens}, logits per step or None)``."""
-    carry = first_tokens
-    produced, logits = [carry], []
-    stops = {row: set(ids) for row, _, _, ids in rows if ids}
-    count = {row: n for row, _, n, _ in rows}
+  def _layout(self, seqs) -> tuple:
+    """Compact batch rows for ``seqs`` (``SeqRows``; rows per shard bucketed to what they
+    need, so a step with one prefilling sequence does not pay for every row): ``(num_rows,
+    row of each request, page table on device, sampling)``."""
+    per_shard = collections.Counter(s.shard for s in seqs)
+    rows_per_shard = buckets.pow2_at_least(max(per_shard.values()))
+    num_rows = self.cache.num_shards * rows_per_shard
+    slot, row = collections.Counter(), {}
+    width = buckets.table_width(max(s.num_pages for s in seqs), self.config)
+    table = np.zeros((num_rows, width), np.int32)
+    for s in seqs:
+      row[s.request] = s.shard * rows_per_shard + slot[s.shard]
+      slot[s.shard] += 1
+      table[row[s.request], :len(s.pages)] = s.pages
+    sampling = self.row_sampling({row[s.request]: s.sampling for s in seqs
+                                  if s.sampling.temperature > 0}, num_rows)
+    return num_rows, row, self.cache.put_rows(table), sampling
 
-    def check(step: int, tokens) -> None:  # a stop token ends its row after it
-      if stops:
-        got = to_host(tokens)
-        for row in list(stops):
-          if count[row] > step and int(got[row]) in stops[row]:
-            count[row] = step + 1
-            del stops[row]
+  def _decode_rows(self, rows, ahead) -> tuple:
+    """Dispatches (or takes from ``ahead``) one decode step of ``rows``: from the last
+    step's outputs on device while the set of rows is unchanged, else from the host's
+    copy (each row's last token). Returns ``(request ids, row of each, tokens, logits)``."""
+    key = tuple(r.seq.request for r in rows)
+    if ahead is not None and set(key) <= set(ahead[0]):  # dispatched last step
+      if key != ahead[0]:  # some left (a stop token): their rows are dropped
+        self._resident = None
+      return (key, *ahead[1:])
+    if self._resident is not None and self._resident[0] == key:
+      _, row, table, batch, carry = self._resident
+    else:
+      num_rows, row, table, sampling = self._layout([r.seq for r in rows])
+      carry = np.zeros((num_rows,), np.int32)
+      for r in rows:
+        carry[row[r.seq.request]] = r.token
+      batch = self.decode_batch([(row[r.seq.request], r.pos) for r in rows], num_rows,
+                                sampling)
+      carry = self.cache.put_rows(carry)
+    out, sel, batch = self.decode(batch, table, carry)
+    self._resident = (key, row, table, batch, out)
+    return key, row, out, sel
 
-    check(0, carry)
-    for step in range(1, max(count.values())):
-      live = [(row, length + step - 1) for row, length, _, _ in rows if step < count[row]]
-      if not live:
-        break
-      carry, selected, _ = self.decode(self.decode_batch(live, num_rows, sampling), table,
-                                       carry)
-      produced.append(carry)
-      if want_logits:
-        logits.append(to_host(selected))
-      check(step, carry)
-    tokens = np.stack([to_host(t) for t in produced], axis=1)
-    return ({row: tokens[row, :count[row]].tolist() for row, _, _, _ in rows},
-            logits if want_logits else None)
+  def abort(self, unsettled: dict) -> None:
+    """After a failed step: forgets the rows kept on device, abandons the fetch groups
+    never settled (``group -> fetches``; their source pins are released) and restarts the
+    pools if the failed step consumed them."""
+    self._resident = self._ahead = None
+    for group, fetches in unsettled.items():
+      pending = self._pending.pop(group, None)
+      if pending is not None:
+        self.cache.mover.abandon(pending)
+      else:  # never issued
+        for f in fetches:
+          self.cache.mover.release_pin(f)
+    for pending in self._pending.values():
+      self.cache.mover.abandon(pending)
+    self._pending.clear()
+    if not self.cache.pools_alive():
+      self.cache.reset_pools()
 
   # ---- compiling ahead -----------------------------------------------------------------------
   def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:

@@ -43,7 +43,9 @@ class _State:
   block_page: dict  # logical block -> device page (the hot blocks)
   cold: list  # host slots of the cold blocks, oldest first (blocks sink, sink+1, ...)
   dev: list  # every device page the sequence holds
-  disk: list = dataclasses.field(default_factory=list)  # source="disk": cold blocks' slots
+  # source="disk": the disk slots (quota) its cold blocks' records take; the records are
+  # named by ``_record_key``, block sink + i for slot i
+  disk: list = dataclasses.field(default_factory=list)
   nonce: bytes = b""  # names this sequence's disk records
 
 
@@ -55,8 +57,9 @@ class StreamRunner:
     self.prefill_chunk_pages = prefill_chunk_pages
     self.stats = cache.stats
 
-  def run(self, r: Request, t_start: float, want_logits: bool):
-    """Runs one request; returns ``(tokens, logits or None)``."""
+  def run(self, r: Request, want_logits: bool):
+    """Runs one request to its end; returns ``(tokens, logits or None, perf_counter time
+    of its first token)``. Completion (requests, tokens, TTFT) is the scheduler's to count."""
     c, st, index = self.cache.config, self.stream, self.cache.index
     shards, page = self.cache.num_shards, c.page_size
     shard = max(range(shards), key=lambda s: (index.num_available(s, Tier.HOST), -s))
@@ -84,7 +87,7 @@ class StreamRunner:
         carry, selected = self.runner.prefill(batch, table, carry, stream)
         self._unstage(state)
       carry.block_until_ready()
-      self.stats.ttft_s.append(time.perf_counter() - t_start)
+      t_first = time.perf_counter()
       produced, logits = [carry], [to_host(selected)[shard]] if want_logits else []
       for step in range(1, r.max_new_tokens):
         if stops and int(to_host(carry)[shard]) in stops:
@@ -101,11 +104,11 @@ class StreamRunner:
       tokens_out = np.stack([to_host(t) for t in produced], axis=1)[shard].tolist()
     finally:
       self._release(state)
-    for name, n in (("requests", 1), ("streamed_requests", 1), ("prompt_tokens", len(r.tokens)),
-                    ("computed_tokens", len(r.tokens)), ("generated_tokens", len(tokens_out)),
+    for name, n in (("streamed_requests", 1), ("prompt_tokens", len(r.tokens)),
+                    ("computed_tokens", len(r.tokens)),
                     ("streamed_pages", max(len(state.cold), len(state.disk)))):
       self.stats.add(name, n)
-    return tokens_out, (np.stack(logits) if want_logits else None)
+    return tokens_out, (np.stack(logits) if want_logits else None), t_first
 
   def _release(self, state: _State) -> None:
     index = self.cache.index
@@ -113,8 +116,8 @@ class StreamRunner:
     index.release(state.shard, state.cold, Tier.HOST)
     if state.disk:  # the records name no block anyone can ask for: remove them
       index.release(0, state.disk, Tier.DISK)
-      for slot in state.disk:
-        self.cache.disk.delete(slot)
+      self.cache.mover.delete_records([self._record_key(state, self.stream.sink_pages + i)
+                                       for i in range(len(state.disk))])
 
   def _make_room(self, state: _State, lo: int, hi: int) -> None:
     """Gives blocks ``[lo, hi)`` device pages, moving the oldest window pages down."""
@@ -160,18 +163,17 @@ class StreamRunner:
     index, st = self.cache.index, self.stream
     index.release(state.shard, host_slots, Tier.HOST)  # not needed: the pages go straight down
     n = stack.shape[2] // self.cache.num_shards
-    slots, payloads, keys = [], [], []
+    payloads, keys = [], []
     for i, j in enumerate(victims):
       assert j == st.sink_pages + len(state.disk), "cold pages must stay contiguous"
-      slot = index.allocate(0, 1, Tier.DISK)
+      slot = self.cache.mover.allocate_disk(1)  # this sequence's quota of the store
       if slot is None:
         raise CapacityError("the disk tier has no room left for a streamed sequence.")
       state.disk.append(slot[0])
-      slots.append(slot[0])
       payloads.append(np.ascontiguousarray(stack[:, :, state.shard * n + i]).view(
           self.cache.config.jnp_dtype))
       keys.append(self._record_key(state, j))
-    self.cache.mover.write_records(slots, payloads, keys, self.cache.tiers.read_deadline_s)
+    self.cache.mover.write_records(payloads, keys, self.cache.tiers.read_deadline_s)
 
   def _stage(self, state: _State) -> None:
     """source='disk': reads every cold record into host slots for the coming step."""
@@ -183,7 +185,7 @@ class StreamRunner:
     if slots is None:
       raise CapacityError("the host tier has no room to stage a streamed sequence's pages.")
     keys = [self._record_key(state, st.sink_pages + i) for i in range(len(state.disk))]
-    payloads = cache.mover.read_records(state.disk, keys, cache.tiers.read_deadline_s)
+    payloads = cache.mover.read_records(keys, cache.tiers.read_deadline_s)
     n = len(slots)
     bits = pages_lib.bits_dtype(cache.config.jnp_dtype)
     shape = cache.payload_shape

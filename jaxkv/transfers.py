@@ -14,57 +14,78 @@ Moves
 - ``start_promote`` / ``finish_promote``: lower-tier hits are copied into the device pages
   a request was given, through each tier's ``FetchSource`` (issue everything, let the
   caller compute, then wait, verify and land). Blocks that another data shard holds on
-  device are copied with a collective. A block that fails, is missing or is late is marked
-  on its fetch; ``drop_failed`` forgets the bad copy and every block chained after it.
+  device are copied with a collective. ``start_promote`` returns a ``PendingFetch``;
+  ``finish_promote`` returns the ``FetchReport`` (one ``Failure`` or None per fetch), and
+  the caller hands each failed fetch to ``drop_failed``, which forgets the bad copy and
+  every block chained after it. A promotion that will never be finished (its step
+  failed) is given up with ``abandon``. Every fetch's pin is released exactly once, by
+  one of the two.
 - ``write_records`` / ``read_records``: the long-context path's private disk records.
 Blocks are published in a lower tier only when their bytes are there: host slots when
 the copy is dispatched (later reads are ordered after it), disk slots when the write has
-committed. A slot in flight holds a reference, so eviction cannot reuse it meanwhile.
+committed (``jaxkv.journal``). A slot in flight holds a reference, so eviction cannot reuse
+it meanwhile. In a multi-process job each process reads the disk records its own devices
+need, and the outcomes are agreed (``distributed.agree_reads``) before anything lands.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import numpy as np
-from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
+from jaxkv import distributed
 from jaxkv import pages as pages_lib
-from jaxkv.distributed import allgather_codes, local_data_shards, put_global, to_host
+from jaxkv.distributed import local_data_shards, put_global, to_host
+from jaxkv.errors import InvariantError
 from jaxkv.index import LOCAL_TIERS, Tier
+from jaxkv.journal import DiskJournal
 from jaxkv.stats import Stats
-from jaxkv.tiers.base import (WRITE_FAILED, WRITE_OK, Breaker, Failure, Fetch, Landing,
-                              Staged)
+from jaxkv.tiers.base import Failure, Fetch, FetchReport, FetchSource, Landing, Staged
 
 Block = tuple  # (shard, device page or host slot, key)
+# A read's outcome as ``distributed.agree_reads`` takes it: 1 verified, 2 + i failure i.
+_VERIFIED = 1
 _FAILURES = list(Failure)
 
 
-@dataclasses.dataclass
-class _JobReads:
-  """Disk fetches of a multi-process job: all of them, and the handle of this process's."""
-
-  fetches: list
-  handle: object
+def _read_code(failure: Failure | None) -> int:
+  return _VERIFIED if failure is None else 2 + _FAILURES.index(failure)
 
 
-def _agree_reads(fetches: list[Fetch], local_shards: set[int]) -> list[Fetch]:
-  """Sets one outcome on every fetch, the same on every process of a job (a collective): a
-  block lands only if every process that read it verified it; a failure takes the first
-  failing process's reason. Returns the fetches that landed (another process's shards'
-  bytes are not needed here: zeros stand in for them)."""
-  codes = [0 if f.shard not in local_shards else 1 if f.ok else 2 + _FAILURES.index(f.reason)
-           for f in fetches]
-  rows = allgather_codes(np.array(codes, np.int32))
-  for f, column in zip(fetches, rows.T):
-    failed = [c for c in column if c >= 2]
-    f.ok = not failed and bool((column == 1).any())
-    f.reason = None if f.ok else _FAILURES[failed[0] - 2] if failed else Failure.DEADLINE
-  return [f for f in fetches if f.ok]
+def _failure_of_code(code: int) -> Failure | None:
+  return None if code == _VERIFIED else _FAILURES[code - 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+  """One tier's reads of a promotion: its handle, and the positions of its fetches in
+  ``PendingFetch.fetches``. ``agreed``: a job's disk reads, this process issued only
+  those of its own shards and the job agrees on every outcome."""
+
+  source: FetchSource
+  handle: Any
+  positions: tuple[int, ...]
+  agreed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingFetch:
+  """A promotion in flight (``TierMover.start_promote``). Hand it back exactly once:
+  to ``finish_promote``, or to ``abandon`` when it will never be finished.
+
+  ``fetches``: what was asked for, in the caller's order (a ``FetchReport`` keeps it).
+  ``t_start``: when the reads were issued (``time.perf_counter``).
+  """
+
+  fetches: tuple[Fetch, ...]
+  t_start: float
+  reads: tuple[_Reads, ...]
 
 
 class TierMover:
@@ -79,18 +100,14 @@ class TierMover:
     # Where fetches come from, in the order they are issued (disk reads first: in flight
     # longest) and waited for.
     self.sources = [t for t in (disk, host, remote) if t is not None]
-    self._pending_writes: list = []
-    self._writing: set[bytes] = set()  # keys of the disk writes in flight
+    # The disk writes in flight and the disk store's health (None without a disk tier).
+    self.journal = (DiskJournal(index=index, disk=disk, stats=self.stats,
+                                page_bytes=config.page_bytes, dtype=config.jnp_dtype)
+                    if disk is not None else None)
     # A multi-process job shares one disk store: its processes take turns writing blocks
     # (each written once) and read the records their own devices need.
-    self.processes, self.process = jax.process_count(), jax.process_index()
-    self._next_writer = 0
+    self.processes = jax.process_count()
     self._local_shards = local_data_shards(mesh, config.data_axis)
-    # A disk store that keeps failing (3 batches of reads or writes in a row raising: it is
-    # down or unreachable) is detached for a cool-down: no reads are planned from it and no
-    # writes issued. Not in a job: a wall-clock cool-down would differ between its processes.
-    self.disk_breaker = Breaker() if self.processes == 1 else None
-    self.last_fetch: dict = {}
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
 
@@ -186,6 +203,11 @@ class TierMover:
       self.host_to_disk(self._missing([(shard, p, k) for k, p in evicted], Tier.DISK))
     return slots
 
+  def allocate_disk(self, n: int) -> list[int] | None:
+    """``n`` disk slots (referenced) for private records; the records of cached blocks
+    evicted to make room are deleted. None when every slot is held."""
+    return self.journal.allocate(n)
+
   def _device_to_host(self, pools, blocks: list[Block]) -> None:
     if not blocks:
       return
@@ -222,149 +244,73 @@ class TierMover:
     if not blocks:
       return
     ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
-    self._write_disk(self.host.read_numpy(ids), per, ids.shape[1])
+    self.journal.write(self.host.read_numpy(ids), per, ids.shape[1])
 
   def _device_to_disk(self, pools, blocks: list[Block]) -> None:
     if not blocks:
       return
     stack, per = self._gather_device(pools, blocks)
-    self._write_disk(to_host(stack), per, stack.shape[2] // self.num_shards)
+    self.journal.write(to_host(stack), per, stack.shape[2] // self.num_shards)
 
+  # ---- the disk journal (``jaxkv.journal``) ------------------------------------------------
   @property
   def disk_available(self) -> bool:
     """Whether the disk tier is attached (not cooling down after repeated failures)."""
-    return self.disk is not None and (self.disk_breaker is None or self.disk_breaker.available)
-
-  def _disk_outcome(self, ok: bool) -> None:
-    if self.disk_breaker is not None:
-      was = self.disk_breaker.available
-      self.disk_breaker.record(ok)
-      if was and not self.disk_breaker.available:
-        self.stats.add("disk_detached")
-        logging.warning("disk tier %s keeps failing: detached for %.0f s (requests recompute "
-                        "what it holds meanwhile)", self.disk.kvstore,
-                        self.disk_breaker.cool_down_s)
-
-  def _write_disk(self, stack: np.ndarray, per: list[list], n: int) -> None:
-    if not self.disk_available:
-      self.stats.add("disk_detached_drops", sum(len(items) for items in per))
-      return
-    for s, items in enumerate(per):
-      for i, b in enumerate(items):
-        key = b[2]
-        if self.index.slot_of(0, key, Tier.DISK) is not None or key in self._writing:
-          continue  # on disk already, or being written (another shard's copy of it)
-        slot = self.index.allocate(0, 1, Tier.DISK)
-        if slot is None:
-          self.stats.add("disk_full_drops")
-          continue
-        parent = self.index.parent_of(key)
-        writer = self._next_writer % self.processes  # a job's processes take turns
-        self._next_writer += 1
-        if writer == self.process:
-          payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
-          self._pending_writes.append(self.disk.write(slot[0], payload, key, parent))
-          self.stats.add("disk_writes")
-        else:
-          self._pending_writes.append(self.disk.claim(slot[0], key, parent))
-        self._writing.add(key)
-        self.stats.add("bytes_moved", self._bytes(1))
-    self.pump()
-
-  def pump(self) -> None:
-    """Publishes disk writes that committed (after one flush of the batch to the device);
-    releases the slots of failed ones. In a job, every process publishes the same writes at
-    the same call: each reports the outcome of its own writes and all take the writer's word
-    (a collective, at deterministic points, when writes are pending)."""
-    if not self._pending_writes:
-      return
-    self._settle_own_writes()
-    codes = np.array([w.code for w in self._pending_writes], np.int32)
-    if self.processes > 1:
-      codes = allgather_codes(codes).sum(axis=0)  # only a write's writer reports it
-    still, published, failed = [], 0, 0
-    for w, code in zip(self._pending_writes, codes):
-      if code == 0:  # not finished yet
-        still.append(w)
-        continue
-      self._writing.discard(w.key)
-      failed += code != WRITE_OK
-      if code == WRITE_OK:
-        self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
-        published += 1
-      else:
-        self.stats.add("disk_write_failures")
-      self.index.release(0, [w.slot], Tier.DISK)
-    self._pending_writes = still
-    self.stats.add("demoted_disk", published)
-    if published or failed:
-      self._disk_outcome(published > 0)  # one outcome per batch that finished
-
-  def _settle_own_writes(self) -> None:
-    """Sets ``code`` on this process's writes that finished; the committed ones are made
-    durable first, with one flush for all of them."""
-    done = [w for w in self._pending_writes
-            if w.future is not None and not w.code and w.future.done()]
-    committed = []
-    for w in done:
-      try:
-        w.future.result(timeout=0)
-        committed.append(w)
-      except Exception:  # pylint: disable=broad-except  (a failed write: never published)
-        w.code = WRITE_FAILED
-    if not committed:
-      return
-    try:
-      self.disk.sync()
-      ok = WRITE_OK
-      self.stats.add("disk_syncs")
-    except OSError:
-      ok = WRITE_FAILED
-    for w in committed:
-      w.code = ok
+    return self.journal is not None and self.journal.available
 
   @property
   def writes_in_flight(self) -> int:
-    return len(self._pending_writes)
+    """Disk writes issued and not yet published or given up."""
+    return self.journal.writes_in_flight if self.journal is not None else 0
+
+  def pump(self) -> None:
+    """Publishes the disk writes that committed; never blocks (``DiskJournal.pump``)."""
+    if self.journal is not None:
+      self.journal.pump()
 
   def flush(self, timeout_s: float = 60.0) -> int:
     """Waits (up to ``timeout_s``) for every disk write; returns how many are left."""
-    t_end = time.monotonic() + timeout_s
-    for w in self._pending_writes:
-      try:
-        if w.future is not None:
-          w.future.result(timeout=max(0.0, t_end - time.monotonic()))
-      except Exception:  # pylint: disable=broad-except  (handled in pump)
-        pass
-    self.pump()
-    return len(self._pending_writes)
+    return self.journal.flush(timeout_s) if self.journal is not None else 0
 
   # ---- upwards -----------------------------------------------------------------------------
-  def promote(self, pools, fetches: list[Fetch], deadline_s: float):
-    """Copies lower-tier blocks into device pages and verifies them. Returns new pools."""
+  def promote(self, pools, fetches: list[Fetch], deadline_s: float
+              ) -> tuple[list, FetchReport]:
+    """Copies lower-tier blocks into device pages and verifies them, waiting up to
+    ``deadline_s``. Returns ``(pools, report)``."""
     pools, pending = self.start_promote(pools, fetches)
     return self.finish_promote(pools, pending, time.monotonic() + deadline_s)
 
-  def start_promote(self, pools, fetches: list[Fetch]):
+  def start_promote(self, pools, fetches) -> tuple[list, PendingFetch]:
     """Issues every fetch without waiting. Returns ``(pools, pending)``; compute
-    dispatched meanwhile overlaps the reads and copies."""
+    dispatched meanwhile overlaps the reads and copies. Each fetch holds a pin on its
+    source (taken at admission) until ``finish_promote`` or ``abandon`` releases it."""
     t0 = time.perf_counter()
-    started = []
+    fetches = tuple(fetches)
+    served = {source.tier for source in self.sources} | {Tier.SHARD}
+    stray = sorted({int(f.tier) for f in fetches} - {int(t) for t in served})
+    if stray:
+      raise InvariantError(f"fetches from tiers {stray} but this cache's tiers are "
+                           f"{sorted(int(t) for t in served)}: admission placed a hit in a "
+                           "tier the cache does not have.")
+    reads = []
     for source in self.sources:
-      mine = [f for f in fetches if f.tier == source.tier]
-      if mine and source.tier == Tier.DISK and self.processes > 1:
+      positions = tuple(i for i, f in enumerate(fetches) if f.tier == source.tier)
+      if not positions:
+        continue
+      mine = [fetches[i] for i in positions]
+      if source.tier == Tier.DISK and self.processes > 1:
         # A job: each process reads what its own devices need; outcomes agreed later.
         _, handle = source.start_fetch([f for f in mine if f.shard in self._local_shards])
-        started.append((source, _JobReads(mine, handle)))
-      elif mine:
+        reads.append(_Reads(source, handle, positions, agreed=True))
+      else:
         landing, handle = source.start_fetch(mine)
         if landing is not None:
           pools = self.land(pools, landing)
-        started.append((source, handle))
+        reads.append(_Reads(source, handle, positions))
     shard = [f for f in fetches if f.tier == Tier.SHARD]
     if shard:  # device to device inside the job: a collective, no verification needed
       pools = self._promote_shard(pools, shard)
-    return pools, (fetches, started, t0)
+    return pools, PendingFetch(fetches, t0, tuple(reads))
 
   def _promote_shard(self, pools, fetches: list[Fetch]):
     per_shard = self.config.pages_per_shard
@@ -374,22 +320,32 @@ class TierMover:
     for i, f in enumerate(fetches):
       src_shard, src_page = f.slot
       src[i], dst[i] = src_shard * per_shard + src_page, f.shard * per_shard + f.page
-      f.ok = True
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
-  def _finish_job_reads(self, source, reads: "_JobReads", t_end: float) -> Landing | None:
-    """Waits for this process's reads, then agrees on every fetch's outcome with the job's
-    other processes (``_agree_reads``) and lands the blocks all agree on."""
+  def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
+                    ) -> tuple[Landing | None, tuple[Failure | None, ...]]:
+    """Waits for one tier's reads; returns what to land and each read's failure."""
+    if not reads.agreed:
+      outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
+      return outcome.landing, outcome.failures
+    # A job's disk reads: this process verified those of its own shards; the job agrees
+    # on every outcome, and lands what all agree on (another process's shards' bytes are
+    # not needed here: zeros stand in for them).
     payloads = {}
 
-    def collect(items: list[Staged]) -> None:
+    def keep(items: list[Staged]) -> None:
       payloads.update({(shard, page): payload for shard, page, payload in items})
 
-    source.finish_fetch(reads.handle, t_end, collect)
+    mine = [fetches[i] for i in reads.positions]
+    local = iter(reads.source.finish_fetch(reads.handle, t_end, keep).failures)
+    codes = [_read_code(next(local)) if f.shard in self._local_shards else 0 for f in mine]
+    agreed = distributed.agree_reads(np.array(codes, np.int32),
+                                     unread=_read_code(Failure.DEADLINE))
+    failures = tuple(_failure_of_code(int(c)) for c in agreed)
     zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
     items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
-             for f in _agree_reads(reads.fetches, self._local_shards)]
-    return self.stage(items) if items else None
+             for f, failure in zip(mine, failures) if failure is None]
+    return (self.stage(items) if items else None), failures
 
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source."""
@@ -398,65 +354,78 @@ class TierMover:
     elif f.tier in LOCAL_TIERS:
       self.index.release(f.shard, [f.slot], f.tier)
 
-  def finish_promote(self, pools, pending, t_end: float):
+  def finish_promote(self, pools, pending: PendingFetch, t_end: float
+                     ) -> tuple[list, FetchReport]:
     """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
-    and lands them. Sets ``ok``/``reason`` on every fetch; the caller truncates each
-    request's hit at its first failed block and calls ``drop_failed``."""
-    fetches, started, t_start = pending
+    and lands them, and releases every fetch's pin. Returns ``(pools, report)``: the
+    caller truncates each request's hit at its first failed block and hands each failed
+    fetch to ``drop_failed``."""
+    fetches = pending.fetches
+    failures: list[Failure | None] = [None] * len(fetches)  # SHARD copies cannot fail
     t_wait = time.perf_counter()
-    for source, handle in started:
-      if isinstance(handle, _JobReads):
-        landing = self._finish_job_reads(source, handle, t_end)
-      else:
-        landing = source.finish_fetch(handle, t_end, self.stage)
-      if source.tier == Tier.DISK:  # the store answered (bad bytes are answers too), or raised
-        self._disk_outcome(any(f.reason not in (Failure.READ_RETRY, Failure.READ_ERROR)
-                               for f in fetches if f.tier == Tier.DISK))
+    for reads in pending.reads:
+      landing, got = self._finish_reads(reads, fetches, t_end)
+      for i, failure in zip(reads.positions, got):
+        failures[i] = failure
+      if reads.source.tier == Tier.DISK:  # the store answered (bad bytes are answers too)
+        self.journal.record(any(failure not in (Failure.READ_RETRY, Failure.READ_ERROR)
+                                for failure in got))
       if landing is not None:
         pools = self.land(pools, landing)
     jax.block_until_ready(pools)
     t_done = time.perf_counter()
     self.stats.add("fetch_wait_s", t_done - t_wait)
-    self.stats.add("fetch_s", t_done - t_start)
+    self.stats.add("fetch_s", t_done - pending.t_start)
     for f in fetches:
       self.release_pin(f)  # the pin taken at admission
-    ok = sum(f.ok for f in fetches)
+    ok = sum(failure is None for failure in failures)
     self.stats.add("blocks_fetched", ok)
     self.stats.add("bytes_moved", self._bytes(ok))
-    self.last_fetch = {"blocks": ok, "bytes": self._bytes(ok), "seconds": t_done - t_start,
-                       "tiers": sorted({int(f.tier) for f in fetches})}
-    return pools
+    return pools, FetchReport(fetches=fetches, failures=tuple(failures), blocks=ok,
+                              bytes=self._bytes(ok), seconds=t_done - pending.t_start,
+                              tiers=tuple(sorted({int(f.tier) for f in fetches})))
 
-  def drop_failed(self, fetch: Fetch) -> None:
-    """Records a failed fetch and drops the bad copy and the chain after it."""
-    self.stats.failures[fetch.reason.value] += 1
-    self.stats.add("verify_failures", fetch.reason.corrupt)
-    self.stats.add("read_timeouts", fetch.reason == "deadline")
+  def abandon(self, pending: PendingFetch) -> None:
+    """Gives up a promotion that will never be finished (its step failed): releases the
+    pin of every fetch. Reads still in flight complete into nothing."""
+    for f in pending.fetches:
+      self.release_pin(f)
+
+  def drop_failed(self, fetch: Fetch, reason: Failure) -> None:
+    """Records a failed fetch (``reason``, from the ``FetchReport``) and drops the bad copy
+    and the chain after it (a disk copy's records are deleted with them)."""
+    self.stats.failures[reason.value] += 1
+    self.stats.add("verify_failures", reason.corrupt)
+    self.stats.add("read_timeouts", reason == Failure.DEADLINE)
     if fetch.tier == Tier.REMOTE:
       self.stats.add("remote_failures")
       return  # nothing of ours to drop: the peer's copy is the peer's
-    if fetch.reason == "read_retry":
+    if reason == Failure.READ_RETRY:
       return  # the record stays, and so does its chain: the next lookup reads it again
     shard = 0 if fetch.tier == Tier.DISK else fetch.shard
-    self.index.drop_chain(shard, fetch.key, fetch.tier)
-    if fetch.tier == Tier.DISK:
-      if fetch.reason == "gone":
-        self.disk.forget(fetch.slot)  # someone else's eviction: nothing left to delete
-      elif fetch.reason != "deadline":
-        self.disk.delete(fetch.slot)
+    dropped = self.index.drop_chain(shard, fetch.key, fetch.tier)
+    if fetch.tier == Tier.DISK:  # the index forgot them: nothing names their records now
+      for key in dropped:
+        if not (key == fetch.key and reason == Failure.GONE):  # gone: nothing to delete
+          self.disk.delete(key)
 
   # ---- records of the long-context path ----------------------------------------------------
-  def write_records(self, slots: list[int], payloads: list[np.ndarray], keys: list[bytes],
+  def write_records(self, payloads: list[np.ndarray], keys: list[bytes],
                     deadline_s: float) -> None:
-    """Writes private disk records and waits until each has committed (raises if one
-    fails or misses the deadline): a streamed page must be durable before it is used."""
-    writes = [self.disk.write(s, p, k, None) for s, p, k in zip(slots, payloads, keys)]
+    """Writes private disk records (named by ``keys``, in slots the caller took with
+    ``allocate_disk``) and waits until each has committed (raises if one fails or misses
+    the deadline): a streamed page must be durable before it is used."""
+    writes = [self.disk.write(k, p, None) for p, k in zip(payloads, keys)]
     t_end = time.monotonic() + deadline_s
     for w in writes:
-      w.future.result(timeout=max(0.0, t_end - time.monotonic()))
+      w.result(timeout=max(0.0, t_end - time.monotonic()))
     self.disk.sync()
 
-  def read_records(self, slots: list[int], keys: list[bytes], deadline_s: float
-                   ) -> list[np.ndarray]:
+  def read_records(self, keys: list[bytes], deadline_s: float) -> list[np.ndarray]:
     """Reads and verifies private disk records (all in flight at once) within the deadline."""
-    return self.disk.read_verified(slots, keys, time.monotonic() + deadline_s)
+    return self.disk.read_verified(keys, time.monotonic() + deadline_s)
+
+  def delete_records(self, keys: list[bytes]) -> None:
+    """Removes private disk records (best effort); their slots are the caller's to release."""
+    for key in keys:
+      self.disk.delete(key)

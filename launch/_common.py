@@ -25,6 +25,8 @@ def load_config(holder):
       cfg.keys()  # a config that failed to load raises on first use
     return cfg
   except Exception as e:  # a missing file, a syntax error or exception inside it
+    if _is_bug(e):
+      raise
     refuse(f"--{holder.name} did not load: {e}")
 
 
@@ -100,6 +102,12 @@ def check_output(path: str | None, flag: str, *, directory: bool = False) -> Non
            "choose another path.")
 
 
+def _is_bug(e: BaseException) -> bool:
+  """True for ``jaxkv.errors.InvariantError``: never reported as bad input."""
+  errors = sys.modules.get("jaxkv.errors")  # imported if jaxkv could have raised it
+  return errors is not None and isinstance(e, errors.InvariantError)
+
+
 def token_digest(token_lists) -> str:
   """SHA-256 over token ids in order: equal digests mean equal outputs."""
   h = hashlib.sha256()
@@ -130,7 +138,9 @@ def write_json(path: str, obj: dict) -> None:
 def run(main) -> None:
   """``app.run(main)`` where bad input ends in one line on stderr and exit status 2: a flag
   that does not parse or validate, ``app.UsageError``, and ``jaxkv.errors.InputError``
-  (raised where jaxkv checks a value). Anything else is a bug and keeps its traceback."""
+  (raised where jaxkv checks a value). Anything else is a bug and keeps its traceback
+  with exit status 1: ``jaxkv.errors.InvariantError`` (jaxkv's bookkeeping broke a rule),
+  and a plain ``ValueError`` too, which is not mapped to 2 (only ``InputError`` is)."""
   from absl import app, flags
 
   def parse(argv):

@@ -62,7 +62,8 @@ def main(argv):
                          "and --prefill_ms_per_1k (or --cost_model) with it.")
   _common.start_jax({"platform": "cpu"})
   import jax.numpy as jnp
-  from jaxkv import scheduler as sch
+  from jaxkv.capacity import capacity_plan
+  from jaxkv.costs import CostModel, LinkCost, PrefillCurve
   layers, kv_heads, head_dim, dtype = (_LAYERS.value, _KV_HEADS.value, _HEAD_DIM.value,
                                        _DTYPE.value)
   link, prefill, page = _LINK.value, _PREFILL.value, _PAGE.value
@@ -91,19 +92,18 @@ def main(argv):
     kv_bytes = float(per_token * _TOKENS.value)
   per_token = kv_bytes / _TOKENS.value
   if _COST_MODEL.value:
-    costs = sch.CostModel.load(_COST_MODEL.value)
+    costs = CostModel.load(_COST_MODEL.value)
   elif prefill is not None:
-    costs = sch.CostModel(links={}, prefill=sch.PrefillCurve(0.0, prefill / 1e6, 0.0),
-                          source="flags" if cfg is None else f"config {cfg.name}")
+    costs = CostModel(links={}, prefill=PrefillCurve(0.0, prefill / 1e6, 0.0),
+                      source="flags" if cfg is None else f"config {cfg.name}")
   else:
     raise app.UsageError("give --prefill_ms_per_1k or --cost_model.")
   if link is not None:
-    costs.links["host_to_device"] = sch.LinkCost(latency / 1e3, link * 1e9)
+    costs.links["host_to_device"] = LinkCost(latency / 1e3, link * 1e9)
   if "host_to_device" not in costs.links:
     raise app.UsageError("give --link_gb_per_s (or a cost model that has host_to_device).")
-  r = sch.capacity_plan(kv_bytes=kv_bytes, tokens=_TOKENS.value, costs=costs,
-                        requests=_REQUESTS.value, page_size=page,
-                        context_tokens=_CONTEXT.value)
+  r = capacity_plan(kv_bytes=kv_bytes, tokens=_TOKENS.value, costs=costs,
+                    requests=_REQUESTS.value, page_size=page, context_tokens=_CONTEXT.value)
   print(f"per request: {r['tokens_per_request']} tokens, {r['bytes_per_request'] / 1e9:.3f} GB")
   print(f"  fetch all      {1e3 * r['t_fetch_s']:10.1f} ms")
   print(f"  recompute all  {1e3 * r['t_recompute_s']:10.1f} ms")

@@ -95,6 +95,7 @@ def main(argv):
   from jaxkv import builder, distributed, metrics, security, workloads
   deployment_key = security.load_deployment_key(_DEPLOYMENT_KEY_FILE.value)
   from jaxkv.checkpoint import latest_step
+  from jaxkv.costs import agree_costs
   multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
   _common.check_platform(cfg)  # (done already in one process; a job's processes do it here)
   restore = _RESTORE.value
@@ -146,7 +147,7 @@ def main(argv):
   if multi:  # one job plans from one set of costs: process 0's
     for e in engines.values():
       if e.costs is not None:
-        e.costs = distributed.agree_costs(e.costs)
+        e.costs = agree_costs(e.costs)
   checkpointer = None
   if _CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer

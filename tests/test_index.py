@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from jaxkv.errors import InputError, InvariantError
 from jaxkv.index import PrefixIndex, Tier, chain_keys, tenant_root_key
 
 FP = hashlib.sha256(b"test-fingerprint").digest()
@@ -41,7 +42,7 @@ def test_tenants_and_fingerprints_separate_keys():
   other = PrefixIndex(num_shards=2, pages_per_shard=8, page_size=4,
                       fingerprint=hashlib.sha256(b"other-model").digest())
   assert other.block_keys(toks, "alice") != idx.block_keys(toks, "alice")
-  with pytest.raises(ValueError, match="tenant"):
+  with pytest.raises(InputError, match="tenant"):
     idx.block_keys(toks, "")
 
 
@@ -101,14 +102,45 @@ def test_duplicate_publish_keeps_first_and_errors_are_clear():
   assert not idx.publish(0, b, key)
   assert idx.counters.duplicate_publishes == 1
   idx.release(0, [a, b])
-  with pytest.raises(ValueError, match="refcount"):
+  # Broken bookkeeping is a bug in the caller, never bad input (tests/test_errors.py).
+  with pytest.raises(InvariantError, match="refcount is 0"):
     idx.release(0, [a])
-  with pytest.raises(ValueError, match="no request references"):
+  with pytest.raises(InvariantError, match="no request references"):
     idx.publish(0, b, b"k" * 32)
-  with pytest.raises(ValueError, match="out of range"):
+  with pytest.raises(InvariantError, match="slot=99 is out of range"):
     idx.acquire(0, [99])
-  with pytest.raises(ValueError, match="shard"):
+  with pytest.raises(InvariantError, match="shard=5 is out of range"):
     idx.match(5, [key])
+  with pytest.raises(InvariantError, match="allocate n=-1"):
+    idx.allocate(0, -1)
+  c, = idx.allocate(0, 1)
+  idx.publish(0, c, idx.block_keys([5, 6, 7, 8], "t")[0])
+  with pytest.raises(InvariantError, match="already holds another block"):
+    idx.publish(0, c, idx.block_keys([9, 9, 9, 9], "t")[0])
+  with pytest.raises(InvariantError, match="tier=.*REMOTE.* has no pools"):
+    idx.num_cached(0, Tier.REMOTE)
+  with pytest.raises(InvariantError, match="slot=-1 is out of range"):
+    idx.refcount(0, -1)  # not numpy's last slot
+  with pytest.raises(InputError, match="PrefixIndex pages_per_shard=0"):
+    make_index(pages=0)  # a size from a config is input
+
+
+def test_held_slots_names_the_referenced_slots_and_their_counts():
+  idx = PrefixIndex(num_shards=2, pages_per_shard=6, page_size=4, fingerprint=FP,
+                    host_pages_per_shard=3, disk_slots=2)
+  for tier, shard in ((Tier.DEVICE, 0), (Tier.DEVICE, 1), (Tier.HOST, 1), (Tier.DISK, 0)):
+    assert idx.held_slots(shard, tier) == {}
+  a, b, c = idx.allocate(1, 3)
+  idx.acquire(1, [b])
+  host, = idx.allocate(1, 1, Tier.HOST)
+  assert idx.held_slots(1) == {a: 1, b: 2, c: 1}
+  assert list(idx.held_slots(1)) == sorted([a, b, c])  # slot order
+  assert idx.held_slots(0) == {} and idx.held_slots(1, Tier.HOST) == {host: 1}
+  idx.release(1, [a, b])
+  assert idx.held_slots(1) == {b: 1, c: 1}
+  idx.release(1, [b, c])
+  idx.release(1, [host], Tier.HOST)
+  assert idx.held_slots(1) == {} and idx.held_slots(1, Tier.HOST) == {}
 
 
 def test_digest_is_deterministic_and_sensitive():
@@ -167,6 +199,7 @@ def test_random_operations_keep_invariants(ops):
     for s in (0, 1):  # every reference we hold is counted and never evictable
       for p in set(held[s]):
         assert idx.refcount(s, p) == held[s].count(p)
+      assert idx.held_slots(s) == {p: held[s].count(p) for p in sorted(set(held[s]))}
 
 
 # ---- the same across tiers: pins taken for in-flight transfers are never evicted -------------
@@ -215,6 +248,10 @@ def test_tiered_pools_never_hand_out_a_pinned_slot(ops):
     for (t, s), slots in held.items():
       for p in set(slots):
         assert idx.refcount(s, p, t) == slots.count(p)
+    for t, s in ((Tier.DEVICE, 0), (Tier.DEVICE, 1), (Tier.HOST, 0), (Tier.HOST, 1),
+                 (Tier.DISK, 0)):  # and nothing else is held
+      slots = held.get((t, s), [])
+      assert idx.held_slots(s, t) == {p: slots.count(p) for p in sorted(set(slots))}
 
 
 def test_reused_blocks_outlive_cold_ones_and_lru_breaks_ties():

@@ -22,29 +22,30 @@ sys.path.insert(0, ".")
 from jaxkv import distributed
 distributed.initialize()
 import jax, numpy as np
-from jaxkv import scheduler as sch
+from jaxkv.costs import CostModel, LinkCost, PrefillCurve, agree_costs
+from jaxkv.plan import DISK, HOST, HOT, PlanInputs, plan
 pid = jax.process_index()
 rng = np.random.default_rng(0)  # the same inputs everywhere
 r, d, m = 16, 2, 12
-tiers = rng.choice([sch.HOT, sch.HOST, sch.DISK], size=(r, d, m)).astype(np.int32)
-inputs = sch.PlanInputs(tiers=tiers, block_bytes=np.full(tiers.shape, 2e6, np.float32),
+tiers = rng.choice([HOT, HOST, DISK], size=(r, d, m)).astype(np.int32)
+inputs = PlanInputs(tiers=tiers, block_bytes=np.full(tiers.shape, 2e6, np.float32),
     hot=np.zeros((r, d), np.int32), cached_end=np.full((r, d), m, np.int32),
     tail_tokens=np.full((r,), 32, np.int32), free_pages=np.full((d,), 64, np.int32),
     inflight_blocks=np.full((d,), 64, np.int32), link_group=np.zeros((d,), np.int32),
     valid=np.ones((r,), bool), page_size=16)
 # Each host measured its own link (calibration differs from machine to machine).
-local = sch.CostModel(links={"host_to_device": sch.LinkCost(1e-4, (1 + pid) * 1e8),
-                             "disk_to_host": sch.LinkCost(1e-3, 5e7)},
-                      prefill=sch.PrefillCurve(1e-3, 2e-5, 1e-9))
+local = CostModel(links={"host_to_device": LinkCost(1e-4, (1 + pid) * 1e8),
+                         "disk_to_host": LinkCost(1e-3, 5e7)},
+                  prefill=PrefillCurve(1e-3, 2e-5, 1e-9))
 out = open(os.path.join(sys.argv[1], f"p{pid}.txt"), "w")
-mine = distributed.plan_digest(sch.plan(inputs, local.arrays()))
+mine = distributed.plan_digest(plan(inputs, local.arrays()))
 try:
   distributed.agree_digest(mine, "the plan")
   out.write("UNAGREED-COSTS-AGREE\n")
 except ValueError:
   out.write("UNAGREED-COSTS-DIFFER\n")
-agreed = distributed.agree_costs(local)
-distributed.agree_digest(distributed.plan_digest(sch.plan(inputs, agreed.arrays())), "the plan")
+agreed = agree_costs(local)
+distributed.agree_digest(distributed.plan_digest(plan(inputs, agreed.arrays())), "the plan")
 out.write(f"PLANS-IDENTICAL {agreed.links['host_to_device'].bytes_per_s}\n")
 out.close()
 """

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import os
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ import pytest
 import helpers
 import jaxkv
 from jaxkv import buckets
-from jaxkv import scheduler as sch
+from jaxkv.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.index import Tier
+from jaxkv.plan import build_inputs, plan
+from jaxkv.planner import Planner
 from jaxkv.stats import Stats
 from jaxkv.tiers import blocks
 from jaxkv.tiers.base import Failure
@@ -80,8 +83,8 @@ def test_a_record_of_every_kind_of_damage_names_a_known_failure():
 # ---- plan inputs ---------------------------------------------------------------------------------
 def test_plan_inputs_for_a_step_and_for_placement():
   D, H, K, S, A = Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.SHARD, Tier.ABSENT
-  step = sch.build_inputs([([[D, D, H, K]], 70), ([[H]], 20)], num_shards=1, page_size=16,
-                          page_bytes=1000, chunk_tokens=32, inflight_blocks=3)
+  step = build_inputs([([[D, D, H, K]], 70), ([[H]], 20)], num_shards=1, page_size=16,
+                      page_bytes=1000, chunk_tokens=32, inflight_blocks=3)
   assert step.tiers.shape == (8, 1, 8)  # padded to the plan's buckets
   assert step.tiers[0, 0, :5].tolist() == [D, D, H, K, A] and step.tiers[1, 0, 0] == H
   assert step.hot[:2, 0].tolist() == [2, 0] and step.cached_end[:2, 0].tolist() == [4, 1]
@@ -91,13 +94,13 @@ def test_plan_inputs_for_a_step_and_for_placement():
   assert (step.block_bytes == 1000).all() and step.chunk_tokens == 32
   # Placement: one request on every shard; the chain ends where the longest list ends, so
   # blocks a shard lacks are ABSENT there (they can only be recomputed on that shard).
-  place = sch.build_inputs([([[D, D], [S, S, S], []], 60)], num_shards=3, page_size=16,
-                           page_bytes=1000)
+  place = build_inputs([([[D, D], [S, S, S], []], 60)], num_shards=3, page_size=16,
+                       page_bytes=1000)
   assert place.cached_end[0].tolist() == [3, 3, 3] and place.hot[0].tolist() == [2, 0, 0]
   assert place.tiers[0, 0, 2] == A and place.tiers[0, 2, 0] == A
-  out = sch.plan(place, sch.CostModel(
-      links={"host_to_device": sch.LinkCost(0.0, 1e9), "cross_shard": sch.LinkCost(0.0, 1e12)},
-      prefill=sch.PrefillCurve(1e-3, 1e-4, 0.0)).arrays())
+  out = plan(place, CostModel(
+      links={"host_to_device": LinkCost(0.0, 1e9), "cross_shard": LinkCost(0.0, 1e12)},
+      prefill=PrefillCurve(1e-3, 1e-4, 0.0)).arrays())
   t = np.asarray(out.t_pred_s)[0]
   assert t[1] < t[2]  # copying three blocks across beats recomputing them
   assert int(np.asarray(out.best_shard)[0]) == 1
@@ -109,8 +112,8 @@ def test_planner_policies_choose_split_points():
 
   def splits(**kw):
     stats = Stats()
-    planner = sch.Planner(jaxkv.SchedulerConfig(**kw), None, num_shards=1, page_size=16,
-                          page_bytes=1000, chunk_tokens=16, stats=stats, calibrate=None)
+    planner = Planner(jaxkv.SchedulerConfig(**kw), None, num_shards=1, page_size=16,
+                      page_bytes=1000, chunk_tokens=16, stats=stats)
     return planner.splits(reqs), stats
 
   assert splits(policy="fetch")[0] == [1, 2, 0]
@@ -119,6 +122,25 @@ def test_planner_policies_choose_split_points():
   got, stats = splits(policy="split", force_split=2)
   assert got == [3, 2, 2]
   assert stats["plans_split"] == 2 and stats["plans_fetch"] == 0  # [D, D] has nothing cold
+
+
+def test_planner_plans_from_the_costs_the_engine_sets_and_learns_from_fetch_reports():
+  D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
+  planner = Planner(jaxkv.SchedulerConfig(policy="cost"), None, num_shards=1, page_size=16,
+                    page_bytes=1000, chunk_tokens=16, stats=Stats())
+  assert planner.splits([([D, D], 40, 0)]) == [2]  # nothing cold: no costs needed
+  with pytest.raises(RuntimeError, match="must set planner.costs"):  # the engine's bug
+    planner.splits([([D, H, H], 60, 0)])
+  planner.costs = CostModel(links={"host_to_device": LinkCost(0.0, 1e12)},
+                            prefill=PrefillCurve(0.0, 1e-3, 0.0))
+  assert planner.ensure_costs() is planner.costs
+  assert planner.splits([([D, H, H], 60, 0)]) == [1]  # a fast link: fetch both
+  # A report is a value with plain attributes; the deepest tier read names the link.
+  report = types.SimpleNamespace(blocks=4, bytes=4000, seconds=1e-6, tiers=(int(H), int(K)))
+  planner.observe_fetch(report)
+  assert planner.costs.links["disk_to_host"].bytes_per_s == pytest.approx(4e9)
+  planner.observe_fetch(types.SimpleNamespace(blocks=0, bytes=0, seconds=0.0, tiers=()))
+  assert set(planner.costs.links) == {"host_to_device", "disk_to_host"}  # nothing moved
 
 
 # ---- admission -----------------------------------------------------------------------------------
@@ -175,11 +197,25 @@ def _imports(tree) -> set[str]:
 
 def test_tiers_import_nothing_above_them():
   above = ("jaxkv.executor", "jaxkv.engine", "jaxkv.scheduler", "jaxkv.checkpoint",
-           "jaxkv.cache", "jaxkv.transfers", "jaxkv.admission", "jaxkv.runner")
+           "jaxkv.cache", "jaxkv.transfers", "jaxkv.admission", "jaxkv.runner",
+           "jaxkv.costs", "jaxkv.plan", "jaxkv.planner", "jaxkv.capacity")
   for path, tree in _modules():
     if path.parent.name == "tiers":
       bad = [m for m in _imports(tree) if m.startswith(above)]
       assert not bad, f"{path.name} imports {bad}"
+
+
+def test_costs_plan_and_planner_import_one_way():
+  # distributed -> costs -> plan -> planner, bottom up: none imports a module after it, nor
+  # the layers above the planner (the callers hand it values; it never calls back up).
+  chain = ("distributed", "costs", "plan", "planner")
+  callers = ("capacity", "admission", "scheduler", "runner", "executor", "serving",
+             "streaming", "engine")
+  trees = {path.stem: tree for path, tree in _modules() if path.parent.name == "jaxkv"}
+  for i, name in enumerate(chain):
+    imported = {m.split(".")[1] for m in _imports(trees[name]) if m.startswith("jaxkv.")}
+    bad = sorted(imported & set(chain[i + 1:] + callers))
+    assert not bad, f"jaxkv/{name}.py imports {bad}"
 
 
 def test_nothing_but_the_engine_reads_an_engines_private_state_and_parts_stay_small():

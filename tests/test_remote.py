@@ -10,7 +10,7 @@ import time
 import pytest
 
 import jaxkv
-from jaxkv.tiers.remote import RemoteClient, RemoteError
+from jaxkv.tiers.remote import Lookup, RemoteClient, RemoteError
 
 import helpers
 
@@ -20,12 +20,13 @@ OWNER = r"""
 import os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, "tests")
-import jaxkv, helpers
+import jaxkv, helpers, faults
 from jaxkv.tiers.remote import BlockServer
 mesh = jaxkv.make_mesh(data=2, model=2)
 engine = helpers.make_engine(mesh)
 engine.generate([list(range(1, 42))], 2)            # the prefix the other job will reuse
-server = BlockServer(engine.cache, fault=sys.argv[1] if sys.argv[1] != "none" else None)
+server = (BlockServer(engine.cache) if sys.argv[1] == "none"
+          else faults.LyingBlockServer(engine.cache, sys.argv[1]))
 print("ADDRESS", server.address, flush=True)
 import signal
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -91,9 +92,11 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
       assert engine.stats()["hits"]["remote"] == 0
     keyed = reader(mesh, [addr], deployment_key=KEY)
     keys = keyed.cache.index.block_keys(PREFIX, "default")
+    lookup = Lookup(nonce="probe", fingerprint=keyed.cache.config.fingerprint().hex(),
+                    keys=tuple(keys))
     bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # right keys, no MAC
     with pytest.raises(RemoteError, match="unauthenticated"):
-      bare._call({"op": "lookup", "keys": [k.hex() for k in keys]}, time.monotonic() + 10)
+      bare._call(lookup, time.monotonic() + 10)
     assert RemoteClient(addr, keyed.cache.config.fingerprint(), secret=KEY).lookup(keys) == 10
     assert keyed.generate([PREFIX + [50, 51, 52]], 5) == want
     assert keyed.stats()["hits"]["remote"] == 10
@@ -102,7 +105,7 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
     try:
       with pytest.raises(RemoteError, match="not signed"):
         RemoteClient(plain_addr, keyed.cache.config.fingerprint(), secret=KEY)._call(
-            {"op": "lookup", "keys": [k.hex() for k in keys]}, time.monotonic() + 10)
+            lookup, time.monotonic() + 10)
     finally:
       plain.kill()
       plain.wait()

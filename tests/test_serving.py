@@ -14,8 +14,7 @@ def no_refs(engine, tiers=(Tier.DEVICE,)):
   index.check_invariants()
   for tier in tiers:
     for s in range(engine.cache.num_shards if tier != Tier.DISK else 1):
-      n = index._pool(tier, s).num_slots
-      assert all(index.refcount(s, p, tier) == 0 for p in range(n)), (tier, s)
+      assert not index.held_slots(s, tier), (tier, s)
 
 
 @pytest.fixture(scope="module")

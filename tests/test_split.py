@@ -47,8 +47,8 @@ def test_forced_split_at_every_point_is_exact(mesh, tmp_path, k):
   engine.cache.index.check_invariants()
   engine.flush(30)
   for sh in range(4):
-    assert not engine.cache.index._pool(Tier.HOST, sh).refcount.any()
-  assert not engine.cache.index._pool(Tier.DISK, 0).refcount.any()
+    assert not engine.cache.index.held_slots(sh, Tier.HOST)
+  assert not engine.cache.index.held_slots(0, Tier.DISK)
 
 
 def test_failed_fetch_after_the_split_point_recomputes_from_there(mesh, tmp_path):
@@ -60,10 +60,10 @@ def test_failed_fetch_after_the_split_point_recomputes_from_there(mesh, tmp_path
   for s in range(4):  # keep the host out of it: every block must come from disk
     engine.cache.index.evict_all_unreferenced(s, Tier.HOST)
   keys = engine.cache.index.block_keys(PROMPTS[0], "default")
-  slot = engine.cache.index.slot_of(0, keys[5], Tier.DISK)
-  data = bytearray(open(engine.cache.disk.path_of(slot), "rb").read())
+  assert engine.cache.index.slot_of(0, keys[5], Tier.DISK) is not None
+  data = bytearray(open(engine.cache.disk.path_of(keys[5]), "rb").read())
   data[-1] ^= 1
-  open(engine.cache.disk.path_of(slot), "wb").write(bytes(data))
+  open(engine.cache.disk.path_of(keys[5]), "wb").write(bytes(data))
   assert engine.generate(PROMPTS[:1], 4) == want
   s = engine.stats()
   assert s["blocks_split"] == 3 and s["verify_failures"] == 1

@@ -137,12 +137,12 @@ def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path
   assert s["streamed_requests"] == 2 and s["streamed_pages"] > 2 * 24
   if source == "disk":  # every step read its cold pages back from disk records
     assert s["stream_disk_reads"] > 8 * s["streamed_pages"]
-    assert not engine.cache.index._pool(Tier.DISK, 0).refcount.any()
+    assert not engine.cache.index.held_slots(0, Tier.DISK)
     assert engine.cache.index.num_cached(0, Tier.DISK) == 0  # no stray records published
   engine.cache.index.check_invariants()
   for sh in range(4):  # every device page and host slot a stream held is back
-    assert not engine.cache.index._pool(Tier.DEVICE, sh).refcount.any()
-    assert not engine.cache.index._pool(Tier.HOST, sh).refcount.any()
+    assert not engine.cache.index.held_slots(sh, Tier.DEVICE)
+    assert not engine.cache.index.held_slots(sh, Tier.HOST)
   # The same long request again compiles nothing new: staging shapes are fixed per bucket.
   before = dict(engine.trace_counts)
   engine.generate(prompts[:1], 8)

@@ -6,14 +6,12 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorstore as ts
 from jax.sharding import NamedSharding
 
 import jaxkv
@@ -25,6 +23,7 @@ from jaxkv.tiers import blocks
 from jaxkv.tiers.disk import DiskTier
 from jaxkv.tiers.host import HostTier
 
+import faults
 import helpers
 
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -80,12 +79,12 @@ def test_disk_round_trip_is_bit_exact_and_reopens(tmp_path, dtype):
   disk = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
                   fingerprint=fp)
   payloads = [random_bits(rng, shape, dtype) for _ in range(3)]
-  writes = [disk.write(s, p, bytes([s]) * 32, None) for s, p in zip((5, 0, 7), payloads)]
+  writes = [disk.write(bytes([s]) * 32, p, None) for s, p in zip((5, 0, 7), payloads)]
   for w in writes:
-    w.future.result(timeout=30)
+    w.result(timeout=30)
   disk.sync()
   for s, p in zip((5, 0, 7), payloads):
-    [got] = disk.read_verified([s], [bytes([s]) * 32], time.monotonic() + 30)
+    [got] = disk.read_verified([bytes([s]) * 32], time.monotonic() + 30)
     np.testing.assert_array_equal(bits(got), bits(p))
   again = DiskTier(str(tmp_path / "d"), num_slots=8, payload_shape=shape, dtype=dtype,
                    fingerprint=fp)
@@ -163,8 +162,10 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
       (tier, slot), = index.locate(1, [k])
       index.acquire(1, [slot], tier)
       fetches.append(Fetch(0, 0, 1, tier, slot, k, d))
-    new = mover.promote(engine.cache.pools, fetches, deadline_s=30)
-    assert all(f.ok for f in fetches), [f.reason for f in fetches]
+    new, report = mover.promote(engine.cache.pools, fetches, deadline_s=30)
+    assert report.failures == (None,) * 5 and report.blocks == 5, report.failures
+    assert report.fetches == tuple(fetches) and report.tiers == (int(Tier.HOST), int(Tier.DISK))
+    assert report.bytes == 5 * cc.page_bytes and report.seconds > 0
     for b, p in zip(before, new):
       got = bits(p)
       for src, d in zip(pages, dest):
@@ -220,8 +221,7 @@ def test_small_device_budget_through_host_and_disk_is_exact(mesh, tmp_path, reco
   engine.cache.index.check_invariants()
   for tier, pools in ((Tier.DEVICE, 4), (Tier.HOST, 4)):
     for sh in range(pools):
-      n = engine.cache.index._pool(tier, sh).num_slots
-      assert all(engine.cache.index.refcount(sh, p, tier) == 0 for p in range(n))
+      assert not engine.cache.index.held_slots(sh, tier)
 
 
 def test_compute_never_reads_host_memory(mesh, tmp_path):
@@ -260,8 +260,8 @@ def disk_engine(mesh, tmp_path, **tier_kw):
   return helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
 
 
-def chunk_path(engine, slot):
-  return engine.cache.disk.path_of(slot)
+def chunk_path(engine, key):
+  return engine.cache.disk.path_of(key)
 
 
 
@@ -270,8 +270,8 @@ def assert_clean(engine):
   idx.check_invariants()
   for tier, shards in ((Tier.DEVICE, range(4)), (Tier.DISK, [0])):
     for s in shards:
-      pool = idx._pool(tier, s)
-      assert not pool.refcount.any(), f"leaked references in {tier}"
+      held = idx.held_slots(s, tier)
+      assert not held, f"leaked references in {tier}: {held}"
 
 
 FAULTS = ["flip_bit", "truncate", "delete", "swap", "foreign_tenant", "foreign_model"]
@@ -287,7 +287,7 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
   keys = engine.cache.index.block_keys(prompt, "default")
   slots = [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys]
   assert None not in slots
-  target = chunk_path(engine, slots[2])
+  target = chunk_path(engine, keys[2])
   if fault == "flip_bit":
     data = bytearray(open(target, "rb").read())
     data[len(data) // 2] ^= 0x10
@@ -297,7 +297,7 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
   elif fault == "delete":
     os.remove(target)
   elif fault == "swap":
-    other = chunk_path(engine, slots[4])
+    other = chunk_path(engine, keys[4])
     a, b = open(target, "rb").read(), open(other, "rb").read()
     open(target, "wb").write(b)
     open(other, "wb").write(a)
@@ -307,10 +307,11 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
     donor = DiskTier(str(tmp_path / "donor"), num_slots=64,
                      payload_shape=engine.cache.payload_shape, dtype=engine.cache.config.jnp_dtype,
                      fingerprint=fp or engine.cache.config.fingerprint())
-    donor.write(slots[2], np.zeros(engine.cache.payload_shape, np.float32),
-                foreign_key if fp is None else keys[2], None).future.result(timeout=30)
+    written = foreign_key if fp is None else keys[2]
+    donor.write(written, np.zeros(engine.cache.payload_shape, np.float32),
+                None).result(timeout=30)
     donor.sync()
-    open(target, "wb").write(open(donor.path_of(slots[2]), "rb").read())
+    open(target, "wb").write(open(donor.path_of(written), "rb").read())
   helpers.forget_device_copies(engine)
   got = engine.generate([prompt], 3)
   assert got == want
@@ -331,37 +332,13 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
   assert engine.stats()["hits"]["disk"] == 2 + 6
 
 
-class _SlowReads:
-  """Wraps a real DiskTier: every read's result arrives ``delay_s`` late."""
-
-  def __init__(self, disk, delay_s):
-    self.disk, self.delay_s = disk, delay_s
-    self.real_read = disk.read
-
-  def __call__(self, slot, key=None):
-    pending = self.real_read(slot, key)
-    real = pending.future
-    promise, future = ts.Promise.new()
-
-    def later():
-      time.sleep(self.delay_s)
-      try:
-        promise.set_result(real.result())
-      except BaseException as e:  # pylint: disable=broad-except  (handed to the reader)
-        promise.set_exception(e)
-
-    threading.Thread(target=later, daemon=True).start()
-    pending.future = future
-    return pending
-
-
 def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   engine = disk_engine(mesh, tmp_path, read_deadline_s=0.2)
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
   helpers.forget_device_copies(engine)
-  engine.cache.disk.read = _SlowReads(engine.cache.disk, delay_s=4.0)
+  engine.cache.disk.read = faults.SlowReads(engine.cache.disk, delay_s=4.0)
   t0 = time.perf_counter()
   assert engine.generate([prompt], 3) == want
   assert time.perf_counter() - t0 < 4.0  # did not wait for the slow store
@@ -370,22 +347,6 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   time.sleep(4.2)  # the late reads complete into nothing
   assert engine.flush(30) == 0
   assert_clean(engine)
-
-
-class _FailingReads:
-  """Wraps a real DiskTier: the first ``times`` reads of each slot raise (the store's
-  error surfaces in the read's future, as TensorStore reports I/O errors)."""
-
-  def __init__(self, disk, times):
-    self.real_read, self.times, self.failed = disk.read, times, {}
-
-  def __call__(self, slot, key=None):
-    if self.failed.get(slot, 0) < self.times:
-      self.failed[slot] = self.failed.get(slot, 0) + 1
-      promise, future = ts.Promise.new()
-      promise.set_exception(OSError(f"transient I/O error reading slot {slot}"))
-      return type(self.real_read(slot, key))(slot, key, future, time.monotonic())
-    return self.real_read(slot, key)
 
 
 @pytest.mark.parametrize("times", [1, 2])
@@ -397,7 +358,7 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
   keys = engine.cache.index.block_keys(prompt, "default")
   slots = [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys]
   assert None not in slots
-  engine.cache.disk.read = _FailingReads(engine.cache.disk, times)
+  engine.cache.disk.read = faults.FailingReads(engine.cache.disk, times)
   for attempt in range(times):
     helpers.forget_device_copies(engine)
     engine.reset_stats()
@@ -425,17 +386,11 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
-  real_read, real_write = engine.cache.disk.read, engine.cache.disk.write
-  failing = _FailingReads(engine.cache.disk, times=10**9)  # the store is down
-
-  def failing_write(slot, payload, key, parent):
-    pending = real_write(slot, payload, key, parent)
-    promise, pending.future = ts.Promise.new()
-    promise.set_exception(OSError(5, "Input/output error"))
-    return pending
-
-  engine.cache.disk.read, engine.cache.disk.write = failing, failing_write
-  engine.cache.mover.disk_breaker.cool_down_s = 1.0
+  failing = faults.FailingReads(engine.cache.disk, times=10**9)  # the store is down
+  engine.cache.disk.read = failing
+  engine.cache.disk.write = faults.FailingWrites(engine.cache.disk,
+                                                 OSError(5, "Input/output error"))
+  engine.cache.mover.journal.breaker.cool_down_s = 1.0
   for _ in range(3):  # every read and write raises: recomputed; 3 failed batches detach it
     helpers.forget_device_copies(engine)
     assert engine.generate([prompt], 3) == want
@@ -449,7 +404,7 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   assert sum(failing.failed.values()) == reads  # detached: nothing was read from it
   assert s["hits"]["disk"] == 0 and s["disk_detached_drops"] > 0  # nor written to it
   time.sleep(1.1)  # the cool-down passes and the store is back
-  engine.cache.disk.read, engine.cache.disk.write = real_read, real_write
+  del engine.cache.disk.read, engine.cache.disk.write  # the real ones again
   for _ in range(2):  # attached again: written through, then read back
     helpers.forget_device_copies(engine)
     engine.reset_stats()
@@ -490,17 +445,8 @@ def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, polic
 
 def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
   engine = disk_engine(mesh, tmp_path)
-  real_write = engine.cache.disk.write
-
-  def failing_write(slot, payload, key, parent):
-    pending = real_write(slot, payload, key, parent)
-    pending.future.result(timeout=30)
-    promise, future = ts.Promise.new()
-    promise.set_exception(PermissionError(13, "Permission denied"))
-    pending.future = future
-    return pending
-
-  engine.cache.disk.write = failing_write
+  engine.cache.disk.write = faults.FailingWrites(
+      engine.cache.disk, PermissionError(13, "Permission denied"), landed=True)
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
@@ -520,9 +466,9 @@ from jaxkv.tiers.disk import DiskTier
 disk = DiskTier(sys.argv[1], num_slots=8, payload_shape=(2, 2, 4, 64), dtype="float32",
                 fingerprint=b"f" * 32)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))  # records are ~4.3 KB: the disk is "full"
-w = disk.write(3, np.ones((2, 2, 4, 64), np.float32), b"k" * 32, None)
+w = disk.write(b"k" * 32, np.ones((2, 2, 4, 64), np.float32), None)
 try:
-  w.future.result(timeout=30)
+  w.result(timeout=30)
   print("WROTE")
 except Exception as e:
   print("FAILED", type(e).__name__, e)
@@ -550,10 +496,11 @@ rng = np.random.default_rng(0)
 i = 0
 print("READY", flush=True)
 while True:
-  ws = [disk.write((i + j) % 64, rng.standard_normal((4, 2, 16, 256)).astype(np.float32),
-                   ((i + j) % 64).to_bytes(32, "little"), None) for j in range(8)]
+  ws = [disk.write(((i + j) % 64).to_bytes(32, "little"),
+                   rng.standard_normal((4, 2, 16, 256)).astype(np.float32), None)
+        for j in range(8)]
   for w in ws:
-    w.future.result()
+    w.result()
   i += 8
 """
 
@@ -592,7 +539,7 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   assert records[0] not in os.listdir(disk.prefix_path)  # the torn record was deleted
   keys = [key for _, key, _ in good]
   assert all(int.from_bytes(k, "little") < 10**6 for k in keys)  # the writer's keys
-  disk.read_verified([slot for slot, _, _ in good], keys, time.monotonic() + 30)
+  disk.read_verified(keys, time.monotonic() + 30)
   assert not [n for n in os.listdir(disk.prefix_path) if n.endswith("__lock")]
   assert disk.bytes_on_disk() <= 64 * disk.record_bytes * 1.01 + 4096
   # The cache adopts the survivors.
@@ -648,7 +595,7 @@ def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_pa
   tiers = jaxkv.TierConfig(host_pages_per_shard=2, disk_kvstore=str(tmp_path / policy),
                            disk_pages=12, write_policy=policy, read_deadline_s=5.0)
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=2)
-  engine.cache.disk.read = _SlowReads(engine.cache.disk, delay_s=0.02)
+  engine.cache.disk.read = faults.SlowReads(engine.cache.disk, delay_s=0.02)
   fresh = helpers.make_engine(mesh, mc, cache=cc, prefix_reuse=False, max_seqs_per_shard=2)
   rng = np.random.default_rng(11)
   prefixes = [rng.integers(1, 128, int(n)).tolist() for n in (9, 14, 21)]
@@ -660,9 +607,9 @@ def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_pa
     assert engine.generate(prompts, 3) == fresh.generate(prompts, 3), round_
     engine.cache.index.check_invariants()
     for s in range(4):  # no request or transfer reference survives a call...
-      assert not engine.cache.index._pool(Tier.DEVICE, s).refcount.any()
-      assert not engine.cache.index._pool(Tier.HOST, s).refcount.any()
-    disk_refs = int(engine.cache.index._pool(Tier.DISK, 0).refcount.sum())
+      assert not engine.cache.index.held_slots(s, Tier.DEVICE)
+      assert not engine.cache.index.held_slots(s, Tier.HOST)
+    disk_refs = sum(engine.cache.index.held_slots(0, Tier.DISK).values())
     assert disk_refs == engine.cache.mover.writes_in_flight  # ...but uncommitted disk writes
     if round_ % 2:
       assert engine.offload() > 0  # everything below device: the next round promotes

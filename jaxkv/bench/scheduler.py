@@ -28,10 +28,11 @@ from flax import nnx
 from jaxkv import calibration
 from jaxkv import models
 from jaxkv.bench import common
-from jaxkv import scheduler as sch
 from jaxkv.cache import KVCache
 from jaxkv.config import EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.engine import Engine
+from jaxkv.plan import DISK, HOST, HOT, PlanInputs, plan
 from jaxkv.workloads import Chat, ChatSpec
 
 POLICIES = {
@@ -52,8 +53,7 @@ class EmulatedLink:
     page_bytes = cache.config.page_bytes
 
     def finish(pools, pending, t_end):
-      fetches, _, t_start = pending
-      ready = t_start + latency_s + len(fetches) * page_bytes / bytes_per_s
+      ready = pending.t_start + latency_s + len(pending.fetches) * page_bytes / bytes_per_s
       delay = ready - time.perf_counter()
       if delay > 0:
         time.sleep(delay)
@@ -99,17 +99,17 @@ def run(*, quick: bool = False) -> dict:
   policies["split_half"] = None  # filled per request count below
   results = {}
   for speed_name, factor in speeds.items():
-    costs = sch.CostModel(links=dict(measured.links), prefill=measured.prefill,
-                          source="calibrated" if factor is None else "emulated")
+    costs = CostModel(links=dict(measured.links), prefill=measured.prefill,
+                      source="calibrated" if factor is None else "emulated")
     if factor is not None:
       rate = min(break_even * factor, real_link.bytes_per_s)
-      costs.links["host_to_device"] = sch.LinkCost(real_link.latency_s, rate)
+      costs.links["host_to_device"] = LinkCost(real_link.latency_s, rate)
     engines = {}
     for name, pol in policies.items():
       if name == "split_half":
         pol = SchedulerConfig(policy="split", force_split=(spec.max_seq_len() // cache.page_size) // 4)
       e = _engine(mesh, mc, cache, tiers, engine_cfg, pol,
-                  sch.CostModel.from_json(costs.to_json()))
+                  CostModel.from_json(costs.to_json()))
       if factor is not None:
         EmulatedLink(e.cache, costs.links["host_to_device"].bytes_per_s, real_link.latency_s)
       e.warmup(max_seq_len=spec.max_seq_len())  # compiled already: only the plan's buckets
@@ -161,7 +161,7 @@ def run(*, quick: bool = False) -> dict:
   }
 
 
-def json_costs(costs: sch.CostModel) -> dict:
+def json_costs(costs: CostModel) -> dict:
   import json
   return json.loads(costs.to_json())
 
@@ -171,23 +171,22 @@ def plan_overhead_ms(requests: int = 256, blocks: int = 64, shards: int = 1, rep
   """Median wall time of one jitted plan over 256 requests x 64 blocks, after compile."""
   import jax
   rng = np.random.default_rng(0)
-  tiers = rng.choice([sch.HOT, sch.HOST, sch.DISK], size=(requests, shards, blocks)).astype(
-      np.int32)
-  inputs = sch.PlanInputs(
+  tiers = rng.choice([HOT, HOST, DISK], size=(requests, shards, blocks)).astype(np.int32)
+  inputs = PlanInputs(
       tiers=tiers, block_bytes=np.full(tiers.shape, 1 << 20, np.float32),
       hot=np.zeros((requests, shards), np.int32),
       cached_end=np.full((requests, shards), blocks, np.int32),
       tail_tokens=np.full((requests,), 64, np.int32), free_pages=np.full((shards,), 512, np.int32),
       inflight_blocks=np.full((shards,), 512, np.int32), link_group=np.zeros((shards,), np.int32),
       valid=np.ones((requests,), bool), page_size=16)
-  costs = sch.CostModel(links={"host_to_device": sch.LinkCost(1e-5, 25e9),
-                               "disk_to_host": sch.LinkCost(1e-4, 3e9)},
-                        prefill=sch.PrefillCurve(1e-3, 2e-5, 1e-9)).arrays()
+  costs = CostModel(links={"host_to_device": LinkCost(1e-5, 25e9),
+                           "disk_to_host": LinkCost(1e-4, 3e9)},
+                    prefill=PrefillCurve(1e-3, 2e-5, 1e-9)).arrays()
   inputs = jax.device_put(inputs, jax.devices()[0])
-  jax.block_until_ready(sch.plan(inputs, costs))
+  jax.block_until_ready(plan(inputs, costs))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(sch.plan(inputs, costs))
+    jax.block_until_ready(plan(inputs, costs))
     times.append(time.perf_counter() - t0)
   return 1e3 * float(np.median(times))

@@ -55,12 +55,12 @@ def writer_main(spec_json: str, writer: str, n: int, shared: int, shape_json: st
   shape = tuple(json.loads(shape_json))
   keys = [_key(writer, i) for i in range(n)] + [_key("shared", i) for i in range(shared)]
   tier = _tier(json.loads(spec_json), len(keys), shape)
-  writes = [tier.write(i, _payload(k, shape), k, None) for i, k in enumerate(keys)]
+  writes = [(k, tier.write(k, _payload(k, shape), None)) for k in keys]
   committed, failed = [], 0
-  for w in writes:
+  for k, w in writes:
     try:
-      w.future.result(timeout=300)
-      committed.append(w.key.hex())
+      w.result(timeout=300)
+      committed.append(k.hex())
     except Exception:  # pylint: disable=broad-except  (counted)
       failed += 1
   tier.sync()
@@ -103,14 +103,14 @@ def object_store_read(s3: LocalS3, *, n: int, shape, reps: int, threads: int = 1
   spec = s3.kvstore("jaxkv-bench", "read/")
   tier = _tier(spec, n, shape)
   keys = [_key("read", i) for i in range(n)]
-  for w in [tier.write(i, _payload(k, shape), k, None) for i, k in enumerate(keys)]:
-    w.future.result(timeout=300)
+  for w in [tier.write(k, _payload(k, shape), None) for k in keys]:
+    w.result(timeout=300)
   client = s3.client(max_connections=threads)
   names = ["read/records/" + tier.name(k) for k in keys]
   pool = concurrent.futures.ThreadPoolExecutor(threads)
 
   def jaxkv_read():
-    tier.read_verified(list(range(n)), keys, time.monotonic() + 300)
+    tier.read_verified(keys, time.monotonic() + 300)
 
   def raw_get():
     list(pool.map(lambda name: client.get_object(Bucket="jaxkv-bench", Key=name)["Body"].read(),

@@ -109,15 +109,20 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   store_root = os.path.join(workdir, "store")
 
   generation = [0]
+  held: list = [None] * n_blocks  # the block each slot holds, as the index would say
 
   def disk_write():
-    """The store at capacity, as in use: each new block takes the slot (and deletes the
-    record) of an evicted one."""
+    """The store at capacity, as in use: each new block takes the slot of an evicted one,
+    whose record is deleted (as the mover's journal does when the index evicts it)."""
     generation[0] += 1
-    fresh = [hashlib.sha256(k + generation[0].to_bytes(8, "little")).digest() for k in keys]
-    ws = [disk.write(i, payloads[i % 8], fresh[i], None) for i in range(n_blocks)]
+    ws = []
+    for i, k in enumerate(keys):
+      if held[i] is not None:
+        disk.delete(held[i])
+      held[i] = hashlib.sha256(k + generation[0].to_bytes(8, "little")).digest()
+      ws.append(disk.write(held[i], payloads[i % 8], None))
     for w in ws:
-      w.future.result(timeout=600)
+      w.result(timeout=600)
     disk.settle()  # the evicted records' deletions too
     disk.sync()  # durable, as the tier publishes a batch
 
@@ -132,7 +137,7 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
 
   def disk_read(slots):
     def go():
-      disk.read_verified(slots, [disk.key_of(s) for s in slots], time.monotonic() + 600)
+      disk.read_verified([held[s] for s in slots], time.monotonic() + 600)
     return go
 
   def raw_read_bulk():

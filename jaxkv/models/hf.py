@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import SUPPORTED_DTYPES
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, InvariantError
 from jaxkv.models.llama import Llama, LlamaConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -234,7 +234,8 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
                           + f"; a {cfg.num_layers}-layer checkpoint of this architecture needs it.")
   unknown = set(flat) - {p for p, _, _ in wanted}
   if unknown:  # the model has a parameter this loader does not fill: a bug here
-    raise AssertionError(f"parameters without a checkpoint tensor: {sorted(unknown)}")
+    raise InvariantError(f"parameters without a checkpoint tensor: {sorted(unknown)}; "
+                         "_tensor_map must name a tensor for every parameter of Llama.")
   dt = jnp.dtype(cfg.dtype)
   handles: dict[str, SafetensorsFile] = {}
   for nnx_path, name, transposed in wanted:

@@ -1,8 +1,8 @@
-"""What every lower tier offers the executor, and why a block read from one can fail.
+"""What every lower tier offers the mover, and why a block read from one can fail.
 
 A *fetch* brings one cached block from a lower tier (host memory, disk, another job) into
 a device page a request was given. Every tier backend serves fetches in two halves, so
-the executor can issue all of them, run the recompute part of a plan meanwhile, and only
+the caller can issue all of them, run the recompute part of a plan meanwhile, and only
 then wait:
 
 - ``start_fetch(fetches)`` issues every read and returns at once. It may already return
@@ -10,10 +10,15 @@ then wait:
   right away; its verification comes later).
 - ``finish_fetch(pending, t_end, stage)`` waits until ``t_end`` (``time.monotonic``) at
   the latest, verifies every block (checksum, key, model fingerprint, dtype, shape) and
-  sets ``ok``/``reason`` on each fetch. It returns the verified blocks still to land;
-  ``stage`` (given by the caller, who knows the device layout) turns host bytes into one.
+  returns a ``FetchOutcome``: the verified blocks still to land (``stage``, given by the
+  caller, who knows the device layout, turns host bytes into one) and one ``Failure`` or
+  ``None`` per fetch, in the order the fetches were given to ``start_fetch``.
 
-A failed fetch is never an exception: it is a ``Failure`` on the fetch, and the executor
+Results are values. A ``Fetch`` is frozen: it says what to bring where, and nobody writes
+an outcome into it. Each backend returns its outcomes, the mover (``jaxkv.transfers``)
+gathers them into one ``FetchReport`` per promotion, and the caller reads that report.
+
+A failed fetch is never an exception: it is a ``Failure`` in the outcome, and the caller
 recomputes from that block on. ``Failure.corrupt`` separates a bad copy (counted as a
 verification failure; the copy and its chain are dropped) from one that was merely
 unavailable (late, unreachable: a miss).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -100,15 +106,10 @@ class Breaker:
       self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
 
 
-# A disk write's outcome as the processes of a job report it (only its writer reports one;
-# 0 while it is pending or another process's).
-WRITE_OK, WRITE_FAILED = 2, 3
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Fetch:
-  """One lower-tier block to copy into a request's device page (the outcome is set by the
-  tier that serves it: ``ok``, or the ``reason`` it failed)."""
+  """One lower-tier block to copy into a request's device page. What to bring where, and
+  nothing else: its outcome comes back as a value (``FetchOutcome``, ``FetchReport``)."""
 
   request: int  # the requesting sequence (groups a request's remote blocks in one pull)
   block: int  # index of the block in the request's chain
@@ -117,8 +118,6 @@ class Fetch:
   slot: Any  # where the block is: a slot (host, disk), a peer (remote), (shard, page) (shard)
   key: bytes
   page: int  # destination device page (shard-local)
-  ok: bool = False
-  reason: Failure | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +134,19 @@ class Landing:
 Staged = tuple[int, int, np.ndarray]
 
 
+@dataclasses.dataclass(frozen=True)
+class FetchOutcome:
+  """What one tier's ``finish_fetch`` found: the verified blocks still to land (None when
+  there are none, or the tier landed them in ``start_fetch`` already) and, aligned with
+  the fetches given to ``start_fetch``, ``None`` for a block that verified (landed or in
+  ``landing``) or the ``Failure`` that kept it out."""
+
+  landing: Landing | None
+  failures: tuple[Failure | None, ...]
+
+
 class FetchSource(Protocol):
-  """A tier the executor brings blocks up from."""
+  """A tier the mover brings blocks up from."""
 
   tier: Tier
 
@@ -144,6 +154,47 @@ class FetchSource(Protocol):
     """Issues every read without waiting; returns what can land now and a handle."""
 
   def finish_fetch(self, pending: Any, t_end: float,
-                   stage: Callable[[list[Staged]], Landing]) -> Landing | None:
-    """Waits (until ``t_end`` at the latest), verifies, sets ``ok``/``reason``; returns the
-    verified blocks still to land."""
+                   stage: Callable[[list[Staged]], Landing]) -> FetchOutcome:
+    """Waits (until ``t_end`` at the latest) and verifies; returns the blocks still to land
+    and each fetch's failure (``None``: verified), in ``start_fetch``'s order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchReport:
+  """One finished promotion (``TierMover.finish_promote``), as its caller and the planner
+  read it.
+
+  ``failures[i]`` is ``None`` when ``fetches[i]`` was verified and is in its device page
+  now, else why it was not (the caller recomputes that request from its first failed
+  block on and calls ``TierMover.drop_failed(fetch, failure)``). ``blocks`` and ``bytes``
+  count the verified blocks, ``seconds`` runs from issuing the reads to the last block
+  landing, and ``tiers`` lists the tiers fetched from (sorted ``int(Tier)`` values): what
+  the planner learns a link's speed from.
+  """
+
+  fetches: tuple[Fetch, ...]
+  failures: tuple[Failure | None, ...]
+  blocks: int
+  bytes: int
+  seconds: float
+  tiers: tuple[int, ...]
+
+  def __post_init__(self):
+    if len(self.failures) != len(self.fetches):
+      raise ValueError(f"FetchReport has {len(self.fetches)} fetches but "
+                       f"{len(self.failures)} failures; give one (None: verified) per fetch.")
+
+  def ok(self, i: int) -> bool:
+    """Whether ``fetches[i]`` was verified and landed."""
+    return self.failures[i] is None
+
+  def failure_of(self, fetch: Fetch) -> Failure | None:
+    """Why ``fetch`` (one of ``fetches``) failed, ``None`` when it was verified."""
+    try:
+      return self._failure_by_fetch[fetch]
+    except KeyError:
+      raise ValueError(f"{fetch=} is not one of this report's fetches.") from None
+
+  @functools.cached_property
+  def _failure_by_fetch(self) -> dict[Fetch, Failure | None]:
+    return dict(zip(self.fetches, self.failures))

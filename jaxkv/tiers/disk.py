@@ -12,12 +12,16 @@ writes a temporary and renames it, an object store replaces the object whole), s
 ever clashes, and a reader verifies what it reads as before. Records of another model or
 layout sit under another fingerprint and are never touched.
 
-Capacity on a shared store is per process: ``num_slots`` is this process's quota, the index
-pools it like any tier (eviction by reuse count, aged, then LRU), and the record of a block
-this process evicts is deleted when its slot is taken. A record another process deleted
-is a miss when read (``Failure.GONE``: its index entry is dropped), never an error. The
-store therefore holds at most the sum of its users' quotas, plus records left by processes
-that stopped (adopted by the next one that opens the store, up to its quota).
+Slots and records: the index owns the map. ``num_slots`` is this process's quota; the
+``PrefixIndex`` pools those slots like any tier's (eviction by reuse count, aged, then LRU)
+and is the one place that says which slot holds which block. This tier never sees a slot:
+it stores, reads and deletes records by block key, the record's name. Whoever takes a
+disk slot from the index deletes the records of the blocks evicted to make room, and
+whoever drops a block from the index deletes its record (the mover's disk journal,
+``jaxkv.journal``, and ``TierMover.drop_failed``). A record another process deleted is a
+miss when read (``Failure.GONE``: its index entry is dropped), never an error. The store
+therefore holds at most the sum of its users' quotas, plus records left by processes that
+stopped (adopted by the next one that opens the store, up to its quota).
 
 Every record carries jaxkv's own header and CRC-32C (``blocks``), so a record that does not
 verify (damaged, foreign, of another key) is deleted and counted. A slot being written or
@@ -47,7 +51,7 @@ from absl import logging
 
 from jaxkv.index import Tier
 from jaxkv.tiers import blocks
-from jaxkv.tiers.base import Failure, Fetch, Landing
+from jaxkv.tiers.base import Failure, Fetch, FetchOutcome
 from jaxkv.errors import InputError
 
 RECORDS_PATH = "records/"
@@ -98,21 +102,13 @@ def kvstore_spec(location) -> dict:
   return spec
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PendingRead:
-  slot: int
-  key: bytes
-  future: object  # tensorstore.Future of the record
-  started: float
+  """A read in flight: the record of block ``key`` (``future``: its tensorstore read)."""
 
-
-@dataclasses.dataclass
-class PendingWrite:
-  slot: int
   key: bytes
-  parent: bytes | None
-  future: object  # the commit future; None for a write another process of the job does
-  code: int = 0  # base.WRITE_* once this process knows the outcome of its own write
+  future: object
+  started: float  # time.monotonic() when it was issued
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,9 +157,7 @@ class DiskTier:
       logging.warning("disk tier %s holds a store of an older jaxkv (format 1, one zarr array "
                       "under blocks/): it is not read; delete %s to free its space.",
                       self.kvstore["path"], os.path.join(self.kvstore["path"], "blocks"))
-    self._key_of_slot: dict[int, bytes] = {}  # what each slot of this process's quota holds
-    self._slot_of_key: dict[bytes, int] = {}
-    self._read_errors: dict[int, int] = {}  # slot -> reads in a row that raised
+    self._read_errors: dict[bytes, int] = {}  # block key -> reads in a row that raised
     self._deletes: dict[str, object] = {}  # name -> deletion in flight (kept: a dropped
     # TensorStore future may cancel its operation)
 
@@ -174,19 +168,17 @@ class DiskTier:
     return self.fingerprint[:16].hex() + "/"
 
   def name(self, key: bytes) -> str:
+    """The record of block ``key`` (relative to ``<kvstore>/records/``)."""
     return self.prefix + key.hex()
-
-  def key_of(self, slot: int) -> bytes | None:
-    return self._key_of_slot.get(slot)
 
   @property
   def prefix_path(self) -> str:
     """The directory of this fingerprint's records (file driver)."""
     return os.path.join(self.kvstore["path"], RECORDS_PATH, self.prefix)
 
-  def path_of(self, slot: int) -> str:
-    """The file of the record ``slot`` holds (file driver)."""
-    return os.path.join(self.kvstore["path"], RECORDS_PATH, self.name(self._key_of_slot[slot]))
+  def path_of(self, key: bytes) -> str:
+    """The file of block ``key``'s record (file driver)."""
+    return os.path.join(self.kvstore["path"], RECORDS_PATH, self.name(key))
 
   # ---- opening ---------------------------------------------------------------------------
   def _check_writable(self) -> None:
@@ -218,12 +210,13 @@ class DiskTier:
     return n
 
   def scan(self, deadline_s: float = 600.0) -> tuple[list[tuple[int, bytes, bytes | None]], int]:
-    """Verifies the stored records of this fingerprint and takes up to ``num_slots`` of the
-    verified ones into this process's quota, in name order (so every process of a job
-    takes the same). Returns ``([(slot, key, parent), ...], deleted)``.
+    """Verifies the stored records of this fingerprint and offers up to ``num_slots`` of
+    the verified ones for this process's quota, in name order (so every process of a job
+    offers the same). Returns ``([(slot, key, parent), ...], deleted)``: slots numbered
+    from 0 in that order, for the caller to publish in the index (which then owns them).
 
     Records that do not verify are deleted; verified ones beyond the quota are left to the
-    processes that hold them. Slots are numbered from 0 in the order returned.
+    processes that hold them.
     """
     names = sorted(k.decode("ascii", "replace")
                    for k in self.kv.list(ts.KvStore.KeyRange(self.prefix, self.prefix[:-1] + "0"))
@@ -249,51 +242,23 @@ class DiskTier:
         deleted += 1
         continue
       if len(good) < self.num_slots:
-        slot = len(good)
-        self._key_of_slot[slot] = key
-        self._slot_of_key[key] = slot
-        good.append((slot, key, parent))
+        good.append((len(good), key, parent))
     return good, deleted
 
   # ---- I/O ---------------------------------------------------------------------------------
-  def write(self, slot: int, payload: np.ndarray, key: bytes, parent: bytes | None
-            ) -> PendingWrite:
-    """Starts writing block ``key`` into ``slot`` of this process's quota; publish it only
-    once ``future`` has succeeded and ``sync`` has run. The record the slot held before (a
-    block evicted from it) is deleted."""
+  def write(self, key: bytes, payload: np.ndarray, parent: bytes | None):
+    """Starts writing block ``key``'s record; returns the commit's future. Publish the
+    block only once that future has succeeded and ``sync`` has run."""
     record = blocks.encode(payload, key, self.fingerprint, parent)
-    name = self._assign(slot, key)
+    name = self.name(key)
     deleting = self._deletes.pop(name, None)
     if deleting is not None:  # a deletion of this very record in flight: let it land first
       _wait(deleting, 30.0)
+    self._read_errors.pop(key, None)  # a new record
     try:
-      fut = self.kv.write(name, record.tobytes())
+      return self.kv.write(name, record.tobytes())
     except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
-      fut = _failed(e)
-    return PendingWrite(slot, key, parent, fut)
-
-  def claim(self, slot: int, key: bytes, parent: bytes | None) -> PendingWrite:
-    """``slot`` will hold block ``key``, written by another process of the job."""
-    self._assign(slot, key)
-    return PendingWrite(slot, key, parent, None)
-
-  def adopt(self, entries: list[tuple[int, bytes]]) -> None:
-    """Takes ``(slot, key)`` records another process of the job verified (its ``scan``)."""
-    for slot, key in entries:
-      self._assign(slot, key)
-
-  def _assign(self, slot: int, key: bytes) -> str:
-    """Points ``slot`` at block ``key`` (deleting the record of the block it held before)."""
-    old = self._unmap(slot)
-    if old is not None and old != key:
-      self._delete_name(self.name(old))  # the block evicted from this slot
-    stale = self._slot_of_key.get(key)
-    if stale is not None:  # an earlier slot named this block: not any more
-      self._unmap(stale)
-    self._key_of_slot[slot] = key
-    self._slot_of_key[key] = slot
-    self._read_errors.pop(slot, None)  # a new record in the slot
-    return self.name(key)
+      return _failed(e)
 
   def sync(self) -> None:
     """Makes every committed write durable (local files: one ``syncfs``; an object store's
@@ -301,15 +266,13 @@ class DiskTier:
     if self.local:
       _syncfs(os.path.join(self.kvstore["path"], RECORDS_PATH))
 
-  def read(self, slot: int, key: bytes | None = None) -> PendingRead:
-    key = self._key_of_slot.get(slot) if key is None else key
+  def read(self, key: bytes) -> PendingRead:
+    """Starts reading block ``key``'s record."""
     try:
-      if key is None:
-        raise Gone(f"slot {slot} holds no record")
       fut = self.kv.read(self.name(key))
     except Exception as e:  # pylint: disable=broad-except
       fut = _failed(e)
-    return PendingRead(slot, key, fut, time.monotonic())
+    return PendingRead(key, fut, time.monotonic())
 
   def _record(self, pending: PendingRead, t_end: float) -> np.ndarray:
     """The bytes of a read (raises ``TimeoutError``, ``Gone`` or the store's error)."""
@@ -324,62 +287,52 @@ class DiskTier:
                          shape=self.payload_shape)
 
   # ---- FetchSource -------------------------------------------------------------------------
-  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list]:
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list[tuple[Fetch, PendingRead]]]:
     """Puts every read in flight at once."""
-    return None, [(f, self.read(f.slot, f.key)) for f in fetches]
+    return None, [(f, self.read(f.key)) for f in fetches]
 
-  def finish_fetch(self, pending: list, t_end: float, stage) -> Landing | None:
+  def finish_fetch(self, pending: list[tuple[Fetch, PendingRead]], t_end: float,
+                   stage) -> FetchOutcome:
     """Waits for each read until ``t_end`` at the latest and verifies its record."""
-    staged = []
+    staged, failures = [], []
     for f, r in pending:
+      failure = None
       try:
-        staged.append((f.shard, f.page, self.verify(self._record(r, t_end), f.key)))
-        f.ok = True
+        staged.append((f.shard, f.page, self.verify(self._record(r, t_end), r.key)))
+        self._read_errors.pop(r.key, None)
       except TimeoutError:
-        f.reason = Failure.DEADLINE
+        failure = Failure.DEADLINE
         r.future.cancel()
       except Exception as e:  # pylint: disable=broad-except  (any failed read is a miss)
-        f.reason = Failure.of(e, self._read_error(f.slot, e))
-      if f.ok:
-        self._read_errors.pop(f.slot, None)
-    return stage(staged) if staged else None
+        failure = Failure.of(e, self._read_error(r.key, e))
+      failures.append(failure)
+    return FetchOutcome(stage(staged) if staged else None, tuple(failures))
 
-  def _read_error(self, slot: int, error: BaseException) -> Failure:
-    """The store raised reading ``slot``. When it says the bytes are wrong (TensorStore's
-    DATA_LOSS and kin), that is a corrupt record. Anything else (I/O, unavailable) is taken
-    as transient the first time: the record is kept and read again next time; given up on
-    when the next read raises too."""
+  def _read_error(self, key: bytes, error: BaseException) -> Failure:
+    """The store raised reading ``key``'s record. When it says the bytes are wrong
+    (TensorStore's DATA_LOSS and kin), that is a corrupt record. Anything else (I/O,
+    unavailable) is taken as transient the first time: the record is kept and read again
+    next time; given up on when the next read raises too."""
     if str(error).startswith(_DAMAGE):
-      self._read_errors.pop(slot, None)
+      self._read_errors.pop(key, None)
       return Failure.READ_ERROR
-    n = self._read_errors[slot] = self._read_errors.get(slot, 0) + 1
+    n = self._read_errors[key] = self._read_errors.get(key, 0) + 1
     if n < READ_ATTEMPTS:
       return Failure.READ_RETRY
-    del self._read_errors[slot]
+    del self._read_errors[key]
     return Failure.READ_ERROR
 
-  def read_verified(self, slots: list[int], keys: list[bytes], t_end: float) -> list[np.ndarray]:
+  def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies records (all in flight at once) until ``t_end`` at the latest;
     raises the first failure (``TimeoutError``, ``Gone`` or ``blocks.BlockError``)."""
-    reads = [self.read(s, k) for s, k in zip(slots, keys)]
+    reads = [self.read(k) for k in keys]
     return [self.verify(self._record(r, t_end), r.key) for r in reads]
 
-  def delete(self, slot: int) -> None:
-    """Removes the record a slot holds (best effort) and frees the slot's name."""
-    key = self._unmap(slot)
-    if key is not None:
-      self._delete_name(self.name(key))
-
-  def forget(self, slot: int) -> None:
-    """The slot's record is gone from the store (another process removed it): the slot
-    no longer names it, so reusing the slot deletes nothing."""
-    self._unmap(slot)
-
-  def _unmap(self, slot: int) -> bytes | None:
-    key = self._key_of_slot.pop(slot, None)
-    if key is not None:
-      self._slot_of_key.pop(key, None)
-    return key
+  def delete(self, key: bytes) -> None:
+    """Removes block ``key``'s record (best effort: absent already, or unreachable, is
+    fine). The index forgot the block, or never published it."""
+    self._read_errors.pop(key, None)
+    self._delete_name(self.name(key))
 
   def _delete_name(self, name: str) -> None:
     """Starts deleting a record (best effort: absent already, or unreachable, is fine)."""

@@ -32,7 +32,7 @@ from jaxkv import pages as pages_lib
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
-from jaxkv.tiers.base import Failure, Fetch, Landing
+from jaxkv.tiers.base import Failure, Fetch, FetchOutcome, Landing
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,26 +142,29 @@ class HostTier:
   def start_fetch(self, fetches: list[Fetch]) -> tuple[Landing, tuple]:
     """Dispatches the copy of every fetched slot to device (async) and the checksums of
     what arrives; the pages can be scattered now, they are verified in ``finish_fetch``."""
-    host_ids, per = buckets.shard_ids(fetches, self.num_shards, self.pages_per_shard,
-                                      lambda f: f.slot, shard_of=lambda f: f.shard)
+    host_ids, per = buckets.shard_ids(list(enumerate(fetches)), self.num_shards,
+                                      self.pages_per_shard, lambda p: p[1].slot,
+                                      shard_of=lambda p: p[1].shard)
     dest = np.full(host_ids.shape, self.config.pages_per_shard, np.int32)  # padding: dropped
-    for s, fs in enumerate(per):
-      dest[s, :len(fs)] = [f.page for f in fs]
+    for s, items in enumerate(per):
+      dest[s, :len(items)] = [f.page for _, f in items]
     stack, sums = self.load(host_ids)
-    return Landing(dest, stack), (host_ids, per, sums)
+    return Landing(dest, stack), (len(fetches), host_ids, per, sums)
 
-  def finish_fetch(self, pending: tuple, t_end: float, stage=None) -> None:
+  def finish_fetch(self, pending: tuple, t_end: float, stage=None) -> FetchOutcome:
     """Compares the checksums of the bytes that arrived with those recorded at store time
-    (``t_end`` is unused: the device copy was dispatched already and cannot be late)."""
+    (``t_end`` is unused: the device copy was dispatched already and cannot be late). The
+    blocks landed in ``start_fetch``; one that fails here is in its page but never used."""
     del t_end, stage
-    host_ids, per, sums = pending
+    n, host_ids, per, sums = pending
     expected = self.expected_checksums(host_ids)
     got = to_host(sums).reshape(expected.shape)
-    for s, fs in enumerate(per):
-      for i, f in enumerate(fs):
-        f.ok = bool((got[s, i] == expected[s, i]).all())
-        f.reason = None if f.ok else Failure.CHECKSUM
-    return None
+    failures: list[Failure | None] = [None] * n
+    for s, items in enumerate(per):
+      for i, (position, _) in enumerate(items):
+        if not (got[s, i] == expected[s, i]).all():
+          failures[position] = Failure.CHECKSUM
+    return FetchOutcome(None, tuple(failures))
 
   def _settle(self) -> None:
     for ids, sums in self._pending:
