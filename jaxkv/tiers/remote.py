@@ -129,8 +129,9 @@ def _is_int(v) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
 
-_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NONCE = _Rule("1 to 64 ASCII letters, digits, '-' or '_'",
+# A nonce is empty only in a refusal of a request whose own nonce could not be read.
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{0,64}")
+_NONCE = _Rule("at most 64 ASCII letters, digits, '-' or '_'",
                lambda v: isinstance(v, str) and _TOKEN_RE.fullmatch(v) is not None)
 _TEXT = _Rule("a string", lambda v: isinstance(v, str))
 _COUNT = _Rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
