@@ -4,8 +4,8 @@
 work whatever no step could ever run: an empty prompt, a token outside the vocabulary, a
 non-integer token, more tokens than any tier can hold.
 
-``admit`` takes requests off the front of a queue into a *wave* of at most
-``max_seqs_per_shard`` sequences per data shard. For each one it looks up where the
+``admit`` takes requests off the front of a queue into the free rows of the running
+batch (at most ``max_seqs_per_shard`` sequences per data shard). For each one it looks up where the
 longest cached prefix of its blocks is, on every shard and in every tier: this shard's
 device pool, its host pool, the disk store, another shard's device pool (copied across
 with a collective), another job (remote). The request goes to the shard where it is
@@ -13,11 +13,11 @@ predicted cheapest (the ``cost`` policy runs the plan over every shard when that
 real choice), else to the one with the longest, most-on-device prefix. Placing it takes
 references on its cached blocks and allocates device pages for everything it will write;
 a lower-tier block becomes a ``Fetch`` into one of those pages. The result, a frozen
-``Placement``, is produced once; the executor reads it and never changes it.
+``Placement``, is produced once; the scheduler reads it and never changes it.
 
-A request that does not fit now waits for the next wave; once every shard is full the
-rest of the queue is not looked at (each wave looks up ~one request per free row, not the
-whole queue).
+A request that does not fit now waits for a later step; once every shard is full the
+rest of the queue is not looked at (each admission looks up ~one request per free row, not
+the whole queue).
 """
 
 from __future__ import annotations

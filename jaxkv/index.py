@@ -27,7 +27,7 @@ Invariants (``check_invariants``; property tests drive random operation sequence
 Errors by kind (``jaxkv.errors``): a bad value from a user (a tenant, a pool size from a
 config) raises ``InputError``; a broken rule of the bookkeeping above (a release below
 zero, a publish into a slot nobody holds, a shard or slot id no pool has) raises
-``InvariantError``: the caller (jaxkv's own cache and executor) has a bug.
+``InvariantError``: the caller (jaxkv's own cache and scheduler) has a bug.
 
 Everything is host-side Python and deterministic (hashlib, insertion-ordered dicts, no
 ``hash()``, no set iteration), so processes that apply the same operations hold the
@@ -51,7 +51,7 @@ Key = bytes  # a 32-byte SHA-256 digest
 
 
 class Tier(enum.IntEnum):
-  """Where a block's copy lives. The one tier numbering of jaxkv: the index, the executor,
+  """Where a block's copy lives. The one tier numbering of jaxkv: the index, the scheduler,
   stats and the plan's inputs (``jaxkv.plan``) all use these values."""
 
   DEVICE = 0

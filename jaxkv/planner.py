@@ -13,7 +13,7 @@ need no costs, for comparison and tests.
 Costs flow one way. The planner never measures: the engine gives it a ``CostModel``
 (calibrated, or loaded from ``SchedulerConfig.cost_model_path``) by setting
 ``planner.costs`` before it plans; a ``cost`` decision without costs is a bug in the
-engine, and ``ensure_costs`` raises. What the executor observes comes back as values
+engine, and ``ensure_costs`` raises. What the runner observes comes back as values
 (``observe_fetch``, ``observe_recompute``) and refines the costs.
 """
 
@@ -145,7 +145,7 @@ class Planner:
       r *= 2
 
   def observe_fetch(self, report: FetchReport) -> None:
-    """Learns a link's bandwidth from a fetch the executor finished. The whole transfer is
+    """Learns a link's bandwidth from a fetch the runner finished. The whole transfer is
     charged to the link of the deepest tier it read (remote, then disk, then host; else
     another shard): in a pipeline of links, the slowest one bounds the time."""
     if self.costs is None or not report.bytes:
@@ -156,6 +156,6 @@ class Planner:
     self.costs.observe_transfer(link, report.bytes, report.seconds)
 
   def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
-    """Refines the prefill curve from a recompute the executor timed."""
+    """Refines the prefill curve from a recompute that was timed."""
     if self.costs is not None:
       self.costs.observe_prefill(tokens, context, seconds)

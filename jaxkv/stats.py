@@ -1,7 +1,7 @@
 """Counters of one cache and the engine serving it: the one record ``Engine.stats()`` and
 ``jaxkv.metrics`` read.
 
-Every part that does counted work (admission, the executor, the tier mover, streaming)
+Every part that does counted work (the scheduler, the runner, the tier mover, streaming)
 adds to the same ``Stats``, owned by the ``KVCache``; nobody keeps counters of its own.
 ``as_dict`` is the public shape of ``Engine.stats()``: every counter below (0 when nothing
 happened), ``hits`` by tier name, ``verify_failures_by_reason``, ``ttft_s`` per request

@@ -1,5 +1,7 @@
 """Continuous batching and the online API: submit / step / token streams."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -195,4 +197,59 @@ def test_a_short_tail_runs_in_a_narrower_step_and_stays_exact(mesh):
   assert 64 in widths and 128 in widths  # later turns' short tails take the narrow step
   assert dict(engine.trace_counts) == after
   assert engine.stats()["hits"]["device"] > 0
+  no_refs(engine)
+
+
+def test_a_step_is_a_frozen_plan_executed_into_a_frozen_result(pair):
+  engine, fresh = pair
+  prompt = list(range(3, 3 + 21))
+  want = fresh.generate([prompt], 3)[0]
+  handle = engine.submit(prompt, 3)
+  plan = engine.loop.schedule()  # what the step will do, decided before it runs
+  assert plan.admitted == (handle.id,) and not plan.decode
+  assert [c.seq.request for c in plan.prefill] == [handle.id]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.decode = ()
+  with pytest.raises(ValueError):  # the chunk's tokens are the request's, read-only
+    plan.prefill[0].tokens[0] = 0
+  assert f"admitted [{handle.id}]" in plan.summary()
+  result = engine.runner.execute(plan)  # the runner reads the plan, nothing else
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    result.tokens = {}
+  out = engine.loop.update(plan, result)
+  last = plan.prefill[-1].last
+  assert (handle.id in result.tokens) == last and bool(out) == last
+  while engine.has_unfinished():
+    engine.step()
+  assert handle.tokens == want and handle.finish_reason == "length"
+  no_refs(engine)
+
+
+def test_the_scheduler_imports_neither_the_runner_nor_the_engine():
+  import ast
+  import pathlib
+  root = pathlib.Path(jaxkv.__file__).parent
+
+  def imported(name):
+    tree = ast.parse((root / f"{name}.py").read_text())
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+  assert not imported("scheduler") & {"jaxkv.runner", "jaxkv.streaming", "jaxkv.engine",
+                                      "jaxkv.transfers"}
+  assert not imported("runner") & {"jaxkv.engine", "jaxkv.streaming", "jaxkv.admission"}
+
+
+def test_pin_runs_through_the_loop_on_every_shard_while_others_run(pair):
+  engine, fresh = pair
+  other = engine.submit([7, 7, 7, 1, 2, 3, 4, 5, 6], 6)  # decoding while pin runs
+  engine.step()
+  prefix = list(range(40, 40 + 2 * engine.cache.config.page_size))
+  steps = engine.stats()["steps"]
+  assert engine.pin(prefix) == 2
+  assert engine.stats()["steps"] > steps  # the pin's prefills were steps of the loop
+  index = engine.cache.index
+  keys = index.block_keys(np.asarray(prefix, np.int32), "default")
+  assert all(len(index.match(s, keys)) == 2 for s in range(engine.cache.num_shards))
+  assert other.result() == fresh.generate([[7, 7, 7, 1, 2, 3, 4, 5, 6]], 6)[0]
+  engine.unpin(prefix)
   no_refs(engine)
