@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ def serve(tmp_path, name, *flags):
   proc = subprocess.run([sys.executable, "launch/serve.py", *SMALL, f"--json_out={out}", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  serve.stderr = proc.stderr
   return json.loads(out.read_text()), proc.stdout
 
 
@@ -71,8 +73,12 @@ def test_serve_plot_metrics_and_other_workloads(tmp_path):
            if s.name == "jaxkv_ttft_seconds_count" and s.labels["policy"] == "jaxkv"]
   assert count == [6] and fams["jaxkv_requests"].type == "counter"
   rag, _ = serve(tmp_path, "rag", "--config.workload.kind=rag", "--config.workload.rag.rounds=2",
-                 "--config.workload.rag.doc_tokens=48", "--nocompare")
+                 "--config.workload.rag.doc_tokens=48", "--nocompare", "--verbosity=1")
   assert rag["hits"]["device"] > 0  # the system prompt and same-order documents
+  # --verbosity=1: one line per step, printed from the step's plan.
+  lines = [l for l in serve.stderr.splitlines() if re.search(r"\] step \d+: rows decode", l)]
+  assert len(lines) >= rag["stats"]["steps"] > 0
+  assert any("admitted [0" in l for l in lines) and any("first tokens [" in l for l in lines)
   agent, _ = serve(tmp_path, "agent", "--config.workload.kind=agent",
                    "--config.workload.agent.steps=3", "--config.workload.agent.tool_tokens=(16, 40)",
                    "--config.workload.agent.system_prompt_tokens=48",
