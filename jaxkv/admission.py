@@ -116,7 +116,8 @@ class Admission:
                               streamed=streamed, shard=shard))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
-    room = max(self.cache.index.num_available(s) for s in range(self.cache.num_shards))
+    shards = range(self.cache.num_shards) if shard is None else [shard]
+    room = max(self.cache.index.num_available(s) for s in shards)
     for i, req in enumerate(requests):
       if not req.streamed and req.num_pages_needed > room:
         raise CapacityError(
@@ -165,11 +166,13 @@ class Admission:
           "raise host_pages_per_shard or max_cold_pages, or shorten the request.")
 
   # ---- placement -------------------------------------------------------------------------------
-  def admit(self, pending: collections.deque, running: list[int] | None = None
-            ) -> list[Placement]:
+  def admit(self, pending: collections.deque, running: list[int] | None = None, *,
+            wait_for_own_shard: bool = True) -> list[Placement]:
     """Places requests from the front of ``pending`` (which keeps the rest, in order);
     a request with a ``shard`` goes only there (``Engine.pin``). ``running``: the
-    sequences each shard runs already; the rows left are filled."""
+    sequences each shard runs already; the rows left are filled. ``wait_for_own_shard``:
+    a request may wait for a busy shard that holds more of its prefix (continuous
+    batching; a wave takes whatever shard has room)."""
     num_shards = self.cache.num_shards
     load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
@@ -178,7 +181,8 @@ class Admission:
       req = pending.popleft()
       found = self._lookup(req)
       order = self._shard_order(req, found, load) if req.shard is None else [req.shard]
-      if req.shard is None and self._wait_for_own_shard(found, order, load):
+      if (wait_for_own_shard and req.shard is None
+          and self._wait_for_own_shard(found, order, load)):
         waiting.append(req)
         continue
       for s in order:

@@ -32,7 +32,7 @@ import os
 import jax
 import numpy as np
 
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, InvariantError
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -58,19 +58,20 @@ def _allgather_bytes(payload: bytes, size: int) -> list[bytes]:
   buf = np.zeros((size,), np.uint8)
   data = np.frombuffer(payload, np.uint8)
   if data.size > size:
-    raise ValueError(f"payload of {data.size} bytes exceeds {size}.")
+    raise InvariantError(f"payload of {data.size} bytes exceeds {size}.")
   buf[:data.size] = data
   rows = np.asarray(multihost_utils.process_allgather(buf))
   return [bytes(r) for r in rows.reshape(jax.process_count(), size)]
 
 
 def agree_digest(digest: str, what: str) -> None:
-  """Raises ValueError naming the processes whose ``digest`` of ``what`` differs."""
+  """Raises ``InvariantError`` naming the processes whose ``digest`` of ``what`` differs
+  (every process builds the same state by the same deterministic steps: a bug if not)."""
   if jax.process_count() == 1:
     return
   got = [b.rstrip(b"\x00").decode() for b in _allgather_bytes(digest.encode(), 128)]
   if len(set(got)) != 1:
-    raise ValueError(f"{what} differs between processes: "
+    raise InvariantError(f"{what} differs between processes: "
                      + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(got)))
 
 

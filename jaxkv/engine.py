@@ -249,14 +249,20 @@ class Engine:
     if not keys:
       raise InputError(f"pin needs at least one full block ({self.cache.config.page_size} "
                        f"tokens); got {len(tokens)} tokens.")
-    handles = []
-    for s in range(self.cache.num_shards):
-      if len(index.match(s, keys)) < len(keys):  # computed there through the loop
+    # Each shard lacking the prefix computes it through the loop (other requests advance
+    # meanwhile and may evict a shard's copy before the last shard is done: those shards
+    # compute it again, a bounded number of times).
+    for _ in range(4):
+      lacking = [s for s in range(self.cache.num_shards) if len(index.match(s, keys)) < len(keys)]
+      if not lacking:
+        return self.cache.hold(tokens, tenant)
+      handles = []
+      for s in lacking:
         request, = self._validate([list(tokens)], 1, tenant, shard=s)
         handles.append(self._add(request))
-    while not all(h.finished for h in handles):
-      self.step()
-    return self.cache.hold(tokens, tenant)
+      while not all(h.finished for h in handles):
+        self.step()
+    return self.cache.hold(tokens, tenant)  # raises CapacityError naming the shard
 
   def unpin(self, tokens: Sequence[int], tenant: str = "default") -> None:
     """Releases one ``pin`` of the same prefix."""

@@ -143,6 +143,7 @@ class ModelRunner:
     self._resident = None
     self._ahead = None
     self._pending: dict = {}
+    self._issued: set = set()
 
   def _on_mesh(self, leaf):
     sharding = getattr(leaf, "sharding", None)
@@ -240,10 +241,14 @@ class ModelRunner:
     (compact rows per shard, bucketed), verifies the fetch groups it settles while the
     device computes, and reads back the tokens. Returns a ``StepResult``."""
     cache = self.cache
+    # Groups whose pins the mover answers for (issued and not yet taken back by the
+    # scheduler): in flight, or settled by this step.
+    self._issued = set(self._pending)
     if plan.fetch is not None:
       pools, pending = cache.mover.start_promote(cache.pools, list(plan.fetch.fetches))
       cache.set_pools(pools)
       self._pending[plan.fetch.group] = pending
+      self._issued.add(plan.fetch.group)
     ahead, self._ahead = self._ahead, None
     dispatched = []  # (request ids, row of each, tokens out, selected logits)
     if plan.decode:
@@ -330,9 +335,10 @@ class ModelRunner:
       pending = self._pending.pop(group, None)
       if pending is not None:
         self.cache.mover.abandon(pending)
-      else:  # never issued
+      elif group not in self._issued:  # never issued: its pins are still the admission's
         for f in fetches:
           self.cache.mover.release_pin(f)
+      # (else it was settled by the failed step: finish_promote released its pins)
     for pending in self._pending.values():
       self.cache.mover.abandon(pending)
     self._pending.clear()

@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from jaxkv import buckets
 from jaxkv.admission import Placement, Request
 from jaxkv.config import SamplingParams
 from jaxkv.index import TIER_NAMES, Tier
@@ -64,8 +64,9 @@ class RequestHandle:
 
   The scheduler delivers into it (``tokens``, ``finished``, ``finish_reason``, ``ttft_s``);
   the caller reads. Iterating yields tokens as they arrive and ``result()`` waits for the
-  last: a handle waits through its ``wait`` (given by the engine: in a single-threaded
-  program it runs the engine's next step, every running request advancing meanwhile)."""
+  last: a handle waits through its ``wait`` (given by the engine: it runs the engine's next
+  step, every running request advancing meanwhile). Handles, like the engine, belong to
+  one thread."""
 
   def __init__(self, request: Request, wait: Callable[[], object],
                on_token: Callable[[int], None] | None = None, want_logits: bool = False):
@@ -78,17 +79,18 @@ class RequestHandle:
     self.ttft_s: float | None = None
     self.t_submit = time.perf_counter()
     self._wait, self._on_token = wait, on_token
-    self._changed = threading.Condition()
 
   def _deliver(self, tokens, logits=None, finish_reason: str | None = None) -> None:
-    with self._changed:
-      for i, token in enumerate(tokens):
-        self.tokens.append(int(token))
-        if self.logits is not None and logits is not None:
-          self.logits.append(logits[i])
-      if finish_reason is not None:
-        self.finished, self.finish_reason = True, finish_reason
-      self._changed.notify_all()
+    for i, token in enumerate(tokens):
+      self.tokens.append(int(token))
+      if self.logits is not None and logits is not None:
+        self.logits.append(logits[i])
+    if finish_reason is not None:
+      self.finished, self.finish_reason = True, finish_reason
+
+  def _notify(self, tokens) -> None:
+    """Calls the caller's ``on_token`` (after the scheduler's own bookkeeping: a callback
+    that raises fails the step, never the accounts)."""
     if self._on_token is not None:
       for token in tokens:
         self._on_token(int(token))
@@ -227,7 +229,7 @@ class Scheduler:
     self.index, self.stats, self.page = cache.index, cache.stats, cache.config.page_size
     self.prefix_reuse, self.cache_decode_blocks = prefix_reuse, cache_decode_blocks
     self.policy, self.chunk_tokens = policy, chunk_tokens
-    self.rows_per_shard = 1 << max(0, (max_seqs_per_shard - 1).bit_length())
+    self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)  # slots per shard
     self.max_seqs_per_shard = max_seqs_per_shard
     self.waiting: collections.deque = collections.deque()  # Requests not yet placed
     self.handles: dict[int, RequestHandle] = {}
@@ -308,15 +310,29 @@ class Scheduler:
     held = (self._held_for_shared_prefix(ordinary, free)
             if any(free) and self.policy == "continuous" else set())
     candidates = collections.deque(r for r in ordinary if r.index not in held)
-    placed = self.admission.admit(candidates, running=running) if any(free) else []
+    try:
+      placed = (self.admission.admit(candidates, running=running,
+                                     wait_for_own_shard=self.policy == "continuous")
+                if any(free) else [])
+    except BaseException:
+      self.waiting.extendleft(reversed(ordinary))  # still queued: abort_all ends them
+      raise
     left = held | {r.index for r in candidates}
     self.waiting.extendleft(reversed([r for r in ordinary if r.index in left]))
     if not placed:
       return (), None
     if self.policy == "waves":
       self.stats.add("waves")
-    splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
-                                  for p in placed])
+    try:
+      splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
+                                    for p in placed])
+    except BaseException:  # placed, not running: give back what placing took
+      for p in placed:
+        self.index.release(p.shard, p.pages)
+        for f in p.fetches:
+          self.cache.mover.release_pin(f)
+      self.waiting.extendleft(reversed([p.request for p in placed]))
+      raise
     group, fetches, seqs, page = self._step, [], [], self.page
     for p, s in zip(placed, splits):
       self._held_once.discard(p.request.index)
@@ -387,6 +403,7 @@ class Scheduler:
       self.stats.ttft_s.append(handle.ttft_s)
       handle._deliver(tokens, logits, _finish_reason(tokens, plan.streamed))
       self._complete(handle, result.t_tokens)
+      handle._notify(tokens)
       return [StepOutput(handle, tuple(tokens), True)]
     by_id = {s.handle.id: s for s in self.running.values()}
     self._publish_chunks(plan.prefill, by_id)
@@ -416,6 +433,8 @@ class Scheduler:
       if done is not None:
         self._complete(s.handle, result.t_tokens)
       outputs.append(StepOutput(s.handle, (token,), done is not None))
+    for out in outputs:
+      out.handle._notify(out.new_tokens)
     return outputs
 
   def _settle(self, seqs: list[_Seq], report: FetchReport | None) -> None:
@@ -508,19 +527,17 @@ class Scheduler:
     "error") and every page reference the running ones held is released. Returns the
     fetch groups never settled (group -> fetches): their transfers and the pins on their
     sources are the runner's to abandon."""
-    for request in self.waiting:
-      handle = self.handles.pop(request.index, None)
-      if handle is not None:
-        handle._deliver([], None, "error")
     self.waiting.clear()
     self._held_once.clear()
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
-    for s in list(self.running.values()):
+    for s in self.running.values():
       self.index.release(s.placement.shard, s.placement.pages)
-      self.handles.pop(s.handle.id, None)
-      s.handle._deliver([], None, "error")
     self.running.clear()
+    handles, self.handles = self.handles, {}
+    for handle in handles.values():  # waiting, running, or taken off the queue by the step
+      if not handle.finished:
+        handle._deliver([], None, "error")
     return unsettled
 
 

@@ -31,6 +31,7 @@ from jaxkv import pages as pages_lib
 from jaxkv.admission import Request
 from jaxkv.cache import CapacityError
 from jaxkv.distributed import to_host
+from jaxkv.errors import InvariantError
 from jaxkv.index import Tier
 
 
@@ -147,7 +148,8 @@ class StreamRunner:
         cache.host.store(stack, host_ids)
       for j, slot in zip(victims, slots):
         if st.source == "host":
-          assert j == st.sink_pages + len(state.cold), "cold pages must stay contiguous"
+          if j != st.sink_pages + len(state.cold):
+            raise InvariantError("a streamed sequence's cold pages must stay contiguous")
           state.cold.append(slot)
         state.free.append(state.block_page.pop(j))
       self.stats.add("stream_demotions", len(victims))
@@ -165,7 +167,8 @@ class StreamRunner:
     n = stack.shape[2] // self.cache.num_shards
     payloads, keys = [], []
     for i, j in enumerate(victims):
-      assert j == st.sink_pages + len(state.disk), "cold pages must stay contiguous"
+      if j != st.sink_pages + len(state.disk):
+        raise InvariantError("a streamed sequence's cold pages must stay contiguous")
       slot = self.cache.mover.allocate_disk(1)  # this sequence's quota of the store
       if slot is None:
         raise CapacityError("the disk tier has no room left for a streamed sequence.")

@@ -379,9 +379,10 @@ class TierMover:
     # Done when the bytes are on the device: the scatters into the pools are ordered after
     # any step already dispatched, and waiting for them would time that compute too (the
     # link's speed is learned from these seconds). Copies across shards live only in the
-    # pools: a fetch of nothing else waits for them.
-    jax.block_until_ready(arrived if arrived else pools)
+    # pools, ordered after that compute: they are not waited for, nor timed (seconds 0).
+    jax.block_until_ready(arrived)
     t_done = time.perf_counter()
+    seconds = t_done - pending.t_start if arrived else 0.0
     self.stats.add("fetch_wait_s", t_done - t_wait)
     self.stats.add("fetch_s", t_done - pending.t_start)
     for f in fetches:
@@ -390,7 +391,7 @@ class TierMover:
     self.stats.add("blocks_fetched", ok)
     self.stats.add("bytes_moved", self._bytes(ok))
     return pools, FetchReport(fetches=fetches, failures=tuple(failures), blocks=ok,
-                              bytes=self._bytes(ok), seconds=t_done - pending.t_start,
+                              bytes=self._bytes(ok), seconds=seconds,
                               tiers=tuple(sorted({int(f.tier) for f in fetches})))
 
   def abandon(self, pending: PendingFetch) -> None:

@@ -253,3 +253,46 @@ def test_pin_runs_through_the_loop_on_every_shard_while_others_run(pair):
   assert other.result() == fresh.generate([[7, 7, 7, 1, 2, 3, 4, 5, 6]], 6)[0]
   engine.unpin(prefix)
   no_refs(engine)
+
+
+def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, tmp_path):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  tiers = jaxkv.TierConfig(host_pages_per_shard=8)
+  engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1,
+                               scheduler=jaxkv.SchedulerConfig(policy="fetch"))
+  fresh = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, prefix_reuse=False)
+  prompt = list(range(1, 40))
+  engine.generate([prompt], 2)
+  engine.offload()  # the prefix now comes back from host memory: a fetch group
+  mover = engine.cache.mover
+  real = mover.finish_promote
+
+  def settles_then_fails(*args, **kw):
+    out = real(*args, **kw)  # the group is settled: its pins are released here
+    raise RuntimeError("injected failure after the fetches settled")
+
+  mover.finish_promote = settles_then_fails
+  handle = engine.submit(prompt + [5, 6], 2)
+  with pytest.raises(RuntimeError, match="after the fetches settled"):
+    while engine.has_unfinished():
+      engine.step()
+  mover.finish_promote = real
+  assert handle.finished and handle.finish_reason == "error"
+  no_refs(engine, (Tier.DEVICE, Tier.HOST))  # check_invariants: no pin released twice
+  assert engine.generate([prompt + [5, 6]], 2) == fresh.generate([prompt + [5, 6]], 2)
+
+
+def test_requests_taken_off_the_queue_by_a_failed_admission_end_in_error(pair, monkeypatch):
+  engine, _ = pair
+
+  def broken(*args, **kw):
+    raise RuntimeError("injected admission failure")
+
+  handles = [engine.submit([1, 2, 3, 4, 5], 3), engine.submit([6, 7, 8, 9], 3)]
+  monkeypatch.setattr(engine.admission, "admit", broken)
+  with pytest.raises(RuntimeError, match="admission"):
+    engine.step()
+  assert all(h.finished and h.finish_reason == "error" for h in handles)
+  assert not engine.has_unfinished()
+  no_refs(engine)

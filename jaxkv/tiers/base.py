@@ -167,9 +167,10 @@ class FetchReport:
   ``failures[i]`` is ``None`` when ``fetches[i]`` was verified and is in its device page
   now, else why it was not (the caller recomputes that request from its first failed
   block on and calls ``TierMover.drop_failed(fetch, failure)``). ``blocks`` and ``bytes``
-  count the verified blocks, ``seconds`` runs from issuing the reads to the last block
-  landing, and ``tiers`` lists the tiers fetched from (sorted ``int(Tier)`` values): what
-  the planner learns a link's speed from.
+  count the verified blocks, ``seconds`` runs from issuing the reads to the last block's
+  bytes arriving on the device (0: not timed, a copy across shards only), and ``tiers``
+  lists the tiers fetched from (sorted ``int(Tier)`` values): what the planner learns a
+  link's speed from.
   """
 
   fetches: tuple[Fetch, ...]

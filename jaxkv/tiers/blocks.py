@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.tiers.base import Failure
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, InvariantError
 
 MAGIC = b"JAXKVBK1"
 FORMAT_VERSION = 2  # 2: CRC-32C of the payload (1: SHA-256)
@@ -69,7 +69,7 @@ def encode(payload: np.ndarray, key: bytes, fingerprint: bytes,
   """Returns the record (uint8) for one block's payload."""
   data = np.ascontiguousarray(payload).view(np.uint8).reshape(-1)
   if payload.dtype.byteorder == ">":
-    raise ValueError("payload must be little-endian.")
+    raise InvariantError("payload must be little-endian (jaxkv builds it so).")
   header = _FIXED.pack(MAGIC, FORMAT_VERSION, _dtype_code(payload.dtype), *payload.shape,
                        data.size, key, parent or NO_PARENT, fingerprint, _crc(data))
   out = np.zeros(HEADER_BYTES + data.size, np.uint8)

@@ -62,7 +62,7 @@ from jaxkv.config import REMOTE_TRANSPORTS as TRANSPORTS
 from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 from jaxkv.tiers.base import Breaker, Failure, Fetch, FetchOutcome
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, InvariantError
 
 PROTOCOL = 4  # 4: every message one schema (``Hello`` ... ``Refusal``), named by its "op"
 _MAX_REQUEST_BYTES = 16 << 20  # a request carries block keys only
@@ -357,6 +357,8 @@ class BlockServer:
                                "deployment key"), []
       else:
         answer, data = self.reply(request)
+    except InvariantError:  # our own bookkeeping broke: a bug, not the peer's problem
+      raise
     except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
       nonce = getattr(e, "nonce", nonce)
       answer, data = Refusal(nonce=nonce, error=f"{type(e).__name__}: {e}"), []
