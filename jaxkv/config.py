@@ -171,7 +171,8 @@ class EngineConfig:
   turn of a conversation reuses the previous answer too.
   ``batching``: ``continuous`` (default) runs every step over whatever sequences are
   running: a request joins as soon as a row and its pages are free and leaves the step it
-  finishes; ``static`` admits requests in waves that run to their end together (for
+  finishes; ``static`` admits only into an empty batch: requests run in waves, the next
+  wave admitted once the last request of this one has finished (the same step loop; for
   comparison and offline use).
   """
 

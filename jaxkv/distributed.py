@@ -65,14 +65,17 @@ def _allgather_bytes(payload: bytes, size: int) -> list[bytes]:
 
 
 def agree_digest(digest: str, what: str) -> None:
-  """Raises ``InvariantError`` naming the processes whose ``digest`` of ``what`` differs
-  (every process builds the same state by the same deterministic steps: a bug if not)."""
+  """Raises ``InputError`` naming the processes whose ``digest`` of ``what`` differs. Every
+  process builds the same state by the same deterministic steps from the same inputs, so
+  the usual cause is processes started with different flags, configs or files (or, for
+  plans, costs each measured for itself: ``costs.agree_costs`` first)."""
   if jax.process_count() == 1:
     return
   got = [b.rstrip(b"\x00").decode() for b in _allgather_bytes(digest.encode(), 128)]
   if len(set(got)) != 1:
-    raise InvariantError(f"{what} differs between processes: "
-                     + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(got)))
+    raise InputError(f"{what} differs between processes: "
+                     + ", ".join(f"process {i}: {d[:12]}" for i, d in enumerate(got))
+                     + "; start every process with the same flags, config and files.")
 
 
 def plan_digest(plan) -> str:

@@ -31,6 +31,10 @@ _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
+_LOAD_RPS = flags.DEFINE_float(
+    "load_reference_rps", None, "--suite=load: the rate (req/s) its under/near/over arrival "
+    "rates are 0.5/0.9/1.5 of, instead of the saturation it measures (to compare two builds "
+    "at the same rates).", lower_bound=0.01)
 
 
 def _print(result: dict) -> None:
@@ -84,7 +88,7 @@ def main(argv):
     result = stream.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "load":
     from jaxkv.bench import load
-    result = load.run(quick=_QUICK.value)
+    result = load.run(quick=_QUICK.value, reference_rps=_LOAD_RPS.value)
   elif _SUITE.value == "overhead":
     from jaxkv.bench import overhead
     result = overhead.run(quick=_QUICK.value)
