@@ -54,7 +54,7 @@ from jaxkv import buckets
 from jaxkv.admission import Placement, Request
 from jaxkv.config import SamplingParams
 from jaxkv.index import TIER_NAMES, Tier
-from jaxkv.tiers.base import Fetch, FetchReport
+from jaxkv.tiers.base import FetchReport
 
 POLICIES = ("continuous", "waves")
 
@@ -399,9 +399,10 @@ class Scheduler:
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.index]
-      handle.ttft_s = t_first - handle.t_submit
-      self.stats.ttft_s.append(handle.ttft_s)
-      handle._deliver(tokens, logits, _finish_reason(tokens, plan.streamed))
+      self._first_token(handle, t_first)
+      # The streamer ran it to a stop token or its length.
+      handle._deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)
+                      or "length")
       self._complete(handle, result.t_tokens)
       handle._notify(tokens)
       return [StepOutput(handle, tuple(tokens), True)]
@@ -415,17 +416,11 @@ class Scheduler:
     for request, token in result.tokens.items():
       s = by_id[request]
       if not s.decoding:  # its prompt ended: the first token exists
-        s.handle.ttft_s = result.t_tokens - s.handle.t_submit
-        self.stats.ttft_s.append(s.handle.ttft_s)
+        self._first_token(s.handle, result.t_tokens)
         s.decoding, s.pos = True, len(s.placement.request.tokens)
       else:
         s.pos += 1
-      req = s.placement.request
-      done = None
-      if token in req.sampling.stop_token_ids:
-        done = "stop"
-      elif len(s.handle.tokens) + 1 >= req.max_new_tokens:
-        done = "length"
+      done = _finish_reason(token, len(s.handle.tokens) + 1, s.placement.request)
       logits = None if result.logits is None else [result.logits[request]]
       if done is not None:
         self._leave(s)
@@ -437,25 +432,27 @@ class Scheduler:
       out.handle._notify(out.new_tokens)
     return outputs
 
+  def _first_token(self, handle: RequestHandle, t: float) -> None:
+    handle.ttft_s = t - handle.t_submit
+    self.stats.ttft_s.append(handle.ttft_s)
+
   def _settle(self, seqs: list[_Seq], report: FetchReport | None) -> None:
     """A verified (or failed) fetch group: each request's hit, prompt counters, the rest of
     its prompt queued."""
-    failed = {}
+    outcomes = collections.defaultdict(list)  # request id -> [(fetch, failure or None)]
     if report is not None:
-      failed = {(f.request, f.block): why for f, why in zip(report.fetches, report.failures)
-                if why is not None}
       for f, why in zip(report.fetches, report.failures):
+        outcomes[f.request].append((f, why))
         if why is not None:
           self.cache.mover.drop_failed(f, why)
       self.planner.observe_fetch(report)
     for s in seqs:
       p = s.placement
-      hit = p.cached_blocks
-      for f in sorted(s_fetches(s, report), key=lambda f: f.block):
-        if (f.request, f.block) in failed:
-          hit = min(hit, f.block)  # recompute from the first bad block on
-      for f in s_fetches(s, report):  # verified and still part of the hit: the copy is good
-        if (f.request, f.block) not in failed and f.block < hit:
+      mine = outcomes[s.handle.id]
+      # Recompute from the first bad block on.
+      hit = min([p.cached_blocks] + [f.block for f, why in mine if why is not None])
+      for f, why in mine:  # verified and still part of the hit: the copy is good
+        if why is None and f.block < hit:
           self._publish(p.shard, f.page, p.request.keys, f.block, [])
       self._count_prompt(s, hit)
       s.spans.append((max(hit, s.split) * self.page, len(p.request.tokens)))
@@ -541,13 +538,10 @@ class Scheduler:
     return unsettled
 
 
-def s_fetches(s: _Seq, report: FetchReport | None) -> list[Fetch]:
-  """The fetches of ``report`` that belong to request ``s``."""
-  if report is None:
-    return []
-  return [f for f in report.fetches if f.request == s.handle.id]
-
-
-def _finish_reason(tokens, request: Request) -> str:
-  return ("stop" if tokens and tokens[-1] in request.sampling.stop_token_ids else "length")
+def _finish_reason(token: int, count: int, request: Request) -> str | None:
+  """Whether a request ends with ``token``, its ``count``-th: the one place stop and
+  length are decided."""
+  if token in request.sampling.stop_token_ids:
+    return "stop"
+  return "length" if count >= request.max_new_tokens else None
 
