@@ -187,7 +187,7 @@ class Engine:
     try:
       plan = self.loop.schedule()
       if plan.empty:
-        return []
+        return self.loop.update(plan, None)
       if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
         logging.debug("%s", plan.summary())
       result = self._execute(plan)
@@ -203,6 +203,11 @@ class Engine:
     tokens, logits, t_first = self._streamer.run(plan.streamed, plan.want_logits)
     return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
                       streamed=(tokens, logits, t_first))
+
+  def abort(self, handle: RequestHandle) -> None:
+    """Ends a submitted request at the next step: see ``Scheduler.abort``. Its pages are
+    released; the blocks it published stay cached."""
+    self.loop.abort(handle.id)
 
   def has_unfinished(self) -> bool:
     """Whether submitted requests are waiting or running."""
@@ -286,8 +291,9 @@ class Engine:
 
   def occupancy(self) -> dict:
     """What is held now: ``cached_blocks`` and ``capacity_blocks`` by tier (device and host
-    summed over data shards; disk is one store), ``waiting_requests`` (queued, not yet
-    admitted) and ``running_requests``."""
+    summed over data shards; disk is one store), ``referenced_pages`` (device page
+    references held by running requests, transfers and pins: 0 when idle and unpinned),
+    ``waiting_requests`` (queued, not yet admitted) and ``running_requests``."""
     from jaxkv.index import TIER_NAMES, Tier
     cache, index = self.cache, self.cache.index
     shards = range(cache.num_shards)
@@ -298,6 +304,7 @@ class Engine:
                 "host": cache.tiers.host_pages_per_shard * cache.num_shards,
                 "disk": cache.tiers.disk_pages if cache.disk is not None else 0}
     return {"cached_blocks": cached, "capacity_blocks": capacity,
+            "referenced_pages": sum(sum(index.held_slots(s).values()) for s in shards),
             "waiting_requests": len(self.loop.waiting),
             "running_requests": len(self.loop.running)}
 

@@ -15,7 +15,7 @@ Families (every sample labelled with ``policy`` and the given labels):
   tokens; blocks fetched, recomputed and split; bytes moved between tiers; verification
   failures by ``reason``; read timeouts; disk write failures; evictions;
 - gauges: ``jaxkv_cached_blocks`` and ``jaxkv_capacity_blocks`` by ``tier``,
-  ``jaxkv_waiting_requests``, ``jaxkv_running_requests``.
+  ``jaxkv_waiting_requests``, ``jaxkv_running_requests``, ``jaxkv_referenced_pages``.
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ class EngineCollector:
                                 labels=names)
     running = GaugeMetricFamily("jaxkv_running_requests", "Requests in the running batch.",
                                 labels=names)
+    referenced = GaugeMetricFamily("jaxkv_referenced_pages", "Device page references held "
+                                   "(running requests, transfers, pins).", labels=names)
     for policy, engine in self.engines.items():
       stats, occ = _snapshot(engine)
       values = [policy, *fixed]
@@ -105,12 +107,13 @@ class EngineCollector:
         capacity.add_metric(values + [tier], n)
       waiting.add_metric(values, occ["waiting_requests"])
       running.add_metric(values, occ["running_requests"])
+      referenced.add_metric(values, occ["referenced_pages"])
     yield from hist.values()
     yield hits
     yield failures
     yield from counters.values()
     yield evictions
-    yield from (cached, capacity, waiting, running)
+    yield from (cached, capacity, waiting, running, referenced)
 
 
 def registry(engines: dict, labels: dict | None = None) -> CollectorRegistry:

@@ -75,8 +75,9 @@ class RequestHandle:
     self.tokens: list[int] = []
     self.logits: list | None = [] if want_logits else None
     self.finished = False
-    self.finish_reason: str | None = None  # "stop", "length" or "error"
+    self.finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     self.ttft_s: float | None = None
+    self.cached_tokens = 0  # prompt tokens reused from the cache (known once it is placed)
     self.t_submit = time.perf_counter()
     self._wait, self._on_token = wait, on_token
 
@@ -162,6 +163,7 @@ class StepPlan:
   """Everything one step does, decided before it runs (printable: ``summary``)."""
 
   step: int
+  aborted: tuple = ()  # request ids that ended this step by ``Scheduler.abort``
   admitted: tuple = ()  # request ids placed this step
   fetch: FetchGroup | None = None  # issued at the start of the step
   decode: tuple = ()  # DecodeRow, ...
@@ -238,6 +240,7 @@ class Scheduler:
     self.groups: dict[int, tuple[list[_Seq], tuple]] = {}
     self._step = 0
     self._held_once: set[int] = set()  # requests counted in stats' shared_prefix_waits
+    self._aborting: set[int] = set()  # request ids to end at the next step that can
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, handle: RequestHandle) -> RequestHandle:
@@ -248,13 +251,43 @@ class Scheduler:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
+  def abort(self, request_id: int) -> None:
+    """Ends a request (its caller went away) at the start of the next step that can: a
+    waiting one leaves the queue; a running one leaves the batch and its pages are
+    released (blocks it published stay cached) once no fetch of its group is still in
+    flight. Its handle finishes with ``finish_reason="abort"``. Unknown or finished ids
+    are ignored (the request may have ended meanwhile)."""
+    if request_id in self.handles:
+      self._aborting.add(request_id)
+
+  def _apply_aborts(self) -> tuple:
+    """Ends the aborted requests that can end now; returns their ids."""
+    ended = []
+    if any(r.index in self._aborting for r in self.waiting):
+      kept = [r for r in self.waiting if r.index not in self._aborting]
+      ended = [r.index for r in self.waiting if r.index in self._aborting]
+      self.waiting = collections.deque(kept)
+    in_flight = {s.handle.id for seqs, _ in self.groups.values() for s in seqs}
+    for s in list(self.running.values()):
+      if s.handle.id in self._aborting and s.handle.id not in in_flight:
+        self.index.release(s.placement.shard, s.placement.pages)
+        del self.running[s.row]
+        ended.append(s.handle.id)
+    for request in ended:
+      self._held_once.discard(request)
+      self.handles[request]._deliver([], None, "abort")
+      self.stats.add("aborted_requests")
+    self._aborting -= set(ended)
+    return tuple(ended)
+
   # ---- deciding a step -------------------------------------------------------------------------
   def schedule(self) -> StepPlan:
     """Admits what fits and lays out this step (advances the scheduler's own state)."""
     self._step += 1
+    aborted = self._apply_aborts()
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
-      return StepPlan(step=self._step, streamed=request,
+      return StepPlan(step=self._step, streamed=request, aborted=aborted,
                       want_logits=self.handles[request.index].logits is not None)
     admitted, fetch = self._admit()
     decoding = [s for s in self.running.values() if s.decoding]
@@ -271,7 +304,7 @@ class Scheduler:
     finishing += tuple(s.handle.id for s in self.running.values()
                        if s.handle.id in first and s.placement.request.max_new_tokens == 1)
     return StepPlan(
-        step=self._step, admitted=admitted, fetch=fetch,
+        step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
         # Every decoding row decodes again next step (none reaches its length with this
@@ -394,8 +427,12 @@ class Scheduler:
     return held
 
   # ---- learning from a step ----------------------------------------------------------------------
-  def update(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
-    """Takes a step's result into the scheduler's state; returns what each request got."""
+  def update(self, plan: StepPlan, result: StepResult | None) -> list[StepOutput]:
+    """Takes a step's result into the scheduler's state; returns what each request got
+    (``result`` is None for an empty plan: then only its aborted requests end)."""
+    aborted = [StepOutput(self.handles.pop(r), (), True) for r in plan.aborted]
+    if result is None:
+      return aborted
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.index]
@@ -405,14 +442,14 @@ class Scheduler:
                       or "length")
       self._complete(handle, result.t_tokens)
       handle._notify(tokens)
-      return [StepOutput(handle, tuple(tokens), True)]
+      return aborted + [StepOutput(handle, tuple(tokens), True)]
     by_id = {s.handle.id: s for s in self.running.values()}
     self._publish_chunks(plan.prefill, by_id)
     for group, report in result.fetched:
       self._settle(self.groups.pop(group)[0], report)
     if plan.decode or plan.prefill:
       self.stats.add("steps")
-    outputs = []
+    outputs = aborted
     for request, token in result.tokens.items():
       s = by_id[request]
       if not s.decoding:  # its prompt ended: the first token exists
@@ -465,6 +502,7 @@ class Scheduler:
       stats.hits[TIER_NAMES[p.hit_tiers[j]]] += 1
     self.index.record_hits(p.request.keys[:hit])
     n = len(p.request.tokens)
+    s.handle.cached_tokens = reused * page
     stats.add("hit_tokens", reused * page)
     stats.add("prompt_tokens", n)
     stats.add("computed_tokens", n - reused * page)

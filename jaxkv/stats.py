@@ -17,6 +17,7 @@ import dataclasses
 # The counters ``Engine.stats()`` always reports, with what they count.
 COUNTERS = {
     "requests": "requests served",
+    "aborted_requests": "requests ended by their caller before they finished",
     "prompt_tokens": "prompt tokens received",
     "hit_tokens": "prompt tokens whose KV was reused",
     "computed_tokens": "prompt tokens prefilled",

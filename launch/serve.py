@@ -14,36 +14,20 @@ summary adds time per output token and end-to-end latency.
 """
 
 import importlib.util
-import os
 import statistics
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 import _common
+import _flags
+from _flags import CHECKPOINT_DIR as _CHECKPOINT_DIR, CONFIG as _CONFIG
+from _flags import DEPLOYMENT_KEY_FILE as _DEPLOYMENT_KEY_FILE
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                           "cpu_tiny.py"), "Config file (see configs/); fields can be overridden, "
-    "e.g. --config.workload.chat.turns=6.")
 _POLICY = flags.DEFINE_enum("policy", "jaxkv", ["jaxkv", "nocache"],
                             "jaxkv: reuse cached prefixes; nocache: recompute every prompt.")
 _COMPARE = flags.DEFINE_bool("compare", True, "Also run the other policy side by side.")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
-_DEVICE_PAGES = flags.DEFINE_integer(
-    "device_pages", None, "Device pages per data shard (overrides the config; a sequence's "
-    "page cap is lowered to fit).", lower_bound=1)
-_HOST_PAGES = flags.DEFINE_integer("host_pages", None, "Host-memory pages per data shard "
-                                   "(0 = no host tier).", lower_bound=0)
-_DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (enables it).")
-_CHECKPOINT_DIR = flags.DEFINE_string(
-    "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
-_RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
-                             "--checkpoint_dir (a warm restart); with none there yet, start "
-                             "cold with a warning.")
-_REQUIRE_RESTORE = flags.DEFINE_bool("require_restore", False, "With --restore: refuse to "
-                                     "start (before compiling) when there is no checkpoint.")
 _TRACE = flags.DEFINE_string("trace", None, "Run requests from this JSONL trace file instead "
                              "of the config's workload.")
 _PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per policy and tier "
@@ -53,67 +37,35 @@ _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the metrics (jaxk
 _METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Serve the metrics live on "
                                      "http://0.0.0.0:PORT/metrics during the run.",
                                      lower_bound=1, upper_bound=65535)
-_DISK_PAGES = flags.DEFINE_integer("disk_pages", None, "Disk tier capacity in blocks, with "
-                                   "--disk_dir (default: the config's tiers.disk_pages, or "
-                                   "4096 when it has none).", lower_bound=1)
 _RATE = flags.DEFINE_float("request_rate", 0.0, "Online load: users arriving per second "
                            "(Poisson); 0 = run the workload in rounds. A trace whose lines "
                            "carry arrival_s arrives at those times.", lower_bound=0.0)
-_MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2) instead of "
-    "the config's random weights: its shapes replace the config's model section; a trace "
-    "may then give text prompts (its tokenizer.json).")
 _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (exponential) "
                             "between a user's answer and its next request.", lower_bound=0.0)
-
-
-_DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
-    "deployment_key_file", None, "File holding the deployment key (16+ bytes) that keys "
-    "tenants' block keys and authenticates remote peers; default $JAXKV_DEPLOYMENT_KEY_FILE "
-    "or $JAXKV_DEPLOYMENT_KEY. Give every process sharing a store or peer the same key.")
 
 
 def main(argv):
   del argv
   # Everything the flags name is checked before JAX starts: a refusal costs no compile.
-  if _RESTORE.value and not _CHECKPOINT_DIR.value:
-    raise app.UsageError("--restore needs --checkpoint_dir=DIR (where the checkpoints are).")
-  if _REQUIRE_RESTORE.value and not _RESTORE.value:
-    raise app.UsageError("--require_restore goes with --restore.")
+  _flags.check_restore_flags()
   for path, flag in ((_JSON_OUT.value, "json_out"), (_METRICS_OUT.value, "metrics_out"),
                      (_PLOT.value, "plot")):
     _common.check_output(path, flag)
-  _common.check_output(_CHECKPOINT_DIR.value, "checkpoint_dir", directory=True)
   if _PLOT.value and importlib.util.find_spec("matplotlib") is None:
     raise app.UsageError("--plot needs matplotlib: pip install matplotlib (or the [plot] "
                          "extra).")
   cfg = _common.load_config(_CONFIG)
-  _apply_tier_flags(cfg)
+  _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax
-  from absl import logging
   from jaxkv import builder, distributed, metrics, security, workloads
   deployment_key = security.load_deployment_key(_DEPLOYMENT_KEY_FILE.value)
-  from jaxkv.checkpoint import latest_step
   from jaxkv.costs import agree_costs
   multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
   _common.check_platform(cfg)  # (done already in one process; a job's processes do it here)
-  restore = _RESTORE.value
-  if restore and latest_step(_CHECKPOINT_DIR.value) is None:
-    if _REQUIRE_RESTORE.value:
-      raise app.UsageError(f"--require_restore: no finished checkpoint in "
-                           f"{_CHECKPOINT_DIR.value}; drop the flag to start cold.")
-    logging.warning("no finished checkpoint in %s yet: starting cold (it is written when "
-                    "this run ends)", _CHECKPOINT_DIR.value)
-    restore = False
-
-  model_dir = _MODEL_DIR.value or cfg.model.get("model_dir", "")
-  tokenizer = None
-  if model_dir:
-    from jaxkv.tokenizer import Tokenizer
-    builder.use_model_dir(cfg, model_dir)
-    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-      tokenizer = Tokenizer.from_dir(model_dir)
+  restore = _flags.should_restore()
+  tokenizer = _flags.use_model_dir(cfg)
+  model_dir = cfg.model.get("model_dir", "")
 
   policies = [_POLICY.value] + ([p for p in builder.POLICIES if p != _POLICY.value]
                                 if _COMPARE.value else [])
@@ -338,19 +290,6 @@ def _summary_table(summary: dict) -> str:
   return "\n".join(lines)
 
 
-def _apply_tier_flags(cfg) -> None:
-  with cfg.unlocked():
-    if _DEVICE_PAGES.value is not None:
-      cfg.cache.pages_per_shard = _DEVICE_PAGES.value
-      cfg.cache.max_pages_per_seq = min(cfg.cache.max_pages_per_seq, _DEVICE_PAGES.value)
-    if _HOST_PAGES.value is not None:
-      cfg.tiers.host_pages_per_shard = _HOST_PAGES.value
-    if _DISK_DIR.value:
-      cfg.tiers.disk_kvstore = _DISK_DIR.value
-    if _DISK_PAGES.value is not None:
-      cfg.tiers.disk_pages = _DISK_PAGES.value
-    elif cfg.tiers.get("disk_kvstore") and not cfg.tiers.get("disk_pages"):
-      cfg.tiers.disk_pages = 4096  # a disk tier named without a capacity
 
 
 if __name__ == "__main__":

@@ -1,0 +1,313 @@
+"""The engine as a service: its step loop on a thread of its own, requests in through a
+thread-safe inbox, answers out through each request's own sink.
+
+A server's handlers (``jaxkv.server``) run on other threads (an asyncio event loop). They
+never touch the engine: ``submit`` and ``abort`` put a command in the inbox and return at
+once; the engine thread takes the inbox's commands between steps, runs the step, and hands
+each request's new tokens to its ``sink`` as a ``Delta`` (a frozen value). A sink is called
+on the engine thread and must not block (``loop.call_soon_threadsafe(queue.put_nowait, d)``
+is the usual one): the loop never waits on the network.
+
+Back-pressure: a request is accepted while fewer than ``rows + max_waiting`` are
+outstanding (submitted, not yet finished; ``rows`` is the batch's rows over every data
+shard); beyond that ``submit`` raises ``Overloaded``. After ``drain`` starts, ``submit``
+raises ``Draining``.
+
+Many processes (``jax.distributed``): process 0 takes the commands; before every step it
+broadcasts them (``distributed.broadcast_bytes``), and every process applies the same
+commands in the same order and runs the same step (``follow`` on the others), so request
+ids, admissions and tokens agree. Only process 0's sinks see deltas.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+from absl import logging
+
+from jaxkv.config import SamplingParams
+from jaxkv.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """What one step gave one request: its new tokens and, on its last, why it ended.
+
+  ``error`` is set when the request was refused before it ran (bad input: the message
+  names the value and the fix); ``finish_reason`` is then ``"error"`` too."""
+
+  tokens: tuple = ()
+  finish_reason: str | None = None  # "stop", "length", "abort", "error" or None (more come)
+  prompt_tokens: int = 0
+  cached_tokens: int = 0  # prompt tokens reused from the cache
+  error: str | None = None
+
+
+class Overloaded(Exception):
+  """The service holds as many requests as it takes; try again after ``retry_after_s``."""
+
+  def __init__(self, outstanding: int, limit: int, retry_after_s: int = 1):
+    super().__init__(f"the server holds {outstanding} requests, its limit (rows + "
+                     f"max_waiting = {limit}); retry after {retry_after_s} s.")
+    self.retry_after_s = retry_after_s
+
+
+class Draining(Exception):
+  """The service is shutting down and takes no new requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+  ticket: int
+  prompt: tuple
+  sampling: SamplingParams
+  tenant: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+  ticket: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+  pass
+
+
+def _encode(commands: Sequence) -> bytes:
+  out = []
+  for c in commands:
+    if isinstance(c, _Submit):
+      out.append({"submit": c.ticket, "prompt": list(c.prompt), "tenant": c.tenant,
+                  "sampling": dataclasses.asdict(c.sampling)})
+    elif isinstance(c, _Abort):
+      out.append({"abort": c.ticket})
+    else:
+      out.append({"stop": True})
+  return json.dumps(out).encode()
+
+
+def _decode(payload: bytes) -> list:
+  commands = []
+  for c in json.loads(payload.decode()) if payload else []:
+    if "submit" in c:
+      s = dict(c["sampling"], stop_token_ids=tuple(c["sampling"]["stop_token_ids"]))
+      commands.append(_Submit(c["submit"], tuple(c["prompt"]), SamplingParams(**s), c["tenant"]))
+    elif "abort" in c:
+      commands.append(_Abort(c["abort"]))
+    else:
+      commands.append(_Stop())
+  return commands
+
+
+class EngineService:
+  """Runs ``engine``'s step loop on a thread; ``submit``/``abort`` from any thread."""
+
+  def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 0.05):
+    if max_waiting < 0:
+      raise InputError(f"max_waiting={max_waiting} must be >= 0 (requests that may wait "
+                       "for a batch row beyond the running ones).")
+    self.engine = engine
+    self.rows = engine.config.max_seqs_per_shard * engine.cache.num_shards
+    self.max_waiting = max_waiting
+    self.idle_wait_s = idle_wait_s
+    self.lockstep = jax.process_count() > 1  # commands broadcast from process 0
+    self._inbox: collections.deque = collections.deque()
+    self._wake = threading.Condition()
+    self._lock = threading.Lock()
+    self._next_ticket = 0
+    self._outstanding = 0
+    self._accepting = True
+    self._sinks: dict[int, Callable[[Delta], None] | None] = {}  # ticket -> sink (engine thread)
+    self._handles: dict = {}  # ticket -> engine handle (engine thread)
+    self._tickets: dict[int, int] = {}  # engine request id -> ticket (engine thread)
+    self._thread: threading.Thread | None = None
+    self._stopped = threading.Event()
+    self.failed_steps = 0
+    self.counts = collections.Counter()  # requests by how they ended
+
+  # ---- any thread -------------------------------------------------------------------------------
+  @property
+  def outstanding(self) -> int:
+    """Requests submitted and not yet finished."""
+    return self._outstanding
+
+  @property
+  def accepting(self) -> bool:
+    return self._accepting and not self._stopped.is_set()
+
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams, tenant: str,
+             sink: Callable[[Delta], None]) -> int:
+    """Queues a request; returns its ticket. ``sink(delta)`` is called on the engine
+    thread for every step that gives it tokens, the last with ``finish_reason`` set.
+    Raises ``Draining`` or ``Overloaded`` (nothing was queued)."""
+    with self._lock:
+      if not self.accepting:
+        raise Draining("the server is shutting down; send the request to another replica.")
+      limit = self.rows + self.max_waiting
+      if self._outstanding >= limit:
+        raise Overloaded(self._outstanding, limit)
+      ticket = self._next_ticket
+      self._next_ticket += 1
+      self._outstanding += 1
+      self._sinks[ticket] = sink
+    self._post(_Submit(ticket, tuple(int(t) for t in prompt), sampling, tenant))
+    return ticket
+
+  def abort(self, ticket: int) -> None:
+    """Ends a request at the next step (its caller went away); its last delta says
+    ``finish_reason="abort"`` unless it finished first."""
+    self._post(_Abort(ticket))
+
+  def _post(self, command) -> None:
+    with self._wake:
+      self._inbox.append(command)
+      self._wake.notify()
+
+  def start(self) -> EngineService:
+    """Starts the engine thread (process 0 of a job; the others run ``follow``)."""
+    if jax.process_index() != 0:
+      raise RuntimeError("EngineService.start runs on process 0; the others call follow().")
+    self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
+    self._thread.start()
+    return self
+
+  def drain(self, timeout_s: float) -> int:
+    """Stops taking requests, waits up to ``timeout_s`` for the outstanding ones to finish,
+    aborts the rest and waits for them to end. Returns how many were aborted."""
+    with self._lock:
+      self._accepting = False
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while self._outstanding and time.monotonic() < deadline and not self._stopped.is_set():
+      time.sleep(0.01)
+    with self._lock:
+      left = list(self._sinks)
+    for ticket in left:
+      self.abort(ticket)
+    end = time.monotonic() + 30.0
+    while self._outstanding and time.monotonic() < end and not self._stopped.is_set():
+      time.sleep(0.01)
+    return len(left)
+
+  def close(self, timeout_s: float = 60.0) -> None:
+    """Ends the engine thread (and the followers' loops) after the inbox's commands."""
+    with self._lock:
+      self._accepting = False
+    self._post(_Stop())
+    if self._thread is not None:
+      self._thread.join(timeout_s)
+      if self._thread.is_alive():
+        raise TimeoutError(f"the engine thread did not stop within {timeout_s} s.")
+
+  # ---- the engine thread ------------------------------------------------------------------------
+  def _take(self) -> list:
+    """The inbox's commands; waits for one while the engine has nothing to run (with
+    many processes at most ``idle_wait_s``: the others wait in the broadcast)."""
+    with self._wake:
+      if not self._inbox and not self.engine.has_unfinished():
+        self._wake.wait(self.idle_wait_s if self.lockstep else 1.0)
+      commands = list(self._inbox)
+      self._inbox.clear()
+    return commands
+
+  def _run(self) -> None:
+    try:
+      while True:
+        commands = self._take()
+        if self.lockstep:
+          from jaxkv import distributed
+          commands = _decode(distributed.broadcast_bytes(_encode(commands)))
+        if not self._apply(commands):
+          return
+        self._step()
+    finally:
+      self._stopped.set()
+      with self._lock:
+        left = list(self._sinks)
+      for ticket in left:  # a stopped loop answers every request left
+        self._finish(ticket, Delta(finish_reason="abort"))
+
+  def follow(self) -> None:
+    """The loop of a process other than 0: the commands process 0 broadcasts, the same
+    steps, until process 0 closes its service."""
+    from jaxkv import distributed
+    while True:
+      commands = _decode(distributed.broadcast_bytes(b""))
+      if not self._apply(commands):
+        return
+      self._step()
+
+  def _apply(self, commands) -> bool:
+    for c in commands:
+      if isinstance(c, _Stop):
+        return False
+      if isinstance(c, _Abort):
+        handle = self._handles.get(c.ticket)
+        if handle is not None:
+          self.engine.abort(handle)
+        continue
+      with self._lock:
+        if c.ticket not in self._sinks:  # a follower's requests: counted, no sink
+          self._sinks[c.ticket] = None
+          self._outstanding += 1
+      try:
+        handle = self.engine.submit(list(c.prompt), c.sampling, c.tenant)
+      except InputError as e:
+        self._finish(c.ticket, Delta(finish_reason="error", prompt_tokens=len(c.prompt),
+                                     error=str(e)))
+        continue
+      self._handles[c.ticket] = handle
+      self._tickets[handle.id] = c.ticket
+    return True
+
+  def _step(self) -> None:
+    if not self.engine.has_unfinished():
+      return
+    try:
+      outputs = self.engine.step()
+    except Exception:  # the engine ended every request with "error" and stays usable
+      logging.exception("a step failed; its requests end with finish_reason='error'")
+      self.failed_steps += 1
+      for ticket, handle in list(self._handles.items()):
+        if handle.finished:
+          self._finish(ticket, self._delta(handle, ()))
+      return
+    for out in outputs:
+      ticket = self._tickets.get(out.handle.id)
+      if ticket is None:
+        continue  # a request of the engine's own (not this service's)
+      delta = self._delta(out.handle, out.new_tokens)
+      if out.finished:
+        self._finish(ticket, delta)
+      else:
+        self._send(ticket, delta)
+
+  @staticmethod
+  def _delta(handle, tokens) -> Delta:
+    return Delta(tokens=tuple(tokens), finish_reason=handle.finish_reason,
+                 prompt_tokens=len(handle.request.tokens), cached_tokens=handle.cached_tokens)
+
+  def _send(self, ticket: int, delta: Delta) -> None:
+    sink = self._sinks.get(ticket)
+    if sink is None:
+      return
+    try:
+      sink(delta)
+    except Exception:  # a sink that fails loses its own request's answer, nothing else
+      logging.exception("the sink of request %d failed", ticket)
+
+  def _finish(self, ticket: int, delta: Delta) -> None:
+    self._send(ticket, delta)
+    handle = self._handles.pop(ticket, None)
+    if handle is not None:
+      self._tickets.pop(handle.id, None)
+    with self._lock:
+      if self._sinks.pop(ticket, "gone") != "gone":
+        self.counts[delta.finish_reason] += 1
+        self._outstanding -= 1

@@ -1,0 +1,95 @@
+"""Flags that every serving script takes (launch/serve.py, launch/server.py): the config,
+the tiers, the checkpoint, the model directory and the deployment key, with the steps that
+read them, so a flag means the same thing in every script."""
+
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import _common
+
+CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                           "cpu_tiny.py"), "Config file (see configs/); fields can be overridden, "
+    "e.g. --config.workload.chat.turns=6.")
+DEVICE_PAGES = flags.DEFINE_integer(
+    "device_pages", None, "Device pages per data shard (overrides the config; a sequence's "
+    "page cap is lowered to fit).", lower_bound=1)
+HOST_PAGES = flags.DEFINE_integer("host_pages", None, "Host-memory pages per data shard "
+                                  "(0 = no host tier).", lower_bound=0)
+DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (enables it).")
+DISK_PAGES = flags.DEFINE_integer("disk_pages", None, "Disk tier capacity in blocks, with "
+                                  "--disk_dir (default: the config's tiers.disk_pages, or "
+                                  "4096 when it has none).", lower_bound=1)
+CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
+RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
+                            "--checkpoint_dir (a warm restart); with none there yet, start "
+                            "cold with a warning.")
+REQUIRE_RESTORE = flags.DEFINE_bool("require_restore", False, "With --restore: refuse to "
+                                    "start (before compiling) when there is no checkpoint.")
+MODEL_DIR = flags.DEFINE_string(
+    "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2) instead of "
+    "the config's random weights: its shapes replace the config's model section; text "
+    "prompts need its tokenizer.json.")
+DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
+    "deployment_key_file", None, "File holding the deployment key (16+ bytes) that keys "
+    "tenants' block keys and authenticates remote peers; default $JAXKV_DEPLOYMENT_KEY_FILE "
+    "or $JAXKV_DEPLOYMENT_KEY. Give every process sharing a store or peer the same key.")
+
+
+def check_restore_flags() -> None:
+  """Refuses, before JAX starts, restore flags that cannot go together."""
+  if RESTORE.value and not CHECKPOINT_DIR.value:
+    raise app.UsageError("--restore needs --checkpoint_dir=DIR (where the checkpoints are).")
+  if REQUIRE_RESTORE.value and not RESTORE.value:
+    raise app.UsageError("--require_restore goes with --restore.")
+  _common.check_output(CHECKPOINT_DIR.value, "checkpoint_dir", directory=True)
+
+
+def should_restore() -> bool:
+  """Whether to restore: --restore and a finished checkpoint (without one, start cold with
+  a warning, or refuse under --require_restore)."""
+  from absl import logging
+  from jaxkv.checkpoint import latest_step
+  if not RESTORE.value:
+    return False
+  if latest_step(CHECKPOINT_DIR.value) is None:
+    if REQUIRE_RESTORE.value:
+      raise app.UsageError(f"--require_restore: no finished checkpoint in "
+                           f"{CHECKPOINT_DIR.value}; drop the flag to start cold.")
+    logging.warning("no finished checkpoint in %s yet: starting cold (it is written when "
+                    "this run ends)", CHECKPOINT_DIR.value)
+    return False
+  return True
+
+
+def use_model_dir(cfg):
+  """Points the config at --model_dir (or the config's model.model_dir); returns its
+  tokenizer, or None (random weights, or a checkpoint without tokenizer.json)."""
+  from jaxkv import builder
+  model_dir = MODEL_DIR.value or cfg.model.get("model_dir", "")
+  if not model_dir:
+    return None
+  builder.use_model_dir(cfg, model_dir)
+  if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+    return None
+  from jaxkv.tokenizer import Tokenizer
+  return Tokenizer.from_dir(model_dir)
+
+
+def apply_tier_flags(cfg) -> None:
+  """The tier and pool flags over the config's values."""
+  with cfg.unlocked():
+    if DEVICE_PAGES.value is not None:
+      cfg.cache.pages_per_shard = DEVICE_PAGES.value
+      cfg.cache.max_pages_per_seq = min(cfg.cache.max_pages_per_seq, DEVICE_PAGES.value)
+    if HOST_PAGES.value is not None:
+      cfg.tiers.host_pages_per_shard = HOST_PAGES.value
+    if DISK_DIR.value:
+      cfg.tiers.disk_kvstore = DISK_DIR.value
+    if DISK_PAGES.value is not None:
+      cfg.tiers.disk_pages = DISK_PAGES.value
+    elif cfg.tiers.get("disk_kvstore") and not cfg.tiers.get("disk_pages"):
+      cfg.tiers.disk_pages = 4096  # a disk tier named without a capacity

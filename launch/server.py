@@ -1,0 +1,172 @@
+"""Serve an OpenAI-compatible HTTP API (jaxkv.server) over one engine.
+
+  python launch/server.py --port=8000                          # configs/cpu_tiny.py, token ids
+  python launch/server.py --model_dir=/ckpt/llama --port=8000  # text and chat
+  python launch/server.py --checkpoint_dir=/ckpt/kv --restore  # warm start; saved at SIGTERM
+  python launch/multihost.py --num_processes=2 -- launch/server.py --port=8000
+
+The port opens at once; /health says 503 until the engine is compiled (and restored),
+then 200. SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish within
+--drain_timeout_s (the rest are aborted), the tiers are flushed and, with
+--checkpoint_dir, the cache is saved, so the next start with --restore is warm. A second
+signal exits at once. Under launch/multihost.py process 0 serves HTTP and every process
+runs the same steps.
+"""
+
+import json
+import os
+import stat
+import threading
+import time
+
+import uvicorn
+from absl import app, flags, logging
+
+import _common
+import _flags
+
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every "
+                            "interface; put an API key file in front of it).")
+_PORT = flags.DEFINE_integer("port", 8000, "TCP port to listen on (0: any free port, "
+                             "printed at start).", lower_bound=0, upper_bound=65535)
+_API_KEYS_FILE = flags.DEFINE_string(
+    "api_keys_file", None, "JSON object {\"<api key>\": \"<tenant>\"}: requests then need "
+    "'Authorization: Bearer <key>' and run as its tenant (tenants never share cached "
+    "prefixes). Must not be readable by group or others (chmod 600).")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for a batch "
+                                    "row beyond the running ones; more get 429.", lower_bound=0)
+_DRAIN = flags.DEFINE_float("drain_timeout_s", 30.0, "At SIGTERM: how long running requests "
+                            "may take to finish before they are aborted.", lower_bound=0.0)
+_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "The model's name in the API "
+                                  "(default: the config's model name).")
+_READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
+                                  "server takes requests (for scripts that start it).")
+
+
+def _api_keys(path: str | None) -> dict | None:
+  if not path:
+    return None
+  try:
+    mode = os.stat(path).st_mode
+    with open(path) as f:
+      keys = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise app.UsageError(f"--api_keys_file={path} did not load: {e}.")
+  if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    raise app.UsageError(f"--api_keys_file={path} is readable by group or others (mode "
+                         f"{stat.S_IMODE(mode):o}); chmod 600 {path}.")
+  if not isinstance(keys, dict) or not keys or not all(
+      isinstance(k, str) and len(k) >= 16 and isinstance(v, str) and v for k, v in keys.items()):
+    raise app.UsageError(f"--api_keys_file={path} must hold a JSON object mapping API keys "
+                         "(16+ characters) to tenant names, e.g. {\"sk-...\": \"team-a\"}.")
+  return keys
+
+
+def main(argv):
+  del argv
+  _flags.check_restore_flags()
+  api_keys = _api_keys(_API_KEYS_FILE.value)
+  _common.check_output(_READY_FILE.value, "ready_file")
+  cfg = _common.load_config(_flags.CONFIG)
+  _flags.apply_tier_flags(cfg)
+  _common.start_jax(cfg)
+  import jax
+  from jaxkv import builder, distributed, metrics, security
+  from jaxkv.service import EngineService
+  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
+  multi = distributed.initialize()
+  _common.check_platform(cfg)
+  restore = _flags.should_restore()
+  tokenizer = _flags.use_model_dir(cfg)
+  engine = builder.build_engine(cfg, deployment_key=deployment_key)
+  service = EngineService(engine, max_waiting=_MAX_WAITING.value)
+  checkpointer = None
+  if _flags.CHECKPOINT_DIR.value:
+    from jaxkv.checkpoint import Checkpointer
+    checkpointer = Checkpointer(engine.cache, _flags.CHECKPOINT_DIR.value)
+
+  def warm_up():  # every process, in the same order (calibration agrees across them)
+    t0 = time.perf_counter()
+    engine.warmup()
+    if multi and engine.costs is not None:
+      from jaxkv.costs import agree_costs
+      engine.costs = agree_costs(engine.costs)
+    if restore:
+      counts = checkpointer.restore()
+      logging.info("restored step %d: %d blocks (%d failed their checksum)", counts["step"],
+                   counts["placed"], counts["failed_checksum"])
+    logging.info("compiled in %.1f s", time.perf_counter() - t0)
+
+  if jax.process_index() != 0:  # the others run process 0's steps
+    warm_up()
+    service.follow()
+    _finish(engine, checkpointer, multi)
+    return
+
+  from jaxkv.server import OpenAIServer
+  registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
+  api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
+                     tokenizer=tokenizer, api_keys=api_keys, registry=registry)
+  server = _Server(uvicorn.Config(api.app, host=_HOST.value, port=_PORT.value,
+                                  log_level="warning", timeout_graceful_shutdown=5,
+                                  access_log=False), service, api, _DRAIN.value)
+  failure = []
+
+  def start():
+    try:
+      warm_up()
+      service.start()
+      api.ready = True
+      while not server.started:
+        time.sleep(0.01)
+      port = server.servers[0].sockets[0].getsockname()[1]
+      print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
+      if _READY_FILE.value:
+        _common.write_json(_READY_FILE.value, {"port": port})
+    except BaseException as e:  # the server cannot run: stop listening, fail the run
+      failure.append(e)
+      server.should_exit = True
+
+  threading.Thread(target=start, name="jaxkv-warmup", daemon=True).start()
+  server.run()
+  if failure:
+    raise failure[0]
+  service.close()
+  print(f"stopped: requests by how they ended {dict(service.counts)}", flush=True)
+  _finish(engine, checkpointer, multi)
+
+
+def _finish(engine, checkpointer, multi) -> None:
+  """After the last step: lower-tier writes flushed, the cache saved when asked."""
+  engine.flush()
+  if multi:
+    from jaxkv import distributed
+    distributed.agree_digest(engine.cache.index.digest(), "the PrefixIndex")
+  if checkpointer is not None:
+    step = checkpointer.save()
+    checkpointer.close()
+    print(f"saved the cache as step {step} in {_flags.CHECKPOINT_DIR.value}", flush=True)
+
+
+class _Server(uvicorn.Server):
+  """uvicorn's server whose first SIGTERM/SIGINT drains the engine before it stops."""
+
+  def __init__(self, config, service, api, drain_s: float):
+    super().__init__(config)
+    self.service, self.api, self.drain_s = service, api, drain_s
+    self.draining = False
+
+  def handle_exit(self, sig, frame):
+    if self.draining or not self.api.ready:  # a second signal, or nothing to drain yet
+      return super().handle_exit(sig, frame)
+    self.draining = True
+    threading.Thread(target=self._drain, name="jaxkv-drain", daemon=True).start()
+
+  def _drain(self):
+    aborted = self.service.drain(self.drain_s)
+    logging.info("drained: %d requests aborted at the deadline", aborted)
+    self.should_exit = True
+
+
+if __name__ == "__main__":
+  _common.run(main)

@@ -1,0 +1,158 @@
+"""Aborting requests in the step loop, and the engine on its own thread (EngineService)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import helpers
+import jaxkv
+from jaxkv.index import Tier
+from jaxkv.service import Delta, Draining, EngineService, Overloaded
+
+
+def no_refs(engine, tiers=(Tier.DEVICE,)):
+  index = engine.cache.index
+  index.check_invariants()
+  for tier in tiers:
+    for s in range(engine.cache.num_shards):
+      assert not index.held_slots(s, tier), (tier, s)
+
+
+@pytest.fixture(scope="module")
+def pair(mesh):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
+  return (helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2),
+          helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=False))
+
+
+def test_aborts_while_waiting_prefilling_and_decoding_free_every_page_and_change_no_other_answer(
+    pair):
+  engine, fresh = pair
+  rng = np.random.default_rng(5)
+  shared = rng.integers(1, 128, 9).tolist()
+  prompts = [shared + rng.integers(1, 128, int(rng.integers(20, 40))).tolist()
+             for _ in range(12)]
+  sp = jaxkv.SamplingParams(max_new_tokens=12)
+  want = fresh.generate(prompts, sp)
+  handles = [engine.submit(p, sp) for p in prompts]
+  engine.step()  # some are prefilling (chunks of 4 tokens), the rest wait for a row
+  phase = {}
+  for h in handles:
+    phase[h.id] = "waiting" if not any(s.handle is h for s in engine.loop.running.values()) \
+        else "prefill"
+  victims = [h for h in handles if phase[h.id] == "waiting"][:2]
+  victims += [h for h in handles if phase[h.id] == "prefill"][:2]
+  assert len(victims) == 4
+  for h in victims:
+    engine.abort(h)
+  outputs = engine.step()
+  assert {o.handle.id for o in outputs if o.finished and not o.new_tokens} >= {
+      h.id for h in victims}
+  # One more, mid-decode.
+  while not any(h.tokens and not h.finished for h in handles if h not in victims):
+    engine.step()
+  decoding = next(h for h in handles if h.tokens and not h.finished and h not in victims)
+  engine.abort(decoding)
+  victims.append(decoding)
+  while engine.has_unfinished():
+    engine.step()
+  for h, w in zip(handles, want):
+    if h in victims:
+      assert h.finish_reason == "abort" and h.tokens == w[:len(h.tokens)]
+    else:
+      assert h.finish_reason == "length" and h.tokens == w
+  assert engine.stats()["aborted_requests"] >= 5
+  no_refs(engine)
+  # The aborted prompts' published blocks stay cached: the same prompt hits now.
+  again = engine.submit(prompts[handles.index(decoding)], sp)
+  assert again.result() == want[handles.index(decoding)] and again.cached_tokens > 0
+  engine.abort(again)  # finished already: nothing happens
+  assert not engine.has_unfinished()
+
+
+def test_an_abort_while_its_fetch_is_in_flight_waits_for_the_fetch(mesh, tmp_path):
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
+  # A forced split: blocks [0, 6) are recomputed (two prefill chunks) while the
+  # rest is fetched, so the fetch group stays in flight across steps.
+  engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2,
+                               tiers=jaxkv.TierConfig(host_pages_per_shard=32),
+                               scheduler=jaxkv.SchedulerConfig(policy="split", force_split=6))
+  prompt = list(range(1, 30))
+  first = engine.generate([prompt], 4)[0]
+  engine.offload()  # the next request fetches its prefix from host memory
+  h = engine.submit(prompt, 4)
+  plan_steps = 0
+  engine.abort(h)  # before its first step: it is still waiting, so it ends at once
+  engine.step()
+  assert h.finish_reason == "abort" and not h.tokens
+  h = engine.submit(prompt, 4)
+  while not engine.loop.groups and plan_steps < 5:  # admitted, its fetch group issued
+    engine.step()
+    plan_steps += 1
+  assert engine.loop.groups, "the request was expected to fetch from the host tier"
+  engine.abort(h)
+  while engine.has_unfinished():
+    engine.step()
+  assert h.finish_reason == "abort"
+  no_refs(engine, (Tier.DEVICE, Tier.HOST))
+  assert engine.generate([prompt], 4)[0] == first
+
+
+def collect():
+  got, done = [], threading.Event()
+
+  def sink(d: Delta):
+    got.append(d)
+    if d.finish_reason is not None:
+      done.set()
+  return got, done, sink
+
+
+def test_the_service_runs_the_loop_on_its_thread_with_the_same_answers(pair):
+  engine, fresh = pair
+  service = EngineService(engine, max_waiting=2).start()
+  try:
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(1, 128, int(rng.integers(5, 30))).tolist() for _ in range(6)]
+    params = [jaxkv.SamplingParams(max_new_tokens=6, temperature=0.8, seed=i)
+              for i in range(len(prompts))]
+    want = fresh.generate(prompts, params)
+    runs = [collect() for _ in prompts]
+    threads = [threading.Thread(target=service.submit, args=(p, sp, "default", r[2]))
+               for p, sp, r in zip(prompts, params, runs)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    for (got, done, _), w in zip(runs, want):
+      assert done.wait(120)
+      assert [t for d in got for t in d.tokens] == w
+      assert got[-1].finish_reason == "length" and got[-1].prompt_tokens > 0
+    # Bad input comes back as the request's only delta; the service keeps going.
+    got, done, sink = collect()
+    service.submit([1, 10**6], jaxkv.SamplingParams(), "default", sink)
+    assert done.wait(60) and got[-1].error and "vocabulary" in got[-1].error
+    # Back-pressure: rows (4 shards x 2) + max_waiting (2) outstanding, then Overloaded.
+    long = jaxkv.SamplingParams(max_new_tokens=40)
+    held = [collect() for _ in range(service.rows + service.max_waiting)]
+    tickets = [service.submit(prompts[0], long, "default", r[2]) for r in held]
+    with pytest.raises(Overloaded, match="limit"):
+      service.submit(prompts[0], long, "default", collect()[2])
+    for t in tickets:
+      service.abort(t)
+    for got, done, _ in held:
+      assert done.wait(120) and got[-1].finish_reason in ("abort", "length")
+    assert service.outstanding == 0
+    # Drain: running requests finish, new ones are refused.
+    got, done, sink = collect()
+    service.submit(prompts[1], jaxkv.SamplingParams(max_new_tokens=3), "default", sink)
+    assert service.drain(timeout_s=60) == 0
+    assert done.wait(1) and got[-1].finish_reason == "length"
+    with pytest.raises(Draining):
+      service.submit(prompts[1], jaxkv.SamplingParams(), "default", sink)
+  finally:
+    service.close()
+  no_refs(engine)
