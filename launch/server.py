@@ -121,8 +121,9 @@ def main(argv):
         time.sleep(0.01)
       port = server.servers[0].sockets[0].getsockname()[1]
       print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
-      if _READY_FILE.value:
-        _common.write_json(_READY_FILE.value, {"port": port})
+      if _READY_FILE.value:  # whole or absent: written aside, then renamed
+        _common.write_json(_READY_FILE.value + ".tmp", {"port": port})
+        os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
     except BaseException as e:  # the server cannot run: stop listening, fail the run
       failure.append(e)
       server.should_exit = True

@@ -175,6 +175,16 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
                  "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def text_checkpoint(path: str, seed: int = 0):
+  """A Llama 3 checkpoint with a tokenizer at ``path``; its eos ids are the tokenizer's.
+  Returns ``(path, hf config, weights, special token ids)``."""
+  ids = write_tokenizer(path)
+  cfg = hf_config("llama3", vocab_size=320, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"])
+  weights = random_weights(cfg, seed=seed)
+  write_checkpoint(path, cfg, weights)
+  return path, cfg, weights, ids
+
+
 def write_tokenizer(path: str, vocab_size: int = 300) -> dict:
   """A byte-level BPE tokenizer trained here on ``CORPUS``: ``<s>`` (BOS, added by the
   post-processor), ``</s>`` (EOS), ``<|end|>`` (end of turn, the generation config's second

@@ -162,14 +162,7 @@ def test_tokenizer_encodes_decodes_and_renders_the_chat(tmp_path):
 
 
 def text_checkpoint(tmp_path, seed=0):
-  """A Llama 3 checkpoint with a tokenizer; its eos ids are the tokenizer's."""
-  path = str(tmp_path / f"text{seed}")
-  ids = hf.write_tokenizer(path)
-  cfg = hf.hf_config("llama3", vocab_size=320, bos_token_id=ids["<s>"],
-                     eos_token_id=ids["</s>"])
-  weights = hf.random_weights(cfg, seed=seed)
-  hf.write_checkpoint(path, cfg, weights)
-  return path, cfg, weights, ids
+  return hf.text_checkpoint(str(tmp_path / f"text{seed}"), seed)
 
 
 def run(script, *args, timeout=600):

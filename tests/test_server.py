@@ -1,0 +1,283 @@
+"""The OpenAI-compatible server (launch/server.py) as a real process, driven by the official
+``openai`` client over loopback: exact answers, cache hits in usage, tenants, refusals,
+cancellation, back-pressure and a graceful stop with a warm restart.
+
+One server serves the module (its start compiles); the last test stops it with SIGTERM
+and restarts it from its checkpoint.
+"""
+
+import json
+import os
+import runpy
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import hf_fixtures as hf
+import jaxkv
+from servers import ROOT, ServerProcess
+
+KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
+OVERRIDES = ("--config.cache.pages_per_shard=96", "--config.cache.max_pages_per_seq=32")
+ROWS = 8  # cpu_tiny: 4 data shards x max_seqs_per_shard 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path, *_ = hf.text_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "model"))
+  return path
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory, checkpoint):
+  work = tmp_path_factory.mktemp("server")
+  keys = work / "keys.json"
+  keys.write_text(json.dumps({KEY_A: "team-a", KEY_B: "team-b"}))
+  os.chmod(keys, 0o600)
+  args = [f"--model_dir={checkpoint}", f"--disk_dir={work / 'disk'}",
+          f"--checkpoint_dir={work / 'kv'}", f"--api_keys_file={keys}", "--max_waiting=0",
+          "--drain_timeout_s=1", *OVERRIDES]
+  server = ServerProcess(args, str(work))
+  box = {"server": server, "args": args, "work": str(work)}
+  yield box
+  box["server"].kill()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+  """The same model and config in this process, recomputing every prompt (no cache)."""
+  from jaxkv import builder
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+  cfg.cache.pages_per_shard, cfg.cache.max_pages_per_seq = 96, 32
+  builder.use_model_dir(cfg, checkpoint)
+  engine = builder.build_engine(cfg, policy="nocache")
+  return engine, jaxkv.Tokenizer.from_dir(checkpoint)
+
+
+def client(state, key=KEY_A) -> openai.OpenAI:
+  return openai.OpenAI(base_url=state["server"].url + "/v1", api_key=key, max_retries=0,
+                       timeout=120)
+
+
+def model_name(checkpoint) -> str:
+  return os.path.basename(checkpoint)
+
+
+def extra(obj, name):
+  return (obj.model_extra or {}).get(name)
+
+
+def want(reference, prompt, **sampling):
+  engine, tok = reference
+  sp = jaxkv.SamplingParams(stop_token_ids=tok.eos_token_ids, **sampling)
+  return engine.generate([prompt], sp)[0]
+
+
+def prompt_ids(seed, n, vocab=300):
+  return np.random.default_rng(seed).integers(10, vocab, n).tolist()
+
+
+def test_completions_and_chat_give_the_tokens_generate_gives(state, reference, checkpoint):
+  c, name, tok = client(state), model_name(checkpoint), reference[1]
+  p = prompt_ids(1, 40)
+  for kw in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}):
+    sampling = dict(max_new_tokens=9, temperature=kw["temperature"], top_p=kw.get("top_p", 1.0),
+                    seed=kw.get("seed", 0))
+    expect = want(reference, p, **sampling)
+    r = c.completions.create(model=name, prompt=p, max_tokens=9, **kw,
+                             extra_body={"return_token_ids": True})
+    assert extra(r.choices[0], "token_ids") == expect
+    assert r.choices[0].text == tok.decode(expect)
+    assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == len(expect)
+    streamed, text, usage = [], "", None
+    for chunk in c.completions.create(model=name, prompt=p, max_tokens=9, stream=True, **kw,
+                                      stream_options={"include_usage": True},
+                                      extra_body={"return_token_ids": True}):
+      if chunk.choices:
+        streamed += extra(chunk.choices[0], "token_ids") or []
+        text += chunk.choices[0].text
+      else:
+        usage = chunk.usage
+    assert streamed == expect and text == tok.decode(expect)
+    assert usage.completion_tokens == len(expect)
+  # Text in, and chat through the checkpoint's template, streamed and not.
+  text = "the cache keeps keys and values"
+  r = c.completions.create(model=name, prompt=text, max_tokens=6, temperature=0)
+  assert r.choices[0].text == tok.decode(want(reference, tok.encode(text), max_new_tokens=6))
+  messages = [{"role": "system", "content": "be brief"},
+              {"role": "user", "content": "what does a cache keep?"}]
+  expect = want(reference, tok.encode_chat(messages), max_new_tokens=8)
+  r = c.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
+  assert r.choices[0].message.content == tok.decode(expect)
+  assert r.choices[0].finish_reason == ("stop" if expect[-1] in tok.eos_token_ids else "length")
+  pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+      model=name, messages=messages, max_tokens=8, temperature=0, stream=True) if ch.choices]
+  assert "".join(pieces) == tok.decode(expect)
+
+
+def test_a_repeated_prefix_reports_cached_tokens(state, checkpoint):
+  c, name = client(state), model_name(checkpoint)
+  p = prompt_ids(2, 70)
+  first = c.completions.create(model=name, prompt=p, max_tokens=2, temperature=0)
+  again = c.completions.create(model=name, prompt=p + [11, 12], max_tokens=2, temperature=0)
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  cached = again.usage.prompt_tokens_details.cached_tokens
+  assert 0 < cached <= len(p) and cached % 16 == 0  # whole blocks of the shared prefix
+
+
+def test_stop_strings_end_the_text_before_the_match(state, reference, checkpoint):
+  c, name, tok = client(state), model_name(checkpoint), reference[1]
+  p = prompt_ids(3, 30)
+  full = tok.decode(want(reference, p, max_new_tokens=24))
+  stop = full[len(full) // 2:len(full) // 2 + 3]
+  assert stop.strip(), full
+  r = c.completions.create(model=name, prompt=p, max_tokens=24, temperature=0, stop=[stop])
+  assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+  text = "".join(ch.choices[0].text for ch in c.completions.create(
+      model=name, prompt=p, max_tokens=24, temperature=0, stop=stop, stream=True))
+  assert text == full[:full.find(stop)]
+
+
+def test_tenants_never_share_a_hit_and_a_salt_narrows_sharing(state, checkpoint):
+  a, b, name = client(state), client(state, KEY_B), model_name(checkpoint)
+  p = prompt_ids(4, 50)
+
+  def cached(cl, **body):
+    r = cl.completions.create(model=name, prompt=p, max_tokens=1, temperature=0,
+                              extra_body=body)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+  assert cached(a) == 0 and cached(a) > 0
+  assert cached(b) == 0  # the other tenant: its own key chain
+  assert cached(a, cache_salt="s1") == 0 and cached(a, cache_salt="s1") > 0
+  assert cached(a, cache_salt="s2") == 0
+
+
+def test_an_api_key_is_required(state, checkpoint):
+  with pytest.raises(openai.AuthenticationError) as e:
+    client(state, "not-a-key-0123456789").models.list()
+  assert e.value.status_code == 401 and "API key" in e.value.body["message"]
+  r = httpx.post(state["server"].url + "/v1/completions",
+                 json={"model": model_name(checkpoint), "prompt": [1, 2]})
+  assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+  assert [m.id for m in client(state).models.list()] == [model_name(checkpoint)]
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "other", "prompt": [1]}, 404, "not served here"),
+    ({"model": None, "prompt": [1]}, 400, "model=None"),
+    ({"prompt": [1], "max_tokens": -3}, 400, "max_tokens=-3"),
+    ({"prompt": [1], "max_tokens": "ten"}, 400, "max_tokens='ten'"),
+    ({"prompt": [1], "n": 3}, 400, "n=3"),
+    ({"prompt": [1], "temperature": 9}, 400, "temperature=9"),
+    ({"prompt": [1], "stop": ["x"] * 100}, 400, "stop has 100 strings"),
+    ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": [1] * 600, "max_tokens": 1}, 400, "max_pages_per_seq=32"),  # > the context
+    ({"prompt": {"a": 1}}, 400, "prompt must be"),
+    ({"prompt": [1], "stream": "yes"}, 400, "stream='yes'"),
+    (b"x" * (10 * 2**20), 413, "bytes"),
+])
+def test_bad_input_gets_a_4xx_with_openai_error_json(state, checkpoint, body, status, needle):
+  headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+  if isinstance(body, dict):
+    body = {"model": model_name(checkpoint), **body}
+    body = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+  r = httpx.post(state["server"].url + "/v1/completions", content=body, headers=headers,
+                 timeout=60)
+  assert r.status_code == status, r.text
+  error = r.json()["error"]
+  assert needle in error["message"] and error["type"] and "Traceback" not in r.text
+  ok = client(state).completions.create(model=model_name(checkpoint), prompt=[5, 6, 7],
+                                        max_tokens=2, temperature=0)
+  assert ok.usage.completion_tokens == 2  # and the server goes on serving
+
+
+def gauges(state) -> dict:
+  text = httpx.get(state["server"].url + "/metrics").text
+  out = {}
+  for line in text.splitlines():
+    for name in ("jaxkv_running_requests", "jaxkv_waiting_requests", "jaxkv_referenced_pages"):
+      if line.startswith(name + "{"):
+        out[name] = float(line.rsplit(" ", 1)[1])
+  return out
+
+
+def wait_idle(state, deadline_s=120.0) -> dict:
+  end = time.monotonic() + deadline_s
+  while True:
+    g = gauges(state)
+    if not any(g.values()) or time.monotonic() > end:
+      return g
+    time.sleep(0.1)
+
+
+def test_full_rows_get_429_and_closed_streams_free_every_page(state, checkpoint):
+  """ROWS streams that cannot finish soon hold every row (max_waiting=0); the next request
+  is refused with 429 and Retry-After. Closing the streams aborts them: no page stays
+  referenced. (If a stream ended before the extra request was answered, the attempt says
+  nothing and is repeated.)"""
+  c, name = client(state), model_name(checkpoint)
+  for attempt in range(3):
+    streams = [None] * ROWS
+    first = [None] * ROWS
+
+    def open_stream(i):
+      streams[i] = c.completions.create(
+          model=name, prompt=prompt_ids(100 + i, 20), max_tokens=480, temperature=0,
+          stream=True, extra_body={"ignore_eos": True})
+      first[i] = next(iter(streams[i]))
+
+    threads = [threading.Thread(target=open_stream, args=(i,)) for i in range(ROWS)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(120)
+    assert all(f is not None for f in first)
+    r = httpx.post(state["server"].url + "/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY_A}"},
+                   json={"model": name, "prompt": [1, 2, 3], "max_tokens": 1})
+    busy = gauges(state)
+    for s in streams:
+      s.close()  # the client goes away mid-stream
+    if busy["jaxkv_running_requests"] == ROWS:  # every stream was still running
+      break
+  assert r.status_code == 429, r.text
+  assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "rate_limit_exceeded"
+  g = wait_idle(state)
+  assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
+               "jaxkv_referenced_pages": 0}, g
+  metrics = httpx.get(state["server"].url + "/metrics").text
+  assert 'jaxkv_http_requests_total{route="/v1/completions",status="429"}' in metrics
+  ok = c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+  assert ok.usage.completion_tokens == 2
+
+
+def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
+    state, reference, checkpoint):
+  c, name = client(state), model_name(checkpoint)
+  p = prompt_ids(6, 60)
+  expect = want(reference, p, max_new_tokens=3)
+  assert extra(c.completions.create(model=name, prompt=p, max_tokens=3, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0],
+               "token_ids") == expect
+  stream = c.completions.create(model=name, prompt=prompt_ids(7, 20), max_tokens=480,
+                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+  chunks = iter(stream)
+  next(chunks)
+  server = state["server"]
+  server.proc.send_signal(15)
+  reasons = [ch.choices[0].finish_reason for ch in chunks]  # ends, with no error
+  assert reasons[-1] in ("length", "abort")
+  assert server.proc.wait(120) == 0, server.log()[-3000:]
+  assert "saved the cache as step" in server.log()
+  restarted = ServerProcess(state["args"] + ["--restore"], state["work"])
+  state["server"] = restarted
+  r = client(state).completions.create(model=name, prompt=p, max_tokens=3, temperature=0,
+                                       extra_body={"return_token_ids": True})
+  assert r.usage.prompt_tokens_details.cached_tokens >= 48  # warm: from the checkpoint
+  assert extra(r.choices[0], "token_ids") == expect
