@@ -16,7 +16,8 @@ safetensors.load_file + device_put and against reading the files);
 storage (the disk tier on an S3 server on loopback against a plain client's gets, and two
 writer processes racing on one store, directory and bucket: blocks lost);
 kernels (each attention implementation on the same decode and prefill steps; Pallas kernels
-off their hardware run in the interpreter and are labelled so).
+off their hardware run in the interpreter and are labelled so);
+http (launch/server.py over HTTP and SSE against the same engine in process, same arrivals).
 """
 
 import time
@@ -26,7 +27,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels")
+          "weights", "storage", "kernels", "http")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -98,6 +99,9 @@ def main(argv):
   elif _SUITE.value == "kernels":
     from jaxkv.bench import kernels
     result = kernels.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  elif _SUITE.value == "http":
+    from jaxkv.bench import http
+    result = http.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "storage":
     from jaxkv.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -6,10 +6,12 @@ split among the processes), so a multi-host job can be tried without a cluster.
 
 Every process joins one jax.distributed job (gloo collectives) through the JAXKV_*
 environment that jaxkv.distributed.initialize reads. The command exits non-zero if any
-process fails, and stops the others when one does.
+process fails, and stops the others when one does. SIGTERM is passed on to every
+process (launch/server.py then drains through process 0).
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +56,16 @@ def main(argv):
                JAXKV_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={_DEVICES.value // n}")
     procs.append(subprocess.Popen([sys.executable, *_with_suffix(script, pid)], env=env))
+  # SIGTERM is passed on to every process, as a cluster would send it (a server drains
+  # through process 0); Ctrl-C reaches them from the terminal itself. The job ends when
+  # its processes do.
+  def forward(sig, frame):
+    del frame
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(sig)
+  signal.signal(signal.SIGTERM, forward)
+  signal.signal(signal.SIGINT, lambda *_: None)
   deadline = time.monotonic() + _TIMEOUT.value
   codes = [None] * n
   while None in codes:

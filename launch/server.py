@@ -15,6 +15,7 @@ runs the same steps.
 
 import json
 import os
+import signal
 import stat
 import threading
 import time
@@ -98,6 +99,11 @@ def main(argv):
     logging.info("compiled in %.1f s", time.perf_counter() - t0)
 
   if jax.process_index() != 0:  # the others run process 0's steps
+    # A signal to every process of the job (Ctrl-C, a cluster's stop) drains through
+    # process 0, which broadcasts the end; the others keep stepping until then.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, lambda *_: logging.info("signal received: this process stops when "
+                                                 "process 0 has drained"))
     warm_up()
     service.follow()
     _finish(engine, checkpointer, multi)

@@ -281,3 +281,45 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
                                        extra_body={"return_token_ids": True})
   assert r.usage.prompt_tokens_details.cached_tokens >= 48  # warm: from the checkpoint
   assert extra(r.choices[0], "token_ids") == expect
+
+
+def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
+  """launch/multihost.py: process 0 serves HTTP and broadcasts each step's arrivals and
+  aborts; both processes run the same steps. A stream closed early is aborted on both."""
+  args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16"]
+  single = ServerProcess(args, str(tmp_path / "one"))
+  try:
+    prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(4)]
+    sampling = [dict(temperature=0), dict(temperature=0.8, seed=5)]
+
+    def answers(server):
+      c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+      out = []
+      for p in prompts:
+        for kw in sampling:
+          r = c.completions.create(model="llama-tiny-random", prompt=p, max_tokens=6, **kw)
+          out.append((extra(r.choices[0], "token_ids"),
+                      r.usage.prompt_tokens_details.cached_tokens))
+      stream = c.completions.create(model="llama-tiny-random", prompt=prompts[0],
+                                    max_tokens=200, stream=True, temperature=0)
+      next(iter(stream))
+      stream.close()  # aborted mid-stream: on every process
+      out.append(answers_after_abort(c))
+      return out
+
+    def answers_after_abort(c):
+      r = c.completions.create(model="llama-tiny-random", prompt=prompts[1][:9], max_tokens=4,
+                               temperature=0)
+      return extra(r.choices[0], "token_ids")
+
+    want_answers = answers(single)
+  finally:
+    single.kill()
+  job = ServerProcess(args, str(tmp_path / "two"),
+                      prefix=("launch/multihost.py", "--num_processes=2", "--"))
+  try:
+    assert answers(job) == want_answers
+    assert job.terminate() == 0, job.log()[-3000:]
+  finally:
+    job.kill()
+  assert "Traceback" not in job.log(), job.log()[-3000:]
