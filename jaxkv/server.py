@@ -129,7 +129,8 @@ class OpenAIServer:
 
   def __init__(self, service: EngineService, *, model_name: str, tokenizer=None,
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
-               | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+               | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               request_timeout_s: float = 600.0):
     self.service, self.model_name, self.tokenizer = service, model_name, tokenizer
     self.api_keys = dict(api_keys) if api_keys else None
     for tenant in (self.api_keys or {}).values():
@@ -137,6 +138,7 @@ class OpenAIServer:
         raise InputError(f"tenant {tenant!r} in the API keys must be a non-empty string "
                          "without control characters.")
     self.max_body_bytes = max_body_bytes
+    self.request_timeout_s = request_timeout_s
     self.ready = False  # set once the engine is warm and its thread runs
     self.created = int(time.time())
     cache = service.engine.cache
@@ -157,15 +159,12 @@ class OpenAIServer:
       return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                       kind).response()
 
-    @app.middleware("http")
-    async def count(request, call_next):
-      try:
-        response = await call_next(request)
-      except ApiError as e:
-        response = e.response()
-      self.http_requests.labels(request.url.path if request.url.path in _ROUTES else "other",
-                                str(response.status_code)).inc()
-      return response
+    @app.exception_handler(Exception)
+    async def bug(request, exc):  # logged with its traceback by the server; never sent
+      return ApiError(500, "the server failed on this request (see its log); retry it.",
+                      "server_error").response()
+
+    app.add_middleware(_CountRequests, counter=self.http_requests)
 
     @app.get("/health")
     async def health():
@@ -230,25 +229,31 @@ class OpenAIServer:
       except Draining as e:
         raise ApiError(503, str(e), "service_unavailable") from None
       answer = _Answer(job, self.tokenizer)
+      waiter = _Waiter(queue, request, self.request_timeout_s)
       try:
-        first = await queue.get()
+        first = await waiter.next()
       except BaseException:
         self.service.abort(ticket)
         raise
+      if first is None:  # the client left before the first token
+        self.service.abort(ticket)
+        return Response(status_code=499)
       if first.error is not None:
         raise _bad(first.error)
     except ApiError as e:
       return e.response()
     if job.stream:
-      return StreamingResponse(self._events(job, answer, ticket, queue, first),
+      return StreamingResponse(self._events(job, answer, ticket, waiter, first),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     try:
       delta = first
       while not answer.take(delta):
-        delta = await self._next(queue, request, ticket)
+        delta = await waiter.next()
         if delta is None:  # the client left
           return Response(status_code=499)
+    except ApiError as e:
+      return e.response()
     finally:
       if not answer.done_by_engine:
         self.service.abort(ticket)
@@ -257,16 +262,7 @@ class OpenAIServer:
                       "log); retry the request.", "server_error").response()
     return JSONResponse(answer.body(self.model_name, chat))
 
-  async def _next(self, queue: asyncio.Queue, request: Request, ticket: int) -> Delta | None:
-    """The next delta; None once the client has disconnected (checked every 0.5 s)."""
-    while True:
-      try:
-        return await asyncio.wait_for(queue.get(), timeout=0.5)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected():
-          return None
-
-  async def _events(self, job, answer, ticket, queue, first):
+  async def _events(self, job, answer, ticket, waiter, first):
     """The server-sent events of a streamed answer; a closed stream aborts the request."""
     try:
       delta = first
@@ -275,22 +271,27 @@ class OpenAIServer:
       while True:
         done = answer.take(delta)
         text, ids = answer.flush(done)
+        if done and answer.finish_reason == "error":
+          yield _error_event("the engine failed while generating this answer; retry the "
+                             "request.", "server_error")
+          break
         if text or ids or done:
-          if answer.finish_reason == "error":
-            yield _sse({"error": {"message": "the engine failed while generating this answer; "
-                                  "retry the request.", "type": "server_error", "code": None,
-                                  "param": None}})
-            break
           yield _sse(answer.chunk(self.model_name, text, ids,
                                   answer.finish_reason if done else None))
         if done:
           if job.include_usage:
             yield _sse(answer.usage_chunk(self.model_name))
           break
-        delta = await queue.get()
+        try:
+          delta = await waiter.next()
+        except ApiError as e:
+          yield _error_event(e.message, e.kind)
+          break
+        if delta is None:
+          return
       yield "data: [DONE]\n\n"
     finally:
-      if not answer.done_by_engine:  # a closed stream or a stop string
+      if not answer.done_by_engine:  # a closed stream, a stop string or the deadline
         self.service.abort(ticket)
 
   def _parse(self, body: dict, chat: bool, tenant: str) -> _Job:
@@ -306,8 +307,8 @@ class OpenAIServer:
     if n != 1:
       raise _bad(f"n={n}: this server returns one choice per request; send n=1 (or several "
                  "requests).", "n")
-    for name in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools"):
-      if body.get(name) not in (None, False, 0, 1 if name == "best_of" else None, []):
+    for name, default in _UNSUPPORTED.items():
+      if body.get(name) not in (None, default, []):
         raise _bad(f"{name}={body[name]!r} is not supported by this server; leave it out.", name)
     tok = self.tokenizer
     if chat:
@@ -335,7 +336,7 @@ class OpenAIServer:
       raise _bad(f"stop_token_ids has {len(stop_ids)} ids; at most 1024.", "stop_token_ids")
     if tok is not None and not body.get("ignore_eos", False):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
-    temperature = _number(body, "temperature", default=1.0 if chat else 1.0, low=0.0, high=2.0)
+    temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)
     top_p = _number(body, "top_p", default=1.0, low=0.0, high=1.0, low_open=True)
     top_k = _int(body, "top_k", default=0, low=-1)
     seed = _int(body, "seed", low=0, high=2**32 - 1)
@@ -407,7 +408,63 @@ class OpenAIServer:
       raise _bad(str(e), "messages") from None
 
 
+_UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
+                "suffix": "", "tools": ()}
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class _Waiter:
+  """Waits for a request's next delta, watching its client: ``next()`` is None once the
+  client has disconnected (looked at every 0.1 s, also while deltas keep coming) and
+  raises ``ApiError`` 504 past the request's deadline."""
+
+  def __init__(self, queue: asyncio.Queue, request: Request, timeout_s: float):
+    self.queue, self.request, self.timeout_s = queue, request, timeout_s
+    self.deadline = time.monotonic() + timeout_s
+    self.next_look = time.monotonic() + 0.1
+
+  async def _gone(self) -> bool:
+    self.next_look = time.monotonic() + 0.1
+    return await self.request.is_disconnected()
+
+  async def next(self) -> Delta | None:
+    if time.monotonic() >= self.next_look and await self._gone():
+      return None
+    while True:
+      left = self.deadline - time.monotonic()
+      if left <= 0:
+        raise ApiError(504, f"no answer within the server's request timeout "
+                       f"({self.timeout_s:g} s); send a shorter request or retry.",
+                       "timeout_error", code="request_timeout")
+      try:
+        return await asyncio.wait_for(self.queue.get(), timeout=min(0.1, left))
+      except asyncio.TimeoutError:
+        if await self._gone():
+          return None
+
+
+class _CountRequests:
+  """ASGI middleware counting HTTP requests by route and status ("499": the client left
+  before an answer began). A plain ASGI wrapper, so handlers still see disconnects."""
+
+  def __init__(self, app, counter):
+    self.app, self.counter = app, counter
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    status = ["499"]
+
+    async def tell(message):
+      if message["type"] == "http.response.start":
+        status[0] = str(message["status"])
+      await send(message)
+
+    try:
+      await self.app(scope, receive, tell)
+    finally:
+      path = scope.get("path", "")
+      self.counter.labels(path if path in _ROUTES else "other", status[0]).inc()
 
 
 class _Job:
@@ -509,6 +566,10 @@ class _Answer:
     return {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else
             "text_completion", "created": self.created, "model": model, "choices": [],
             "usage": self.usage()}
+
+
+def _error_event(message: str, kind: str) -> str:
+  return _sse({"error": {"message": message, "type": kind, "code": None, "param": None}})
 
 
 def _sse(obj: dict) -> str:

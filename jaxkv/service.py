@@ -109,7 +109,7 @@ def _decode(payload: bytes) -> list:
 class EngineService:
   """Runs ``engine``'s step loop on a thread; ``submit``/``abort`` from any thread."""
 
-  def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 0.05):
+  def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0):
     if max_waiting < 0:
       raise InputError(f"max_waiting={max_waiting} must be >= 0 (requests that may wait "
                        "for a batch row beyond the running ones).")
@@ -207,11 +207,12 @@ class EngineService:
 
   # ---- the engine thread ------------------------------------------------------------------------
   def _take(self) -> list:
-    """The inbox's commands; waits for one while the engine has nothing to run (with
-    many processes at most ``idle_wait_s``: the others wait in the broadcast)."""
+    """The inbox's commands; waits for one while the engine has nothing to run, at most
+    ``idle_wait_s`` (with many processes an idle loop still broadcasts that often, so the
+    others' wait in the broadcast is bounded too)."""
     with self._wake:
       if not self._inbox and not self.engine.has_unfinished():
-        self._wake.wait(self.idle_wait_s if self.lockstep else 1.0)
+        self._wake.wait(self.idle_wait_s)
       commands = list(self._inbox)
       self._inbox.clear()
     return commands

@@ -38,6 +38,9 @@ _MAX_WAITING = flags.DEFINE_integer("max_waiting", 64, "Requests that may wait f
                                     "row beyond the running ones; more get 429.", lower_bound=0)
 _DRAIN = flags.DEFINE_float("drain_timeout_s", 30.0, "At SIGTERM: how long running requests "
                             "may take to finish before they are aborted.", lower_bound=0.0)
+_TIMEOUT = flags.DEFINE_float("request_timeout_s", 600.0, "The longest a request may wait for "
+                              "its answer (then 504; a stream ends with an error event).",
+                              lower_bound=0.001)
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None, "The model's name in the API "
                                   "(default: the config's model name).")
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
@@ -112,7 +115,8 @@ def main(argv):
   from jaxkv.server import OpenAIServer
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
   api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
-                     tokenizer=tokenizer, api_keys=api_keys, registry=registry)
+                     tokenizer=tokenizer, api_keys=api_keys, registry=registry,
+                     request_timeout_s=_TIMEOUT.value)
   server = _Server(uvicorn.Config(api.app, host=_HOST.value, port=_PORT.value,
                                   log_level="warning", timeout_graceful_shutdown=5,
                                   access_log=False), service, api, _DRAIN.value)

@@ -9,6 +9,8 @@ and restarts it from its checkpoint.
 import json
 import os
 import runpy
+import subprocess
+import sys
 import threading
 import time
 
@@ -255,6 +257,40 @@ def test_full_rows_get_429_and_closed_streams_free_every_page(state, checkpoint)
   assert 'jaxkv_http_requests_total{route="/v1/completions",status="429"}' in metrics
   ok = c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=2, temperature=0)
   assert ok.usage.completion_tokens == 2
+
+
+def aborted(state) -> float:
+  text = httpx.get(state["server"].url + "/metrics").text
+  return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("jaxkv_aborted_requests_total{"))
+
+
+def test_a_client_that_stops_waiting_aborts_its_request(state, checkpoint):
+  """No stream: the client gives up on the answer; the server notices and aborts it. (If
+  the answer was complete before the server looked, the attempt says nothing and is
+  repeated.)"""
+  for attempt in range(3):
+    before = aborted(state)
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(state["server"].url + "/v1/completions", timeout=0.3,
+                 headers={"Authorization": f"Bearer {KEY_A}"},
+                 json={"model": model_name(checkpoint), "prompt": prompt_ids(9, 20),
+                       "max_tokens": 480, "ignore_eos": True, "temperature": 0})
+    g = wait_idle(state)
+    assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
+                 "jaxkv_referenced_pages": 0}, g
+    if aborted(state) > before:
+      break
+  assert aborted(state) == before + 1  # ended by the disconnect, not by its length
+
+
+def test_an_api_key_file_others_can_read_is_refused_before_start(tmp_path):
+  keys = tmp_path / "keys.json"
+  keys.write_text(json.dumps({KEY_A: "team-a"}))
+  os.chmod(keys, 0o644)
+  proc = subprocess.run([sys.executable, "launch/server.py", f"--api_keys_file={keys}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "chmod 600" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(

@@ -271,7 +271,7 @@ async def _run(target, conversations, first, think_s, seed, transport):
         body["seed"] = int(np.random.default_rng([seed, 1, u, turn]).integers(2**31))
       result = await _request(client, url, body, (u, turn, at), target.request_timeout_s, clock)
       results[u, turn] = result
-      progress.advance(detail=f"{result.failure or 'ok'}")
+      progress.advance(detail=result.failure or "ok")
       if not result.ok:
         return
       conversations.learn(u, turn, result)
@@ -293,26 +293,26 @@ async def _request(client, url: str, body: dict, who: tuple, timeout_s: float,
   rejected = 0
   while True:
     left = deadline - clock()
-    fail = dict(user=user, turn=turn, arrival_s=arrival_s, rejected_429=rejected)
+    which = dict(user=user, turn=turn, arrival_s=arrival_s, rejected_429=rejected)
     if left <= 0:
-      return Result(**fail, status=429 if rejected else "timeout", finish_s=clock(),
+      return Result(**which, status=429 if rejected else "timeout", finish_s=clock(),
                     error=f"no answer within request_timeout_s={timeout_s} of its arrival")
     try:
       status, retry_after_s, got = await asyncio.wait_for(_attempt(client, url, body, clock),
                                                           left)
     except asyncio.TimeoutError:
-      return Result(**fail, status="timeout", finish_s=clock(),
+      return Result(**which, status="timeout", finish_s=clock(),
                     error=f"no complete answer within request_timeout_s={timeout_s} of its "
                     "arrival")
     except httpx.HTTPError as e:
-      return Result(**fail, status=type(e).__name__, finish_s=clock(), error=str(e))
+      return Result(**which, status=type(e).__name__, finish_s=clock(), error=str(e))
     if status == 429:
       rejected += 1
       await asyncio.sleep(min(max(retry_after_s, 0.05), max(0.0, deadline - clock())))
       continue
     if status != 200:
-      return Result(**fail, status=status, finish_s=clock(), error=got)
-    return Result(**fail, status=200, **got)
+      return Result(**which, status=status, finish_s=clock(), error=got)
+    return Result(**which, status=200, **got)
 
 
 async def _attempt(client, url: str, body: dict, clock):
@@ -334,7 +334,9 @@ class _Stream:
     self.clock = clock
     self.first = self.last = None
     self.gaps, self.ids, self.text = [], [], []
-    self.count, self.finish_reason, self.usage, self.error, self.done = 0, None, None, None, False
+    self.count = 0  # tokens: ids in the events, or events with text where none carry ids
+    self.finish_reason = self.usage = self.error = None
+    self.done = False
 
   def feed(self, line: str) -> None:
     if not line.startswith("data:"):
@@ -344,9 +346,17 @@ class _Stream:
       self.done = True
       return
     now = self.clock()
-    event = json.loads(payload)
-    if event.get("error"):
-      self.error = str(event["error"].get("message", event["error"]))
+    try:
+      event = json.loads(payload)
+    except ValueError:
+      self.error = f"an event is not JSON: {payload[:200]!r}"
+      return
+    if not isinstance(event, dict):
+      self.error = f"an event is not a JSON object: {payload[:200]!r}"
+      return
+    error = event.get("error")
+    if error:
+      self.error = str(error.get("message", error) if isinstance(error, dict) else error)
     if event.get("usage"):
       self.usage = event["usage"]
     for choice in event.get("choices") or ():
@@ -391,11 +401,14 @@ def served_models(url: str, api_key: str | None = None, timeout_s: float = 30.0)
   try:
     r = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=timeout_s)
     r.raise_for_status()
-    return [m["id"] for m in r.json()["data"]]
+    names = [m["id"] for m in r.json()["data"]]
   except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
     raise InputError(f"GET {url.rstrip('/')}/models did not list the models ({e}); check the "
                      "URL (the API's base, e.g. http://127.0.0.1:8000/v1) and key, or name "
                      "the model.") from None
+  if not names:
+    raise InputError(f"GET {url.rstrip('/')}/models lists no model; name the model to ask.")
+  return names
 
 
 def summary(results: list[Result], makespan_s: float, *, planned: int | None = None) -> dict:
@@ -468,10 +481,13 @@ class ServerProcess:
     self.flags = list(flags)
     self.port = self.url = None
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [script, "--port=0", f"--ready_file={self.ready_file}", *self.flags]
+    if sys.platform == "linux":  # dies with this process, even one killed without cleanup
+      command = ["-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
     self._log = open(self.log_path, "wb")
-    self.proc = subprocess.Popen(
-        [sys.executable, script, "--port=0", f"--ready_file={self.ready_file}", *self.flags],
-        cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+    self.proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env,
+                                 stdout=self._log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
 
   def wait_ready(self, timeout_s: float) -> str:
     """Waits for the ready file and GET /health = 200; returns the API's base URL. A
@@ -524,6 +540,15 @@ class ServerProcess:
   def __exit__(self, *exc) -> None:
     self.close()
     self._dir.cleanup()
+
+
+# Run before the server's script, in its process: SIGKILL when the parent (the process that
+# started it) exits (prctl PR_SET_PDEATHSIG, kept across exec), then exec the script.
+# Without it a parent killed by SIGKILL (a CI timeout) would leave the server running.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+                    "if os.getppid() != int(sys.argv[1]): sys.exit(1)  # the parent died first\n"
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
 
 
 def _signal_group(pgid: int, sig: int) -> None:
