@@ -191,7 +191,8 @@ class StepPlan:
             f"admitted {list(self.admitted)}; fetch {fetched} blocks"
             f"{f' (group {self.fetch.group})' if self.fetch else ''}; settle "
             f"{list(self.settle)}; first tokens {[c.seq.request for c in self.prefill if c.last]}; "
-            f"finishing {list(self.finishing)}")
+            f"finishing {list(self.finishing)}"
+            + (f"; aborted {list(self.aborted)}" if self.aborted else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,6 +549,7 @@ class Scheduler:
   def _complete(self, handle: RequestHandle, t_done: float) -> None:
     """Completion counters (every request, streamed or not, ends here once)."""
     self.handles.pop(handle.id, None)
+    self._aborting.discard(handle.id)  # asked for while its last step ran: it finished
     self.stats.add("requests")
     self.stats.add("generated_tokens", len(handle.tokens))
     if handle.ttft_s is not None:
@@ -564,6 +566,7 @@ class Scheduler:
     sources are the runner's to abandon."""
     self.waiting.clear()
     self._held_once.clear()
+    self._aborting.clear()
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
     for s in self.running.values():

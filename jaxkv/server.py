@@ -113,6 +113,15 @@ def _number(body, name, *, default, low, high, low_open=False):
   return float(value)
 
 
+def _bool(body, name) -> bool:
+  value = body.get(name, False)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise _bad(f"{name}={value!r} must be true or false.", name)
+  return value
+
+
 def _token_ids(value, name: str, vocab_size: int) -> list[int]:
   if not isinstance(value, list) or not all(
       isinstance(t, int) and not isinstance(t, bool) for t in value):
@@ -334,7 +343,7 @@ class OpenAIServer:
     stop_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", self.vocab_size)
     if len(stop_ids) > 1024:
       raise _bad(f"stop_token_ids has {len(stop_ids)} ids; at most 1024.", "stop_token_ids")
-    if tok is not None and not body.get("ignore_eos", False):
+    if tok is not None and not _bool(body, "ignore_eos"):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
     temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)
     top_p = _number(body, "top_p", default=1.0, low=0.0, high=1.0, low_open=True)
@@ -346,9 +355,7 @@ class OpenAIServer:
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
       raise _bad(f"cache_salt={salt!r} must be a non-empty string of at most 256 characters.",
                  "cache_salt")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-      raise _bad(f"stream={stream!r} must be true or false.", "stream")
+    stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
       raise _bad(f"stream_options={options!r} must be an object.", "stream_options")
@@ -360,8 +367,8 @@ class OpenAIServer:
       raise _bad(str(e)) from None
     return _Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
                 tenant=tenant if salt is None else f"{tenant}{TENANT_SEPARATOR}{salt}",
-                stream=stream, include_usage=bool(options.get("include_usage", False)),
-                return_ids=bool(body.get("return_token_ids", False)) or tok is None)
+                stream=stream, include_usage=_bool(options, "include_usage"),
+                return_ids=_bool(body, "return_token_ids") or tok is None)
 
   def _text_prompt(self, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
