@@ -25,9 +25,11 @@ each other's prefixes. A client that disconnects aborts its request at the next 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -148,11 +150,15 @@ class OpenAIServer:
                          "without control characters.")
     self.max_body_bytes = max_body_bytes
     self.request_timeout_s = request_timeout_s
+    self._box: _Mailbox | None = None
     self.ready = False  # set once the engine is warm and its thread runs
     self.created = int(time.time())
     cache = service.engine.cache
     self.vocab_size = service.engine.vocab_size
     self.max_seq_len = cache.config.max_seq_len
+    # Longer sequences are refused here, before a stream starts (the engine streams them
+    # from lower tiers only with a StreamConfig).
+    self.context_check = service.engine.stream is None
     self.registry = registry or CollectorRegistry(auto_describe=True)
     self.http_requests = Counter("jaxkv_http_requests", "HTTP requests by route and status.",
                                  ["route", "status"], registry=self.registry)
@@ -228,39 +234,31 @@ class OpenAIServer:
       body = await _read_json(request, self.max_body_bytes)
       job = self._parse(body, chat, tenant)
       queue: asyncio.Queue = asyncio.Queue()
-      loop = asyncio.get_running_loop()
       try:
         ticket = self.service.submit(job.prompt, job.sampling, job.tenant,
-                                     lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+                                     functools.partial(self._mailbox().post, queue))
       except Overloaded as e:
         raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
       except Draining as e:
         raise ApiError(503, str(e), "service_unavailable") from None
-      answer = _Answer(job, self.tokenizer)
-      waiter = _Waiter(queue, request, self.request_timeout_s)
-      try:
-        first = await waiter.next()
-      except BaseException:
-        self.service.abort(ticket)
-        raise
-      if first is None:  # the client left before the first token
-        self.service.abort(ticket)
-        return Response(status_code=499)
-      if first.error is not None:
-        raise _bad(first.error)
     except ApiError as e:
       return e.response()
-    if job.stream:
-      return StreamingResponse(self._events(job, answer, ticket, waiter, first),
+    answer = _Answer(job, self.tokenizer)
+    waiter = _Waiter(queue, request, self.request_timeout_s)
+    if job.stream:  # the headers go at once; what the engine says comes as events
+      return StreamingResponse(self._events(job, answer, ticket, waiter),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     try:
-      delta = first
-      while not answer.take(delta):
+      while True:
         delta = await waiter.next()
         if delta is None:  # the client left
           return Response(status_code=499)
+        if delta.error is not None:
+          return _bad(delta.error).response()
+        if answer.take(delta):
+          break
     except ApiError as e:
       return e.response()
     finally:
@@ -271,14 +269,32 @@ class OpenAIServer:
                       "log); retry the request.", "server_error").response()
     return JSONResponse(answer.body(self.model_name, chat))
 
-  async def _events(self, job, answer, ticket, waiter, first):
-    """The server-sent events of a streamed answer; a closed stream aborts the request."""
+  def _mailbox(self) -> _Mailbox:
+    loop = asyncio.get_running_loop()
+    if self._box is None or self._box.loop is not loop:
+      self._box = _Mailbox(loop)
+    return self._box
+
+  async def _events(self, job, answer, ticket, waiter):
+    """The server-sent events of a streamed answer; a closed stream aborts the request.
+    Deltas that queued up while the client read are sent as one event."""
     try:
-      delta = first
       if job.chat:
         yield _sse(answer.chunk(self.model_name, {"role": "assistant", "content": ""}, None))
       while True:
+        try:
+          delta = await waiter.next()
+        except ApiError as e:
+          yield _error_event(e.message, e.kind)
+          break
+        if delta is None:
+          return
+        if delta.error is not None:  # refused by the engine (a capacity it checks)
+          yield _error_event(delta.error, "invalid_request_error")
+          break
         done = answer.take(delta)
+        while not done and not waiter.queue.empty():
+          done = answer.take(waiter.queue.get_nowait())
         text, ids = answer.flush(done)
         if done and answer.finish_reason == "error":
           yield _error_event("the engine failed while generating this answer; retry the "
@@ -291,13 +307,6 @@ class OpenAIServer:
           if job.include_usage:
             yield _sse(answer.usage_chunk(self.model_name))
           break
-        try:
-          delta = await waiter.next()
-        except ApiError as e:
-          yield _error_event(e.message, e.kind)
-          break
-        if delta is None:
-          return
       yield "data: [DONE]\n\n"
     finally:
       if not answer.done_by_engine:  # a closed stream, a stop string or the deadline
@@ -329,6 +338,13 @@ class OpenAIServer:
       max_tokens = _int(body, "max_tokens", low=1)
     if max_tokens is None:  # chat: up to the context; completions: OpenAI's 16
       max_tokens = max(1, self.max_seq_len - len(prompt)) if chat else 16
+    total = len(prompt) + max_tokens - 1
+    if self.context_check and total > self.max_seq_len:
+      c = self.service.engine.cache.config
+      raise _bad(f"the prompt's {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
+                 f"{total} tokens, more than a sequence holds here (max_pages_per_seq="
+                 f"{c.max_pages_per_seq} x page_size={c.page_size} = {self.max_seq_len}); "
+                 "shorten the prompt or lower max_tokens.", "max_tokens")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -418,6 +434,29 @@ class OpenAIServer:
 _UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
                 "suffix": "", "tools": ()}
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class _Mailbox:
+  """Hands deltas from the engine thread to the event loop: one wake-up of the loop per
+  batch of deltas (a step's), not one per token of every request."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self._items: list = []
+    self._lock = threading.Lock()
+
+  def post(self, queue: asyncio.Queue, delta: Delta) -> None:
+    with self._lock:
+      self._items.append((queue, delta))
+      if len(self._items) > 1:
+        return  # a wake-up is on its way
+    self.loop.call_soon_threadsafe(self._deliver)
+
+  def _deliver(self) -> None:
+    with self._lock:
+      items, self._items = self._items, []
+    for queue, delta in items:
+      queue.put_nowait(delta)
 
 
 class _Waiter:

@@ -16,6 +16,7 @@ runs the same steps.
 import json
 import os
 import signal
+import socket
 import stat
 import threading
 import time
@@ -66,11 +67,23 @@ def _api_keys(path: str | None) -> dict | None:
   return keys
 
 
+def _check_port(host: str, port: int) -> None:
+  """Refuses, before anything is compiled, an address this process cannot listen on."""
+  try:
+    with socket.create_server((host, port)):
+      pass
+  except OSError as e:
+    raise app.UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another "
+                         "--port (0: any free one) or --host.") from None
+
+
 def main(argv):
   del argv
   _flags.check_restore_flags()
   api_keys = _api_keys(_API_KEYS_FILE.value)
   _common.check_output(_READY_FILE.value, "ready_file")
+  if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
+    _check_port(_HOST.value, _PORT.value)
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)

@@ -33,6 +33,25 @@ def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None
                       scheduler=scheduler, costs=costs, stream=stream)
 
 
+def reuse_and_fresh(mesh, **engine_kw):
+  """Two engines over one tiny model and small pools: one reusing cached prefixes, one
+  recomputing every prompt (the reference answers come from)."""
+  mc = tiny_model_config()
+  cc = cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
+  return (make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, **engine_kw),
+          make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=False))
+
+
+def no_refs(engine, tiers=(jaxkv.Tier.DEVICE,)):
+  """The index holds no reference in ``tiers`` (every pin and page was released) and its
+  invariants hold."""
+  index = engine.cache.index
+  index.check_invariants()
+  for tier in tiers:
+    for s in range(engine.cache.num_shards if tier != jaxkv.Tier.DISK else 1):
+      assert not index.held_slots(s, tier), (tier, s)
+
+
 def forget_device_copies(engine):
   """Evicts every unreferenced device page, so the next lookup must come from lower tiers."""
   for s in range(engine.cache.num_shards):

@@ -47,10 +47,7 @@ def test_bad_sampling_params_are_refused_naming_the_value(kw, match):
 
 @pytest.fixture(scope="module")
 def engines(mesh):
-  mc = helpers.tiny_model_config()
-  cc = helpers.cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
-  return (helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2),
-          helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=False))
+  return helpers.reuse_and_fresh(mesh)
 
 
 def test_stops_and_lengths_per_request_equal_recompute_and_free_every_page(engines):

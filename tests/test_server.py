@@ -21,7 +21,7 @@ import pytest
 
 import hf_fixtures as hf
 import jaxkv
-from servers import ROOT, ServerProcess
+from jaxkv.bench.http import ROOT, ServerProcess
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 OVERRIDES = ("--config.cache.pages_per_shard=96", "--config.cache.max_pages_per_seq=32")
@@ -43,10 +43,9 @@ def state(tmp_path_factory, checkpoint):
   args = [f"--model_dir={checkpoint}", f"--disk_dir={work / 'disk'}",
           f"--checkpoint_dir={work / 'kv'}", f"--api_keys_file={keys}", "--max_waiting=0",
           "--drain_timeout_s=1", *OVERRIDES]
-  server = ServerProcess(args, str(work))
-  box = {"server": server, "args": args, "work": str(work)}
+  box = {"server": start(args, work), "args": args, "work": str(work)}
   yield box
-  box["server"].kill()
+  box["server"].close()
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +59,18 @@ def reference(checkpoint):
   return engine, jaxkv.Tokenizer.from_dir(checkpoint)
 
 
+def start(args, workdir, **kw) -> ServerProcess:
+  server = ServerProcess(args, workdir=str(workdir), **kw)
+  try:
+    server.wait_ready(600)
+  except BaseException:
+    server.close(0)
+    raise
+  return server
+
+
 def client(state, key=KEY_A) -> openai.OpenAI:
-  return openai.OpenAI(base_url=state["server"].url + "/v1", api_key=key, max_retries=0,
-                       timeout=120)
+  return openai.OpenAI(base_url=state["server"].url, api_key=key, max_retries=0, timeout=120)
 
 
 def model_name(checkpoint) -> str:
@@ -163,7 +171,7 @@ def test_an_api_key_is_required(state, checkpoint):
   with pytest.raises(openai.AuthenticationError) as e:
     client(state, "not-a-key-0123456789").models.list()
   assert e.value.status_code == 401 and "API key" in e.value.body["message"]
-  r = httpx.post(state["server"].url + "/v1/completions",
+  r = httpx.post(state["server"].base + "/v1/completions",
                  json={"model": model_name(checkpoint), "prompt": [1, 2]})
   assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
   assert [m.id for m in client(state).models.list()] == [model_name(checkpoint)]
@@ -189,7 +197,7 @@ def test_bad_input_gets_a_4xx_with_openai_error_json(state, checkpoint, body, st
   if isinstance(body, dict):
     body = {"model": model_name(checkpoint), **body}
     body = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
-  r = httpx.post(state["server"].url + "/v1/completions", content=body, headers=headers,
+  r = httpx.post(state["server"].base + "/v1/completions", content=body, headers=headers,
                  timeout=60)
   assert r.status_code == status, r.text
   error = r.json()["error"]
@@ -200,7 +208,7 @@ def test_bad_input_gets_a_4xx_with_openai_error_json(state, checkpoint, body, st
 
 
 def gauges(state) -> dict:
-  text = httpx.get(state["server"].url + "/metrics").text
+  text = httpx.get(state["server"].base + "/metrics").text
   out = {}
   for line in text.splitlines():
     for name in ("jaxkv_running_requests", "jaxkv_waiting_requests", "jaxkv_referenced_pages"):
@@ -240,7 +248,7 @@ def test_full_rows_get_429_and_closed_streams_free_every_page(state, checkpoint)
     for t in threads:
       t.join(120)
     assert all(f is not None for f in first)
-    r = httpx.post(state["server"].url + "/v1/completions", timeout=60,
+    r = httpx.post(state["server"].base + "/v1/completions", timeout=60,
                    headers={"Authorization": f"Bearer {KEY_A}"},
                    json={"model": name, "prompt": [1, 2, 3], "max_tokens": 1})
     busy = gauges(state)
@@ -253,14 +261,14 @@ def test_full_rows_get_429_and_closed_streams_free_every_page(state, checkpoint)
   g = wait_idle(state)
   assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
                "jaxkv_referenced_pages": 0}, g
-  metrics = httpx.get(state["server"].url + "/metrics").text
+  metrics = httpx.get(state["server"].base + "/metrics").text
   assert 'jaxkv_http_requests_total{route="/v1/completions",status="429"}' in metrics
   ok = c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=2, temperature=0)
   assert ok.usage.completion_tokens == 2
 
 
 def aborted(state) -> float:
-  text = httpx.get(state["server"].url + "/metrics").text
+  text = httpx.get(state["server"].base + "/metrics").text
   return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
              if line.startswith("jaxkv_aborted_requests_total{"))
 
@@ -272,7 +280,7 @@ def test_a_client_that_stops_waiting_aborts_its_request(state, checkpoint):
   for attempt in range(3):
     before = aborted(state)
     with pytest.raises(httpx.ReadTimeout):
-      httpx.post(state["server"].url + "/v1/completions", timeout=0.3,
+      httpx.post(state["server"].base + "/v1/completions", timeout=0.3,
                  headers={"Authorization": f"Bearer {KEY_A}"},
                  json={"model": model_name(checkpoint), "prompt": prompt_ids(9, 20),
                        "max_tokens": 480, "ignore_eos": True, "temperature": 0})
@@ -309,10 +317,10 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
   server.proc.send_signal(15)
   reasons = [ch.choices[0].finish_reason for ch in chunks]  # ends, with no error
   assert reasons[-1] in ("length", "abort")
-  assert server.proc.wait(120) == 0, server.log()[-3000:]
-  assert "saved the cache as step" in server.log()
-  restarted = ServerProcess(state["args"] + ["--restore"], state["work"])
-  state["server"] = restarted
+  assert server.proc.wait(120) == 0, server.log_tail()
+  assert "saved the cache as step" in server.log_tail()
+  server.close()
+  state["server"] = start(state["args"] + ["--restore"], state["work"])
   r = client(state).completions.create(model=name, prompt=p, max_tokens=3, temperature=0,
                                        extra_body={"return_token_ids": True})
   assert r.usage.prompt_tokens_details.cached_tokens >= 48  # warm: from the checkpoint
@@ -323,13 +331,13 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   """launch/multihost.py: process 0 serves HTTP and broadcasts each step's arrivals and
   aborts; both processes run the same steps. A stream closed early is aborted on both."""
   args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16"]
-  single = ServerProcess(args, str(tmp_path / "one"))
+  single = start(args, tmp_path)
   try:
     prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(4)]
     sampling = [dict(temperature=0), dict(temperature=0.8, seed=5)]
 
     def answers(server):
-      c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+      c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
       out = []
       for p in prompts:
         for kw in sampling:
@@ -350,12 +358,12 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
 
     want_answers = answers(single)
   finally:
-    single.kill()
-  job = ServerProcess(args, str(tmp_path / "two"),
-                      prefix=("launch/multihost.py", "--num_processes=2", "--"))
+    single.close()
+  job = start(args, tmp_path, prefix=("launch/multihost.py", "--num_processes=2", "--"))
   try:
     assert answers(job) == want_answers
-    assert job.terminate() == 0, job.log()[-3000:]
+    assert job.terminate() == 0, job.log_tail()
+    log = job.log_tail(10**6)
   finally:
-    job.kill()
-  assert "Traceback" not in job.log(), job.log()[-3000:]
+    job.close()
+  assert "Traceback" not in log, log[-3000:]

@@ -11,20 +11,9 @@ from jaxkv.index import Tier
 from jaxkv.service import Delta, Draining, EngineService, Overloaded
 
 
-def no_refs(engine, tiers=(Tier.DEVICE,)):
-  index = engine.cache.index
-  index.check_invariants()
-  for tier in tiers:
-    for s in range(engine.cache.num_shards):
-      assert not index.held_slots(s, tier), (tier, s)
-
-
 @pytest.fixture(scope="module")
 def pair(mesh):
-  mc = helpers.tiny_model_config()
-  cc = helpers.cache_config_for(mc, pages_per_shard=24, max_pages_per_seq=16)
-  return (helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2),
-          helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=False))
+  return helpers.reuse_and_fresh(mesh)
 
 
 def test_aborts_while_waiting_prefilling_and_decoding_free_every_page_and_change_no_other_answer(
@@ -64,7 +53,7 @@ def test_aborts_while_waiting_prefilling_and_decoding_free_every_page_and_change
     else:
       assert h.finish_reason == "length" and h.tokens == w
   assert engine.stats()["aborted_requests"] >= 5
-  no_refs(engine)
+  helpers.no_refs(engine)
   # The aborted prompts' published blocks stay cached: the same prompt hits now.
   again = engine.submit(prompts[handles.index(decoding)], sp)
   assert again.result() == want[handles.index(decoding)] and again.cached_tokens > 0
@@ -97,7 +86,7 @@ def test_an_abort_while_its_fetch_is_in_flight_waits_for_the_fetch(mesh, tmp_pat
   while engine.has_unfinished():
     engine.step()
   assert h.finish_reason == "abort"
-  no_refs(engine, (Tier.DEVICE, Tier.HOST))
+  helpers.no_refs(engine, (Tier.DEVICE, Tier.HOST))
   assert engine.generate([prompt], 4)[0] == first
 
 
@@ -155,4 +144,4 @@ def test_the_service_runs_the_loop_on_its_thread_with_the_same_answers(pair):
       service.submit(prompts[1], jaxkv.SamplingParams(), "default", sink)
   finally:
     service.close()
-  no_refs(engine)
+  helpers.no_refs(engine)

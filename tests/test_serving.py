@@ -11,14 +11,6 @@ from jaxkv import workloads
 from jaxkv.index import Tier
 
 
-def no_refs(engine, tiers=(Tier.DEVICE,)):
-  index = engine.cache.index
-  index.check_invariants()
-  for tier in tiers:
-    for s in range(engine.cache.num_shards if tier != Tier.DISK else 1):
-      assert not index.held_slots(s, tier), (tier, s)
-
-
 @pytest.fixture(scope="module")
 def pair(mesh):
   mc = helpers.tiny_model_config()
@@ -55,7 +47,7 @@ def test_requests_arriving_mid_decode_equal_recompute_from_scratch(pair):
   assert all(h.finished and h.ttft_s > 0 for h in handles)
   s = engine.stats()
   assert s["hits"]["device"] > 0 and s["steps"] > 0
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_iterating_a_handle_streams_its_tokens_while_others_advance(pair):
@@ -68,7 +60,7 @@ def test_iterating_a_handle_streams_its_tokens_while_others_advance(pair):
   assert got == fresh.generate([[5, 6, 7, 8, 9, 10]], 6)[0] == a.tokens
   assert b.result() == fresh.generate([[50, 51, 52, 53, 54, 55, 56, 57, 58]], 4)[0]
   assert not engine.has_unfinished()
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_continuous_and_static_batching_give_the_same_chat_through_every_tier(mesh, tmp_path):
@@ -94,7 +86,7 @@ def test_continuous_and_static_batching_give_the_same_chat_through_every_tier(me
     st = engine.stats()
     assert st["hits"]["host"] + st["hits"]["disk"] > 0 and st["blocks_split"] > 0, batching
     assert st["verify_failures"] == 0
-    no_refs(engine, (Tier.DEVICE, Tier.HOST, Tier.DISK))
+    helpers.no_refs(engine, (Tier.DEVICE, Tier.HOST, Tier.DISK))
   assert outs["continuous"] == outs["static"]
 
 
@@ -112,7 +104,7 @@ def test_arrival_patterns_compile_nothing_after_warmup(mesh):
   while engine.has_unfinished():
     engine.step()
   assert dict(engine.trace_counts) == after
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_a_failed_step_releases_every_reference_and_the_engine_goes_on(pair, monkeypatch):
@@ -130,7 +122,7 @@ def test_a_failed_step_releases_every_reference_and_the_engine_goes_on(pair, mon
     while engine.has_unfinished():
       engine.step()
   monkeypatch.setattr(engine.runner, "decode", real)
-  no_refs(engine)
+  helpers.no_refs(engine)
   assert engine.generate([[3, 1, 4, 1, 5, 9, 2, 6]], 3) == fresh.generate([[3, 1, 4, 1, 5, 9, 2, 6]], 3)
 
 
@@ -156,7 +148,7 @@ def test_a_stop_inside_a_steady_decode_batch_changes_no_other_answer(pair):
   assert [h.tokens for h in handles] == want[:2] + [want[2][:cut]] + want[3:]
   assert handles[2].finish_reason == "stop"
   assert engine.stats()["decode_steps"] - before >= 9  # every token after the first
-  no_refs(engine)
+  helpers.no_refs(engine)
   # What the stopped one left behind is reusable and exact.
   assert engine.generate([prompts[2] + want[2][:cut]], 3) == fresh.generate(
       [prompts[2] + want[2][:cut]], 3)
@@ -197,7 +189,7 @@ def test_a_short_tail_runs_in_a_narrower_step_and_stays_exact(mesh):
   assert 64 in widths and 128 in widths  # later turns' short tails take the narrow step
   assert dict(engine.trace_counts) == after
   assert engine.stats()["hits"]["device"] > 0
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_a_step_is_a_frozen_plan_executed_into_a_frozen_result(pair):
@@ -222,7 +214,7 @@ def test_a_step_is_a_frozen_plan_executed_into_a_frozen_result(pair):
   while engine.has_unfinished():
     engine.step()
   assert handle.tokens == want and handle.finish_reason == "length"
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_the_scheduler_imports_neither_the_runner_nor_the_engine():
@@ -252,7 +244,7 @@ def test_pin_runs_through_the_loop_on_every_shard_while_others_run(pair):
   assert all(len(index.match(s, keys)) == 2 for s in range(engine.cache.num_shards))
   assert other.result() == fresh.generate([[7, 7, 7, 1, 2, 3, 4, 5, 6]], 6)[0]
   engine.unpin(prefix)
-  no_refs(engine)
+  helpers.no_refs(engine)
 
 
 def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, tmp_path):
@@ -279,7 +271,7 @@ def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, t
       engine.step()
   mover.finish_promote = real
   assert handle.finished and handle.finish_reason == "error"
-  no_refs(engine, (Tier.DEVICE, Tier.HOST))  # check_invariants: no pin released twice
+  helpers.no_refs(engine, (Tier.DEVICE, Tier.HOST))  # check_invariants: no pin released twice
   assert engine.generate([prompt + [5, 6]], 2) == fresh.generate([prompt + [5, 6]], 2)
 
 
@@ -295,4 +287,4 @@ def test_requests_taken_off_the_queue_by_a_failed_admission_end_in_error(pair, m
     engine.step()
   assert all(h.finished and h.finish_reason == "error" for h in handles)
   assert not engine.has_unfinished()
-  no_refs(engine)
+  helpers.no_refs(engine)
