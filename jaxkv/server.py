@@ -436,6 +436,15 @@ _UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
+async def _within(awaitable, timeout_s: float):
+  """``await`` with a timeout (``asyncio.TimeoutError``), without a task per call where
+  ``asyncio.timeout`` exists (Python 3.11+)."""
+  if hasattr(asyncio, "timeout"):
+    async with asyncio.timeout(timeout_s):
+      return await awaitable
+  return await asyncio.wait_for(awaitable, timeout_s)
+
+
 class _Mailbox:
   """Hands deltas from the engine thread to the event loop: one wake-up of the loop per
   batch of deltas (a step's), not one per token of every request."""
@@ -476,6 +485,8 @@ class _Waiter:
   async def next(self) -> Delta | None:
     if time.monotonic() >= self.next_look and await self._gone():
       return None
+    if not self.queue.empty():  # the common case under load: no timer, no task
+      return self.queue.get_nowait()
     while True:
       left = self.deadline - time.monotonic()
       if left <= 0:
@@ -483,7 +494,7 @@ class _Waiter:
                        f"({self.timeout_s:g} s); send a shorter request or retry.",
                        "timeout_error", code="request_timeout")
       try:
-        return await asyncio.wait_for(self.queue.get(), timeout=min(0.1, left))
+        return await _within(self.queue.get(), min(0.1, left))
       except asyncio.TimeoutError:
         if await self._gone():
           return None
