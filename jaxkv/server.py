@@ -245,7 +245,8 @@ class OpenAIServer:
     except ApiError as e:
       return e.response()
     answer = _Answer(job, self.tokenizer)
-    waiter = _Waiter(queue, request, self.request_timeout_s)
+    waiter = _Waiter(queue, request, self.request_timeout_s,
+                     functools.partial(self.service.abort, ticket))
     if job.stream:  # the headers go at once; what the engine says comes as events
       return StreamingResponse(self._events(job, answer, ticket, waiter),
                                media_type="text/event-stream",
@@ -262,6 +263,7 @@ class OpenAIServer:
     except ApiError as e:
       return e.response()
     finally:
+      waiter.close()
       if not answer.done_by_engine:
         self.service.abort(ticket)
     if answer.finish_reason == "error":
@@ -293,8 +295,8 @@ class OpenAIServer:
           yield _error_event(delta.error, "invalid_request_error")
           break
         done = answer.take(delta)
-        while not done and not waiter.queue.empty():
-          done = answer.take(waiter.queue.get_nowait())
+        while not done and (more := waiter.ready()) is not None:
+          done = answer.take(more)
         text, ids = answer.flush(done)
         if done and answer.finish_reason == "error":
           yield _error_event("the engine failed while generating this answer; retry the "
@@ -309,6 +311,7 @@ class OpenAIServer:
           break
       yield "data: [DONE]\n\n"
     finally:
+      waiter.close()
       if not answer.done_by_engine:  # a closed stream, a stop string or the deadline
         self.service.abort(ticket)
 
@@ -436,15 +439,6 @@ _UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
-async def _within(awaitable, timeout_s: float):
-  """``await`` with a timeout (``asyncio.TimeoutError``), without a task per call where
-  ``asyncio.timeout`` exists (Python 3.11+)."""
-  if hasattr(asyncio, "timeout"):
-    async with asyncio.timeout(timeout_s):
-      return await awaitable
-  return await asyncio.wait_for(awaitable, timeout_s)
-
-
 class _Mailbox:
   """Hands deltas from the engine thread to the event loop: one wake-up of the loop per
   batch of deltas (a step's), not one per token of every request."""
@@ -468,36 +462,55 @@ class _Mailbox:
       queue.put_nowait(delta)
 
 
+_GONE, _LATE = object(), object()  # what a request's watch puts in its queue
+
+
 class _Waiter:
-  """Waits for a request's next delta, watching its client: ``next()`` is None once the
-  client has disconnected (looked at every 0.1 s, also while deltas keep coming) and
-  raises ``ApiError`` 504 past the request's deadline."""
+  """Waits for a request's deltas while a watch (one task per request, not a timer per
+  token) looks at its client every 0.1 s: ``next()`` is None once the client has
+  disconnected, and raises ``ApiError`` 504 past the request's deadline. ``close()`` ends
+  the watch. The watch aborts the request itself, so that a response that never started
+  (its client left at once) leaves nothing running."""
 
-  def __init__(self, queue: asyncio.Queue, request: Request, timeout_s: float):
-    self.queue, self.request, self.timeout_s = queue, request, timeout_s
+  def __init__(self, queue: asyncio.Queue, request: Request, timeout_s: float, abort):
+    self.queue, self.request, self.timeout_s, self.abort = queue, request, timeout_s, abort
     self.deadline = time.monotonic() + timeout_s
-    self.next_look = time.monotonic() + 0.1
+    self._watch = asyncio.get_running_loop().create_task(self._look())
 
-  async def _gone(self) -> bool:
-    self.next_look = time.monotonic() + 0.1
-    return await self.request.is_disconnected()
+  async def _look(self) -> None:
+    while True:
+      await asyncio.sleep(min(0.1, max(0.0, self.deadline - time.monotonic())))
+      if time.monotonic() >= self.deadline:
+        self.queue.put_nowait(_LATE)
+        self.abort()
+        return
+      if await self.request.is_disconnected():  # (also when no one reads the queue now)
+        self.queue.put_nowait(_GONE)
+        self.abort()
+        return
+
+  def close(self) -> None:
+    self._watch.cancel()
 
   async def next(self) -> Delta | None:
-    if time.monotonic() >= self.next_look and await self._gone():
+    item = self.queue.get_nowait() if not self.queue.empty() else await self.queue.get()
+    if item is _GONE:
       return None
-    if not self.queue.empty():  # the common case under load: no timer, no task
-      return self.queue.get_nowait()
-    while True:
-      left = self.deadline - time.monotonic()
-      if left <= 0:
-        raise ApiError(504, f"no answer within the server's request timeout "
-                       f"({self.timeout_s:g} s); send a shorter request or retry.",
-                       "timeout_error", code="request_timeout")
-      try:
-        return await _within(self.queue.get(), min(0.1, left))
-      except asyncio.TimeoutError:
-        if await self._gone():
-          return None
+    if item is _LATE:
+      raise ApiError(504, f"no answer within the server's request timeout "
+                     f"({self.timeout_s:g} s); send a shorter request or retry.",
+                     "timeout_error", code="request_timeout")
+    return item
+
+  def ready(self) -> Delta | None:
+    """A delta already queued (sent along with the one just taken), else None."""
+    if self.queue.empty():
+      return None
+    item = self.queue.get_nowait()
+    if item is _GONE or item is _LATE:
+      self.queue.put_nowait(item)  # seen by the next ``next``
+      return None
+    return item
 
 
 class _CountRequests:

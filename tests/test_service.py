@@ -1,6 +1,7 @@
 """Aborting requests in the step loop, and the engine on its own thread (EngineService)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,39 @@ def test_the_service_runs_the_loop_on_its_thread_with_the_same_answers(pair):
     assert done.wait(1) and got[-1].finish_reason == "length"
     with pytest.raises(Draining):
       service.submit(prompts[1], jaxkv.SamplingParams(), "default", sink)
+  finally:
+    service.close()
+  helpers.no_refs(engine)
+
+
+def test_the_http_app_answers_504_past_the_request_timeout_and_aborts_it(pair):
+  import asyncio
+
+  import httpx
+
+  from jaxkv.server import OpenAIServer
+  engine, _ = pair
+  service = EngineService(engine).start()
+  try:
+    api = OpenAIServer(service, model_name="m", request_timeout_s=0.001)
+    api.ready = True
+
+    async def ask(stream):
+      transport = httpx.ASGITransport(app=api.app)
+      async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+        return await c.post("/v1/completions", json={
+            "model": "m", "prompt": [3, 4, 5], "max_tokens": 40, "temperature": 0,
+            "stream": stream})
+
+    r = asyncio.run(ask(False))
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    r = asyncio.run(ask(True))  # a stream has begun: the deadline ends it with an event
+    assert r.status_code == 200 and '"type":"timeout_error"' in r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+    end = time.monotonic() + 60
+    while service.outstanding and time.monotonic() < end:
+      time.sleep(0.01)
+    assert service.outstanding == 0 and service.counts["abort"] == 2
   finally:
     service.close()
   helpers.no_refs(engine)
