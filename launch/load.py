@@ -28,6 +28,7 @@ Printed, and written by --json_out as one JSON object (seconds and tokens):
 Exit status 1 when no request was answered.
 """
 
+import logging
 import math
 import os
 import sys
@@ -80,6 +81,9 @@ def _check_message_len(value):
 def main(argv):
   del argv
   _common.check_output(_JSON_OUT.value, "json_out")
+  # One log line per request from httpx would cost the client CPU (and the server, when
+  # they share a machine) and bury the progress lines.
+  logging.getLogger("httpx").setLevel(logging.WARNING)
   from jaxkv import workloads
   from jaxkv.bench import http
   api_key = _API_KEY.value or os.environ.get("OPENAI_API_KEY") or None
