@@ -140,7 +140,10 @@ def main(argv):
       warm_up()
       service.start()
       api.ready = True
-      while not server.started:
+      deadline = time.monotonic() + 60
+      while not server.started:  # uvicorn binds the port while the engine compiles
+        if server.should_exit or time.monotonic() > deadline:
+          return
         time.sleep(0.01)
       port = server.servers[0].sockets[0].getsockname()[1]
       print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
@@ -151,8 +154,12 @@ def main(argv):
       failure.append(e)
       server.should_exit = True
 
-  threading.Thread(target=start, name="jaxkv-warmup", daemon=True).start()
+  starter = threading.Thread(target=start, name="jaxkv-warmup", daemon=True)
+  starter.start()
   server.run()
+  # Stopped (a signal, or a failed start): a warmup still running finishes first, so the
+  # engine has one user again before it is flushed and saved.
+  starter.join(3600)
   if failure:
     raise failure[0]
   service.close()

@@ -301,6 +301,25 @@ def test_an_api_key_file_others_can_read_is_refused_before_start(tmp_path):
   assert proc.returncode == 2 and "chmod 600" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_load_generator_holds_text_chats_with_the_real_server(state, checkpoint):
+  """launch/load.py's text mode against this server: each answer joins its conversation,
+  so the second turn reuses the first turn's blocks."""
+  from jaxkv.bench import http
+  target = http.Target(url=state["server"].url, model=model_name(checkpoint), api_key=KEY_B)
+  work = http.TextChat(users=2, turns=2, system_words=40, message_words=(8, 12),
+                       max_tokens=6, seed=4)
+  results, makespan = http.run_load(target, work, rate=50.0)
+  assert all(r.ok and r.done for r in results) and len(results) == 4
+  by_turn = {t: [r for r in results if r.turn == t] for t in (0, 1)}
+  assert all(r.usage["prompt_tokens_details"]["cached_tokens"] > 0 for r in by_turn[1])
+  assert all(0 < r.usage["completion_tokens"] <= 6 for r in results)
+  for first in by_turn[0]:  # the second prompt holds the first, its answer and a message
+    second = next(r for r in by_turn[1] if r.user == first.user)
+    assert second.usage["prompt_tokens"] > first.usage["prompt_tokens"] + 8
+  fig = http.summary(results, makespan, planned=4)
+  assert fig["requests_ok"] == 4 and 0 < fig["cached_token_share"] < 1
+
+
 def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
     state, reference, checkpoint):
   c, name = client(state), model_name(checkpoint)
