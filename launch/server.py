@@ -9,7 +9,8 @@ The port opens at once; /health says 503 until the engine is compiled (and resto
 then 200. SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish within
 --drain_timeout_s (the rest are aborted), the tiers are flushed and, with
 --checkpoint_dir, the cache is saved, so the next start with --restore is warm. A second
-signal exits at once. Under launch/multihost.py process 0 serves HTTP and every process
+signal exits at once, and so does one that comes before the engine is warm (nothing runs
+yet; the process ends as SIGTERM's default does). Under launch/multihost.py process 0 serves HTTP and every process
 runs the same steps.
 """
 
@@ -157,9 +158,7 @@ def main(argv):
   starter = threading.Thread(target=start, name="jaxkv-warmup", daemon=True)
   starter.start()
   server.run()
-  # Stopped (a signal, or a failed start): a warmup still running finishes first, so the
-  # engine has one user again before it is flushed and saved.
-  starter.join(3600)
+  starter.join(3600)  # (a failed start: the warmup thread has ended)
   if failure:
     raise failure[0]
   service.close()
