@@ -25,6 +25,7 @@ each other's prefixes. A client that disconnects aborts its request at the next 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import math
@@ -537,11 +538,18 @@ class _CountRequests:
       self.counter.labels(path if path in _ROUTES else "other", status[0]).inc()
 
 
+@dataclasses.dataclass(frozen=True)
 class _Job:
   """A validated request."""
 
-  def __init__(self, **fields):
-    self.__dict__.update(fields)
+  chat: bool
+  prompt: list  # token ids
+  sampling: SamplingParams
+  stops: list  # stop strings
+  tenant: str  # the tenant, salted with the request's cache_salt
+  stream: bool
+  include_usage: bool
+  return_ids: bool
 
 
 class _Answer:
