@@ -183,17 +183,19 @@ class EngineService:
     aborts the rest and waits for them to end. Returns how many were aborted."""
     with self._lock:
       self._accepting = False
-    deadline = time.monotonic() + max(0.0, timeout_s)
-    while self._outstanding and time.monotonic() < deadline and not self._stopped.is_set():
-      time.sleep(0.01)
+    self._settle(timeout_s)
     with self._lock:
       left = list(self._sinks)
     for ticket in left:
       self.abort(ticket)
-    end = time.monotonic() + 30.0
-    while self._outstanding and time.monotonic() < end and not self._stopped.is_set():
-      time.sleep(0.01)
+    self._settle(30.0)  # aborts end at the next step
     return len(left)
+
+  def _settle(self, timeout_s: float) -> None:
+    """Waits up to ``timeout_s`` until no request is outstanding (or the loop stopped)."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while self._outstanding and time.monotonic() < deadline and not self._stopped.is_set():
+      time.sleep(0.01)
 
   def close(self, timeout_s: float = 60.0) -> None:
     """Ends the engine thread (and the followers' loops) after the inbox's commands."""
