@@ -71,6 +71,11 @@ class KVCache:
     key = security.check_key(deployment_key)
     self._deployment_key = key if key is not None else security.load_deployment_key()
     self.key_id = security.key_id(self._deployment_key)
+    if tiers.encryption == "on" and self._deployment_key is None:
+      raise InputError("TierConfig.encryption='on' needs a deployment key (--deployment_key_file "
+                       "or $JAXKV_DEPLOYMENT_KEY_FILE); give one, or set encryption='auto'.")
+    # Blocks leaving the process are encrypted (not only MACed) under the key.
+    self.encrypt = self._deployment_key is not None and tiers.encryption != "off"
     self.index = PrefixIndex(num_shards=self.num_shards, pages_per_shard=config.pages_per_shard,
                              page_size=config.page_size, fingerprint=config.fingerprint(),
                              host_pages_per_shard=tiers.host_pages_per_shard,
@@ -87,7 +92,8 @@ class KVCache:
       from jaxkv.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
                            payload_shape=self.payload_shape, dtype=config.jnp_dtype,
-                           fingerprint=config.fingerprint())
+                           fingerprint=config.fingerprint(), key=self._deployment_key,
+                           encrypt=self.encrypt)
     self.stats = Stats()
     self.mover = None
     logging.info(
@@ -119,7 +125,7 @@ class KVCache:
     if tiers.remote_peers:
       from jaxkv.tiers.remote import RemoteClient, RemoteTier
       self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s,
-                                   secret=self._deployment_key,
+                                   secret=self._deployment_key, encrypt=self.encrypt,
                                    transport=tiers.remote_transport)
                       for p in tiers.remote_peers]
       self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)

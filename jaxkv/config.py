@@ -195,6 +195,7 @@ class EngineConfig:
 WRITE_POLICIES = ("write_back", "write_through")
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 REMOTE_TRANSPORTS = ("inline", "transfer")
+ENCRYPTION = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,6 +214,9 @@ class TierConfig:
   blocks this cache may pull (the REMOTE tier). ``remote_transport``: how their blocks
   travel: ``inline`` (in the answer to the request, over the same ZeroMQ connection) or
   ``transfer`` (a ``jax.experimental.transfer`` pull the answer offers).
+  ``encryption``: whether blocks leaving the process (disk and object-store records, remote
+  answers) are encrypted (AES-256-GCM) under the deployment key: ``auto`` (default) when a
+  key is set, ``on`` (a key is required), ``off`` (keyed MACs only). See ``jaxkv.security``.
   """
 
   host_pages_per_shard: int = 0
@@ -223,8 +227,11 @@ class TierConfig:
   read_deadline_s: float = 10.0
   remote_peers: tuple = ()
   remote_transport: str = "inline"
+  encryption: str = "auto"
 
   def __post_init__(self):
+    _require(self.encryption in ENCRYPTION,
+             f"TierConfig.encryption={self.encryption!r} must be one of {ENCRYPTION}.")
     _require(self.remote_transport in REMOTE_TRANSPORTS,
              f"TierConfig.remote_transport={self.remote_transport!r} must be one of "
              f"{REMOTE_TRANSPORTS}.")

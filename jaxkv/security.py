@@ -1,67 +1,118 @@
-"""The deployment key: what makes block keys and the remote tier reveal nothing to outsiders.
+"""The deployment key, and everything jaxkv proves or hides with it.
 
-A block key is a SHA-256 chain over a prompt's tokens from a per-tenant root
-(``jaxkv.index``). Without a secret in that root, anyone who knows a tenant's name and can
-guess a prompt computes its keys, and then a record's name in a shared store, or a
-``lookup`` answered by a block server, tells them whether that prompt was served (and a
-pull gives them its KV). With a deployment key the tenant's salt is
-``HMAC-SHA256(key, tenant)``: keys, record names and lookups are meaningless to whoever
-lacks it. The same key authenticates the remote tier's peers (``challenge_mac``).
+What the key does (threat model: BUILD.md, "Threat model"):
+- **Names.** A block key is a SHA-256 chain over a prompt's tokens from a per-tenant root
+  (``jaxkv.index``); with a key the tenant's salt is ``HMAC-SHA256(key, tenant)``, so
+  record names and ``lookup``s mean nothing to whoever lacks it.
+- **Integrity.** What crosses a process boundary — a disk or object-store record, a remote
+  answer and its blocks, a checkpoint's metadata and rows — carries a keyed tag over its
+  bytes and its identity (block key, fingerprint, format), under a *purpose* label
+  (``Seal``): a tag made for one purpose or direction never verifies for another.
+- **Confidentiality.** With ``TierConfig.encryption`` on (the default when a key is set)
+  the blocks themselves are sealed with AES-256-GCM (an AEAD: the same tag proves them), so
+  the store's files and the remote wire hold no plaintext KV. KV *is* the prompt: layer-0
+  values are a function of the token id, so with public weights a table over the
+  vocabulary reads plaintext KV back into the prompt.
+- **Peers.** The block server answers only requests MACed with the key over its challenge.
 
-The key comes from, in order: the value passed in code, a file
-(``--deployment_key_file`` / ``JAXKV_DEPLOYMENT_KEY_FILE``), the environment
-(``JAXKV_DEPLOYMENT_KEY``). It is at least 16 bytes; it is never logged or written into a
-config, a checkpoint or a JSON output (only ``key_id``, a short one-way digest, is).
-Every process that shares a store or talks to a peer must use the same key; different
-keys simply share nothing. Threat model: BUILD.md, "Sharing a store".
+Without a key none of this holds: records and answers carry a CRC-32C (damage, not
+forgery), and jaxkv says so once at start-up (``warn_insecure``).
+
+The key is at least 32 random bytes. In code it is given as ``bytes`` (raw) or ``str``
+(hex or base64 text); from a file (``--deployment_key_file`` / ``JAXKV_DEPLOYMENT_KEY_FILE``,
+readable by its owner only) or the environment (``JAXKV_DEPLOYMENT_KEY``) it is hex or
+base64 text, e.g. ``head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE``. It is never
+logged or written out (only ``key_id``, a short one-way digest). Every process that shares
+a store or talks to a peer uses the same key; different keys share nothing.
+
+AES-GCM takes a random 96-bit nonce per seal; keys are derived per purpose, so the usual
+bound (2**32 seals per key) applies to each purpose separately: rotate the deployment key
+well before that many blocks were written under it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import os
+import re
+import stat
+
+from absl import logging
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from jaxkv.errors import InputError
 
 ENV_KEY = "JAXKV_DEPLOYMENT_KEY"
 ENV_FILE = "JAXKV_DEPLOYMENT_KEY_FILE"
-MIN_BYTES = 16
+MIN_BYTES = 32
+_MIN_DISTINCT = 12  # 32 random bytes have ~30 distinct values; "aaaa..." has 1
+_HOW = "e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`"
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
 
 def _checked(key: bytes, where: str) -> bytes:
   if len(key) < MIN_BYTES:
     raise InputError(f"the deployment key from {where} has {len(key)} bytes; it needs at least "
-                     f"{MIN_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > FILE`).")
+                     f"{MIN_BYTES} random bytes ({_HOW}).")
+  if len(set(key)) < _MIN_DISTINCT:
+    raise InputError(f"the deployment key from {where} has only {len(set(key))} distinct byte "
+                     f"values: it is not random; make one with {_HOW}.")
   return key
+
+
+def parse_key_text(text: str, where: str) -> bytes:
+  """The key bytes a hex or base64 text stands for (surrounding whitespace ignored)."""
+  text = text.strip()
+  if _HEX.fullmatch(text):
+    return _checked(bytes.fromhex(text), where)
+  try:
+    key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+  except (binascii.Error, ValueError):
+    raise InputError(f"the deployment key from {where} is neither hex nor base64 text; give "
+                     f"{MIN_BYTES}+ random bytes encoded as either ({_HOW}).") from None
+  return _checked(key, where)
 
 
 def load_deployment_key(path: str | None = None, environ=None) -> bytes | None:
   """The deployment key from ``path``, else ``$JAXKV_DEPLOYMENT_KEY_FILE``, else
-  ``$JAXKV_DEPLOYMENT_KEY``; None when none is given. A file's trailing newline is
-  not part of the key."""
+  ``$JAXKV_DEPLOYMENT_KEY``; None when none is given. A key file readable or writable by
+  group or others is refused (``chmod 600``)."""
   environ = os.environ if environ is None else environ
   path = path or environ.get(ENV_FILE)
   if path:
     try:
       with open(path, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
         data = f.read()
     except OSError as e:
       raise InputError(f"deployment key file {path!r} cannot be read ({e.strerror}); give a "
                        "readable file holding the key.") from None
-    return _checked(data.rstrip(b"\r\n"), f"file {path!r}")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+      raise InputError(f"deployment key file {path!r} has mode {stat.S_IMODE(mode):04o}: group "
+                       f"or others can reach it; run `chmod 600 {path}`.")
+    try:
+      text = data.decode("ascii")
+    except UnicodeDecodeError:
+      raise InputError(f"deployment key file {path!r} is not text; store the key as hex or "
+                       f"base64 ({_HOW}).") from None
+    return parse_key_text(text, f"file {path!r}")
   value = environ.get(ENV_KEY)
   if value:
-    return _checked(value.encode("utf-8"), f"${ENV_KEY}")
+    return parse_key_text(value, f"${ENV_KEY}")
   return None
 
 
 def check_key(key) -> bytes | None:
-  """``key`` as bytes (str is taken as UTF-8), validated; None stays None."""
+  """``key`` as bytes, validated: ``bytes`` are the raw key, ``str`` is hex or base64
+  text; None stays None."""
   if key is None:
     return None
   if isinstance(key, str):
-    key = key.encode("utf-8")
+    return parse_key_text(key, "the caller")
   if not isinstance(key, bytes):
     raise InputError(f"deployment_key must be bytes or str, got {type(key).__name__}.")
   return _checked(key, "the caller")
@@ -90,3 +141,75 @@ def challenge_mac(key: bytes, challenge: str, payload: bytes) -> str:
 
 def mac_ok(key: bytes, challenge: str, payload: bytes, mac) -> bool:
   return isinstance(mac, str) and hmac.compare_digest(challenge_mac(key, challenge, payload), mac)
+
+
+# ---- sealing: keyed tags and AEAD over bytes, one derived key per purpose ---------------------
+class SealError(ValueError):
+  """Bytes whose tag does not verify under this key and purpose (forged, damaged, another
+  key's, or sealed for another purpose)."""
+
+
+PURPOSES = ("disk-record", "remote-answer", "checkpoint-meta", "checkpoint-row")
+
+
+class Seal:
+  """Tags and seals bytes for one ``purpose`` under a deployment key (AES-256-GCM with a
+  key derived for that purpose; the purpose is also in every tag's associated data).
+
+  ``tag(aad, data)`` -> ``TAG_BYTES`` bytes that prove ``aad || data`` (integrity only;
+  ``data`` stays readable); ``seal(aad, data)`` -> ``data`` encrypted, ``OVERHEAD`` bytes
+  longer, proving ``aad`` too. ``check``/``open`` raise ``SealError`` on any mismatch.
+  ``aad`` is what the bytes claim to be (block key, fingerprint, format, header)."""
+
+  NONCE_BYTES = 12
+  TAG_BYTES = 12 + 16  # nonce, GCM tag
+  OVERHEAD = 12 + 16
+
+  def __init__(self, key: bytes, purpose: str):
+    if purpose not in PURPOSES:
+      raise ValueError(f"purpose {purpose!r} is not one of {PURPOSES}")
+    derived = hmac.new(key, b"jaxkv-seal\x00" + purpose.encode(), hashlib.sha256).digest()
+    self.purpose = purpose
+    self._label = b"jaxkv/" + purpose.encode() + b"\x00"
+    self._aead = AESGCM(derived)
+
+  def tag(self, aad: bytes, data=b"") -> bytes:
+    nonce = os.urandom(self.NONCE_BYTES)
+    return nonce + self._aead.encrypt(nonce, b"", b"".join((self._label, aad, data)))
+
+  def check(self, aad: bytes, data, tag: bytes) -> None:
+    tag = bytes(tag)
+    if len(tag) != self.TAG_BYTES:
+      raise SealError(f"a {self.purpose} tag has {self.TAG_BYTES} bytes, not {len(tag)}")
+    try:
+      self._aead.decrypt(tag[:self.NONCE_BYTES], tag[self.NONCE_BYTES:],
+                         b"".join((self._label, aad, data)))
+    except InvalidTag:
+      raise SealError(f"the {self.purpose} tag does not verify: forged, damaged, or made "
+                      "with another deployment key") from None
+
+  def seal(self, aad: bytes, data) -> bytes:
+    nonce = os.urandom(self.NONCE_BYTES)
+    return nonce + self._aead.encrypt(nonce, data, self._label + aad)
+
+  def open(self, aad: bytes, sealed) -> bytes:
+    sealed = memoryview(sealed).cast("B")
+    if len(sealed) < self.OVERHEAD:
+      raise SealError(f"sealed {self.purpose} bytes are shorter than their nonce and tag")
+    try:
+      return self._aead.decrypt(bytes(sealed[:self.NONCE_BYTES]), sealed[self.NONCE_BYTES:],
+                                self._label + aad)
+    except InvalidTag:
+      raise SealError(f"the sealed {self.purpose} bytes do not verify: forged, damaged, or "
+                      "sealed with another deployment key") from None
+
+
+_warned: set = set()
+
+
+def warn_insecure(what: str, fix: str) -> None:
+  """One warning line, once per process, for an insecure setup: what, and the fix."""
+  line = f"INSECURE: {what}; {fix}"
+  if line not in _warned:
+    _warned.add(line)
+    logging.warning("%s", line)
