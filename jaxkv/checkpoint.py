@@ -19,11 +19,20 @@ into device pages or straight into the host tier (``into="host"``). Every row is
 checked against its saved checksum before it is published; rows that do not fit in the
 new budget or fail the check are left out and counted. Stale temporary checkpoint
 folders of interrupted saves are removed.
+
+With a deployment key (``jaxkv.security``) the checksums are not what proves the bytes
+(anyone who can write the checkpoint can fix a checksum up): the metadata carries a keyed
+tag over itself (purpose ``checkpoint-meta``) and every saved row one over its bits and
+its identity (block key, parent, shard, fingerprint; purpose ``checkpoint-row``). Restore
+refuses metadata that does not verify, or a checkpoint written under another key or none
+(its blocks' keys would differ anyway), and leaves out, counted (``failed_mac``), every
+row whose tag does not verify. Without a key the checksums catch damage, not forgery.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 
@@ -36,7 +45,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
+from jaxkv import security
 from jaxkv.config import LAYOUT_VERSION
+from jaxkv.distributed import to_host
 from jaxkv.index import Tier
 from jaxkv.errors import InputError
 
@@ -79,11 +90,31 @@ def _config_fields(config) -> dict:
   return {**{f: getattr(config, f) for f in _FINGERPRINT_FIELDS}, "layout": LAYOUT_VERSION}
 
 
+def _meta_bytes(meta: dict) -> bytes:
+  """The metadata as its tag covers it: canonical JSON without the tag itself."""
+  return json.dumps({k: v for k, v in meta.items() if k != "mac"}, sort_keys=True,
+                    separators=(",", ":")).encode()
+
+
+def _row_aad(row: list, fingerprint: str) -> bytes:
+  """What a saved row claims to be: its shard, block key, parent and the fingerprint."""
+  shard, key, parent = row[:3]
+  return f"{shard}|{key}|{parent or ''}|{fingerprint}".encode()
+
+
+def _row_bits(full: np.ndarray, i: int) -> np.ndarray:
+  """Row ``i``'s bits (``[arrays, kv_heads, page_size, head_dim]``) of a whole stack."""
+  return np.ascontiguousarray(full[:, :, i]).reshape(-1).view(np.uint8)
+
+
 class Checkpointer:
   """Saves and restores one ``KVCache``; keeps the async save in flight."""
 
   def __init__(self, cache, directory: str):
     self.cache = cache
+    key = cache._deployment_key  # pylint: disable=protected-access
+    self._meta_seal = security.Seal(key, "checkpoint-meta") if key else None
+    self._row_seal = security.Seal(key, "checkpoint-row") if key else None
     self.directory = os.path.abspath(directory)
     self.removed_temporaries = remove_stale_temporaries(self.directory)
     self._manager = None
@@ -129,6 +160,8 @@ class Checkpointer:
       meta["host_rows"] = host_rows
     meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                       for k, v in state.items()}
+    if self._meta_seal is not None:
+      self._tag(meta, state)
     if self._manager is None:
       self._manager = _manager(self.directory)
     if step is None:
@@ -139,6 +172,19 @@ class Checkpointer:
     if wait:
       self.wait()
     return step
+
+  def _tag(self, meta: dict, state: dict) -> None:
+    """Appends each saved row's keyed tag (hex) to its row, then tags the metadata."""
+    fingerprint = meta["fingerprint"]
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+      if name not in state:
+        continue
+      full = to_host(state[name])
+      for i, row in enumerate(meta[rows_key]):
+        if row is not None:
+          row.append(self._row_seal.tag(_row_aad(row, fingerprint), _row_bits(full, i)).hex())
+    meta["key_id"] = self.cache.key_id
+    meta["mac"] = self._meta_seal.tag(_meta_bytes(meta)).hex()
 
   @staticmethod
   def _row(row, checksum, index):
@@ -180,7 +226,8 @@ class Checkpointer:
           state=ocp.args.StandardRestore(target)))["state"]
     finally:
       manager.close()
-    counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0}
+    counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0,
+              "failed_mac": 0}
     for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
       if name in state:
         self._place(state[name], meta[rows_key], into, counts)
@@ -198,6 +245,28 @@ class Checkpointer:
       raise InputError(f"checkpoint in {self.directory!r} was written for another model or "
                        f"layout ({what or 'fingerprint differs'}); restore it into a matching "
                        "cache or start cold.")
+    self._check_signed(meta)
+
+  def _check_signed(self, meta: dict) -> None:
+    """With a deployment key: the metadata's tag verifies under it (else refused)."""
+    mine, theirs = self.cache.key_id, meta.get("key_id", "none")
+    if self._meta_seal is None:
+      if "mac" in meta:
+        raise InputError(f"checkpoint in {self.directory!r} was written with deployment key "
+                         f"{theirs} and this cache has none; give the same key (its blocks' "
+                         "keys depend on it) or start cold.")
+      return
+    if "mac" not in meta:
+      raise InputError(f"checkpoint in {self.directory!r} was written without a deployment "
+                       f"key; this cache has key {mine}, so none of its blocks would match: "
+                       "start cold, or restore it into a cache without a key.")
+    try:
+      self._meta_seal.check(_meta_bytes(meta), b"", bytes.fromhex(str(meta["mac"])))
+    except (security.SealError, ValueError):
+      raise InputError(f"the metadata of checkpoint {self.directory!r} does not verify under "
+                       f"deployment key {mine} (written with key {theirs!r}, or altered since "
+                       "it was written); restore with the key it was written with, or start "
+                       "cold.") from None
 
   def _restore_target(self, meta: dict) -> dict:
     e = self.cache
@@ -213,10 +282,19 @@ class Checkpointer:
     shards = e.num_shards
     tier = Tier.DEVICE if into == "device" else Tier.HOST
     wanted = []  # (new shard, saved row, key, parent, checksum)
+    full = None
     for i, row in enumerate(rows):
       if row is None:
         continue
-      old_shard, key, parent, checksum = row
+      if self._row_seal is not None:
+        full = to_host(saved) if full is None else full
+        try:
+          self._row_seal.check(_row_aad(row, c.fingerprint().hex()), _row_bits(full, i),
+                               bytes.fromhex(str(row[4])))
+        except (security.SealError, ValueError, IndexError):
+          counts["failed_mac"] += 1
+          continue
+      old_shard, key, parent, checksum = row[:4]
       key = bytes.fromhex(key)
       s = old_shard % shards
       if index.slot_of(s, key, tier) is None:

@@ -128,6 +128,7 @@ def write_textfile(path: str, reg: CollectorRegistry) -> None:
   write_to_textfile(path, reg)
 
 
-def serve(reg: CollectorRegistry, port: int, addr: str = "0.0.0.0"):
-  """A live ``/metrics`` endpoint in a daemon thread; returns ``(server, thread)``."""
+def serve(reg: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
+  """A live ``/metrics`` endpoint in a daemon thread (on loopback unless ``addr`` says
+  otherwise: the figures name tenants and traffic); returns ``(server, thread)``."""
   return start_http_server(port, addr=addr, registry=reg)

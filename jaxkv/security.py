@@ -36,6 +36,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 import stat
@@ -202,6 +203,16 @@ class Seal:
     except InvalidTag:
       raise SealError(f"the sealed {self.purpose} bytes do not verify: forged, damaged, or "
                       "sealed with another deployment key") from None
+
+
+def is_loopback(host: str) -> bool:
+  """Whether ``host`` (an address or "localhost") reaches this machine only."""
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False  # a name or a wildcard such as "*": other machines may reach it
 
 
 _warned: set = set()

@@ -109,7 +109,8 @@ def _decode(payload: bytes) -> list:
 class EngineService:
   """Runs ``engine``'s step loop on a thread; ``submit``/``abort`` from any thread."""
 
-  def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0):
+  def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0,
+               between_steps: Callable[[float], object] | None = None):
     if max_waiting < 0:
       raise InputError(f"max_waiting={max_waiting} must be >= 0 (requests that may wait "
                        "for a batch row beyond the running ones).")
@@ -117,6 +118,9 @@ class EngineService:
     self.rows = engine.config.max_seqs_per_shard * engine.cache.num_shards
     self.max_waiting = max_waiting
     self.idle_wait_s = idle_wait_s
+    # Work that must run on the engine's thread between steps (a ``BlockServer``'s
+    # ``poll``): called with how long it may wait, after every step and while idle.
+    self.between_steps = between_steps
     self.lockstep = jax.process_count() > 1  # commands broadcast from process 0
     self._inbox: collections.deque = collections.deque()
     self._wake = threading.Condition()
@@ -212,9 +216,13 @@ class EngineService:
     """The inbox's commands; waits for one while the engine has nothing to run, at most
     ``idle_wait_s`` (with many processes an idle loop still broadcasts that often, so the
     others' wait in the broadcast is bounded too)."""
+    deadline = time.monotonic() + self.idle_wait_s
+    while self.between_steps is not None and not self._inbox and not (
+        self.engine.has_unfinished()) and time.monotonic() < deadline:
+      self.between_steps(0.01)
     with self._wake:
       if not self._inbox and not self.engine.has_unfinished():
-        self._wake.wait(self.idle_wait_s)
+        self._wake.wait(max(0.0, deadline - time.monotonic()))
       commands = list(self._inbox)
       self._inbox.clear()
     return commands
@@ -229,6 +237,8 @@ class EngineService:
         if not self._apply(commands):
           return
         self._step()
+        if self.between_steps is not None:
+          self.between_steps(0.0)
     finally:
       self._stopped.set()
       with self._lock:

@@ -34,9 +34,11 @@ MODEL_DIR = flags.DEFINE_string(
     "the config's random weights: its shapes replace the config's model section; text "
     "prompts need its tokenizer.json.")
 DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
-    "deployment_key_file", None, "File holding the deployment key (16+ bytes) that keys "
-    "tenants' block keys and authenticates remote peers; default $JAXKV_DEPLOYMENT_KEY_FILE "
-    "or $JAXKV_DEPLOYMENT_KEY. Give every process sharing a store or peer the same key.")
+    "deployment_key_file", None, "File (mode 600) holding the deployment key: 32+ random "
+    "bytes as hex or base64 (head -c 32 /dev/urandom | base64). It keys tenants' block keys, "
+    "MACs (and by default encrypts) every block that leaves the process and authenticates "
+    "remote peers; default $JAXKV_DEPLOYMENT_KEY_FILE or $JAXKV_DEPLOYMENT_KEY. Give every "
+    "process sharing a store or peer the same key.")
 
 
 def check_restore_flags() -> None:

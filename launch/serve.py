@@ -35,8 +35,10 @@ _PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per polic
 _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the metrics (jaxkv.metrics) "
                                    "here at the end as a Prometheus text file (atomically).")
 _METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Serve the metrics live on "
-                                     "http://0.0.0.0:PORT/metrics during the run.",
+                                     "http://METRICS_HOST:PORT/metrics during the run.",
                                      lower_bound=1, upper_bound=65535)
+_METRICS_HOST = flags.DEFINE_string("metrics_host", "127.0.0.1", "Address the live metrics "
+                                    "listen on (0.0.0.0: every interface).")
 _RATE = flags.DEFINE_float("request_rate", 0.0, "Online load: users arriving per second "
                            "(Poisson); 0 = run the workload in rounds. A trace whose lines "
                            "carry arrival_s arrives at those times.", lower_bound=0.0)
@@ -80,8 +82,8 @@ def main(argv):
              for p, m in zip(policies, models)}
   registry = metrics.registry(engines, labels={"config": cfg.name})
   if _METRICS_PORT.value:
-    metrics.serve(registry, _METRICS_PORT.value)
-    print(f"metrics at http://localhost:{_METRICS_PORT.value}/metrics")
+    metrics.serve(registry, _METRICS_PORT.value, _METRICS_HOST.value)
+    print(f"metrics at http://{_METRICS_HOST.value}:{_METRICS_PORT.value}/metrics")
   if _TRACE.value:
     with cfg.unlocked():
       cfg.workload.kind = "trace"

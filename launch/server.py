@@ -45,6 +45,14 @@ _TIMEOUT = flags.DEFINE_float("request_timeout_s", 600.0, "The longest a request
                               lower_bound=0.001)
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None, "The model's name in the API "
                                   "(default: the config's model name).")
+_BLOCK_ADDRESS = flags.DEFINE_string(
+    "block_address", None, "Also serve this cache's device and host blocks to other jobs' "
+    "remote tiers (their --config.tiers.remote_peers) on HOST:PORT, answered between steps. "
+    "Needs a deployment key unless HOST is loopback or --allow_insecure is given.")
+_ALLOW_INSECURE = flags.DEFINE_bool(
+    "allow_insecure", False, "Serve blocks on a non-loopback --block_address without a "
+    "deployment key: anyone who reaches it can test which prompts were served and pull their "
+    "KV. For isolated test networks only.")
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
                                   "server takes requests (for scripts that start it).")
 
@@ -85,6 +93,11 @@ def main(argv):
   _common.check_output(_READY_FILE.value, "ready_file")
   if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
     _check_port(_HOST.value, _PORT.value)
+    from jaxkv import security
+    if api_keys is None and not security.is_loopback(_HOST.value):
+      security.warn_insecure(f"the HTTP server listens on {_HOST.value} without "
+                             "--api_keys_file: whoever reaches it runs requests and reads "
+                             "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)
@@ -97,7 +110,20 @@ def main(argv):
   restore = _flags.should_restore()
   tokenizer = _flags.use_model_dir(cfg)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
-  service = EngineService(engine, max_waiting=_MAX_WAITING.value)
+  block_server = None
+  if _BLOCK_ADDRESS.value:
+    if multi:
+      raise app.UsageError("--block_address serves one process's blocks: run it in a "
+                           "single-process job (each job is one peer).")
+    from jaxkv.tiers.remote import BlockServer
+    host, _, port = _BLOCK_ADDRESS.value.rpartition(":")
+    if not host or not port.isdigit():
+      raise app.UsageError(f"--block_address={_BLOCK_ADDRESS.value} must be HOST:PORT.")
+    block_server = BlockServer(engine.cache, host, int(port),
+                               allow_insecure=_ALLOW_INSECURE.value)
+    print(f"serving blocks on {block_server.address}", flush=True)
+  service = EngineService(engine, max_waiting=_MAX_WAITING.value,
+                          between_steps=block_server.poll if block_server else None)
   checkpointer = None
   if _flags.CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer
@@ -162,6 +188,8 @@ def main(argv):
   if failure:
     raise failure[0]
   service.close()
+  if block_server is not None:
+    block_server.close()
   print(f"stopped: requests by how they ended {dict(service.counts)}", flush=True)
   _finish(engine, checkpointer, multi)
 

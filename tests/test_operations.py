@@ -37,6 +37,9 @@ def launch(script, *args, timeout=600):
 def refusal_cases(tmp):
   a_file = tmp / "a_file"
   a_file.write_text("x")
+  short_key = tmp / "short_key"
+  short_key.write_text("abcd\n")
+  short_key.chmod(0o600)
   a_dir = tmp / "a_dir"
   a_dir.mkdir()
   return [
@@ -56,7 +59,8 @@ def refusal_cases(tmp):
       ("serve.py", ["--config.cache.page_size=0"], "page_size=0"),
       ("serve.py", ["--config=configs/nope.py"], "nope.py"),
       ("serve.py", [f"--deployment_key_file={tmp / 'no_key'}"], "cannot be read"),
-      ("serve.py", [f"--deployment_key_file={a_file}"], "at least 16"),
+      ("serve.py", [f"--deployment_key_file={a_file}"], "chmod 600"),
+      ("serve.py", [f"--deployment_key_file={short_key}"], "has 3 bytes; it needs at least 32"),
       ("plan.py", ["--kv_bytes=1e9", "--tokens=100", "--link_gb_per_s=10",
                    "--prefill_ms_per_1k=-40"], "prefill_ms_per_1k"),
       ("plan.py", ["--config=configs/cpu_tiny.py", "--tokens=100"], "no hardware section"),
