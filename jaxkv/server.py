@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import secrets
@@ -136,6 +137,10 @@ def _token_ids(value, name: str, vocab_size: int) -> list[int]:
   return value
 
 
+def _key_digest(key: str) -> bytes:
+  return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
 class OpenAIServer:
   """The routes' logic over one service (the FastAPI app is ``app``)."""
 
@@ -144,7 +149,9 @@ class OpenAIServer:
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                request_timeout_s: float = 600.0):
     self.service, self.model_name, self.tokenizer = service, model_name, tokenizer
-    self.api_keys = dict(api_keys) if api_keys else None
+    # Kept by digest: a lookup then takes no time that depends on how much of a guessed
+    # key matches a real one, and the keys themselves are not kept in memory.
+    self.api_keys = {_key_digest(k): t for k, t in api_keys.items()} if api_keys else None
     for tenant in (self.api_keys or {}).values():
       if not isinstance(tenant, str) or not tenant or TENANT_SEPARATOR in tenant:
         raise InputError(f"tenant {tenant!r} in the API keys must be a non-empty string "
@@ -219,7 +226,7 @@ class OpenAIServer:
       return "default"
     auth = request.headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    tenant = self.api_keys.get(key) if key else None
+    tenant = self.api_keys.get(_key_digest(key)) if key else None
     if tenant is None:
       raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
                      "authentication_error", code="invalid_api_key")

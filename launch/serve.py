@@ -82,6 +82,9 @@ def main(argv):
              for p, m in zip(policies, models)}
   registry = metrics.registry(engines, labels={"config": cfg.name})
   if _METRICS_PORT.value:
+    if not security.is_loopback(_METRICS_HOST.value):
+      security.warn_insecure(f"the metrics listen on {_METRICS_HOST.value}: whoever reaches "
+                             "them sees tenants' traffic", "use --metrics_host=127.0.0.1")
     metrics.serve(registry, _METRICS_PORT.value, _METRICS_HOST.value)
     print(f"metrics at http://{_METRICS_HOST.value}:{_METRICS_PORT.value}/metrics")
   if _TRACE.value:

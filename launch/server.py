@@ -54,7 +54,8 @@ _ALLOW_INSECURE = flags.DEFINE_bool(
     "deployment key: anyone who reaches it can test which prompts were served and pull their "
     "KV. For isolated test networks only.")
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
-                                  "server takes requests (for scripts that start it).")
+                                  "server takes requests (for scripts that start it; with "
+                                  "--block_address also \"block_address\").")
 
 
 def _api_keys(path: str | None) -> dict | None:
@@ -74,6 +75,23 @@ def _api_keys(path: str | None) -> dict | None:
     raise app.UsageError(f"--api_keys_file={path} must hold a JSON object mapping API keys "
                          "(16+ characters) to tenant names, e.g. {\"sk-...\": \"team-a\"}.")
   return keys
+
+
+def _block_address(deployment_key) -> tuple[str | None, int]:
+  """``--block_address`` as (host, port), refused when it would serve blocks to anyone."""
+  if not _BLOCK_ADDRESS.value:
+    return None, 0
+  host, _, port = _BLOCK_ADDRESS.value.rpartition(":")
+  if not host or not port.isdigit() or int(port) > 65535:
+    raise app.UsageError(f"--block_address={_BLOCK_ADDRESS.value} must be HOST:PORT "
+                         "(port 0: any free one).")
+  from jaxkv import security
+  if deployment_key is None and not security.is_loopback(host) and not _ALLOW_INSECURE.value:
+    raise app.UsageError(f"--block_address={_BLOCK_ADDRESS.value} without a deployment key "
+                         "would let anyone who reaches it test which prompts were served and "
+                         "pull their KV: give --deployment_key_file (or --allow_insecure on an "
+                         "isolated network).")
+  return host, int(port)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -98,28 +116,27 @@ def main(argv):
       security.warn_insecure(f"the HTTP server listens on {_HOST.value} without "
                              "--api_keys_file: whoever reaches it runs requests and reads "
                              "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
+  from jaxkv import security
+  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
+  block_host, block_port = _block_address(deployment_key)
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax
-  from jaxkv import builder, distributed, metrics, security
+  from jaxkv import builder, distributed, metrics
   from jaxkv.service import EngineService
-  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
   multi = distributed.initialize()
   _common.check_platform(cfg)
   restore = _flags.should_restore()
   tokenizer = _flags.use_model_dir(cfg)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
   block_server = None
-  if _BLOCK_ADDRESS.value:
+  if block_host:
     if multi:
       raise app.UsageError("--block_address serves one process's blocks: run it in a "
                            "single-process job (each job is one peer).")
     from jaxkv.tiers.remote import BlockServer
-    host, _, port = _BLOCK_ADDRESS.value.rpartition(":")
-    if not host or not port.isdigit():
-      raise app.UsageError(f"--block_address={_BLOCK_ADDRESS.value} must be HOST:PORT.")
-    block_server = BlockServer(engine.cache, host, int(port),
+    block_server = BlockServer(engine.cache, block_host, block_port,
                                allow_insecure=_ALLOW_INSECURE.value)
     print(f"serving blocks on {block_server.address}", flush=True)
   service = EngineService(engine, max_waiting=_MAX_WAITING.value,
@@ -175,7 +192,10 @@ def main(argv):
       port = server.servers[0].sockets[0].getsockname()[1]
       print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
       if _READY_FILE.value:  # whole or absent: written aside, then renamed
-        _common.write_json(_READY_FILE.value + ".tmp", {"port": port})
+        ready = {"port": port}
+        if block_server is not None:
+          ready["block_address"] = block_server.address
+        _common.write_json(_READY_FILE.value + ".tmp", ready)
         os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
     except BaseException as e:  # the server cannot run: stop listening, fail the run
       failure.append(e)

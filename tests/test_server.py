@@ -26,6 +26,7 @@ from jaxkv.bench.http import ROOT, ServerProcess
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 OVERRIDES = ("--config.cache.pages_per_shard=96", "--config.cache.max_pages_per_seq=32")
 ROWS = 8  # cpu_tiny: 4 data shards x max_seqs_per_shard 2
+DEPLOYMENT_KEY = bytes(range(7, 39))  # the module's server: encrypted disk, tagged checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,13 @@ def state(tmp_path_factory, checkpoint):
   keys = work / "keys.json"
   keys.write_text(json.dumps({KEY_A: "team-a", KEY_B: "team-b"}))
   os.chmod(keys, 0o600)
+  key_file = work / "deployment.key"
+  key_file.write_text(DEPLOYMENT_KEY.hex())
+  os.chmod(key_file, 0o600)
   args = [f"--model_dir={checkpoint}", f"--disk_dir={work / 'disk'}",
           f"--checkpoint_dir={work / 'kv'}", f"--api_keys_file={keys}", "--max_waiting=0",
-          "--drain_timeout_s=1", *OVERRIDES]
+          "--drain_timeout_s=1", f"--deployment_key_file={key_file}",
+          "--block_address=127.0.0.1:0", *OVERRIDES]
   box = {"server": start(args, work), "args": args, "work": str(work)}
   yield box
   box["server"].close()
@@ -165,6 +170,29 @@ def test_tenants_never_share_a_hit_and_a_salt_narrows_sharing(state, checkpoint)
   assert cached(b) == 0  # the other tenant: its own key chain
   assert cached(a, cache_salt="s1") == 0 and cached(a, cache_salt="s1") > 0
   assert cached(a, cache_salt="s2") == 0
+
+
+def test_another_job_pulls_the_servers_blocks_with_the_key_and_nothing_without(
+    state, reference, checkpoint):
+  """Server x remote tier x deployment key: a job listing the server's --block_address as
+  a peer pulls a prompt the server answered (its tenant's chain), exactly; a job without
+  the key is refused and recomputes."""
+  from jaxkv import builder
+  c, name = client(state), model_name(checkpoint)
+  p = prompt_ids(9, 70)
+  c.completions.create(model=name, prompt=p, max_tokens=1, temperature=0)
+  with open(state["server"].ready_file) as f:
+    address = json.load(f)["block_address"]
+  want_tokens = want(reference, p, max_new_tokens=4)
+  for key, pulled in ((DEPLOYMENT_KEY, True), (None, False)):
+    cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+    cfg.cache.pages_per_shard, cfg.cache.max_pages_per_seq = 96, 32
+    cfg.tiers.remote_peers = (address,)
+    builder.use_model_dir(cfg, checkpoint)
+    engine = builder.build_engine(cfg, deployment_key=key)
+    sp = jaxkv.SamplingParams(max_new_tokens=4, stop_token_ids=reference[1].eos_token_ids)
+    assert engine.generate([p], sp, tenant="team-a")[0] == want_tokens
+    assert (engine.stats()["hits"]["remote"] >= len(p) // 16) == pulled, engine.stats()["hits"]
 
 
 def test_an_api_key_is_required(state, checkpoint):
