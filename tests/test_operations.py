@@ -60,7 +60,7 @@ def refusal_cases(tmp):
       ("serve.py", ["--config=configs/nope.py"], "nope.py"),
       ("serve.py", [f"--deployment_key_file={tmp / 'no_key'}"], "cannot be read"),
       ("serve.py", [f"--deployment_key_file={a_file}"], "chmod 600"),
-      ("serve.py", [f"--deployment_key_file={short_key}"], "has 3 bytes; it needs at least 32"),
+      ("serve.py", [f"--deployment_key_file={short_key}"], "has 2 bytes; it needs at least 32"),
       ("server.py", ["--block_address=0.0.0.0:0"], "--allow_insecure"),
       ("server.py", ["--block_address=nowhere"], "must be HOST:PORT"),
       ("plan.py", ["--kv_bytes=1e9", "--tokens=100", "--link_gb_per_s=10",
