@@ -240,7 +240,10 @@ class OpenAIServer:
         raise ApiError(503, "the engine is warming up; retry when /health says ok.",
                        "service_unavailable", headers={"Retry-After": "5"})
       body = await _read_json(request, self.max_body_bytes)
-      job = self._parse(body, chat, tenant)
+      if chat or isinstance(body.get("prompt"), str):  # a template or tokenizer runs: not
+        job = await asyncio.to_thread(self._parse, body, chat, tenant)  # on the event loop
+      else:
+        job = self._parse(body, chat, tenant)
       queue: asyncio.Queue = asyncio.Queue()
       try:
         ticket = self.service.submit(job.prompt, job.sampling, job.tenant,

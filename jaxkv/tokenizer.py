@@ -13,19 +13,73 @@ result without adding more. ``eos_token_ids`` gathers every end-of-sequence id t
 directory names: ``generation_config.json``'s and ``config.json``'s ``eos_token_id`` (an
 id or a list) and ``tokenizer_config.json``'s ``eos_token`` — Llama 3 Instruct ends turns
 with ``<|eot_id|>``, which only the generation config lists.
+
+A chat template is code that came with the checkpoint and runs on every request's
+messages, so each render is bounded (``TemplateLimits``): no string, list or integer it
+builds may pass a size, nor all it builds together a total, nor the render a time budget.
+Sizes are checked before a string is built where the size is known in advance (``*``,
+``+``, ``~``, ``%``, ``str.format``, padding and ``replace``-like methods and filters), and
+the result of every operator, call and filter is checked after; the prompt is streamed and
+counted chunk by chunk, and every loop step checks the clock. A render past a bound is
+refused with a ``TokenizerError`` (an ``InputError``: a server answers 400), as is a
+template that fails on the messages.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import datetime
+import functools
 import json
+import math
 import os
+import re
+import string
+import time
 from collections.abc import Mapping, Sequence
+
+import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from jaxkv.errors import InputError
 
 
 class TokenizerError(InputError):
   """A tokenizer directory or request jaxkv cannot use (the message says what and why)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TemplateLimits:
+  """What one chat-template render may build and spend.
+
+  Each bound grows with the request, so a long prompt renders while a short request cannot
+  make the template blow up: a render of messages holding ``n`` characters may build
+  strings of ``max_chars + 4 n`` characters (the prompt included), lists, tuples and dicts
+  of ``max_items + n`` items, ``max_total_chars + 16 n`` characters and items in all (every
+  string and list any operator, call or filter returns, summed: what bounds memory, since
+  each one may be kept), and may run ``max_render_s + n`` microseconds. Real templates build
+  a few times the messages' size and render in milliseconds.
+  """
+
+  max_chars: int = 2**20
+  max_items: int = 100_000  # jinja's own cap on range()
+  max_total_chars: int = 2**24
+  max_render_s: float = 1.0
+
+  def __post_init__(self):
+    for name in ("max_chars", "max_items", "max_total_chars"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"TemplateLimits.{name}={value!r} must be a positive integer; "
+                         f"pass e.g. {name}={getattr(TemplateLimits, name)}.")
+    if (not isinstance(self.max_render_s, (int, float)) or isinstance(self.max_render_s, bool)
+        or not 0 < self.max_render_s < math.inf):
+      raise InputError(f"TemplateLimits.max_render_s={self.max_render_s!r} must be a positive "
+                       "number of seconds; pass e.g. max_render_s=1.0.")
 
 
 def _read_json(path: str) -> dict:
@@ -54,13 +108,14 @@ def _ids(value) -> list[int]:
 class Tokenizer:
   """A checkpoint directory's tokenizer, chat template and end-of-sequence ids."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, *, template_limits: TemplateLimits = TemplateLimits()):
     from tokenizers import Tokenizer as _HFTokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
       raise TokenizerError(f"{file} is missing: jaxkv reads tokenizers from tokenizer.json "
                            "(the 'fast' tokenizer format); pass token ids instead.")
     self.path = path
+    self.template_limits = template_limits
     self._tok = _HFTokenizer.from_file(file)
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     self.bos_token = _token_text(config.get("bos_token"))
@@ -73,8 +128,9 @@ class Tokenizer:
     self.eos_token_ids = tuple(dict.fromkeys(eos))  # in order, once each
 
   @classmethod
-  def from_dir(cls, path: str) -> Tokenizer:
-    return cls(path)
+  def from_dir(cls, path: str, *, template_limits: TemplateLimits = TemplateLimits()
+               ) -> Tokenizer:
+    return cls(path, template_limits=template_limits)
 
   @staticmethod
   def _find_template(path: str, template) -> str | None:
@@ -101,7 +157,8 @@ class Tokenizer:
 
   def render_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True
                   ) -> str:
-    """The prompt text the chat template makes of ``messages`` (``role``/``content``)."""
+    """The prompt text the chat template makes of ``messages`` (``role``/``content``),
+    rendered within ``template_limits`` (see the module docstring)."""
     if self.chat_template is None:
       raise TokenizerError(f"{self.path!r} has no chat template (tokenizer_config.json "
                            "chat_template or chat_template.jinja); send plain text instead.")
@@ -109,9 +166,37 @@ class Tokenizer:
       if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
         raise TokenizerError(f"message {i} is {m!r}; each message needs 'role' and "
                              "'content'.")
-    return _compile(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt,
-        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    where = f"the chat template of {self.path!r}"
+    try:
+      template = _compile(self.chat_template)
+    except jinja2.TemplateError as e:
+      raise TokenizerError(f"{where} does not compile ({_one_line(e)}); fix "
+                           "tokenizer_config.json chat_template or chat_template.jinja.") from None
+    messages = list(messages)
+    render = _Render(self.template_limits, _text_size(messages), where)
+    token = _RENDER.set(render)
+    stream = template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    try:
+      chunks, size = [], 0
+      for chunk in stream:
+        size += len(chunk)
+        render.check(size, "characters", "would write a prompt of")
+        render.tick()
+        chunks.append(chunk)
+      return "".join(chunks)
+    except TokenizerError:
+      raise
+    # What the template's own expressions raise on these messages (a missing key, a str
+    # added to an int, range() past jinja's cap, recursion without end) is the request's
+    # or the template's doing, not jaxkv's.
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
+            RecursionError) as e:
+      raise TokenizerError(f"{where} failed on these messages: {type(e).__name__}: "
+                           f"{_one_line(e)}") from None
+    finally:
+      stream.close()  # a refused render stops here, within its budget, not when collected
+      _RENDER.reset(token)
 
   def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True
                   ) -> list[int]:
@@ -120,25 +205,459 @@ class Tokenizer:
                        add_special_tokens=False)
 
 
+# ---- bounded rendering --------------------------------------------------------------------
+# One render's budget lives in a context variable: compiled templates are shared by every
+# request (and thread), a budget belongs to one render. Outside a render (jinja folding
+# constant expressions at compile time) the checks find none and refuse, and jinja then
+# leaves the expression to run time, where it is checked.
+_MAX_INT_BITS = 2**16  # str() of an int refuses past 4300 digits (~14k bits) anyway
+_LEAF_CHARS = 24  # a number, None or a boolean as text, or an object's short repr
+_LIMIT_NAMES = {"characters": "TemplateLimits.max_chars", "items": "TemplateLimits.max_items",
+                "bits": "the bound on integers"}
+_RENDER: contextvars.ContextVar[_Render] = contextvars.ContextVar("jaxkv_chat_render")
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0] if text else type(e).__name__
+
+
+class _Render:
+  """One render's bounds (``TemplateLimits`` grown by the request's ``input_chars``), what
+  it has built so far and its deadline."""
+
+  def __init__(self, limits: TemplateLimits, input_chars: int, where: str):
+    self.limits = {"characters": limits.max_chars + 4 * input_chars,
+                   "items": limits.max_items + input_chars, "bits": _MAX_INT_BITS}
+    self.max_total = limits.max_total_chars + 16 * input_chars
+    self.max_s = limits.max_render_s + 1e-6 * input_chars
+    self.deadline = time.monotonic() + self.max_s
+    self.total = 0
+    self.where = where
+
+  @property
+  def max_chars(self) -> int:
+    return self.limits["characters"]
+
+  def check(self, size: int, unit: str, what: str) -> None:
+    """Refuses a value of ``size`` ``unit`` (before or after it is built)."""
+    if size > self.limits[unit]:
+      raise TokenizerError(
+          f"{self.where} {what} {size:,} {unit}, over the limit of {self.limits[unit]:,} "
+          f"for these messages ({_LIMIT_NAMES[unit]}); shorten the messages or fix the template.")
+    if unit != "bits" and self.total + size > self.max_total:
+      raise TokenizerError(
+          f"{self.where} {what} {size:,} {unit} after building {self.total:,} characters "
+          f"and items, over the limit of {self.max_total:,} in all for these messages "
+          "(TemplateLimits.max_total_chars); shorten the messages or fix the template.")
+
+  def tick(self) -> None:
+    if time.monotonic() > self.deadline:
+      raise TokenizerError(
+          f"{self.where} ran past its time budget of {self.max_s:.3g} s for these messages "
+          "(TemplateLimits.max_render_s); shorten the messages or fix the template.")
+
+  def count(self, size: int, unit: str) -> None:
+    """Adds a checked value to the total (an integer's bits are bounded, not summed)."""
+    if unit != "bits":
+      self.total += size
+    self.tick()
+
+  def built(self, value, what: str = "built"):
+    """``value``, once it is known to be within the bounds, counted in the total."""
+    measured = _measure(value)
+    if measured is not None:
+      self.check(*measured, f"{what} a value of")
+      self.count(*measured)
+    else:
+      self.tick()
+    return value
+
+
+def _render() -> _Render:
+  return _RENDER.get()  # LookupError outside a render: see above
+
+
+def _measure(value) -> tuple[int, str] | None:
+  if isinstance(value, (str, bytes)):
+    return len(value), "characters"
+  if isinstance(value, (list, tuple, dict, set, frozenset)):
+    return len(value), "items"
+  if isinstance(value, int) and not isinstance(value, bool):
+    return value.bit_length(), "bits"
+  return None
+
+
+def _text_size(value, cap: float = math.inf) -> int:
+  """About ``len(str(value))`` without building it: exact for a string, an estimate with
+  quotes and separators for lists, tuples, sets, dicts and jinja namespaces. Counting stops
+  past ``cap``: a list of 100k references to one long string is measured in ``cap`` steps."""
+  size, stack = 0, [value]
+  while stack and size <= cap:
+    v = stack.pop()
+    if isinstance(v, (str, bytes)):
+      size += len(v) + (v is not value) * 4  # quotes and a separator inside a container
+    elif isinstance(v, Mapping) or isinstance(v, Namespace):
+      if isinstance(v, Namespace):  # its repr prints the dict it hides
+        v = getattr(v, "_Namespace__attrs", {})  # the one name Namespace lets through
+      size += 2 + 4 * len(v)
+      if size <= cap:
+        for key, item in v.items():
+          stack += (key, item)
+    elif isinstance(v, (list, tuple, set, frozenset)):
+      size += 2 + 2 * len(v)
+      if size <= cap:
+        stack.extend(v)
+    elif isinstance(v, int) and not isinstance(v, bool):
+      size += v.bit_length() // 3 + 2
+    else:
+      size += _LEAF_CHARS
+  return size
+
+
+def _as_text(render: _Render, value, what: str) -> str:
+  """``str(value)``, measured before it is built."""
+  if not isinstance(value, str):
+    render.check(_text_size(value, render.max_chars), "characters",
+                 f"would make text ({what}) of at least")
+  return str(value)
+
+
+def _int(value) -> int:
+  return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default):
+  return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _largest_text(values, cap: int) -> int:
+  return max((_text_size(v, cap) for v in values), default=0)
+
+
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+
+
+def _percent_size(fmt: str, args, render: _Render) -> int:
+  """Characters of ``fmt % args`` at most: each spec writes an argument padded to its
+  width (``*`` widths taken from the arguments)."""
+  values = (list(args.values()) if isinstance(args, Mapping)
+            else list(args) if isinstance(args, tuple) else [args])
+  size, largest = len(fmt), _largest_text(values, render.max_chars)
+  widest = max((_int(v) for v in values), default=0)
+  for spec in _PERCENT_SPEC.finditer(fmt):
+    size += largest
+    for part in spec.groups():
+      size += widest if part == "*" else int(part or 0)
+  return size
+
+
+def _format_size(fmt: str, args: tuple, kwargs: Mapping, render: _Render) -> int:
+  """Characters of ``fmt.format(*args, **kwargs)`` at most: each field writes an argument
+  padded to the widths its spec names (a nested ``{}`` width is taken from the arguments)."""
+  values = list(args) + list(kwargs.values())
+  largest = _largest_text(values, render.max_chars)
+  widest = max((_int(v) for v in values), default=0)
+  size = len(fmt)
+  for _, field, spec, _ in string.Formatter().parse(fmt):
+    if field is not None:
+      size += largest + sum(int(d) for d in re.findall(r"\d+", spec or ""))
+      size += widest * (spec or "").count("{")
+  return size
+
+
+def _replace_size(s, old, new, count) -> int:
+  if not isinstance(old, type(s)) or not isinstance(new, type(s)):
+    return len(s)
+  hits = s.count(old) if old else len(s) + 1
+  if isinstance(count, int) and count >= 0:
+    hits = min(hits, count)
+  return len(s) + hits * max(len(new) - len(old), 0)
+
+
+def _method_size(owner, name: str, args: tuple, kwargs: dict) -> int | None:
+  """Characters a ``str`` (or ``bytes``) method called from the template would build,
+  where it can grow a string past its inputs; None for the methods that cannot."""
+  if name in ("ljust", "rjust", "center", "zfill"):
+    return max(len(owner), _int(_arg(args, kwargs, 0, "width", 0)))
+  if name == "expandtabs":
+    tab = "\t" if isinstance(owner, str) else b"\t"
+    return len(owner) + owner.count(tab) * _int(_arg(args, kwargs, 0, "tabsize", 8))
+  if name == "replace":
+    return _replace_size(owner, _arg(args, kwargs, 0, "old", None),
+                         _arg(args, kwargs, 1, "new", None), _arg(args, kwargs, 2, "count", -1))
+  if name == "join" and args and isinstance(args[0], (list, tuple)):
+    parts = args[0]
+    return (sum(len(p) for p in parts if isinstance(p, (str, bytes)))
+            + len(owner) * max(len(parts) - 1, 0))
+  if name == "translate" and args and isinstance(args[0], Mapping):
+    longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+    return len(owner) * max(longest, 1)
+  return None
+
+
+def _binop_size(operator: str, left, right) -> tuple[int, str] | None:
+  """What ``left <operator> right`` would build, when it can grow past its operands."""
+  if operator == "+" and type(left) is str and type(right) is str:  # most of any template
+    return len(left) + len(right), "characters"
+  sized = (str, bytes, list, tuple)
+  if operator == "*":
+    if isinstance(right, sized):
+      left, right = right, left
+    if isinstance(left, sized) and isinstance(right, int):
+      return len(left) * max(right, 0), _measure(left)[1]
+    if isinstance(left, int) and isinstance(right, int):
+      return left.bit_length() + right.bit_length(), "bits"
+  elif operator == "+":
+    if isinstance(left, sized) and isinstance(right, sized):
+      return len(left) + len(right), _measure(left)[1]
+  elif operator == "**":
+    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+      return left.bit_length() * right, "bits"
+  return None
+
+
+# ---- filters: what each may build, checked before it runs --------------------------------
+# Filters that make a string of their value: a list or dict value is measured as text first.
+_TEXT_FILTERS = frozenset((
+    "capitalize", "center", "e", "escape", "forceescape", "format", "indent", "join",
+    "lower", "replace", "safe", "string", "striptags", "title", "tojson", "trim",
+    "truncate", "upper", "urlencode", "urlize", "wordcount", "wordwrap", "xmlattr"))
+
+
+def _check_center(render, value, width=80):
+  render.check(_int(width), "characters", "would pad a string to")
+  return value
+
+
+def _check_indent(render, value, width=4, first=False, blank=False):
+  width = len(width) if isinstance(width, str) else _int(width)
+  text = _as_text(render, value, "filter indent")
+  render.check(len(text) + width * (text.count("\n") + 1), "characters", "would indent to")
+  return value
+
+
+def _check_format(render, value, *args, **kwargs):
+  fmt = _as_text(render, value, "filter format")  # what the filter formats: str(value)
+  render.check(_percent_size(fmt, kwargs or args, render), "characters",
+               "would format a string of")
+  return value
+
+
+def _check_replace(render, value, old, new, count=None):
+  text = _as_text(render, value, "filter replace")  # what the filter replaces in
+  old, new = _as_text(render, old, "filter replace"), _as_text(render, new, "filter replace")
+  render.check(_replace_size(text, old, new, count), "characters",
+               "would replace into a string of")
+  return value
+
+
+def _check_join(render, value, d="", attribute=None):
+  items = list(value)
+  d = _as_text(render, d, "filter join")
+  render.check(_text_size(items, render.max_chars) + len(d) * len(items), "characters",
+               "would join a string of")
+  return items
+
+
+def _check_wordwrap(render, value, width=79, break_long_words=True, wrapstring=None,
+                    break_on_hyphens=True):
+  text = _as_text(render, value, "filter wordwrap")
+  breaks = len(wrapstring) if isinstance(wrapstring, str) else 1
+  render.check(len(text) + (len(text) // max(_int(width), 1) + 1) * breaks, "characters",
+               "would wrap into a string of")
+  return value
+
+
+def _check_sum(render, value, attribute=None, start=0):
+  items = list(value)
+  if attribute is None and isinstance(start, (str, list, tuple)):
+    render.check(len(start) + sum(len(i) for i in items if isinstance(i, (str, list, tuple))),
+                 "items", "would sum into a list of")
+  return items
+
+
+def _check_batch(render, value, linecount, fill_with=None):
+  render.check(_int(linecount), "items", "would fill batches of")
+  return value
+
+
+def _check_slice(render, value, slices, fill_with=None):
+  render.check(_int(slices), "items", "would cut slices:")
+  return value
+
+
+_FILTER_CHECKS = {"center": _check_center, "indent": _check_indent, "format": _check_format,
+                  "replace": _check_replace, "join": _check_join, "wordwrap": _check_wordwrap,
+                  "sum": _check_sum, "batch": _check_batch, "slice": _check_slice}
+
+
+def _bounded_filter(name: str, func):
+  check, text = _FILTER_CHECKS.get(name), name in _TEXT_FILTERS
+  first = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0  # env or context
+
+  @functools.wraps(func)  # keeps jinja_pass_arg: jinja passes the same first argument
+  def bounded(*args, **kwargs):
+    render = _render()
+    render.tick()
+    if len(args) > first:
+      value, rest = args[first], args[first + 1:]
+      if text and not isinstance(value, str):
+        render.check(_text_size(value, render.max_chars), "characters",
+                     f"would make text (filter {name}) of at least")
+      if check is not None:
+        args = args[:first] + (check(render, value, *rest, **kwargs),) + rest
+    return render.built(func(*args, **kwargs), f"built (filter {name})")
+  return bounded
+
+
+def _tojson(value, indent=None):
+  """``json.dumps`` as Hugging Face renders ``tojson``; an indent is repeated once per
+  nesting level on every line, so it is kept small."""
+  width = len(indent) if isinstance(indent, str) else _int(indent)
+  if not 0 <= width <= 16:
+    raise TokenizerError(f"{_render().where} indents JSON by {width:,} characters (tojson); "
+                         "jaxkv allows 0..16: fix the template.")
+  return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise_exception(message):
+  raise TokenizerError(f"{_render().where} refused the messages: {message}")
+
+
+class _Steps:
+  """A loop's iterable, checking the clock at each step (and keeping ``len`` for
+  ``loop.length``/``loop.last``)."""
+
+  def __init__(self, items):
+    self.items = items
+
+  def __len__(self):
+    return len(self.items)  # a TypeError here tells jinja to count the steps itself
+
+  def __iter__(self):
+    render = _render()
+    for item in self.items:
+      render.tick()
+      yield item
+
+
+_STEPS_FILTER = "jaxkv_loop_steps"
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+  """Compiles every ``for`` to iterate through ``_Steps`` and every ``~`` to a checked
+  join (jinja offers no hook for either: ``intercepted_binops`` covers ``*``, ``+``, ``%``,
+  ``**`` only)."""
+
+  def visit_Template(self, node, frame=None):
+    for loop in list(node.find_all(nodes.For)):
+      loop.iter = nodes.Filter(loop.iter, _STEPS_FILTER, [], [], None, None,
+                               lineno=loop.iter.lineno).set_environment(self.environment)
+    super().visit_Template(node, frame)
+
+  def visit_Concat(self, node, frame):
+    self.write("environment.join_text((")
+    for part in node.nodes:
+      self.visit(part, frame)
+      self.write(", ")
+    self.write("))")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+  """jinja's immutable sandbox (no attribute starting with ``_``, no mutation of lists and
+  dicts, ``range`` of at most 100k) with every growth checked against the render's budget."""
+
+  code_generator_class = _BoundedCodeGenerator
+  intercepted_binops = frozenset(("*", "+", "%", "**"))
+
+  def __init__(self):
+    super().__init__(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined,
+                     finalize=self.finalize_output)
+    self.filters["tojson"] = _tojson
+    del self.filters["pprint"]  # its indentation grows with nesting; no chat template uses it
+    self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+    self.filters[_STEPS_FILTER] = _Steps
+    del self.globals["lipsum"]  # lipsum(n) writes n paragraphs in one call
+    self.globals["raise_exception"] = _raise_exception
+    self.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+
+  def call_binop(self, context, operator, left, right):
+    render = _render()
+    if operator == "%" and isinstance(left, str):
+      render.check(_percent_size(left, right, render), "characters", "would format a string of")
+      return render.built(super().call_binop(context, operator, left, right))
+    expected = _binop_size(operator, left, right)
+    if expected is None:  # numbers: measured after
+      return render.built(super().call_binop(context, operator, left, right))
+    render.check(*expected, f"would build (operator {operator}) a value of")
+    result = super().call_binop(context, operator, left, right)
+    render.count(*expected)  # exactly what was checked: no need to measure it again
+    return result
+
+  def call(self, context, obj, /, *args, **kwargs):
+    render = _render()
+    owner = getattr(obj, "__self__", None)
+    if isinstance(owner, (str, bytes)):
+      if obj.__name__ == "join" and args and not isinstance(args[0], (list, tuple)):
+        args = (list(args[0]),) + args[1:]  # a generator: its parts, measured once
+      size = _method_size(owner, obj.__name__, args, kwargs)
+      if size is not None:
+        render.check(size, "characters", f"would build (.{obj.__name__}) a string of")
+    return render.built(super().call(context, obj, *args, **kwargs),
+                        f"built (calling {getattr(obj, '__name__', 'a function')})")
+
+  def wrap_str_format(self, value):
+    wrapped = super().wrap_str_format(value)
+    if wrapped is None:
+      return None
+    fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+    def bounded(*args, **kwargs):
+      render = _render()
+      if is_map:
+        size = _format_size(fmt, (), args[0] if args and isinstance(args[0], Mapping) else {},
+                            render)
+      else:
+        size = _format_size(fmt, args, kwargs, render)
+      render.check(size, "characters", "would format a string of")
+      return render.built(wrapped(*args, **kwargs))
+    return functools.update_wrapper(bounded, value)
+
+  def concat(self, parts):
+    """Joins the chunks of a macro, a block or ``{% set %}...{% endset %}`` (all strings
+    already; only their join is new)."""
+    parts = list(parts)
+    render = _render()
+    render.check(sum(map(len, parts)), "characters", "would join a string of")
+    return render.built("".join(parts))
+
+  def join_text(self, parts):
+    """``a ~ b ~ ...``: each part as text, joined."""
+    render = _render()
+    parts = [_as_text(render, part, "operator ~") for part in parts]
+    render.check(sum(map(len, parts)), "characters", "would build (operator ~) a string of")
+    return render.built("".join(parts))
+
+  @staticmethod
+  def finalize_output(value):
+    """Every ``{{ value }}`` before jinja makes it text: a list or dict is measured first."""
+    if not isinstance(value, str):
+      render = _render()
+      render.check(_text_size(value, render.max_chars), "characters", "would print at least")
+    return value
+
+
 _TEMPLATES: dict = {}
 
 
 def _compile(source: str):
-  """A chat template in a sandboxed Jinja environment with the helpers templates call."""
+  """A chat template in the bounded sandbox (compiled once per source)."""
   if source not in _TEMPLATES:
-    import datetime
-
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-      raise TokenizerError(f"the chat template refused the messages: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        undefined=jinja2.Undefined)
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
-                                                                indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    _TEMPLATES[source] = env.from_string(source)
+    _TEMPLATES[source] = _environment().from_string(source)
   return _TEMPLATES[source]
+
+
+@functools.cache
+def _environment() -> _BoundedEnvironment:
+  return _BoundedEnvironment()

@@ -21,7 +21,11 @@ tensor is read from its memory-mapped file as a slice, converted and placed, so 
 holds at most one tensor's part at a time, never the checkpoint.
 
 Anything the loader does not support (an architecture, an activation, a RoPE scaling type,
-a missing or misshapen tensor) is refused with one line naming it.
+a missing or misshapen tensor) is refused with one line naming it. So is what a checkpoint
+from elsewhere could use against the host: a safetensors header longer than
+``MAX_HEADER_BYTES`` (it is read into memory whole), and an index naming a shard outside
+the checkpoint directory (an absolute path, ``..``, or a symlink that leads out of it;
+symlinks into a Hugging Face hub cache's ``blobs/`` are how that cache stores files).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from jaxkv.models.llama import Llama, LlamaConfig, RopeScaling
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# The safetensors library's own cap (MAX_HEADER_SIZE): a real header is kilobytes to a few
+# megabytes; a larger length is a corrupt or hostile file, not a checkpoint.
+MAX_HEADER_BYTES = 100_000_000
 
 
 class CheckpointError(InputError):
@@ -146,13 +153,20 @@ class SafetensorsFile:
     with open(file, "rb") as f:
       head = f.read(8)
       n = int.from_bytes(head, "little") if len(head) == 8 else -1
+      if n > MAX_HEADER_BYTES:  # checked before the file size: nothing of it is read
+        raise CheckpointError(
+            f"{file} declares a safetensors header of {n:,} bytes; jaxkv reads headers of at "
+            f"most {MAX_HEADER_BYTES:,} bytes (as the safetensors library does), so the file "
+            "is corrupt or not a safetensors file: download or convert it again.")
       if not 0 < n <= size - 8:
         raise CheckpointError(f"{file} is not a safetensors file (header length {n}, file "
-                              f"size {size}).")
+                              f"size {size}): download or convert it again.")
       try:
         self.header = json.loads(f.read(n))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} has an unreadable safetensors header ({e}).") from None
+    if not isinstance(self.header, dict):
+      raise CheckpointError(f"{file} has a safetensors header that is not a JSON object.")
     self.header.pop("__metadata__", None)
     self._data = np.memmap(file, np.uint8, "r", offset=8 + n) if size > 8 + n else None
 
@@ -182,15 +196,53 @@ def _weight_files(path: str) -> dict[str, str]:
   index = os.path.join(path, _INDEX)
   if os.path.exists(index):
     with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+      try:
+        weight_map = json.load(f)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e}).") from None
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict):
       raise CheckpointError(f"{index} has no weight_map.")
-    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    roots, shards = _shard_roots(path), {}
+    for name, file in weight_map.items():  # each file checked once, named by its first tensor
+      if not isinstance(file, str) or file not in shards:
+        shards[file] = _shard_file(path, roots, index, name, file)
+    return {name: shards[file] for name, file in weight_map.items()}
   single = os.path.join(path, _SINGLE)
   if not os.path.exists(single):
     raise CheckpointError(f"{path!r} has neither {_SINGLE} nor {_INDEX}; jaxkv reads "
                           "safetensors weights only.")
   return {name: single for name in SafetensorsFile(single).keys()}
+
+
+def _shard_roots(path: str) -> tuple[str, ...]:
+  """Where the shards of checkpoint directory ``path`` may really live: the directory, and
+  for a snapshot of a Hugging Face hub cache (``models--org--name/snapshots/<revision>``,
+  whose files are symlinks to ``../../blobs/<hash>``) that repository's ``blobs``."""
+  root = os.path.realpath(path)
+  parent = os.path.dirname(root)
+  if os.path.basename(parent) == "snapshots":
+    return root, os.path.join(os.path.dirname(parent), "blobs")
+  return (root,)
+
+
+def _shard_file(path: str, roots: tuple[str, ...], index: str, name: str, file) -> str:
+  """The path of shard ``file`` (listed for tensor ``name``), refused unless it names a
+  file inside the checkpoint directory."""
+  if not isinstance(file, str) or not file:
+    problem = "not a file name"
+  elif os.path.isabs(file) or os.path.splitdrive(file)[0]:
+    problem = "an absolute path"
+  elif ".." in file.replace("\\", "/").split("/"):
+    problem = "a path through '..'"
+  else:
+    real = os.path.realpath(os.path.join(path, file))
+    if any(real != root and os.path.commonpath([real, root]) == root for root in roots):
+      return os.path.join(path, file)
+    problem = f"it resolves to {real!r}, outside the checkpoint directory"
+  raise CheckpointError(
+      f"{index} lists {file!r} for tensor {name!r}: {problem}; shards must be files inside "
+      f"{path!r}: fix the weight_map or download the checkpoint again.")
 
 
 def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: int) -> P:
