@@ -76,6 +76,11 @@ class KVCache:
                        "or $JAXKV_DEPLOYMENT_KEY_FILE); give one, or set encryption='auto'.")
     # Blocks leaving the process are encrypted (not only MACed) under the key.
     self.encrypt = self._deployment_key is not None and tiers.encryption != "off"
+    if self._deployment_key is not None and not self.encrypt and (
+        tiers.disk_enabled or tiers.remote_peers):
+      security.warn_insecure("TierConfig.encryption='off': disk records and remote answers "
+                             "carry plaintext KV, from which a prompt can be read back",
+                             "set encryption='auto' unless the store and network are private")
     self.index = PrefixIndex(num_shards=self.num_shards, pages_per_shard=config.pages_per_shard,
                              page_size=config.page_size, fingerprint=config.fingerprint(),
                              host_pages_per_shard=tiers.host_pages_per_shard,
@@ -303,6 +308,7 @@ class KVCache:
       self.index.release(0, [slot], Tier.DISK)
     self.disk_recovered = {"adopted": len(good), "deleted": deleted,
                            "temporaries": self.disk.removed_temporaries}
+    self.stats.add_discarded_at_open(self.disk.discarded)  # by reason (process 0's, in a job)
     logging.info("disk tier %s: adopted %d blocks from earlier runs; discarded %d records "
                  "(other weights or layout, or failed verification) and %d unfinished writes",
                  self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)

@@ -65,11 +65,9 @@ def _host_link(cache, reps: int) -> LinkCost:
 def _disk_link(cache, reps: int) -> LinkCost:
   """Verified reads of records written for the purpose, under a fingerprint of their own
   (random: processes sharing the store never see or touch each other's), deleted after."""
-  from jaxkv.tiers.disk import DiskTier
   disk = cache.disk
   n = 16
-  scratch = DiskTier(disk.kvstore, num_slots=n, payload_shape=disk.payload_shape,
-                     dtype=disk.dtype, fingerprint=b"calibration" + secrets.token_bytes(21))
+  scratch = disk.scratch(b"calibration" + secrets.token_bytes(21), n)  # same key, same cost
   rng = np.random.default_rng(0)
   payload = rng.standard_normal(disk.payload_shape).astype(np.float32).astype(disk.dtype)
   keys = [i.to_bytes(32, "little") for i in range(n)]

@@ -13,7 +13,8 @@ Families (every sample labelled with ``policy`` and the given labels):
   ``jaxkv_e2e_latency_seconds`` — bucket counts, so replicas aggregate;
 - counters (``_total``): block hits by ``tier``; requests, prompt/hit/computed/generated
   tokens; blocks fetched, recomputed and split; bytes moved between tiers; verification
-  failures by ``reason``; read timeouts; disk write failures; evictions;
+  failures by ``reason``; disk records not adopted when the store was opened by ``reason``
+  (``jaxkv_disk_discarded_at_open_total``); read timeouts; disk write failures; evictions;
 - gauges: ``jaxkv_cached_blocks`` and ``jaxkv_capacity_blocks`` by ``tier``,
   ``jaxkv_waiting_requests``, ``jaxkv_running_requests``, ``jaxkv_referenced_pages``.
 """
@@ -72,6 +73,10 @@ class EngineCollector:
                                "from.", labels=names + ["tier"])
     failures = CounterMetricFamily("jaxkv_verify_failures", "Lower-tier blocks whose bytes "
                                    "failed verification, by reason.", labels=names + ["reason"])
+    discarded = CounterMetricFamily(
+        "jaxkv_disk_discarded_at_open", "Disk records not adopted when the store was opened "
+        "(deleted: failed verification; kept: another format version, unreadable), by reason.",
+        labels=names + ["reason"])
     counters = {k: CounterMetricFamily(f"jaxkv_{k}", COUNTERS[k].capitalize() + ".",
                                        labels=names) for k in _COUNTED}
     evictions = CounterMetricFamily("jaxkv_evictions", "Blocks evicted from any tier.",
@@ -98,6 +103,8 @@ class EngineCollector:
         hits.add_metric(values + [tier], n)
       for reason, n in sorted(stats.get("verify_failures_by_reason", {}).items()):
         failures.add_metric(values + [str(reason)], n)
+      for reason, n in sorted(stats.get("disk_discarded_at_open_by_reason", {}).items()):
+        discarded.add_metric(values + [str(reason)], n)
       for k, family in counters.items():
         family.add_metric(values, stats.get(k, 0))
       evictions.add_metric(values, stats.get("evictions", 0))
@@ -111,6 +118,7 @@ class EngineCollector:
     yield from hist.values()
     yield hits
     yield failures
+    yield discarded
     yield from counters.values()
     yield evictions
     yield from (cached, capacity, waiting, running, referenced)

@@ -4,7 +4,9 @@
 Every part that does counted work (the scheduler, the runner, the tier mover, streaming)
 adds to the same ``Stats``, owned by the ``KVCache``; nobody keeps counters of its own.
 ``as_dict`` is the public shape of ``Engine.stats()``: every counter below (0 when nothing
-happened), ``hits`` by tier name, ``verify_failures_by_reason``, ``ttft_s`` per request
+happened), ``hits`` by tier name, ``verify_failures_by_reason``,
+``disk_discarded_at_open_by_reason`` (records the disk tier did not adopt when it was opened:
+deleted, or left for another format version), ``ttft_s`` per request
 (``tpot_s``, time per output token, and ``e2e_s``, submission to last token, per request
 that continuous batching finished) and the index's ``evictions``.
 """
@@ -33,6 +35,8 @@ COUNTERS = {
     "shared_prefix_waits": "requests that waited for a running request's blocks of their "
                            "prompt instead of computing them again",
     "verify_failures": "lower-tier blocks whose bytes failed verification",
+    "disk_discarded_at_open": "disk records not adopted when the store was opened (failed "
+                              "verification, another format version, unreadable)",
     "read_timeouts": "lower-tier reads that missed their deadline",
     "disk_write_failures": "disk writes that failed (never published)",
     "demoted_host": "blocks copied down to host memory",
@@ -60,6 +64,9 @@ class Stats:
   counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   hits: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # reason -> disk records not adopted at open (``DiskTier.discarded``)
+  discarded_at_open: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
   ttft_s: list = dataclasses.field(default_factory=list)
   tpot_s: list = dataclasses.field(default_factory=list)  # per request with 2+ tokens
   e2e_s: list = dataclasses.field(default_factory=list)  # submit to last token
@@ -67,11 +74,16 @@ class Stats:
   def add(self, name: str, n: float = 1) -> None:
     self.counters[name] += n
 
+  def add_discarded_at_open(self, by_reason: dict) -> None:
+    """Counts the disk records a store's opening did not adopt, by reason."""
+    self.discarded_at_open.update(by_reason)
+    self.add("disk_discarded_at_open", sum(by_reason.values()))
+
   def __getitem__(self, name: str) -> float:
     return self.counters[name]
 
   def reset(self) -> None:
-    for c in (self.counters, self.hits, self.failures):
+    for c in (self.counters, self.hits, self.failures, self.discarded_at_open):
       c.clear()
     for series in (self.ttft_s, self.tpot_s, self.e2e_s):
       series.clear()
@@ -81,6 +93,7 @@ class Stats:
     out.update(self.counters)
     out["hits"] = {name: self.hits[name] for name in HIT_TIERS}
     out["verify_failures_by_reason"] = dict(self.failures)
+    out["disk_discarded_at_open_by_reason"] = dict(self.discarded_at_open)
     out["ttft_s"] = list(self.ttft_s)
     out["tpot_s"] = list(self.tpot_s)
     out["e2e_s"] = list(self.e2e_s)

@@ -9,6 +9,10 @@
   random-page gathers (all in flight, each verified) against raw ``pwrite``/``pread`` of
   one preallocated file. Reads are cold: files are fsynced and dropped from the page
   cache (``POSIX_FADV_DONTNEED``) before every repetition.
+- what the deployment key costs on disk: the same writes and bulk reads of keyless records
+  (CRC-32C), keyed ones (an AES-GCM tag) and encrypted ones (AES-GCM), interleaved in one
+  run: ``keyed_cost_disk_{read,write}`` and ``keyed_cost_disk_{read,write}_encrypted``, keyed
+  time over keyless time for the same bytes (1.0: free).
 """
 
 from __future__ import annotations
@@ -95,36 +99,41 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   workdir = workdir or tempfile.mkdtemp(prefix="jaxkv-bench-")
   n_blocks = data * pages_per_shard
   payload_shape = (n_arrays, config.num_kv_heads, config.page_size, config.head_dim)
-  disk = DiskTier(os.path.join(workdir, "store"), num_slots=n_blocks, payload_shape=payload_shape,
-                  dtype=config.jnp_dtype, fingerprint=config.fingerprint())
+  store_root = os.path.join(workdir, "store")
+  key = hashlib.sha256(b"jaxkv tiers bench deployment key").digest()
+  protections = {"": {}, "_keyed": {"key": key}, "_encrypted": {"key": key, "encrypt": True}}
+  disks = {name: DiskTier(store_root, num_slots=n_blocks, payload_shape=payload_shape,
+                          dtype=config.jnp_dtype, fingerprint=config.fingerprint(), **kw)
+           for name, kw in protections.items()}
   payloads = [jnp.asarray(rng.standard_normal(payload_shape), config.jnp_dtype).__array__()
               for _ in range(8)]
   keys = [i.to_bytes(32, "little") for i in range(n_blocks)]
-  rec = disk.record_bytes
+  rec = disks[""].record_bytes
   raw_path = os.path.join(workdir, "raw.bin")
   with open(raw_path, "wb") as f:
     f.truncate(n_blocks * rec)
   raw_records = [np.frombuffer(rng.bytes(rec), np.uint8) for _ in range(8)]
   gather_slots = sorted(rng.choice(n_blocks, n_blocks // 4, replace=False).tolist())
-  store_root = os.path.join(workdir, "store")
+  held = {name: [None] * n_blocks for name in disks}  # the block each slot holds, per tier
 
-  generation = [0]
-  held: list = [None] * n_blocks  # the block each slot holds, as the index would say
-
-  def disk_write():
+  def disk_write(name):
     """The store at capacity, as in use: each new block takes the slot of an evicted one,
     whose record is deleted (as the mover's journal does when the index evicts it)."""
-    generation[0] += 1
-    ws = []
-    for i, k in enumerate(keys):
-      if held[i] is not None:
-        disk.delete(held[i])
-      held[i] = hashlib.sha256(k + generation[0].to_bytes(8, "little")).digest()
-      ws.append(disk.write(held[i], payloads[i % 8], None))
-    for w in ws:
-      w.result(timeout=600)
-    disk.settle()  # the evicted records' deletions too
-    disk.sync()  # durable, as the tier publishes a batch
+    tier, slots, generation = disks[name], held[name], [0]
+
+    def go():
+      generation[0] += 1
+      ws = []
+      for i, k in enumerate(keys):
+        if slots[i] is not None:
+          tier.delete(slots[i])
+        slots[i] = hashlib.sha256(name.encode() + k + generation[0].to_bytes(8, "little")).digest()
+        ws.append(tier.write(slots[i], payloads[i % 8], None))
+      for w in ws:
+        w.result(timeout=600)
+      tier.settle()  # the evicted records' deletions too
+      tier.sync()  # durable, as the tier publishes a batch
+    return go
 
   def raw_write():
     fd = os.open(raw_path, os.O_WRONLY)
@@ -135,9 +144,9 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
     finally:
       os.close(fd)
 
-  def disk_read(slots):
+  def disk_read(slots, name=""):
     def go():
-      disk.read_verified([held[s] for s in slots], time.monotonic() + 600)
+      disks[name].read_verified([held[name][s] for s in slots], time.monotonic() + 600)
     return go
 
   def raw_read_bulk():
@@ -155,12 +164,24 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
     finally:
       os.close(fd)
 
-  write_res = common.interleaved({"jaxkv_write": disk_write, "pwrite": raw_write}, reps=reps)
+  write_res = common.interleaved({
+      **{f"jaxkv_write{name}": disk_write(name) for name in disks}, "pwrite": raw_write,
+  }, reps=reps)
   cold = lambda _name: _drop_page_cache(_files_under(store_root) + [raw_path])
   read_res = common.interleaved({
-      "jaxkv_bulk_read": disk_read(list(range(n_blocks))), "pread_bulk": raw_read_bulk,
+      **{f"jaxkv_bulk_read{name}": disk_read(list(range(n_blocks)), name) for name in disks},
+      "pread_bulk": raw_read_bulk,
       "jaxkv_gather": disk_read(gather_slots), "pread_gather": raw_gather,
   }, reps=reps, setup=cold)
+  cost = lambda res, a, b: res[a]["median_s"] / res[b]["median_s"]  # time a / time b
+  # The proofs alone, on records in memory: the cost where the disk is not the bottleneck
+  # (page-cache-warm reads, fast NVMe).
+  codec = {}
+  for name, tier in disks.items():
+    records = [tier.record(k, p, None) for k, p in zip(keys, payloads)]
+    codec[f"encode{name}"] = lambda t=tier: [t.record(k, p, None) for k, p in zip(keys, payloads)]
+    codec[f"decode{name}"] = lambda t=tier, rs=records: [t.verify(r, k) for r, k in zip(rs, keys)]
+  cpu_res = common.interleaved(codec, reps=max(reps, 5))
 
   layout = _chunk_layouts(workdir, n_blocks, rec, rng, reps)
   disk_bytes = n_blocks * rec
@@ -175,13 +196,23 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
       "disk_read_vs_pread": common.ratio(read_res["jaxkv_bulk_read"], read_res["pread_bulk"]),
       "disk_gather_vs_pread": common.ratio(read_res["jaxkv_gather"], read_res["pread_gather"]),
       "disk_write_vs_pwrite": common.ratio(write_res["jaxkv_write"], write_res["pwrite"]),
+      "keyed_cost_disk_read": cost(read_res, "jaxkv_bulk_read_keyed", "jaxkv_bulk_read"),
+      "keyed_cost_disk_write": cost(write_res, "jaxkv_write_keyed", "jaxkv_write"),
+      "keyed_cost_disk_read_encrypted": cost(read_res, "jaxkv_bulk_read_encrypted",
+                                             "jaxkv_bulk_read"),
+      "keyed_cost_disk_write_encrypted": cost(write_res, "jaxkv_write_encrypted", "jaxkv_write"),
+      "keyed_cost_cpu": {f"{op}{name}": cost(cpu_res, f"{op}{name}", op)
+                         for op in ("encode", "decode") for name in ("_keyed", "_encrypted")},
       "bytes": {"host_moves": nbytes, "disk_bulk": disk_bytes, "disk_gather": gather_bytes,
                 "block": config.page_bytes, "record": rec},
       "host": {k: common.throughput(nbytes, v) for k, v in host_res.items()},
       "disk": {
-          "jaxkv_write": common.throughput(disk_bytes, write_res["jaxkv_write"]),
+          **{f"jaxkv_write{name}": common.throughput(disk_bytes, write_res[f"jaxkv_write{name}"])
+             for name in disks},
           "pwrite": common.throughput(disk_bytes, write_res["pwrite"]),
-          "jaxkv_bulk_read": common.throughput(disk_bytes, read_res["jaxkv_bulk_read"]),
+          **{f"jaxkv_bulk_read{name}": common.throughput(disk_bytes,
+                                                         read_res[f"jaxkv_bulk_read{name}"])
+             for name in disks},
           "pread_bulk": common.throughput(disk_bytes, read_res["pread_bulk"]),
           "jaxkv_gather": common.throughput(gather_bytes, read_res["jaxkv_gather"]),
           "pread_gather": common.throughput(gather_bytes, read_res["pread_gather"]),
@@ -190,7 +221,9 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
                 "writes one file per record (temp file + rename), each new block replacing an "
                 "evicted one's record (the store at capacity), and flushes the batch with one "
                 "syncfs; pwrite overwrites a preallocated file in place and fsyncs once; jaxkv reads verify every record's "
-                "header and CRC-32C"),
+                "header and CRC-32C (_keyed: an AES-GCM tag under a deployment key; "
+                "_encrypted: AES-256-GCM, the payload sealed); keyed_cost_*: keyed time over "
+                "keyless time, medians of the interleaved repetitions"),
       "chunk_layout": layout,
       "mesh": {"data": data, "model": model},
   }

@@ -51,9 +51,12 @@ class Failure(str, enum.Enum):
   KEY = "key"  # another block (swapped, stale, another tenant's)
   SHAPE = "shape"  # wrong dtype or shape
   CHECKSUM = "checksum"  # the bytes changed
+  MAC = "mac"  # the keyed tag does not verify: forged, damaged, or another key's
+  MODE = "mode"  # keyless record for a keyed reader (forgeable), or keyed one for a keyless
   TOKEN = "token"  # a remote offer answering another request
   READ_ERROR = "read_error"  # the store raised while reading, again: given up on
   REMOTE = "remote"  # a remote fetch failed in an unclassified way
+  MALFORMED = "malformed"  # a remote answer breaks the protocol (schema, frames, sizes)
   # The bytes never came: a miss, not a corruption.
   DEADLINE = "deadline"  # not there before the deadline
   BREAKER = "breaker"  # the peer's circuit breaker is open

@@ -1,0 +1,314 @@
+"""The disk tier against whoever can read or write its store: keyed records refuse forgeries
+(even with a valid CRC-32C), encrypted records hold no plaintext KV, opening a store of junk
+stays bounded in memory and counts what it drops, records of another format survive, and
+local stores are private (or jaxkv says they are not)."""
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+
+import google_crc32c
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import metrics
+from jaxkv.bench.s3server import LocalS3
+from jaxkv.tiers import blocks
+from jaxkv.tiers.disk import DiskTier
+
+import helpers
+
+KEY = bytes(range(7, 39))  # 32 distinct bytes
+PAGE = 4  # helpers.cache_config_for's page_size
+FP = b"f" * 32
+SHAPE = (2, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def s3():
+  with LocalS3() as server:
+    yield server
+
+
+@pytest.fixture(scope="module")
+def fresh(mesh):
+  return helpers.make_engine(mesh, prefix_reuse=False)
+
+
+def disk_engine(mesh, store, *, key=None, encryption="auto"):
+  tiers = jaxkv.TierConfig(disk_kvstore=store, disk_pages=64, write_policy="write_through",
+                           encryption=encryption)
+  return helpers.make_engine(mesh, tiers=tiers, deployment_key=key)
+
+
+def read_object(engine, key: bytes) -> bytes:
+  disk = engine.cache.disk
+  return disk.kv.read(disk.name(key)).result().value
+
+
+def write_object(engine, key: bytes, data: bytes) -> None:
+  """Writes a record's bytes as whoever can write the store would (a file, an object)."""
+  disk = engine.cache.disk
+  disk.kv.write(disk.name(key), data).result()
+
+
+def flip(data: bytes, at: int) -> bytes:
+  out = bytearray(data)
+  out[at] ^= 0x10
+  return bytes(out)
+
+
+# ---- keyed records refuse forgeries ---------------------------------------------------------
+@pytest.mark.parametrize("encryption, forgery, reason", [
+    ("auto", "valid_crc", "mode"), ("off", "valid_crc", "mode"),
+    ("auto", "tag_kept", "mac"), ("off", "tag_kept", "mac")])
+def test_a_forged_record_is_refused_by_a_keyed_cache_even_with_a_valid_crc(
+    mesh, tmp_path, fresh, encryption, forgery, reason):
+  engine = disk_engine(mesh, str(tmp_path / "d"), key=KEY, encryption=encryption)
+  prompt = list(range(1, 6 * PAGE + 2))  # 6 full blocks
+  want = fresh.generate([prompt], 3)
+  assert engine.generate([prompt], 3) == want
+  assert engine.flush(30) == 0
+  keys = engine.cache.index.block_keys(prompt, "default")
+  original = read_object(engine, keys[2])
+  cache = engine.cache
+  if forgery == "valid_crc":
+    # The record a keyless writer would make for other KV: its CRC-32C is right, so a
+    # keyless reader takes it (checked), but it carries no tag made with the key.
+    parent = blocks.header_keys(np.frombuffer(original, np.uint8))[1]
+    other = np.full(cache.payload_shape, 0.5, cache.config.jnp_dtype)
+    forged = blocks.encode(other, keys[2], cache.config.fingerprint(), parent)
+    expect = dict(key=keys[2], fingerprint=cache.config.fingerprint(),
+                  dtype=cache.config.jnp_dtype, shape=cache.payload_shape)
+    np.testing.assert_array_equal(blocks.decode(forged, **expect), other)
+    crc = google_crc32c.value(forged[blocks.HEADER_BYTES:]).to_bytes(4, "little")
+    assert forged[136:144].tobytes() == bytes(4) + crc  # protection 0 (CRC), the CRC-32C
+    forged = forged.tobytes()
+  else:  # the payload changed, the header (and its tag) kept
+    forged = flip(original, blocks.HEADER_BYTES + 40)
+  assert len(forged) == len(original)
+  write_object(engine, keys[2], forged)
+  helpers.forget_device_copies(engine)
+  engine.reset_stats()
+  assert engine.generate([prompt], 3) == want
+  s = engine.stats()
+  assert s["verify_failures_by_reason"] == {reason: 1} and s["verify_failures"] == 1
+  assert s["hits"]["disk"] == 2  # blocks 0 and 1; 2 refused, the rest recomputed
+  assert engine.cache.index.counters.dropped == 4
+
+
+@pytest.mark.parametrize("where", ["dir", "s3"])
+def test_a_tampered_record_is_refused_when_read_and_when_the_store_is_opened(
+    mesh, tmp_path, fresh, request, where):
+  store = (str(tmp_path / "d") if where == "dir"
+           else request.getfixturevalue("s3").kvstore("tampered", "kv/"))
+  engine = disk_engine(mesh, store, key=KEY)
+  prompt = list(range(3, 5 * PAGE + 3))
+  want = fresh.generate([prompt], 2)
+  engine.generate([prompt], 2)
+  assert engine.flush(30) == 0
+  keys = engine.cache.index.block_keys(prompt, "default")
+  write_object(engine, keys[1], flip(read_object(engine, keys[1]), 150))  # its tag
+  helpers.forget_device_copies(engine)
+  assert engine.generate([prompt], 2) == want
+  assert engine.stats()["verify_failures_by_reason"] == {"mac": 1}  # the rest never read
+  assert engine.flush(30) == 0  # the recomputed blocks written again
+  # Another cache opening the store refuses a tampered payload, counts and deletes it.
+  write_object(engine, keys[2], flip(read_object(engine, keys[2]), blocks.HEADER_BYTES + 9))
+  other = disk_engine(mesh, store, key=KEY)
+  s = other.stats()
+  assert s["disk_discarded_at_open_by_reason"] == {"mac": 1} and s["disk_discarded_at_open"] == 1
+  assert other.cache.disk_recovered["deleted"] == 1
+  other.cache.disk.settle()
+  assert other.cache.disk.kv.read(other.cache.disk.name(keys[2])).result().state == "missing"
+  samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+             for family in metrics.EngineCollector({"jaxkv": other}).collect()
+             for smp in family.samples}
+  assert samples[("jaxkv_disk_discarded_at_open_total",
+                  (("policy", "jaxkv"), ("reason", "mac")))] == 1
+  assert other.generate([prompt], 2) == want
+
+
+# ---- encrypted records hold no plaintext KV -------------------------------------------------
+def layer0_values(record: bytes, cache) -> np.ndarray:
+  """What an attacker reads from a plaintext record: layer 0's V rows, [page_size, kv_heads,
+  head_dim] (the payload is [2 * layers, kv_heads, page_size, head_dim], K then V)."""
+  payload = np.frombuffer(record[blocks.HEADER_BYTES:], cache.config.jnp_dtype)
+  return payload.reshape(cache.payload_shape)[1].transpose(1, 0, 2)
+
+
+def test_an_encrypted_store_holds_no_plaintext_kv_a_vocabulary_table_could_read(
+    mesh, tmp_path):
+  plain = disk_engine(mesh, str(tmp_path / "plain"))
+  sealed = disk_engine(mesh, str(tmp_path / "sealed"), key=KEY)
+  assert sealed.cache.encrypt and not plain.cache.encrypt
+  vocab = list(range(1, 128))
+  enumerating = [vocab[:64], vocab[64:] + [1]]  # every token id, in full blocks
+  secret = [int(t) for t in np.random.default_rng(5).integers(1, 128, 10 * PAGE)]
+  plain.generate(enumerating + [secret], 1)
+  sealed.generate([secret], 1)
+  for e in (plain, sealed):
+    assert e.flush(30) == 0
+  # The attack: layer-0 V is a function of the token id alone (no position in V), so the
+  # records of a prompt that enumerates the vocabulary make a table id -> V.
+  table = {}
+  for prompt in enumerating:
+    for b, key in enumerate(plain.cache.index.block_keys(prompt, "default")):
+      rows = layer0_values(read_object(plain, key), plain.cache)
+      for j in range(PAGE):
+        table[prompt[b * PAGE + j]] = rows[j]
+  assert len(table) == 127
+  ids = np.array(sorted(table))
+  vectors = np.stack([table[i] for i in ids]).reshape(len(ids), -1).astype(np.float32)
+
+  def recovered(engine, prompt):
+    got = []
+    for key in engine.cache.index.block_keys(prompt, "default"):
+      rows = layer0_values(read_object(engine, key), engine.cache)
+      rows = rows.reshape(PAGE, -1).astype(np.float32)
+      got += ids[np.argmin(((rows[:, None] - vectors[None]) ** 2).sum(-1), axis=1)].tolist()
+    return np.mean(np.array(got) == np.array(prompt[:len(got)]))
+
+  assert recovered(plain, secret) >= 0.95  # plaintext KV reads back into the prompt
+  # The files, byte for byte: any table vector's bytes (one head's row of one token).
+  rows = {table[i][h].tobytes() for i in table for h in range(table[i].shape[0])}
+
+  def found(root):
+    hits = 0
+    for d, _, files in os.walk(root):
+      for f in files:
+        data = open(os.path.join(d, f), "rb").read()
+        hits += sum(row in data for row in rows)
+    return hits
+
+  assert found(str(tmp_path / "plain")) >= len(set(secret))  # the test finds what is there
+  assert found(str(tmp_path / "sealed")) == 0
+  assert len(os.listdir(sealed.cache.disk.prefix_path)) >= 10
+  # And the encrypted records are the cache's KV all the same: read back, bit-exact output.
+  want = plain.generate([secret], 3)
+  helpers.forget_device_copies(sealed)
+  sealed.reset_stats()
+  assert sealed.generate([secret], 3) == want
+  hits = (len(secret) - 1) // PAGE  # the block of the last prompt token is computed again
+  assert sealed.stats()["hits"]["disk"] == hits and sealed.stats()["verify_failures"] == 0
+
+
+# ---- opening a store ------------------------------------------------------------------------
+SCAN_IN_A_CHILD = r"""
+import json, resource, sys
+from jaxkv.tiers.disk import DiskTier
+disk = DiskTier(sys.argv[1], num_slots=8, payload_shape=(2, 2, 4, 8), dtype="float32",
+                fingerprint=b"f" * 32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+good, deleted = disk.scan()
+disk.settle()
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"good": len(good), "deleted": deleted, "discarded": disk.discarded,
+                  "grew_kib": grew}))
+"""
+
+
+def test_opening_a_store_of_ten_thousand_junk_records_stays_bounded_and_counts_them(tmp_path):
+  path = str(tmp_path / "d")
+  disk = DiskTier(path, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
+  rng = np.random.default_rng(0)
+  for i in range(3):
+    disk.write(bytes([i]) * 32, rng.standard_normal(SHAPE).astype(np.float32), None).result()
+  good_record = open(disk.path_of(bytes([0]) * 32), "rb").read()
+  junk = lambda i: os.path.join(disk.prefix_path, f"ff{i:062x}")
+  for i in range(10_000):  # a few bytes each: judged by their size, never read
+    with open(junk(i), "wb") as f:
+      f.write(b"junk")
+  for i in range(10_000, 10_004):  # huge (sparse): reading them would take 256 MiB
+    with open(junk(i), "wb") as f:
+      f.truncate(64 << 20)
+  for i in range(10_004, 10_050):  # the right size, not a record
+    open(junk(i), "wb").write(rng.bytes(disk.record_bytes))
+  for i in range(10_050, 10_070):  # a valid record under another block's name
+    open(junk(i), "wb").write(good_record)
+  open(junk(10_070), "wb").write(flip(good_record, -1))
+  proc = subprocess.run([sys.executable, "-c", SCAN_IN_A_CHILD, path], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["good"] == 3
+  assert r["discarded"] == {"size": 10_004, "magic": 46, "key": 20, "checksum": 1}
+  assert r["deleted"] == 10_071
+  assert r["grew_kib"] < 64 * 1024, r  # well below the 256 MiB of the huge files alone
+  assert sorted(os.listdir(disk.prefix_path)) == sorted(
+      os.path.basename(disk.path_of(bytes([i]) * 32)) for i in range(3))
+
+
+@pytest.mark.parametrize("where", ["dir", "s3"])
+def test_records_of_another_format_survive_an_open_and_are_counted(tmp_path, request, where):
+  store = (str(tmp_path / "d") if where == "dir"
+           else request.getfixturevalue("s3").kvstore("formats", "kv/"))
+  disk = DiskTier(store, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP,
+                  key=KEY, encrypt=True)
+  rng = np.random.default_rng(1)
+  disk.write(b"a" * 32, rng.standard_normal(SHAPE).astype(np.float32), None).result()
+  record = disk.kv.read(disk.name(b"a" * 32)).result().value
+  newer = record[:8] + (4).to_bytes(4, "little") + record[12:]  # a format this jaxkv lacks
+  others = {
+      FP[:16].hex() + "/" + (b"b" * 32).hex(): record[:8] + (2).to_bytes(4, "little") + record[12:],
+      disk.name(b"c" * 32): newer,  # this prefix, another version, same size
+      disk.name(b"d" * 32): newer + b"longer",  # and another size
+  }
+  for name, data in others.items():
+    disk.kv.write(name, data).result()
+  disk.kv.write(disk.name(b"e" * 32), b"short").result()  # junk: deleted
+  disk.kv.write(disk.name(b"g" * 32), b"\x00" * (4 << 20)).result()  # read up to a record
+  again = DiskTier(store, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP,
+                   key=KEY, encrypt=True)
+  good, deleted = again.scan()
+  again.settle()
+  assert [k for _, k, _ in good] == [b"a" * 32] and deleted == 2
+  # A file's size is known before reading (the big one: "size"); an object's read is cut at
+  # a record's size and then judged as one (zeros: "magic").
+  assert again.discarded == ({"version": 2, "size": 2} if where == "dir"
+                             else {"version": 2, "size": 1, "magic": 1})
+  for name, data in others.items():
+    assert again.kv.read(name).result().value == data  # still there, untouched
+  for gone in (b"e", b"g"):
+    assert again.kv.read(again.name(gone * 32)).result().state == "missing"
+  assert again.scan()[1] == 0 and again.discarded == {"version": 2}
+  scratch = again.scratch(b"s" * 32, 2)  # calibration's: this tier's key and protection
+  assert scratch.key_id == again.key_id != "none" and scratch.encrypt
+  assert scratch.prefix != again.prefix and scratch.scan() == ([], 0)
+
+
+# ---- who can reach a local store ------------------------------------------------------------
+def insecure_lines(caplog, needle):
+  return [r.getMessage() for r in caplog.records
+          if "INSECURE" in r.getMessage() and needle in r.getMessage()]
+
+
+def test_local_stores_are_private_and_an_exposed_keyless_one_says_so(tmp_path, caplog, s3):
+  private = str(tmp_path / "new" / "store")
+  exposed = tmp_path / "exposed"
+  exposed.mkdir()
+  exposed.chmod(0o755)
+  with caplog.at_level(logging.WARNING):
+    disk = DiskTier(private, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
+    disk.write(b"a" * 32, np.zeros(SHAPE, np.float32), None).result()
+    DiskTier(str(exposed), num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP,
+             key=KEY)  # keyed: its records prove themselves
+    assert not insecure_lines(caplog, "disk tier")
+    DiskTier(str(exposed), num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
+    DiskTier(str(exposed), num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
+    DiskTier(s3.kvstore("exposed", "kv/"), num_slots=8, payload_shape=SHAPE, dtype="float32",
+             fingerprint=FP)
+  for d in (private, os.path.join(private, "records"), disk.prefix_path):
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+  # The record file itself is created per the umask (TensorStore takes no mode per file):
+  # the 0700 directories above are what keep other users from it.
+  assert stat.S_IMODE(os.stat(exposed).st_mode) == 0o755  # an existing directory is the user's
+  [line] = insecure_lines(caplog, str(exposed))
+  assert "mode 0755" in line and f"chmod 700 {exposed}" in line and "deployment key" in line
+  [line] = insecure_lines(caplog, "s3://exposed/kv/")
+  assert "object store" in line and "set a deployment key" in line
+  assert not insecure_lines(caplog, private)
