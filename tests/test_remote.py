@@ -35,13 +35,13 @@ try:
 finally:
   print("REFUSED", server.refused, flush=True)
 """
-KEY = b"a deployment key of this test"
+KEY = bytes(range(32))  # a deployment key: 32 bytes, 32 distinct values
 
 
 def start_owner(fault="none", seconds=120, deployment_key=None):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if deployment_key is not None:
-    env["JAXKV_DEPLOYMENT_KEY"] = deployment_key.decode()
+    env["JAXKV_DEPLOYMENT_KEY"] = deployment_key.hex()
   proc = subprocess.Popen([sys.executable, "-c", OWNER, fault, str(seconds)], cwd=ROOT,
                           stdout=subprocess.PIPE, text=True, env=env)
   line = proc.stdout.readline()
@@ -86,7 +86,7 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
   refused too."""
   proc, addr = start_owner(deployment_key=KEY)
   try:
-    for key in (None, b"another key of sixteen+ bytes"):
+    for key in (None, bytes(range(100, 132))):
       engine = reader(mesh, [addr], deployment_key=key)
       assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
       assert engine.stats()["hits"]["remote"] == 0
@@ -189,31 +189,34 @@ def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
     def ask(frames):
       raw.send_multipart(frames)
       assert raw.poll(10_000), frames
-      return json.loads(raw.recv_multipart()[0])
+      return json.loads(raw.recv_multipart()[1])  # [nonce, answer, tag]
 
-    assert "2 frames" in ask([b"only one"])["error"]
-    assert "JSONDecodeError" in ask([b"{not json", b""])["error"]
+    assert "3 frames" in ask([b"only one"])["error"]
+    assert "JSONDecodeError" in ask([b"n0", b"{not json", b""])["error"]
     fp = owner.cache.config.fingerprint().hex()
     bad = {"op": "drop", "protocol": remote.PROTOCOL, "fingerprint": fp, "nonce": "n1"}
-    answer = ask([json.dumps(bad).encode(), b""])
+    answer = ask([b"n1", json.dumps(bad).encode(), b""])
     assert "unknown op" in answer["error"] and answer["nonce"] == "n1"
     wrong = {"op": "lookup", "protocol": remote.PROTOCOL - 1, "fingerprint": fp, "keys": []}
-    assert "protocol" in ask([json.dumps(wrong).encode(), b""])["error"]
+    assert "protocol" in ask([b"n2", json.dumps(wrong).encode(), b""])["error"]
     huge = zmq.Context.instance().socket(zmq.DEALER)  # over the request size limit: dropped
     huge.setsockopt(zmq.LINGER, 0)
     huge.connect(f"tcp://{server.address}")
-    huge.send_multipart([b"x" * (remote._MAX_REQUEST_BYTES + 1), b""])
+    huge.send_multipart([b"n3", b"x" * (remote._MAX_REQUEST_BYTES + 1), b""])
     assert not huge.poll(1000)
     huge.close(0)
     keys = owner.cache.index.block_keys(PREFIX, "default")
     client = RemoteClient(server.address, owner.cache.config.fingerprint())
     assert client.lookup(keys) == 10
     # An answer to another request waiting on the connection is skipped, not taken.
-    client._sock.send_multipart([json.dumps({**bad, "nonce": "stale"}).encode(), b""])
+    client.expect(owner.cache.payload_shape, owner.cache.config.jnp_dtype)
+    assert client.lookup(keys) == 10
+    client._sock.send_multipart([b"stale", json.dumps({**bad, "nonce": "stale"}).encode(), b""])
     time.sleep(0.5)
     stack = client.fetch(keys, owner.cache.payload_shape, owner.cache.config.jnp_dtype,
                          time.monotonic() + 30)
     assert stack.shape[0] == 10 and client.breaker.available
+    assert client.stale_answers == 1 and not client.failures_by_reason
     raw.close(0)
   finally:
     stop.set()
@@ -231,10 +234,14 @@ def test_every_wire_message_round_trips_and_a_broken_one_is_named():
   requests = [remote.Hello(nonce="n0"),
               remote.Lookup(nonce="n1", fingerprint="ff", keys=keys),
               remote.FetchBlocks(nonce="n2", fingerprint="ff", keys=keys, token="t",
-                                 transport="transfer")]
-  answers = [remote.Welcome(nonce="n0", challenge="c"), remote.Have(nonce="n1", have=2),
+                                 transport="transfer", sealed=True, wait_ms=500)]
+  answers = [remote.Welcome(nonce="n0", challenge="c", valid_ms=60_000),
+             remote.Have(nonce="n1", have=2),
              remote.Offer(nonce="n2", keys=keys, dtype="uint16", shape=(2, 4, 2, 4, 8),
-                          crc32c=7, token="t", transfer_id=3, transfer_address="h:1"),
+                          crc32c=7, token="t", transfer_id=3, transfer_address="h:1",
+                          expires_ms=500),
+             remote.Offer(nonce="n2", keys=keys, dtype="uint16", shape=(2, 4, 2, 4, 8),
+                          token="t", sealed=False, data_tag="ab" * 28),
              remote.Refusal(nonce="", error="why")]
   for msg in requests:
     assert remote.decode(msg.encode(), remote.REQUESTS) == msg
@@ -245,7 +252,13 @@ def test_every_wire_message_round_trips_and_a_broken_one_is_named():
   with pytest.raises(remote.WireError, match=r"Lookup.keys=.*32-byte"):
     remote.Lookup(nonce="n", fingerprint="ff", keys=(b"short",))
   with pytest.raises(remote.WireError, match="transport"):
-    remote.FetchBlocks(nonce="n", fingerprint="ff", keys=keys, token="t", transport="rdma")
+    remote.FetchBlocks(nonce="n", fingerprint="ff", keys=keys, token="t", transport="rdma",
+                       sealed=False, wait_ms=0)
+  with pytest.raises(remote.WireError, match="at most 512"):
+    remote.FetchBlocks(nonce="n", fingerprint="ff", keys=(b"a" * 32,) * 513, token="t",
+                       transport="inline", sealed=False, wait_ms=0)
+  with pytest.raises(remote.WireError, match="data_tag"):
+    remote.Offer(nonce="n", keys=keys, dtype="uint16", shape=(2,), token="t", data_tag="xy")
   wire = json.loads(requests[1].encode())
   for broken, match in (({**wire, "keys": "abc"}, "Lookup.keys must be"),
                         ({**wire, "have": 1}, r"no fields \['have'\]"),

@@ -8,12 +8,17 @@ A serving job (a subprocess with 4 CPU devices) computes a long prefix and serve
   (``remote_vs_tcp``, a throughput ratio);
 - ``remote_hit``: TTFT of a request on that prefix in a fresh engine that pulls it,
   against ``recompute``: the same request in a fresh engine without the peer
-  (``remote_hit_speedup = recompute TTFT / remote-hit TTFT``).
+  (``remote_hit_speedup = recompute TTFT / remote-hit TTFT``);
+- ``keyed_cost_remote``: the same fetch from a second serving job that has a deployment key
+  (answers tagged over header and blocks, AES-GCM/GMAC on both sides) over the keyless
+  fetch (CRC-32C on both sides), and ``keyed_cost_remote_encrypted``: the blocks sealed
+  (AES-256-GCM) as well. Same bytes (checked), same run, interleaved, medians.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -29,7 +34,9 @@ from jaxkv.bench import common
 from jaxkv.cache import KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.engine import Engine
+from jaxkv.index import chain_keys, tenant_root_key
 from jaxkv.pages import make_mesh
+from jaxkv.tiers.remote import RemoteClient
 
 _OWNER = r"""
 import os, sys
@@ -92,17 +99,33 @@ def _tcp_send(nbytes: int) -> float:
   return time.perf_counter() - t0
 
 
+def _start_owner(tokens: int, key: bytes | None) -> tuple[subprocess.Popen, str]:
+  """A serving job (keyed when ``key`` is given) and its block server's address."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
+                      "JAXKV_DEPLOYMENT_KEY_FILE")}
+  if key is not None:
+    env["JAXKV_DEPLOYMENT_KEY"] = key.hex()
+  owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tokens), "3600"],
+                           stdout=subprocess.PIPE, text=True, env=env)
+  line = owner.stdout.readline()
+  if not line.startswith("ADDRESS"):
+    owner.kill()
+    owner.wait()
+    raise RuntimeError(f"the serving job did not start: {line!r}")
+  return owner, line.split()[1]
+
+
 def run(*, quick: bool = False, reps: int = 5) -> dict:
   import jax
   tokens = 1024 if quick else 2048
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tokens), "3600"],
-                           stdout=subprocess.PIPE, text=True, env=env)
+  key = secrets.token_bytes(32)
+  owners = []
   try:
-    line = owner.stdout.readline()
-    if not line.startswith("ADDRESS"):
-      raise RuntimeError(f"the serving job did not start: {line!r}")
-    addr = line.split()[1]
+    owner, addr = _start_owner(tokens, None)
+    owners.append(owner)
+    keyed_owner, keyed_addr = _start_owner(tokens, key)
+    owners.append(keyed_owner)
     devices = jax.devices()
     data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
     mk = lambda peers: build_engine(data=data, model=model, peers=peers,
@@ -118,6 +141,19 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
                                  time.monotonic() + 60)
     wire = common.interleaved({"remote_fetch": fetch, "tcp": lambda: _tcp_send(nbytes)},
                               reps=reps)
+    fp = probe.cache.config.fingerprint()
+    keyed = RemoteClient(keyed_addr, fp, secret=key, deadline_s=60)
+    sealed = RemoteClient(keyed_addr, fp, secret=key, encrypt=True, deadline_s=60)
+    # Under a key a tenant's block keys are keyed too: the same blocks, other names.
+    keyed_keys = chain_keys(tenant_root_key(fp, "default", key), p, probe.cache.config.page_size)
+    fetch_from = lambda c: lambda: c.fetch(keyed_keys if c.encrypt or c is keyed else keys,
+                                           probe.cache.payload_shape,
+                                           probe.cache.config.jnp_dtype, time.monotonic() + 60)
+    same = [fetch_from(c)().tobytes() for c in (client, keyed, sealed)]
+    if not same[0] == same[1] == same[2]:
+      raise RuntimeError("the keyed serving job sent other bytes than the keyless one")
+    cost = common.interleaved({"keyless": fetch_from(client), "keyed": fetch_from(keyed),
+                               "encrypted": fetch_from(sealed)}, reps=max(20, 4 * reps))
     ttft = {"remote_hit": [], "recompute": []}
     outputs = {}
     for rep in range(reps + 1):
@@ -130,6 +166,12 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
           assert e.stats()["hits"]["remote"] == len(keys), e.stats()["hits"]
     hit, rec = statistics.median(ttft["remote_hit"]), statistics.median(ttft["recompute"])
     return {
+        "keyed_cost_remote": cost["keyed"]["median_s"] / cost["keyless"]["median_s"],
+        "keyed_cost_remote_encrypted": (cost["encrypted"]["median_s"]
+                                        / cost["keyless"]["median_s"]),
+        "remote_fetch_keyless": common.throughput(nbytes, cost["keyless"]),
+        "remote_fetch_keyed": common.throughput(nbytes, cost["keyed"]),
+        "remote_fetch_encrypted": common.throughput(nbytes, cost["encrypted"]),
         "remote_vs_tcp": common.ratio(wire["remote_fetch"], wire["tcp"]),
         "remote_hit_speedup": rec / hit,
         "remote_fetch": common.throughput(nbytes, wire["remote_fetch"]),
@@ -140,5 +182,6 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
         "serving_job": "a separate process, 4 CPU devices, loopback",
     }
   finally:
-    owner.kill()
-    owner.wait()
+    for owner in owners:
+      owner.kill()
+      owner.wait()
