@@ -111,21 +111,19 @@ def main(argv):
   _common.check_output(_READY_FILE.value, "ready_file")
   if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
     _check_port(_HOST.value, _PORT.value)
-    from jaxkv import security
-    if api_keys is None and not security.is_loopback(_HOST.value):
-      security.warn_insecure(f"the HTTP server listens on {_HOST.value} without "
-                             "--api_keys_file: whoever reaches it runs requests and reads "
-                             "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
-  from jaxkv import security
-  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
-  block_host, block_port = _block_address(deployment_key)
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
-  _common.start_jax(cfg)
+  _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   import jax
-  from jaxkv import builder, distributed, metrics
+  from jaxkv import builder, distributed, metrics, security
   from jaxkv.service import EngineService
+  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
+  block_host, block_port = _block_address(deployment_key)
   multi = distributed.initialize()
+  if api_keys is None and jax.process_index() == 0 and not security.is_loopback(_HOST.value):
+    security.warn_insecure(f"the HTTP server listens on {_HOST.value} without "
+                           "--api_keys_file: whoever reaches it runs requests and reads "
+                           "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
   _common.check_platform(cfg)
   restore = _flags.should_restore()
   tokenizer = _flags.use_model_dir(cfg)

@@ -188,11 +188,14 @@ def test_another_job_pulls_the_servers_blocks_with_the_key_and_nothing_without(
     cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
     cfg.cache.pages_per_shard, cfg.cache.max_pages_per_seq = 96, 32
     cfg.tiers.remote_peers = (address,)
+    cfg.scheduler.policy = "fetch"  # (the pull is what is tested, not the decision)
     builder.use_model_dir(cfg, checkpoint)
     engine = builder.build_engine(cfg, deployment_key=key)
     sp = jaxkv.SamplingParams(max_new_tokens=4, stop_token_ids=reference[1].eos_token_ids)
     assert engine.generate([p], sp, tenant="team-a")[0] == want_tokens
-    assert (engine.stats()["hits"]["remote"] >= len(p) // 16) == pulled, engine.stats()["hits"]
+    peer = engine.cache.remotes[0]
+    assert (engine.stats()["hits"]["remote"] >= len(p) // 16) == pulled, (
+        engine.stats()["hits"], peer.failures_by_reason)
 
 
 def test_an_api_key_is_required(state, checkpoint):
