@@ -23,7 +23,9 @@ folders of interrupted saves are removed.
 With a deployment key (``jaxkv.security``) the checksums are not what proves the bytes
 (anyone who can write the checkpoint can fix a checksum up): the metadata carries a keyed
 tag over itself (purpose ``checkpoint-meta``) and every saved row one over its bits and
-its identity (block key, parent, shard, fingerprint; purpose ``checkpoint-row``). Restore
+its identity (block key, parent, shard, fingerprint; purpose ``checkpoint-row``) — or,
+with ``TierConfig.encryption`` on (the default with a key), every row is saved sealed
+(AES-GCM: the files hold no plaintext KV) and opened on restore. Restore
 refuses metadata that does not verify, or a checkpoint written under another key or none
 (its blocks' keys would differ anyway), and leaves out, counted (``failed_mac``), every
 row whose tag does not verify. Without a key the checksums catch damage, not forgery.
@@ -115,6 +117,7 @@ class Checkpointer:
     key = cache._deployment_key  # pylint: disable=protected-access
     self._meta_seal = security.Seal(key, "checkpoint-meta") if key else None
     self._row_seal = security.Seal(key, "checkpoint-row") if key else None
+    self._encrypt = cache.encrypt  # rows sealed (AES-GCM), not only tagged
     self.directory = os.path.abspath(directory)
     self.removed_temporaries = remove_stale_temporaries(self.directory)
     self._manager = None
@@ -161,8 +164,9 @@ class Checkpointer:
     meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                       for k, v in state.items()}
     if self._meta_seal is not None:
-      self._tag(meta, state)
+      state = self._protect(meta, state)
     if self._manager is None:
+      security.make_private_dir(self.directory)  # rows are KV, and KV is the prompt
       self._manager = _manager(self.directory)
     if step is None:
       latest = self._manager.latest_step()
@@ -173,18 +177,32 @@ class Checkpointer:
       self.wait()
     return step
 
-  def _tag(self, meta: dict, state: dict) -> None:
-    """Appends each saved row's keyed tag (hex) to its row, then tags the metadata."""
+  def _protect(self, meta: dict, state: dict) -> dict:
+    """The state to save under the deployment key: each saved row sealed (encrypted, one
+    ``uint8`` row of ``row bytes + OVERHEAD`` each) or, without encryption, its keyed tag
+    (hex) appended to its row; then the metadata tagged."""
     fingerprint = meta["fingerprint"]
+    out = dict(state)
     for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
       if name not in state:
         continue
       full = to_host(state[name])
+      if self._encrypt:
+        row_bytes = _row_bits(full, 0).size
+        out[name] = sealed = np.zeros((full.shape[2], row_bytes + security.Seal.OVERHEAD),
+                                      np.uint8)
       for i, row in enumerate(meta[rows_key]):
-        if row is not None:
-          row.append(self._row_seal.tag(_row_aad(row, fingerprint), _row_bits(full, i)).hex())
+        if row is None:
+          continue
+        aad = _row_aad(row, fingerprint)
+        if self._encrypt:
+          sealed[i] = np.frombuffer(self._row_seal.seal(aad, _row_bits(full, i)), np.uint8)
+        else:
+          row.append(self._row_seal.tag(aad, _row_bits(full, i)).hex())
+    meta["sealed"] = self._encrypt
     meta["key_id"] = self.cache.key_id
     meta["mac"] = self._meta_seal.tag(_meta_bytes(meta)).hex()
+    return out
 
   @staticmethod
   def _row(row, checksum, index):
@@ -230,8 +248,39 @@ class Checkpointer:
               "failed_mac": 0}
     for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
       if name in state:
-        self._place(state[name], meta[rows_key], into, counts)
+        saved, rows = state[name], meta[rows_key]
+        if self._row_seal is not None:
+          saved, rows = self._verified(saved, rows, meta, name, counts)
+        self._place(saved, rows, into, counts)
     return counts
+
+  def _verified(self, saved, rows: list, meta: dict, name: str, counts: dict):
+    """Under a deployment key: the saved array in plain (sealed rows opened into the host
+    memory ``_restore_target`` names) and its rows, every row whose tag does not verify
+    left out (``None``) and counted as ``failed_mac``."""
+    fingerprint = meta["fingerprint"]
+    plain = meta["arrays"][name]
+    full = (np.zeros(plain["shape"], jnp.dtype(plain["dtype"])) if meta.get("sealed")
+            else to_host(saved))
+    kept = []
+    for i, row in enumerate(rows):
+      try:
+        if row is None:
+          pass
+        elif meta.get("sealed"):
+          bits = self._row_seal.open(_row_aad(row, fingerprint), np.asarray(saved[i]))
+          full[:, :, i] = np.frombuffer(bits, full.dtype).reshape(full[:, :, i].shape)
+        else:
+          self._row_seal.check(_row_aad(row, fingerprint), _row_bits(full, i),
+                               bytes.fromhex(str(row[4])))
+      except (security.SealError, ValueError, IndexError):
+        counts["failed_mac"] += 1
+        row = None
+      kept.append(row)
+    if meta.get("sealed"):
+      sharding = self._host_sharding()
+      saved = jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+    return saved, kept
 
   def _check_compatible(self, meta: dict) -> None:
     c = self.cache.config
@@ -268,11 +317,17 @@ class Checkpointer:
                        "it was written); restore with the key it was written with, or start "
                        "cold.") from None
 
+  def _host_sharding(self) -> NamedSharding:
+    """Saved stacks come back in host memory, rows on every data shard."""
+    spec = P(None, self.cache.config.model_axis, None, None, None)
+    return NamedSharding(self.cache.mesh, spec).with_memory_kind("pinned_host")
+
   def _restore_target(self, meta: dict) -> dict:
-    e = self.cache
-    c = e.config
-    spec = P(None, c.model_axis, None, None, None)  # rows on every data shard, in host memory
-    sharding = NamedSharding(e.mesh, spec).with_memory_kind("pinned_host")
+    if meta.get("sealed"):  # one sealed row of bits per saved row, read whole on every host
+      return {k: np.empty((v["shape"][2], int(np.prod(v["shape"])) // v["shape"][2]
+                           * jnp.dtype(v["dtype"]).itemsize + security.Seal.OVERHEAD), np.uint8)
+              for k, v in meta["arrays"].items()}
+    sharding = self._host_sharding()
     return {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=sharding)
             for k, v in meta["arrays"].items()}
 
@@ -282,18 +337,9 @@ class Checkpointer:
     shards = e.num_shards
     tier = Tier.DEVICE if into == "device" else Tier.HOST
     wanted = []  # (new shard, saved row, key, parent, checksum)
-    full = None
     for i, row in enumerate(rows):
       if row is None:
         continue
-      if self._row_seal is not None:
-        full = to_host(saved) if full is None else full
-        try:
-          self._row_seal.check(_row_aad(row, c.fingerprint().hex()), _row_bits(full, i),
-                               bytes.fromhex(str(row[4])))
-        except (security.SealError, ValueError, IndexError):
-          counts["failed_mac"] += 1
-          continue
       old_shard, key, parent, checksum = row[:4]
       key = bytes.fromhex(key)
       s = old_shard % shards

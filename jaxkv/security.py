@@ -205,6 +205,22 @@ class Seal:
                       "sealed with another deployment key") from None
 
 
+PRIVATE_DIR_MODE = 0o700
+
+
+def make_private_dir(path: str) -> None:
+  """Creates directory ``path`` (and missing parents) unless it exists. The directory made
+  is 0700 whatever the umask (what it will hold is KV, and KV is the prompt); an existing
+  one keeps the mode its owner gave it."""
+  if os.path.isdir(path):
+    return
+  try:
+    os.makedirs(path, mode=PRIVATE_DIR_MODE)
+  except FileExistsError:
+    return  # made meanwhile by another process (or a file: refused where it is used)
+  os.chmod(path, PRIVATE_DIR_MODE)
+
+
 def is_loopback(host: str) -> bool:
   """Whether ``host`` (an address or "localhost") reaches this machine only."""
   if host == "localhost":

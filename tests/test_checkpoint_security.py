@@ -1,13 +1,14 @@
-"""Checkpoints under a deployment key: tagged metadata and rows, forged ones refused."""
+"""Checkpoints under a deployment key: tagged metadata, rows tagged or sealed (encrypted),
+forged ones refused, no plaintext KV in a sealed checkpoint."""
 
 import json
 import os
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import jaxkv
 from jaxkv.checkpoint import Checkpointer
 
 import helpers
@@ -17,35 +18,51 @@ KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
 
 
-def keyed(mesh, key=KEY, reuse=True):
+def keyed(mesh, key=KEY, reuse=True, encryption="auto"):
   """``test_checkpoint``'s engine, under deployment key ``key`` (None: no key)."""
   mc = helpers.tiny_model_config(num_heads=8, num_kv_heads=4)
   cc = helpers.cache_config_for(mc, pages_per_shard=32, max_pages_per_seq=16)
   return helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2, prefix_reuse=reuse,
-                             deployment_key=key)
+                             deployment_key=key, tiers=jaxkv.TierConfig(encryption=encryption))
+
+
+def _saved(directory: str, step: int | None = None) -> tuple[dict, dict]:
+  """What a reader of the files gets: the metadata and the arrays as saved (numpy)."""
+  manager = ocp.CheckpointManager(directory)
+  step = manager.latest_step() if step is None else step
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  target = {}
+  for k, v in meta["arrays"].items():
+    shape, dtype = tuple(v["shape"]), np.dtype(v["dtype"])
+    if meta.get("sealed"):  # a row of sealed bits per saved row
+      shape, dtype = (shape[2], np.prod(shape) // shape[2] * dtype.itemsize + 28), np.uint8
+    target[k] = np.empty(shape, dtype)
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target)))["state"]
+  manager.close()
+  return meta, state
 
 
 def _forge(directory: str, row: int) -> None:
   """An attacker with write access: a new step whose device row ``row`` holds other bits,
   the metadata (with its tag) copied unchanged."""
-  manager = ocp.CheckpointManager(directory)
-  step = manager.latest_step()
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {k: jax.ShapeDtypeStruct(tuple(v["shape"]), np.dtype(v["dtype"]), sharding=sharding)
-            for k, v in meta["arrays"].items()}
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))["state"]
+  meta, state = _saved(directory)
   forged = {k: np.array(v) for k, v in state.items()}
-  forged["device"][:, :, row] ^= 1  # one bit of every element of the row
-  manager.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(forged),
-                                                 meta=ocp.args.JsonSave(meta)))
+  if meta["sealed"]:
+    forged["device"][row] ^= 1  # one bit of every byte of the sealed row
+  else:
+    forged["device"][:, :, row] ^= 1  # one bit of every element of the row
+  manager = ocp.CheckpointManager(directory)
+  manager.save(manager.latest_step() + 1, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(forged), meta=ocp.args.JsonSave(meta)))
   manager.wait_until_finished()
   manager.close()
 
 
-def test_keyed_checkpoint_restores_exactly_and_a_forged_row_is_left_out(mesh, tmp_path):
-  a = keyed(mesh)
+@pytest.mark.parametrize("encryption", ["auto", "off"])
+def test_keyed_checkpoint_restores_exactly_and_a_forged_row_is_left_out(
+    mesh, tmp_path, encryption):
+  a = keyed(mesh, encryption=encryption)
   want = a.generate(PROMPTS, 4)
   directory = str(tmp_path / "ckpt")
   Checkpointer(a.cache, directory).save()
@@ -53,18 +70,20 @@ def test_keyed_checkpoint_restores_exactly_and_a_forged_row_is_left_out(mesh, tm
     meta = json.load(f)
   rows = [i for i, r in enumerate(meta["device_rows"]) if r is not None]
   assert meta["key_id"] == a.cache.key_id and len(meta["mac"]) > 0
-  assert all(len(meta["device_rows"][i]) == 5 for i in rows)  # each row carries its tag
+  assert meta["sealed"] == (encryption == "auto")
+  # Each row carries its tag, or is sealed (its tag inside the sealed bits).
+  assert all(len(meta["device_rows"][i]) == (4 if meta["sealed"] else 5) for i in rows)
 
-  b = keyed(mesh)
+  b = keyed(mesh, encryption=encryption)
   counts = Checkpointer(b.cache, directory).restore()
   assert counts["placed"] == len(rows) and counts["failed_mac"] == 0
 
   _forge(directory, rows[0])
-  c = keyed(mesh)
+  c = keyed(mesh, encryption=encryption)
   counts = Checkpointer(c.cache, directory).restore()
   assert counts["step"] == 1 and counts["failed_mac"] == 1
   assert counts["placed"] == len(rows) - 1 and counts["failed_checksum"] == 0
-  fresh = keyed(mesh, reuse=False)
+  fresh = keyed(mesh, reuse=False, encryption=encryption)
   follow = [p + w + [7, 8, 9] for p, w in zip(PROMPTS, want)]
   assert c.generate(follow, 4) == fresh.generate(follow, 4)
   c.cache.index.check_invariants()
@@ -95,3 +114,26 @@ def test_altered_metadata_and_mismatched_keys_are_refused(mesh, tmp_path):
   Checkpointer(plain.cache, str(tmp_path / "plain")).save()
   with pytest.raises(ValueError, match="written without a deployment key"):
     Checkpointer(keyed(mesh).cache, str(tmp_path / "plain")).restore()
+
+
+def test_a_sealed_checkpoint_holds_no_plaintext_kv(mesh, tmp_path):
+  """The same blocks saved tagged (plaintext rows) and sealed: no 32-byte run of any
+  plaintext row is in the sealed checkpoint's arrays, and both restore the same tokens."""
+  runs = {}
+  for encryption in ("off", "auto"):
+    e = keyed(mesh, encryption=encryption)
+    want = e.generate(PROMPTS, 4)
+    Checkpointer(e.cache, str(tmp_path / encryption)).save()
+    runs[encryption] = (_saved(str(tmp_path / encryption)), want)
+  (meta, plain), want = runs["off"]
+  (_, sealed), want_sealed = runs["auto"]
+  assert want == want_sealed
+  assert os.stat(tmp_path / "auto").st_mode & 0o777 == 0o700  # made private
+  rows = [i for i, r in enumerate(meta["device_rows"]) if r is not None]
+  pieces = {np.ascontiguousarray(plain["device"][:, :, i]).tobytes()[j:j + 32]
+            for i in rows for j in range(0, 256, 32)}
+  pieces = {p for p in pieces if len(set(p)) > 4}  # not runs of zeros or padding
+  assert len(pieces) >= len(rows)
+  blob = sealed["device"].tobytes()
+  assert not [p for p in pieces if p in blob]
+  assert all(p in plain["device"].tobytes() for p in pieces)  # the search finds plaintext

@@ -80,7 +80,6 @@ RECORDS_PATH = "records/"
 READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
 SCAN_WINDOW = 32  # records in flight at once while a store is opened (``scan``) ...
 SCAN_WINDOW_BYTES = 64 << 20  # ... and at most this many of their bytes
-PRIVATE_DIR_MODE = 0o700
 # Why ``scan`` may pass a record over and leave it in place: another format's (a newer or
 # older jaxkv sharing the store), or not readable now.
 _KEPT_AT_OPEN = frozenset({Failure.VERSION, Failure.READ_RETRY, Failure.DEADLINE})
@@ -134,18 +133,6 @@ def _where(spec: dict) -> str:
   """A store's place for messages (driver, bucket, path: never credentials a spec holds)."""
   bucket = spec.get("bucket")
   return f"{spec['driver']}://{bucket + '/' if bucket else ''}{spec.get('path', '')}"
-
-
-def _make_private_dir(path: str) -> None:
-  """Creates directory ``path`` (and missing parents) unless it exists. The directory made
-  is 0700 whatever the umask; an existing one keeps the mode its owner gave it."""
-  if os.path.isdir(path):
-    return
-  try:
-    os.makedirs(path, mode=PRIVATE_DIR_MODE)
-  except FileExistsError:
-    return  # made meanwhile by another process sharing the store (or a file: refused later)
-  os.chmod(path, PRIVATE_DIR_MODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +251,8 @@ class DiskTier:
       return
     path = self.kvstore["path"]
     try:
-      _make_private_dir(path)
-      _make_private_dir(os.path.join(path, RECORDS_PATH))
+      security.make_private_dir(path)
+      security.make_private_dir(os.path.join(path, RECORDS_PATH))
     except OSError as e:
       raise InputError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
                        "point disk_kvstore at a writable directory.") from None
@@ -276,7 +263,7 @@ class DiskTier:
   def _ensure_prefix(self) -> None:
     """Makes this prefix's directory (0700) before TensorStore would make it per the umask."""
     if self.local and self._prefix_made != self.prefix:
-      _make_private_dir(self.prefix_path)
+      security.make_private_dir(self.prefix_path)
       self._prefix_made = self.prefix
 
   def _warn_if_exposed(self) -> None:
