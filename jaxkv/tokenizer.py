@@ -191,7 +191,7 @@ class Tokenizer:
     # added to an int, range() past jinja's cap, recursion without end) is the request's
     # or the template's doing, not jaxkv's.
     except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
-            RecursionError) as e:
+            RecursionError, MemoryError) as e:
       raise TokenizerError(f"{where} failed on these messages: {type(e).__name__}: "
                            f"{_one_line(e)}") from None
     finally:
@@ -584,8 +584,9 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
   def call_binop(self, context, operator, left, right):
     render = _render()
-    if operator == "%" and isinstance(left, str):
-      render.check(_percent_size(left, right, render), "characters", "would format a string of")
+    if operator == "%" and isinstance(left, (str, bytes)):
+      fmt = left if isinstance(left, str) else left.decode("latin-1")  # (bytes: the same specs)
+      render.check(_percent_size(fmt, right, render), "characters", "would format a string of")
       return render.built(super().call_binop(context, operator, left, right))
     expected = _binop_size(operator, left, right)
     if expected is None:  # numbers: measured after

@@ -71,8 +71,10 @@ def test_keyed_checkpoint_restores_exactly_and_a_forged_row_is_left_out(
   rows = [i for i, r in enumerate(meta["device_rows"]) if r is not None]
   assert meta["key_id"] == a.cache.key_id and len(meta["mac"]) > 0
   assert meta["sealed"] == (encryption == "auto")
-  # Each row carries its tag, or is sealed (its tag inside the sealed bits).
+  # Each row carries its tag, or is sealed (its tag inside the sealed bits, and no checksum
+  # of its plain bits beside it: that would let a guessed prompt be tested offline).
   assert all(len(meta["device_rows"][i]) == (4 if meta["sealed"] else 5) for i in rows)
+  assert all((meta["device_rows"][i][3] is None) == meta["sealed"] for i in rows)
 
   b = keyed(mesh, encryption=encryption)
   counts = Checkpointer(b.cache, directory).restore()

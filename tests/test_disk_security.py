@@ -243,6 +243,45 @@ def test_opening_a_store_of_ten_thousand_junk_records_stays_bounded_and_counts_t
       os.path.basename(disk.path_of(bytes([i]) * 32)) for i in range(3))
 
 
+READ_IN_A_CHILD = r"""
+import json, resource, sys, time
+from jaxkv.tiers import blocks
+from jaxkv.tiers.disk import DiskTier
+disk = DiskTier(sys.argv[1], num_slots=8, payload_shape=(2, 2, 4, 8), dtype="float32",
+                fingerprint=b"f" * 32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = {}
+for name, key in (("long", bytes(32)), ("short", bytes([1]) * 32)):
+  try:
+    payload, = disk.read_verified([key], time.monotonic() + 60)
+    out[name] = float(payload.sum())
+  except blocks.BlockError as e:
+    out[name] = e.reason.value
+out["grew_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps(out))
+"""
+
+
+def test_a_huge_file_under_a_records_name_is_never_read_whole(tmp_path):
+  """Write access to the store can grow a record to 1 GiB (sparse): a read stops at a
+  record's size (the record verifies; what follows it is not read), and a record cut short
+  is refused by its size."""
+  path = str(tmp_path / "d")
+  disk = DiskTier(path, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
+  for key in (bytes(32), bytes([1]) * 32):
+    disk.write(key, np.ones(SHAPE, np.float32), None).result()
+  with open(disk.path_of(bytes(32)), "r+b") as f:
+    f.truncate(1 << 30)
+  with open(disk.path_of(bytes([1]) * 32), "r+b") as f:
+    f.truncate(disk.record_bytes - 1)
+  proc = subprocess.run([sys.executable, "-c", READ_IN_A_CHILD, path], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["long"] == np.prod(SHAPE) and r["short"] == "size", r
+  assert r["grew_kib"] < 256 * 1024, r  # a quarter of the file at most
+
+
 @pytest.mark.parametrize("where", ["dir", "s3"])
 def test_records_of_another_format_survive_an_open_and_are_counted(tmp_path, request, where):
   store = (str(tmp_path / "d") if where == "dir"

@@ -163,6 +163,7 @@ DOUBLING = ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
     ("{{ 'a'.ljust(1000000000) }}", "would build (.ljust) a string of 1,000,000,000"),
     ("{{ '{:>1000000000}'.format(1) }}", "would format a string of"),
     ("{{ '%1000000000d' % 1 }}", "would format a string of"),
+    ("{{ '%200000000d'.encode() % 1 }}", "would format a string of"),
     ("{{ 'a'|center(1000000000) }}", "would pad a string to 1,000,000,000 characters"),
     ("{{ ['a' * 1000000] * 100000 }}", "would print at least"),
     ("{{ (['a' * 1000000] * 100000)|join }}", "would make text (filter join) of at least"),

@@ -318,14 +318,20 @@ class DiskTier:
     """
     self._ensure_prefix()
     self._note_older_format()
-    names = sorted(k.decode("ascii", "replace")
-                   for k in self.kv.list(ts.KvStore.KeyRange(self.prefix, self.prefix[:-1] + "0"))
-                   .result())
+    t_end = time.monotonic() + deadline_s
+    listing = self.kv.list(ts.KvStore.KeyRange(self.prefix, self.prefix[:-1] + "0"))
+    try:
+      names = sorted(k.decode("ascii", "replace") for k in listing.result(timeout=deadline_s))
+    except TimeoutError:
+      logging.warning("disk tier %s: listing the records did not finish in %.0f s; none "
+                      "adopted this time", _where(self.kvstore), deadline_s)
+      listing.cancel()
+      self.discarded = collections.Counter()
+      return [], 0
     window = max(1, min(SCAN_WINDOW, SCAN_WINDOW_BYTES // self.record_bytes))
     todo = collections.deque(n for n in names if not n.endswith(".__lock"))
     reads: collections.deque[_ScanRead] = collections.deque()
     good, deleted, discarded = [], 0, collections.Counter()
-    t_end = time.monotonic() + deadline_s
     while todo or reads:
       while todo and len(reads) < window:
         name = todo.popleft()
@@ -458,14 +464,22 @@ class DiskTier:
   def read(self, key: bytes) -> PendingRead:
     """Starts reading block ``key``'s record."""
     try:
-      fut = self.kv.read(self.name(key))
+      # Cut at a record's size: a longer object is never read whole (what follows a record
+      # is not looked at; a shorter one is refused by the store: ``_record``).
+      fut = self.kv.read(self.name(key), byte_range=slice(0, self.record_bytes))
     except Exception as e:  # pylint: disable=broad-except
       fut = _failed(e)
     return PendingRead(key, fut, time.monotonic())
 
   def _record(self, pending: PendingRead, t_end: float) -> np.ndarray:
     """The bytes of a read (raises ``TimeoutError``, ``Gone`` or the store's error)."""
-    got = pending.future.result(timeout=max(0.0, t_end - time.monotonic()))
+    try:
+      got = pending.future.result(timeout=max(0.0, t_end - time.monotonic()))
+    except ValueError as e:
+      if str(e).startswith("OUT_OF_RANGE"):  # fewer bytes than the range cut at a record
+        raise blocks.BlockError("size", f"record of block {pending.key.hex()[:16]} is shorter "
+                                f"than {self.record_bytes} bytes") from None
+      raise
     if got.state != "value":
       raise Gone(f"no record for block {pending.key.hex()[:16]}")
     return np.frombuffer(got.value, np.uint8)
