@@ -38,3 +38,18 @@ def pytest_collection_modifyitems(config, items):
 def mesh():
   import jaxkv
   return jaxkv.make_mesh(data=4, model=2)
+
+
+@pytest.fixture(scope="module")
+def s3():
+  """An S3-compatible server on loopback (moto), for a module's stores."""
+  from jaxkv.bench.s3server import LocalS3
+  with LocalS3() as server:
+    yield server
+
+
+@pytest.fixture(scope="module")
+def fresh(mesh):
+  """An engine that recomputes every prompt: what cached answers must equal."""
+  import helpers
+  return helpers.make_engine(mesh, prefix_reuse=False)

@@ -16,7 +16,6 @@ import pytest
 
 import jaxkv
 from jaxkv import metrics
-from jaxkv.bench.s3server import LocalS3
 from jaxkv.tiers import blocks
 from jaxkv.tiers.disk import DiskTier
 
@@ -28,15 +27,6 @@ FP = b"f" * 32
 SHAPE = (2, 2, 4, 8)
 
 
-@pytest.fixture(scope="module")
-def s3():
-  with LocalS3() as server:
-    yield server
-
-
-@pytest.fixture(scope="module")
-def fresh(mesh):
-  return helpers.make_engine(mesh, prefix_reuse=False)
 
 
 def disk_engine(mesh, store, *, key=None, encryption="auto"):

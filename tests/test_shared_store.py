@@ -8,7 +8,6 @@ import pytest
 
 import jaxkv
 from jaxkv.bench import storage
-from jaxkv.bench.s3server import LocalS3
 from jaxkv.index import PrefixIndex
 
 import helpers
@@ -26,15 +25,6 @@ def prompts(seed, n, length=22):
   return [[1 + (seed * 31 + i * 7 + j) % 120 for j in range(length)] for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def s3():
-  with LocalS3() as server:
-    yield server
-
-
-@pytest.fixture(scope="module")
-def fresh(mesh):
-  return helpers.make_engine(mesh, prefix_reuse=False)
 
 
 @pytest.mark.parametrize("where", ["dir", "s3"])
