@@ -53,3 +53,11 @@ def fresh(mesh):
   """An engine that recomputes every prompt: what cached answers must equal."""
   import helpers
   return helpers.make_engine(mesh, prefix_reuse=False)
+
+
+@pytest.fixture(autouse=True)
+def _insecure_warnings_afresh():
+  """Each test sees the INSECURE warnings its own setups print (they print once per
+  process, and the suite is one process)."""
+  from jaxkv import security
+  security._warned.clear()  # pylint: disable=protected-access
