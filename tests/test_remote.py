@@ -1,15 +1,19 @@
 """REMOTE tier: another job's blocks fetched over ZeroMQ (inline, or a jax.experimental.transfer
 pull), verified, and a dead or lying peer only ever costs a recompute."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+import zmq
 
 import jaxkv
+from jaxkv.tiers import remote
 from jaxkv.tiers.remote import Lookup, RemoteClient, RemoteError
 
 import helpers
@@ -33,7 +37,7 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 try:
   server.serve(float(sys.argv[2]))
 finally:
-  print("REFUSED", server.refused, flush=True)
+  print("REFUSED", server.refused, server.handshakes_refused, flush=True)
 """
 KEY = bytes(range(32))  # a deployment key: 32 bytes, 32 distinct values
 
@@ -81,9 +85,9 @@ def test_a_prefix_computed_by_another_job_is_pulled_and_exact(mesh, want, transp
 
 def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
   """The owner runs with a deployment key: a client without it, or with another, is
-  refused (and counted); a client with it pulls the prefix. The refusal is the server's,
-  not only a key mismatch: a client sending the right block keys without the MAC is
-  refused too."""
+  refused in the handshake (another key's is counted); a client with it pulls the prefix.
+  The handshake is not the only check: a connection with its token (which crosses in
+  clear) sending the right block keys without the MAC is refused too, and counted."""
   proc, addr = start_owner(deployment_key=KEY)
   try:
     for key in (None, bytes(range(100, 132))):
@@ -94,16 +98,24 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
     keys = keyed.cache.index.block_keys(PREFIX, "default")
     lookup = Lookup(nonce="probe", fingerprint=keyed.cache.config.fingerprint().hex(),
                     keys=tuple(keys))
-    bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # right keys, no MAC
-    with pytest.raises(RemoteError, match="unauthenticated"):
+    bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # no handshake token
+    with pytest.raises(RemoteError, match="handshake"):
       bare._call(lookup, time.monotonic() + 10)
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # the token, right keys, no MAC
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_username, sock.plain_password = remote._HANDSHAKE_USER, remote._handshake_token(KEY)
+    sock.connect(f"tcp://{addr}")
+    sock.send_multipart([b"probe", lookup.encode(), b""])
+    assert sock.poll(10_000)
+    assert json.loads(sock.recv_multipart()[1])["error"].startswith("unauthenticated")
+    sock.close(0)
     assert RemoteClient(addr, keyed.cache.config.fingerprint(), secret=KEY).lookup(keys) == 10
     assert keyed.generate([PREFIX + [50, 51, 52]], 5) == want
     assert keyed.stats()["hits"]["remote"] == 10
-    # A server without the key cannot answer a keyed client (its answers are unsigned).
+    # A server without the key cannot answer a keyed client (it takes no handshake token).
     plain, plain_addr = start_owner()
     try:
-      with pytest.raises(RemoteError, match="not signed"):
+      with pytest.raises(RemoteError, match="handshake"):
         RemoteClient(plain_addr, keyed.cache.config.fingerprint(), secret=KEY)._call(
             lookup, time.monotonic() + 10)
     finally:
@@ -112,10 +124,10 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
   finally:
     proc.terminate()
     out, _ = proc.communicate(timeout=60)
-  refused = int(out.split("REFUSED")[1].split()[0])
-  # The keyless reader's lookup and the bare call; a wrongly keyed reader already refuses
-  # the server's hello (signed with a key it does not have) and asks nothing.
-  assert refused >= 2
+  refused, handshakes_refused = map(int, out.split("REFUSED")[1].split()[:2])
+  # The call with the token but no MAC; the wrongly keyed reader's handshakes (the keyless
+  # ones offer no token at all: they fail before the server's handler is asked).
+  assert refused == 1 and handshakes_refused >= 1
 
 
 @pytest.mark.parametrize("fault", ["checksum", "dtype", "shape", "keys"])
@@ -165,6 +177,29 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want):
   assert not client.available  # the breaker is open: the dead peer is not asked again
   t0 = time.perf_counter()
   assert client.lookup([b"x" * 32]) == 0 and time.perf_counter() - t0 < 0.01
+
+
+def test_a_pull_that_never_comes_leaves_no_thread(mesh):
+  """The peer offers a transfer it never serves: the fetch is a deadline miss, and the
+  thread that waited on the pull ends (its connection is broken) instead of waiting on."""
+  proc, addr = start_owner("hang")
+  try:
+    engine = reader(mesh, [addr], transport="transfer")
+    client = RemoteClient(addr, engine.cache.config.fingerprint(), transport="transfer")
+    keys = engine.cache.index.block_keys(PREFIX, "default")
+    before = set(threading.enumerate())
+    for _ in range(2):
+      with pytest.raises(RemoteError) as e:
+        client.fetch(keys, engine.cache.payload_shape, engine.cache.config.jnp_dtype,
+                     time.monotonic() + 1.0)
+      assert e.value.reason == "deadline"
+    end = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < end:
+      time.sleep(0.05)
+    assert not set(threading.enumerate()) - before
+  finally:
+    proc.kill()
+    proc.wait()
 
 
 def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):

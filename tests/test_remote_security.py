@@ -4,6 +4,10 @@ a counted miss or a bounded poll, never a wrong token, a stuck engine or an exce
 The serving job here runs in this process (its ``BlockServer`` polled on a thread, as a
 server's engine thread would between steps) on real loopback sockets; only the transfer
 pull, which needs two processes, uses the owner subprocess of ``test_remote``.
+
+A keyed server takes only connections that pass its handshake (a token derived from the
+key). The attackers here that test the second line (challenges, MACs, the poll's budget)
+hold that token, as one on the path would: it crosses in clear.
 """
 
 import collections
@@ -11,6 +15,8 @@ import contextlib
 import json
 import threading
 import time
+
+import numpy as np
 
 import google_crc32c
 import jax.numpy as jnp
@@ -85,11 +91,22 @@ def _reader(mesh, peer, *, key=KEY, encryption="auto", transport="inline"):
       remote_transport=transport), deployment_key=key)
 
 
-def _raw(address):
+def _raw(address, key=None):
+  """A bare connection; with ``key``, it passes the handshake (its token, and only that:
+  its requests still need the key's MACs)."""
   sock = zmq.Context.instance().socket(zmq.DEALER)
   sock.setsockopt(zmq.LINGER, 0)
+  if key is not None:
+    sock.plain_username = remote._HANDSHAKE_USER
+    sock.plain_password = remote._handshake_token(key)
   sock.connect(f"tcp://{address}")
   return sock
+
+
+def _auth(sock, message, key=KEY) -> bytes:
+  """The auth frame of ``message`` on ``sock``: a hello's challenge, MACed with ``key``."""
+  challenge = _ask(sock, "hi", remote.Hello(nonce="hi"))["challenge"]
+  return f"{challenge} {security.challenge_mac(key, challenge, message.encode())}".encode()
 
 
 def _ask(sock, nonce, message, auth=b""):
@@ -102,13 +119,21 @@ def _ask(sock, nonce, message, auth=b""):
 class Proxy:
   """A man in the middle on loopback: forwards one client's requests to ``server_address``
   and the answers back, keeping every blocks frame it saw (``data_frames``). ``forge``:
-  change the blocks (a few bits) and fix up the CRC-32C their header carries, if any."""
+  change the blocks (a few bits) and fix up the CRC-32C their header carries, if any.
+  ``key``: the handshake token of a keyed server, which a man in the middle reads off the
+  wire (the proxy takes it on both sides; the key itself it has not)."""
 
-  def __init__(self, server_address: str, forge: bool = False):
-    ctx = zmq.Context.instance()
-    self.front, self.back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+  def __init__(self, server_address: str, forge: bool = False, key=None):
+    self._ctx = zmq.Context()  # its own: a keyed front needs its own handshake handler
+    self.front, self.back = self._ctx.socket(zmq.ROUTER), self._ctx.socket(zmq.DEALER)
     for sock in (self.front, self.back):
       sock.setsockopt(zmq.LINGER, 0)
+    self._gatekeeper = None
+    if key is not None:
+      token = remote._handshake_token(key)
+      self._gatekeeper = remote._Gatekeeper(self._ctx, token)
+      self.front.plain_server = True
+      self.back.plain_username, self.back.plain_password = remote._HANDSHAKE_USER, token
     self.address = f"127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
     self.back.connect(f"tcp://{server_address}")
     self.forge, self.forged, self.data_frames = forge, 0, []
@@ -151,18 +176,63 @@ class Proxy:
     self._thread.join()
     self.front.close(0)
     self.back.close(0)
+    if self._gatekeeper is not None:
+      self._gatekeeper.close()
+    self._ctx.term()
+
+
+def test_without_the_handshake_token_nothing_is_queued(owner):
+  """ZeroMQ caps a frame, not a message: a connection that could reach ``poll`` could have
+  it queue one message of hundreds of maximal frames. Connections without the handshake
+  token (none at all, or another key's) each send a message of 200 frames of 1 MiB and
+  1,000 hellos: the handshake turns them away before libzmq queues any of it, so the
+  server reads nothing (its counts do not move), counts the other key's handshakes, and
+  still serves a keyed client."""
+  engine, server = owner
+  before, refused = +server.counts, server.handshakes_refused  # (+: nonzero counts)
+  socks = [_raw(server.address), _raw(server.address, OTHER_KEY)]
+  try:
+    for sock in socks:  # as much as ZeroMQ takes (it stops taking once a handshake failed)
+      with contextlib.suppress(zmq.Again):
+        sock.send_multipart([b"big", *[bytes(1 << 20)] * 200], flags=zmq.NOBLOCK)
+        for i in range(1000):
+          sock.send_multipart([b"h%d" % i, remote.Hello(nonce=f"h{i}").encode(), b""],
+                              flags=zmq.NOBLOCK)
+    time.sleep(1.0)  # long enough for 200 MiB and the hellos to cross loopback, and be read
+    assert +server.counts == before
+    assert server.handshakes_refused > refused
+    assert not any(sock.poll(0) for sock in socks)  # and nothing came back
+  finally:
+    for sock in socks:
+      sock.close(0)
+  client = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=KEY)
+  assert client.lookup(_keys(engine)) == 10 and not client.failures_by_reason
+
+
+def test_a_client_with_another_key_is_refused_in_the_handshake(owner):
+  """A client with the wrong key gets no answer at all: its lookup is a miss counted as
+  "refused" as soon as the handshake fails (well within its deadline), and the server
+  queued nothing of its (only the refused handshake is counted)."""
+  engine, server = owner
+  before, refused = +server.counts, server.handshakes_refused  # (+: nonzero counts)
+  wrong = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=OTHER_KEY)
+  t0 = time.monotonic()
+  assert wrong.lookup(_keys(engine)) == 0
+  assert time.monotonic() - t0 < 0.9  # the lookup's deadline is 1 s: it was told, not timed out
+  assert wrong.failures_by_reason == {"refused": 1} and wrong.hellos == 0
+  assert +server.counts == before and server.handshakes_refused >= refused + 1
 
 
 def test_a_hello_flood_evicts_no_peer(owner):
-  """5,000 hellos from 25 connections (no key needed for a hello) while a keyed peer is
-  connected: the server keeps no challenge, so the peer's lookups are answered under the
-  challenge it already had, without saying hello again."""
+  """5,000 hellos from 25 connections (no key needed for a hello, the handshake token
+  only) while a keyed peer is connected: the server keeps no challenge, so the peer's
+  lookups are answered under the challenge it already had, without saying hello again."""
   engine, server = owner
   keys = _keys(engine)
   client = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=KEY)
   assert client.lookup(keys) == 10 and client.hellos == 1
   hellos = server.counts["hello"]
-  socks = [_raw(server.address) for _ in range(25)]
+  socks = [_raw(server.address, KEY) for _ in range(25)]
   try:
     for i in range(5000):
       nonce = f"flood{i}"
@@ -181,7 +251,8 @@ def test_a_hello_flood_evicts_no_peer(owner):
 
 
 def test_a_flood_of_junk_costs_a_poll_its_budget_at_most(owner):
-  """One unauthenticated connection sends junk for 2 s as fast as it can: each
+  """One connection with the handshake token, but not the key, sends junk for 2 s as fast
+  as it can: each
   ``poll(0.01)`` reads at most ``max_messages_per_poll`` messages and answers at most
   ``max_messages_per_peer`` of one peer's, then returns with the rest still queued."""
   engine, _ = owner
@@ -195,7 +266,7 @@ def test_a_flood_of_junk_costs_a_poll_its_budget_at_most(owner):
   sent = collections.Counter()
 
   def flood():
-    sock = _raw(server.address)
+    sock = _raw(server.address, KEY)
     end = time.monotonic() + 2.0
     while time.monotonic() < end and not stop.is_set():
       try:
@@ -241,7 +312,7 @@ def test_a_forged_payload_with_a_fixed_up_crc_is_rejected(mesh, owner, want, enc
   _, server = owner
   if piece_bytes:
     monkeypatch.setattr(remote, "_CHUNK_BYTES", piece_bytes)
-  proxy = Proxy(server.address, forge=True)
+  proxy = Proxy(server.address, forge=True, key=KEY)
   try:
     engine = _reader(mesh, proxy.address, encryption=encryption)
     assert engine.generate([PROMPT], 5) == want
@@ -271,15 +342,15 @@ def test_the_same_forgery_passes_a_crc(plain_owner):
     proxy.close()
 
 
-def test_a_wrong_key_peer_learns_nothing(owner):
-  """A peer without the key gets no membership answer: its lookups are refused before
-  the server looks at a key (counted), and a client with another key refuses the
-  server's very first answer (its tag does not verify)."""
+def test_a_wrong_key_peer_gets_no_answer(owner):
+  """A peer without the key gets no membership answer. With the handshake token (read off
+  the wire) but another key, its lookups are refused before the server looks at a block
+  key (counted); a client with another key, or none, is refused in the handshake."""
   engine, server = owner
   keys, fp = _keys(engine), engine.cache.config.fingerprint()
   lookup = remote.Lookup(nonce="q1", fingerprint=fp.hex(), keys=tuple(keys))
   for key, holds in ((OTHER_KEY, False), (KEY, True)):  # by hand: the server's answers
-    sock = _raw(server.address)
+    sock = _raw(server.address, KEY)
     refused = server.refused
     welcome = _ask(sock, "h1", remote.Hello(nonce="h1"))
     body = lookup.encode()
@@ -292,13 +363,76 @@ def test_a_wrong_key_peer_learns_nothing(owner):
       assert answer["op"] == "refusal" and "have" not in answer, answer
       assert answer["error"].startswith("unauthenticated") and server.refused == refused + 1
   wrong = RemoteClient(server.address, fp, secret=OTHER_KEY)
-  assert wrong.lookup(keys) == 0 and wrong.failures_by_reason == {"mac": 1}
+  assert wrong.lookup(keys) == 0 and wrong.failures_by_reason == {"refused": 1}
   keyless = RemoteClient(server.address, fp)
   assert keyless.lookup(keys) == 0 and keyless.failures_by_reason == {"refused": 1}
-  with pytest.raises(RemoteError) as e:
+  with pytest.raises(RemoteError, match="handshake") as e:
     RemoteClient(server.address, fp, secret=OTHER_KEY, encrypt=True).fetch(
         keys, engine.cache.payload_shape, engine.cache.config.jnp_dtype, time.monotonic() + 10)
-  assert e.value.reason == "mac"
+  assert e.value.reason == "refused"
+
+
+def test_a_replayed_request_is_refused(owner):
+  """An attacker on the path re-sends a recorded transfer fetch (and a lookup), frames
+  unchanged: each is answered once; the replays are refused ("replay", counted) before
+  any blocks are gathered, so they make no transfer offers. What the server remembers is
+  bounded: a request pushed out by ``max_remembered_nonces`` later ones is forgotten."""
+  engine, server = owner
+  keys, fp = tuple(_keys(engine)), engine.cache.config.fingerprint().hex()
+  sock = _raw(server.address, KEY)
+  fetch = remote.FetchBlocks(nonce="f1", fingerprint=fp, keys=keys, token="t",
+                             transport="transfer", sealed=False, wait_ms=300)
+  lookups = [remote.Lookup(nonce=f"q{i}", fingerprint=fp, keys=keys) for i in range(3)]
+  replays, busy = server.counts["replay"], server.counts["offers_refused"]
+  try:
+    auth = _auth(sock, fetch)
+    assert _ask(sock, "f1", fetch, auth)["op"] == "offer"
+    for _ in range(3):
+      answer = _ask(sock, "f1", fetch, auth)
+      assert answer["op"] == "refusal" and answer["error"].startswith("replay"), answer
+    assert server.counts["replay"] == replays + 3
+    assert server.counts["offers_refused"] == busy  # no offer was even attempted
+    server.max_remembered_nonces = 2
+    auths = [_auth(sock, q) for q in lookups]
+    assert all(_ask(sock, q.nonce, q, a)["op"] == "have" for q, a in zip(lookups, auths))
+    assert _ask(sock, "q2", lookups[2], auths[2])["op"] == "refusal"  # remembered
+    assert _ask(sock, "q0", lookups[0], auths[0])["op"] == "have"  # pushed out: the bound
+  finally:
+    del server.max_remembered_nonces
+    sock.close(0)
+
+
+def test_a_poll_stops_after_its_answers_bytes_budget(owner):
+  """Three fetches waiting: with a budget below one fetch's blocks, each poll answers one
+  (a fetch is answered whole) and leaves the rest to the next poll."""
+  engine, _ = owner
+  server = BlockServer(engine.cache)
+  keys, fp = tuple(_keys(engine)), engine.cache.config.fingerprint().hex()
+  sock = _raw(server.address, KEY)
+  try:
+    with serving(server):
+      fetches = [remote.FetchBlocks(nonce=f"f{i}", fingerprint=fp, keys=keys, token="t",
+                                    transport="inline", sealed=False, wait_ms=5000)
+                 for i in range(3)]
+      auths = [_auth(sock, f) for f in fetches]
+    server.max_answer_bytes_per_poll = 1
+    for f, a in zip(fetches, auths):
+      sock.send_multipart([f.nonce.encode(), f.encode(), a])
+    time.sleep(0.5)  # all three wait
+    assert [server.poll(0.5) for _ in range(4)] == [1, 1, 1, 0]
+    assert server.counts["answered"] == 3 + 3  # and the hellos before
+  finally:
+    sock.close(0)
+    server.close()
+
+
+def test_closed_servers_leave_no_threads(owner):
+  """Each keyed server runs its handshake's handler on a thread; ``close`` ends it."""
+  engine, _ = owner
+  before = set(threading.enumerate())
+  for _ in range(5):
+    BlockServer(engine.cache).close()
+  assert set(threading.enumerate()) <= before
 
 
 class FakePeer:
@@ -390,6 +524,48 @@ def test_malformed_answers_are_counted_misses_never_exceptions():
                                        "mode": 1}
 
 
+def test_transfer_offers_send_a_client_only_to_its_peers_host():
+  """A transfer offer names where to pull from: another host than the peer's is refused
+  (malformed) before any connection is made; the peer's own host (or the unspecified
+  address its transfer server listens on) is pulled from, and the client keeps at most
+  ``_MAX_TRANSFER_CONNECTIONS`` connections however many addresses it is offered."""
+  import jax
+  import jax.experimental.transfer as transfer
+  keys = [bytes([i]) * 32 for i in range(2)]
+  shape, dtype = (2, 2, 4, 8), jnp.bfloat16
+  stack = np.arange(2 * 2 * 2 * 4 * 8, dtype=np.uint16).reshape(2, *shape)
+  device = jax.local_devices()[0]
+  servers = [transfer.start_transfer_server(device.client, f"{host}:0", ["127.0.0.1:0"])
+             for host in ["0.0.0.0"] + ["127.0.0.1"] * remote._MAX_TRANSFER_CONNECTIONS]
+
+  def offer(address):
+    def answer(n, req):
+      transfer_id = int.from_bytes(n.encode()[:7], "big")
+      if not address.startswith("10."):
+        servers[int(address)].await_pull(transfer_id, [jax.device_put(stack, device)])
+      where = address if address.startswith("10.") else servers[int(address)].address()
+      return [n.encode(), remote.Offer(
+          nonce=n, keys=tuple(bytes.fromhex(k) for k in req["keys"]), dtype="uint16",
+          shape=stack.shape, token=req["token"], crc32c=remote._digest(stack),
+          expires_ms=5000, transfer_id=transfer_id, transfer_address=where).encode(), b""]
+    return answer
+
+  peer = FakePeer([offer("10.1.2.3:5"), *(offer(str(i)) for i in range(len(servers)))])
+  try:
+    client = RemoteClient(peer.address, b"\x01" * 32, transport="transfer")
+    with pytest.raises(RemoteError, match="not on the peer's host") as e:
+      client.fetch(keys, shape, dtype, time.monotonic() + 5)
+    assert e.value.reason == "malformed" and not client._connections
+    for _ in servers:
+      got = client.fetch(keys, shape, dtype, time.monotonic() + 10)
+      assert np.array_equal(got, stack)
+    assert len(client._connections) == remote._MAX_TRANSFER_CONNECTIONS
+    assert all(a.startswith("127.0.0.1:") for a in client._connections)
+    assert client.failures_by_reason == {"malformed": 1}
+  finally:
+    peer.close()
+
+
 @pytest.mark.parametrize("piece_bytes", [None, 1000])
 def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_bytes,
                                                     monkeypatch):
@@ -401,7 +577,7 @@ def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_byt
     monkeypatch.setattr(remote, "_CHUNK_BYTES", piece_bytes)
   fp, shape = engine.cache.config.fingerprint(), engine.cache.payload_shape
   dtype = engine.cache.config.jnp_dtype
-  proxy = Proxy(server.address)
+  proxy = Proxy(server.address, key=KEY)
   try:
     plain = RemoteClient(proxy.address, fp, secret=KEY).fetch(
         _keys(engine), shape, dtype, time.monotonic() + 30).tobytes()

@@ -19,16 +19,38 @@ message was built here or decoded off the socket (``decode``), so neither side h
 dict, and a peer's malformed message is a ``WireError`` naming the field and the rule.
 
 Authentication (``jaxkv.security``), when the serving cache has a deployment key:
+- **Connections.** The server takes a connection only after a ZeroMQ PLAIN handshake whose
+  password is a token derived from the key (``_handshake_token``), checked by the server's
+  ZAP handler (``_Gatekeeper``); libzmq queues nothing from a connection before its
+  handshake passes. This is what bounds the memory a client without the key can cost:
+  ZeroMQ caps each *frame* (``MAXMSGSIZE``) and counts whole *messages* against the
+  receive high-water mark, delivering a multipart message at once, so without it one
+  message of thousands of maximal frames, on each of any number of connections, would be
+  queued before ``poll`` saw its frame count. What it stops: a client off the path without
+  the key can no longer open a connection that queues anything (a wrong token is refused
+  in the handshake and counted, ``BlockServer.handshakes_refused``; the client sees the
+  refusal at once: a counted "refused" miss, not a wait for its deadline). What it does
+  not: PLAIN is not encrypted, so whoever reads the traffic learns the token and can
+  connect and queue messages: an attacker on the path, who can cut the traffic anyway.
+  Against them the checks below stay the second line. (CURVE would hide the token, but
+  encrypts every byte of the data path too.) A keyless server has no handshake: anyone
+  who reaches it connects; it is loopback-only unless ``allow_insecure``.
 - **Requests.** A client asks once per connection for a challenge (``Hello``: the only
   request answered without the key) and sends ``HMAC(key, challenge, request)`` with each
-  request; the server answers only those (others get an "unauthenticated" refusal,
-  counted in ``BlockServer.refused``, and learn nothing: not even whether a key is held).
-  The challenge is *stateless*: ``<epoch>-HMAC(server secret, routing id, epoch)``, a
+  request; the server answers only those. Others get an "unauthenticated" refusal
+  (counted in ``BlockServer.refused``) and no answer to what they asked: not which blocks
+  the server holds, nor anything of them. (They do learn that it holds a key: the
+  handshake asks for a token, a ``Welcome`` carries a tag, and the refusal says why.) The
+  challenge is *stateless*: ``<epoch>-HMAC(server secret, routing id, epoch)``, a
   server-local random secret, so the server keeps nothing per connection before a request
   is authenticated and no flood of hellos can push a peer's challenge out. A challenge
   holds for the epoch it was made in and the next (``challenge_epoch_s``, 60 s: one more
-  hello round trip per connection a minute, and a recorded request replays for at most two
-  minutes, on the connection it was made for).
+  hello round trip per connection a minute). After authentication the server remembers
+  the (challenge, nonce) of the last ``max_remembered_nonces`` requests and refuses a
+  repeat ("replay", counted): a request recorded on the path is answered once, not
+  re-injected to fill the transfer offers, unless that many authenticated requests came
+  after it within its challenge's two epochs (then it is forgotten, and may be answered
+  again on the connection it was made for, until its challenge expires).
 - **Answers.** Every answer carries a ``Seal("remote-answer")`` tag over its header *and*
   its data frame, bound to the request's nonce (the purpose names the direction: requests
   are HMACs under the raw key, answers GCM tags under a key derived for answers, so
@@ -54,10 +76,17 @@ asked again until its cool-down has passed.
 
 What the server never owes: a ``poll`` answers at most ``max_messages_per_poll`` messages,
 no peer more than ``max_messages_per_peer`` of them (the rest of its messages that poll
-are shed: a well-behaved client has one request in flight), and stops reading
-``poll_overrun_s`` after its timeout; requests are capped in size (block keys only) and
-frame count; transfer offers are bounded in number and bytes and expire
+are shed: a well-behaved client has one request in flight), stops reading
+``poll_overrun_s`` after its timeout, and stops once the blocks it answered with pass
+``max_answer_bytes_per_poll`` (a fetch is answered whole, so a poll overruns that by at
+most one fetch: up to ``_MAX_FETCH_BLOCKS`` blocks); requests are capped in size (block
+keys only) and frame count; transfer offers are bounded in number and bytes and expire
 (``offer_ttl_s``, or the client's own wait, whichever is shorter).
+
+What the client never owes: a transfer offer only ever makes it connect to the peer's own
+host (the offer names the port; another host is refused as malformed), it keeps at most
+``_MAX_TRANSFER_CONNECTIONS`` of those connections, and a pull not done by the deadline
+is abandoned and its connection broken, so the thread that waited on it ends.
 """
 
 from __future__ import annotations
@@ -80,6 +109,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
@@ -100,6 +130,11 @@ _MAX_HELLO_BYTES = 1024  # the one request read without the key is small
 _MAX_HEADER_BYTES = 64 << 10
 _KEYLESS_FIX = ("set a deployment key on every job (--deployment_key_file or "
                 "$JAXKV_DEPLOYMENT_KEY_FILE)")
+_MAX_TRANSFER_CONNECTIONS = 4  # a client's transfer connections (to its one peer's host)
+_HANDSHAKE_USER = b"jaxkv"  # the PLAIN user name of a keyed connection; the token is its password
+_ZAP_DOMAIN = b"jaxkv"
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class RemoteError(RuntimeError):
@@ -151,6 +186,73 @@ def _chunks(data) -> list[memoryview]:
 
 def _pull_aad(nonce: str) -> bytes:
   return b"pull\x00" + nonce.encode()
+
+
+# ---- the handshake: who may connect at all ------------------------------------------------------
+def _handshake_token(key: bytes) -> bytes:
+  """The PLAIN password of a keyed connection. It crosses the network in clear, so it is a
+  derivation of the key made for this use alone: knowing it proves nothing else."""
+  return hmac.new(key, b"jaxkv-zmq-handshake", hashlib.sha256).hexdigest().encode()
+
+
+class _Gatekeeper:
+  """The ZAP handler (ZeroMQ RFC 27) of one keyed server's ZeroMQ context: libzmq asks it,
+  during each connection's handshake, whether the PLAIN credentials pass, and queues
+  nothing from the connection until they do. It passes the key's handshake token only
+  (compared in constant time, never logged) and counts the rest (``refused``).
+
+  It answers on its own thread: a handshake must not wait for the serving thread's next
+  ``poll``. (pyzmq's ``ThreadAuthenticator`` does the same job, but compares passwords with
+  ``==`` and logs accepted ones at debug level.) ``close`` ends the thread."""
+
+  def __init__(self, context: zmq.Context, token: bytes):
+    self.refused = 0
+    self._token = token
+    # Bound here, before the server's socket is: a PLAIN handshake without a handler fails.
+    zap = context.socket(zmq.REP)
+    zap.setsockopt(zmq.LINGER, 0)
+    zap.bind("inproc://zeromq.zap.01")
+    wake = f"inproc://jaxkv-gatekeeper-{secrets.token_hex(8)}"
+    self._stop = context.socket(zmq.PAIR)
+    self._stop.setsockopt(zmq.LINGER, 0)
+    self._stop.bind(wake)
+    woken = context.socket(zmq.PAIR)
+    woken.setsockopt(zmq.LINGER, 0)
+    woken.connect(wake)
+    # Both sockets belong to the thread from here on (its start is the memory barrier
+    # ZeroMQ asks for when a socket changes threads).
+    self._thread = threading.Thread(target=self._run, args=(zap, woken), daemon=True,
+                                    name="jaxkv-zap")
+    self._thread.start()
+
+  def _run(self, zap, woken) -> None:
+    poller = zmq.Poller()
+    poller.register(zap, zmq.POLLIN)
+    poller.register(woken, zmq.POLLIN)
+    try:
+      while woken not in dict(poller.poll()):
+        zap.send_multipart(self._answer(zap.recv_multipart()))
+    finally:
+      zap.close(0)
+      woken.close(0)
+
+  def _answer(self, request: list[bytes]) -> list[bytes]:
+    """The ZAP reply to ``[version, request id, domain, address, routing id, mechanism,
+    user, password]``: 200 for the token, 400 for anything else."""
+    passed = (len(request) == 8 and request[0] == b"1.0" and request[5] == b"PLAIN"
+              and request[6] == _HANDSHAKE_USER and hmac.compare_digest(request[7], self._token))
+    if not passed:
+      self.refused += 1  # this thread's alone: no other writes it
+    request_id = request[1] if len(request) > 1 else b""
+    if passed:
+      return [b"1.0", request_id, b"200", b"OK", _HANDSHAKE_USER, b""]
+    return [b"1.0", request_id, b"400", b"not this deployment's key", b"", b""]
+
+  def close(self) -> None:
+    if self._thread.is_alive():
+      self._stop.send(b"")
+      self._thread.join()
+    self._stop.close(0)
 
 
 # ---- the wire: every message, its fields and their rules, in one place --------------------------
@@ -396,19 +498,24 @@ class BlockServer:
   gathered once and handed to ``ship``, which sends them the way the client asked. Every
   failure on the way is a ``Refusal``, never a crash.
 
-  Without a deployment key the server answers anyone who reaches it: bound to a
+  With a deployment key only connections that pass the handshake (``_Gatekeeper``) reach
+  it at all. Without one the server answers anyone who reaches it: bound to a
   non-loopback ``host`` it refuses to start unless ``allow_insecure``, and it logs that it
-  is insecure in any case. ``counts`` tells what it did (answered, unauthenticated, shed,
-  offers refused for the bound).
+  is insecure in any case. ``counts`` tells what it did (answered, unauthenticated,
+  replay, shed, malformed, offers refused for the bound); ``handshakes_refused``, how many
+  connections it turned away before reading a byte of theirs. ``close`` it: it owns a
+  ZeroMQ context and, with a key, the handshake's thread.
   """
 
   max_messages_per_poll = 64  # messages one ``poll`` reads, answered or shed
   max_messages_per_peer = 16  # answered for one routing id in one ``poll``; the rest shed
   poll_overrun_s = 0.005  # reading stops this long after ``poll``'s timeout
+  max_answer_bytes_per_poll = 64 << 20  # ... or once its answers' blocks pass this
   challenge_epoch_s = 60.0  # a challenge holds for its epoch and the next one
   max_offers = 256  # transfer offers outstanding (not yet expired) ...
   max_offer_bytes = 1 << 30  # ... and their device bytes
   offer_ttl_s = 30.0  # the longest a transfer offer stands (the client's wait, if shorter)
+  max_remembered_nonces = 4096  # authenticated requests remembered, to refuse their replays
 
   def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *,
                allow_insecure: bool = False):
@@ -426,17 +533,31 @@ class BlockServer:
     self._challenge_secret = secrets.token_bytes(32)  # this process's: no state per peer
     self.counts: collections.Counter = collections.Counter()
     self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
+    # (challenge, nonce) -> challenge epoch of authenticated requests, oldest first.
+    self._answered: collections.OrderedDict = collections.OrderedDict()
     self._transfer = None
-    self._context = zmq.Context()
-    self._socket = self._context.socket(zmq.ROUTER)
-    self._socket.setsockopt(zmq.LINGER, 0)
-    self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)  # per frame: zmq disconnects
-    self._socket.setsockopt(zmq.RCVHWM, 4 * self.max_messages_per_peer)  # per connection
-    self._socket.setsockopt(zmq.SNDHWM, 4 * self.max_messages_per_peer)  # beyond: dropped
-    if port:
-      self._socket.bind(f"tcp://{host}:{port}")
-    else:
-      port = self._socket.bind_to_random_port(f"tcp://{host}")
+    self._context = zmq.Context()  # its own: the handshake's handler is per context
+    self._gatekeeper = None
+    self._socket = None
+    try:
+      self._socket = self._context.socket(zmq.ROUTER)
+      self._socket.setsockopt(zmq.LINGER, 0)
+      self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)  # per frame: zmq disconnects
+      self._socket.setsockopt(zmq.RCVHWM, 4 * self.max_messages_per_peer)  # per connection
+      self._socket.setsockopt(zmq.SNDHWM, 4 * self.max_messages_per_peer)  # beyond: dropped
+      if self._key is not None:  # before binding: no connection is ever taken without it
+        self._gatekeeper = _Gatekeeper(self._context, _handshake_token(self._key))
+        self._socket.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+        self._socket.setsockopt(zmq.PLAIN_SERVER, 1)
+      if port:
+        self._socket.bind(f"tcp://{host}:{port}")
+      else:
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+    except BaseException:  # e.g. the port is taken: leave no thread or socket behind
+      if self._gatekeeper is not None:
+        self._gatekeeper.close()
+      self._context.destroy(linger=0)
+      raise
     self.address = f"{host}:{port}"
 
   @property
@@ -444,16 +565,24 @@ class BlockServer:
     """Requests refused for a missing or wrong MAC (or an unknown challenge)."""
     return self.counts["unauthenticated"]
 
+  @property
+  def handshakes_refused(self) -> int:
+    """Connections turned away in the handshake (a wrong token), before anything of theirs
+    was queued. A client without any credentials fails earlier still (its handshake
+    offers no PLAIN at all) and is not counted here."""
+    return self._gatekeeper.refused if self._gatekeeper is not None else 0
+
   def poll(self, timeout_s: float = 0.0) -> int:
     """Answers requests that arrive within ``timeout_s``, at most ``max_messages_per_poll``
     of them read and ``max_messages_per_peer`` answered per routing id (ZeroMQ reads the
-    connections in turn; a peer's messages beyond its share are shed, counted). Returns
-    how many it answered; messages left waiting are read by the next poll."""
-    answered = read = 0
+    connections in turn; a peer's messages beyond its share are shed, counted), and none
+    once its answers' blocks pass ``max_answer_bytes_per_poll``. Returns how many it
+    answered; messages left waiting are read by the next poll."""
+    answered = read = answered_bytes = 0
     per_peer: collections.Counter = collections.Counter()
     deadline = time.monotonic() + timeout_s
     stop = deadline + self.poll_overrun_s
-    while read < self.max_messages_per_poll:
+    while read < self.max_messages_per_poll and answered_bytes <= self.max_answer_bytes_per_poll:
       now = time.monotonic()
       if now >= stop or not self._socket.poll(max(0, int((deadline - now) * 1000))):
         break
@@ -464,8 +593,10 @@ class BlockServer:
       if per_peer[peer] > self.max_messages_per_peer:
         self.counts["shed"] += 1
         continue
-      self._socket.send_multipart([peer, *self._handle(peer, frames[1:])], copy=False)
+      reply, blocks_bytes = self._handle(peer, frames[1:])
+      self._socket.send_multipart([peer, *reply], copy=False)
       answered += 1
+      answered_bytes += blocks_bytes
     self.counts["answered"] += answered
     return answered
 
@@ -479,7 +610,10 @@ class BlockServer:
       self.poll(min(0.1, max(0.0, end - time.monotonic())))
 
   def close(self) -> None:
-    self._socket.close(0)
+    if self._socket is not None:
+      self._socket.close(0)
+    if self._gatekeeper is not None:
+      self._gatekeeper.close()
     self._context.term()
 
   # ---- challenges: recomputed, never stored ------------------------------------------------
@@ -502,11 +636,27 @@ class BlockServer:
             and hmac.compare_digest(self._challenge(peer, int(epoch)), challenge)
             and security.mac_ok(self._key, challenge, body, mac))
 
+  def _first_time(self, challenge: str, nonce: str) -> bool:
+    """Whether an authenticated request under ``challenge`` with ``nonce`` is new (and from
+    now on remembered): a repeat is a replay. Remembers the last ``max_remembered_nonces``,
+    dropping first those whose challenge has expired (a replay of those is refused as
+    unauthenticated anyway)."""
+    seen = (challenge, nonce)
+    if seen in self._answered:
+      return False
+    oldest = self._epoch() - 1
+    while self._answered and (len(self._answered) >= self.max_remembered_nonces
+                              or next(iter(self._answered.values())) < oldest):
+      self._answered.popitem(last=False)
+    self._answered[seen] = int(challenge.partition("-")[0])
+    return True
+
   # ---- one request --------------------------------------------------------------------------
-  def _handle(self, peer: bytes, frames: list) -> list:
+  def _handle(self, peer: bytes, frames: list) -> tuple[list, int]:
     """The reply frames ``[nonce, answer, tag, *data]`` to one request
-    ``[nonce, message, auth]``: checked from the cheapest test on, parsed only once
-    authenticated (a hello excepted)."""
+    ``[nonce, message, auth]``, and the bytes of the blocks it answers with (for the
+    poll's budget): checked from the cheapest test on, parsed only once authenticated (a
+    hello excepted)."""
     nonce = ""
     sealed = False
     try:
@@ -527,6 +677,11 @@ class BlockServer:
                                  valid_ms=int(self.challenge_epoch_s * 1000)), []
         elif self._key is not None and not auth:
           answer, data = self._refuse_unauthenticated(nonce), []
+        elif self._key is not None and not self._first_time(
+            auth.decode("ascii", "replace").partition(" ")[0], request.nonce):
+          self.counts["replay"] += 1
+          answer, data = Refusal(nonce=nonce, error="replay: a request this server has "
+                                 "already answered (the same challenge and nonce)"), []
         else:
           answer, data = self.reply(request)
           sealed = isinstance(answer, Offer) and answer.sealed
@@ -538,17 +693,19 @@ class BlockServer:
                              error=f"{type(e).__name__}: {str(e)[:200]}"), []
     header = answer.encode()
     nonce = answer.nonce  # an answer is about the request it names
+    blocks_bytes = (int(np.prod(answer.shape)) * np.dtype(answer.dtype).itemsize
+                    if isinstance(answer, Offer) else 0)
     if self._seal is None:
-      return [nonce.encode(), header, b"", *data]
+      return [nonce.encode(), header, b"", *data], blocks_bytes
     tag = self._seal.tag(_head_aad(nonce, header))
     if not data:
-      return [nonce.encode(), header, tag]
+      return [nonce.encode(), header, tag], blocks_bytes
     chunks = _chunks(data[0])
     aads = _chunk_aads(nonce, header, len(chunks))
     if sealed:  # a frame per sealed piece: no buffer of the whole answer is made
-      return [nonce.encode(), header, tag, *map(self._seal.seal, aads, chunks)]
+      return [nonce.encode(), header, tag, *map(self._seal.seal, aads, chunks)], blocks_bytes
     return [nonce.encode(), header, b"".join([tag, *map(self._seal.tag, aads, chunks)]),
-            data[0]]
+            data[0]], blocks_bytes
 
   def _refuse_unauthenticated(self, nonce: str) -> Refusal:
     self.counts["unauthenticated"] += 1
@@ -737,9 +894,12 @@ class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker.
 
   ``secret``: the deployment key (the peer must have the same); ``encrypt``: ask for
-  sealed blocks and refuse plaintext ones (needs the key). Whatever goes wrong with a
-  lookup or a fetch is counted in ``failures_by_reason`` (``base.Failure`` values) and
-  costs a miss: ``lookup`` returns 0, ``fetch`` raises ``RemoteError`` and nothing else."""
+  sealed blocks and refuse plaintext ones (needs the key). With a key, each connection
+  opens with the handshake's token (``_handshake_token``); a peer that refuses the
+  handshake (another key, or none) is a "refused" miss as soon as it says so. Whatever
+  goes wrong with a lookup or a fetch is counted in ``failures_by_reason`` (``base.Failure``
+  values) and costs a miss: ``lookup`` returns 0, ``fetch`` raises ``RemoteError`` and
+  nothing else."""
 
   def __init__(self, address: str, fingerprint: bytes, *, deadline_s: float = 5.0,
                trip_after: int = 3, cool_down_s: float = 10.0, secret: bytes | None = None,
@@ -773,9 +933,13 @@ class RemoteClient:
     self._challenge_until = 0.0
     self._max_frame_bytes = _MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
     self._context = zmq.Context.instance()
+    self._token = _handshake_token(self._secret) if self._secret is not None else None
     self._sock = None
+    self._monitor = None  # the socket's handshake failures, as ZeroMQ reports them
+    self._poller = None  # the socket and its monitor
     self._transfer_server = None
-    self._connections: dict = {}
+    # transfer address -> connection, least recently used first (``_MAX_TRANSFER_CONNECTIONS``)
+    self._connections: collections.OrderedDict = collections.OrderedDict()
 
   @property
   def available(self) -> bool:
@@ -803,8 +967,10 @@ class RemoteClient:
 
   def _close(self) -> None:
     if self._sock is not None:
+      self._sock.disable_monitor()
+      self._monitor.close(0)
       self._sock.close(0)
-    self._sock = None
+    self._sock = self._monitor = self._poller = None
     self._challenge = ""
 
   def _exchange(self, request, deadline: float) -> tuple[Any, list]:
@@ -822,7 +988,13 @@ class RemoteClient:
     sealed = isinstance(request, FetchBlocks) and request.sealed
     while True:
       wait_ms = int((deadline - time.monotonic()) * 1000)
-      if wait_ms <= 0 or not self._sock.poll(wait_ms):
+      ready = dict(self._poller.poll(wait_ms)) if wait_ms > 0 else {}
+      if self._monitor in ready:
+        event = zmq_monitor.recv_monitor_message(self._monitor)
+        raise RemoteError("refused", f"peer {self.address} refused this connection's "
+                          f"handshake ({zmq.Event(event['event']).name}): the two jobs do not "
+                          "hold the same deployment key, or only one of them has one")
+      if self._sock not in ready:
         raise RemoteError("deadline", f"peer {self.address} did not answer in time")
       frames = self._sock.recv_multipart(copy=False)
       if frames[0].bytes != nonce:  # to an earlier request that timed out, or junk: unread
@@ -895,6 +1067,13 @@ class RemoteClient:
       self._sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
       self._sock.setsockopt(zmq.RCVHWM, 16)
       self._sock.setsockopt(zmq.SNDHWM, 16)
+      if self._token is not None:
+        self._sock.setsockopt(zmq.PLAIN_USERNAME, _HANDSHAKE_USER)
+        self._sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
+      self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
+      self._poller = zmq.Poller()
+      self._poller.register(self._sock, zmq.POLLIN)
+      self._poller.register(self._monitor, zmq.POLLIN)
       self._sock.connect(f"tcp://{self.host}:{self.port}")
     welcome, _ = self._exchange(Hello(nonce=_nonce()), deadline)
     self.hellos += 1
@@ -991,40 +1170,65 @@ class RemoteClient:
       raise RemoteError("shape", f"{[len(d) for d in data]} bytes of data, expected [{want}]")
     return np.frombuffer(data[0], dtype=bits).reshape(shape)
 
+  def _transfer_address(self, offered: str) -> str:
+    """Where to pull an offer from: the peer's own host, at the port the offer names. An
+    offer naming another host is malformed (a peer never sends this client elsewhere); an
+    unspecified one (``0.0.0.0``, ``::``: the peer's transfer server listens on every
+    interface) means the peer's host."""
+    host, _, port = offered.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or host not in (self.host.strip("[]"), "0.0.0.0", "::"):
+      raise RemoteError("malformed", f"the offer's transfer address {offered[:80]!r} is not "
+                        f"on the peer's host {self.host}")
+    return f"{self.host}:{int(port)}"
+
   def _pull(self, offer, shape, bits, deadline: float) -> np.ndarray:
     """The blocks the offer names, pulled with ``jax.experimental.transfer``; with a key,
-    proven by the offer's ``data_tag`` or opened from their seal."""
+    proven by the offer's ``data_tag`` or opened from their seal.
+
+    The pull waits on a thread, joined until the deadline. The library takes the deadline
+    too, but does not always keep it (a pull never served waits on, on CPU): a late pull's
+    connection is broken, which ends the pull and so the thread, and forgotten."""
+    if offer.transfer_id is None or offer.transfer_address is None:
+      raise RemoteError("malformed", "the offer names no transfer to pull")
+    if self._seal is not None and not offer.sealed and offer.data_tag is None:
+      raise RemoteError("mode", "the offer carries no tag over the blocks it offers")
+    addr = self._transfer_address(offer.transfer_address)
     import jax.experimental.transfer as transfer
     device = jax.local_devices()[0]
     if self._transfer_server is None:
       self._transfer_server = transfer.start_transfer_server(device.client, "127.0.0.1:0",
                                                              ["127.0.0.1:0"])
-    if offer.transfer_id is None or offer.transfer_address is None:
-      raise RemoteError("malformed", "the offer names no transfer to pull")
-    if self._seal is not None and not offer.sealed and offer.data_tag is None:
-      raise RemoteError("mode", "the offer carries no tag over the blocks it offers")
     nbytes = int(np.prod(shape)) * bits.itemsize
     pulled_shape, pulled_dtype = ((nbytes + security.Seal.OVERHEAD,), np.dtype(np.uint8)) if (
         offer.sealed) else (tuple(shape), bits)
-    addr = offer.transfer_address
+    conn = self._connections.pop(addr, None)
+    if conn is None:
+      conn = self._transfer_server.connect(addr)  # lazy: it does not wait on the network
+    self._connections[addr] = conn
+    while len(self._connections) > _MAX_TRANSFER_CONNECTIONS:
+      self._connections.popitem(last=False)
+    wait_s = max(0.0, deadline - time.monotonic())
+    expires = datetime.datetime.now() + datetime.timedelta(seconds=wait_s)
     result: dict = {}
 
     def pull():
       try:
-        conn = self._connections.get(addr)
-        if conn is None:
-          conn = self._connections[addr] = self._transfer_server.connect(addr)
         out = conn.pull(offer.transfer_id, [jax.ShapeDtypeStruct(
             pulled_shape, jnp.dtype(pulled_dtype),
-            sharding=jax.sharding.SingleDeviceSharding(device))])
+            sharding=jax.sharding.SingleDeviceSharding(device))], timeout=expires)
         result["value"] = np.asarray(out[0])
       except Exception as e:  # pylint: disable=broad-except  (reported below)
         result["error"] = e
 
-    worker = threading.Thread(target=pull, daemon=True)  # a pull can hang: never join blindly
+    worker = threading.Thread(target=pull, daemon=True, name="jaxkv-pull")
     worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
+    worker.join(wait_s)
     if worker.is_alive():
+      self._connections.pop(addr, None)
+      poison = getattr(conn, "_poison_connection", None)  # fails the pull: the thread ends
+      if poison is not None:
+        poison()
       raise RemoteError("deadline", "the pull did not finish in time")
     if "error" in result:
       raise RemoteError("pull", str(result["error"]))
