@@ -646,3 +646,19 @@ def test_a_keyless_server_is_loud_and_loopback_only(plain_owner, monkeypatch):
   assert len(said) == 2
   with pytest.raises(InputError, match="encrypt"):
     RemoteClient("127.0.0.1:1", engine.cache.config.fingerprint(), encrypt=True)
+
+
+def test_a_block_on_disk_ends_the_prefix_a_server_offers():
+  """Blocks A (device), B (disk only), C (device): the server holds a prefix of 1, not 2
+  (offering A and C would make the fetch that follows a refusal)."""
+  from types import SimpleNamespace
+  from jaxkv.index import PrefixIndex, Tier
+  index = PrefixIndex(num_shards=1, pages_per_shard=4, page_size=4, fingerprint=b"f" * 32,
+                      disk_slots=4)
+  keys = [bytes([i]) * 32 for i in range(3)]
+  for key, tier in zip(keys, (Tier.DEVICE, Tier.DISK, Tier.DEVICE)):
+    slot, = index.allocate(0, 1, tier)
+    index.publish(0, slot, key, tier)
+    index.release(0, [slot], tier)
+  server = SimpleNamespace(cache=SimpleNamespace(index=index, num_shards=1))
+  assert [t for _, t, _ in BlockServer._where(server, keys)] == [Tier.DEVICE]

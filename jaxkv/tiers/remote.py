@@ -777,11 +777,12 @@ class BlockServer:
                                transfer_address=self._transfer.address()), []
 
   def _where(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
-    """(shard, tier, slot) of the longest prefix of ``keys`` on any one shard."""
+    """(shard, tier, slot) of the longest prefix of ``keys`` in device or host memory on
+    any one shard (a block on disk ends the prefix: what follows it is not a prefix)."""
     index = self.cache.index
     best: list = []
     for s in range(self.cache.num_shards):
-      found = [(s, t, slot) for t, slot in index.locate(s, keys) if t in (Tier.DEVICE, Tier.HOST)]
+      found = [(s, t, slot) for t, slot in index.locate(s, keys, (Tier.DEVICE, Tier.HOST))]
       if len(found) > len(best):
         best = found
     return best
