@@ -61,24 +61,25 @@ def want(mesh):
   return helpers.make_engine(mesh, prefix_reuse=False).generate([PROMPT], 5)
 
 
-@pytest.fixture(scope="module")
-def owner(mesh):
-  """A keyed serving job: its engine and its block server, answering."""
-  engine = _owner(mesh, KEY)
+def _serving_owner(mesh, key):
+  """A serving job under ``key``: its engine and its block server, answering."""
+  engine = _owner(mesh, key)
   server = BlockServer(engine.cache)
   with serving(server):
     yield engine, server
   server.close()
+
+
+@pytest.fixture(scope="module")
+def owner(mesh):
+  """A keyed serving job."""
+  yield from _serving_owner(mesh, KEY)
 
 
 @pytest.fixture(scope="module")
 def plain_owner(mesh):
   """A serving job without a key (on loopback: allowed, and said to be insecure)."""
-  engine = _owner(mesh, None)
-  server = BlockServer(engine.cache)
-  with serving(server):
-    yield engine, server
-  server.close()
+  yield from _serving_owner(mesh, None)
 
 
 def _keys(engine):
@@ -216,9 +217,8 @@ def test_a_client_with_another_key_is_refused_in_the_handshake(owner):
   engine, server = owner
   before, refused = +server.counts, server.handshakes_refused  # (+: nonzero counts)
   wrong = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=OTHER_KEY)
-  t0 = time.monotonic()
   assert wrong.lookup(_keys(engine)) == 0
-  assert time.monotonic() - t0 < 0.9  # the lookup's deadline is 1 s: it was told, not timed out
+  # "refused", not "deadline": it was told by the handshake, not left to time out.
   assert wrong.failures_by_reason == {"refused": 1} and wrong.hellos == 0
   assert +server.counts == before and server.handshakes_refused >= refused + 1
 
