@@ -220,7 +220,11 @@ def test_a_client_with_another_key_is_refused_in_the_handshake(owner):
   assert wrong.lookup(_keys(engine)) == 0
   # "refused", not "deadline": it was told by the handshake, not left to time out.
   assert wrong.failures_by_reason == {"refused": 1} and wrong.hellos == 0
-  assert +server.counts == before and server.handshakes_refused >= refused + 1
+  # Nothing of its reached the server. ("answered" is left out: the module's server keeps
+  # serving, and an earlier test's client may still have an answer in flight.)
+  strangers = lambda counts: {k: v for k, v in counts.items() if k != "answered"}
+  assert strangers(+server.counts) == strangers(before)
+  assert server.handshakes_refused >= refused + 1
 
 
 def test_a_hello_flood_evicts_no_peer(owner):
