@@ -15,14 +15,24 @@ It returns the state rather than the normalised output, so cold pages streamed f
 host (``streamed.stream_state``) merge into it as on the jnp path.
 
 Two forms of the same kernel, one per Pallas backend:
-- ``gpu``: pointer-style blocks (a kv head's whole page pool as one block, pages gathered
-  by table entries inside the kernel), the form Pallas lowers to Triton.
+- ``gpu``: Triton (``pltriton.CompilerParams`` given explicitly: with none, Pallas in JAX
+  0.10 lowers to Mosaic GPU, which stages whole blocks in shared memory). The pools stay in
+  global memory as pointers; each chunk's pages are gathered by table entries inside the
+  kernel. Grid ``(sequence, kv head, row block)``: at most ``GPU_ROW_BLOCK`` query rows per
+  program, so a 512-token prefill does not hold 2,048 rows at once. Triton keeps the chunk's
+  K/V tiles (``GPU_NUM_STAGES`` in flight) and their float32 dot operands in shared memory,
+  so the form walks the table in its own chunk: the largest power of two pages, at most
+  ``pages_per_chunk``, whose tiles fit ``GPU_SMEM_BYTES`` (``gpu_pages_per_chunk``). That
+  chunk depends only on the page size, head size and KV dtype, so decode and prefill fold the
+  same chunks and the exactness below holds on this form too.
 - ``tpu``: the pools stay in HBM (``memory_space=ANY``); the page table, lengths and valid
   flags are prefetched scalars, and each chunk's pages are DMA'd into a double-buffered
   VMEM scratch, the next chunk's copies started before this chunk is computed.
 Off their hardware both run in Pallas' interpreters (``interpret=True``; the TPU form in
 the TPU interpreter, which simulates the DMAs and semaphores): the tests check them that
-way; interpreter timings say nothing about kernel speed.
+way; interpreter timings say nothing about kernel speed. Whether a form is accepted by its
+platform's compiler is checked by lowering it for that platform (``jax.export``, tests in
+``tests/test_lowering.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +43,46 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
+from jaxkv.errors import InputError
 from jaxkv.ops import chunked
+
+# The Triton form's budget: shared memory one block may opt into on sm_90 (H100/H200).
+GPU_SMEM_BYTES = 232448
+GPU_ROW_BLOCK = 64  # most query rows per program
+GPU_NUM_STAGES = 2  # chunks whose K/V loads are in flight at once
+GPU_NUM_WARPS = 4
+
+
+def gpu_smem_bytes(pages_per_chunk: int, page_size: int, head_dim: int, kv_itemsize: int,
+                   row_block: int = GPU_ROW_BLOCK) -> int:
+  """Shared memory the Triton form's program needs for a chunk, as an upper bound: the
+  chunk's K and V tiles as loaded (``GPU_NUM_STAGES`` in flight), their float32 copies
+  as dot operands, the query rows and the score tile (float32)."""
+  chunk = pages_per_chunk * page_size
+  kv = 2 * chunk * head_dim
+  return (GPU_NUM_STAGES * kv * kv_itemsize + kv * 4 + row_block * head_dim * 4
+          + row_block * chunk * 4)
+
+
+def gpu_pages_per_chunk(pages_per_chunk: int, page_size: int, head_dim: int,
+                        kv_itemsize: int) -> int:
+  """The Triton form's chunk: the largest power of two pages, at most ``pages_per_chunk``,
+  whose tiles fit ``GPU_SMEM_BYTES`` (see ``gpu_smem_bytes``)."""
+  for name, value in (("page_size", page_size), ("head_dim", head_dim)):
+    if value & (value - 1):
+      raise InputError(f"the GPU kernel needs a power-of-two {name}, got {value}: use "
+                       "attention_impl=jnp for this shape.")
+  pages = 1 << (max(pages_per_chunk, 1).bit_length() - 1)
+  while pages > 1 and gpu_smem_bytes(pages, page_size, head_dim, kv_itemsize) > GPU_SMEM_BYTES:
+    pages //= 2
+  if gpu_smem_bytes(pages, page_size, head_dim, kv_itemsize) > GPU_SMEM_BYTES:
+    raise InputError(f"one page of {page_size} tokens x head_dim {head_dim} needs "
+                     f"{gpu_smem_bytes(1, page_size, head_dim, kv_itemsize)} bytes of shared "
+                     f"memory on the GPU kernel, over {GPU_SMEM_BYTES}: use smaller pages or "
+                     "attention_impl=jnp.")
+  return pages
 
 
 def _fold_chunk(state, c, q, qpos, length, k, v, valid):
@@ -128,6 +176,9 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   ``pltpu.InterpretParams`` (the TPU interpreter: simulated DMAs, race detection)."""
   batch, q_len, heads, group, head_dim = qg.shape
   page_size = k_pages.shape[2]
+  if form == "gpu":
+    pages_per_chunk = gpu_pages_per_chunk(pages_per_chunk, page_size, head_dim,
+                                          k_pages.dtype.itemsize)
   width = page_table.shape[1]
   pad = -width % pages_per_chunk
   valid = (jnp.ones(page_table.shape, jnp.int32) if block_valid is None
@@ -139,16 +190,19 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
   qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
   m, l, acc = (x.reshape(batch, heads, rows, -1) for x in state)
-  extra = 0
   if form == "gpu":  # Triton's blocks: a power of two rows, at least 16 for its dot
-    extra = max(16, 1 << (rows - 1).bit_length()) - rows
+    block = min(GPU_ROW_BLOCK, max(16, 1 << (rows - 1).bit_length()))
+    extra = -rows % block
     pad_rows = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)],
                                           constant_values=value)
     q, m, l, acc = pad_rows(q), pad_rows(m, -jnp.inf), pad_rows(l), pad_rows(acc)
     qpos = jnp.pad(qpos, ((0, 0), (0, extra)), constant_values=-1)  # masked: nothing read
-  call = _call_tpu if form == "tpu" else _call
-  out = call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
-             page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
+    out = _call(pages_per_chunk, page_size, block, interpret, m, l, acc,
+                kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
+                k_pages, v_pages)
+  else:
+    out = _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
+                    page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
   return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
 
@@ -167,21 +221,26 @@ def _state_specs(rows: int, head_dim: int) -> list:
   return [_per_head(rows, 1), _per_head(rows, 1), _per_head(rows, head_dim)]
 
 
-def _call(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid,
+def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, kv_lens, page_table, valid,
           qpos, q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
   num_pages, width = k_pages.shape[1], page_table.shape[1]
-  pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
-  state_specs = _state_specs(rows, head_dim)
+  seq = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h, r: (b, *([0] * len(tail))))
+  rows_of = lambda tail: pl.BlockSpec((None, None, block, tail), lambda b, h, r: (b, h, r, 0))
+  pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, r: (h, 0, 0, 0))
+  state_specs = [rows_of(1), rows_of(1), rows_of(head_dim)]
   kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size)
   return pl.pallas_call(
       kernel,
-      grid=(batch, heads),
-      in_specs=[_per_row(1), _per_row(width), _per_row(width), _per_row(rows),
-                _per_head(rows, head_dim), pool, pool, *state_specs],
+      grid=(batch, heads, rows // block),
+      in_specs=[seq(1), seq(width), seq(width),
+                pl.BlockSpec((None, block), lambda b, h, r: (b, r)),
+                rows_of(head_dim), pool, pool, *state_specs],
       out_specs=state_specs,
       out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
       input_output_aliases={7: 0, 8: 1, 9: 2},
+      compiler_params=pltriton.CompilerParams(num_warps=GPU_NUM_WARPS,
+                                              num_stages=GPU_NUM_STAGES),
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
   )(kv_lens[:, None], page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)

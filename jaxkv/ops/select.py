@@ -4,6 +4,9 @@ use either through ``paged_state``; ``paged_attention`` is the whole op."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 
 from jaxkv.config import ATTENTION_IMPLS, resolve_attention_impl
@@ -12,6 +15,20 @@ from jaxkv.ops import chunked, kernel
 from jaxkv.ops.reference import check_shapes
 
 _KERNEL_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+_lowering = threading.local()  # .platform: the platform being lowered for, if not this one
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+  """Within: a kernel resolves as if the backend were ``platform`` (``gpu`` or ``tpu``),
+  so a function traced here lowers the kernel for that platform instead of the
+  interpreter (``jaxkv.lowering`` exports functions for hardware that is not attached)."""
+  before = getattr(_lowering, "platform", None)
+  _lowering.platform = platform
+  try:
+    yield
+  finally:
+    _lowering.platform = before
 
 
 def resolve(impl: str, interpret=None) -> tuple[str, object]:
@@ -24,7 +41,8 @@ def resolve(impl: str, interpret=None) -> tuple[str, object]:
   if impl == "jnp":
     return impl, False
   if interpret is None:
-    interpret = jax.default_backend() != _KERNEL_PLATFORM[impl]
+    backend = getattr(_lowering, "platform", None) or jax.default_backend()
+    interpret = backend != _KERNEL_PLATFORM[impl]
   return impl, interpret
 
 
