@@ -37,9 +37,11 @@ def get_config() -> ml_collections.ConfigDict:
       read_deadline_s=10.0))
   # 8 devices share the host's links (about 4 x 50 GB/s across the node's PCIe switches);
   # prefill: 2 x 70e9 FLOPs per token over 8 x 989 TFLOP/s at 40%: about 45 ms per 1000.
+  # Roofline (jaxkv.roofline), per device: H200 datasheet figures, 4.8 TB/s HBM3e and 989
+  # TFLOP/s dense bf16 (an H100 SXM has the same 989 but 3.35 TB/s: set hbm_gb_per_s=3350).
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=200.0, host_link_latency_ms=0.02, disk_gb_per_s=12.0,
-      prefill_ms_per_1k=45.0))
+      prefill_ms_per_1k=45.0, hbm_gb_per_s=4800.0, peak_tflops=989.0))
   # The chat workload at this model's scale (the other workloads as in default.py).
   c.workload.chat = ml_collections.ConfigDict(dict(
       users=128, turns=8, system_prompt_tokens=4096, user_tokens=(64, 1024),

@@ -29,8 +29,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=24576, max_pages_per_seq=8192, attention_chunk_pages=32,
       dtype="bfloat16", attention_impl="auto"))
-  # --config.cache.attention_impl=pallas_gpu runs jaxkv's Triton-form kernel: 16-token pages
-  # x 32 per chunk = 512 keys per step, head_dim 128; power-of-two shapes throughout.
+  # --config.cache.attention_impl=pallas_gpu runs jaxkv's Triton-form kernel. The jnp path
+  # walks 32 pages (512 keys) per step; the kernel's chunk is cut to what fits shared memory
+  # (jaxkv.ops.kernel.gpu_pages_per_chunk: 4 pages of head_dim 128 in bf16, ~176 KiB of the
+  # 227 KiB a block may use), power-of-two shapes throughout.
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=32, prefill_chunk_pages=32, cache_decode_blocks=True))
   # 256 GiB of pinned host memory and a local NVMe directory below it.
@@ -40,10 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
       read_deadline_s=10.0))
   # What the planner assumes before calibration replaces it: PCIe Gen5 x16 (64 GB/s
   # nominal, ~50 achievable one way) and prefill at 2 x 8e9 FLOPs per token on 989 TFLOP/s
-  # bf16 at 40% utilisation, about 40 ms per 1000 tokens.
+  # bf16 at 40% utilisation, about 40 ms per 1000 tokens. The roofline (jaxkv.roofline)
+  # reads one device's peaks: H200 datasheet, 4.8 TB/s HBM3e and 989 TFLOP/s dense bf16.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=50.0, host_link_latency_ms=0.02, disk_gb_per_s=6.0,
-      prefill_ms_per_1k=40.0))
+      prefill_ms_per_1k=40.0, hbm_gb_per_s=4800.0, peak_tflops=989.0))
   # The chat workload at this model's scale (the other workloads as in default.py).
   c.workload.chat = ml_collections.ConfigDict(dict(
       users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),

@@ -38,10 +38,12 @@ def get_config() -> ml_collections.ConfigDict:
       disk_kvstore="/tmp/jaxkv-disk", disk_pages=1 << 19, write_policy="write_back",
       read_deadline_s=10.0))
   # Host link per v5e host (PCIe Gen4, ~25 GB/s shared by its chips); prefill 2 x 8e9
-  # FLOPs per token over 8 x 197 TFLOP/s at 40%: about 25 ms per 1000 tokens.
+  # FLOPs per token on one data shard's 2 chips x 197 TFLOP/s at 40%: about 100 ms per
+  # 1000 tokens (each of the 4 data shards prefills its own requests). Roofline
+  # (jaxkv.roofline), per chip: Cloud TPU v5e spec, 819 GB/s HBM2 and 197 TFLOP/s bf16.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=25.0, host_link_latency_ms=0.05, disk_gb_per_s=2.0,
-      prefill_ms_per_1k=25.0))
+      prefill_ms_per_1k=100.0, hbm_gb_per_s=819.0, peak_tflops=197.0))
   # The chat workload at this model's scale (the other workloads as in default.py).
   c.workload.chat = ml_collections.ConfigDict(dict(
       users=64, turns=8, system_prompt_tokens=2048, user_tokens=(64, 512),
