@@ -1,8 +1,32 @@
 """Small builders shared by tests."""
 
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
 from flax import nnx
 
 import jaxkv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(args, timeout_s=600):
+  """A launch/ script as a user runs it: (exit status, stdout, stderr). Its process group is
+  killed if it outlives ``timeout_s``."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
+  proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    pytest.fail(f"{args[0]} ran over {timeout_s} s; stderr ends:\n{err[-3000:]}")
+  return proc.returncode, out, err
 
 
 def tiny_model_config(**overrides) -> jaxkv.models.LlamaConfig:

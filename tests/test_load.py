@@ -6,10 +6,7 @@ paths a healthy server does not take, and launch/bench.py --suite=http --quick.
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -18,28 +15,13 @@ from jaxkv import workloads
 from jaxkv.bench import http
 from jaxkv.errors import InputError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import run_script
+
 MODEL = "llama-tiny-random"  # configs/cpu_tiny.py's model name
 ROWS = 8  # cpu_tiny: 4 data shards x max_seqs_per_shard 2
 # As launch/bench.py --suite=http --quick runs it: the steps compile once (conftest's cache).
 # max_waiting=0: a ninth outstanding request is answered 429.
 SERVER_FLAGS = ["--config.cache.max_pages_per_seq=16", "--max_waiting=0"]
-
-
-def run_script(args, timeout_s=600):
-  """A launch/ script as a user runs it: (exit status, stdout, stderr). Its process group is
-  killed if it outlives ``timeout_s``."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
-  proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          start_new_session=True)
-  try:
-    out, err = proc.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate()
-    pytest.fail(f"{args[0]} ran over {timeout_s} s; stderr ends:\n{err[-3000:]}")
-  return proc.returncode, out, err
 
 
 def test_http_suite_compares_the_same_arrivals_in_process_and_over_http(tmp_path):

@@ -4,9 +4,6 @@ against a hand computation, the bounds on real hardware, and launch/plan.py's re
 import json
 import os
 import runpy
-import signal
-import subprocess
-import sys
 
 import pytest
 from flax import nnx
@@ -15,6 +12,8 @@ from jaxkv import builder, roofline
 from jaxkv.errors import InputError
 from jaxkv.models import Llama, LlamaConfig
 from jaxkv.models.hf import partition_spec
+
+from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,19 +165,7 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix():
 
 # ---- launch/plan.py ------------------------------------------------------------------------------
 def run_plan(*flags, timeout_s=300):
-  """launch/plan.py as a user runs it: (exit status, stdout, stderr); its process group is
-  killed if it outlives ``timeout_s``."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
-  proc = subprocess.Popen([sys.executable, "launch/plan.py", *flags], cwd=ROOT, env=env,
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          start_new_session=True)
-  try:
-    out, err = proc.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate()
-    pytest.fail(f"launch/plan.py ran over {timeout_s} s; stderr ends:\n{err[-3000:]}")
-  return proc.returncode, out, err
+  return run_script(["launch/plan.py", *flags], timeout_s)
 
 
 def test_plan_prints_and_writes_the_roofline_of_a_config(tmp_path):
