@@ -5,7 +5,6 @@ paths a healthy server does not take, and launch/bench.py --suite=http --quick.
 
 import json
 import math
-import os
 import statistics
 
 import httpx
