@@ -31,8 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
       dtype="bfloat16", attention_impl="auto"))
   # --config.cache.attention_impl=pallas_gpu runs jaxkv's Triton-form kernel. The jnp path
   # walks 32 pages (512 keys) per step; the kernel's chunk is cut to what fits shared memory
-  # (jaxkv.ops.kernel.gpu_pages_per_chunk: 4 pages of head_dim 128 in bf16, ~176 KiB of the
-  # 227 KiB a block may use), power-of-two shapes throughout.
+  # (jaxkv.ops.kernel.gpu_pages_per_chunk: 4 pages at head_dim 128 in bf16, 128 KiB per
+  # 64-row program by Triton's count, of the 227 KiB a block may use; BUILD.md).
   c.engine = ml_collections.ConfigDict(dict(
       max_seqs_per_shard=32, prefill_chunk_pages=32, cache_decode_blocks=True))
   # 256 GiB of pinned host memory and a local NVMe directory below it.

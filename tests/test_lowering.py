@@ -7,6 +7,7 @@ and memory kinds — where the Pallas interpreters check none of them.
 """
 
 import glob
+import json
 import os
 import runpy
 
@@ -19,7 +20,9 @@ from jax.experimental import pallas as pl
 from jaxkv import buckets, builder, lowering
 from jaxkv.ops import kernel, paged_attention
 
-CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.py")))
+from helpers import ROOT, run_script
+
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 TARGETS = ("cuda", "tpu_v5e", "tpu_v6e")
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
@@ -87,7 +90,7 @@ def test_kernel_lowers_at_config_shapes(path, target_name):
                                        shapes["head_dim"], itemsize)
     assert pages <= shapes["chunk"]
     assert kernel.gpu_smem_bytes(pages, shapes["page_size"], shapes["head_dim"],
-                                 itemsize) <= kernel.GPU_SMEM_BYTES
+                                 itemsize) <= kernel.GPU_SMEM_BUDGET
     assert _kernel_names(exported) == {f"_{pages}x{shapes['page_size']}"}
 
 
@@ -112,8 +115,8 @@ def test_gpu_chunk_is_bounded_by_shared_memory_not_by_the_pool():
   # is cut to what fits; the pool size does not enter.
   pages = kernel.gpu_pages_per_chunk(32, 16, 128, 2)
   assert 1 <= pages < 32 and pages & (pages - 1) == 0
-  assert kernel.gpu_smem_bytes(pages, 16, 128, 2) <= kernel.GPU_SMEM_BYTES
-  assert kernel.gpu_smem_bytes(2 * pages, 16, 128, 2) > kernel.GPU_SMEM_BYTES
+  assert kernel.gpu_smem_bytes(pages, 16, 128, 2) <= kernel.GPU_SMEM_BUDGET
+  assert kernel.gpu_smem_bytes(2 * pages, 16, 128, 2) > kernel.GPU_SMEM_BUDGET
   assert kernel.gpu_pages_per_chunk(2, 16, 128, 2) == 2  # never wider than asked
   assert kernel.gpu_pages_per_chunk(6, 16, 64, 2) == 4  # a power of two
   with pytest.raises(ValueError, match="power-of-two head_dim"):
@@ -165,8 +168,7 @@ def test_engine_functions_lower(path, target_name, impl):
 
 def test_engine_functions_lower_at_full_depth():
   # One config at its real depth (32 layers), as a check that depth changes nothing.
-  path = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_8b_h200.py")
-  cfg = _config(path)
+  cfg = _config(os.path.join(ROOT, "configs", "llama3_8b_h200.py"))
   tgt = lowering.target("cuda")
   mesh, functions = lowering.engine_functions(cfg, tgt)
   decode = next(f for f in functions if f.name.startswith("decode["))
@@ -217,3 +219,22 @@ def test_lowering_does_not_change_how_kernels_run_here():
   got = paged_attention(q, kp, vp, table, pos, lens, pages_per_chunk=2, impl="pallas_gpu")
   want = paged_attention(q, kp, vp, table, pos, lens, pages_per_chunk=2, impl="jnp")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_triton_smem_reports_the_chosen_chunk_for_every_step(tmp_path):
+  path = tmp_path / "smem.json"
+  code, out, err = run_script(["launch/triton_smem.py", "--config=configs/llama3_8b_h200.py",
+                               f"--json_out={path}"], timeout_s=600)
+  assert code == 0, err[-3000:]
+  r = json.loads(path.read_text())
+  cfg = _config(os.path.join(ROOT, "configs", "llama3_8b_h200.py"))
+  assert r["pages_per_chunk"] == kernel.gpu_pages_per_chunk(
+      cfg.cache.attention_chunk_pages, cfg.cache.page_size, cfg.model.head_dim, 2)
+  chunk_tokens = cfg.engine.prefill_chunk_pages * cfg.cache.page_size
+  steps = {"decode"} | {f"prefill_{w}" for w in buckets.prefill_widths(chunk_tokens, 16)}
+  assert set(r["steps"]) == steps
+  for step in r["steps"].values():
+    assert step["model_bytes"] <= kernel.GPU_SMEM_BUDGET
+    # Triton's own figure when the package is installed (not in CI): under the limit.
+    assert step["triton_bytes"] is None or step["triton_bytes"] <= kernel.GPU_SMEM_BYTES
+  assert "query tokens" in out
