@@ -12,6 +12,11 @@ The rule, cheap for any size of model (one small gather per tensor):
 - every module's type and its plain settings (numbers, strings, flags and dataclass
   configs such as ``LlamaConfig``: RoPE base, norm epsilon, ...), which change the KV
   without changing a weight.
+The weights are digested as the model holds them, after any conversion at load, so the
+dtype they compute in is part of the digest twice over (each tensor's dtype, and the
+model config's ``dtype`` among its settings): one checkpoint loaded in float32 (the CPU
+default) and in bfloat16 gives two digests, and blocks computed in one are never served
+to the other.
 A change that leaves every sampled value of every tensor bit-identical goes unnoticed
 (e.g. editing a few rows of one matrix); pass ``CacheConfig.weights_digest`` explicitly
 (e.g. a hash published beside the checkpoint) where that matters. Random-initialised

@@ -68,13 +68,21 @@ def should_restore() -> bool:
 
 
 def use_model_dir(cfg):
-  """Points the config at --model_dir (or the config's model.model_dir); returns its
+  """Points the config at --model_dir (or the config's model.model_dir) and fits its
+  defaults to the platform (``builder.platform_defaults``: dtype, mesh and prefill chunk
+  on CPU; a ``--config.*`` override always wins), logging each choice; returns the
   tokenizer, or None (random weights, or a checkpoint without tokenizer.json)."""
+  import jax
+  from absl import logging
   from jaxkv import builder
   model_dir = MODEL_DIR.value or cfg.model.get("model_dir", "")
   if not model_dir:
     return None
   builder.use_model_dir(cfg, model_dir)
+  explicit = config_flags.get_override_values(flags.FLAGS[CONFIG.name])
+  for line in builder.platform_defaults(cfg, platform=jax.default_backend(),
+                                        explicit=explicit, processes=jax.process_count()):
+    logging.info("%s: %s", os.path.basename(os.path.normpath(model_dir)), line)
   if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
     return None
   from jaxkv.tokenizer import Tokenizer

@@ -75,7 +75,9 @@ def main(argv):
   t_load = time.perf_counter()
   model = builder.load_model(cfg, mesh)  # once: the engines share its weights
   if model_dir:
-    print(f"loaded {model_dir} in {time.perf_counter() - t_load:.1f} s")
+    print(f"loaded {model_dir} in {time.perf_counter() - t_load:.1f} s ({cfg.model.dtype}, "
+          f"mesh {cfg.mesh.data} x {cfg.mesh.model}, prefill chunk "
+          f"{cfg.engine.prefill_chunk_pages} pages)")
   models = [model] + [builder.share_weights(model) for _ in policies[1:]]
   engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m,
                                     deployment_key=deployment_key)
@@ -143,6 +145,10 @@ def main(argv):
       "output_digest": _common.token_digest(outputs[main_policy]),
       "index_digest": index_digest,
       "process": {"index": jax.process_index(), "count": jax.process_count()},
+      # what ran, after the platform's defaults for a checkpoint (builder.platform_defaults)
+      "dtype": cfg.model.dtype,
+      "mesh": {"data": cfg.mesh.data, "model": cfg.mesh.model},
+      "prefill_chunk_pages": cfg.engine.prefill_chunk_pages,
       "stats": stats,
       "machine": _common.machine_info(),
   }

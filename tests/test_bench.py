@@ -42,6 +42,21 @@ def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
              - loads["load_file"]["seconds"] / loads["jaxkv"]["seconds"]) < 1e-9
   assert all(f["reps"] == 2 and f["seconds_min"] <= f["seconds"] <= f["seconds_max"]
              for f in loads.values())
+  # Decode per dtype on the same checkpoint, with ratios to float32.
+  decode = r["decode"]
+  assert set(decode) == {"float32", "bfloat16", "bf16_storage_f32_compute"}
+  assert all(f["reps"] == 2 and f["tokens_per_s_min"] <= f["tokens_per_s"]
+             <= f["tokens_per_s_max"] for f in decode.values())
+  for mode in ("bfloat16", "bf16_storage_f32_compute"):
+    assert abs(r["decode_vs_float32"][mode]
+               - decode[mode]["tokens_per_s"] / decode["float32"]["tokens_per_s"]) < 1e-9
+    assert r[f"decode_{mode}_vs_float32"] == r["decode_vs_float32"][mode]
+  # What was timed is what it says: bfloat16 holds half float32's bytes, and computing in
+  # float32 over the bfloat16 arrays gives float32's tokens.
+  assert 2 * decode["bfloat16"]["weight_bytes"] == decode["float32"]["weight_bytes"]
+  assert (decode["bfloat16"]["weight_bytes"] < decode["bf16_storage_f32_compute"]["weight_bytes"]
+          < decode["float32"]["weight_bytes"])
+  assert decode["bf16_storage_f32_compute"]["same_tokens_as_float32"]
 
 
 def test_storage_suite_reports_the_object_store_ratio_and_lost_blocks(tmp_path):

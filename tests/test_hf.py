@@ -221,7 +221,12 @@ def test_serve_a_checkpoint_with_text_prompts(tmp_path):
   proc = run("serve.py", f"--model_dir={path}", f"--trace={trace}", f"--json_out={out}",
              "--config.cache.pages_per_shard=64")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # The CPU defaults for a checkpoint, each said at load (tests/test_platform_defaults.py).
+  for line in ("dtype float32 (platform cpu default, as the checkpoint stores it)",
+               "mesh 1 x 1 (data x model", "prefill chunk 8 pages = 128 tokens"):
+    assert line in proc.stderr, line
   r = json.loads(out.read_text())
+  assert r["mesh"] == {"data": 1, "model": 1} and r["prefill_chunk_pages"] == 8
   assert r["outputs_match"]
   assert r["stats"]["hits"]["device"] > 0  # the shared text was reused
   prompts = [tok.encode(lines[0]["prompt"]), tok.encode_chat(lines[1]["messages"]),

@@ -14,6 +14,15 @@ the disk, the part jaxkv controls. Memory is sampled every 2 ms from ``/proc/sel
 kernel can drop at any time). On CPU the "device" is this process's memory too, so the
 weights themselves count as anon: there the floor is 1.0x the checkpoint and what a
 loader adds is the excess over it. Candidates run interleaved, ``reps`` times each.
+
+Then decode speed per dtype on the same checkpoint, in one process on one device
+(``DECODE_MODES``, interleaved, a warm-up first): the weights converted to float32 at
+load (the CPU default), kept in bfloat16 as stored, and kept in bfloat16 but computed in
+float32 (``bf16_storage_f32_compute``: a float32 model whose linear layers and embedding
+hold the bfloat16 arrays and convert them inside each step; built here only to measure
+it — jaxkv does not offer it, because it measured slower than float32). One request of
+``DECODE_PROMPT`` tokens, ``DECODE_NEW`` new tokens; tokens/s over the decode steps
+(first token to last). ``decode_vs_float32`` gives each dtype's speed over float32's.
 """
 
 from __future__ import annotations
@@ -92,6 +101,69 @@ print(json.dumps({"seconds": seconds, "bytes": nbytes,
 """
 
 
+DECODE_MODES = ("float32", "bfloat16", "bf16_storage_f32_compute")
+DECODE_PROMPT, DECODE_NEW = 16, 5
+
+_DECODE_CHILD = r"""
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import jaxkv
+from jaxkv.models.llama import Llama
+path, modes = sys.argv[2], sys.argv[3].split(",")
+reps, prompt_len, new = map(int, sys.argv[4:])
+mesh = jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+
+def bf16_storage_f32_compute(stored):
+  # A float32 model over the bfloat16 model's arrays: nnx.Linear and nnx.Embed convert
+  # their parameters to their float32 compute dtype inside each step; the norms' scales
+  # (a few KB) are made float32, as RMSNorm multiplies by them directly.
+  cfg = jaxkv.models.llama_config(jaxkv.models.hf.read_config(path), dtype="float32")
+  graphdef, _, rest = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))),
+                                nnx.Param, ...)
+  # New variables over the same arrays: the bfloat16 model is left as it is.
+  flat = [(p, nnx.Param(v.get_value().astype(jnp.float32) if p[-1] == "scale"
+                        else v.get_value()))
+          for p, v in nnx.to_flat_state(nnx.state(stored, nnx.Param))]
+  rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)
+  return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+models, engines = {}, {}
+for mode in modes:
+  if mode == "bf16_storage_f32_compute":
+    stored = models.get("bfloat16") or jaxkv.models.from_pretrained(path, dtype="bfloat16",
+                                                                     mesh=mesh)
+    models[mode] = bf16_storage_f32_compute(stored)
+  else:
+    models[mode] = jaxkv.models.from_pretrained(path, dtype=mode, mesh=mesh)
+for mode, model in models.items():
+  c, pages = model.cfg, -(-(prompt_len + new) // 16)
+  cache = jaxkv.CacheConfig(model_name=mode, num_layers=c.num_layers,
+                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=16,
+                            pages_per_shard=pages, max_pages_per_seq=pages,
+                            attention_chunk_pages=min(pages, 8), dtype=c.dtype)
+  engines[mode] = jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(
+      max_seqs_per_shard=1, prefill_chunk_pages=pages, prefix_reuse=False))
+  engines[mode].warmup(max_seq_len=prompt_len + new)
+weight_bytes = {m: sum(x.nbytes for x in jax.tree.leaves(nnx.state(models[m], nnx.Param)))
+                for m in modes}
+vocab = models[modes[0]].cfg.vocab_size
+runs = {m: [] for m in modes}
+for rep in range(reps + 1):  # the first round is a warm-up (one decode step each)
+  prompt = [int(t) for t in np.random.default_rng(rep).integers(0, vocab, prompt_len)]
+  for mode, engine in engines.items():
+    stamps = []
+    t0 = time.perf_counter()
+    handle = engine.submit(prompt, jaxkv.SamplingParams(max_new_tokens=new if rep else 2),
+                           on_token=lambda _: stamps.append(time.perf_counter()))
+    tokens = list(handle)
+    if rep:
+      runs[mode].append({"tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                         "ttft_s": stamps[0] - t0, "tokens": tokens})
+print(json.dumps({"runs": runs, "weight_bytes": weight_bytes}))
+"""
+
+
 def write_checkpoint(path: str, shape: dict, *, shards: int, seed: int = 0) -> int:
   """A bfloat16 Hugging Face directory of ``shape`` with random values; returns bytes."""
   import ml_dtypes
@@ -132,14 +204,39 @@ def write_checkpoint(path: str, shape: dict, *, shards: int, seed: int = 0) -> i
   return total
 
 
-def _child(kind: str, path: str) -> dict:
+def _child(kind: str, path: str, *, script: str = _CHILD, args=()) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
   env.pop("XLA_FLAGS", None)  # one device: the weights once
-  proc = subprocess.run([sys.executable, "-c", _CHILD, kind, path], env=env,
+  proc = subprocess.run([sys.executable, "-c", script, kind, path, *map(str, args)], env=env,
                         capture_output=True, text=True, timeout=1800)
   if proc.returncode != 0:
-    raise RuntimeError(f"{kind} load failed:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def decode_by_dtype(path: str, *, reps: int) -> dict:
+  """Decode tokens/s of the checkpoint at ``path`` per ``DECODE_MODES`` (see the module
+  docstring), side by side in one process."""
+  import statistics
+  out = _child("decode", path, script=_DECODE_CHILD,
+               args=(",".join(DECODE_MODES), reps, DECODE_PROMPT, DECODE_NEW))
+  runs = out["runs"]
+  figures = {}
+  for mode, rs in runs.items():
+    tps = [r["tokens_per_s"] for r in rs]
+    figures[mode] = {"tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps),
+                     "tokens_per_s_max": max(tps),
+                     "ttft_s": statistics.median(r["ttft_s"] for r in rs),
+                     "weight_bytes": out["weight_bytes"][mode], "reps": len(rs),
+                     "same_tokens_as_float32": all(
+                         r["tokens"] == f["tokens"] for r, f in zip(rs, runs["float32"]))}
+  base = figures["float32"]["tokens_per_s"]
+  ratios = {m: f["tokens_per_s"] / base for m, f in figures.items() if m != "float32"}
+  return {"decode": figures, "decode_prompt_tokens": DECODE_PROMPT,
+          "decode_new_tokens": DECODE_NEW, "decode_vs_float32": ratios,
+          # the same figures as top-level numbers (what launch/bench.py prints)
+          "decode_float32_tokens_per_s": base,
+          **{f"decode_{m}_vs_float32": r for m, r in ratios.items()}}
 
 
 def run(*, quick: bool = False, reps: int = 3) -> dict:
@@ -151,6 +248,7 @@ def run(*, quick: bool = False, reps: int = 3) -> dict:
     for _ in range(reps):
       for kind in runs:
         runs[kind].append(_child(kind, path))
+    decode = decode_by_dtype(path, reps=reps)
   med = lambda kind, key: float(np.median([r[key] for r in runs[kind]]))
   figures = {kind: {"seconds": med(kind, "seconds"),
                     "seconds_min": min(r["seconds"] for r in runs[kind]),
@@ -167,4 +265,5 @@ def run(*, quick: bool = False, reps: int = 3) -> dict:
       "load_file_peak_anon_vs_checkpoint": figures["load_file"]["peak_anon_bytes"] / nbytes,
       "all_loaded_bytes_equal": all(r["bytes"] == nbytes for k in ("jaxkv", "load_file")
                                     for r in runs[k]),
+      **decode,
   }

@@ -102,9 +102,7 @@ def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
   if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
     window = 0
   if dtype is None:
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    if dtype not in SUPPORTED_DTYPES:
-      dtype = "float32"
+    dtype = checkpoint_dtype(hf)
   qwen = arch == "Qwen2ForCausalLM"
   return LlamaConfig(
       vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -117,6 +115,34 @@ def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
       out_bias=(not qwen) and bool(hf.get("attention_bias", False)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       sliding_window=int(window))
+
+
+def checkpoint_dtype(hf: dict) -> str:
+  """The dtype a checkpoint says it stores (``torch_dtype``, or ``dtype`` in newer
+  configs); float32 when it names none or one jaxkv does not compute in."""
+  dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+  return dtype if dtype in SUPPORTED_DTYPES else "float32"
+
+
+def platform_dtype(stored: str, platform: str) -> tuple[str, str]:
+  """The dtype a checkpoint storing ``stored`` computes in on ``platform`` ("cpu", "gpu",
+  "tpu") when nobody asked for one, and why, as words for the log line at load.
+
+  On CPU: float32. XLA:CPU runs bfloat16 (and float16) dots several times slower than
+  float32, though they read half the bytes: ``launch/bench.py --suite=weights`` on a
+  2-core host with a Llama-3.2-1B-shaped bfloat16 checkpoint measured decode at 3.46
+  tok/s in float32, 0.44 tok/s (0.13x) in bfloat16 as stored, and 0.54 tok/s (0.16x)
+  with the weights kept in bfloat16 and computed in float32 — XLA:CPU converts each
+  weight to float32 in a pass of its own before the dot, every step, so that reads the
+  bfloat16 bytes and then writes and reads float32 ones. So the weights are converted
+  once, at load (twice the memory of the stored checkpoint).
+  On GPU and TPU: the checkpoint's own dtype (bfloat16 for nearly every one), which their
+  matrix units run at full rate."""
+  if platform == "cpu" and stored != "float32":
+    return "float32", f"platform cpu default; checkpoint stores {stored}"
+  if platform == "cpu":
+    return "float32", "platform cpu default, as the checkpoint stores it"
+  return stored, f"platform {platform} default: the checkpoint's own"
 
 
 def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
@@ -267,10 +293,16 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   """A ``Llama`` holding the checkpoint in directory ``path``.
 
   ``dtype``: the weights' and activations' dtype (default: the checkpoint's
-  ``torch_dtype``). ``mesh``: where the weights go, split over its ``model_axis`` (the
-  ``CacheConfig.model_axis`` of the cache it will serve; default: the first device).
+  ``torch_dtype``; ``"auto"``: ``platform_dtype``'s choice for the platform of ``mesh``'s
+  devices, or of the first device). ``mesh``: where the weights go, split over its
+  ``model_axis`` (the ``CacheConfig.model_axis`` of the cache it will serve; default: the
+  first device).
   Weights are read slice by slice (see the module docstring)."""
-  cfg = llama_config(read_config(path), dtype=dtype)
+  hf = read_config(path)
+  if dtype == "auto":
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    dtype, _ = platform_dtype(checkpoint_dtype(hf), device.platform)
+  cfg = llama_config(hf, dtype=dtype)
   files = _weight_files(path)
   if mesh is not None and model_axis not in mesh.shape:
     raise CheckpointError(f"mesh axes {tuple(mesh.shape)} have no model_axis={model_axis!r}; "
