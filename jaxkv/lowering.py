@@ -179,7 +179,7 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   pages_lib.validate_mesh(mesh, cache_cfg)
   graphdef, pools, pool_def, weights, weight_def = _abstract_model(cfg, cache_cfg, mesh,
                                                                    num_layers)
-  steps = runner_lib._Steps(graphdef, pool_def, weight_def, mesh, cache_cfg)
+  steps = runner_lib.Steps(graphdef, pool_def, weight_def, mesh, cache_cfg)
   shards = mesh.shape[cache_cfg.data_axis]
   rows = buckets.pow2_at_least(engine["max_seqs_per_shard"]) * shards
   row = lambda *shape, dtype=jnp.int32: _sds(mesh, shape, dtype,
@@ -216,10 +216,10 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
   stack = _sds(mesh, stack_shape, bits, pages_lib.stacked_spec(cache_cfg))
   out.append(Lowerable(f"gather_stacked[pages={moved}]",
-                       pages_lib._gather_stacked_fn(mesh, cache_cfg, num_arrays),
+                       pages_lib.gather_stacked_fn(mesh, cache_cfg, num_arrays),
                        (tuple(pools), ids)))
   out.append(Lowerable(f"scatter_stacked[pages={moved}]",
-                       pages_lib._scatter_stacked_fn(mesh, cache_cfg, num_arrays),
+                       pages_lib.scatter_stacked_fn(mesh, cache_cfg, num_arrays),
                        (tuple(pools), ids, stack)))
   if host_pages:
     from jaxkv.tiers import host as host_lib
@@ -227,7 +227,7 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
     host_pool = _sds(mesh, (num_arrays, cache_cfg.num_kv_heads, shards * host_pages,
                             cache_cfg.page_size, cache_cfg.head_dim), bits,
                      pages_lib.stacked_spec(cache_cfg), memory_kind=kind)
-    store, load, read = host_lib._host_fns(mesh, cache_cfg, kind)
+    store, load, read = host_lib.host_fns(mesh, cache_cfg, kind)
     out += [Lowerable(f"host_store[pages={moved}]", store, (host_pool, ids, stack)),
             Lowerable(f"host_load[pages={moved}]", load, (host_pool, ids)),
             Lowerable(f"host_read[pages={moved}]", read, (host_pool, ids))]

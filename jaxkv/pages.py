@@ -201,7 +201,8 @@ def stacked_spec(config: CacheConfig) -> P:
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+def gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+  """The jitted function behind ``gather_stacked`` for ``num_arrays`` pools."""
   pool, ids = pool_spec(config), P(config.data_axis, None)
 
   def local(pools, page_ids):
@@ -212,7 +213,8 @@ def _gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+  """The jitted function behind ``scatter_stacked`` (pools donated)."""
   pool, ids = pool_spec(config), P(config.data_axis, None)
 
   def local(pools, page_ids, values):
@@ -232,13 +234,13 @@ def gather_stacked(pools, page_ids, *, mesh: Mesh, config: CacheConfig) -> jax.A
   data_shards * n, page_size, head_dim]`` of ``bits_dtype``; rows ``s*n..`` are shard
   ``s``'s pages.
   """
-  return _gather_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids)
+  return gather_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids)
 
 
 def scatter_stacked(pools, page_ids, values, *, mesh: Mesh, config: CacheConfig) -> tuple:
   """Writes a raw-bits stack into every pool (donated: in place); ids ``>= pages`` are
   dropped."""
-  return _scatter_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids, values)
+  return scatter_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids, values)
 
 
 _MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted sum

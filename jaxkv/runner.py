@@ -9,7 +9,7 @@ prefill which token's logits give the row's next token. ``prefill_batch`` and
 
 Shapes come from ``jaxkv.buckets``: rows per shard and page-table widths are powers of two,
 a prefill step is ``prefill_chunk_pages * page_size`` tokens wide. Engines over models of
-the same structure (graphdef), mesh and cache config share one compiled ``_Steps``, so a
+the same structure (graphdef), mesh and cache config share one compiled ``Steps``, so a
 side-by-side comparison of two engines compares policies, not compilations, and each
 bucket compiles once (``trace_counts`` records every trace; tests check it).
 
@@ -45,7 +45,7 @@ def _stream_key(stream):
   return None if stream is None else tuple(stream.cold_slots.shape)
 
 
-class _Steps:
+class Steps:
   """The jitted prefill and decode steps of one model structure on one mesh."""
 
   def __init__(self, graphdef, pool_def, weight_def, mesh, config):
@@ -98,8 +98,8 @@ class _Steps:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_steps(graphdef, pool_def, weight_def, mesh, config) -> _Steps:
-  return _Steps(graphdef, pool_def, weight_def, mesh, config)
+def _compiled_steps(graphdef, pool_def, weight_def, mesh, config) -> Steps:
+  return Steps(graphdef, pool_def, weight_def, mesh, config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,10 @@ from jaxkv.tiers.base import Failure, Fetch, FetchOutcome, Landing
 
 
 @functools.lru_cache(maxsize=None)
-def _host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
+def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
+  """The jitted ``(store, load, read)`` of a host pool in ``memory_kind``: device stack ->
+  host slots, host slots -> device stack, host slots -> host stack (``HostTier`` runs
+  them; ``jaxkv.lowering`` lowers them for other platforms)."""
   stack = pages_lib.stacked_spec(config)
   ids_spec = P(config.data_axis, None)
   host = NamedSharding(mesh, stack).with_memory_kind(memory_kind)
@@ -91,7 +94,7 @@ class HostTier:
     # Raw bits (see pages.bits_dtype): a host copy never changes a NaN payload.
     self.pool = jax.jit(lambda: jnp.zeros(shape, pages_lib.bits_dtype(config.jnp_dtype)),
                         out_shardings=sharding)()
-    self._store, self._load, self._read = _host_fns(mesh, config, self.memory_kind)
+    self._store, self._load, self._read = host_fns(mesh, config, self.memory_kind)
     # Checksum of every slot's bytes as sent (device arrays until first needed).
     model = mesh.shape[config.model_axis]
     self._checksums = np.zeros((self.num_shards, self.pages_per_shard, model), np.uint32)
