@@ -74,8 +74,24 @@ def _kernel_names(exported) -> set[str]:
 
 
 # ---- the kernel forms at every config's shapes ------------------------------------------------
-@pytest.mark.parametrize("target_name", TARGETS)
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-3])
+def _shape_cases():
+  """(config, target) for every distinct set of per-device shapes (cpu_tiny is the default's):
+  CUDA and TPU v5e for each, and TPU v6e too for the configs made for TPUs."""
+  cases, seen = [], set()
+  for path in CONFIGS:
+    cfg = _config(path)
+    key = str(sorted((k, str(v)) for k, v in _kernel_shapes(cfg).items()))
+    if key in seen:
+      continue
+    seen.add(key)
+    cases += [(path, "cuda"), (path, "tpu_v5e")]
+    if cfg.platform == "tpu":
+      cases.append((path, "tpu_v6e"))
+  return cases
+
+
+@pytest.mark.parametrize("path,target_name", _shape_cases(),
+                         ids=lambda x: os.path.basename(x)[:-3] if x.endswith(".py") else x)
 def test_kernel_lowers_at_config_shapes(path, target_name):
   shapes = _kernel_shapes(_config(path))
   tgt = lowering.target(target_name)
@@ -125,12 +141,13 @@ def test_gpu_chunk_is_bounded_by_shared_memory_not_by_the_pool():
 
 # ---- every compiled step of the engine, on each accelerator config's mesh ----------------------
 def _engine_cases():
+  # Each config on its own platform with that platform's kernel, and on the other with the
+  # config's own attention (auto: jnp), so every step lowers for both platforms.
   cases = []
   for path in _accelerator_configs():
     own = lowering.PLATFORM_TARGET[_config(path).platform]
-    for target_name in ("cuda", "tpu_v5e"):
-      cases.append((path, target_name, None))  # the config's impl (auto: jnp)
-    cases.append((path, own, lowering.target(own).kernel_impl))
+    other = "tpu_v5e" if own == "cuda" else "cuda"
+    cases += [(path, own, lowering.target(own).kernel_impl), (path, other, None)]
   return cases
 
 

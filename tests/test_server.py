@@ -311,7 +311,10 @@ def test_a_client_that_stops_waiting_aborts_its_request(state, checkpoint):
   for attempt in range(3):
     before = aborted(state)
     with pytest.raises(httpx.ReadTimeout):
-      httpx.post(state["server"].base + "/v1/completions", timeout=0.3,
+      # Gives up reading after 50 ms (the server looks every 0.1 s; 480 tokens take
+      # longer than both even on the 1 x 1 mesh a checkpoint gets on CPU).
+      httpx.post(state["server"].base + "/v1/completions",
+                 timeout=httpx.Timeout(10.0, read=0.05),
                  headers={"Authorization": f"Bearer {KEY_A}"},
                  json={"model": model_name(checkpoint), "prompt": prompt_ids(9, 20),
                        "max_tokens": 480, "ignore_eos": True, "temperature": 0})
