@@ -33,23 +33,30 @@ def _kill_session(sid: int) -> None:
       pass
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-  """``bash launch/device_check.sh --dry_run`` as CI runs it: (exit status, stdout, its JSON)."""
-  out = tmp_path_factory.mktemp("device")
+def _run_dry(out, timeout_s, **env_extra):
+  """``bash launch/device_check.sh --dry_run`` with OUT=``out``: (exit status, output). Its
+  whole session is killed if it outlives ``timeout_s``."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
-  env.update(OUT=str(out), PYTHON=sys.executable)
+  env.update(OUT=str(out), **env_extra)
   proc = subprocess.Popen(["bash", "launch/device_check.sh", "--dry_run"], cwd=ROOT, env=env,
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)
   try:
-    stdout, _ = proc.communicate(timeout=900)
+    stdout, _ = proc.communicate(timeout=timeout_s)
   except subprocess.TimeoutExpired:
     _kill_session(proc.pid)
     stdout, _ = proc.communicate()
-    pytest.fail(f"the dry run ran over 900 s; its output ends:\n{stdout[-3000:]}")
+    pytest.fail(f"the dry run ran over {timeout_s} s; its output ends:\n{stdout[-3000:]}")
+  return proc.returncode, stdout
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+  """``bash launch/device_check.sh --dry_run`` as CI runs it: (exit status, stdout, its JSON)."""
+  out = tmp_path_factory.mktemp("device")
+  code, stdout = _run_dry(out, 900, PYTHON=sys.executable)
   path = out / "device_check.json"
-  return proc.returncode, stdout, json.loads(path.read_text()) if path.exists() else None
+  return code, stdout, json.loads(path.read_text()) if path.exists() else None
 
 
 def test_dry_run_passes_and_records_every_step(dry_run):
@@ -149,18 +156,8 @@ def test_a_failing_or_hanging_step_is_recorded_and_the_next_one_runs(tmp_path):
   fake.write_text(FAKE_PYTHON.replace("PYTHON", sys.executable, 1))
   fake.chmod(0o755)
   out = tmp_path / "out"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(OUT=str(out), PYTHON=str(fake), STEP_LIMIT_S="5")
-  proc = subprocess.Popen(["bash", "launch/device_check.sh", "--dry_run"], cwd=ROOT, env=env,
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          start_new_session=True)
-  try:
-    stdout, _ = proc.communicate(timeout=300)
-  except subprocess.TimeoutExpired:
-    _kill_session(proc.pid)
-    stdout, _ = proc.communicate()
-    pytest.fail(f"ran over 300 s:\n{stdout[-3000:]}")
-  assert proc.returncode == 1, stdout[-3000:]
+  code, stdout = _run_dry(out, 300, PYTHON=str(fake), STEP_LIMIT_S="5")
+  assert code == 1, stdout[-3000:]
   r = json.loads((out / "device_check.json").read_text())
   assert r["failed_steps"] == ["kernels", "tiers"], stdout[-3000:]
   kernels, tiers, engine = (r["steps"][n] for n in ("kernels", "tiers", "engine"))
