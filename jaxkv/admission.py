@@ -31,7 +31,7 @@ from jaxkv.cache import CapacityError
 from jaxkv.config import SamplingParams
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.tiers.base import Fetch
-from jaxkv.errors import InputError
+from jaxkv.errors import InputError, check_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,7 @@ class Admission:
     integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``; ``shard``
     restricts every request to one data shard."""
     c = self.cache.config
-    if not isinstance(tenant, str) or not tenant:
-      raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
+    check_text(tenant, "tenant")
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
       prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -105,6 +104,10 @@ class Admission:
       streamed = total > c.max_seq_len
       if streamed:
         self._check_streamable(i, len(tokens), sp.max_new_tokens, total)
+      if sp.top_k > self.vocab_size:
+        raise InputError(f"prompt {i}: top_k={sp.top_k} is more than the vocabulary's "
+                         f"{self.vocab_size} tokens; pass top_k <= {self.vocab_size} (0: "
+                         "no limit).")
       bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
       if bad:
         raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "

@@ -156,6 +156,8 @@ class CacheConfig:
 
 
 BATCHING = ("continuous", "static")
+# Above this, sampling is uniform to float32 precision anyway (logits / T ~ 0).
+MAX_TEMPERATURE = 1e4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,14 +350,20 @@ class SamplingParams:
   stop_token_ids: tuple = ()
 
   def __post_init__(self):
+    # Every value here ends up in a step's int32/float32/uint32 arrays: a value outside
+    # those ranges is refused here, never left to overflow inside a step.
     _positive_int(self, "max_new_tokens")
+    _require(self.max_new_tokens < 2**31,
+             f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be < 2**31.")
     t = self.temperature
     _require(isinstance(t, (int, float, np.floating)) and not isinstance(t, bool)
-             and np.isfinite(t) and t >= 0,
-             f"SamplingParams.temperature={t!r} must be a finite number >= 0 (0 = greedy).")
+             and np.isfinite(t) and 0 <= t <= MAX_TEMPERATURE,
+             f"SamplingParams.temperature={t!r} must be a finite number in [0, "
+             f"{MAX_TEMPERATURE:g}] (0 = greedy).")
     k = self.top_k
-    _require(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0,
-             f"SamplingParams.top_k={k!r} must be an integer >= 0 (0 = no limit).")
+    _require(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < 2**31,
+             f"SamplingParams.top_k={k!r} must be an integer in [0, 2**31) (0 = no limit; "
+             "the engine also refuses one above the model's vocabulary).")
     p = self.top_p
     _require(isinstance(p, (int, float, np.floating)) and not isinstance(p, bool) and 0 < p <= 1,
              f"SamplingParams.top_p={p!r} must be in (0, 1] (1 = no limit).")
@@ -364,6 +372,8 @@ class SamplingParams:
              f"SamplingParams.seed={s!r} must be an integer in [0, 2**32).")
     stops = self.stop_token_ids
     _require(isinstance(stops, (tuple, list)) and all(
-        isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0 for x in stops),
-             f"SamplingParams.stop_token_ids={stops!r} must be a tuple of token ids >= 0.")
+        isinstance(x, (int, np.integer)) and not isinstance(x, bool) and 0 <= x < 2**31
+        for x in stops),
+             f"SamplingParams.stop_token_ids={stops!r} must be a tuple of token ids in "
+             "[0, 2**31).")
     object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in stops))

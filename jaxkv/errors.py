@@ -25,3 +25,20 @@ class InputError(ValueError):
 class InvariantError(AssertionError):
   """jaxkv's internal state broke a rule it keeps; a bug, never bad input. The message
   names the state and the rule."""
+
+
+def check_text(value, what: str, *, max_chars: int | None = None) -> str:
+  """``value`` if it is a non-empty string of Unicode scalar values (what UTF-8 can encode),
+  at most ``max_chars`` long; else ``InputError`` naming ``what``. JSON can carry a lone
+  surrogate (``"\\ud800"``) that Python decodes into a ``str`` no encoder takes: such a
+  string is refused where it enters, not where it is first encoded."""
+  if not isinstance(value, str) or not value:
+    raise InputError(f"{what}={value!r} must be a non-empty string.")
+  if max_chars is not None and len(value) > max_chars:
+    raise InputError(f"{what} has {len(value)} characters; at most {max_chars}.")
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise InputError(f"{what} holds {value[e.start]!r} at character {e.start}, a lone "
+                     "surrogate (not a Unicode character); send valid UTF-8 text.") from None
+  return value

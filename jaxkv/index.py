@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv import security
-from jaxkv.errors import InputError, InvariantError
+from jaxkv.errors import InputError, InvariantError, check_text
 
 Key = bytes  # a 32-byte SHA-256 digest
 
@@ -70,8 +70,7 @@ LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 def tenant_root_key(fingerprint: bytes, tenant: str, secret: bytes | None = None) -> Key:
   """The chain's starting key: model/layout fingerprint mixed with the tenant's salt
   (keyed by the deployment key ``secret`` when given)."""
-  if not isinstance(tenant, str) or not tenant:
-    raise InputError(f"tenant={tenant!r} must be a non-empty string, e.g. 'default'.")
+  check_text(tenant, "tenant")
   salt = security.tenant_salt(tenant, secret)
   return hashlib.sha256(b"jaxkv-root\x00" + fingerprint + salt).digest()
 

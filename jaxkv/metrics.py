@@ -31,9 +31,9 @@ from jaxkv.stats import COUNTERS
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-_COUNTED = ("requests", "aborted_requests", "prompt_tokens", "hit_tokens", "computed_tokens", "generated_tokens",
-            "blocks_fetched", "blocks_recomputed", "blocks_split", "bytes_moved",
-            "read_timeouts", "disk_write_failures")
+_COUNTED = ("requests", "aborted_requests", "failed_requests", "prompt_tokens", "hit_tokens",
+            "computed_tokens", "generated_tokens", "blocks_fetched", "blocks_recomputed",
+            "blocks_split", "bytes_moved", "read_timeouts", "disk_write_failures")
 
 
 def percentile(values, q: float) -> float:

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from absl import logging
 
 from jaxkv import buckets
 from jaxkv.admission import Placement, Request
@@ -241,7 +242,9 @@ class Scheduler:
     self.groups: dict[int, tuple[list[_Seq], tuple]] = {}
     self._step = 0
     self._held_once: set[int] = set()  # requests counted in stats' shared_prefix_waits
-    self._aborting: set[int] = set()  # request ids to end at the next step that can
+    # Request ids to end at the next step that can, with how they end ("abort", or "error"
+    # for one whose caller's callback raised).
+    self._aborting: dict[int, str] = {}
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, handle: RequestHandle) -> RequestHandle:
@@ -252,14 +255,15 @@ class Scheduler:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
-  def abort(self, request_id: int) -> None:
+  def abort(self, request_id: int, reason: str = "abort") -> None:
     """Ends a request (its caller went away) at the start of the next step that can: a
     waiting one leaves the queue; a running one leaves the batch and its pages are
     released (blocks it published stay cached) once no fetch of its group is still in
     flight. Its handle finishes with ``finish_reason="abort"``. Unknown or finished ids
-    are ignored (the request may have ended meanwhile)."""
+    are ignored (the request may have ended meanwhile). ``reason="error"``: it ends with
+    that ``finish_reason`` (its own failure, not its caller's leaving)."""
     if request_id in self.handles:
-      self._aborting.add(request_id)
+      self._aborting.setdefault(request_id, reason)
 
   def _apply_aborts(self) -> tuple:
     """Ends the aborted requests that can end now; returns their ids."""
@@ -276,9 +280,9 @@ class Scheduler:
         ended.append(s.handle.id)
     for request in ended:
       self._held_once.discard(request)
-      self.handles[request]._deliver([], None, "abort")
-      self.stats.add("aborted_requests")
-    self._aborting -= set(ended)
+      reason = self._aborting.pop(request)
+      self.handles[request]._deliver([], None, reason)
+      self.stats.add("aborted_requests" if reason == "abort" else "failed_requests")
     return tuple(ended)
 
   # ---- deciding a step -------------------------------------------------------------------------
@@ -442,8 +446,9 @@ class Scheduler:
       handle._deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)
                       or "length")
       self._complete(handle, result.t_tokens)
-      handle._notify(tokens)
-      return aborted + [StepOutput(handle, tuple(tokens), True)]
+      out = StepOutput(handle, tuple(tokens), True)
+      self._notify(out)
+      return aborted + [out]
     by_id = {s.handle.id: s for s in self.running.values()}
     self._publish_chunks(plan.prefill, by_id)
     for group, report in result.fetched:
@@ -467,8 +472,20 @@ class Scheduler:
         self._complete(s.handle, result.t_tokens)
       outputs.append(StepOutput(s.handle, (token,), done is not None))
     for out in outputs:
-      out.handle._notify(out.new_tokens)
+      self._notify(out)
     return outputs
+
+  def _notify(self, out: StepOutput) -> None:
+    """Hands a request's new tokens to its caller's ``on_token``. A callback that raises
+    fails its own request (it ends with "error" at the next step, its pages released),
+    never the step, the accounts or another request."""
+    try:
+      out.handle._notify(out.new_tokens)
+    except Exception:  # the caller's code: logged with its traceback, kept to its request
+      logging.exception("on_token of request %d raised; the request ends with "
+                        "finish_reason='error'", out.handle.id)
+      if not out.finished:
+        self.abort(out.handle.id, "error")
 
   def _first_token(self, handle: RequestHandle, t: float) -> None:
     handle.ttft_s = t - handle.t_submit
@@ -549,7 +566,7 @@ class Scheduler:
   def _complete(self, handle: RequestHandle, t_done: float) -> None:
     """Completion counters (every request, streamed or not, ends here once)."""
     self.handles.pop(handle.id, None)
-    self._aborting.discard(handle.id)  # asked for while its last step ran: it finished
+    self._aborting.pop(handle.id, None)  # asked for while its last step ran: it finished
     self.stats.add("requests")
     self.stats.add("generated_tokens", len(handle.tokens))
     if handle.ttft_s is not None:

@@ -13,6 +13,21 @@ outstanding (submitted, not yet finished; ``rows`` is the batch's rows over ever
 shard); beyond that ``submit`` raises ``Overloaded``. After ``drain`` starts, ``submit``
 raises ``Draining``.
 
+Shares: with ``max_running_per_tenant`` (0: no limit) a tenant (``submit``'s ``quota``,
+e.g. the API key's tenant whatever salt its requests carry) has at most that many
+requests in the engine — running, or queued for a row — at once; its further requests wait
+here, at most ``max_waiting_per_tenant`` of them (then ``Overloaded`` for that tenant
+alone), and enter the engine as its earlier ones finish. So one tenant cannot hold every
+row and every waiting slot while the others are served.
+
+Failures: a request's own bad input (``InputError`` at submit) ends that request; a
+callback of its own that raises ends it too (``Scheduler``). Anything else raised on the
+engine thread — a step that fails (an ``InvariantError``, a device error, any bug) — is
+an internal error: the loop stops, every outstanding request ends with
+``finish_reason="error"``, ``failure`` says why, ``failed`` is set, and ``submit`` raises
+``EngineFailed`` from then on. The server answers 503 with the reason and its launcher
+exits non-zero, so a supervisor restarts it instead of it answering 503 forever.
+
 Many processes (``jax.distributed``): process 0 takes the commands; before every step it
 broadcasts them (``distributed.broadcast_bytes``), and every process applies the same
 commands in the same order and runs the same step (``follow`` on the others), so request
@@ -50,16 +65,21 @@ class Delta:
 
 
 class Overloaded(Exception):
-  """The service holds as many requests as it takes; try again after ``retry_after_s``."""
+  """The service (or the tenant's share of it) holds as many requests as it takes; try
+  again after ``retry_after_s``."""
 
-  def __init__(self, outstanding: int, limit: int, retry_after_s: int = 1):
-    super().__init__(f"the server holds {outstanding} requests, its limit (rows + "
-                     f"max_waiting = {limit}); retry after {retry_after_s} s.")
+  def __init__(self, message: str, retry_after_s: int = 1):
+    super().__init__(f"{message}; retry after {retry_after_s} s.")
     self.retry_after_s = retry_after_s
 
 
 class Draining(Exception):
   """The service is shutting down and takes no new requests."""
+
+
+class EngineFailed(Exception):
+  """The engine stopped on an internal error (``EngineService.failure`` says which); the
+  process should be restarted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +130,21 @@ class EngineService:
   """Runs ``engine``'s step loop on a thread; ``submit``/``abort`` from any thread."""
 
   def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0,
-               between_steps: Callable[[float], object] | None = None):
-    if max_waiting < 0:
-      raise InputError(f"max_waiting={max_waiting} must be >= 0 (requests that may wait "
-                       "for a batch row beyond the running ones).")
+               between_steps: Callable[[float], object] | None = None,
+               max_running_per_tenant: int = 0, max_waiting_per_tenant: int | None = None):
+    for name, value in (("max_waiting", max_waiting),
+                        ("max_running_per_tenant", max_running_per_tenant),
+                        ("max_waiting_per_tenant", max_waiting_per_tenant or 0)):
+      if not isinstance(value, int) or value < 0:
+        raise InputError(f"{name}={value!r} must be an integer >= 0 (max_waiting: requests "
+                         "that may wait for a batch row beyond the running ones; "
+                         "max_running_per_tenant: 0 for no per-tenant limit).")
     self.engine = engine
     self.rows = engine.config.max_seqs_per_shard * engine.cache.num_shards
     self.max_waiting = max_waiting
+    self.max_running_per_tenant = max_running_per_tenant
+    self.max_waiting_per_tenant = (max_waiting if max_waiting_per_tenant is None
+                                   else max_waiting_per_tenant)
     self.idle_wait_s = idle_wait_s
     # Work that must run on the engine's thread between steps (a ``BlockServer``'s
     # ``poll``): called with how long it may wait, after every step and while idle.
@@ -131,9 +159,17 @@ class EngineService:
     self._sinks: dict[int, Callable[[Delta], None] | None] = {}  # ticket -> sink (engine thread)
     self._handles: dict = {}  # ticket -> engine handle (engine thread)
     self._tickets: dict[int, int] = {}  # engine request id -> ticket (engine thread)
+    # Per tenant (quota): requests outstanding, requests in the engine, and the ones
+    # held back for the tenant's share (submit commands, in order).
+    self._quota: dict[int, str] = {}  # ticket -> quota
+    self._per_tenant: collections.Counter = collections.Counter()
+    self._in_engine: collections.Counter = collections.Counter()
+    self._held: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+    self._entered: set[int] = set()  # tickets sent to the engine
     self._thread: threading.Thread | None = None
     self._stopped = threading.Event()
-    self.failed_steps = 0
+    self.failed = threading.Event()  # set when an internal error stopped the loop
+    self.failure: str | None = None  # what it was, in one line
     self.counts = collections.Counter()  # requests by how they ended
 
   # ---- any thread -------------------------------------------------------------------------------
@@ -142,32 +178,66 @@ class EngineService:
     """Requests submitted and not yet finished."""
     return self._outstanding
 
+  def tenant_load(self) -> dict[str, tuple[int, int]]:
+    """Per tenant (quota) with requests outstanding: (in the engine, held back for its
+    share)."""
+    with self._lock:
+      return {q: (self._in_engine[q], len(self._held.get(q, ())))
+              for q in sorted(self._per_tenant)}
+
   @property
   def accepting(self) -> bool:
     return self._accepting and not self._stopped.is_set()
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, tenant: str,
-             sink: Callable[[Delta], None]) -> int:
+             sink: Callable[[Delta], None], *, quota: str | None = None) -> int:
     """Queues a request; returns its ticket. ``sink(delta)`` is called on the engine
     thread for every step that gives it tokens, the last with ``finish_reason`` set.
-    Raises ``Draining`` or ``Overloaded`` (nothing was queued)."""
+    ``quota``: whose share it counts against (default ``tenant``). Raises ``EngineFailed``,
+    ``Draining`` or ``Overloaded`` (nothing was queued)."""
+    quota = tenant if quota is None else quota
+    command = _Submit(-1, tuple(int(t) for t in prompt), sampling, tenant)
     with self._lock:
+      if self.failed.is_set():
+        raise EngineFailed(f"the engine stopped on an internal error ({self.failure}); the "
+                           "server is restarting, retry on another replica or shortly.")
       if not self.accepting:
         raise Draining("the server is shutting down; send the request to another replica.")
       limit = self.rows + self.max_waiting
       if self._outstanding >= limit:
-        raise Overloaded(self._outstanding, limit)
+        raise Overloaded(f"the server holds {self._outstanding} requests, its limit (rows "
+                         f"+ max_waiting = {limit})")
+      share = self.max_running_per_tenant
+      if share and self._per_tenant[quota] >= share + self.max_waiting_per_tenant:
+        raise Overloaded(f"tenant {quota!r} holds {self._per_tenant[quota]} requests, its "
+                         f"share (max_running_per_tenant={share} + max_waiting_per_tenant="
+                         f"{self.max_waiting_per_tenant})")
       ticket = self._next_ticket
       self._next_ticket += 1
       self._outstanding += 1
       self._sinks[ticket] = sink
-    self._post(_Submit(ticket, tuple(int(t) for t in prompt), sampling, tenant))
+      self._quota[ticket] = quota
+      self._per_tenant[quota] += 1
+      command = dataclasses.replace(command, ticket=ticket)
+      held = share and self._in_engine[quota] >= share
+      if held:
+        self._held[quota].append(command)
+      else:
+        self._in_engine[quota] += 1
+        self._entered.add(ticket)
+    if not held:
+      self._post(command)
     return ticket
 
   def abort(self, ticket: int) -> None:
     """Ends a request at the next step (its caller went away); its last delta says
     ``finish_reason="abort"`` unless it finished first."""
     self._post(_Abort(ticket))
+
+  def _held_back(self, ticket: int) -> bool:
+    """Whether a request is still held back for its tenant's share (not in the engine)."""
+    with self._lock:
+      return ticket in self._sinks and ticket not in self._entered
 
   def _post(self, command) -> None:
     with self._wake:
@@ -200,6 +270,10 @@ class EngineService:
     deadline = time.monotonic() + max(0.0, timeout_s)
     while self._outstanding and time.monotonic() < deadline and not self._stopped.is_set():
       time.sleep(0.01)
+
+  def wait_failed(self, timeout_s: float) -> bool:
+    """Whether an internal error stopped the loop within ``timeout_s``."""
+    return self.failed.wait(timeout_s)
 
   def close(self, timeout_s: float = 60.0) -> None:
     """Ends the engine thread (and the followers' loops) after the inbox's commands."""
@@ -239,22 +313,37 @@ class EngineService:
         self._step()
         if self.between_steps is not None:
           self.between_steps(0.0)
+    except Exception as e:  # an internal error: the loop stops and says why
+      self._fail(e)
     finally:
       self._stopped.set()
       with self._lock:
         left = list(self._sinks)
+      why = "error" if self.failed.is_set() else "abort"
       for ticket in left:  # a stopped loop answers every request left
-        self._finish(ticket, Delta(finish_reason="abort"))
+        self._finish(ticket, Delta(finish_reason=why))
+
+  def _fail(self, error: BaseException) -> None:
+    logging.exception("the engine stopped on an internal error; every outstanding request "
+                      "ends with finish_reason='error'")
+    with self._lock:
+      self.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+      self._accepting = False
+    self.failed.set()
 
   def follow(self) -> None:
     """The loop of a process other than 0: the commands process 0 broadcasts, the same
     steps, until process 0 closes its service."""
     from jaxkv import distributed
-    while True:
-      commands = _decode(distributed.broadcast_bytes(b""))
-      if not self._apply(commands):
-        return
-      self._step()
+    try:
+      while True:
+        commands = _decode(distributed.broadcast_bytes(b""))
+        if not self._apply(commands):
+          return
+        self._step()
+    except Exception as e:
+      self._fail(e)
+      raise
 
   def _apply(self, commands) -> bool:
     for c in commands:
@@ -264,6 +353,8 @@ class EngineService:
         handle = self._handles.get(c.ticket)
         if handle is not None:
           self.engine.abort(handle)
+        elif self._held_back(c.ticket):  # never reached the engine
+          self._finish(c.ticket, Delta(finish_reason="abort"))
         continue
       with self._lock:
         if c.ticket not in self._sinks:  # a follower's requests: counted, no sink
@@ -271,9 +362,13 @@ class EngineService:
           self._outstanding += 1
       try:
         handle = self.engine.submit(list(c.prompt), c.sampling, c.tenant)
-      except InputError as e:
+      except InputError as e:  # the request's own bad input: it alone is refused
         self._finish(c.ticket, Delta(finish_reason="error", prompt_tokens=len(c.prompt),
                                      error=str(e)))
+        continue
+      except Exception:  # a bug in checking it (nothing was queued): it alone fails
+        logging.exception("submitting request %d failed", c.ticket)
+        self._finish(c.ticket, Delta(finish_reason="error", prompt_tokens=len(c.prompt)))
         continue
       self._handles[c.ticket] = handle
       self._tickets[handle.id] = c.ticket
@@ -282,15 +377,9 @@ class EngineService:
   def _step(self) -> None:
     if not self.engine.has_unfinished():
       return
-    try:
-      outputs = self.engine.step()
-    except Exception:  # the engine ended every request with "error" and stays usable
-      logging.exception("a step failed; its requests end with finish_reason='error'")
-      self.failed_steps += 1
-      for ticket, handle in list(self._handles.items()):
-        if handle.finished:
-          self._finish(ticket, self._delta(handle, ()))
-      return
+    # A step that raises is an internal error (a request's own failures end that request
+    # inside the step): it propagates and stops the loop (``_run``).
+    outputs = self.engine.step()
     for out in outputs:
       ticket = self._tickets.get(out.handle.id)
       if ticket is None:
@@ -312,15 +401,53 @@ class EngineService:
       return
     try:
       sink(delta)
-    except Exception:  # a sink that fails loses its own request's answer, nothing else
-      logging.exception("the sink of request %d failed", ticket)
+    except Exception:  # a sink that fails loses its own request, nothing else
+      logging.exception("the sink of request %d failed; the request is aborted", ticket)
+      with self._lock:
+        if ticket in self._sinks:
+          self._sinks[ticket] = None
+      handle = self._handles.get(ticket)
+      if handle is not None and not handle.finished:
+        self.engine.abort(handle)
 
   def _finish(self, ticket: int, delta: Delta) -> None:
     self._send(ticket, delta)
     handle = self._handles.pop(ticket, None)
     if handle is not None:
       self._tickets.pop(handle.id, None)
+    released = None
     with self._lock:
       if self._sinks.pop(ticket, "gone") != "gone":
         self.counts[delta.finish_reason] += 1
         self._outstanding -= 1
+        quota = self._quota.pop(ticket, None)
+        if quota is not None:
+          released = self._release_share(ticket, quota)
+    if released is not None:
+      self._post(released)
+
+  def _release_share(self, ticket: int, quota: str) -> _Submit | None:
+    """A request of ``quota`` ended (under the lock): the tenant's counts go down, and the
+    next request held back for its share, if any, is returned to enter the engine."""
+    self._per_tenant[quota] -= 1
+    if not self._per_tenant[quota]:
+      del self._per_tenant[quota]
+    held = self._held.get(quota, collections.deque())
+    if ticket in self._entered:
+      self._entered.discard(ticket)
+      self._in_engine[quota] -= 1
+    else:  # ended while held back (the loop stopped)
+      for c in held:
+        if c.ticket == ticket:
+          held.remove(c)
+          break
+    released = None
+    if held and self._in_engine[quota] < self.max_running_per_tenant:
+      released = held.popleft()
+      self._entered.add(released.ticket)
+      self._in_engine[quota] += 1
+    if not held:
+      self._held.pop(quota, None)
+    if not self._in_engine[quota]:
+      del self._in_engine[quota]
+    return released

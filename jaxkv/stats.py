@@ -20,6 +20,7 @@ import dataclasses
 COUNTERS = {
     "requests": "requests served",
     "aborted_requests": "requests ended by their caller before they finished",
+    "failed_requests": "requests ended with an error of their own (their on_token raised)",
     "prompt_tokens": "prompt tokens received",
     "hit_tokens": "prompt tokens whose KV was reused",
     "computed_tokens": "prompt tokens prefilled",

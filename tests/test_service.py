@@ -179,3 +179,151 @@ def test_the_http_app_answers_504_past_the_request_timeout_and_aborts_it(pair):
   finally:
     service.close()
   helpers.no_refs(engine)
+
+
+# ---- one request's failure is its own --------------------------------------------------------
+def test_an_on_token_that_raises_ends_only_its_own_request(pair):
+  engine, fresh = pair
+  rng = np.random.default_rng(21)
+  prompts = [rng.integers(1, 128, int(rng.integers(6, 30))).tolist() for _ in range(5)]
+  sp = jaxkv.SamplingParams(max_new_tokens=8, temperature=0.7, seed=3)
+  want = fresh.generate(prompts, sp)
+  failed_before = engine.stats()["failed_requests"]
+  seen = []
+
+  def breaks_on_third(token):
+    seen.append(token)
+    if len(seen) == 3:
+      raise RuntimeError("the caller's callback broke")
+
+  handles = [engine.submit(p, sp, on_token=breaks_on_third if i == 2 else None)
+             for i, p in enumerate(prompts)]
+  while engine.has_unfinished():
+    engine.step()  # never raises: the callback's error is its request's
+  for i, (h, w) in enumerate(zip(handles, want)):
+    if i == 2:
+      assert h.finish_reason == "error" and h.tokens == w[:len(h.tokens)] and len(h.tokens) < 8
+    else:
+      assert h.finish_reason == "length" and h.tokens == w
+  assert engine.stats()["failed_requests"] == failed_before + 1
+  helpers.no_refs(engine)
+
+
+def test_values_that_would_overflow_a_step_are_refused_where_they_enter(pair):
+  engine, _ = pair
+  for bad in ({"top_k": 2**31}, {"max_new_tokens": 2**31}, {"temperature": 1e30},
+              {"stop_token_ids": (2**40,)}, {"seed": 2**32}):
+    with pytest.raises(jaxkv.errors.InputError, match=next(iter(bad))):
+      jaxkv.SamplingParams(**bad)
+  with pytest.raises(jaxkv.errors.InputError, match="top_k=129 is more than the vocabulary"):
+    engine.submit([1, 2, 3], jaxkv.SamplingParams(top_k=engine.vocab_size + 1))
+  with pytest.raises(jaxkv.errors.InputError, match="lone surrogate"):
+    engine.submit([1, 2, 3], 2, tenant="team\ud800")
+  assert not engine.has_unfinished()
+  h = engine.submit([1, 2, 3], jaxkv.SamplingParams(max_new_tokens=2, top_k=engine.vocab_size,
+                                                    temperature=1.0))
+  assert len(h.result()) == 2  # the largest top_k allowed runs
+
+
+class _Failing:
+  """Wraps a runner's ``execute``: raises ``error`` on the step that prefills a prompt
+  starting with ``marker`` (fault injection around the real runner)."""
+
+  def __init__(self, runner, marker, error):
+    self.runner, self.marker, self.error = runner, list(marker), error
+    self.real = runner.execute
+
+  def __call__(self, plan):
+    for c in plan.prefill:
+      if c.start == 0 and list(c.tokens[:len(self.marker)]) == self.marker:
+        raise self.error
+    return self.real(plan)
+
+
+def test_an_internal_error_in_a_step_stops_the_service_and_says_why(mesh):
+  from jaxkv.errors import InvariantError
+  from jaxkv.service import EngineFailed
+  engine, fresh = helpers.reuse_and_fresh(mesh)
+  engine.runner.execute = _Failing(engine.runner, [9, 9, 9],
+                                   InvariantError("injected: a slot nobody holds"))
+  service = EngineService(engine).start()
+  try:
+    long = collect()
+    service.submit([5, 6, 7, 8], jaxkv.SamplingParams(max_new_tokens=200), "a", long[2])
+    while not long[0]:
+      time.sleep(0.01)  # the first request decodes
+    bad = collect()
+    service.submit([9, 9, 9, 1, 2], jaxkv.SamplingParams(max_new_tokens=4), "b", bad[2])
+    assert service.wait_failed(120)
+    assert "InvariantError: injected" in service.failure
+    for got, done, _ in (long, bad):
+      assert done.wait(60) and got[-1].finish_reason == "error"
+    with pytest.raises(EngineFailed, match="InvariantError"):
+      service.submit([1, 2], jaxkv.SamplingParams(), "a", collect()[2])
+    assert not service.accepting and service.outstanding == 0
+  finally:
+    service.close()
+  helpers.no_refs(engine)
+
+
+def test_a_bug_while_submitting_fails_that_request_alone(pair, monkeypatch):
+  engine, fresh = pair
+  real = engine.submit
+
+  def submit(prompt, *args, **kw):
+    if prompt[:2] == [4, 4]:
+      raise RuntimeError("injected bug in submit")
+    return real(prompt, *args, **kw)
+
+  monkeypatch.setattr(engine, "submit", submit)
+  service = EngineService(engine).start()
+  try:
+    bad, good = collect(), collect()
+    service.submit([4, 4, 4], jaxkv.SamplingParams(max_new_tokens=3), "default", bad[2])
+    service.submit([3, 5, 7], jaxkv.SamplingParams(max_new_tokens=3), "default", good[2])
+    assert bad[1].wait(60) and good[1].wait(60)
+    assert bad[0][-1].finish_reason == "error" and bad[0][-1].error is None  # a 500, not a 400
+    assert [t for d in good[0] for t in d.tokens] == fresh.generate([[3, 5, 7]], 3)[0]
+    assert not service.failed.is_set() and service.accepting
+  finally:
+    service.close()
+
+
+def test_a_tenants_share_holds_back_its_extra_requests_while_others_are_served(pair):
+  engine, fresh = pair
+  service = EngineService(engine, max_waiting=8, max_running_per_tenant=2,
+                          max_waiting_per_tenant=1).start()
+  try:
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 128, 12).tolist() for _ in range(5)]
+    sp = jaxkv.SamplingParams(max_new_tokens=30)
+    want = fresh.generate(prompts, sp)
+    a = [collect() for _ in range(3)]
+    tickets = [service.submit(p, sp, f"a{TENANT_SALT}{i}", r[2], quota="a")
+               for i, (p, r) in enumerate(zip(prompts, a))]
+    # Two of a's are in the engine, one waits for a's share; a fourth is over the share,
+    # whatever salt it carries, while the server as a whole has room.
+    with pytest.raises(Overloaded, match="tenant 'a' holds 3 requests, its share"):
+      service.submit(prompts[3], sp, "a-other-salt", collect()[2], quota="a")
+    assert service.outstanding == 3
+    b = [collect() for _ in range(2)]
+    for p, r in zip(prompts[3:], b):
+      service.submit(p, sp, "b", r[2], quota="b")
+    assert service.tenant_load() == {"a": (2, 1), "b": (2, 0)}  # a's third waits here
+    for (got, done, _), w in zip(a + b, want):
+      assert done.wait(120) and [t for d in got for t in d.tokens] == w
+    # An abort of a held-back request ends it without it ever running.
+    hold = [collect() for _ in range(3)]
+    tickets = [service.submit(prompts[0], sp, "a", r[2], quota="a") for r in hold]
+    service.abort(tickets[2])
+    for got, done, _ in hold:
+      assert done.wait(120)
+    assert hold[2][0][-1].finish_reason == "abort" and not hold[2][0][-1].tokens
+    assert [h[0][-1].finish_reason for h in hold[:2]] == ["length", "length"]
+    assert service.outstanding == 0 and service.tenant_load() == {}
+  finally:
+    service.close()
+  helpers.no_refs(engine)
+
+
+TENANT_SALT = "\x1f"
