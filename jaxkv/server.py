@@ -40,12 +40,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxkv.config import SamplingParams
-from jaxkv.errors import InputError
-from jaxkv.service import Delta, Draining, EngineService, Overloaded
+from jaxkv.errors import InputError, check_text
+from jaxkv.service import Delta, Draining, EngineFailed, EngineService, Overloaded
 
 MAX_BODY_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 32  # a request's JSON nests a few levels; deeper is refused before use
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 TENANT_SEPARATOR = "\x1f"  # tenant names may not hold it: (tenant, salt) pairs stay distinct
@@ -78,19 +80,58 @@ async def _read_json(request: Request, limit: int) -> dict:
     raise ApiError(413, f"the body is {int(length)} bytes, more than this server takes "
                    f"({limit}); send a shorter prompt.", code="request_too_large")
   chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise ApiError(413, f"the body is more than {limit} bytes, the most this server takes; "
-                     "send a shorter prompt.", code="request_too_large")
-    chunks.append(chunk)
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise ApiError(413, f"the body is more than {limit} bytes, the most this server "
+                       "takes; send a shorter prompt.", code="request_too_large")
+      chunks.append(chunk)
+  except ClientDisconnect:  # gone (or too slow: the connection's body deadline)
+    raise ApiError(400, "the client left before its request's body arrived.") from None
   try:
     body = json.loads(b"".join(chunks))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise _bad(f"the body is not valid JSON ({e}); send a JSON object.") from None
+  except RecursionError:
+    raise _bad(f"the body nests deeper than this server parses; send at most "
+               f"{MAX_JSON_DEPTH} levels.") from None
+  except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
+    raise _bad(f"the body is not valid JSON ({_clip(str(e))}); send a JSON object.") from None
   if not isinstance(body, dict):
     raise _bad(f"the body is a JSON {type(body).__name__}; send a JSON object.")
+  _check_json(body)
   return body
+
+
+def _clip(text: str, n: int = 200) -> str:
+  return text if len(text) <= n else text[:n] + "..."
+
+
+def _check_json(body: dict) -> None:
+  """Refuses a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not
+  Unicode text (a lone surrogate such as ``"\ud800"`` is valid JSON, but no encoder takes
+  it): every string of a request is text by the time a handler reads it. (Iterative: a
+  deep body costs no recursion.)"""
+  stack = [(body, "body", None, 1)]  # (value, its path, the top-level field, depth)
+  while stack:
+    value, path, field, depth = stack.pop()
+    if depth > MAX_JSON_DEPTH:
+      raise _bad(f"{_clip(path.encode('utf-8', 'backslashreplace').decode(), 80)} nests deeper than {MAX_JSON_DEPTH} levels; send a "
+                 "flatter body.", field)
+    pairs = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in pairs:
+      where = f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]"
+      top = field if field is not None else str(key)
+      for text in (key, item):
+        if isinstance(text, str):
+          try:
+            text.encode("utf-8")
+          except UnicodeEncodeError as e:
+            shown = where.encode("utf-8", "backslashreplace").decode()
+            raise _bad(f"{_clip(shown, 80)} holds {text[e.start]!r} at character {e.start}, "
+                       "a lone surrogate (not a Unicode character); send valid UTF-8 text.",
+                       top) from None
+      if isinstance(item, (dict, list)):
+        stack.append((item, where, top, depth + 1))
 
 
 def _int(body, name, *, default=None, low=None, high=None):
@@ -98,11 +139,11 @@ def _int(body, name, *, default=None, low=None, high=None):
   if value is None:
     return default
   if not isinstance(value, int) or isinstance(value, bool):
-    raise _bad(f"{name}={value!r} must be an integer.", name)
+    raise _bad(f"{name}={_clip(repr(value))} must be an integer.", name)
   if (low is not None and value < low) or (high is not None and value > high):
     rule = (f">= {low}" if high is None else f"<= {high}" if low is None
             else f"in [{low}, {high}]")
-    raise _bad(f"{name}={value} must be {rule}.", name)
+    raise _bad(f"{name}={_clip(str(value))} must be {rule}.", name)
   return value
 
 
@@ -110,8 +151,14 @@ def _number(body, name, *, default, low, high, low_open=False):
   value = body.get(name, default)
   if value is None:
     return default
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-    raise _bad(f"{name}={value!r} must be a number.", name)
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    raise _bad(f"{name}={_clip(repr(value))} must be a number.", name)
+  try:
+    finite = math.isfinite(value)
+  except OverflowError:  # an integer beyond any float
+    finite = False
+  if not finite:
+    raise _bad(f"{name}={_clip(repr(value))} must be a finite number.", name)
   if value > high or value < low or (low_open and value == low):
     raise _bad(f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}].", name)
   return float(value)
@@ -147,7 +194,7 @@ class OpenAIServer:
   def __init__(self, service: EngineService, *, model_name: str, tokenizer=None,
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               request_timeout_s: float = 600.0):
+               request_timeout_s: float = 600.0, metrics_tenants=()):
     self.service, self.model_name, self.tokenizer = service, model_name, tokenizer
     # Kept by digest: a lookup then takes no time that depends on how much of a guessed
     # key matches a real one, and the keys themselves are not kept in memory.
@@ -156,6 +203,13 @@ class OpenAIServer:
       if not isinstance(tenant, str) or not tenant or TENANT_SEPARATOR in tenant:
         raise InputError(f"tenant {tenant!r} in the API keys must be a non-empty string "
                          "without control characters.")
+    # With API keys, /metrics answers only these tenants' keys: its counters are the whole
+    # server's, every tenant's hits among them.
+    self.metrics_tenants = frozenset(metrics_tenants)
+    unknown = self.metrics_tenants - set((self.api_keys or {}).values())
+    if unknown:
+      raise InputError(f"metrics tenants {sorted(unknown)} have no API key; name tenants of "
+                       "the API keys file.")
     self.max_body_bytes = max_body_bytes
     self.request_timeout_s = request_timeout_s
     self._box: _Mailbox | None = None
@@ -191,6 +245,9 @@ class OpenAIServer:
 
     @app.get("/health")
     async def health():
+      if self.service.failed.is_set():
+        return ApiError(503, f"the engine stopped on an internal error ({self.service.failure}"
+                        "); this server is exiting.", "service_unavailable").response()
       if not self.ready:
         return ApiError(503, "the engine is warming up.", "service_unavailable").response()
       if not self.service.accepting:
@@ -207,7 +264,17 @@ class OpenAIServer:
                                           "created": self.created, "owned_by": "jaxkv"}]}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+      if self.api_keys is not None:
+        try:
+          tenant = self._tenant(request)
+        except ApiError as e:
+          return e.response()
+        if tenant not in self.metrics_tenants:
+          return ApiError(403, f"tenant {tenant!r} may not read /metrics (it counts every "
+                          "tenant's requests); use a key of a metrics tenant "
+                          "(--metrics_tenants) or the loopback --metrics_port.",
+                          "permission_error").response()
       return Response(generate_latest(self.registry),
                       media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -247,11 +314,12 @@ class OpenAIServer:
       queue: asyncio.Queue = asyncio.Queue()
       try:
         ticket = self.service.submit(job.prompt, job.sampling, job.tenant,
-                                     functools.partial(self._mailbox().post, queue))
+                                     functools.partial(self._mailbox().post, queue),
+                                     quota=tenant)
       except Overloaded as e:
         raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
-      except Draining as e:
+      except (Draining, EngineFailed) as e:
         raise ApiError(503, str(e), "service_unavailable") from None
     except ApiError as e:
       return e.response()
@@ -337,7 +405,7 @@ class OpenAIServer:
                      param="model")
     n = _int(body, "n", default=1)
     if n != 1:
-      raise _bad(f"n={n}: this server returns one choice per request; send n=1 (or several "
+      raise _bad(f"n={_clip(str(n))}: this server returns one choice per request; send n=1 (or several "
                  "requests).", "n")
     for name, default in _UNSUPPORTED.items():
       if body.get(name) not in (None, default, []):
@@ -347,9 +415,9 @@ class OpenAIServer:
       prompt = self._chat_prompt(body.get("messages"))
     else:
       prompt = self._text_prompt(body.get("prompt"))
-    max_tokens = _int(body, "max_completion_tokens", low=1)
+    max_tokens = _int(body, "max_completion_tokens", low=1, high=2**31 - 1)
     if max_tokens is None:
-      max_tokens = _int(body, "max_tokens", low=1)
+      max_tokens = _int(body, "max_tokens", low=1, high=2**31 - 1)
     if max_tokens is None:  # chat: up to the context; completions: OpenAI's 16
       max_tokens = max(1, self.max_seq_len - len(prompt)) if chat else 16
     total = len(prompt) + max_tokens - 1
@@ -377,14 +445,16 @@ class OpenAIServer:
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
     temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)
     top_p = _number(body, "top_p", default=1.0, low=0.0, high=1.0, low_open=True)
-    top_k = _int(body, "top_k", default=0, low=-1)
+    top_k = _int(body, "top_k", default=0, low=-1, high=self.vocab_size)
     seed = _int(body, "seed", low=0, high=2**32 - 1)
     if seed is None:
       seed = secrets.randbelow(2**32)
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
-      raise _bad(f"cache_salt={salt!r} must be a non-empty string of at most 256 characters.",
-                 "cache_salt")
+    if salt is not None:
+      try:
+        check_text(salt, "cache_salt", max_chars=256)
+      except InputError as e:
+        raise _bad(str(e), "cache_salt") from None
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -590,8 +660,11 @@ class _Answer:
     self.tokens.extend(delta.tokens)
     if self.tokenizer is not None:
       self.text = self.tokenizer.decode(self.tokens)
+      # A character whose bytes have not all arrived decodes as U+FFFD for now: stop
+      # strings are matched only on text that is complete (all of it at the end).
+      whole = self.text if delta.finish_reason is not None else self.text.rstrip("\ufffd")
       for s in self.job.stops:
-        at = self.text.find(s, max(0, self.sent_chars - len(s)))
+        at = whole.find(s, max(0, self.sent_chars - len(s)))
         if at >= 0:
           self.text, self.finish_reason = self.text[:at], "stop"
           return True

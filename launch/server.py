@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 
@@ -56,6 +57,35 @@ _ALLOW_INSECURE = flags.DEFINE_bool(
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
                                   "server takes requests (for scripts that start it; with "
                                   "--block_address also \"block_address\").")
+_RUNNING_PER_TENANT = flags.DEFINE_integer(
+    "max_running_per_tenant", -1, "Requests one tenant (API key) may have in the engine at "
+    "once; its others wait (at most --max_waiting_per_tenant), so one tenant cannot hold "
+    "every row. -1: half the rows when the API keys name two or more tenants, else no "
+    "limit; 0: no limit.", lower_bound=-1)
+_WAITING_PER_TENANT = flags.DEFINE_integer(
+    "max_waiting_per_tenant", -1, "Requests one tenant may have waiting beyond its "
+    "--max_running_per_tenant (then 429 for that tenant). -1: half of --max_waiting.",
+    lower_bound=-1)
+_METRICS_TENANTS = flags.DEFINE_list(
+    "metrics_tenants", [], "With --api_keys_file: the tenants whose keys may read /metrics "
+    "(its counters are every tenant's). Others get 403.")
+_METRICS_PORT = flags.DEFINE_integer(
+    "metrics_port", None, "Also serve /metrics without a key on 127.0.0.1:P (loopback only: "
+    "for a scraper on this host).", lower_bound=0, upper_bound=65535)
+_MAX_CONNECTIONS = flags.DEFINE_integer(
+    "max_connections", None, "HTTP connections open at once; more are answered 503 and "
+    "closed (default: half the file-descriptor limit, at most 1000).", lower_bound=1)
+_HEADER_TIMEOUT = flags.DEFINE_float(
+    "header_timeout_s", 10.0, "A request's line and headers must arrive within this (408).",
+    lower_bound=0.001)
+_BODY_TIMEOUT = flags.DEFINE_float(
+    "body_timeout_s", 30.0, "A request's body must arrive within this after its headers "
+    "(408).", lower_bound=0.001)
+_MAX_HEADER_BYTES = flags.DEFINE_integer(
+    "max_header_bytes", 64 * 1024, "The most bytes of request line and headers read (431).",
+    lower_bound=1024)
+_KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "An idle keep-alive connection is "
+                                 "closed after this.", lower_bound=0.001)
 
 
 def _api_keys(path: str | None) -> dict | None:
@@ -94,6 +124,23 @@ def _block_address(deployment_key) -> tuple[str | None, int]:
   return host, int(port)
 
 
+def _tenant_shares(api_keys: dict | None, engine) -> tuple[int, int]:
+  """``--max_running_per_tenant`` and ``--max_waiting_per_tenant`` with their defaults
+  resolved: with two or more tenants, each may hold half the rows and half the waiting
+  slots (rounded up), so that a second tenant is always served."""
+  rows = engine.config.max_seqs_per_shard * engine.cache.num_shards
+  tenants = len(set(api_keys.values())) if api_keys else 1
+  running, waiting = _RUNNING_PER_TENANT.value, _WAITING_PER_TENANT.value
+  if running < 0:
+    running = -(-rows // 2) if tenants >= 2 else 0
+  if waiting < 0:
+    waiting = -(-_MAX_WAITING.value // 2) if running else _MAX_WAITING.value
+  if running:
+    logging.info("per-tenant share: %d of %d rows running, %d of %d waiting slots", running,
+                 rows, waiting, _MAX_WAITING.value)
+  return running, waiting
+
+
 def _check_port(host: str, port: int) -> None:
   """Refuses, before anything is compiled, an address this process cannot listen on."""
   try:
@@ -108,6 +155,11 @@ def main(argv):
   del argv
   _flags.check_restore_flags()
   api_keys = _api_keys(_API_KEYS_FILE.value)
+  unknown = set(_METRICS_TENANTS.value) - set((api_keys or {}).values())
+  if unknown:
+    raise app.UsageError(f"--metrics_tenants={','.join(_METRICS_TENANTS.value)}: "
+                         f"{sorted(unknown)} hold no key in --api_keys_file (without API "
+                         "keys /metrics is open; with them, name tenants of the keys file).")
   _common.check_output(_READY_FILE.value, "ready_file")
   if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
     _check_port(_HOST.value, _PORT.value)
@@ -137,8 +189,11 @@ def main(argv):
     block_server = BlockServer(engine.cache, block_host, block_port,
                                allow_insecure=_ALLOW_INSECURE.value)
     print(f"serving blocks on {block_server.address}", flush=True)
+  running_share, waiting_share = _tenant_shares(api_keys, engine)
   service = EngineService(engine, max_waiting=_MAX_WAITING.value,
-                          between_steps=block_server.poll if block_server else None)
+                          between_steps=block_server.poll if block_server else None,
+                          max_running_per_tenant=running_share,
+                          max_waiting_per_tenant=waiting_share)
   checkpointer = None
   if _flags.CHECKPOINT_DIR.value:
     from jaxkv.checkpoint import Checkpointer
@@ -167,14 +222,22 @@ def main(argv):
     _finish(engine, checkpointer, multi)
     return
 
+  from jaxkv import httplimits
   from jaxkv.server import OpenAIServer
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
   api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
                      tokenizer=tokenizer, api_keys=api_keys, registry=registry,
-                     request_timeout_s=_TIMEOUT.value)
-  server = _Server(uvicorn.Config(api.app, host=_HOST.value, port=_PORT.value,
-                                  log_level="warning", timeout_graceful_shutdown=5,
-                                  access_log=False), service, api, _DRAIN.value)
+                     request_timeout_s=_TIMEOUT.value, metrics_tenants=_METRICS_TENANTS.value)
+  if _METRICS_PORT.value is not None:
+    metrics.serve(registry, _METRICS_PORT.value, addr="127.0.0.1")
+  limits = httplimits.HttpLimits(
+      **({} if _MAX_CONNECTIONS.value is None else {"max_connections": _MAX_CONNECTIONS.value}),
+      max_head_bytes=_MAX_HEADER_BYTES.value, head_timeout_s=_HEADER_TIMEOUT.value,
+      body_timeout_s=_BODY_TIMEOUT.value, keep_alive_s=_KEEP_ALIVE.value)
+  config = httplimits.uvicorn_config(api.app, limits, host=_HOST.value, port=_PORT.value,
+                                     log_level="warning", timeout_graceful_shutdown=5,
+                                     access_log=False)
+  server = _Server(config, service, api, _DRAIN.value)
   failure = []
 
   def start():
@@ -199,12 +262,21 @@ def main(argv):
       failure.append(e)
       server.should_exit = True
 
+  def watch():  # an internal error stopped the engine: stop serving, exit non-zero
+    if service.wait_failed(None):
+      server.should_exit = True
+
   starter = threading.Thread(target=start, name="jaxkv-warmup", daemon=True)
   starter.start()
+  threading.Thread(target=watch, name="jaxkv-watch", daemon=True).start()
   server.run()
   starter.join(3600)  # (a failed start: the warmup thread has ended)
   if failure:
     raise failure[0]
+  if service.failed.is_set():
+    print(f"error: the engine stopped on an internal error ({service.failure}); see the "
+          "traceback above. Exiting with status 1.", file=sys.stderr, flush=True)
+    sys.exit(1)
   service.close()
   if block_server is not None:
     block_server.close()

@@ -24,6 +24,8 @@ import jaxkv
 from jaxkv.bench.http import ROOT, ServerProcess
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
+KEY_OPS = "key-ops-0123456789abcdef"  # its tenant may read /metrics
+MAX_CONNECTIONS = 48
 OVERRIDES = ("--config.cache.pages_per_shard=96", "--config.cache.max_pages_per_seq=32")
 ROWS = 8  # cpu_tiny: 4 data shards x max_seqs_per_shard 2
 DEPLOYMENT_KEY = bytes(range(7, 39))  # the module's server: encrypted disk, tagged checkpoint
@@ -39,7 +41,7 @@ def checkpoint(tmp_path_factory):
 def state(tmp_path_factory, checkpoint):
   work = tmp_path_factory.mktemp("server")
   keys = work / "keys.json"
-  keys.write_text(json.dumps({KEY_A: "team-a", KEY_B: "team-b"}))
+  keys.write_text(json.dumps({KEY_A: "team-a", KEY_B: "team-b", KEY_OPS: "ops"}))
   os.chmod(keys, 0o600)
   key_file = work / "deployment.key"
   key_file.write_text(DEPLOYMENT_KEY.hex())
@@ -47,7 +49,8 @@ def state(tmp_path_factory, checkpoint):
   args = [f"--model_dir={checkpoint}", f"--disk_dir={work / 'disk'}",
           f"--checkpoint_dir={work / 'kv'}", f"--api_keys_file={keys}", "--max_waiting=0",
           "--drain_timeout_s=1", f"--deployment_key_file={key_file}",
-          "--block_address=127.0.0.1:0", *OVERRIDES]
+          "--block_address=127.0.0.1:0", "--metrics_tenants=ops", "--header_timeout_s=2",
+          "--body_timeout_s=2", f"--max_connections={MAX_CONNECTIONS}", *OVERRIDES]
   box = {"server": start(args, work), "args": args, "work": str(work)}
   yield box
   box["server"].close()
@@ -222,12 +225,32 @@ def test_an_api_key_is_required(state, checkpoint):
     ({"prompt": {"a": 1}}, 400, "prompt must be"),
     ({"prompt": [1], "stream": "yes"}, 400, "stream='yes'"),
     (b"x" * (10 * 2**20), 413, "bytes"),
+    # What once reached the engine thread: a lone surrogate (valid JSON), a top_k beyond
+    # int32, numbers no float or int32 holds, JSON nested past any parser's stack.
+    ({"prompt": [1], "cache_salt": "\ud800"}, 400, "lone surrogate"),
+    ({"prompt": "a\udfffb"}, 400, "body.prompt holds '\\udfff'"),
+    ({"messages": [{"role": "user", "content": "\ud83d"}]}, 400, "lone surrogate"),
+    ({"prompt": [1], "stop": ["\udc80"]}, 400, "lone surrogate"),
+    ({"prompt": [1], "top_k": 2**31}, 400, "top_k=2147483648 must be in [-1, 320]"),
+    ({"prompt": [1], "seed": 2**63}, 400, "seed="),
+    ({"prompt": [1], "max_tokens": 10**4000}, 400, "max_tokens=1000000"),
+    (b'{"model": "M", "prompt": [1], "temperature": 1' + b"0" * 400 + b"}", 400,
+     "temperature=1000"),
+    (b'{"model": "M", "prompt": [1], "max_tokens": 1' + b"0" * 100_000 + b"}", 400,
+     "not valid JSON"),
+    (b'{"model": "M", "prompt": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nests deeper"),
+    (b'{"model": "M", "prompt": [1], "x": ' + b"[" * 40 + b"]" * 40 + b"}", 400,
+     "nests deeper than 32 levels"),
 ])
 def test_bad_input_gets_a_4xx_with_openai_error_json(state, checkpoint, body, status, needle):
   headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
   if isinstance(body, dict):
     body = {"model": model_name(checkpoint), **body}
     body = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+  else:
+    body = body.replace(b'"model": "M"', json.dumps({"model": model_name(checkpoint)})[1:-1]
+                        .encode())
   r = httpx.post(state["server"].base + "/v1/completions", content=body, headers=headers,
                  timeout=60)
   assert r.status_code == status, r.text
@@ -238,8 +261,121 @@ def test_bad_input_gets_a_4xx_with_openai_error_json(state, checkpoint, body, st
   assert ok.usage.completion_tokens == 2  # and the server goes on serving
 
 
+def test_hostile_requests_leave_another_tenants_stream_exact(state, reference, checkpoint):
+  """While team-b streams an answer, team-a sends every request that once stopped the
+  engine thread or aborted every running request: each is refused alone, and team-b's
+  tokens are those of recomputing from scratch."""
+  name = model_name(checkpoint)
+  p = prompt_ids(31, 30)
+  expect = reference[0].generate([p], jaxkv.SamplingParams(max_new_tokens=60))[0]
+  stream = client(state, KEY_B).completions.create(
+      model=name, prompt=p, max_tokens=60, temperature=0, stream=True,
+      extra_body={"return_token_ids": True, "ignore_eos": True})
+  chunks = iter(stream)
+  got = list(extra(next(chunks).choices[0], "token_ids") or [])
+  headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+  hostile = [{"prompt": [1, 2], "cache_salt": "\ud800"}, {"prompt": [1, 2], "top_k": 2**31},
+             {"prompt": [1, 2], "top_k": 10**6, "temperature": 1.0},
+             {"prompt": [1, 2], "stop_token_ids": [2**40]}, {"prompt": [1, 2], "seed": -1}]
+  for body in hostile * 3:
+    r = httpx.post(state["server"].base + "/v1/completions", headers=headers, timeout=60,
+                   content=json.dumps({"model": name, **body}).encode())
+    assert r.status_code == 400, (body, r.text)
+  for chunk in chunks:
+    got += extra(chunk.choices[0], "token_ids") or []
+  assert got == expect
+  r = httpx.get(state["server"].base + "/health")
+  assert r.status_code == 200
+
+
+def test_metrics_need_a_metrics_tenants_key_when_api_keys_are_on(state):
+  base = state["server"].base + "/metrics"
+  assert httpx.get(base).status_code == 401
+  r = httpx.get(base, headers={"Authorization": f"Bearer {KEY_B}"})
+  assert r.status_code == 403 and "may not read /metrics" in r.json()["error"]["message"]
+  assert "jaxkv_requests_total" in metrics_text(state)
+
+
+def raw(state, data: bytes, *, then_wait=True, chunks=1) -> bytes:
+  """Sends ``data`` on a fresh connection (in ``chunks`` parts, sent as long as the server
+  reads) and returns what the server answers until it closes the connection."""
+  import socket
+  sock = socket.create_connection(("127.0.0.1", state["server"].port), timeout=30)
+  try:
+    step = max(1, -(-len(data) // chunks))
+    try:
+      for i in range(0, len(data), step):
+        sock.sendall(data[i:i + step])
+    except (BrokenPipeError, ConnectionResetError):
+      pass  # the server closed it mid-send: its answer may still be readable
+    answer = b""
+    while then_wait:
+      try:
+        part = sock.recv(65536)
+      except ConnectionResetError:
+        break
+      if not part:
+        break
+      answer += part
+    return answer
+  finally:
+    sock.close()
+
+
+def server_rss_bytes(state) -> int:
+  with open(f"/proc/{state['server'].proc.pid}/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_http_limits_hold_before_authentication(state, checkpoint):
+  """Nothing before a handler grows without bound or waits forever: headers that never
+  end, too many headers, a huge URL, headers or a body that never finish, a flood of
+  idle connections. Each is refused with its status and the connection closed."""
+  head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+  rss = server_rss_bytes(state)
+  for _ in range(4):  # 4 x 16 MiB of one header line that never ends
+    answer = raw(state, head + b"X-Long: " + b"a" * (16 * 2**20), chunks=256)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+  assert server_rss_bytes(state) - rss < 32 * 2**20  # what was sent: 64 MiB
+  many = head + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n"
+  assert raw(state, many).startswith(b"HTTP/1.1 431")
+  assert raw(state, b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n").startswith(
+      b"HTTP/1.1 414")
+  assert raw(state, head).startswith(b"HTTP/1.1 408")  # the headers never finish
+  assert raw(state, b"").startswith(b"HTTP/1.1 408")  # nothing at all
+  half_body = head + (b"Authorization: Bearer %s\r\nContent-Length: 100\r\n\r\n{"
+                      % KEY_A.encode())
+  assert raw(state, half_body).startswith(b"HTTP/1.1 408")  # the body never finishes
+  import socket
+  idle = [socket.create_connection(("127.0.0.1", state["server"].port), timeout=30)
+          for _ in range(MAX_CONNECTIONS + 8)]
+  try:
+    answers = []
+    for sock in idle:
+      answer = b""
+      while part := sock.recv(65536):
+        answer += part
+      answers.append(answer[:12])
+  finally:
+    for sock in idle:
+      sock.close()
+  assert answers.count(b"HTTP/1.1 503") >= 8, answers  # refused at once, beyond the cap
+  assert answers.count(b"HTTP/1.1 408") >= 1  # the accepted ones, closed at their deadline
+  assert set(answers) <= {b"HTTP/1.1 503", b"HTTP/1.1 408"}
+  ok = client(state).completions.create(model=model_name(checkpoint), prompt=[5, 6, 7],
+                                        max_tokens=2, temperature=0)
+  assert ok.usage.completion_tokens == 2
+
+
+def metrics_text(state) -> str:
+  r = httpx.get(state["server"].base + "/metrics",
+                headers={"Authorization": f"Bearer {KEY_OPS}"})
+  assert r.status_code == 200, r.text
+  return r.text
+
+
 def gauges(state) -> dict:
-  text = httpx.get(state["server"].base + "/metrics").text
+  text = metrics_text(state)
   out = {}
   for line in text.splitlines():
     for name in ("jaxkv_running_requests", "jaxkv_waiting_requests", "jaxkv_referenced_pages"):
@@ -257,49 +393,71 @@ def wait_idle(state, deadline_s=120.0) -> dict:
     time.sleep(0.1)
 
 
-def test_full_rows_get_429_and_closed_streams_free_every_page(state, checkpoint):
-  """ROWS streams that cannot finish soon hold every row (max_waiting=0); the next request
-  is refused with 429 and Retry-After. Closing the streams aborts them: no page stays
-  referenced. (If a stream ended before the extra request was answered, the attempt says
-  nothing and is repeated.)"""
-  c, name = client(state), model_name(checkpoint)
-  for attempt in range(3):
-    streams = [None] * ROWS
-    first = [None] * ROWS
+def test_a_tenants_share_and_full_rows_get_429_and_closed_streams_free_every_page(
+    state, checkpoint):
+  """Three tenants hold keys, so each may have half the rows (4 of 8) at once
+  (max_waiting=0): team-a's fifth request is refused with 429 while team-b is still
+  served; four streams of each tenant then hold every row and the next request is refused
+  too. Closing the streams aborts them: no page stays referenced. (If a stream ended before
+  the extra requests were answered, the attempt says nothing and is repeated.)"""
+  name = model_name(checkpoint)
+  share = ROWS // 2
 
-    def open_stream(i):
+  def post(key, max_tokens=1):
+    return httpx.post(state["server"].base + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": name, "prompt": [1, 2, 3], "max_tokens": max_tokens,
+                            "temperature": 0})
+
+  def open_streams(key, seeds):
+    c = client(state, key)
+    streams, first = [None] * len(seeds), [None] * len(seeds)
+
+    def one(i):
       streams[i] = c.completions.create(
-          model=name, prompt=prompt_ids(100 + i, 20), max_tokens=480, temperature=0,
+          model=name, prompt=prompt_ids(seeds[i], 20), max_tokens=480, temperature=0,
           stream=True, extra_body={"ignore_eos": True})
       first[i] = next(iter(streams[i]))
 
-    threads = [threading.Thread(target=open_stream, args=(i,)) for i in range(ROWS)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(seeds))]
     for t in threads:
       t.start()
     for t in threads:
       t.join(120)
     assert all(f is not None for f in first)
-    r = httpx.post(state["server"].base + "/v1/completions", timeout=60,
-                   headers={"Authorization": f"Bearer {KEY_A}"},
-                   json={"model": name, "prompt": [1, 2, 3], "max_tokens": 1})
+    return streams
+
+  for attempt in range(3):
+    streams = open_streams(KEY_A, range(100, 100 + share))
+    over_share = post(KEY_A)
+    other = post(KEY_B, max_tokens=2)  # team-b has rows left: served meanwhile
+    streams += open_streams(KEY_B, range(200, 200 + share))
+    full = post(KEY_OPS)
     busy = gauges(state)
     for s in streams:
       s.close()  # the client goes away mid-stream
     if busy["jaxkv_running_requests"] == ROWS:  # every stream was still running
       break
-  assert r.status_code == 429, r.text
-  assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "rate_limit_exceeded"
+  assert over_share.status_code == 429, over_share.text
+  assert f"tenant 'team-a' holds {share} requests, its share" in over_share.json()["error"][
+      "message"]
+  assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 2
+  assert full.status_code == 429, full.text
+  assert int(full.headers["Retry-After"]) >= 1
+  assert full.json()["error"]["code"] == "rate_limit_exceeded"
+  assert "the server holds" in full.json()["error"]["message"]
   g = wait_idle(state)
   assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
                "jaxkv_referenced_pages": 0}, g
-  metrics = httpx.get(state["server"].base + "/metrics").text
+  metrics = metrics_text(state)
   assert 'jaxkv_http_requests_total{route="/v1/completions",status="429"}' in metrics
-  ok = c.completions.create(model=name, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+  ok = client(state).completions.create(model=name, prompt=[5, 6, 7], max_tokens=2,
+                                        temperature=0)
   assert ok.usage.completion_tokens == 2
 
 
 def aborted(state) -> float:
-  text = httpx.get(state["server"].base + "/metrics").text
+  text = metrics_text(state)
   return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
              if line.startswith("jaxkv_aborted_requests_total{"))
 
@@ -373,11 +531,61 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
   assert server.proc.wait(120) == 0, server.log_tail()
   assert "saved the cache as step" in server.log_tail()
   server.close()
-  state["server"] = start(state["args"] + ["--restore"], state["work"])
+  # The restart runs under a fault injector (the next test's): the same server, whose steps
+  # raise an InvariantError once a prompt starts with FAULT_PROMPT.
+  wrapper = os.path.join(state["work"], "faulty_server.py")
+  with open(wrapper, "w") as f:
+    f.write(FAULTY_SERVER.format(root=ROOT, marker=FAULT_PROMPT))
+  state["server"] = start(state["args"] + ["--restore"], state["work"], script=wrapper)
   r = client(state).completions.create(model=name, prompt=p, max_tokens=3, temperature=0,
                                        extra_body={"return_token_ids": True})
   assert r.usage.prompt_tokens_details.cached_tokens >= 48  # warm: from the checkpoint
   assert extra(r.choices[0], "token_ids") == expect
+
+
+FAULT_PROMPT = [7] * 12
+FAULTY_SERVER = """
+import os, runpy, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.join({root!r}, "launch"))
+from jaxkv import runner
+from jaxkv.errors import InvariantError
+real = runner.ModelRunner.execute
+
+def execute(self, plan):
+  for c in plan.prefill:
+    if c.start == 0 and list(c.tokens[:12]) == {marker!r}:
+      raise InvariantError("injected: a page released twice")
+  return real(self, plan)
+
+runner.ModelRunner.execute = execute
+sys.argv[0] = os.path.join({root!r}, "launch", "server.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_zzz_an_internal_error_stops_the_server_and_it_exits_with_status_1(state, checkpoint):
+  """A step that raises an InvariantError (a bug, not the request's input) ends every
+  request with an error, /health says why, and the process exits 1 so that its
+  supervisor restarts it, rather than answering 503 forever."""
+  name, server = model_name(checkpoint), state["server"]
+  stream = client(state, KEY_B).completions.create(
+      model=name, prompt=prompt_ids(41, 20), max_tokens=480, temperature=0, stream=True,
+      extra_body={"ignore_eos": True})
+  chunks = iter(stream)
+  next(chunks)
+  r = httpx.post(server.base + "/v1/completions", timeout=60,
+                 headers={"Authorization": f"Bearer {KEY_A}"},
+                 json={"model": name, "prompt": FAULT_PROMPT + [1, 2], "max_tokens": 2})
+  assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+  with pytest.raises(openai.APIError, match="engine failed"):
+    for _ in chunks:  # the other tenant's stream ends with an error event
+      pass
+  assert server.proc.wait(120) == 1, server.log_tail()
+  log = server.log_tail(10**6)
+  assert "InvariantError: injected: a page released twice" in log
+  assert "the engine stopped on an internal error" in log
 
 
 def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
@@ -420,3 +628,24 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   finally:
     job.close()
   assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_stop_string_never_matches_a_character_still_arriving(checkpoint):
+  """Byte-level tokens can end inside a character, which decodes as U+FFFD until its
+  last byte arrives: a stop string matches only text that is complete."""
+  from jaxkv.server import _Answer, _Job
+  from jaxkv.service import Delta
+  tok = jaxkv.Tokenizer.from_dir(checkpoint)
+  ids = tok.encode("ok \U0001F600 done", add_special_tokens=False)
+  cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+  job = _Job(chat=False, prompt=[1], sampling=jaxkv.SamplingParams(), stops=["\ufffd"],
+             tenant="t", stream=True, include_usage=False, return_ids=False)
+  answer = _Answer(job, tok)
+  assert not answer.take(Delta(tokens=tuple(ids[:cut])))  # mid-character: no match
+  assert answer.take(Delta(tokens=tuple(ids[cut:]), finish_reason="length"))
+  assert answer.finish_reason == "length" and answer.text == "ok \U0001F600 done"
+  # A real U+FFFD in the text still stops it.
+  real = tok.encode("a \ufffd b", add_special_tokens=False)
+  answer = _Answer(job, tok)
+  assert answer.take(Delta(tokens=tuple(real), finish_reason="length"))
+  assert answer.finish_reason == "stop" and answer.text == "a "

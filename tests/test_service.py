@@ -261,6 +261,25 @@ def test_an_internal_error_in_a_step_stops_the_service_and_says_why(mesh):
     with pytest.raises(EngineFailed, match="InvariantError"):
       service.submit([1, 2], jaxkv.SamplingParams(), "a", collect()[2])
     assert not service.accepting and service.outstanding == 0
+    # The HTTP app says so: /health and new requests get 503 with the reason.
+    import asyncio
+
+    import httpx
+
+    from jaxkv.server import OpenAIServer
+    api = OpenAIServer(service, model_name="m")
+    api.ready = True
+
+    async def ask():
+      transport = httpx.ASGITransport(app=api.app)
+      async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+        return (await c.get("/health"),
+                await c.post("/v1/completions", json={"model": "m", "prompt": [3, 4]}))
+
+    health, completion = asyncio.run(ask())
+    assert health.status_code == 503 and "InvariantError" in health.json()["error"]["message"]
+    assert completion.status_code == 503
+    assert "internal error" in completion.json()["error"]["message"]
   finally:
     service.close()
   helpers.no_refs(engine)
