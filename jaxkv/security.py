@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -206,19 +207,66 @@ class Seal:
 
 
 PRIVATE_DIR_MODE = 0o700
+# Opens a directory, never through a symbolic link at the name itself (ELOOP instead).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def make_private_dir(path: str) -> None:
+def open_private_dir(name: str, *, dir_fd: int | None = None, where: str | None = None,
+                     fix: str = "", create: bool = True) -> int:
+  """Opens directory ``name`` (relative to ``dir_fd`` if given) and returns its descriptor,
+  making it first (mode 0700 whatever the umask) if it is missing and ``create`` is set
+  (else a missing one raises ``FileNotFoundError``). A symbolic link at
+  ``name`` is never followed: it is refused (``InputError`` naming ``where``, the path for
+  messages, and ``fix``), and so is anything else that is not a directory. Links in the
+  components above ``name`` are followed (they are the operator's). An existing directory
+  keeps the mode its owner gave it.
+
+  Race-free: the check is the open itself (``O_NOFOLLOW``), so a name swapped for a link
+  after any earlier look cannot be followed; a descriptor opened from descriptors this way
+  names the directory that was checked, whatever is renamed later."""
+  name = name.rstrip("/") or "/"  # a trailing slash would make the kernel follow a link
+  where = (where or name).rstrip("/") or "/"
+  made = False
+  if create:
+    try:
+      os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=dir_fd)
+      made = True
+    except FileExistsError:
+      pass  # there already (or made meanwhile by another process): checked by the open
+  try:
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+  except OSError as e:
+    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+      raise
+    try:
+      mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+      target = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(mode) else None
+    except OSError:
+      raise e from None  # a loop in the components above, or swapped again meanwhile
+    if target is not None:
+      raise InputError(
+          f"{where!r} is a symbolic link (to {target!r}): jaxkv follows no link where it keeps "
+          f"KV (a link would send its reads and deletes elsewhere); {fix or 'remove the link'}."
+      ) from None
+    raise InputError(f"{where!r} is not a directory; {fix or 'remove it'}.") from None
+  if made:
+    os.fchmod(fd, PRIVATE_DIR_MODE)  # the umask may have taken bits (and fchmod follows nothing)
+  return fd
+
+
+def make_private_dir(path: str, *, fix: str | None = None) -> None:
   """Creates directory ``path`` (and missing parents) unless it exists. The directory made
   is 0700 whatever the umask (what it will hold is KV, and KV is the prompt); an existing
-  one keeps the mode its owner gave it."""
-  if os.path.isdir(path):
-    return
-  try:
-    os.makedirs(path, mode=PRIVATE_DIR_MODE)
-  except FileExistsError:
-    return  # made meanwhile by another process (or a file: refused where it is used)
-  os.chmod(path, PRIVATE_DIR_MODE)
+  one keeps the mode its owner gave it. A symbolic link at ``path`` itself is refused
+  (``InputError``), never followed: give the directory it points to (``fix`` says so,
+  else the message suggests the link's real path); so is a file."""
+  path = path.rstrip("/") or "/"
+  parent = os.path.dirname(path)
+  if parent:
+    os.makedirs(parent, exist_ok=True)
+  if fix is None:
+    fix = f"give the directory itself ({os.path.realpath(path)!r})"
+  os.close(open_private_dir(path, fix=fix))
 
 
 def is_loopback(host: str) -> bool:

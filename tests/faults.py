@@ -5,12 +5,17 @@ here wraps the real part and changes only what the fault is about.
   withholds the blocks it sends (what a broken or lying peer does on the wire).
 - ``SlowReads`` / ``FailingReads``: a real ``DiskTier``'s reads arrive late, or raise.
 - ``FailingWrites``: a real ``DiskTier``'s writes fail (after reaching the store, or not).
+- ``link_in_place`` / ``fifo_in_place`` / ``socket_in_place``: what whoever can write a
+  local store's directories (but lacks the key) plants under the names a ``DiskTier``
+  uses: real symbolic links, FIFOs and sockets.
 Install a disk fault by shadowing the method on the instance (``disk.read =
 SlowReads(disk, 4.0)``); ``del disk.read`` puts the real one back.
 """
 
 import dataclasses
+import os
 import secrets
+import socket
 import threading
 import time
 
@@ -118,3 +123,39 @@ class FailingWrites:
     promise, future = ts.Promise.new()
     promise.set_exception(self.error)
     return future
+
+
+# ---- what whoever can write a local store's directories plants there ------------------------
+def link_in_place(path: str, target: str) -> str | None:
+  """Puts a symbolic link to ``target`` at ``path``; what was there (a file or a directory)
+  is moved aside to ``path + '.aside'``, whose name is returned (None if nothing was)."""
+  path = path.rstrip("/")
+  aside = None
+  if os.path.lexists(path):
+    aside = path + ".aside"
+    os.rename(path, aside)
+  os.symlink(target, path)
+  return aside
+
+
+def fifo_in_place(path: str) -> None:
+  """Puts a FIFO at ``path`` (what was there is removed): a read of it that opens it
+  blocking waits forever for a writer."""
+  if os.path.lexists(path):
+    os.unlink(path)
+  os.mkfifo(path, 0o600)
+
+
+def socket_in_place(path: str) -> None:
+  """Puts a Unix socket at ``path`` (bound, then closed: the name stays). Changes the
+  working directory while it binds (a record's path is longer than a socket address may
+  be): call it in a child process, not in the test process."""
+  if os.path.lexists(path):
+    os.unlink(path)
+  here = os.getcwd()
+  os.chdir(os.path.dirname(path))
+  try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+      s.bind(os.path.basename(path))
+  finally:
+    os.chdir(here)

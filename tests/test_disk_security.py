@@ -1,7 +1,8 @@
 """The disk tier against whoever can read or write its store: keyed records refuse forgeries
 (even with a valid CRC-32C), encrypted records hold no plaintext KV, opening a store of junk
-stays bounded in memory and counts what it drops, records of another format survive, and
-local stores are private (or jaxkv says they are not)."""
+stays bounded in memory and counts what it drops, records of another format survive, local
+stores are private (or jaxkv says they are not), and no link, FIFO or socket planted under a
+store's names is followed, opened blocking or deleted."""
 
 import json
 import logging
@@ -9,6 +10,8 @@ import os
 import stat
 import subprocess
 import sys
+import time
+import tracemalloc
 
 import google_crc32c
 import numpy as np
@@ -16,9 +19,11 @@ import pytest
 
 import jaxkv
 from jaxkv import metrics
+from jaxkv.errors import InputError
 from jaxkv.tiers import blocks
 from jaxkv.tiers.disk import DiskTier
 
+import faults
 import helpers
 
 KEY = bytes(range(7, 39))  # 32 distinct bytes
@@ -341,3 +346,233 @@ def test_local_stores_are_private_and_an_exposed_keyless_one_says_so(tmp_path, c
   [line] = insecure_lines(caplog, "s3://exposed/kv/")
   assert "object store" in line and "set a deployment key" in line
   assert not insecure_lines(caplog, private)
+
+
+# ---- links, FIFOs and junk names under a store's root ---------------------------------------
+# Whoever can write a local store's directories, but lacks the key, plants real links, FIFOs
+# and sockets under the names a keyed reader uses. Nothing outside the store is read or
+# deleted, nothing is opened blocking, and what is not a regular file is counted and left.
+def keyed(store, num_slots=8) -> DiskTier:
+  return DiskTier(store, num_slots=num_slots, payload_shape=SHAPE, dtype="float32",
+                  fingerprint=FP, key=KEY, encrypt=True)
+
+
+def write_records(disk, keys) -> None:
+  rng = np.random.default_rng(3)
+  for w in [disk.write(k, rng.standard_normal(SHAPE).astype(np.float32), None) for k in keys]:
+    w.result(timeout=60)
+  disk.sync()
+
+
+def files_under(root) -> dict:
+  """Every regular file under ``root`` (no link followed): relative path -> bytes."""
+  out = {}
+  for d, _, names in os.walk(root):
+    for n in names:
+      p = os.path.join(d, n)
+      if not os.path.islink(p):
+        out[os.path.relpath(p, root)] = open(p, "rb").read()
+  return out
+
+
+@pytest.mark.parametrize("link", ["root", "records", "prefix"])
+def test_a_linked_store_directory_is_refused_and_what_it_points_to_is_untouched(tmp_path, link):
+  """Before: the link was followed, and every file below it that did not verify was
+  deleted: the owner's files in the directory the link points to."""
+  store = str(tmp_path / "store")
+  disk = keyed(store)
+  write_records(disk, [b"a" * 32])
+  where = {"root": store, "records": os.path.join(store, "records"),
+           "prefix": disk.prefix_path.rstrip("/")}[link]
+  victim = tmp_path / "owner"  # laid out as the store is below the link
+  inner = victim / {"root": os.path.join("records", disk.prefix), "records": disk.prefix,
+                    "prefix": ""}[link]
+  inner.mkdir(parents=True)
+  (inner / "notes.txt").write_bytes(b"the owner's notes")
+  (inner / ("ab" * 32)).write_bytes(b"named like a record, not one")
+  (inner / ("cd" * 32)).write_bytes(bytes(disk.record_bytes))
+  before = files_under(victim)
+  faults.link_in_place(where, str(victim))
+  with pytest.raises(InputError) as e:
+    keyed(store).scan()
+  message = str(e.value)
+  assert f"{where!r} is a symbolic link" in message and "\n" not in message, message
+  assert files_under(victim) == before and len(before) == 3
+
+
+def test_a_keyed_cache_refuses_a_store_whose_prefix_directory_is_a_link(mesh, tmp_path):
+  store = str(tmp_path / "d")
+  engine = disk_engine(mesh, store, key=KEY)
+  prompt = list(range(1, 4 * PAGE + 2))
+  engine.generate([prompt], 2)
+  assert engine.flush(30) == 0
+  prefix = engine.cache.disk.prefix_path.rstrip("/")
+  owner = tmp_path / "owner"
+  owner.mkdir()
+  (owner / "thesis.tex").write_bytes(b"years of work")
+  faults.link_in_place(prefix, str(owner))
+  with pytest.raises(InputError, match="is a symbolic link"):
+    disk_engine(mesh, store, key=KEY)
+  assert files_under(owner) == {"thesis.tex": b"years of work"}
+
+
+def test_links_and_directories_under_record_names_are_counted_and_never_followed_or_deleted(
+    tmp_path):
+  """Before: each was followed (stat, read) and, not verifying, deleted (a link itself, or
+  the files of a directory under a record's name)."""
+  store = str(tmp_path / "d")
+  disk = keyed(store)
+  write_records(disk, [b"a" * 32, b"b" * 32])
+  owner = tmp_path / "owner"
+  (owner / "dir").mkdir(parents=True)
+  (owner / "record-sized").write_bytes(open(disk.path_of(b"a" * 32), "rb").read())
+  (owner / "dir" / "file").write_bytes(b"kept")
+  links = {b"c": owner / "record-sized", b"d": owner / "dir", b"e": tmp_path / "nowhere"}
+  for k, target in links.items():
+    os.symlink(target, disk.path_of(k * 32))
+  os.mkdir(disk.path_of(b"f" * 32))  # a directory under a record's name, a file in it
+  open(os.path.join(disk.path_of(b"f" * 32), "ab" * 32), "wb").write(b"x" * 200)
+  before = files_under(store), files_under(owner)
+  again = keyed(store)
+  good, deleted = again.scan()
+  again.settle()
+  assert sorted(k for _, k, _ in good) == [b"a" * 32, b"b" * 32]
+  assert again.discarded == {"not_a_file": 4} and deleted == 0
+  assert (files_under(store), files_under(owner)) == before
+  assert all(os.path.islink(again.path_of(k * 32)) for k in links)
+  for k in links:  # a delete by name leaves what the store did not write
+    again.delete(k * 32)
+  again.settle()
+  assert all(os.path.islink(again.path_of(k * 32)) for k in links)
+
+
+def test_a_record_or_prefix_swapped_for_a_link_after_opening_is_not_followed(tmp_path):
+  """The checks at open do not protect what happens after: a record's name or the prefix
+  directory replaced by a link later. Before: reads took the linked files (the prefix:
+  valid records copied elsewhere were served) and deletes removed files the link led to."""
+  store = str(tmp_path / "d")
+  keys = [bytes([c]) * 32 for c in b"abcde"]
+  write_records(keyed(store), keys)
+  disk = keyed(store)
+  assert len(disk.scan()[0]) == 5
+  # A record's name swapped for a link to the owner's file.
+  owner = tmp_path / "owner.bin"
+  owner.write_bytes(open(disk.path_of(keys[0]), "rb").read())  # its very bytes
+  faults.link_in_place(disk.path_of(keys[0]), str(owner))
+  with pytest.raises(blocks.BlockError, match="not a regular file") as e:
+    disk.read_verified([keys[0]], time.monotonic() + 30)
+  assert e.value.reason == "magic"  # not a jaxkv record: dropped, counted as a verify failure
+  disk.delete(keys[0])
+  disk.settle()
+  assert os.path.islink(disk.path_of(keys[0])) and owner.read_bytes() == open(
+      disk.path_of(keys[0]) + ".aside", "rb").read()
+  # The prefix directory swapped for a link to a directory of copies of its records.
+  mirror = tmp_path / "mirror"
+  mirror.mkdir()
+  for k in keys[1:]:
+    (mirror / k.hex()).write_bytes(open(disk.path_of(k), "rb").read())
+  before = files_under(mirror)
+  faults.link_in_place(disk.prefix_path, str(mirror))
+  with pytest.raises(blocks.BlockError, match="symbolic link") as e:
+    disk.read_verified([keys[1]], time.monotonic() + 30)
+  assert e.value.reason == "magic"
+  disk.delete(keys[2])
+  disk.settle()
+  with pytest.raises(Exception, match="symbolic link"):
+    disk.write(b"z" * 32, np.zeros(SHAPE, np.float32), None).result(timeout=30)
+  assert files_under(mirror) == before  # nothing read through it, deleted or written
+
+
+FIFOS_IN_A_CHILD = r"""
+import json, os, stat, sys, time
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import faults
+from jaxkv.index import Tier
+from jaxkv.tiers.base import Fetch
+from jaxkv.tiers.disk import DiskTier
+n = int(sys.argv[3])
+make = lambda: DiskTier(sys.argv[1], num_slots=64, payload_shape=(2, 2, 4, 8), dtype="float32",
+                        fingerprint=b"f" * 32, key=bytes(range(7, 39)), encrypt=True)
+disk = make()
+keys = [i.to_bytes(32, "big") for i in range(1, n + 3)]
+ones = np.ones((2, 2, 4, 8), np.float32)
+for w in [disk.write(k, ones, None) for k in keys]:
+  w.result(timeout=60)
+disk.sync()
+at_open = [bytes([0xee]) * 31 + bytes([i]) for i in range(3)]
+for k in at_open:
+  faults.fifo_in_place(disk.path_of(k))
+faults.socket_in_place(disk.path_of(bytes([0xef]) * 32))
+disk = make()
+good, deleted = disk.scan(deadline_s=30)
+out = {"adopted": len(good), "deleted": deleted, "discarded": dict(disk.discarded)}
+for k in keys[:n]:  # adopted, then each swapped for a FIFO
+  faults.fifo_in_place(disk.path_of(k))
+fetches = [Fetch(request=0, block=i, shard=0, tier=Tier.DISK, slot=i, key=k, page=i)
+           for i, k in enumerate(keys[:n])]
+_, pending = disk.start_fetch(fetches)
+outcome = disk.finish_fetch(pending, time.monotonic() + 5, lambda staged: staged)
+out["failures"] = sorted({f.value if f else "ok" for f in outcome.failures})
+for k in keys[:n]:  # dropped: deleted by name
+  disk.delete(k)
+disk.settle(10)
+out["fifos_left"] = sum(os.path.lexists(disk.path_of(k)) and stat.S_ISFIFO(
+    os.lstat(disk.path_of(k)).st_mode) for k in keys[:n] + at_open)
+try:  # and the process's disk I/O goes on
+  disk.write(b"n" * 32, 2 * ones, None).result(timeout=10)
+  disk.sync()
+  got = disk.read_verified([b"n" * 32] + keys[n:], time.monotonic() + 10)
+  out["after"] = [float(g.sum()) for g in got]
+except Exception as e:
+  out["after"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out), flush=True)
+os._exit(0)  # a reader stuck on a FIFO would keep the process from exiting
+"""
+
+
+def test_fifos_and_sockets_under_record_names_are_never_read_and_disk_io_goes_on(tmp_path):
+  """Before: a FIFO under an adopted record's name blocked one of TensorStore's I/O threads
+  for good on each read (``cancel`` frees none): after a handful every later disk read and
+  write of the process timed out. At open, FIFOs and sockets were deleted as junk."""
+  n = 2 * (os.cpu_count() or 4) + 8  # more FIFOs than a file I/O thread pool has threads
+  proc = subprocess.run([sys.executable, "-c", FIFOS_IN_A_CHILD, str(tmp_path / "d"),
+                         os.path.dirname(__file__), str(n)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["adopted"] == n + 2 and r["deleted"] == 0, r
+  assert r["discarded"] == {"not_a_file": 4}, r  # 3 FIFOs and a socket, left in place
+  assert r["failures"] == ["magic"], r  # every swapped record: not a jaxkv record, unread
+  assert r["fifos_left"] == n + 3, r  # none deleted: jaxkv did not write them
+  assert r["after"] == [2.0 * np.prod(SHAPE), np.prod(SHAPE), np.prod(SHAPE)], r
+
+
+def test_opening_a_store_of_200k_junk_names_lists_them_in_bounded_memory(tmp_path):
+  """Before: the whole listing was held (names sorted, every deletion's future kept),
+  hundreds of bytes a name; now names stream and memory is the read window's."""
+  store = str(tmp_path / "d")
+  disk = keyed(store)
+  write_records(disk, [b"a" * 32])
+  n = 200_000
+  empties = [tmp_path / f"empty{j}" for j in range(8)]  # ext4 takes 65000 links a file
+  for e in empties:
+    e.write_bytes(b"")
+  dir_fd = os.open(disk.prefix_path, os.O_RDONLY | os.O_DIRECTORY)
+  try:  # names of empty files (hard links: a name costs no inode, so they are quick)
+    for i in range(n):
+      os.link(empties[i % 8], f"{i:064x}", dst_dir_fd=dir_fd)
+  finally:
+    os.close(dir_fd)
+  tracemalloc.start()
+  try:
+    again = keyed(store)
+    good, deleted = again.scan()
+    again.settle()
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert [k for _, k, _ in good] == [b"a" * 32]
+  assert again.discarded == {"size": n} and deleted == n
+  assert os.listdir(disk.prefix_path) == [os.path.basename(disk.path_of(b"a" * 32))]
+  assert peak < 8 << 20, peak  # 42 bytes a name at most; a whole listing takes ~10x that

@@ -39,12 +39,16 @@ and adoption verifies it anyway).
 On open, temporaries a killed writer left are deleted (never a live writer's: see
 ``_remove_if_unlocked``), and ``scan`` streams over this prefix's records with a bounded
 window of reads (``SCAN_WINDOW``, ``SCAN_WINDOW_BYTES``), so memory stays bounded whatever
-the store holds: a record whose size is wrong is judged without reading it whole (the file
-driver's ``stat``; an object store's reads are cut at the record's size). Verified records
-are offered back to the index up to the quota; ones that do not verify are deleted; ones
-of another format version (and ones unreadable right now) are left alone. Every record not
+the store holds: a record whose size is wrong is judged without reading it whole (a local
+file's size is known before it is read; an object store's reads are cut at the record's
+size). Verified records are offered back to the index up to the quota (the first in name
+order, kept in a heap of the quota's size); ones that do not verify are deleted; ones of
+another format version (and ones unreadable right now) are left alone. Every record not
 adopted is counted by reason (``discarded``, ``Engine.stats()``
-``disk_discarded_at_open_by_reason``).
+``disk_discarded_at_open_by_reason``). A local directory is listed as it is read
+(``os.scandir``: no listing is held); an object store's is listed in 16 ranges, by the first
+hex digit of the name (TensorStore's ``list`` returns a range whole: memory is bounded by
+the largest range, which for block keys is a sixteenth of the prefix).
 
 Local stores are private: the directories jaxkv creates (the store's root, ``records/``,
 each prefix) are made mode 0700. TensorStore's file driver creates record files per the
@@ -53,15 +57,41 @@ is what keeps other users from them; directories that already exist keep their m
 store shared by several users is the operator's to set up). A keyless tier that is an
 object store, or a local one whose directories give group or others access, says so once
 (``security.warn_insecure``).
+
+Nothing under a local store's root is followed (threat model: BUILD.md; whoever can write
+the store can plant links, FIFOs, sockets). The root, ``records/`` and the prefix are opened
+one from the other with ``O_NOFOLLOW`` before every read, delete and write, and a link at
+any of them is refused (``InputError``: a link there would send reads and deletes to
+whatever it points at). jaxkv reads and deletes local records itself, not through
+TensorStore (whose file driver follows links and opens a FIFO blocking): a record is read
+only if it is a regular file (``lstat``, then ``open(O_NOFOLLOW | O_NONBLOCK)`` and
+``fstat``: a name swapped between the two checks is caught by the second, and a FIFO opened
+non-blocking never blocks), and only a regular file is ever deleted (``unlink`` relative to
+the checked directory, which removes a name, never what a link points to). A link, FIFO,
+socket, device or directory under a record's name is left in place and counted
+(``not_a_file`` at open; ``magic``, not a jaxkv record, when read). A hard link to someone's
+file loses only its name here. What remains: writes go through TensorStore by path, so a
+prefix swapped for a link between the check before a write and TensorStore's own open of
+the name puts that one record in the linked directory (a file named by a block key; nothing
+there is read or deleted); a name swapped for a device node between the ``lstat`` and the
+open is opened (non-blocking, no controlling tty) before ``fstat`` refuses it (planting a
+device node takes CAP_MKNOD); ``scan`` deletes a junk file only if the name still is the file
+it judged, but a later delete of a dropped block's record removes whatever regular file has
+its name then (a miss later, as any record another sharer evicted). Object stores have no
+links.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import functools
+import heapq
 import os
 import stat
 import time
@@ -80,11 +110,18 @@ RECORDS_PATH = "records/"
 READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
 SCAN_WINDOW = 32  # records in flight at once while a store is opened (``scan``) ...
 SCAN_WINDOW_BYTES = 64 << 20  # ... and at most this many of their bytes
+LIST_RANGES = "0123456789abcdef"  # an object store's prefix is listed one range per digit
+NOT_A_FILE = "not_a_file"  # ``scan``'s reason for a name that is no regular file (kept)
 # Why ``scan`` may pass a record over and leave it in place: another format's (a newer or
 # older jaxkv sharing the store), or not readable now.
 _KEPT_AT_OPEN = frozenset({Failure.VERSION, Failure.READ_RETRY, Failure.DEADLINE})
 # TensorStore error codes that mean the stored bytes are wrong, not that reading failed.
 _DAMAGE = ("DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
+# A local record is opened so that neither a link (ELOOP) nor a FIFO (no wait for a writer)
+# nor a terminal (no controlling tty) can make the open follow, block or do anything else.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TREE_DEPTH = 8  # ``bytes_on_disk`` looks no deeper (jaxkv's own tree is 3 deep)
 
 
 class Gone(Exception):
@@ -93,25 +130,110 @@ class Gone(Exception):
   reason = Failure.GONE
 
 
-def _remove_if_unlocked(path: str) -> bool:
-  """Removes ``path`` if no process holds a lock on it (a POSIX record lock conflicts with
-  a writer's open-file-description lock too). Returns whether it was removed."""
+class NotAFile(blocks.BlockError):
+  """A record's name does not lead to a regular file in the store's own directory: a link,
+  FIFO, socket, device or directory is there, or the prefix directory is a link. Never
+  opened for reading, never deleted; read, it is not a jaxkv record (``magic``)."""
+
+  def __init__(self, detail: str):
+    super().__init__(Failure.MAGIC.value, detail)
+
+
+def _kind(mode: int) -> str:
+  for test, kind in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                     (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    if test(mode):
+      return kind
+  return f"of mode {mode:o}"
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+  return st.st_dev, st.st_ino
+
+
+def _remove_if_unlocked(dir_fd: int, name: str) -> bool:
+  """Removes the temporary ``name`` in directory ``dir_fd`` if it is a regular file no
+  process holds a lock on (a POSIX record lock conflicts with a writer's
+  open-file-description lock too). Returns whether it was removed."""
   try:
-    fd = os.open(path, os.O_RDWR)
-  except FileNotFoundError:
-    return False
+    fd = os.open(name, os.O_RDWR | (_FILE_FLAGS & ~os.O_ACCMODE), dir_fd=dir_fd)
+  except OSError:
+    return False  # gone (its writer finished it), a link, or not ours to open
   try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      return False
     try:
       fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
       return False  # held: a live writer's
-    try:
-      os.remove(path)  # while holding the lock, as the writers' protocol expects
-    except FileNotFoundError:
-      return False
-    return True
+    # While holding the lock, as the writers' protocol expects, and only if the name still
+    # is this file (a writer that renamed it away may have made a new one under the name).
+    return _unlink_regular(dir_fd, name, _identity(st))
   finally:
     os.close(fd)
+
+
+def _remove_stale_temporaries(dir_fd: int) -> int:
+  n = 0
+  with os.scandir(dir_fd) as entries:
+    for entry in entries:
+      if (entry.name.endswith(".__lock") and entry.is_file(follow_symlinks=False)
+          and _remove_if_unlocked(dir_fd, entry.name)):
+        n += 1
+  return n
+
+
+def _unlink_regular(dir_fd: int, name: str, same_as: tuple[int, int] | None = None) -> bool:
+  """Removes ``name`` in directory ``dir_fd`` if it is a regular file (and, given
+  ``same_as``, that very file): never what a link points to, never a FIFO, socket, device
+  or directory. Returns whether it was removed."""
+  try:
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode) or (same_as is not None and _identity(st) != same_as):
+      return False
+    os.unlink(name, dir_fd=dir_fd)
+    return True
+  except FileNotFoundError:
+    return False
+
+
+def _pread(fd: int, nbytes: int) -> bytes:
+  """Up to ``nbytes`` from the start of ``fd`` (fewer at its end)."""
+  chunks, got = [], 0
+  while got < nbytes:
+    chunk = os.pread(fd, nbytes - got, got)
+    if not chunk:
+      break
+    chunks.append(chunk)
+    got += len(chunk)
+  return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _tree_bytes(dir_fd: int, depth: int) -> int:
+  total = 0
+  with os.scandir(dir_fd) as entries:
+    for entry in entries:
+      try:
+        if entry.is_file(follow_symlinks=False):
+          total += entry.stat(follow_symlinks=False).st_size
+        elif entry.is_dir(follow_symlinks=False) and depth > 0:
+          fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+          try:
+            total += _tree_bytes(fd, depth - 1)
+          finally:
+            os.close(fd)
+      except OSError:  # removed meanwhile by another process, or swapped for a link
+        pass
+  return total
+
+
+@functools.lru_cache(maxsize=1)
+def _file_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """Threads for local reads and deletes (jaxkv's, not TensorStore's: see the module
+  docstring). A read here never blocks on what a record's name holds."""
+  return concurrent.futures.ThreadPoolExecutor(thread_name_prefix="jaxkv-disk")
 
 
 def kvstore_spec(location) -> dict:
@@ -143,6 +265,48 @@ class _ScanRead:
   name: str
   whole: bool
   future: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Got:
+  """A local read's result, shaped as TensorStore's (``state`` "value" or "missing")."""
+
+  state: str
+  value: bytes = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileRead:
+  """What a local scan read found: the file's ``size`` and identity, and its first bytes
+  (a record's worth if its size is a record's, else ``blocks.PEEK_BYTES``)."""
+
+  size: int
+  identity: tuple[int, int]
+  data: bytes
+
+
+class _Adoption:
+  """What ``scan`` found so far: the ``num_slots`` verified records first in name order (a
+  heap of that size: memory is the quota's, not the store's), the records deleted and the
+  reasons others were not adopted."""
+
+  def __init__(self, num_slots: int):
+    self.num_slots = num_slots
+    self.heap: list[tuple[int, bytes, bytes | None]] = []  # (-key as a number, key, parent)
+    self.deleted = 0
+    self.discarded: collections.Counter = collections.Counter()
+
+  def offer(self, key: bytes, parent: bytes | None) -> None:
+    # A verified record's name is its key in hex, so key order is name order.
+    item = (-int.from_bytes(key, "big"), key, parent)
+    if len(self.heap) < self.num_slots:
+      heapq.heappush(self.heap, item)
+    elif self.heap and item[0] > self.heap[0][0]:
+      heapq.heapreplace(self.heap, item)
+
+  def good(self) -> list[tuple[int, bytes, bytes | None]]:
+    ordered = sorted(self.heap, key=lambda item: item[1])
+    return [(slot, key, parent) for slot, (_, key, parent) in enumerate(ordered)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +358,9 @@ class DiskTier:
     self._seal = None if key is None else security.Seal(key, "disk-record")
     self.record_bytes = blocks.record_bytes(payload_shape, dtype)
     self.local = self.kvstore["driver"] == "file"
+    self._root = (self.kvstore.get("path", "").rstrip("/") or "/") if self.local else None
+    self._root_fix = (f"point disk_kvstore at the directory itself "
+                      f"({os.path.realpath(self._root)!r})" if self.local else "")
     self.discarded: collections.Counter = collections.Counter()  # the last ``scan``'s
     self._check_writable()
     self._warn_if_exposed()
@@ -211,7 +378,6 @@ class DiskTier:
       logging.warning("disk tier %s holds a store of an older jaxkv (format 1, one zarr array "
                       "under blocks/): it is not read; delete %s to free its space.",
                       self.kvstore["path"], os.path.join(self.kvstore["path"], "blocks"))
-    self._prefix_made = None  # the prefix whose directory exists (file driver)
     self._read_errors: dict[bytes, int] = {}  # block key -> reads in a row that raised
     self._deletes: dict[str, object] = {}  # name -> deletion in flight (kept: a dropped
     # TensorStore future may cancel its operation)
@@ -249,10 +415,10 @@ class DiskTier:
   def _check_writable(self) -> None:
     if not self.local:
       return
-    path = self.kvstore["path"]
+    path = self._root
     try:
-      security.make_private_dir(path)
-      security.make_private_dir(os.path.join(path, RECORDS_PATH))
+      security.make_private_dir(path, fix=self._root_fix)
+      os.close(self._open_dir(None, create=True))
     except OSError as e:
       raise InputError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
                        "point disk_kvstore at a writable directory.") from None
@@ -260,11 +426,38 @@ class DiskTier:
       raise InputError(f"disk tier directory {path!r} is not writable; point disk_kvstore at "
                        "a writable directory.")
 
+  def _open_dir(self, prefix: str | None, *, create: bool = False) -> int:
+    """The descriptor of ``records/`` (``prefix`` None) or of ``records/<prefix>``, each
+    component opened from the one above with ``O_NOFOLLOW`` (made 0700 if missing and
+    ``create``): a link at the root, ``records/`` or the prefix raises ``InputError``, a
+    missing one (not ``create``) ``FileNotFoundError``. The caller closes it."""
+    root = security.open_private_dir(self._root, create=create, fix=self._root_fix)
+    fd, where = root, self._root
+    for part in [RECORDS_PATH] + ([prefix] if prefix is not None else []):
+      where = os.path.join(where, part.rstrip("/"))
+      parent = fd
+      try:
+        fd = security.open_private_dir(
+            part, dir_fd=parent, where=where, create=create,
+            fix=f"remove it (`rm {where}`: whoever can write the store can plant one) and "
+            "open the store again")
+      finally:
+        os.close(parent)
+    return fd
+
+  @contextlib.contextmanager
+  def _dir(self, prefix: str | None):
+    fd = self._open_dir(prefix)
+    try:
+      yield fd
+    finally:
+      os.close(fd)
+
   def _ensure_prefix(self) -> None:
-    """Makes this prefix's directory (0700) before TensorStore would make it per the umask."""
-    if self.local and self._prefix_made != self.prefix:
-      security.make_private_dir(self.prefix_path)
-      self._prefix_made = self.prefix
+    """Makes this prefix's directory (0700) before TensorStore would make it per the umask,
+    and checks that none of the directories down to it is a link (``InputError``)."""
+    if self.local:
+      os.close(self._open_dir(self.prefix, create=True))
 
   def _warn_if_exposed(self) -> None:
     """Without a key a record proves nothing against whoever can write the store, and holds
@@ -278,8 +471,8 @@ class DiskTier:
           "whoever can read it reads the prompts' KV",
           "set a deployment key (--deployment_key_file or $JAXKV_DEPLOYMENT_KEY_FILE)")
       return
-    for path in (self.kvstore["path"], os.path.join(self.kvstore["path"], RECORDS_PATH)):
-      mode = stat.S_IMODE(os.stat(path).st_mode)
+    for path in (self._root, os.path.join(self._root, RECORDS_PATH.rstrip("/"))):
+      mode = stat.S_IMODE(os.lstat(path).st_mode)  # checked: directories, not links
       if mode & (stat.S_IRWXG | stat.S_IRWXO):
         path = path.rstrip("/")
         security.warn_insecure(
@@ -289,94 +482,231 @@ class DiskTier:
         return
 
   def _remove_temporaries(self) -> int:
-    """Deletes ``*.__lock`` files a killed writer left (file driver only). TensorStore's
-    file driver holds a lock on that file while it writes (an open-file-description lock
-    on Linux); if we can take a lock on it, no writer is alive and the file is stale. A
-    live writer's (another process sharing the store) is left alone, and one that vanishes
-    meanwhile was finished by its writer."""
+    """Deletes ``*.__lock`` files a killed writer left in ``records/`` and the directories
+    right under it (file driver only). TensorStore's file driver holds a lock on that file
+    while it writes (an open-file-description lock on Linux); if we can take a lock on it,
+    no writer is alive and the file is stale. A live writer's (another process sharing the
+    store) is left alone, and one that vanishes meanwhile was finished by its writer.
+    Directories are listed as they are read, and no link is followed."""
     if not self.local:
       return 0
-    n = 0
-    for root, _, files in os.walk(os.path.join(self.kvstore["path"], RECORDS_PATH)):
-      for name in files:
-        if name.endswith(".__lock") and _remove_if_unlocked(os.path.join(root, name)):
-          n += 1
+    with self._dir(None) as records:
+      n = _remove_stale_temporaries(records)
+      with os.scandir(records) as entries:
+        for entry in entries:
+          if not entry.is_dir(follow_symlinks=False):
+            continue
+          try:
+            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=records)
+          except OSError:  # removed or swapped for a link meanwhile, or not ours
+            continue
+          try:
+            n += _remove_stale_temporaries(fd)
+          finally:
+            os.close(fd)
     return n
 
   def scan(self, deadline_s: float = 600.0) -> tuple[list[tuple[int, bytes, bytes | None]], int]:
     """Verifies the stored records of this prefix and offers up to ``num_slots`` of the
-    verified ones for this process's quota, in name order (so every process of a job
-    offers the same). Returns ``([(slot, key, parent), ...], deleted)``: slots numbered
-    from 0 in that order, for the caller to publish in the index (which then owns them).
+    verified ones for this process's quota: the first in name order (so every process of
+    a job offers the same). Returns ``([(slot, key, parent), ...], deleted)``: slots
+    numbered from 0 in that order, for the caller to publish in the index (which then owns
+    them).
 
-    Reads stream, at most ``SCAN_WINDOW`` records (``SCAN_WINDOW_BYTES``) in flight, each
-    cut at the record size: memory is bounded by the window, not by what the store holds.
-    Records that do not verify are deleted; records of another format version, and ones
-    unreadable now, are left in place; verified ones beyond the quota are left to the
-    processes that hold them. ``discarded`` counts, by reason (``Failure`` values), every
-    record not adopted but those beyond the quota.
+    Names and reads stream, at most ``SCAN_WINDOW`` records (``SCAN_WINDOW_BYTES``) in
+    flight, each cut at the record size: memory is bounded by the window and the quota, not
+    by what the store holds. Records that do not verify are deleted; records of another
+    format version, and ones unreadable now, are left in place; verified ones beyond the
+    quota are left to the processes that hold them; a local name that is no regular file
+    is left and counted (``NOT_A_FILE``). ``discarded`` counts, by reason (``Failure``
+    values), every record not adopted but those beyond the quota. What is not judged by
+    ``deadline_s`` is left for a later open.
     """
     self._ensure_prefix()
     self._note_older_format()
     t_end = time.monotonic() + deadline_s
-    listing = self.kv.list(ts.KvStore.KeyRange(self.prefix, self.prefix[:-1] + "0"))
-    try:
-      names = sorted(k.decode("ascii", "replace") for k in listing.result(timeout=deadline_s))
-    except TimeoutError:
-      logging.warning("disk tier %s: listing the records did not finish in %.0f s; none "
-                      "adopted this time", _where(self.kvstore), deadline_s)
-      listing.cancel()
-      self.discarded = collections.Counter()
-      return [], 0
     window = max(1, min(SCAN_WINDOW, SCAN_WINDOW_BYTES // self.record_bytes))
-    todo = collections.deque(n for n in names if not n.endswith(".__lock"))
+    found = _Adoption(self.num_slots)
+    if self.local:
+      self._scan_local(found, window, t_end)
+    else:
+      self._scan_listed(found, window, t_end)
+    self.discarded = found.discarded
+    if found.discarded:
+      logging.info("disk tier %s: %d records not adopted at open (%s); %d deleted, the others "
+                   "(another format version, unreadable now, not a file) left in place",
+                   _where(self.kvstore), sum(found.discarded.values()),
+                   ", ".join(f"{r}: {n}" for r, n in sorted(found.discarded.items())),
+                   found.deleted)
+    return found.good(), found.deleted
+
+  def _out_of_time(self, t_end: float, what: str) -> bool:
+    if time.monotonic() < t_end:
+      return False
+    logging.warning("disk tier %s: %s did not finish before the deadline; the records not "
+                    "judged yet are left for a later open", _where(self.kvstore), what)
+    return True
+
+  def _scan_local(self, found: _Adoption, window: int, t_end: float) -> None:
+    """``scan`` of a local directory: listed as it is read (``os.scandir``), each name
+    judged by its ``lstat`` first (a link, FIFO, socket, device or directory is counted
+    and left; a file too small for a header is junk), then read in a pool thread with
+    ``_read_file``, and deleted (if junk) only if it still is the very file judged."""
+    prefix = self.prefix
+    reads: collections.deque = collections.deque()  # (name, future of a _FileRead)
+    with self._dir(prefix) as dir_fd, os.scandir(dir_fd) as entries:
+      for entry in entries:
+        if self._out_of_time(t_end, "listing the records"):
+          break
+        name = entry.name
+        if name.endswith(".__lock"):
+          continue
+        try:
+          if not entry.is_file(follow_symlinks=False):
+            found.discarded[NOT_A_FILE] += 1
+            continue
+          st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+          continue  # its owner removed it meanwhile
+        if st.st_size < blocks.PEEK_BYTES:
+          self._discard_file(found, dir_fd, name, Failure.SIZE, _identity(st))
+          continue
+        reads.append((name, _file_pool().submit(self._read_file, prefix, name)))
+        while len(reads) >= window:
+          self._judge_file(found, dir_fd, prefix, *reads.popleft(), t_end)
+      while reads:
+        self._judge_file(found, dir_fd, prefix, *reads.popleft(), t_end)
+
+  def _read_file(self, prefix: str, name: str) -> _FileRead | None:
+    """Opens ``records/<prefix><name>`` if it is a regular file (never following a link,
+    never waiting on a FIFO) and reads a record's worth of it if its size is a record's,
+    else its first ``PEEK_BYTES``. None: it is gone. Raises ``NotAFile``."""
+    fd = self._open_record(prefix, name)
+    if fd is None:
+      return None
+    try:
+      st = os.fstat(fd)
+      if st.st_size == self.record_bytes:
+        nbytes = self.record_bytes
+      else:
+        nbytes = blocks.PEEK_BYTES if st.st_size >= blocks.PEEK_BYTES else 0
+      return _FileRead(st.st_size, _identity(st), _pread(fd, nbytes))
+    finally:
+      os.close(fd)
+
+  def _open_record(self, prefix: str, name: str) -> int | None:
+    """A read-only descriptor of the regular file ``records/<prefix><name>``; None if it
+    (or its directory) is gone. Raises ``NotAFile`` for anything else under the name, or
+    for a link on the way to it; it is looked at (``lstat``) before it is opened, opened
+    with ``O_NOFOLLOW | O_NONBLOCK`` and looked at again (``fstat``): a name swapped
+    between the two is refused by the second, and a FIFO never blocks the open."""
+    where = os.path.join(self._root, RECORDS_PATH, prefix, name)
+    try:
+      dir_fd = self._open_dir(prefix)
+    except FileNotFoundError:
+      return None
+    except InputError as e:
+      raise NotAFile(str(e)) from None
+    try:
+      try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if stat.S_ISREG(mode):
+          fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+      except FileNotFoundError:
+        return None
+      except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # swapped meanwhile
+          raise NotAFile(f"{where} is not a regular file (it changed as it was opened)"
+                         ) from None
+        raise
+    finally:
+      os.close(dir_fd)
+    if stat.S_ISREG(mode):
+      mode = os.fstat(fd).st_mode
+      if stat.S_ISREG(mode):
+        return fd
+      os.close(fd)
+    raise NotAFile(f"{where} is not a regular file but {_kind(mode)}: left as it is")
+
+  def _judge_file(self, found: _Adoption, dir_fd: int, prefix: str, name: str, future,
+                  t_end: float) -> None:
+    try:
+      got = future.result(timeout=max(0.0, t_end - time.monotonic()))
+    except TimeoutError:
+      future.cancel()
+      found.discarded[Failure.DEADLINE.value] += 1
+      return
+    except NotAFile:
+      found.discarded[NOT_A_FILE] += 1
+      return
+    except OSError:
+      found.discarded[Failure.READ_RETRY.value] += 1  # unreadable now: left for a later open
+      return
+    if got is None:
+      return  # removed meanwhile by its owner
+    whole = got.size == self.record_bytes and len(got.data) == self.record_bytes
+    verdict = self._verdict(prefix + name, whole, got.data)
+    if isinstance(verdict, Failure):
+      self._discard_file(found, dir_fd, name, verdict, got.identity)
+    else:
+      found.offer(*verdict)
+
+  def _discard_file(self, found: _Adoption, dir_fd: int, name: str, reason: Failure,
+                    identity: tuple[int, int]) -> None:
+    """Counts a local record ``scan`` refused and deletes it unless ``reason`` says to
+    leave it, and only if the name still is the file judged."""
+    found.discarded[reason.value] += 1
+    if reason not in _KEPT_AT_OPEN:
+      try:
+        found.deleted += _unlink_regular(dir_fd, name, identity)
+      except OSError:  # not ours to delete (permissions): left, as an unreachable store's
+        pass
+
+  def _scan_listed(self, found: _Adoption, window: int, t_end: float) -> None:
+    """``scan`` of an object store (any kvstore but a local directory): listed in ranges
+    (``_names``), read through TensorStore, each read cut at the record size."""
     reads: collections.deque[_ScanRead] = collections.deque()
-    good, deleted, discarded = [], 0, collections.Counter()
-    while todo or reads:
-      while todo and len(reads) < window:
-        name = todo.popleft()
-        read = self._start_scan_read(name)
-        if isinstance(read, Failure):
-          discarded[read.value] += 1
-          deleted += self._discard(name, read)
-        elif read is not None:
-          reads.append(read)
+    names = self._names(t_end)
+    while True:
+      while len(reads) < window:
+        name = next(names, None)
+        if name is None:
+          break
+        reads.append(_ScanRead(name, True, self._read_range(name, self.record_bytes)))
       if not reads:
-        continue
+        return
       read = reads.popleft()
       verdict = self._judge_scan_read(read, t_end)
       if isinstance(verdict, _ScanRead):  # cut short: read its header
         reads.append(verdict)
       elif isinstance(verdict, Failure):
-        discarded[verdict.value] += 1
-        deleted += self._discard(read.name, verdict)
-      elif verdict is not None and len(good) < self.num_slots:
-        good.append((len(good), *verdict))
-    self.discarded = discarded
-    if discarded:
-      logging.info("disk tier %s: %d records not adopted at open (%s); %d deleted, the others "
-                   "(another format version, unreadable now) left in place", _where(self.kvstore),
-                   sum(discarded.values()), ", ".join(f"{r}: {n}" for r, n in
-                                                      sorted(discarded.items())), deleted)
-    return good, deleted
+        found.discarded[verdict.value] += 1
+        if verdict not in _KEPT_AT_OPEN:
+          self._delete_name(read.name)
+          found.deleted += 1
+      elif verdict is not None:
+        found.offer(*verdict)
 
-  def _start_scan_read(self, name: str):
-    """How ``scan`` reads record ``name`` (a ``_ScanRead``), or its verdict without a read
-    (a ``Failure``; None: vanished meanwhile). A file whose size is wrong is judged by its
-    first ``PEEK_BYTES`` (its format) alone; a whole read is cut at the record size, so a
-    huge object costs no more than a record."""
-    if self.local:
+  def _names(self, t_end: float):
+    """This prefix's names in an object store, in order, listed one range at a time (by
+    the name's first hex digit; names that are not hex fall in the first or last range):
+    TensorStore's ``list`` returns a range whole, so only one range is held at once."""
+    prefix = self.prefix
+    bounds = [prefix] + [prefix + d for d in LIST_RANGES[1:]] + [prefix[:-1] + "0"]
+    for lo, hi in zip(bounds, bounds[1:]):
+      listing = self.kv.list(ts.KvStore.KeyRange(lo, hi), strip_prefix_length=len(prefix))
       try:
-        size = os.stat(os.path.join(self.kvstore["path"], RECORDS_PATH, name)).st_size
-      except FileNotFoundError:
-        return None  # its owner removed it meanwhile
-      except OSError:
-        return Failure.READ_RETRY
-      if size != self.record_bytes:
-        if size < blocks.PEEK_BYTES:
-          return Failure.SIZE
-        return _ScanRead(name, False, self._read_range(name, blocks.PEEK_BYTES))
-    return _ScanRead(name, True, self._read_range(name, self.record_bytes))
+        batch = listing.result(timeout=max(0.0, t_end - time.monotonic()))
+      except TimeoutError:
+        listing.cancel()
+        self._out_of_time(t_end, "listing the records")
+        return
+      batch.sort()
+      for key in batch:
+        name = key.decode("ascii", "replace")
+        if not name.endswith(".__lock"):
+          yield prefix + name
+      del batch
 
   def _read_range(self, name: str, nbytes: int):
     try:
@@ -400,35 +730,37 @@ class DiskTier:
       return Failure.READ_RETRY  # unreadable now: left for a later open
     if got.state != "value":
       return None  # removed meanwhile by its owner
-    if not read.whole:  # the size is wrong; a record of another format may have another size
-      version = blocks.peek_version(got.value)
+    return self._verdict(read.name, read.whole, got.value)
+
+  def _verdict(self, name: str, whole: bool, data: bytes):
+    """Record ``name``'s verdict from its bytes: ``(key, parent)`` verified, or a
+    ``Failure``. ``whole``: ``data`` is a record's worth; else its size is wrong and
+    ``data`` is its header (a record of another format may have another size)."""
+    if not whole:
+      version = blocks.peek_version(data) if len(data) >= blocks.PEEK_BYTES else None
       return (Failure.VERSION if version is not None and version != blocks.FORMAT_VERSION
               else Failure.SIZE)
-    record = np.frombuffer(got.value, np.uint8)
+    record = np.frombuffer(data, np.uint8)
     try:
       self._decode(record, None)
       key, parent = blocks.header_keys(record)
-      if read.name != self.name(key):
-        raise blocks.BlockError("key", f"record {read.name} holds block {key.hex()}")
+      if name != self.name(key):
+        raise blocks.BlockError("key", f"record {name} holds block {key.hex()}")
     except blocks.BlockError as e:
       return e.reason
     return key, parent
-
-  def _discard(self, name: str, reason: Failure) -> int:
-    """Deletes a record ``scan`` refused, unless ``reason`` says to leave it; returns 1 if
-    it was deleted."""
-    if reason in _KEPT_AT_OPEN:
-      return 0
-    self._delete_name(name)
-    return 1
 
   def _note_older_format(self) -> None:
     """Says once if format-2 records of this fingerprint are still in the store (not read,
     never deleted: their jaxkv may still be running)."""
     if not self.local:
       return
-    old = os.path.join(self.kvstore["path"], RECORDS_PATH, self.fingerprint[:16].hex())
-    if os.path.isdir(old):
+    old = os.path.join(self._root, RECORDS_PATH, self.fingerprint[:16].hex())
+    try:
+      older = stat.S_ISDIR(os.lstat(old).st_mode)
+    except OSError:
+      older = False
+    if older:
       logging.info("disk tier %s holds records of an older jaxkv (format 2) under %s: they "
                    "are not read; delete that directory once no older process uses the "
                    "store.", self.kvstore["path"], old)
@@ -462,7 +794,11 @@ class DiskTier:
       _syncfs(os.path.join(self.kvstore["path"], RECORDS_PATH))
 
   def read(self, key: bytes) -> PendingRead:
-    """Starts reading block ``key``'s record."""
+    """Starts reading block ``key``'s record (a local one in jaxkv's own threads, opened
+    only if it is a regular file: ``_read_record``)."""
+    if self.local:
+      fut = _file_pool().submit(self._read_record, self.prefix, key)
+      return PendingRead(key, fut, time.monotonic())
     try:
       # Cut at a record's size: a longer object is never read whole (what follows a record
       # is not looked at; a shorter one is refused by the store: ``_record``).
@@ -470,6 +806,21 @@ class DiskTier:
     except Exception as e:  # pylint: disable=broad-except
       fut = _failed(e)
     return PendingRead(key, fut, time.monotonic())
+
+  def _read_record(self, prefix: str, key: bytes) -> _Got:
+    """Block ``key``'s local record, cut at a record's size (raises ``NotAFile``, or
+    ``blocks.BlockError`` for a file shorter than a record)."""
+    fd = self._open_record(prefix, key.hex())
+    if fd is None:
+      return _Got("missing")
+    try:
+      data = _pread(fd, self.record_bytes)
+    finally:
+      os.close(fd)
+    if len(data) < self.record_bytes:
+      raise blocks.BlockError("size", f"record of block {key.hex()[:16]} is shorter than "
+                              f"{self.record_bytes} bytes")
+    return _Got("value", data)
 
   def _record(self, pending: PendingRead, t_end: float) -> np.ndarray:
     """The bytes of a read (raises ``TimeoutError``, ``Gone`` or the store's error)."""
@@ -541,14 +892,31 @@ class DiskTier:
     self._delete_name(self.name(key))
 
   def _delete_name(self, name: str) -> None:
-    """Starts deleting a record (best effort: absent already, or unreachable, is fine)."""
+    """Starts deleting a record (best effort: absent already, or unreachable, is fine). A
+    local one is removed only if it is a regular file (``_unlink_record``)."""
     if len(self._deletes) >= self._prune_at:  # forget finished ones (amortized: a scan
       self._deletes = {n: d for n, d in self._deletes.items() if not d.done()}  # deletes many)
       self._prune_at = max(64, 2 * len(self._deletes))
+    if self.local:
+      prefix, _, base = name.rpartition("/")
+      self._deletes[name] = _file_pool().submit(self._unlink_record, prefix + "/", base)
+      return
     try:
       self._deletes[name] = self.kv.write(name, None)
     except Exception:  # pylint: disable=broad-except
       pass
+
+  def _unlink_record(self, prefix: str, name: str) -> bool:
+    """Removes the regular file ``records/<prefix><name>``; anything else there (a link, a
+    FIFO...) is left, and nothing is removed through a linked directory."""
+    try:
+      dir_fd = self._open_dir(prefix)
+    except (FileNotFoundError, InputError):
+      return False  # gone, or a link: nothing of this store's is behind it
+    try:
+      return _unlink_regular(dir_fd, name)
+    finally:
+      os.close(dir_fd)
 
   def settle(self, timeout_s: float = 30.0) -> None:
     """Waits (up to ``timeout_s``) for the deletions in flight."""
@@ -558,17 +926,18 @@ class DiskTier:
     self._deletes.clear()
 
   def bytes_on_disk(self) -> int:
-    """Bytes the store's files use (file driver; 0 otherwise)."""
+    """Bytes the store's regular files hold (file driver; 0 otherwise). No link is
+    followed."""
     if not self.local:
       return 0
-    total = 0
-    for root, _, files in os.walk(self.kvstore["path"]):
-      for f in files:
-        try:
-          total += os.path.getsize(os.path.join(root, f))
-        except FileNotFoundError:  # removed meanwhile by another process
-          pass
-    return total
+    try:
+      fd = os.open(self._root, _DIR_FLAGS)
+    except OSError:
+      return 0
+    try:
+      return _tree_bytes(fd, _TREE_DEPTH)
+    finally:
+      os.close(fd)
 
 
 def _wait(future, timeout_s: float) -> None:
