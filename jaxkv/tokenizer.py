@@ -9,7 +9,9 @@
 
 ``encode`` adds special tokens as the file's post-processor says (e.g. Llama's BOS).
 ``encode_chat`` renders the template (which writes its own special tokens) and encodes the
-result without adding more. ``eos_token_ids`` gathers every end-of-sequence id the
+result without adding more; special-token text inside a message's content becomes those
+special tokens unless ``special_tokens_in_content="split"`` (see ``Tokenizer``).
+``eos_token_ids`` gathers every end-of-sequence id the
 directory names: ``generation_config.json``'s and ``config.json``'s ``eos_token_id`` (an
 id or a list) and ``tokenizer_config.json``'s ``eos_token`` — Llama 3 Instruct ends turns
 with ``<|eot_id|>``, which only the generation config lists.
@@ -18,11 +20,17 @@ A chat template is code that came with the checkpoint and runs on every request'
 messages, so each render is bounded (``TemplateLimits``): no string, list or integer it
 builds may pass a size, nor all it builds together a total, nor the render a time budget.
 Sizes are checked before a string is built where the size is known in advance (``*``,
-``+``, ``~``, ``%``, ``str.format``, padding and ``replace``-like methods and filters), and
-the result of every operator, call and filter is checked after; the prompt is streamed and
-counted chunk by chunk, and every loop step checks the clock. A render past a bound is
-refused with a ``TokenizerError`` (an ``InputError``: a server answers 400), as is a
-template that fails on the messages.
+``+``, ``~``, ``%``, ``str.format``, padding, escaping, case and ``replace``-like methods
+and filters), and the result of every operator, call and filter is checked after; the
+prompt is streamed and counted chunk by chunk, and every loop step checks the clock.
+Every value a template turns into text (``{{ v }}``, ``|string``, ``~``, ``%``, ``join``,
+``tojson``) is sized from its structure first, counting stopped past the limit: strings
+with the escapes ``repr`` and JSON give them inside a container, containers, dict views
+(``d.values()`` prints every value) and namespaces item by item; a value whose text may be
+long and is none of these (an object with its own ``repr``) is refused rather than built.
+A render past a bound is refused with a ``TokenizerError`` (an ``InputError``: a server
+answers 400), as is a template that fails on the messages. The directory's JSON files are
+refused in one line when they are not JSON objects or nest deeper than the parser follows.
 """
 
 from __future__ import annotations
@@ -31,15 +39,18 @@ import contextvars
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
 import re
 import string
 import time
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import ItemsView, KeysView, Mapping, Sequence, ValuesView
 
 import jinja2
+import jinja2.runtime
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -83,32 +94,93 @@ class TemplateLimits:
 
 
 def _read_json(path: str) -> dict:
+  """The JSON object in file ``path`` ({} when there is none); anything else, or JSON nested
+  deeper than the parser follows, refused in one line."""
   if not os.path.exists(path):
     return {}
-  with open(path) as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise TokenizerError(f"{path} is not valid JSON ({e}).") from None
+  try:
+    with open(path, "rb") as f:
+      value = json.loads(f.read())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TokenizerError(f"{path} is not valid JSON ({e}); fix it or download it again.") from None
+  except RecursionError:
+    raise TokenizerError(f"{path} nests JSON deeper than the parser follows; fix it or "
+                         "download it again.") from None
+  if not isinstance(value, dict):
+    raise TokenizerError(f"{path} holds a JSON {type(value).__name__}, not an object; fix it "
+                         "or download it again.")
+  return value
 
 
 def _token_text(value) -> str | None:
   """A special token in tokenizer_config.json: a string or ``{"content": ...}``."""
   if isinstance(value, Mapping):
-    return value.get("content")
+    value = value.get("content")
   return value if isinstance(value, str) else None
 
 
-def _ids(value) -> list[int]:
+def _ids(file: str, value) -> list[int]:
+  """``eos_token_id`` of ``file``: an id, a list of ids, or null."""
   if value is None:
     return []
-  return [int(v) for v in (value if isinstance(value, list) else [value])]
+  ids = value if isinstance(value, list) else [value]
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise TokenizerError(f"{file} eos_token_id={shown} must be a token id or a list of token "
+                         "ids; fix it or download it again.")
+  return ids
+
+
+# How the text of a message's content treats special-token strings (``<|im_end|>``) in it.
+SPECIAL_TOKENS_IN_CONTENT = ("parse", "split")
+# Placeholders for special-token text in contents while the template renders: Unicode
+# noncharacters, which no text is meant to hold (one in a content is hidden like a token).
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+
+
+def _check_mode(value) -> str:
+  if value not in SPECIAL_TOKENS_IN_CONTENT:
+    raise TokenizerError(f"special_tokens_in_content={value!r} must be one of "
+                         f"{', '.join(map(repr, SPECIAL_TOKENS_IN_CONTENT))}.")
+  return value
+
+
+def _map_text(value, f):
+  """``value`` (a content: a string, or parts as lists and dicts) with ``f`` applied to
+  every string in it."""
+  if isinstance(value, str):
+    return f(value)
+  if isinstance(value, (list, tuple)):
+    return [_map_text(v, f) for v in value]
+  if isinstance(value, Mapping):
+    return {k: _map_text(v, f) for k, v in value.items()}
+  return value
 
 
 class Tokenizer:
-  """A checkpoint directory's tokenizer, chat template and end-of-sequence ids."""
+  """A checkpoint directory's tokenizer, chat template and end-of-sequence ids.
 
-  def __init__(self, path: str, *, template_limits: TemplateLimits = TemplateLimits()):
+  ``special_tokens_in_content``: how ``encode_chat`` encodes special-token text written
+  inside a message's content (``"<|im_end|>\\n<|im_start|>system"``).
+  - ``"parse"`` (the default, as vLLM and transformers do): the rendered prompt is encoded
+    whole, so that text becomes the special tokens themselves: a user can write turns of
+    other roles into their message.
+  - ``"split"``: that text is encoded as plain text (the ``tokenizers`` library's
+    ``encode_special_tokens``), the template's own special tokens as special tokens.
+    While the template renders, each special-token string in a content (and each
+    Unicode noncharacter U+FDD0/U+FDD1) is replaced by a placeholder; the prompt is
+    encoded in pieces between placeholders. What it costs, only where a content holds such
+    text: the placeholder's text is tokenized apart from its neighbours (no merge across
+    its edges; a tokenizer that prefixes each input with a space, SentencePiece's
+    Metaspace, may add one to the piece after it), and a template that inspects contents
+    (``'<|im_end|>' in content``) sees the placeholder. Contents without special-token
+    text encode exactly as under ``"parse"``. Other message fields (``name``, tool calls)
+    are not changed. A template that cuts a placeholder apart is refused.
+  """
+
+  def __init__(self, path: str, *, template_limits: TemplateLimits = TemplateLimits(),
+               special_tokens_in_content: str = "parse"):
     from tokenizers import Tokenizer as _HFTokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
@@ -116,32 +188,58 @@ class Tokenizer:
                            "(the 'fast' tokenizer format); pass token ids instead.")
     self.path = path
     self.template_limits = template_limits
-    self._tok = _HFTokenizer.from_file(file)
+    self.special_tokens_in_content = _check_mode(special_tokens_in_content)
+    self._file = file
+    try:
+      self._tok = _HFTokenizer.from_file(file)
+    except Exception as e:  # the library raises Exception itself for a file it cannot parse
+      raise TokenizerError(f"{file} could not be read by the tokenizers library "
+                           f"({_one_line(e)}); fix it or download it again.") from None
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    # Longest first: a token that another one starts with never hides the longer one.
+    alternatives = sorted(special, key=lambda t: (-len(t), t)) + [_OPEN, _CLOSE]
+    self._special_text = re.compile("|".join(map(re.escape, alternatives)))
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     self.bos_token = _token_text(config.get("bos_token"))
     self.eos_token = _token_text(config.get("eos_token"))
     self.chat_template = self._find_template(path, config.get("chat_template"))
-    eos = _ids(_read_json(os.path.join(path, "generation_config.json")).get("eos_token_id"))
-    eos += _ids(_read_json(os.path.join(path, "config.json")).get("eos_token_id"))
+    generation = os.path.join(path, "generation_config.json")
+    model = os.path.join(path, "config.json")
+    eos = _ids(generation, _read_json(generation).get("eos_token_id"))
+    eos += _ids(model, _read_json(model).get("eos_token_id"))
     if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
       eos.append(self._tok.token_to_id(self.eos_token))
     self.eos_token_ids = tuple(dict.fromkeys(eos))  # in order, once each
 
   @classmethod
-  def from_dir(cls, path: str, *, template_limits: TemplateLimits = TemplateLimits()
-               ) -> Tokenizer:
-    return cls(path, template_limits=template_limits)
+  def from_dir(cls, path: str, *, template_limits: TemplateLimits = TemplateLimits(),
+               special_tokens_in_content: str = "parse") -> Tokenizer:
+    return cls(path, template_limits=template_limits,
+               special_tokens_in_content=special_tokens_in_content)
 
   @staticmethod
   def _find_template(path: str, template) -> str | None:
     jinja_file = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.exists(jinja_file):
-      with open(jinja_file) as f:
-        return f.read()
+      try:
+        with open(jinja_file, encoding="utf-8") as f:
+          return f.read()
+      except UnicodeDecodeError as e:
+        raise TokenizerError(f"{jinja_file} is not UTF-8 text ({e}); fix it or download it "
+                             "again.") from None
     if isinstance(template, list):  # named templates: the default one
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
       template = named.get("default")
     return template if isinstance(template, str) else None
+
+  @functools.cached_property
+  def _plain(self):
+    """A second copy of the tokenizer that encodes special-token text as plain text (the
+    flag is the tokenizer's own state: never toggled on the shared one)."""
+    from tokenizers import Tokenizer as _HFTokenizer
+    tok = _HFTokenizer.from_file(self._file)
+    tok.encode_special_tokens = True
+    return tok
 
   @property
   def vocab_size(self) -> int:
@@ -173,7 +271,7 @@ class Tokenizer:
       raise TokenizerError(f"{where} does not compile ({_one_line(e)}); fix "
                            "tokenizer_config.json chat_template or chat_template.jinja.") from None
     messages = list(messages)
-    render = _Render(self.template_limits, _text_size(messages), where)
+    render = _Render(self.template_limits, _input_size(messages), where)
     token = _RENDER.set(render)
     stream = template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -198,11 +296,53 @@ class Tokenizer:
       stream.close()  # a refused render stops here, within its budget, not when collected
       _RENDER.reset(token)
 
-  def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True
-                  ) -> list[int]:
-    """Token ids of the rendered chat; the template writes the special tokens itself."""
-    return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt),
-                       add_special_tokens=False)
+  def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
+                  special_tokens_in_content: str | None = None) -> list[int]:
+    """Token ids of the rendered chat; the template writes the special tokens itself.
+    ``special_tokens_in_content``: ``"parse"`` or ``"split"`` for this call (default: the
+    tokenizer's; see the class docstring)."""
+    mode = (self.special_tokens_in_content if special_tokens_in_content is None
+            else _check_mode(special_tokens_in_content))
+    if mode == "parse":
+      return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+                         add_special_tokens=False)
+    where = f"the chat template of {self.path!r}"
+    if self.chat_template is not None and (_OPEN in self.chat_template
+                                           or _CLOSE in self.chat_template):
+      raise TokenizerError(f"{where} holds U+FDD0 or U+FDD1, which "
+                           "special_tokens_in_content='split' uses as placeholders; use "
+                           "'parse' or fix the template.")
+    hidden: list[str] = []  # the text each placeholder stands for
+
+    def hide(match):
+      hidden.append(match.group(0))
+      return f"{_OPEN}{len(hidden) - 1}{_CLOSE}"
+
+    def hide_all(text):
+      return self._special_text.sub(hide, text)
+
+    messages = [{**m, "content": _map_text(m["content"], hide_all)}
+                if isinstance(m, Mapping) and "content" in m else m for m in messages]
+    text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    ids, start = [], 0
+    for match in _PLACEHOLDER.finditer(text):
+      ids += self._encode_between(text[start:match.start()], where)
+      index = int(match.group(1))
+      if index >= len(hidden):
+        raise TokenizerError(f"{where} wrote a placeholder no content holds; use "
+                             "special_tokens_in_content='parse' or fix the template.")
+      ids += self._plain.encode(hidden[index], add_special_tokens=False).ids
+      start = match.end()
+    return ids + self._encode_between(text[start:], where)
+
+  def _encode_between(self, piece: str, where: str) -> list[int]:
+    """A piece of the prompt between placeholders: the template's own text and contents'
+    ordinary text, special tokens parsed."""
+    if _OPEN in piece or _CLOSE in piece:  # a placeholder the template cut apart
+      raise TokenizerError(f"{where} cut apart the placeholder of a special token in a "
+                           "message's content (a slice or filter of the content); use "
+                           "special_tokens_in_content='parse' or fix the template.")
+    return self.encode(piece, add_special_tokens=False) if piece else []
 
 
 # ---- bounded rendering --------------------------------------------------------------------
@@ -288,30 +428,104 @@ def _measure(value) -> tuple[int, str] | None:
   return None
 
 
-def _text_size(value, cap: float = math.inf) -> int:
-  """About ``len(str(value))`` without building it: exact for a string, an estimate with
-  quotes and separators for lists, tuples, sets, dicts and jinja namespaces. Counting stops
-  past ``cap``: a list of 100k references to one long string is measured in ``cap`` steps."""
+def _input_size(value) -> int:
+  """About ``len(str(value))`` of the messages a render is given (what its bounds grow
+  with): a string's length, 4 per item of a container, 24 per other value."""
   size, stack = 0, [value]
-  while stack and size <= cap:
+  while stack:
     v = stack.pop()
     if isinstance(v, (str, bytes)):
-      size += len(v) + (v is not value) * 4  # quotes and a separator inside a container
-    elif isinstance(v, Mapping) or isinstance(v, Namespace):
-      if isinstance(v, Namespace):  # its repr prints the dict it hides
-        v = getattr(v, "_Namespace__attrs", {})  # the one name Namespace lets through
+      size += len(v) + 4
+    elif isinstance(v, Mapping):
       size += 2 + 4 * len(v)
-      if size <= cap:
-        for key, item in v.items():
-          stack += (key, item)
-    elif isinstance(v, (list, tuple, set, frozenset)):
+      for key, item in v.items():
+        stack += (key, item)
+    elif isinstance(v, (list, tuple)):
       size += 2 + 2 * len(v)
-      if size <= cap:
-        stack.extend(v)
-    elif isinstance(v, int) and not isinstance(v, bool):
-      size += v.bit_length() // 3 + 2
+      stack.extend(v)
     else:
       size += _LEAF_CHARS
+  return size
+
+
+# What a printed value's text may hold, sized from its structure before ``str`` builds it.
+# ``str`` of a container writes ``repr`` of each item, so a string inside one is quoted and
+# escaped; dict views (``d.values()``) print every item like the container they show.
+_VIEWS = (KeysView, ValuesView, ItemsView)
+_PLAIN_CONTAINERS = (dict, list, tuple, set, frozenset)
+# Types whose text is short whatever they hold: their repr names a type or a function
+# (plus a number or an address), never their contents.
+_SHORT_TEXT = (float, complex, type, range, types.FunctionType, types.BuiltinFunctionType,
+               types.MethodWrapperType, types.GeneratorType, jinja2.runtime.Macro,
+               jinja2.runtime.LoopContext, datetime.date, datetime.time, datetime.timedelta)
+_SHORT_TEXT_CHARS = 256  # an upper bound on those reprs (a qualified name and an address)
+_TAB_NEWLINE_RETURN = str.maketrans("", "", "\t\n\r")
+
+
+def _quoted_size(s: str, cap: float) -> int:
+  """At least ``len(repr(s))`` and ``len(json.dumps(s, ensure_ascii=False))``: the text of
+  a string inside a printed container, or of ``tojson``. A printable character is one
+  character (two for a quote or backslash), tab, newline and return two, any other escape
+  at most ten (``\\U0001f600``); counted in chunks, stopping past ``cap``."""
+  size = 2 + s.count("\\") + s.count("'") + s.count('"')
+  if s.isprintable():  # nearly every string: no escapes but quotes and backslashes
+    return size + len(s)
+  for i in range(0, len(s), 4096):
+    chunk = s[i:i + 4096]
+    rest = chunk.translate(_TAB_NEWLINE_RETURN)
+    size += 2 * len(chunk) - len(rest)
+    if not rest.isprintable():
+      size += 9 * sum(not c.isprintable() for c in rest)
+    if size > cap:
+      break
+  return size
+
+
+def _unsized(value):
+  raise TokenizerError(
+      f"{_render().where} would print a value of type {type(value).__name__}, whose text "
+      "jaxkv cannot size before it is built (TemplateLimits); print its items or fields "
+      "instead: shorten the messages or fix the template.")
+
+
+def _text_size(value, cap: float = math.inf, *, quoted: bool = False, indent: int = 0) -> int:
+  """At least ``len(str(value))`` (``quoted``: as an item of a container, a string's repr),
+  without building it, and at least the ``json.dumps`` of it with ``indent``. Counting
+  stops past ``cap``, so a list of 100k references to one long string, or a view of such a
+  dict, is measured in about ``cap`` steps (and items). A value of a type whose text may
+  be long but is not one of these is refused (``_unsized``)."""
+  size, stack = 0, [(value, quoted, 0)]  # (value, printed as an item, nesting depth)
+  while stack and size <= cap:
+    v, item, depth = stack.pop()
+    size += indent * depth + (1 if indent else 0)  # json.dumps(indent=...) writes a line each
+    if isinstance(v, str):
+      size += _quoted_size(v, cap - size) if item else len(v)
+    elif isinstance(v, bytes):
+      size += 4 * len(v) + 3  # repr: b'...', \xNN for most bytes
+    elif isinstance(v, bool) or v is None:
+      size += 5
+    elif isinstance(v, int):
+      size += v.bit_length() // 3 + 2
+    elif isinstance(v, (Mapping, Namespace, _VIEWS, list, tuple, set, frozenset)):
+      if isinstance(v, Namespace):  # its repr prints the dict it hides
+        v = getattr(v, "_Namespace__attrs", {})  # the one name Namespace lets through
+        size += 12
+      elif not isinstance(v, _PLAIN_CONTAINERS):  # a view, or a subclass: named in its repr
+        size += len(type(v).__name__) + 4
+      pairs = isinstance(v, Mapping)
+      size += 2 + (4 if pairs else 2) * len(v)
+      room = max(int(min(cap - size, len(v))) + 1, 0)  # each item adds at least 1 character
+      for entry in itertools.islice(v.items() if pairs else v, room):
+        stack += ((entry[0], True, depth + 1), (entry[1], True, depth + 1)) if pairs else (
+            (entry, True, depth + 1),)
+    elif isinstance(v, types.MethodType):  # <bound method X.f of {repr of its object}>
+      size += _SHORT_TEXT_CHARS
+      stack.append((v.__self__, True, depth))
+    elif isinstance(v, _SHORT_TEXT) or isinstance(v, jinja2.Undefined) or (
+        type(v).__repr__ is object.__repr__ and type(v).__str__ is object.__str__):
+      size += _SHORT_TEXT_CHARS
+    else:
+      _unsized(v)
   return size
 
 
@@ -390,6 +604,14 @@ def _method_size(owner, name: str, args: tuple, kwargs: dict) -> int | None:
     parts = args[0]
     return (sum(len(p) for p in parts if isinstance(p, (str, bytes)))
             + len(owner) * max(len(parts) - 1, 0))
+  if name in ("upper", "lower", "title", "capitalize", "swapcase", "casefold"):
+    return 3 * len(owner)  # one character to at most three ("\u0390".upper())
+  if name == "encode":  # four bytes a character in UTF-8; an escaping codec up to ten
+    encoding = _arg(args, kwargs, 0, "encoding", "utf-8")
+    utf8 = isinstance(encoding, str) and encoding.lower().replace("-", "") in ("utf8", "ascii")
+    return (4 if utf8 else 10) * len(owner)
+  if name == "hex":
+    return 3 * len(owner)  # two digits a byte, and a separator
   if name == "translate" and args and isinstance(args[0], Mapping):
     longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
     return len(owner) * max(longest, 1)
@@ -455,8 +677,12 @@ def _check_replace(render, value, old, new, count=None):
 def _check_join(render, value, d="", attribute=None):
   items = list(value)
   d = _as_text(render, d, "filter join")
-  render.check(_text_size(items, render.max_chars) + len(d) * len(items), "characters",
-               "would join a string of")
+  size = len(d) * len(items)
+  for item in items:  # each joined as str(item); counting stops past the limit
+    if size > render.max_chars:
+      break
+    size += _text_size(item, render.max_chars - size)
+  render.check(size, "characters", "would join a string of")
   return items
 
 
@@ -492,8 +718,31 @@ _FILTER_CHECKS = {"center": _check_center, "indent": _check_indent, "format": _c
                   "sum": _check_sum, "batch": _check_batch, "slice": _check_slice}
 
 
+def _escaped_size(text: str) -> int:
+  return (len(text) + 4 * (text.count("&") + text.count('"') + text.count("'"))
+          + 3 * (text.count("<") + text.count(">")))  # &amp; &#34; &#39; &lt; &gt;
+
+
+def _spaces(text: str) -> int:
+  return sum(map(text.count, " \t\n\r\f\v"))
+
+
+# Filters whose text can be longer than the text of their value: its size at most, from
+# the value's text (checked before the filter runs).
+_FILTER_GROWTH = {
+    "e": _escaped_size, "escape": _escaped_size, "forceescape": _escaped_size,
+    "urlencode": lambda text: 3 * len(text.encode("utf-8", "surrogatepass")),  # %XX a byte
+    # Case mappings: one character to at most three ("\u0390".upper()).
+    "upper": lambda text: 3 * len(text), "lower": lambda text: 3 * len(text),
+    "title": lambda text: 3 * len(text), "capitalize": lambda text: 3 * len(text),
+    # Each word may become <a href="https://word" rel="noopener">word</a>.
+    "urlize": lambda text: 3 * len(text) + 64 * (_spaces(text) + 1),
+}
+
+
 def _bounded_filter(name: str, func):
   check, text = _FILTER_CHECKS.get(name), name in _TEXT_FILTERS
+  growth = _FILTER_GROWTH.get(name)
   first = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0  # env or context
 
   @functools.wraps(func)  # keeps jinja_pass_arg: jinja passes the same first argument
@@ -503,8 +752,11 @@ def _bounded_filter(name: str, func):
     if len(args) > first:
       value, rest = args[first], args[first + 1:]
       if text and not isinstance(value, str):
-        render.check(_text_size(value, render.max_chars), "characters",
-                     f"would make text (filter {name}) of at least")
+        size = _text_size(value, render.max_chars)
+        render.check(size, "characters", f"would make text (filter {name}) of at least")
+      if growth is not None:
+        render.check(growth(value if isinstance(value, str) else str(value)), "characters",
+                     f"would make text (filter {name}) of up to")
       if check is not None:
         args = args[:first] + (check(render, value, *rest, **kwargs),) + rest
     return render.built(func(*args, **kwargs), f"built (filter {name})")
@@ -515,9 +767,13 @@ def _tojson(value, indent=None):
   """``json.dumps`` as Hugging Face renders ``tojson``; an indent is repeated once per
   nesting level on every line, so it is kept small."""
   width = len(indent) if isinstance(indent, str) else _int(indent)
+  render = _render()
   if not 0 <= width <= 16:
-    raise TokenizerError(f"{_render().where} indents JSON by {width:,} characters (tojson); "
+    raise TokenizerError(f"{render.where} indents JSON by {width:,} characters (tojson); "
                          "jaxkv allows 0..16: fix the template.")
+  render.check(_text_size(value, render.max_chars, quoted=True,
+                          indent=width if indent is not None else 0),
+               "characters", "would make JSON (filter tojson) of at least")
   return json.dumps(value, ensure_ascii=False, indent=indent)
 
 

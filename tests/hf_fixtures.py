@@ -3,7 +3,8 @@ implementation of the architectures they hold (it calls no jaxkv code).
 
 The reference follows the published architectures as the Hugging Face ``transformers``
 implementations define them: RMSNorm, rotate-half RoPE (``inv_freq = theta^(-2i/d)``;
-Llama 3 scaling by wavelength band), grouped-query causal attention with scale
+Llama 3 scaling by wavelength band; linear scaling: positions divided by the factor),
+grouped-query causal attention with scale
 ``1/sqrt(head_dim)``, SiLU-gated MLP, q/k/v biases for Qwen2, ``lm_head`` or the tied
 embedding.
 """
@@ -37,6 +38,18 @@ def hf_config(family: str, **overrides) -> dict:
   cfg.update(FAMILIES[family])
   cfg.update(overrides)
   return cfg
+
+
+def transformers5_spelling(cfg: dict) -> dict:
+  """``cfg`` as transformers >= 5 writes it: ``rope_theta`` and ``rope_scaling`` moved into
+  ``rope_parameters`` (with ``rope_type``), ``torch_dtype`` renamed ``dtype``."""
+  out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+  rope = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
+  rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type")
+  out["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **rope}
+  if "torch_dtype" in cfg:
+    out["dtype"] = cfg["torch_dtype"]
+  return out
 
 
 def random_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
@@ -94,11 +107,19 @@ def _rms(x, w, eps):
   return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
+def _rope_type(cfg):
+  """The reference reads only the legacy spelling: ``rope_theta`` and ``rope_scaling``."""
+  rs = cfg.get("rope_scaling")
+  kind = (rs.get("rope_type", rs.get("type")) if rs else None) or "default"
+  assert kind in ("default", "linear", "llama3"), kind
+  return kind, rs
+
+
 def _inv_freq(cfg):
   d = cfg["head_dim"]
   inv = 1.0 / (cfg["rope_theta"] ** (np.arange(0, d, 2) / d))
-  rs = cfg.get("rope_scaling")
-  if rs:
+  kind, rs = _rope_type(cfg)
+  if kind == "llama3":
     old = rs["original_max_position_embeddings"]
     out = []
     for f in inv:
@@ -116,7 +137,9 @@ def _inv_freq(cfg):
 
 
 def _rope(x, cfg):  # x: [T, heads, d]
-  t = np.arange(x.shape[0])[:, None] * _inv_freq(cfg)[None, :]  # [T, d/2]
+  kind, rs = _rope_type(cfg)
+  positions = np.arange(x.shape[0]) / (rs["factor"] if kind == "linear" else 1.0)
+  t = positions[:, None] * _inv_freq(cfg)[None, :]  # [T, d/2]
   emb = np.concatenate([t, t], axis=-1)[:, None, :]
   half = x.shape[-1] // 2
   rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)

@@ -3,27 +3,34 @@
 A checkpoint directory is input: its safetensors headers are read into memory, its index
 names files to open, its chat template runs on every request. Each is bounded here with
 real files in ``tmp_path``: a header longer than the safetensors library's cap is refused
-before it is read; an index naming a shard outside the directory (``..``, an absolute
-path, a symlink out) is refused, while the Hugging Face hub cache's own symlinks load; a
-template that would build a huge string or list, or run without end, is refused with an
-``InputError`` that names the checkpoint and the limit (a server answers it with 400),
-and real templates render exactly as jinja renders them.
+before it is read, and a header entry whose shape its offsets do not hold (``[2**62, 4]``
+included) when the file is opened; a config.json claiming a million layers is refused at
+its first missing tensor, before any model is built; JSON files nested past the parser's
+depth or of the wrong kind are refused in one line; an index naming a shard outside the
+directory (``..``, an absolute path, a symlink out) is refused, while the Hugging Face
+hub cache's own symlinks load; a template that would build or print a huge string or
+list (a dict view included), or run without end, is refused with an ``InputError`` that
+names the checkpoint and the limit (a server answers it with 400), and real templates
+render exactly as jinja renders them.
 """
 
 import json
 import os
 import shutil
+import sys
+import tracemalloc
 import types
 
 import numpy as np
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+import helpers
 import hf_fixtures as hf
 import jaxkv
 from jaxkv.errors import InputError
 from jaxkv.models import CheckpointError, from_pretrained
-from jaxkv.models.hf import MAX_HEADER_BYTES
+from jaxkv.models.hf import MAX_HEADER_BYTES, SafetensorsFile
 from jaxkv.tokenizer import TemplateLimits, TokenizerError
 
 
@@ -66,6 +73,127 @@ def test_a_header_longer_than_the_file_is_refused(tmp_path):
   path = checkpoint_with_weights_file(tmp_path, 1000, 100)
   with pytest.raises(CheckpointError, match=r"header length 1000, file size 100\)"):
     from_pretrained(path)
+
+
+def write_safetensors(file: str, header: dict, data_bytes: int) -> str:
+  """A safetensors file with ``header`` as it is (no check) and ``data_bytes`` of zeros."""
+  raw = json.dumps(header).encode()
+  with open(file, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little") + raw + bytes(data_bytes))
+  return file
+
+
+@pytest.mark.parametrize("entry,needle", [
+    # 2**62 x 4 x 4 bytes is 2**66: np.prod wraps it to 0, which 0..0 offsets "hold".
+    (dict(dtype="F32", shape=[2**62, 4], data_offsets=[0, 0]),
+     "has shape [4611686018427387904, 4] F32 (73,786,976,294,838,206,464 bytes) but offsets 0..0"),
+    (dict(dtype="F32", shape=[4], data_offsets=[0, 64]), "(16 bytes) but offsets 0..64"),
+    (dict(dtype="F32", shape=[64], data_offsets=[0, 256]),
+     "but offsets 0..256, and the file holds 128 bytes of data (truncated?)"),
+    (dict(dtype="F32", shape=[-4], data_offsets=[0, 0]), "shape: [non-negative ints]"),
+    (dict(dtype="Q4", shape=[4], data_offsets=[0, 16]), "dtype: one of BOOL, U8"),
+    (dict(dtype="F32", shape=[4], data_offsets=[0]), "data_offsets: [start, end]"),
+    ([1, 2], "has header entry [1, 2]"),
+])
+def test_a_header_entry_its_offsets_do_not_hold_is_refused(tmp_path, entry, needle):
+  file = write_safetensors(str(tmp_path / "x.safetensors"),
+                           {"huge": entry, "ok": dict(dtype="F32", shape=[2], data_offsets=[0, 8])},
+                           128)
+  with pytest.raises(CheckpointError) as e:
+    SafetensorsFile(file).view("huge")
+  message = str(e.value)
+  assert f"tensor 'huge' in {file}" in message and needle in message, message
+  assert "download or convert it again" in message and "\n" not in message
+
+
+def test_a_wrapping_shape_in_a_checkpoint_is_refused_before_loading(tmp_path):
+  # Beside every tensor the model reads, one more whose shape wraps np.prod to 0.
+  cfg = hf.hf_config("llama")
+  path = hf.write_checkpoint(str(tmp_path / "ckpt"), cfg, hf.random_weights(cfg, seed=0))
+  file = os.path.join(path, "model.safetensors")
+  reader = SafetensorsFile(file)
+  header = {name: dict(reader.header[name]) for name in reader.keys()}
+  data = max(e["data_offsets"][1] for e in header.values())
+  header["model.layers.9.mlp.up_proj.weight"] = dict(dtype="BF16", shape=[2**62, 4],
+                                                     data_offsets=[data, data])
+  with open(file, "rb") as f:
+    f.seek(8 + int.from_bytes(f.read(8), "little"))
+    blob = f.read()
+  write_safetensors(file, header, 0)
+  with open(file, "ab") as f:
+    f.write(blob)
+  with pytest.raises(CheckpointError, match=r"tensor 'model.layers.9.mlp.up_proj.weight' in .*"
+                                            r"has shape \[4611686018427387904, 4\] BF16"):
+    from_pretrained(path)
+
+
+def test_a_config_claiming_a_million_layers_is_refused_at_its_first_missing_tensor(tmp_path):
+  # Before, the abstract model of 10**6 layers was built first (no answer after 90 s). A
+  # subprocess, so that a regression fails by its timeout instead of hanging the session.
+  cfg = hf.hf_config("llama", num_hidden_layers=10**6)
+  path = hf.write_checkpoint(str(tmp_path / "ckpt"), cfg,
+                             hf.random_weights(hf.hf_config("llama"), seed=0))
+  code = ("import sys; from jaxkv.models import CheckpointError, from_pretrained\n"
+          "try:\n  from_pretrained(sys.argv[1])\n"
+          "except CheckpointError as e:\n  print(e)\n")
+  rc, out, err = helpers.run_script(["-c", code, path], timeout_s=300)
+  assert rc == 0, err[-2000:]
+  assert out.strip() == (
+      f"tensor 'model.layers.2.input_layernorm.weight' is missing from {path!r}; a "
+      "1000000-layer checkpoint of this architecture needs it (the checkpoint holds tensors "
+      "of 2 layers): fix config.json or download the checkpoint again.")
+
+
+# ---- JSON files: nesting, and values of the wrong kind -------------------------------------
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize("file,content,needle", [
+    ("config.json", DEEP, "config.json nests JSON deeper than the parser follows"),
+    ("config.json", "[1, 2]", "config.json holds a JSON list, not an object of settings"),
+    ("config.json", "{", "config.json is not valid JSON"),
+    ("model.safetensors.index.json", DEEP,
+     "model.safetensors.index.json nests JSON deeper than the parser follows"),
+    ("model.safetensors", DEEP,
+     "has a safetensors header nesting JSON deeper than the parser follows"),
+])
+def test_a_checkpoint_json_file_nested_too_deep_or_not_an_object_is_refused(
+    tmp_path, file, content, needle):
+  cfg = hf.hf_config("llama")
+  path = hf.write_checkpoint(str(tmp_path / "ckpt"), cfg, hf.random_weights(cfg, seed=0))
+  if file == "model.safetensors":
+    raw = content.encode()
+    with open(os.path.join(path, file), "wb") as f:
+      f.write(len(raw).to_bytes(8, "little") + raw)
+  else:
+    with open(os.path.join(path, file), "w") as f:
+      f.write(content)
+  with pytest.raises(CheckpointError) as e:
+    from_pretrained(path)
+  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("file,content,needle", [
+    ("tokenizer.json", DEEP, "tokenizer.json could not be read by the tokenizers library"),
+    ("tokenizer.json", "[1]", "tokenizer.json could not be read by the tokenizers library"),
+    ("tokenizer_config.json", DEEP, "tokenizer_config.json nests JSON deeper than"),
+    ("tokenizer_config.json", "[1]", "tokenizer_config.json holds a JSON list, not an object"),
+    ("generation_config.json", DEEP, "generation_config.json nests JSON deeper than"),
+    ("config.json", '"text"', "config.json holds a JSON str, not an object"),
+    ("generation_config.json", '{"eos_token_id": "two"}',
+     "generation_config.json eos_token_id='two' must be a token id or a list of token ids"),
+    ("config.json", '{"eos_token_id": [2, true]}',
+     "config.json eos_token_id=[2, True] must be a token id or a list of token ids"),
+])
+def test_a_tokenizer_json_file_nested_too_deep_or_of_the_wrong_kind_is_refused(
+    tmp_path, file, content, needle):
+  path = str(tmp_path / "tok")
+  hf.write_tokenizer(path)
+  with open(os.path.join(path, file), "w") as f:
+    f.write(content)
+  with pytest.raises(TokenizerError) as e:
+    jaxkv.Tokenizer.from_dir(path)
+  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 # ---- shard names --------------------------------------------------------------------------
@@ -187,6 +315,62 @@ def test_a_template_building_a_long_list_is_refused(tmp_path, template, needle):
   with pytest.raises(TokenizerError, match="TemplateLimits.max_items") as e:
     tokenizer_with(tmp_path, template).render_chat(HELLO)
   assert needle in str(e.value)
+
+
+# dict.fromkeys of 100k keys is within max_items; each route prints all its values, 2,000
+# characters each: 200 MB of text, which before was built first and measured after.
+VALUES = "{% set d = dict.fromkeys(range(100000), 'a' * 2000) %}"
+
+
+@pytest.mark.parametrize("template,needle", [
+    (VALUES + "{{ d.values() }}", "would print at least"),
+    (VALUES + "{{ d.items() }}", "would print at least"),
+    (VALUES + "{{ [d.values()] }}", "would print at least"),
+    (VALUES + "{{ d.values()|string }}", "would make text (filter string) of at least"),
+    (VALUES + "{{ '%s' % d.values() }}", "would format a string of"),
+    (VALUES + "{{ '{}'.format(d.values()) }}", "would format a string of"),
+    (VALUES + "{{ 'x' ~ d.values() }}", "would make text (operator ~) of at least"),
+    (VALUES + "{{ d.values()|join }}", "would make text (filter join) of at least"),
+    (VALUES + "{{ ''.join(d.values()) }}", "would build (.join) a string of"),
+    (VALUES + "{{ d.values()|list|join }}", "would make text (filter join) of at least"),
+    # A string prints escaped inside a list: "\x00" is 4 characters there, not 1.
+    ("{{ [messages[0]['content']] * 3 }}", "would print at least"),
+    ("{{ messages[0]['content']|tojson }}", "would make JSON (filter tojson) of at least"),
+    ("{{ messages[0]['content']|e }}", "would make text (filter e) of up to"),
+])
+def test_what_a_template_prints_is_sized_before_it_is_built(tmp_path, template, needle):
+  tok = tokenizer_with(tmp_path, template)
+  messages = [{"role": "user", "content": ("\x00" if "content" in template else "a") * 200_000}]
+  if "|e" in template:  # &amp;: 5 characters for 1, past the 4 a message character allows
+    messages = [{"role": "user", "content": "&" * 1_200_000}]
+  tracemalloc.start()
+  try:
+    with pytest.raises(TokenizerError) as e:
+      tok.render_chat(messages)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert needle in str(e.value), str(e.value)
+  assert "TemplateLimits" in str(e.value) and "\n" not in str(e.value)
+  assert peak < 48 * 2**20, f"the render held {peak:,} bytes at its peak"
+
+
+class _Opaque:
+  """A value a Python caller may pass in a message, whose text is not its structure."""
+
+  def __repr__(self):
+    return "x" * 100_000_000
+
+
+def test_a_value_whose_text_cannot_be_sized_is_refused_when_printed(tmp_path):
+  tok = tokenizer_with(tmp_path, "{{ messages[0]['content'] }}")
+  with pytest.raises(TokenizerError, match="would print a value of type _Opaque, whose text "
+                                           "jaxkv cannot size"):
+    tok.render_chat([{"role": "user", "content": _Opaque()}])
+  # What prints short whatever it holds still renders: a loop, a function, a generator.
+  tok = tokenizer_with(tmp_path, "{% for m in messages %}{{ loop|length }}{{ range(3) }}"
+                                 "{{ m.content.upper }}{{ messages|map('string') }}{% endfor %}")
+  assert tok.render_chat(HELLO).startswith("1range(0, 3)<built-in method upper of str object")
 
 
 def test_what_a_render_builds_in_all_is_bounded(tmp_path):

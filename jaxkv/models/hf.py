@@ -9,6 +9,18 @@ Reads ``config.json`` and the weights (``model.safetensors``, or the shards that
 checkpoint's q/k projections are used as they are: Hugging Face stores them for the
 rotate-half RoPE that ``jaxkv.models.llama.apply_rope`` applies.
 
+config.json: every field that changes what the model computes is read or refused, in
+each spelling transformers writes: ``rope_theta`` top-level or in ``rope_parameters``
+(transformers >= 5), RoPE scaling in ``rope_scaling`` or ``rope_parameters``, its type
+as ``rope_type`` or the legacy ``type`` (``SUPPORTED_ROPE_TYPES``: default, linear,
+llama3; any other refused by name), ``torch_dtype`` or ``dtype``, ``hidden_act`` or
+``hidden_activation``, ``sliding_window`` or ``layer_types``. Two spellings present and
+disagreeing are refused with both values, never resolved by a default; a count that is
+not a positive integer, heads that do not divide, a theta that is not a positive number
+are refused by name. The tensors are checked against config.json (names and shapes)
+before the model is built, and a tensor the model would not read (a bias config.json
+does not declare, a layer past ``num_hidden_layers``) is refused too.
+
 Placement (``mesh`` given): tensor-parallel over the mesh's model axis, the axis that
 already splits the KV heads. q/k/v, gate and up projections are split by output columns
 (whole heads: a device computes the heads whose pages it holds), o and down projections by
@@ -23,7 +35,9 @@ holds at most one tensor's part at a time, never the checkpoint.
 Anything the loader does not support (an architecture, an activation, a RoPE scaling type,
 a missing or misshapen tensor) is refused with one line naming it. So is what a checkpoint
 from elsewhere could use against the host: a safetensors header longer than
-``MAX_HEADER_BYTES`` (it is read into memory whole), and an index naming a shard outside
+``MAX_HEADER_BYTES`` (it is read into memory whole), a header entry whose shape and offsets
+disagree (counted in Python integers: ``[2**62, 4]`` does not wrap to 0 bytes), JSON
+nested deeper than the parser follows, and an index naming a shard outside
 the checkpoint directory (an absolute path, ``..``, or a symlink that leads out of it;
 symlinks into a Hugging Face hub cache's ``blobs/`` are how that cache stores files).
 """
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Iterator
 
@@ -44,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.errors import InputError, InvariantError
-from jaxkv.models.llama import Llama, LlamaConfig, RopeScaling
+from jaxkv.models.llama import LinearRopeScaling, Llama, LlamaConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _INDEX = "model.safetensors.index.json"
@@ -58,6 +73,18 @@ class CheckpointError(InputError):
   """A checkpoint directory jaxkv cannot load as it is (the message says what and why)."""
 
 
+def _load_json(file: str, what: str):
+  """The JSON value of ``file``; anything that is not JSON, or nests past what the parser
+  follows (a file of ``[`` x 100k), refused in one line."""
+  try:
+    with open(file, "rb") as f:
+      return json.loads(f.read())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file} is not valid JSON ({e}); {what}.") from None
+  except RecursionError:
+    raise CheckpointError(f"{file} nests JSON deeper than the parser follows; {what}.") from None
+
+
 def read_config(path: str) -> dict:
   """``config.json`` of the checkpoint directory ``path``, as a dict."""
   file = os.path.join(path, "config.json")
@@ -67,60 +94,229 @@ def read_config(path: str) -> dict:
   if not os.path.exists(file):
     raise CheckpointError(f"{file} is missing; {path!r} is not a Hugging Face checkpoint "
                           "directory.")
-  with open(file) as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise CheckpointError(f"{file} is not valid JSON ({e}).") from None
+  config = _load_json(file, "fix it or download the checkpoint again")
+  if not isinstance(config, dict):
+    raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not an object of "
+                          "settings; fix it or download the checkpoint again.")
+  return config
+
+
+# ---- config.json: every field that changes the numbers is read or refused ----------------
+# A field may be written in more than one place (transformers >= 5 writes ``rope_parameters``
+# holding ``rope_theta``; older versions a top-level ``rope_theta`` and ``rope_scaling``).
+# Each spelling is read; two that disagree are refused with both values, never resolved.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_PARAMETERS = {"default": (), "linear": ("factor",),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings")}
+_ACTIVATIONS = ("silu", "swish")  # one function: transformers' ACT2FN maps both to SiLU
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_FIX = "fix config.json or download the checkpoint again"
+
+
+def _show(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _refuse(what: str, fix: str = _FIX):
+  raise CheckpointError(f"config.json {what}; {fix}.")
+
+
+def _typed(name: str, value, kind: str):
+  """``value`` of field ``name`` if it is a ``kind`` (``count``: a positive integer;
+  ``number``: a positive finite number, as a float; ``bool``; ``str``), else refused."""
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  ok, rule = {
+      "count": (number and isinstance(value, int) and value > 0, "a positive integer"),
+      "number": (number and math.isfinite(value) and value > 0, "a positive number"),
+      "bool": (isinstance(value, bool), "true or false"),
+      "str": (isinstance(value, str), "a string"),
+  }[kind]
+  if not ok:
+    _refuse(f"{name}={_show(value)} must be {rule}")
+  return float(value) if kind == "number" else value
+
+
+def _field(hf: dict, name: str, kind: str, default=None):
+  """Field ``name`` checked as a ``kind`` (see ``_typed``); ``default`` when it is absent
+  or null, refused as missing when there is no default."""
+  value = hf.get(name)
+  if value is None:
+    if default is None:
+      _refuse(f"has no {name}")
+    return default
+  return _typed(name, value, kind)
+
+
+def _spelled(spellings: list[tuple[str, object]]) -> tuple[str, object] | None:
+  """The one ``(name, value)`` among the spellings of a setting that are present (not
+  null); None if none is. Two present that disagree are refused, naming both."""
+  present = [(name, value) for name, value in spellings if value is not None]
+  for name, value in present[1:]:
+    first_name, first = present[0]
+    if value != first or isinstance(value, bool) != isinstance(first, bool):
+      _refuse(f"{first_name}={_show(first)} and {name}={_show(value)} disagree",
+              "keep one of them (the value the checkpoint was trained with)")
+  return present[0] if present else None
+
+
+def _rope(hf: dict):
+  """``(theta, scaling)`` of the RoPE settings, from ``rope_theta``, ``rope_scaling`` and
+  ``rope_parameters`` (and the legacy ``type`` for ``rope_type``)."""
+  params, names = {}, {}  # parameter -> value, and where config.json has it
+  for table in ("rope_scaling", "rope_parameters"):
+    values = hf.get(table)
+    if values is None:
+      continue
+    if not isinstance(values, dict):
+      _refuse(f"{table}={_show(values)} must be an object of RoPE parameters or null")
+    for key, value in values.items():
+      if isinstance(value, dict):
+        _refuse(f"{table}.{key} holds RoPE parameters per layer type, which jaxkv does not "
+                "compute", f"jaxkv loads one RoPE for every layer; {_FIX}")
+      if value is None:
+        continue
+      param = "rope_type" if key == "type" else key
+      found = _spelled([(names.get(param), params.get(param)), (f"{table}.{key}", value)])
+      params[param], names[param] = found[1], found[0]
+  theta = _spelled([("rope_theta", hf.get("rope_theta")),
+                    (names.get("rope_theta"), params.pop("rope_theta", None))])
+  theta = 10000.0 if theta is None else _typed(theta[0], theta[1], "number")
+  partial = _spelled([("partial_rotary_factor", hf.get("partial_rotary_factor")),
+                      (names.get("partial_rotary_factor"),
+                       params.pop("partial_rotary_factor", None))])
+  if partial is not None and partial[1] != 1:
+    _refuse(f"{partial[0]}={_show(partial[1])} is not supported (RoPE over a part of each "
+            "head)", "jaxkv rotates whole heads: partial_rotary_factor must be 1")
+  kind = params.pop("rope_type", "default")
+  where = names.get("rope_type", "rope_scaling").split(".")[0]
+  if kind not in SUPPORTED_ROPE_TYPES:
+    _refuse(f"{where} type {_show(kind)} is not supported (jaxkv computes RoPE of type "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)})", "use a checkpoint of a supported type")
+  wanted = _ROPE_PARAMETERS[kind]
+  if kind == "llama3":  # transformers also reads a top-level one
+    found = _spelled([(names.get("original_max_position_embeddings"),
+                       params.pop("original_max_position_embeddings", None)),
+                      ("original_max_position_embeddings",
+                       hf.get("original_max_position_embeddings"))])
+    if found is not None:
+      params["original_max_position_embeddings"] = found[1]
+      names["original_max_position_embeddings"] = found[0]
+  for param in params:
+    if param not in wanted:
+      _refuse(f"{names[param]}={_show(params[param])} is not a parameter of RoPE type "
+              f"{kind!r} (jaxkv reads {', '.join(wanted) or 'none'} for it)",
+              f"remove it or {_FIX}")
+  for param in wanted:
+    if param not in params:
+      _refuse(f"{where} of type {kind!r} has no {param}")
+  if kind == "default":
+    return theta, None
+  factor = _typed(names["factor"], params["factor"], "number")
+  if kind == "linear":
+    return theta, LinearRopeScaling(factor=factor)
+  low = _typed(names["low_freq_factor"], params["low_freq_factor"], "number")
+  high = _typed(names["high_freq_factor"], params["high_freq_factor"], "number")
+  if not high > low:
+    _refuse(f"{names['high_freq_factor']}={high} must be greater than "
+            f"{names['low_freq_factor']}={low} (llama3 RoPE)")
+  old = _typed(names["original_max_position_embeddings"],
+               params["original_max_position_embeddings"], "count")
+  return theta, RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                            original_max_position_embeddings=old)
+
+
+def _sliding_window(hf: dict, arch: str, num_layers: int) -> int:
+  """How far back the checkpoint's own attention reaches (0: no limit): ``sliding_window``
+  (for Qwen2 only with ``use_sliding_window``), or where ``layer_types`` names sliding
+  layers; the two ways agreeing when both are written."""
+  window = hf.get("sliding_window")
+  window = 0 if window is None or window == 0 else _typed("sliding_window", window, "count")
+  if arch == "Qwen2ForCausalLM" and not _field(hf, "use_sliding_window", "bool", False):
+    window = 0
+  types = hf.get("layer_types")
+  if types is None:
+    return window
+  if (not isinstance(types, list) or len(types) != num_layers
+      or any(t not in _LAYER_TYPES for t in types)):
+    _refuse(f"layer_types={_show(types)} must list one of {', '.join(_LAYER_TYPES)} for "
+            f"each of the num_hidden_layers={num_layers} layers")
+  sliding = "sliding_attention" in types
+  if sliding != bool(window):
+    _refuse(f"layer_types={_show(types)} and sliding_window={hf.get('sliding_window')!r}"
+            + (f" with use_sliding_window={hf.get('use_sliding_window')!r}"
+               if arch == "Qwen2ForCausalLM" else "") + " disagree",
+            "keep the settings the checkpoint was trained with")
+  return window
 
 
 def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
-  """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict)."""
-  archs = hf.get("architectures") or []
+  """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict). Every field that
+  changes what the model computes is read or refused (``CheckpointError``)."""
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"config.json holds {type(hf).__name__}, not an object; {_FIX}.")
+  archs = hf.get("architectures")
+  if archs is not None and (not isinstance(archs, list)
+                            or not all(isinstance(a, str) for a in archs)):
+    _refuse(f"architectures={_show(archs)} must be a list of class names")
   arch = archs[0] if archs else None
   if arch not in ARCHITECTURES:
     raise CheckpointError(f"architecture {arch!r} is not supported; jaxkv loads "
                           f"{', '.join(ARCHITECTURES)}.")
-  act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise CheckpointError(f"hidden_act={act!r} is not supported ({arch} with silu only).")
-  if hf.get("mlp_bias"):
+  if hf.get("quantization_config") is not None:
+    _refuse("has a quantization_config: quantized weights are not supported",
+            "load an unquantized checkpoint (bfloat16, float16 or float32)")
+  act = _spelled([("hidden_act", hf.get("hidden_act")),
+                  ("hidden_activation", hf.get("hidden_activation"))]) or ("hidden_act", "silu")
+  if act[1] not in _ACTIVATIONS:
+    raise CheckpointError(f"{act[0]}={_show(act[1])} is not supported ({arch} with silu "
+                          "only).")
+  if _field(hf, "mlp_bias", "bool", False):
     raise CheckpointError("mlp_bias=true is not supported (the MLP has no biases).")
-  heads = hf["num_attention_heads"]
-  rope = hf.get("rope_scaling")
-  scaling = None
-  if rope:
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind == "llama3":
-      scaling = RopeScaling(
-          factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-          high_freq_factor=float(rope["high_freq_factor"]),
-          original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-    elif kind != "default":
-      raise CheckpointError(f"rope_scaling type {kind!r} is not supported (llama3 only).")
-  window = hf.get("sliding_window") or 0
-  if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-    window = 0
-  if dtype is None:
-    dtype = checkpoint_dtype(hf)
+  attention_bias = _field(hf, "attention_bias", "bool", False)
+  if attention_bias and arch != "LlamaForCausalLM":
+    _refuse(f"attention_bias=true is not part of {arch} (transformers ignores it: "
+            + ("q/k/v always have biases, the output projection none)" if
+               arch == "Qwen2ForCausalLM" else "its projections have no biases)"),
+            "remove it, or use LlamaForCausalLM if the checkpoint has those biases")
+  vocab = _field(hf, "vocab_size", "count")
+  hidden = _field(hf, "hidden_size", "count")
+  num_layers = _field(hf, "num_hidden_layers", "count")
+  heads = _field(hf, "num_attention_heads", "count")
+  kv_heads = _field(hf, "num_key_value_heads", "count", heads)
+  if heads % kv_heads:
+    _refuse(f"num_attention_heads={heads} must be divisible by num_key_value_heads="
+            f"{kv_heads} (grouped-query attention)")
+  head_dim = hf.get("head_dim")
+  if head_dim is None and hidden % heads:
+    _refuse(f"has no head_dim and hidden_size={hidden} is not divisible by "
+            f"num_attention_heads={heads}")
+  head_dim = _field(hf, "head_dim", "count", hidden // heads)
+  if head_dim % 2:
+    _refuse(f"head_dim={head_dim} must be even (RoPE rotates pairs)")
+  _field(hf, "max_position_embeddings", "count", 1)  # checked; no supported RoPE reads it
+  theta, scaling = _rope(hf)
+  stored = checkpoint_dtype(hf)
   qwen = arch == "Qwen2ForCausalLM"
   return LlamaConfig(
-      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-      num_layers=hf["num_hidden_layers"], num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dtype=dtype, rope_scaling=scaling,
-      qkv_bias=qwen or bool(hf.get("attention_bias", False)),
-      out_bias=(not qwen) and bool(hf.get("attention_bias", False)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      sliding_window=int(window))
+      vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=heads,
+      num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=_field(hf, "intermediate_size", "count"),
+      rope_theta=theta, norm_eps=_field(hf, "rms_norm_eps", "number", 1e-6),
+      dtype=stored if dtype is None else dtype, rope_scaling=scaling,
+      qkv_bias=qwen or attention_bias, out_bias=(not qwen) and attention_bias,
+      tie_embeddings=_field(hf, "tie_word_embeddings", "bool", False),
+      sliding_window=_sliding_window(hf, arch, num_layers))
 
 
 def checkpoint_dtype(hf: dict) -> str:
-  """The dtype a checkpoint says it stores (``torch_dtype``, or ``dtype`` in newer
-  configs); float32 when it names none or one jaxkv does not compute in."""
-  dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+  """The dtype a checkpoint says it stores (``torch_dtype``, or ``dtype`` as transformers
+  >= 5 writes it; both written must agree); float32 when it names none or one jaxkv does
+  not compute in (the tensors' own dtypes are read from the files either way)."""
+  found = _spelled([("torch_dtype", hf.get("torch_dtype")), ("dtype", hf.get("dtype"))])
+  if found is None:
+    return "float32"
+  dtype = _typed(*found, "str")
   return dtype if dtype in SUPPORTED_DTYPES else "float32"
 
 
@@ -145,33 +341,49 @@ def platform_dtype(stored: str, platform: str) -> tuple[str, str]:
   return stored, f"platform {platform} default: the checkpoint's own"
 
 
-def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
-  """(path in the NNX model, name in the checkpoint, transposed) for every parameter."""
-  yield ("embed", "embedding"), "model.embed_tokens.weight", False
+def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
+  """(path in the NNX model, name in the checkpoint, transposed, shape in the checkpoint)
+  for every parameter, in checkpoint order: linear layers are stored ``[out, in]``."""
+  h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  yield ("embed", "embedding"), "model.embed_tokens.weight", False, (cfg.vocab_size, h)
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
-    yield ("layers", i, "attn_norm", "scale"), pre + "input_layernorm.weight", False
-    yield ("layers", i, "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", False
-    for p in ("q", "k", "v", "o"):
-      yield ("layers", i, "attn", f"{p}_proj", "kernel"), f"{pre}self_attn.{p}_proj.weight", True
+    yield ("layers", i, "attn_norm", "scale"), pre + "input_layernorm.weight", False, (h,)
+    yield ("layers", i, "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", False, (h,)
+    for p, (rows, cols) in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))):
+      yield (("layers", i, "attn", f"{p}_proj", "kernel"), f"{pre}self_attn.{p}_proj.weight",
+             True, (rows, cols))
       if (cfg.qkv_bias and p != "o") or (cfg.out_bias and p == "o"):
-        yield ("layers", i, "attn", f"{p}_proj", "bias"), f"{pre}self_attn.{p}_proj.bias", False
-    for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-      yield ("layers", i, "mlp", ours, "kernel"), f"{pre}mlp.{theirs}.weight", True
-  yield ("norm", "scale"), "model.norm.weight", False
+        yield (("layers", i, "attn", f"{p}_proj", "bias"), f"{pre}self_attn.{p}_proj.bias",
+               False, (rows,))
+    for ours, theirs, shape in (("gate", "gate_proj", (cfg.mlp_dim, h)),
+                                ("up", "up_proj", (cfg.mlp_dim, h)),
+                                ("down", "down_proj", (h, cfg.mlp_dim))):
+      yield ("layers", i, "mlp", ours, "kernel"), f"{pre}mlp.{theirs}.weight", True, shape
+  yield ("norm", "scale"), "model.norm.weight", False, (h,)
   if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", True
+    yield ("lm_head", "kernel"), "lm_head.weight", True, (cfg.vocab_size, h)
 
+
+# Tensors a checkpoint may hold that the model rightly does not read: RoPE's frequencies
+# as old conversions saved them (computed from config.json instead).
+_UNREAD_SUFFIXES = (".rotary_emb.inv_freq",)
 
 _DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
            "F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
+# Bytes per element of every safetensors dtype, read or not (to check a header's offsets).
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+               "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
+               "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 
 
 class SafetensorsFile:
   """A safetensors file's tensors as read-only views of one memory map: nothing is read
   until a slice is copied, and a device's slice is copied once, straight to the device.
   (The format: an 8-byte little-endian header length, a JSON header of name -> dtype,
-  shape, data offsets, then the data.)"""
+  shape, data offsets, then the data.) Every entry of the header is checked when the file
+  is opened: its byte count (Python integers: a shape cannot wrap around) is what its
+  offsets hold, within the file."""
 
   def __init__(self, file: str):
     self.file = file
@@ -191,10 +403,38 @@ class SafetensorsFile:
         self.header = json.loads(f.read(n))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} has an unreadable safetensors header ({e}).") from None
+      except RecursionError:
+        raise CheckpointError(f"{file} has a safetensors header nesting JSON deeper than the "
+                              "parser follows: download or convert it again.") from None
     if not isinstance(self.header, dict):
       raise CheckpointError(f"{file} has a safetensors header that is not a JSON object.")
     self.header.pop("__metadata__", None)
+    for name, entry in self.header.items():
+      self._check(name, entry, size - 8 - n)
     self._data = np.memmap(file, np.uint8, "r", offset=8 + n) if size > 8 + n else None
+
+  def _check(self, name: str, entry, data_bytes: int) -> None:
+    """Refuses header entry ``name`` unless it is a tensor of a known dtype whose bytes
+    (shape x item size, exact) are its offsets' span, inside the ``data_bytes`` after the
+    header."""
+    def is_int(v):
+      return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    fields = entry if isinstance(entry, dict) else {}
+    dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+    if (dtype not in _ITEM_BYTES or not isinstance(shape, list)
+        or not all(is_int(d) for d in shape) or not isinstance(offsets, list)
+        or len(offsets) != 2 or not all(is_int(o) for o in offsets)):
+      raise CheckpointError(
+          f"tensor {name!r} in {self.file} has header entry {_show(entry)}; a safetensors "
+          f"entry is {{dtype: one of {', '.join(_ITEM_BYTES)}; shape: [non-negative ints]; "
+          "data_offsets: [start, end]}: download or convert it again.")
+    nbytes = _ITEM_BYTES[dtype] * math.prod(shape)  # Python ints: never wraps
+    start, stop = offsets
+    if stop - start != nbytes or not start <= stop <= data_bytes:
+      raise CheckpointError(
+          f"tensor {name!r} in {self.file} has shape {_show(shape)} {dtype} ({nbytes:,} bytes) "
+          f"but offsets {start}..{stop}, and the file holds {data_bytes:,} bytes of data "
+          "(truncated?): download or convert it again.")
 
   def keys(self):
     return self.header.keys()
@@ -204,28 +444,22 @@ class SafetensorsFile:
 
   def view(self, name: str) -> np.ndarray:
     entry = self.header[name]
-    dt = _DTYPES.get(entry.get("dtype"))
+    dt = _DTYPES.get(entry["dtype"])
     if dt is None:
-      raise CheckpointError(f"tensor {name!r} in {self.file} has dtype {entry.get('dtype')!r}; "
+      raise CheckpointError(f"tensor {name!r} in {self.file} has dtype {entry['dtype']!r}; "
                             f"jaxkv reads {', '.join(_DTYPES)}.")
-    start, stop = entry["data_offsets"]
-    shape = tuple(entry["shape"])
-    if (self._data is None or not 0 <= start <= stop <= self._data.shape[0]
-        or stop - start != dt.itemsize * int(np.prod(shape))):
-      raise CheckpointError(f"tensor {name!r} in {self.file} has offsets {start}..{stop} that do "
-                            f"not hold {shape} {dt} within the file (truncated?).")
-    return self._data[start:stop].view(dt).reshape(shape)
+    start, stop = entry["data_offsets"]  # checked when the file was opened
+    if self._data is None:  # a file of empty tensors only
+      return np.zeros(entry["shape"], dt)
+    return self._data[start:stop].view(dt).reshape(entry["shape"])
 
 
-def _weight_files(path: str) -> dict[str, str]:
-  """Tensor name -> the safetensors file holding it."""
+def _weight_files(path: str, handles: dict[str, SafetensorsFile]) -> dict[str, str]:
+  """Tensor name -> the safetensors file holding it (a file opened to list it is kept in
+  ``handles``)."""
   index = os.path.join(path, _INDEX)
   if os.path.exists(index):
-    with open(index) as f:
-      try:
-        weight_map = json.load(f)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{index} is not valid JSON ({e}).") from None
+    weight_map = _load_json(index, "fix it or download the checkpoint again")
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict):
       raise CheckpointError(f"{index} has no weight_map.")
@@ -238,7 +472,46 @@ def _weight_files(path: str) -> dict[str, str]:
   if not os.path.exists(single):
     raise CheckpointError(f"{path!r} has neither {_SINGLE} nor {_INDEX}; jaxkv reads "
                           "safetensors weights only.")
-  return {name: single for name in SafetensorsFile(single).keys()}
+  handles[single] = SafetensorsFile(single)
+  return {name: single for name in handles[single].keys()}
+
+
+def _checked_tensors(path: str, cfg: LlamaConfig, files: dict[str, str],
+                     handles: dict[str, SafetensorsFile]) -> list[tuple]:
+  """``_tensor_map(cfg)``, once every tensor it names is in the checkpoint with the shape
+  config.json implies and the checkpoint holds no tensor the model would not read. Checked
+  before the model is built: a config.json claiming a million layers is refused at its
+  first missing tensor, not after building a million layers."""
+  wanted = []
+  for entry in _tensor_map(cfg):
+    _, name, _, shape = entry
+    file = files.get(name)
+    if file is None:
+      layers = {n.split(".")[2] for n in files if n.startswith("model.layers.")}
+      raise CheckpointError(
+          f"tensor {name!r} is missing from {path!r}; a {cfg.num_layers}-layer checkpoint of "
+          f"this architecture needs it (the checkpoint holds tensors of {len(layers)} layers): "
+          "fix config.json or download the checkpoint again.")
+    if file not in handles:
+      if not os.path.exists(file):
+        raise CheckpointError(f"{file} (listed for tensor {name!r}) does not exist.")
+      handles[file] = SafetensorsFile(file)
+    if name not in handles[file].header:
+      raise CheckpointError(f"tensor {name!r} is not in {file}, where the index puts it.")
+    theirs = handles[file].shape(name)
+    if theirs != shape:
+      raise CheckpointError(f"tensor {name!r} has shape {theirs}; config.json implies {shape}.")
+    wanted.append(entry)
+  read = {name for _, name, _, _ in wanted}
+  unread = sorted(n for n in files if n not in read and not n.endswith(_UNREAD_SUFFIXES)
+                  and not (cfg.tie_embeddings and n == "lm_head.weight"))
+  if unread:  # a bias, a norm or a layer config.json does not mention: other numbers
+    raise CheckpointError(
+        f"tensor {unread[0]!r} in {path!r} is not part of the model config.json describes"
+        + (f" (nor {len(unread) - 1} more)" if len(unread) > 1 else "")
+        + "; a checkpoint holding it computes something else: fix config.json (e.g. "
+        "attention_bias, mlp_bias, num_hidden_layers) or download the checkpoint again.")
+  return wanted
 
 
 def _shard_roots(path: str) -> tuple[str, ...]:
@@ -303,40 +576,26 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     dtype, _ = platform_dtype(checkpoint_dtype(hf), device.platform)
   cfg = llama_config(hf, dtype=dtype)
-  files = _weight_files(path)
+  handles: dict[str, SafetensorsFile] = {}
+  files = _weight_files(path, handles)
   if mesh is not None and model_axis not in mesh.shape:
     raise CheckpointError(f"mesh axes {tuple(mesh.shape)} have no model_axis={model_axis!r}; "
                           "pass the axis the cache splits KV heads over.")
+  wanted = _checked_tensors(path, cfg, files, handles)
   abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   flat = dict(nnx.to_flat_state(params))
-  wanted = list(_tensor_map(cfg))
-  missing = [name for _, name, _ in wanted if name not in files]
-  if missing:
-    raise CheckpointError(f"tensor {missing[0]!r} is missing from {path!r}"
-                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                          + f"; a {cfg.num_layers}-layer checkpoint of this architecture needs it.")
-  unknown = set(flat) - {p for p, _, _ in wanted}
-  if unknown:  # the model has a parameter this loader does not fill: a bug here
-    raise InvariantError(f"parameters without a checkpoint tensor: {sorted(unknown)}; "
-                         "_tensor_map must name a tensor for every parameter of Llama.")
+  mapped = {p: shape[::-1] if transposed else shape for p, _, transposed, shape in wanted}
+  built = {p: tuple(v.get_value().shape) for p, v in flat.items()}
+  if mapped != built:  # the model and this loader disagree on its parameters: a bug here
+    raise InvariantError(
+        f"parameters of Llama and _tensor_map differ: "
+        f"{sorted(set(mapped.items()) ^ set(built.items()), key=repr)[:4]}; _tensor_map "
+        "must name every parameter of Llama with its shape.")
   dt = jnp.dtype(cfg.dtype)
-  handles: dict[str, SafetensorsFile] = {}
-  for nnx_path, name, transposed in wanted:
-    file = files[name]
-    if file not in handles:
-      if not os.path.exists(file):
-        raise CheckpointError(f"{file} (listed for tensor {name!r}) does not exist.")
-      handles[file] = SafetensorsFile(file)
-    if name not in handles[file].header:
-      raise CheckpointError(f"tensor {name!r} is not in {file}, where the index puts it.")
-    theirs = handles[file].shape(name)
-    want = tuple(flat[nnx_path].get_value().shape)
-    if (theirs[::-1] if transposed else theirs) != want:
-      raise CheckpointError(f"tensor {name!r} has shape {theirs}; config.json implies "
-                            f"{want[::-1] if transposed else want}.")
-    flat[nnx_path].set_value(_place(handles[file].view(name), want, transposed, dt, nnx_path,
-                                    mesh, model_axis))
+  for nnx_path, name, transposed, _ in wanted:
+    flat[nnx_path].set_value(_place(handles[files[name]].view(name), mapped[nnx_path],
+                                    transposed, dt, nnx_path, mesh, model_axis))
   handles.clear()  # the memory maps close with their last view
   placed = nnx.from_flat_state(flat)
   rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)

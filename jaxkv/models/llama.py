@@ -1,12 +1,12 @@
 """The Llama family's decoder in Flax NNX, with its attention's KV in jaxkv pages.
 
 RMSNorm, rotary position embeddings (the rotate-half convention of Hugging Face
-checkpoints, with Llama 3's frequency scaling), grouped-query attention and a SwiGLU MLP;
-optional q/k/v biases (Qwen2) and an output head tied to the embedding. It uses only the
-public layer ``jaxkv.nnx`` (``PagedKV`` + ``PageBatch``), exactly as a user's own model
-would. ``jaxkv.models.from_pretrained`` fills it from a checkpoint; sizes are
-configurable so tests run many shapes on CPU and benchmarks build realistic ones with
-random weights.
+checkpoints, with Llama 3's frequency scaling or linear position interpolation),
+grouped-query attention and a SwiGLU MLP; optional q/k/v biases (Qwen2) and an output
+head tied to the embedding. It uses only the public layer ``jaxkv.nnx`` (``PagedKV`` +
+``PageBatch``), exactly as a user's own model would. ``jaxkv.models.from_pretrained``
+fills it from a checkpoint; sizes are configurable so tests run many shapes on CPU and
+benchmarks build realistic ones with random weights.
 """
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling:
+  """Linear position interpolation (``rope_scaling`` with ``rope_type: linear``): every
+  position is divided by ``factor`` (so every frequency is), stretching the trained
+  context ``factor`` times."""
+  factor: float
+
+  def __post_init__(self):
+    if (not isinstance(self.factor, (int, float)) or isinstance(self.factor, bool)
+        or not 0 < self.factor < math.inf):
+      raise InputError(f"LinearRopeScaling.factor={self.factor!r} must be a positive number.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
   vocab_size: int = 256
   hidden_size: int = 64
@@ -55,7 +68,8 @@ class LlamaConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   dtype: str = "float32"  # activations and weights
-  rope_scaling: RopeScaling | None = None  # a RopeScaling or its fields as a mapping
+  # A RopeScaling (or its fields as a mapping), a LinearRopeScaling, or None.
+  rope_scaling: RopeScaling | LinearRopeScaling | None = None
   qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama attention_bias)
   out_bias: bool = False  # a bias on the output projection (Llama attention_bias)
   tie_embeddings: bool = False  # the output head is the embedding matrix transposed
@@ -68,9 +82,11 @@ class LlamaConfig:
       d = dict(self.rope_scaling.to_dict() if hasattr(self.rope_scaling, "to_dict")
                else self.rope_scaling)
       object.__setattr__(self, "rope_scaling", RopeScaling(**d) if d else None)
-    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling,
+                                                        (RopeScaling, LinearRopeScaling)):
       raise InputError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} must be a "
-                       "jaxkv.models.RopeScaling, its fields as a mapping, or None.")
+                       "jaxkv.models.RopeScaling, its fields as a mapping, a "
+                       "LinearRopeScaling, or None.")
     if self.sliding_window < 0:
       raise InputError(f"LlamaConfig.sliding_window={self.sliding_window} must be >= 0.")
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -101,10 +117,13 @@ class RMSNorm(nnx.Module):
     return (self.scale.get_value() * x32.astype(x.dtype)).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | LinearRopeScaling | None = None):
   """The ``head_dim / 2`` rotary frequencies (radians per position), float32."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  if scaling is not None:
+  if isinstance(scaling, LinearRopeScaling):  # position / factor, as a frequency
+    inv_freq = inv_freq / scaling.factor
+  elif scaling is not None:
     wavelen = 2 * math.pi / inv_freq
     old = scaling.original_max_position_embeddings
     low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
@@ -116,7 +135,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
   return inv_freq
 
 
-def apply_rope(x, positions, theta: float, scaling: RopeScaling | None = None):
+def apply_rope(x, positions, theta: float,
+               scaling: RopeScaling | LinearRopeScaling | None = None):
   """x: [B, T, H, D]; positions: [B, T] (negative = padding, treated as 0). Rotates the
   pair (i, i + D/2) by position x frequency i (rotate-half)."""
   inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
