@@ -11,14 +11,15 @@ finalised atomically):
   persistent by itself and re-verifies and adopts its records when it is opened.
 
 Restoring reads the metadata first and refuses a checkpoint whose fingerprint differs,
-naming the fields that differ. Arrays come back through host memory (``pinned_host``,
-replicated over the data axis, kv heads split over the model axis), so a checkpoint
-restores onto another mesh shape or device count: a block saved by old shard ``s``
-goes to new shard ``s % new_shards`` (a chain stays on one shard, so it still matches),
-into device pages or straight into the host tier (``into="host"``). Every row is
-checked against its saved checksum before it is published; rows that do not fit in the
-new budget or fail the check are left out and counted. Stale temporary checkpoint
-folders of interrupted saves are removed.
+naming the fields that differ, or whose metadata lacks a field or holds one of the wrong
+kind (``_check_meta``: one line naming the field, never a ``KeyError``). Arrays come
+back through host memory (``pinned_host``, replicated over the data axis, kv heads split
+over the model axis), so a checkpoint restores onto another mesh shape or device count:
+a block saved by old shard ``s`` goes to new shard ``s % new_shards`` (a chain stays on
+one shard, so it still matches), into device pages or straight into the host tier
+(``into="host"``). Every row is checked against its saved checksum before it is
+published; rows that do not fit in the new budget or fail the check are left out and
+counted. Stale temporary checkpoint folders of interrupted saves are removed.
 
 With a deployment key (``jaxkv.security``) the checksums are not what proves the bytes
 (anyone who can write the checkpoint can fix a checksum up): the metadata carries a keyed
@@ -239,7 +240,13 @@ class Checkpointer:
       step = manager.latest_step() if step is None else step
       if step is None:
         raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"the metadata of checkpoint {self.directory!r} step {step} is not "
+                         f"readable JSON ({type(e).__name__}: {str(e)[:200]}); restore another "
+                         "step or start cold.") from None
+      _check_meta(meta, f"checkpoint {self.directory!r} step {step}")
       self._check_compatible(meta)
       target = self._restore_target(meta)
       state = manager.restore(step, args=ocp.args.Composite(
@@ -286,9 +293,6 @@ class Checkpointer:
 
   def _check_compatible(self, meta: dict) -> None:
     c = self.cache.config
-    if meta.get("format") != FORMAT:
-      raise InputError(f"checkpoint format {meta.get('format')} is not {FORMAT}: it was "
-                       "written by another jaxkv version.")
     if meta["fingerprint"] != c.fingerprint().hex():
       mine = _config_fields(c)
       diff = {k: (meta["config"].get(k), mine[k]) for k in mine if meta["config"].get(k) != mine[k]}
@@ -378,6 +382,73 @@ class Checkpointer:
       index.publish(s, slot, key, tier, parent=parent)
       index.release(s, [slot], tier)
     counts["placed"] += len(publish)
+
+
+def _check_meta(meta, where: str) -> None:
+  """Refuses metadata (as ``save`` writes it) with a field missing or of the wrong kind,
+  naming the field: it is read from files anyone with write access to the directory may
+  have edited, so nothing past this point meets a missing key or a mistyped value."""
+  def refuse(field, value, rule):
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise InputError(f"the metadata of {where} has {field}={shown}, which must be {rule}; "
+                     "it was not written by jaxkv as it is: restore another step or start "
+                     "cold.")
+
+  def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+  def is_hex(v):
+    return isinstance(v, str) and len(v) % 2 == 0 and all(c in "0123456789abcdef" for c in v)
+
+  if not isinstance(meta, dict):
+    raise InputError(f"the metadata of {where} is a JSON {type(meta).__name__}, not an object; "
+                     "it was not written by jaxkv as it is: restore another step or start cold.")
+  if meta.get("format") != FORMAT:  # another version's fields are not these
+    raise InputError(f"the metadata of {where} has format {meta.get('format')!r}, not {FORMAT}: "
+                     "it was written by another jaxkv version: restore another step or start "
+                     "cold.")
+  missing = object()
+  for field, ok, rule in (
+      ("fingerprint", is_hex, "a hex string"),
+      ("config", lambda v: isinstance(v, dict), "an object of config fields"),
+      ("arrays", lambda v: isinstance(v, dict) and "device" in v
+       and set(v) <= {"device", "host"}, "an object naming the device (and host) arrays"),
+      ("device_rows", lambda v: isinstance(v, list), "a list of rows")):
+    value = meta.get(field, missing)
+    if value is missing:
+      raise InputError(f"the metadata of {where} has no {field!r}; it was not written by jaxkv "
+                       "as it is: restore another step or start cold.")
+    if not ok(value):
+      refuse(field, value, rule)
+  for field, ok, rule in (("sealed", lambda v: isinstance(v, bool), "true or false"),
+                          ("key_id", lambda v: isinstance(v, str), "a string"),
+                          ("mac", is_hex, "a hex string")):
+    if field in meta and not ok(meta[field]):
+      refuse(field, meta[field], rule)
+  for name, array in meta["arrays"].items():
+    shape, dtype = (array.get("shape"), array.get("dtype")) if isinstance(array, dict) else (
+        None, None)
+    if not (isinstance(shape, list) and len(shape) == 5 and all(is_int(d) for d in shape)):
+      refuse(f"arrays.{name}.shape", shape, "5 non-negative integers "
+             "[2 x layers, kv heads, rows, page size, head dim]")
+    try:
+      known = isinstance(dtype, str) and np.dtype(dtype) is not None
+    except TypeError:
+      known = False
+    if not known:
+      refuse(f"arrays.{name}.dtype", dtype, "a numpy dtype name")
+    rows_key = f"{name}_rows"
+    rows = meta.get(rows_key)
+    if not isinstance(rows, list) or len(rows) != shape[2]:
+      refuse(rows_key, rows, f"a list of the {shape[2]} rows arrays.{name} holds")
+    for i, row in enumerate(rows):
+      if row is None:
+        continue
+      if not (isinstance(row, list) and len(row) in (4, 5) and is_int(row[0]) and is_hex(row[1])
+              and (row[2] is None or is_hex(row[2])) and (row[3] is None or is_int(row[3]))
+              and (len(row) == 4 or is_hex(row[4]))):
+        refuse(f"{rows_key}[{i}]", row, "null or [shard, block key (hex), parent key (hex or "
+               "null), checksum (or null)] and, under a deployment key, a tag (hex)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -139,3 +139,70 @@ def test_a_sealed_checkpoint_holds_no_plaintext_kv(mesh, tmp_path):
   blob = sealed["device"].tobytes()
   assert not [p for p in pieces if p in blob]
   assert all(p in plain["device"].tobytes() for p in pieces)  # the search finds plaintext
+
+
+def _drop(field):
+  def edit(meta):
+    del meta[field]
+  return edit
+
+
+def _set(field, value):
+  def edit(meta):
+    meta[field] = value
+  return edit
+
+
+def _first_row(value):
+  def edit(meta):
+    i = next(i for i, r in enumerate(meta["device_rows"]) if r is not None)
+    meta["device_rows"][i][1] = value
+  return edit
+
+
+def _array_shape(meta):
+  meta["arrays"]["device"]["shape"] = meta["arrays"]["device"]["shape"][:4]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_drop("fingerprint"), "has no 'fingerprint'"),
+    (_set("format", "1"), "has format '1', not 1: it was written by another jaxkv version"),
+    (_drop("arrays"), "has no 'arrays'"),
+    (_set("fingerprint", 5), "has fingerprint=5, which must be a hex string"),
+    (_set("config", [1]), "has config=[1], which must be an object of config fields"),
+    (_set("device_rows", None), "has device_rows=None, which must be a list of rows"),
+    (_set("device_rows", []), "has device_rows=[], which must be a list of the 32 rows"),
+    (_first_row("not hex"), "has device_rows[0]=[0, 'not hex'"),
+    (_array_shape, "has arrays.device.shape=[4, 4, 32, 4], which must be 5 non-negative"),
+    (_set("sealed", "yes"), "has sealed='yes', which must be true or false"),
+])
+def test_metadata_missing_or_mistyping_a_field_is_refused_in_one_line(mesh, tmp_path, edit,
+                                                                      needle):
+  a = keyed(mesh, None)
+  a.generate(PROMPTS[:2], 2)
+  directory = str(tmp_path / "ckpt")
+  Checkpointer(a.cache, directory).save()
+  path = os.path.join(directory, "0", "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  with pytest.raises(jaxkv.errors.InputError) as e:
+    Checkpointer(keyed(mesh, None).cache, directory).restore()
+  message = str(e.value)
+  assert f"the metadata of checkpoint {directory!r} step 0 " in message and needle in message
+  assert "restore another step or start cold" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("content", ["[" * 100_000, "{", "[1, 2]"])
+def test_metadata_that_is_not_a_json_object_is_refused_in_one_line(mesh, tmp_path, content):
+  a = keyed(mesh, None)
+  a.generate(PROMPTS[:1], 2)
+  directory = str(tmp_path / "ckpt")
+  Checkpointer(a.cache, directory).save()
+  with open(os.path.join(directory, "0", "meta", "metadata"), "w") as f:
+    f.write(content)
+  with pytest.raises(jaxkv.errors.InputError, match="the metadata of checkpoint") as e:
+    Checkpointer(keyed(mesh, None).cache, directory).restore()
+  assert "\n" not in str(e.value)
