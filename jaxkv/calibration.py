@@ -79,7 +79,7 @@ def _disk_link(cache, reps: int) -> LinkCost:
       def go():
         if scratch.local:  # cold reads: drop the records from the page cache first
           for key in keys:
-            fd = os.open(scratch.path_of(key), os.O_RDONLY)
+            fd = os.open(scratch.path_of(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         scratch.read_verified(keys[:k], time.monotonic() + 120)

@@ -461,7 +461,7 @@ def test_a_record_or_prefix_swapped_for_a_link_after_opening_is_not_followed(tmp
   faults.link_in_place(disk.path_of(keys[0]), str(owner))
   with pytest.raises(blocks.BlockError, match="not a regular file") as e:
     disk.read_verified([keys[0]], time.monotonic() + 30)
-  assert e.value.reason == "magic"  # not a jaxkv record: dropped, counted as a verify failure
+  assert e.value.reason == "not_a_file"  # dropped, counted as a verify failure
   disk.delete(keys[0])
   disk.settle()
   assert os.path.islink(disk.path_of(keys[0])) and owner.read_bytes() == open(
@@ -475,7 +475,7 @@ def test_a_record_or_prefix_swapped_for_a_link_after_opening_is_not_followed(tmp
   faults.link_in_place(disk.prefix_path, str(mirror))
   with pytest.raises(blocks.BlockError, match="symbolic link") as e:
     disk.read_verified([keys[1]], time.monotonic() + 30)
-  assert e.value.reason == "magic"
+  assert e.value.reason == "not_a_file"
   disk.delete(keys[2])
   disk.settle()
   with pytest.raises(Exception, match="symbolic link"):
@@ -543,7 +543,7 @@ def test_fifos_and_sockets_under_record_names_are_never_read_and_disk_io_goes_on
   r = json.loads(proc.stdout.strip().splitlines()[-1])
   assert r["adopted"] == n + 2 and r["deleted"] == 0, r
   assert r["discarded"] == {"not_a_file": 4}, r  # 3 FIFOs and a socket, left in place
-  assert r["failures"] == ["magic"], r  # every swapped record: not a jaxkv record, unread
+  assert r["failures"] == ["not_a_file"], r  # every swapped record: unread
   assert r["fifos_left"] == n + 3, r  # none deleted: jaxkv did not write them
   assert r["after"] == [2.0 * np.prod(SHAPE), np.prod(SHAPE), np.prod(SHAPE)], r
 

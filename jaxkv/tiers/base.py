@@ -57,6 +57,7 @@ class Failure(str, enum.Enum):
   READ_ERROR = "read_error"  # the store raised while reading, again: given up on
   REMOTE = "remote"  # a remote fetch failed in an unclassified way
   MALFORMED = "malformed"  # a remote answer breaks the protocol (schema, frames, sizes)
+  NOT_A_FILE = "not_a_file"  # a link, FIFO, socket, device or directory under a record's name
   # The bytes never came: a miss, not a corruption.
   DEADLINE = "deadline"  # not there before the deadline
   BREAKER = "breaker"  # the peer's circuit breaker is open

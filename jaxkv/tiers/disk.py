@@ -133,10 +133,10 @@ class Gone(Exception):
 class NotAFile(blocks.BlockError):
   """A record's name does not lead to a regular file in the store's own directory: a link,
   FIFO, socket, device or directory is there, or the prefix directory is a link. Never
-  opened for reading, never deleted; read, it is not a jaxkv record (``magic``)."""
+  opened for reading, never deleted; read, it is a verification failure (``not_a_file``)."""
 
   def __init__(self, detail: str):
-    super().__init__(Failure.MAGIC.value, detail)
+    super().__init__(Failure.NOT_A_FILE.value, detail)
 
 
 def _kind(mode: int) -> str:
