@@ -33,6 +33,10 @@ MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2) instead of "
     "the config's random weights: its shapes replace the config's model section; text "
     "prompts need its tokenizer.json.")
+SPECIAL_TOKENS_IN_CONTENT = flags.DEFINE_enum(
+    "special_tokens_in_content", "parse", ["parse", "split"], "Chat: special-token text "
+    "inside a message (e.g. '<|im_end|>') becomes those tokens ('parse', as vLLM and "
+    "transformers do: a user can write other roles' turns), or plain text ('split').")
 DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
     "deployment_key_file", None, "File (mode 600) holding the deployment key: 32+ random "
     "bytes as hex or base64 (head -c 32 /dev/urandom | base64). It keys tenants' block keys, "
@@ -86,7 +90,8 @@ def use_model_dir(cfg):
   if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
     return None
   from jaxkv.tokenizer import Tokenizer
-  return Tokenizer.from_dir(model_dir)
+  return Tokenizer.from_dir(model_dir,
+                            special_tokens_in_content=SPECIAL_TOKENS_IN_CONTENT.value)
 
 
 def apply_tier_flags(cfg) -> None:
