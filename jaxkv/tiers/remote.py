@@ -1,8 +1,8 @@
-"""REMOTE tier: blocks held by another job, asked for and carried over ZeroMQ.
+"""REMOTE tier: blocks held by another job, asked for and carried over TCP in ZeroMQ's framing.
 
 Two parts, in two processes:
 - ``BlockServer`` runs in the job that holds the blocks (a serving peer with spare memory).
-  It binds a ZeroMQ ROUTER socket and answers on the serving job's own thread, in
+  It listens on a ZeroMQ STREAM socket and answers on the serving job's own thread, in
   ``serve``/``poll``: a request is only read when that thread is between steps, so
   gathering blocks never races the engine's donated pools, and the server needs no thread.
 - ``RemoteClient`` runs in the job that wants them (``TierConfig.remote_peers``). It asks
@@ -18,39 +18,65 @@ and checked in one place ("the wire" below). Each field has a rule, enforced whe
 message was built here or decoded off the socket (``decode``), so neither side handles a
 dict, and a peer's malformed message is a ``WireError`` naming the field and the rule.
 
+Frames, read by hand (ZMTP, below): messages travel as ZeroMQ's wire protocol frames them
+(ZMTP 3.1, so a ZeroMQ DEALER or ROUTER can talk to either side), but neither side reads
+them through a ZeroMQ socket. ZeroMQ delivers a message only whole and caps the size of a
+frame, never the number of frames of a message: its receive high-water mark counts whole
+messages, so a socket queues a message of any number of frames, however large, before its
+reader sees the first. Instead each side reads a frame's header before its bytes and
+keeps only frames that can belong to what it waits for:
+- the server reads raw bytes off its STREAM socket, which queues at most ``_RCVHWM_CHUNKS``
+  chunks of ``_IN_BATCH_BYTES`` a connection between polls (``BlockServer.queued_bytes_most``,
+  (64 + 1) x 8 KiB = 520 KiB), then TCP holds the sender back. A request is three frames,
+  each capped (``_REQUEST_FRAME_BYTES``: 64 B, ``_MAX_REQUEST_BYTES`` = 1.07 MiB, 160 B); a
+  frame over its cap or past the third is dropped as its bytes arrive (counted,
+  ``counts["frames_dropped"]``; its message is refused once it ends), one over
+  ``_MAX_REQUEST_BYTES`` closes the connection. Requests read but not yet answered are
+  held up to ``max_pending_bytes_per_peer`` (2.13 MiB) a connection, more are shed. So a
+  connection costs the server at most ``queued_bytes_most`` + ``held_bytes_most`` (pending
+  + the caps of one request being read + two chunks and a command: 3.2 MiB), whatever it
+  sends, plus what the kernel buffers for its socket (``tcp_rmem``).
+- the client reads its one TCP connection itself: before reading a frame of an answer it
+  compares the frame's size with what the answer to its request can hold (a nonce of 64 B,
+  a header of ``_MAX_HEADER_BYTES``, its tags, then exactly the blocks it asked for: one
+  frame of ``blocks x block bytes``, or when sealed one frame per sealed piece), and stops
+  at the first frame that cannot belong (a miss, the connection closed): it holds at most
+  ``RemoteClient.answer_bytes_most(blocks)``, before any tag is checked.
+
 Authentication (``jaxkv.security``), when the serving cache has a deployment key:
-- **Connections.** The server takes a connection only after a ZeroMQ PLAIN handshake whose
-  password is a token derived from the key (``_handshake_token``), checked by the server's
-  ZAP handler (``_Gatekeeper``); libzmq queues nothing from a connection before its
-  handshake passes. This is what bounds the memory a client without the key can cost:
-  ZeroMQ caps each *frame* (``MAXMSGSIZE``) and counts whole *messages* against the
-  receive high-water mark, delivering a multipart message at once, so without it one
-  message of thousands of maximal frames, on each of any number of connections, would be
-  queued before ``poll`` saw its frame count. What it stops: a client off the path without
-  the key can no longer open a connection that queues anything (a wrong token is refused
-  in the handshake and counted, ``BlockServer.handshakes_refused``; the client sees the
-  refusal at once: a counted "refused" miss, not a wait for its deadline). What it does
-  not: PLAIN is not encrypted, so whoever reads the traffic learns the token and can
-  connect and queue messages: an attacker on the path, who can cut the traffic anyway.
-  Against them the checks below stay the second line. (CURVE would hide the token, but
-  encrypts every byte of the data path too.) A keyless server has no handshake: anyone
-  who reaches it connects; it is loopback-only unless ``allow_insecure``.
+- **Connections.** The server takes a connection only after a ZMTP PLAIN handshake whose
+  password is a token derived from the key (``_handshake_token``), compared in constant
+  time; until it passes, it reads nothing of the connection but the handshake (a greeting
+  of 64 bytes, commands of ``_MAX_COMMAND_BYTES`` at most; one not done in
+  ``handshake_timeout_s`` is closed). What it stops: a client off the path without the key
+  can no longer open a connection whose requests are read (a wrong token is refused in the
+  handshake and counted, ``BlockServer.handshakes_refused``; the client sees the refusal
+  at once: a counted "refused" miss, not a wait for its deadline). What it does not: PLAIN
+  is not encrypted, so whoever reads the traffic learns the token and can connect and send
+  requests: an attacker on the path, who can cut the traffic anyway. Against them the
+  checks below and the bounds above stay the second line. (CURVE would hide the token, but
+  encrypts every byte of the data path too.) A keyless server has no handshake but ZMTP's
+  NULL: anyone who reaches it connects; it is loopback-only unless ``allow_insecure``.
 - **Requests.** A client asks once per connection for a challenge (``Hello``: the only
-  request answered without the key) and sends ``HMAC(key, challenge, request)`` with each
-  request; the server answers only those. Others get an "unauthenticated" refusal
-  (counted in ``BlockServer.refused``) and no answer to what they asked: not which blocks
-  the server holds, nor anything of them. (They do learn that it holds a key: the
-  handshake asks for a token, a ``Welcome`` carries a tag, and the refusal says why.) The
-  challenge is *stateless*: ``<epoch>-HMAC(server secret, routing id, epoch)``, a
-  server-local random secret, so the server keeps nothing per connection before a request
-  is authenticated and no flood of hellos can push a peer's challenge out. A challenge
-  holds for the epoch it was made in and the next (``challenge_epoch_s``, 60 s: one more
-  hello round trip per connection a minute). After authentication the server remembers
-  the (challenge, nonce) of the last ``max_remembered_nonces`` requests and refuses a
-  repeat ("replay", counted): a request recorded on the path is answered once, not
-  re-injected to fill the transfer offers, unless that many authenticated requests came
-  after it within its challenge's two epochs (then it is forgotten, and may be answered
-  again on the connection it was made for, until its challenge expires).
+  request answered without the key) and sends ``HMAC(key, challenge, number, request)``
+  with each request, numbered by a counter that only grows; the server answers only those.
+  Others get an "unauthenticated" refusal (counted in ``BlockServer.refused``) and no
+  answer to what they asked: not which blocks the server holds, nor anything of them.
+  (They do learn that it holds a key: the handshake asks for a token, a ``Welcome``
+  carries a tag, and the refusal says why.) The challenge is *stateless*:
+  ``<epoch>-<salt>-HMAC(server secret, connection id, epoch, salt)``, a server-local random
+  secret and a random salt per hello, so the server keeps nothing per connection before a
+  request is authenticated and no flood of hellos can push a peer's challenge out. A
+  challenge holds for the epoch it was made in and the next (``challenge_epoch_s``, 60 s:
+  one more hello round trip per connection a minute). Replays: for each challenge the
+  server remembers the highest number it answered and refuses a request numbered at or
+  below it ("replay", counted), so a request recorded on the path is answered once, never
+  again, however many requests came after it (on another connection, or once its
+  challenge expired, it is unauthenticated). Each hello's challenge is its own (the salt),
+  so clients sharing a connection (through a proxy) number their requests apart. That is
+  one number per challenge in use, at most ``max_replay_windows`` of them (a challenge
+  expires with its two epochs); beyond, a request under a new challenge is refused
+  ("busy", counted) rather than an old challenge's number forgotten.
 - **Answers.** Every answer carries a ``Seal("remote-answer")`` tag over its header *and*
   its data frame, bound to the request's nonce (the purpose names the direction: requests
   are HMACs under the raw key, answers GCM tags under a key derived for answers, so
@@ -65,23 +91,23 @@ the blocks: it catches damage, not forgery (CRC-32C is linear: whoever can chang
 bytes can fix it up).
 
 What the reader never trusts: every answer names its block keys, dtype and shape; the
-reader checks keys, dtype, shape and frame length before looking at the bytes and the tag
-or CRC, and rejects the whole fetch on any mismatch. It caps what it reads (a header of
-``_MAX_HEADER_BYTES``, frames of at most the largest answer it can expect), and any answer
-that breaks the protocol is a counted miss (``RemoteClient.failures_by_reason``), never an
-exception. Answers to an earlier request that timed out are told apart by their nonce and
-dropped. Every wait has the reader's deadline; a late, refused or broken fetch is a miss
-and the request recomputes. A peer that keeps failing trips a circuit breaker and is not
-asked again until its cool-down has passed.
+reader checks keys, dtype, shape and frame sizes before looking at the bytes and the tag
+or CRC, and rejects the whole fetch on any mismatch. Any answer that breaks the protocol
+is a counted miss (``RemoteClient.failures_by_reason``), never an exception. Answers to an
+earlier request are told apart by their nonce and read past without being kept. Every
+wait has the reader's deadline; a late, refused or broken fetch is a miss and the request
+recomputes. A peer that keeps failing trips a circuit breaker and is not asked again until
+its cool-down has passed.
 
-What the server never owes: a ``poll`` answers at most ``max_messages_per_poll`` messages,
-no peer more than ``max_messages_per_peer`` of them (the rest of its messages that poll
-are shed: a well-behaved client has one request in flight), stops reading
-``poll_overrun_s`` after its timeout, and stops once the blocks it answered with pass
-``max_answer_bytes_per_poll`` (a fetch is answered whole, so a poll overruns that by at
-most one fetch: up to ``_MAX_FETCH_BLOCKS`` blocks); requests are capped in size (block
-keys only) and frame count; transfer offers are bounded in number and bytes and expire
-(``offer_ttl_s``, or the client's own wait, whichever is shorter).
+What the server never owes: a ``poll`` answers at most ``max_messages_per_poll``
+requests, no connection more than ``max_messages_per_peer`` of them (its others wait for
+the next poll), stops reading ``poll_overrun_s`` after its timeout, and stops once the
+blocks it answered with pass ``max_answer_bytes_per_poll`` (a fetch is answered whole, so
+a poll overruns that by at most one fetch: up to ``_MAX_FETCH_BLOCKS`` blocks); answers
+queue for a connection up to its send high-water mark (``4 x max_messages_per_peer``
+largest answers), beyond which the connection is closed; transfer offers are bounded in
+number and bytes and expire (``offer_ttl_s``, or the client's own wait, whichever is
+shorter).
 
 What the client never owes: a transfer offer only ever makes it connect to the peer's own
 host (the offer names the port; another host is refused as malformed), it keeps at most
@@ -99,6 +125,7 @@ import hmac
 import json
 import re
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -109,7 +136,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import zmq
-from zmq.utils import monitor as zmq_monitor
 
 from jaxkv import buckets
 from jaxkv import pages as pages_lib
@@ -120,21 +146,24 @@ from jaxkv.index import Tier
 from jaxkv.tiers.base import Breaker, Failure, Fetch, FetchOutcome
 from jaxkv.errors import InputError, InvariantError
 
-PROTOCOL = 5  # 5: stateless challenges; answers tagged over header and data; sealed blocks
+PROTOCOL = 6  # 6: requests numbered (replays refused by number); frames read by hand
 _MAX_KEYS = 16384  # block keys one lookup asks about (256k tokens at 16 a page)
 _MAX_FETCH_BLOCKS = 512  # blocks one fetch brings (``RemoteTier`` splits longer runs)
 # A request is block keys only: 64 hex digits, quotes and a comma each, and a few fields.
 _MAX_REQUEST_BYTES = _MAX_KEYS * 68 + 4096
 _MAX_HELLO_BYTES = 1024  # the one request read without the key is small
+_MAX_NONCE_BYTES = 64  # a nonce frame (``_NONCE``'s rule)
+# "<epoch>-<8 hex>-<32 hex> <number> <64 hex>": a challenge, a request's number, its MAC.
+_MAX_AUTH_BYTES = 160
+_REQUEST_FRAME_BYTES = (_MAX_NONCE_BYTES, _MAX_REQUEST_BYTES, _MAX_AUTH_BYTES)
 # An answer's header names at most one fetch's keys (an offer repeats them).
 _MAX_HEADER_BYTES = 64 << 10
 _KEYLESS_FIX = ("set a deployment key on every job (--deployment_key_file or "
                 "$JAXKV_DEPLOYMENT_KEY_FILE)")
 _MAX_TRANSFER_CONNECTIONS = 4  # a client's transfer connections (to its one peer's host)
 _HANDSHAKE_USER = b"jaxkv"  # the PLAIN user name of a keyed connection; the token is its password
-_ZAP_DOMAIN = b"jaxkv"
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_FIX = ("the two jobs do not hold the same deployment key, or only one of them "
+                  "has one")
 
 
 class RemoteError(RuntimeError):
@@ -184,81 +213,125 @@ def _chunks(data) -> list[memoryview]:
   return [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)] or [data]
 
 
+def _piece_sizes(nbytes: int) -> list[int]:
+  """The sizes of the ``_CHUNK_BYTES`` pieces ``nbytes`` of blocks are tagged or sealed in
+  (``_chunks``'s)."""
+  return [min(_CHUNK_BYTES, nbytes - at) for at in range(0, nbytes, _CHUNK_BYTES)] or [0]
+
+
 def _pull_aad(nonce: str) -> bytes:
   return b"pull\x00" + nonce.encode()
 
 
-# ---- the handshake: who may connect at all ------------------------------------------------------
 def _handshake_token(key: bytes) -> bytes:
   """The PLAIN password of a keyed connection. It crosses the network in clear, so it is a
   derivation of the key made for this use alone: knowing it proves nothing else."""
   return hmac.new(key, b"jaxkv-zmq-handshake", hashlib.sha256).hexdigest().encode()
 
 
-class _Gatekeeper:
-  """The ZAP handler (ZeroMQ RFC 27) of one keyed server's ZeroMQ context: libzmq asks it,
-  during each connection's handshake, whether the PLAIN credentials pass, and queues
-  nothing from the connection until they do. It passes the key's handshake token only
-  (compared in constant time, never logged) and counts the rest (``refused``).
+# ---- ZMTP: the framing under the wire, read by hand ---------------------------------------------
+# ZMTP 3.1 (ZeroMQ RFC 23) with its NULL and PLAIN mechanisms (RFC 23, RFC 24): a greeting
+# of 64 bytes each way (signature, version, mechanism, role), handshake commands, then
+# frames: a flags byte (``_MORE``: another frame of the message follows; ``_LONG``: an
+# 8-byte size follows, else a 1-byte one; ``_COMMAND``), the size, the bytes.
+#
+#   client (DEALER)                              server (ROUTER)
+#   greeting("PLAIN")                       <->  greeting("PLAIN", as server)
+#   HELLO(user, token)                      ->   WELCOME, or ERROR("400") and closed
+#   INITIATE(Socket-Type)                   ->   READY(Socket-Type)
+#   (NULL, without a key: READY each way)
+#   [nonce, message, auth]                  ->   [nonce, message, tags, *blocks]
+_MORE, _LONG, _COMMAND = 1, 2, 4
+_GREETING_BYTES = 64
+_MAX_COMMAND_BYTES = 4096  # a handshake's command (or a peer's ping) is small
+_ZERO_COPY_BYTES = 64 << 10  # frames this large are sent from their own buffer, not copied
+_IN_BATCH_BYTES = 8192  # libzmq reads a STREAM connection in chunks of at most this
+_RCVHWM_CHUNKS = 64  # chunks a STREAM connection's queue holds before TCP holds the sender
 
-  It answers on its own thread: a handshake must not wait for the serving thread's next
-  ``poll``. (pyzmq's ``ThreadAuthenticator`` does the same job, but compares passwords with
-  ``==`` and logs accepted ones at debug level.) ``close`` ends the thread."""
 
-  def __init__(self, context: zmq.Context, token: bytes):
-    self.refused = 0
-    self._token = token
-    # Bound here, before the server's socket is: a PLAIN handshake without a handler fails.
-    zap = context.socket(zmq.REP)
-    zap.setsockopt(zmq.LINGER, 0)
-    zap.bind("inproc://zeromq.zap.01")
-    wake = f"inproc://jaxkv-gatekeeper-{secrets.token_hex(8)}"
-    self._stop = context.socket(zmq.PAIR)
-    self._stop.setsockopt(zmq.LINGER, 0)
-    self._stop.bind(wake)
-    woken = context.socket(zmq.PAIR)
-    woken.setsockopt(zmq.LINGER, 0)
-    woken.connect(wake)
-    # Both sockets belong to the thread from here on (its start is the memory barrier
-    # ZeroMQ asks for when a socket changes threads).
-    self._thread = threading.Thread(target=self._run, args=(zap, woken), daemon=True,
-                                    name="jaxkv-zap")
-    self._thread.start()
+def _greeting(mechanism: bytes, as_server: bool) -> bytes:
+  """This side's greeting: signature, version 3.1, mechanism, role, filler."""
+  return (b"\xff" + (1).to_bytes(8, "big") + b"\x7f\x03\x01" + mechanism.ljust(20, b"\x00")
+          + bytes([as_server]) + bytes(31))
 
-  def _run(self, zap, woken) -> None:
-    poller = zmq.Poller()
-    poller.register(zap, zmq.POLLIN)
-    poller.register(woken, zmq.POLLIN)
-    try:
-      while woken not in dict(poller.poll()):
-        zap.send_multipart(self._answer(zap.recv_multipart()))
-    finally:
-      zap.close(0)
-      woken.close(0)
 
-  def _answer(self, request: list[bytes]) -> list[bytes]:
-    """The ZAP reply to ``[version, request id, domain, address, routing id, mechanism,
-    user, password]``: 200 for the token, 400 for anything else."""
-    passed = (len(request) == 8 and request[0] == b"1.0" and request[5] == b"PLAIN"
-              and request[6] == _HANDSHAKE_USER and hmac.compare_digest(request[7], self._token))
-    if not passed:
-      self.refused += 1  # this thread's alone: no other writes it
-    request_id = request[1] if len(request) > 1 else b""
-    if passed:
-      return [b"1.0", request_id, b"200", b"OK", _HANDSHAKE_USER, b""]
-    return [b"1.0", request_id, b"400", b"not this deployment's key", b"", b""]
+def _greeting_mechanism(greeting) -> bytes | None:
+  """The mechanism a peer's greeting names; None when it is no ZMTP 3 greeting."""
+  if greeting[0] != 0xFF or not greeting[9] & 1 or greeting[10] < 3:
+    return None
+  return bytes(greeting[12:32]).rstrip(b"\x00")
 
-  def close(self) -> None:
-    if self._thread.is_alive():
-      self._stop.send(b"")
-      self._thread.join()
-    self._stop.close(0)
+
+def _head(size: int, flags: int = 0) -> bytes:
+  """A frame's header: its flags and its size (one byte, or eight for a long frame)."""
+  if size > 255:
+    return bytes([flags | _LONG]) + size.to_bytes(8, "big")
+  return bytes([flags, size])
+
+
+def _parse_head(buf, at: int) -> tuple[int, int, int] | None:
+  """``(flags, size, header bytes)`` of the frame that starts at ``buf[at]``; None until
+  all of its header is there."""
+  if len(buf) - at < 2:
+    return None
+  flags = buf[at]
+  if not flags & _LONG:
+    return flags, buf[at + 1], 2
+  if len(buf) - at < 9:
+    return None
+  return flags, int.from_bytes(buf[at + 1:at + 9], "big"), 9
+
+
+def _command(name: bytes, body: bytes = b"") -> bytes:
+  """A command frame, header and all."""
+  data = bytes([len(name)]) + name + body
+  return _head(len(data), _COMMAND) + data
+
+
+def _command_parts(command) -> tuple[bytes, bytes]:
+  """``(name, body)`` of a command frame's bytes."""
+  n = command[0] if command else 0
+  return bytes(command[1:1 + n]), bytes(command[1 + n:])
+
+
+def _socket_type(kind: bytes) -> bytes:
+  """The metadata of a READY or INITIATE: the socket type this side plays."""
+  return bytes([11]) + b"Socket-Type" + len(kind).to_bytes(4, "big") + kind
+
+
+def _plain_credentials(body: bytes) -> tuple[bytes, bytes] | None:
+  """``(user, password)`` of a PLAIN HELLO's body; None when it is not one."""
+  if not body or len(body) < 1 + body[0] + 1:
+    return None
+  user, rest = body[1:1 + body[0]], body[1 + body[0]:]
+  if len(rest) != 1 + rest[0]:
+    return None
+  return user, rest[1:]
+
+
+def _encoded(frames) -> list:
+  """``frames``, one message, as ZMTP bytes in as few pieces as a zero-copy send allows:
+  the headers and small frames joined, each large frame a piece of its own (not copied).
+  No piece is empty (an empty send closes a STREAM connection)."""
+  out, small = [], bytearray()
+  for i, frame in enumerate(frames):
+    frame = memoryview(frame).cast("B")
+    small += _head(len(frame), _MORE if i < len(frames) - 1 else 0)
+    if len(frame) < _ZERO_COPY_BYTES:
+      small += frame
+    else:
+      out.append(bytes(small))
+      small = bytearray()
+      out.append(frame)
+  if small:
+    out.append(bytes(small))
+  return out
 
 
 # ---- the wire: every message, its fields and their rules, in one place --------------------------
 # A request travels as three frames: its nonce, the message (one JSON object,
 # ``{"op": <kind>, "protocol": PROTOCOL, <fields>}``) and its authentication
-# (``"<challenge> <HMAC hex>"``, empty for a hello or without a key). An answer travels as
+# (``"<challenge> <number> <HMAC hex>"``, empty for a hello or without a key). An answer travels as
 # its nonce, the message, its tags (``Seal`` tags: the header's, then one per
 # ``_CHUNK_BYTES`` piece of the blocks; empty without a key) and, for an inline ``Offer``,
 # the block bits: one frame, or when sealed one frame per sealed piece. The nonce frames
@@ -488,34 +561,186 @@ def decode(data: bytes, kinds: tuple[type, ...]):
 
 
 # ---- the serving side ---------------------------------------------------------------------------
+class _Hangup(Exception):
+  """A connection that broke the protocol, or its handshake: the server closes it."""
+
+
+class _Inbound:
+  """The server's side of one connection, fed the raw bytes ZeroMQ's STREAM socket reads
+  (``feed``): its handshake (ZMTP NULL without a key; PLAIN with the key's token, compared
+  in constant time), then its requests, frame by frame.
+
+  A request's frames are kept up to their caps (``_REQUEST_FRAME_BYTES``), each written
+  into a buffer of its size as its bytes arrive; a frame over its cap, or past the third,
+  is dropped as its bytes arrive (counted in ``counts["frames_dropped"]``), and its
+  message is refused once it ends; a frame over ``_MAX_REQUEST_BYTES`` closes the
+  connection (``counts["oversized"]``). Complete requests wait in ``ready`` for a poll, at
+  most ``pending_bytes_most`` of them (each charged ``_REQUEST_OVERHEAD_BYTES`` for its
+  objects; more are shed, ``counts["shed"]``). So a connection holds at most that, one
+  request being read, and the bytes of a chunk not parsed yet (less than a command)."""
+
+  def __init__(self, token: bytes | None, counts: collections.Counter,
+               pending_bytes_most: int, now: float):
+    self.token = token
+    self.counts = counts
+    self.pending_bytes_most = pending_bytes_most
+    self.since = now
+    self.state = "greeting"  # -> "hello" -> "initiate" (PLAIN) | "ready" (NULL) -> "open"
+    self.refused = False  # its PLAIN credentials did not pass (then "closed")
+    self._raw = bytearray()  # bytes not parsed yet: part of a header or command, a chunk
+    self._frames: list = []  # the kept frames of the request being read
+    self._count = 0  # its frames so far, kept or dropped
+    self._problem = ""  # why that request will be refused, if it will
+    self._left = 0  # bytes of the current frame still to come ...
+    self._into: bytearray | None = None  # ... into this buffer (None: dropped)
+    self._more = False  # ... and whether another frame follows it
+    self.ready: collections.deque = collections.deque()  # (frames, problem, charge)
+    self.pending_bytes = 0
+
+  def take(self) -> tuple[list, str]:
+    frames, problem, charge = self.ready.popleft()
+    self.pending_bytes -= charge
+    return frames, problem
+
+  def feed(self, data: bytes) -> list[bytes]:
+    """Takes a chunk of the connection's bytes; returns what to send back (the handshake's
+    steps). Raises ``_Hangup`` when the connection must be closed."""
+    if self.state == "closed":
+      return []
+    raw = self._raw
+    raw += data
+    at, replies = 0, []
+    try:
+      while True:
+        if self._left:  # the rest of a frame: written into its buffer, or dropped
+          n = min(self._left, len(raw) - at)
+          if self._into is not None:
+            end = len(self._into) - self._left
+            with memoryview(raw) as view:
+              self._into[end:end + n] = view[at:at + n]
+          at += n
+          self._left -= n
+          if self._left:
+            break
+          self._frame_done()
+          continue
+        if self.state == "greeting":
+          if len(raw) - at < _GREETING_BYTES:
+            break
+          mechanism = b"PLAIN" if self.token is not None else b"NULL"
+          if _greeting_mechanism(raw[at:at + _GREETING_BYTES]) != mechanism:
+            raise _Hangup("another mechanism")  # the client sees it too: not counted
+          at += _GREETING_BYTES
+          self.state = "hello" if self.token is not None else "ready"
+          continue
+        head = _parse_head(raw, at)
+        if head is None:
+          break
+        flags, size, head_bytes = head
+        if flags & ~(_MORE | _LONG | _COMMAND):
+          raise _Hangup(f"frame flags {flags:#x}")
+        if flags & _COMMAND or self.state != "open":
+          if not flags & _COMMAND or flags & _MORE or self._count or size > _MAX_COMMAND_BYTES:
+            raise _Hangup("not a command where one belongs")
+          if len(raw) - at < head_bytes + size:
+            break
+          replies += self._command(bytes(raw[at + head_bytes:at + head_bytes + size]))
+          at += head_bytes + size
+          if self.state == "closed":
+            return replies
+          continue
+        if size > _MAX_REQUEST_BYTES:
+          self.counts["oversized"] += 1
+          raise _Hangup(f"a frame of {size} bytes")
+        at += head_bytes
+        self._count += 1
+        self._left, self._more, self._into = size, bool(flags & _MORE), None
+        cap = _REQUEST_FRAME_BYTES[self._count - 1] if self._count <= 3 else -1
+        if size <= cap:
+          self._into = bytearray(size)
+        else:
+          self.counts["frames_dropped"] += 1
+          if cap >= 0 and not self._problem:
+            self._problem = (f"frame {self._count} of a request (nonce, message, auth) holds "
+                             f"at most {cap} bytes, not {size}")
+        if not size:
+          self._frame_done()
+    finally:
+      del raw[:at]
+    return replies
+
+  def _frame_done(self) -> None:
+    if self._into is not None:
+      self._frames.append(self._into)
+      self._into = None
+    if self._more:
+      return
+    frames, count, problem = self._frames, self._count, self._problem
+    self._frames, self._count, self._problem = [], 0, ""
+    if count != 3:
+      problem = f"a request has 3 frames (nonce, message, auth), not {count}"
+    charge = sum(map(len, frames)) + _REQUEST_OVERHEAD_BYTES
+    if self.pending_bytes + charge > self.pending_bytes_most:
+      self.counts["shed"] += 1
+      return
+    self.ready.append((frames, problem, charge))
+    self.pending_bytes += charge
+
+  def _command(self, command: bytes) -> list[bytes]:
+    """The answer to one handshake command (a command after it, a ping, needs none)."""
+    name, body = _command_parts(command)
+    if self.state == "hello" and name == b"HELLO":
+      credentials = _plain_credentials(body)
+      if (credentials is not None and credentials[0] == _HANDSHAKE_USER
+          and hmac.compare_digest(credentials[1], self.token)):
+        self.state = "initiate"
+        return [_command(b"WELCOME")]
+      self.state, self.refused = "closed", True
+      return [_command(b"ERROR", b"\x03400")]  # 400: ZAP's "not these credentials"
+    if (self.state, name) in (("initiate", b"INITIATE"), ("ready", b"READY")):
+      self.state = "open"
+      return [_command(b"READY", _socket_type(b"ROUTER"))]
+    if self.state == "open":
+      return []
+    raise _Hangup(f"a {name[:20]!r} command in the handshake")
+
+
+# Charged, per request waiting for a poll, for its Python objects (a list, three buffers).
+_REQUEST_OVERHEAD_BYTES = 512
+
+
 class BlockServer:
   """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs.
 
-  Requests are answered only inside ``poll``/``serve``, on the calling thread (one thread
-  at a time), within a budget per poll (the attributes below; a test or an operator may
-  set them on an instance). Each request is checked (frames, nonce, authentication)
-  before it is parsed (``decode``), then answered by ``reply``; a fetch's blocks are
-  gathered once and handed to ``ship``, which sends them the way the client asked. Every
-  failure on the way is a ``Refusal``, never a crash.
+  Requests are read and answered only inside ``poll``/``serve``, on the calling thread (one
+  thread at a time), within a budget per poll (the attributes below; a test or an operator
+  may set them on an instance). Each connection's bytes go through its ``_Inbound`` (the
+  handshake, then requests frame by frame, within their bounds: the module's docstring).
+  Each request is checked (frames, nonce, authentication) before it is parsed
+  (``decode``), then answered by ``reply``; a fetch's blocks are gathered once and handed
+  to ``ship``, which sends them the way the client asked. Every failure on the way is a
+  ``Refusal``, never a crash.
 
-  With a deployment key only connections that pass the handshake (``_Gatekeeper``) reach
-  it at all. Without one the server answers anyone who reaches it: bound to a
-  non-loopback ``host`` it refuses to start unless ``allow_insecure``, and it logs that it
-  is insecure in any case. ``counts`` tells what it did (answered, unauthenticated,
-  replay, shed, malformed, offers refused for the bound); ``handshakes_refused``, how many
-  connections it turned away before reading a byte of theirs. ``close`` it: it owns a
-  ZeroMQ context and, with a key, the handshake's thread.
+  With a deployment key only connections that pass the PLAIN handshake get a request
+  read. Without one the server answers anyone who reaches it: bound to a non-loopback
+  ``host`` it refuses to start unless ``allow_insecure``, and it logs that it is insecure
+  in any case. ``counts`` tells what it did (answered, unauthenticated, replay, shed,
+  malformed, frames dropped, oversized frames, offers refused for the bound);
+  ``handshakes_refused``, how many connections it turned away before reading a request of
+  theirs. ``close`` it: it owns a ZeroMQ context.
   """
 
-  max_messages_per_poll = 64  # messages one ``poll`` reads, answered or shed
-  max_messages_per_peer = 16  # answered for one routing id in one ``poll``; the rest shed
+  max_messages_per_poll = 64  # requests one ``poll`` answers
+  max_messages_per_peer = 16  # of them for one connection; its others wait for the next poll
+  max_pending_bytes_per_peer = 2 * _MAX_REQUEST_BYTES  # requests read, not yet answered
   poll_overrun_s = 0.005  # reading stops this long after ``poll``'s timeout
   max_answer_bytes_per_poll = 64 << 20  # ... or once its answers' blocks pass this
   challenge_epoch_s = 60.0  # a challenge holds for its epoch and the next one
+  handshake_timeout_s = 30.0  # a connection still in its handshake after this is closed
   max_offers = 256  # transfer offers outstanding (not yet expired) ...
   max_offer_bytes = 1 << 30  # ... and their device bytes
   offer_ttl_s = 30.0  # the longest a transfer offer stands (the client's wait, if shorter)
-  max_remembered_nonces = 4096  # authenticated requests remembered, to refuse their replays
+  max_replay_windows = 4096  # challenges whose highest answered number is remembered
 
   def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *,
                allow_insecure: bool = False):
@@ -530,32 +755,36 @@ class BlockServer:
       security.warn_insecure("the block server answers anyone, without a deployment key "
                              "(its answers carry a CRC-32C only)", _KEYLESS_FIX)
     self._seal = security.Seal(self._key, "remote-answer") if self._key is not None else None
+    self._token = _handshake_token(self._key) if self._key is not None else None
     self._challenge_secret = secrets.token_bytes(32)  # this process's: no state per peer
     self.counts: collections.Counter = collections.Counter()
+    self._handshakes_refused = 0
     self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
-    # (challenge, nonce) -> challenge epoch of authenticated requests, oldest first.
+    # challenge -> the highest request number answered under it, oldest challenge first.
     self._answered: collections.OrderedDict = collections.OrderedDict()
+    self._peers: dict[bytes, _Inbound] = {}  # connection id -> its inbound side
+    self._turns: collections.OrderedDict = collections.OrderedDict()  # ids with requests ready
+    self._closing: set[bytes] = set()  # connections to close (their queue was full)
+    self._sweep_at = 0.0  # when handshakes past their time are next closed
+    self._progressed = False  # a handshake took a step in this poll
     self._transfer = None
-    self._context = zmq.Context()  # its own: the handshake's handler is per context
-    self._gatekeeper = None
+    self._context = zmq.Context()
     self._socket = None
     try:
-      self._socket = self._context.socket(zmq.ROUTER)
+      self._socket = self._context.socket(zmq.STREAM)
       self._socket.setsockopt(zmq.LINGER, 0)
-      self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)  # per frame: zmq disconnects
-      self._socket.setsockopt(zmq.RCVHWM, 4 * self.max_messages_per_peer)  # per connection
-      self._socket.setsockopt(zmq.SNDHWM, 4 * self.max_messages_per_peer)  # beyond: dropped
-      if self._key is not None:  # before binding: no connection is ever taken without it
-        self._gatekeeper = _Gatekeeper(self._context, _handshake_token(self._key))
-        self._socket.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
-        self._socket.setsockopt(zmq.PLAIN_SERVER, 1)
+      self._socket.setsockopt(zmq.RCVHWM, _RCVHWM_CHUNKS)  # per connection, raw chunks
+      # Per connection, in sends: a largest answer is a header piece and, sealed, two sends
+      # a piece; beyond, the connection is closed (it does not read).
+      block = int(np.prod(cache.payload_shape)) * np.dtype(
+          pages_lib.bits_dtype(cache.config.jnp_dtype)).itemsize
+      sends = 1 + 2 * len(_piece_sizes(_MAX_FETCH_BLOCKS * block))
+      self._socket.setsockopt(zmq.SNDHWM, 4 * self.max_messages_per_peer * sends)
       if port:
         self._socket.bind(f"tcp://{host}:{port}")
       else:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
-    except BaseException:  # e.g. the port is taken: leave no thread or socket behind
-      if self._gatekeeper is not None:
-        self._gatekeeper.close()
+    except BaseException:  # e.g. the port is taken: leave no socket behind
       self._context.destroy(linger=0)
       raise
     self.address = f"{host}:{port}"
@@ -567,42 +796,62 @@ class BlockServer:
 
   @property
   def handshakes_refused(self) -> int:
-    """Connections turned away in the handshake (a wrong token), before anything of theirs
-    was queued. A client without any credentials fails earlier still (its handshake
-    offers no PLAIN at all) and is not counted here."""
-    return self._gatekeeper.refused if self._gatekeeper is not None else 0
+    """Connections turned away in the handshake (a wrong token), before a request of
+    theirs was read. A client without any credentials fails earlier still (its greeting
+    names another mechanism) and is not counted here."""
+    return self._handshakes_refused
+
+  @property
+  def queued_bytes_most(self) -> int:
+    """The most bytes ZeroMQ queues for one connection between polls: its STREAM queue of
+    ``_RCVHWM_CHUNKS`` chunks, and the one its reader holds once the queue is full (raw
+    chunks are read ``_IN_BATCH_BYTES`` at most; then TCP holds the sender back)."""
+    return (_RCVHWM_CHUNKS + 1) * _IN_BATCH_BYTES
+
+  @property
+  def held_bytes_most(self) -> int:
+    """The most bytes of one connection's requests this server holds: those read and
+    waiting (``max_pending_bytes_per_peer``), the one being read (its three frames at their
+    caps), a chunk as read and as not parsed yet, and a command."""
+    return (self.max_pending_bytes_per_peer + sum(_REQUEST_FRAME_BYTES) + 2 * _IN_BATCH_BYTES
+            + _MAX_COMMAND_BYTES)
 
   def poll(self, timeout_s: float = 0.0) -> int:
-    """Answers requests that arrive within ``timeout_s``, at most ``max_messages_per_poll``
-    of them read and ``max_messages_per_peer`` answered per routing id (ZeroMQ reads the
-    connections in turn; a peer's messages beyond its share are shed, counted), and none
-    once its answers' blocks pass ``max_answer_bytes_per_poll``. Returns how many it
-    answered; messages left waiting are read by the next poll."""
-    answered = read = answered_bytes = 0
+    """Reads what arrives within ``timeout_s`` and answers requests, at most
+    ``max_messages_per_poll`` of them and ``max_messages_per_peer`` a connection (the
+    connections in turn; a connection's others wait for the next poll), and none once its
+    answers' blocks pass ``max_answer_bytes_per_poll``. While a handshake is under way it
+    may read on until ``poll_overrun_s`` past the timeout (a handshake is three round
+    trips). Returns how many requests it answered."""
+    answered = answered_bytes = 0
     per_peer: collections.Counter = collections.Counter()
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline = now + timeout_s
     stop = deadline + self.poll_overrun_s
-    while read < self.max_messages_per_poll and answered_bytes <= self.max_answer_bytes_per_poll:
-      now = time.monotonic()
-      if now >= stop or not self._socket.poll(max(0, int((deadline - now) * 1000))):
-        break
-      frames = self._socket.recv_multipart(copy=False)
-      read += 1
-      peer = frames[0].bytes
-      per_peer[peer] += 1
-      if per_peer[peer] > self.max_messages_per_peer:
-        self.counts["shed"] += 1
+    self._tidy(now)
+    self._progressed = False
+    while (answered < self.max_messages_per_poll
+           and answered_bytes <= self.max_answer_bytes_per_poll):
+      turn = self._next_turn(per_peer)
+      if turn is not None:
+        peer, frames, problem = turn
+        per_peer[peer] += 1
+        reply, blocks_bytes = self._handle(peer, frames, problem)
+        self._send(peer, _encoded(reply))
+        answered += 1
+        answered_bytes += blocks_bytes
         continue
-      reply, blocks_bytes = self._handle(peer, frames[1:])
-      self._socket.send_multipart([peer, *reply], copy=False)
-      answered += 1
-      answered_bytes += blocks_bytes
+      now = time.monotonic()
+      until = stop if self._progressed else deadline
+      if now >= stop or not self._socket.poll(max(0, int((until - now) * 1000))):
+        break
+      self._receive()
     self.counts["answered"] += answered
     return answered
 
   def waiting(self) -> bool:
-    """Whether a message waits to be read (a ``poll`` left work for the next one)."""
-    return bool(self._socket.poll(0))
+    """Whether a request or bytes wait to be read (a ``poll`` left work for the next one)."""
+    return bool(self._turns) or bool(self._socket.poll(0))
 
   def serve(self, duration_s: float) -> None:
     end = time.monotonic() + duration_s
@@ -612,60 +861,163 @@ class BlockServer:
   def close(self) -> None:
     if self._socket is not None:
       self._socket.close(0)
-    if self._gatekeeper is not None:
-      self._gatekeeper.close()
     self._context.term()
+
+  # ---- connections: bytes in, answers out -----------------------------------------------------
+  def _receive(self) -> None:
+    """Reads one chunk: a connection made or gone (ZeroMQ's empty notice), or its bytes."""
+    try:
+      peer, data = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+    except zmq.Again:
+      return
+    inbound = self._peers.get(peer)
+    if not data:
+      if inbound is not None:  # gone
+        self._forget(peer)
+      else:  # made (or a notice of one already closed here: its greeting finds no one)
+        self._peers[peer] = _Inbound(self._token, self.counts,
+                                     self.max_pending_bytes_per_peer, time.monotonic())
+        self._progressed |= self._send(peer, [_greeting(
+            b"PLAIN" if self._token is not None else b"NULL", self._token is not None)])
+      return
+    if inbound is None:  # bytes of a connection being closed
+      return
+    try:
+      replies = inbound.feed(data)
+    except _Hangup:
+      self._hang_up(peer)
+      return
+    if inbound.refused:
+      inbound.refused = False
+      self._handshakes_refused += 1
+      self._closing.add(peer)  # once its ERROR has gone: at the next poll
+    if replies:
+      self._progressed |= self._send(peer, replies)
+    if inbound.ready and peer not in self._turns:
+      self._turns[peer] = None
+
+  def _next_turn(self, per_peer) -> tuple[bytes, list, str] | None:
+    """The next request to answer: from the first connection in turn below its share."""
+    for peer in self._turns:
+      if per_peer[peer] < self.max_messages_per_peer:
+        inbound = self._peers[peer]
+        frames, problem = inbound.take()
+        if inbound.ready:
+          self._turns.move_to_end(peer)
+        else:
+          del self._turns[peer]
+        return peer, frames, problem
+    return None
+
+  def _send(self, peer: bytes, pieces: list) -> bool:
+    """Sends ``pieces`` (one message's bytes) to ``peer`` without waiting; a connection whose
+    queue is full is closed (a partly sent message cannot be taken back)."""
+    try:
+      for piece in pieces:
+        self._socket.send_multipart([peer, piece], flags=zmq.NOBLOCK, copy=False)
+      return True
+    except zmq.Again:
+      self.counts["send_queue_full"] += 1
+      self._hang_up(peer)
+    except zmq.ZMQError:  # the connection is gone
+      self._forget(peer)
+    return False
+
+  def _hang_up(self, peer: bytes) -> None:
+    """Closes a connection (an empty send does), or tries again next poll."""
+    self._forget(peer)
+    try:
+      self._socket.send_multipart([peer, b""], flags=zmq.NOBLOCK)
+    except zmq.Again:  # its queue is full: the close waits there too
+      self._closing.add(peer)
+    except zmq.ZMQError:
+      pass  # gone already
+
+  def _forget(self, peer: bytes) -> None:
+    self._peers.pop(peer, None)
+    self._turns.pop(peer, None)
+    self._closing.discard(peer)
+
+  def _tidy(self, now: float) -> None:
+    """Closes the connections waiting to be closed, and once a second those whose
+    handshake is past ``handshake_timeout_s``."""
+    for peer in list(self._closing):
+      self._hang_up(peer)
+    if now >= self._sweep_at:
+      self._sweep_at = now + 1.0
+      for peer, inbound in list(self._peers.items()):
+        if inbound.state != "open" and now - inbound.since > self.handshake_timeout_s:
+          self._hang_up(peer)
 
   # ---- challenges: recomputed, never stored ------------------------------------------------
   def _epoch(self) -> int:
     return int(time.monotonic() // self.challenge_epoch_s)
 
-  def _challenge(self, peer: bytes, epoch: int) -> str:
-    mac = hmac.new(self._challenge_secret, b"%d\x00" % epoch + peer, hashlib.sha256)
-    return f"{epoch}-{mac.hexdigest()[:32]}"
+  def _challenge(self, peer: bytes, epoch: int, salt: str) -> str:
+    mac = hmac.new(self._challenge_secret, b"%d\x00%s\x00" % (epoch, salt.encode()) + peer,
+                   hashlib.sha256)
+    return f"{epoch}-{salt}-{mac.hexdigest()[:32]}"
 
-  def _authentic(self, peer: bytes, body: bytes, auth: bytes) -> bool:
-    """Whether ``auth`` holds a challenge this server made for ``peer`` (this epoch or the
-    last) and the key's MAC over it and ``body``."""
-    challenge, _, mac = auth.decode("ascii", "replace").partition(" ")
-    epoch, _, _ = challenge.partition("-")
-    if not (epoch.isdigit() and len(epoch) <= 15):
-      return False
+  def _authentic(self, peer: bytes, body, auth) -> tuple[str, int] | None:
+    """``(challenge, number)`` of ``auth`` (``"<challenge> <number> <MAC>"``) when it holds a
+    challenge this server made for ``peer`` (this epoch or the last) and the key's MAC over
+    it, the number and ``body``; else None."""
+    parts = bytes(auth).decode("ascii", "replace").split(" ")
+    if len(parts) != 3:
+      return None
+    challenge, number, mac = parts
+    epoch, _, rest = challenge.partition("-")
+    salt = rest.partition("-")[0]
+    if not (epoch.isdigit() and len(epoch) <= 15 and re.fullmatch(r"[0-9a-f]{8}", salt)
+            and number.isdigit() and len(number) <= 18 and str(int(number)) == number):
+      return None
     now = self._epoch()
-    return (int(epoch) in (now, now - 1)
-            and hmac.compare_digest(self._challenge(peer, int(epoch)), challenge)
-            and security.mac_ok(self._key, challenge, body, mac))
+    if (int(epoch) in (now, now - 1)
+        and hmac.compare_digest(self._challenge(peer, int(epoch), salt), challenge)
+        and security.mac_ok(self._key, f"{challenge} {number}", body, mac)):
+      return challenge, int(number)
+    return None
 
-  def _first_time(self, challenge: str, nonce: str) -> bool:
-    """Whether an authenticated request under ``challenge`` with ``nonce`` is new (and from
-    now on remembered): a repeat is a replay. Remembers the last ``max_remembered_nonces``,
-    dropping first those whose challenge has expired (a replay of those is refused as
-    unauthenticated anyway)."""
-    seen = (challenge, nonce)
-    if seen in self._answered:
-      return False
+  def _first_time(self, challenge: str, number: int) -> bool | None:
+    """Whether an authenticated request numbered ``number`` under ``challenge`` is new:
+    numbered above every one answered under it (a client's numbers only grow, and one
+    connection's requests arrive in order); from now on it is the highest. Remembers a
+    number per challenge until the challenge expires (a request under an expired one is
+    unauthenticated), ``max_replay_windows`` of them at most: None (refuse, "busy") for a
+    new challenge beyond that, rather than forget one still in use."""
+    last = self._answered.get(challenge)
+    if last is not None:
+      if number <= last:
+        return False
+      self._answered[challenge] = number
+      return True
     oldest = self._epoch() - 1
-    while self._answered and (len(self._answered) >= self.max_remembered_nonces
-                              or next(iter(self._answered.values())) < oldest):
+    epoch_of = lambda c: int(c.partition("-")[0])
+    while self._answered and epoch_of(next(iter(self._answered))) < oldest:
       self._answered.popitem(last=False)
-    self._answered[seen] = int(challenge.partition("-")[0])
+    if len(self._answered) >= self.max_replay_windows:
+      for c in [c for c in self._answered if epoch_of(c) < oldest]:
+        del self._answered[c]
+      if len(self._answered) >= self.max_replay_windows:
+        return None
+    self._answered[challenge] = number
     return True
 
   # ---- one request --------------------------------------------------------------------------
-  def _handle(self, peer: bytes, frames: list) -> tuple[list, int]:
+  def _handle(self, peer: bytes, frames: list, problem: str) -> tuple[list, int]:
     """The reply frames ``[nonce, answer, tag, *data]`` to one request
-    ``[nonce, message, auth]``, and the bytes of the blocks it answers with (for the
-    poll's budget): checked from the cheapest test on, parsed only once authenticated (a
-    hello excepted)."""
+    ``[nonce, message, auth]`` (``problem``: why its frames already break the protocol),
+    and the bytes of the blocks it answers with (for the poll's budget): checked from the
+    cheapest test on, parsed only once authenticated (a hello excepted)."""
     nonce = ""
     sealed = False
     try:
-      nonce = _readable_nonce(frames[0].bytes[:65].decode("ascii", "replace") if frames else "")
-      if len(frames) != 3:
-        raise WireError(f"a request has 3 frames (nonce, message, auth), not {len(frames)}")
-      body, auth = frames[1].bytes, frames[2].bytes
-      if self._key is not None and (auth or len(body) > _MAX_HELLO_BYTES) and not (
-          auth and self._authentic(peer, body, auth)):
+      nonce = _readable_nonce(bytes(frames[0][:65]).decode("ascii", "replace") if frames else "")
+      if problem:
+        raise WireError(problem)
+      body, auth = frames[1], frames[2]
+      signed = self._authentic(peer, body, auth) if self._key is not None and auth else None
+      if self._key is not None and (auth or len(body) > _MAX_HELLO_BYTES) and signed is None:
         answer, data = self._refuse_unauthenticated(nonce), []
       else:
         request = decode(body, REQUESTS)
@@ -673,15 +1025,21 @@ class BlockServer:
           raise WireError(f"the message's nonce {request.nonce!r} is not its frame's", nonce)
         if isinstance(request, Hello):
           self.counts["hello"] += 1
-          answer, data = Welcome(nonce=nonce, challenge=self._challenge(peer, self._epoch()),
+          challenge = self._challenge(peer, self._epoch(), secrets.token_hex(4))
+          answer, data = Welcome(nonce=nonce, challenge=challenge,
                                  valid_ms=int(self.challenge_epoch_s * 1000)), []
-        elif self._key is not None and not auth:
+        elif self._key is not None and signed is None:
           answer, data = self._refuse_unauthenticated(nonce), []
-        elif self._key is not None and not self._first_time(
-            auth.decode("ascii", "replace").partition(" ")[0], request.nonce):
-          self.counts["replay"] += 1
-          answer, data = Refusal(nonce=nonce, error="replay: a request this server has "
-                                 "already answered (the same challenge and nonce)"), []
+        elif self._key is not None and (new := self._first_time(*signed)) is not True:
+          if new is None:
+            self.counts["replay_windows_full"] += 1
+            answer = Refusal(nonce=nonce, error=f"busy: requests under {self.max_replay_windows} "
+                             "challenges are numbered here already (say hello again later)")
+          else:
+            self.counts["replay"] += 1
+            answer = Refusal(nonce=nonce, error="replay: numbered at or below a request this "
+                             "server has answered under the same challenge")
+          data = []
         else:
           answer, data = self.reply(request)
           sealed = isinstance(answer, Offer) and answer.sealed
@@ -891,13 +1249,245 @@ class RemoteTier:
     return FetchOutcome(stage(staged) if staged else None, tuple(failures))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """What an answer to one request may hold, frame by frame: a nonce (``_MAX_NONCE_BYTES``),
+  a header (``_MAX_HEADER_BYTES``), tags (``tag_bytes``), then exactly the blocks frames
+  ``data`` (their sizes), or none. An answer to another request is read past, if its
+  frames stay within ``other_frames`` frames of ``other_frame_bytes`` each."""
+
+  tag_bytes: int
+  data: tuple[int, ...]
+  other_frame_bytes: int
+  other_frames: int
+
+
+class _Link:
+  """The client's connection to a peer: a TCP socket speaking ZMTP 3.1 as a ZeroMQ DEALER
+  does (NULL, or PLAIN with the key's token), read by hand so that each frame's size is
+  checked before a byte of it is kept (``answer``). Every wait has the caller's deadline.
+  An answer left half read (late, or with a frame that cannot belong) closes the link:
+  what follows on the stream can no longer be told apart."""
+
+  READ_AHEAD_BYTES = 64 << 10  # small frames are read from a buffer this size
+
+  def __init__(self, address: str, host: str, port: int, token: bytes | None,
+               deadline: float):
+    self.address = address
+    self.closed = False
+    self._buf = bytearray()  # bytes read ahead, not yet taken
+    self._ahead = bytearray(self.READ_AHEAD_BYTES)
+    try:
+      self._sock = socket.create_connection((host.strip("[]"), port),
+                                            timeout=max(1e-3, deadline - time.monotonic()))
+    except TimeoutError:
+      raise RemoteError("deadline", f"peer {address} did not take a connection in time") from None
+    except OSError as e:
+      raise RemoteError("io", f"cannot connect to peer {address}: {e}") from None
+    try:
+      self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      self._handshake(token, deadline)
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    self.closed = True
+    self._sock.close()
+
+  # ---- bytes, with the deadline -----------------------------------------------------------
+  def _wait(self, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise RemoteError("deadline", f"peer {self.address} did not answer in time")
+    self._sock.settimeout(left)
+
+  def _io(self, call, *args):
+    try:
+      return call(*args)
+    except TimeoutError:
+      raise RemoteError("deadline", f"peer {self.address} did not answer in time") from None
+    except OSError as e:
+      raise RemoteError("io", f"the connection to peer {self.address} failed: {e}") from None
+
+  def _write(self, data, deadline: float) -> None:
+    self._wait(deadline)
+    self._io(self._sock.sendall, data)
+
+  def _fill(self, deadline: float) -> None:
+    """Reads what has come (a byte at least, ``READ_AHEAD_BYTES`` at most)."""
+    self._wait(deadline)
+    n = self._io(self._sock.recv_into, self._ahead)
+    if not n:
+      raise RemoteError("closed", f"peer {self.address} closed the connection")
+    with memoryview(self._ahead) as view:
+      self._buf += view[:n]
+
+  def _read(self, n: int, deadline: float) -> bytes:
+    """``n`` bytes (a small frame: at most ``_MAX_HEADER_BYTES``)."""
+    while len(self._buf) < n:
+      self._fill(deadline)
+    out = bytes(self._buf[:n])
+    del self._buf[:n]
+    return out
+
+  def _read_into(self, out: memoryview, deadline: float) -> None:
+    """Fills ``out`` (a blocks frame, read straight into its own buffer)."""
+    taken = min(len(self._buf), len(out))
+    out[:taken] = self._buf[:taken]
+    del self._buf[:taken]
+    out = out[taken:]
+    while out:
+      self._wait(deadline)
+      n = self._io(self._sock.recv_into, out)
+      if not n:
+        raise RemoteError("closed", f"peer {self.address} closed the connection")
+      out = out[n:]
+
+  def _skip(self, n: int, deadline: float) -> None:
+    """Reads past ``n`` bytes, keeping none."""
+    while n:
+      if not self._buf:
+        self._fill(deadline)
+      taken = min(n, len(self._buf))
+      del self._buf[:taken]
+      n -= taken
+
+  def _frame_head(self, deadline: float) -> tuple[int, int]:
+    flags, size = self._read(2, deadline)
+    if flags & ~(_MORE | _LONG | _COMMAND):
+      raise RemoteError("malformed", f"a frame with flags {flags:#x}")
+    if flags & _LONG:
+      size = int.from_bytes(bytes([size]) + self._read(7, deadline), "big")
+    return flags, size
+
+  # ---- the handshake ------------------------------------------------------------------------
+  def _handshake(self, token: bytes | None, deadline: float) -> None:
+    mine = b"PLAIN" if token is not None else b"NULL"
+    self._write(_greeting(mine, as_server=False), deadline)
+    try:
+      theirs = _greeting_mechanism(self._read(_GREETING_BYTES, deadline))
+      if theirs != mine:
+        raise RemoteError("refused", f"peer {self.address} refused this connection's "
+                          f"handshake (it speaks {theirs or b'no ZMTP 3'!r}, this client "
+                          f"{mine!r}): {_HANDSHAKE_FIX}")
+      if token is not None:
+        self._write(_command(b"HELLO", bytes([len(_HANDSHAKE_USER)]) + _HANDSHAKE_USER
+                             + bytes([len(token)]) + token), deadline)
+        self._expect(b"WELCOME", deadline)
+        self._write(_command(b"INITIATE", _socket_type(b"DEALER")), deadline)
+      else:
+        self._write(_command(b"READY", _socket_type(b"DEALER")), deadline)
+      self._expect(b"READY", deadline)
+    except RemoteError as e:
+      if e.reason not in (Failure.CLOSED, Failure.IO):
+        raise
+      raise RemoteError("refused", f"peer {self.address} closed the connection in this "
+                        f"connection's handshake ({e}): {_HANDSHAKE_FIX}") from None
+
+  def _expect(self, name: bytes, deadline: float) -> None:
+    flags, size = self._frame_head(deadline)
+    if not flags & _COMMAND or size > _MAX_COMMAND_BYTES:
+      raise RemoteError("malformed", f"a frame of {size} bytes in the handshake, where a "
+                        f"{name.decode()} command belongs")
+    got, body = _command_parts(self._read(size, deadline))
+    if got == b"ERROR":
+      reason = body[1:1 + body[0]].decode("ascii", "replace") if body else ""
+      raise RemoteError("refused", f"peer {self.address} refused this connection's "
+                        f"handshake ({reason or 'no reason'}): {_HANDSHAKE_FIX}")
+    if got != name:
+      raise RemoteError("malformed", f"a {got[:20]!r} command in the handshake, where "
+                        f"{name.decode()} belongs")
+
+  # ---- messages ------------------------------------------------------------------------------
+  def send_multipart(self, frames, deadline: float | None = None) -> None:
+    """Sends one message (by ``deadline``; by default within 5 s)."""
+    data = b"".join(_head(len(f), _MORE if i < len(frames) - 1 else 0) + bytes(f)
+                    for i, f in enumerate(frames))
+    self._write(data, time.monotonic() + 5.0 if deadline is None else deadline)
+
+  def answer(self, nonce: bytes, layout: _Layout, deadline: float) -> list | None:
+    """The next message's frames if it answers ``nonce`` (the blocks frames each in a buffer
+    of its own, the others bytes), each frame's size checked against ``layout`` before it
+    is read; None for an answer to another request, read past without being kept. Raises
+    ``RemoteError`` at the first frame that cannot belong (a blocks frame of another size
+    than asked: "shape"; anything else: "malformed"), the link closed."""
+    try:
+      return self._answer(nonce, layout, deadline)
+    except BaseException:
+      self.close()
+      raise
+
+  def _answer(self, nonce: bytes, layout: _Layout, deadline: float) -> list | None:
+    frames: list = []
+    most = 3 + len(layout.data)
+    while True:
+      flags, size = self._frame_head(deadline)
+      if flags & _COMMAND:  # a ping, between messages
+        if frames or size > _MAX_COMMAND_BYTES:
+          raise RemoteError("malformed", f"a command of {size} bytes in an answer")
+        self._skip(size, deadline)
+        continue
+      more = bool(flags & _MORE)
+      i = len(frames)
+      if i == 0:
+        if size > _MAX_NONCE_BYTES:
+          raise RemoteError("malformed", f"an answer's nonce of {size} bytes (at most "
+                            f"{_MAX_NONCE_BYTES})")
+        if self._read(size, deadline) != nonce:  # to an earlier request: read past it
+          self._read_past(more, layout, deadline)
+          return None
+        frames.append(nonce)
+      elif i < 3:
+        cap = _MAX_HEADER_BYTES if i == 1 else layout.tag_bytes
+        if size > cap:
+          raise RemoteError("malformed", f"an answer {('header', 'tags')[i - 1]} of {size} "
+                            f"bytes (at most {cap})")
+        self._no_more(more, i, most)
+        frames.append(self._read(size, deadline))
+      else:
+        want = layout.data[i - 3]
+        if size != want:
+          raise RemoteError("shape", f"a blocks frame of {size} bytes, expected {want}")
+        self._no_more(more, i, most)
+        buf = np.empty(size, np.uint8)
+        self._read_into(memoryview(buf), deadline)
+        frames.append(memoryview(buf))
+      if not more:
+        break
+    if len(frames) < 3:
+      raise RemoteError("malformed", f"an answer of {len(frames)} frames, not 3 or more")
+    return frames
+
+  @staticmethod
+  def _no_more(more: bool, i: int, most: int) -> None:
+    """Refuses frame ``i`` (from 0) when it says more follow and the answer holds ``most``."""
+    if more and i + 1 >= most:
+      raise RemoteError("malformed", f"an answer of more than {most} frames (frame {i + 1} "
+                        "says more follow)")
+
+  def _read_past(self, more: bool, layout: _Layout, deadline: float) -> None:
+    """Reads past the rest of a message that answers another request, keeping nothing."""
+    count = 1
+    while more:
+      flags, size = self._frame_head(deadline)
+      count += 1
+      if flags & _COMMAND or size > layout.other_frame_bytes or count > layout.other_frames:
+        raise RemoteError("malformed", f"an answer to another request, past {count} frames "
+                          f"or {layout.other_frame_bytes} bytes a frame")
+      self._skip(size, deadline)
+      more = bool(flags & _MORE)
+
+
 class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker.
 
   ``secret``: the deployment key (the peer must have the same); ``encrypt``: ask for
   sealed blocks and refuse plaintext ones (needs the key). With a key, each connection
   opens with the handshake's token (``_handshake_token``); a peer that refuses the
-  handshake (another key, or none) is a "refused" miss as soon as it says so. Whatever
+  handshake (another key, or none) is a "refused" miss as soon as it says so. Its one
+  connection (``_Link``) reads answers frame by frame, each checked against what the
+  request can get (``_layout``), so an answer costs it at most ``answer_bytes_most``. Whatever
   goes wrong with a lookup or a fetch is counted in ``failures_by_reason`` (``base.Failure``
   values) and costs a miss: ``lookup`` returns 0, ``fetch`` raises ``RemoteError`` and
   nothing else."""
@@ -932,12 +1522,11 @@ class RemoteClient:
     self.stale_answers = 0  # answers dropped unread: to an earlier request, or to none
     self._challenge = ""
     self._challenge_until = 0.0
+    self._number = 0  # of the last request sent: a request's number only grows
+    self._block_bytes = 0  # one block's bits, as ``expect`` sized them
     self._max_frame_bytes = _MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
-    self._context = zmq.Context.instance()
     self._token = _handshake_token(self._secret) if self._secret is not None else None
-    self._sock = None
-    self._monitor = None  # the socket's handshake failures, as ZeroMQ reports them
-    self._poller = None  # the socket and its monitor
+    self._sock: _Link | None = None
     self._transfer_server = None
     # transfer address -> connection, least recently used first (``_MAX_TRANSFER_CONNECTIONS``)
     self._connections: collections.OrderedDict = collections.OrderedDict()
@@ -947,17 +1536,44 @@ class RemoteClient:
     return self.breaker.available
 
   def expect(self, payload_shape, dtype) -> None:
-    """Sizes the largest frame this client reads (ZeroMQ drops a connection that sends a
-    bigger one): one fetch's blocks inline (sealed ones come in smaller pieces), else an
-    answer header. Set before the first connection (``RemoteTier`` does); a change
-    re-makes the connection."""
+    """Sizes the blocks frames this client reads: a fetch's answer holds exactly its blocks
+    (``_layout``), and the largest frame it reads past (an answer to an earlier request) is
+    one fetch's blocks inline, else an answer header. Set before the first fetch
+    (``RemoteTier`` does); a change re-makes the connection."""
     block = int(np.prod(payload_shape)) * np.dtype(pages_lib.bits_dtype(dtype)).itemsize
     most = _MAX_HEADER_BYTES
     if self.transport == "inline":
       most = max(most, _MAX_FETCH_BLOCKS * block + security.Seal.OVERHEAD)
-    if most != self._max_frame_bytes:
-      self._max_frame_bytes = most
+    if (most, block) != (self._max_frame_bytes, self._block_bytes):
+      self._max_frame_bytes, self._block_bytes = most, block
       self._close()
+
+  def _layout(self, request) -> _Layout:
+    """What an answer to ``request`` may hold: inline blocks as one frame of exactly the
+    blocks asked for (its tags one a ``_CHUNK_BYTES`` piece, and the header's), or sealed
+    as one frame a piece, each exactly its piece and its seal; no blocks frame otherwise."""
+    tag, data = security.Seal.TAG_BYTES, ()
+    if isinstance(request, FetchBlocks) and request.transport == "inline":
+      pieces = _piece_sizes(len(request.keys) * self._block_bytes)
+      if request.sealed:
+        data = tuple(p + security.Seal.OVERHEAD for p in pieces)
+      else:
+        data, tag = (sum(pieces),), tag * (1 + len(pieces))
+    most_pieces = len(_piece_sizes(_MAX_FETCH_BLOCKS * self._block_bytes))
+    return _Layout(tag_bytes=tag, data=data, other_frame_bytes=self._max_frame_bytes,
+                   other_frames=3 + most_pieces)
+
+  def answer_bytes_most(self, blocks: int) -> int:
+    """The most bytes an answer to a fetch of ``blocks`` blocks makes this client hold, as
+    ``expect`` sized them: its frames at their caps (a nonce, a header, tags, the blocks as
+    asked, sealed ones with their seals), what its connection reads ahead, and the blocks
+    opened from their seal."""
+    layout = self._layout(FetchBlocks(
+        nonce="n", fingerprint="", keys=(bytes(32),) * blocks, token="t",
+        transport=self.transport, sealed=self.encrypt, wait_ms=0))
+    opened = blocks * self._block_bytes if self.encrypt else 0
+    return (_MAX_NONCE_BYTES + _MAX_HEADER_BYTES + layout.tag_bytes + sum(layout.data)
+            + 2 * _Link.READ_AHEAD_BYTES + opened)
 
   def _failed(self, reason: Failure, close: bool = True) -> Failure:
     self.failures_by_reason[reason.value] += 1
@@ -968,47 +1584,33 @@ class RemoteClient:
 
   def _close(self) -> None:
     if self._sock is not None:
-      self._sock.disable_monitor()
-      self._monitor.close(0)
-      self._sock.close(0)
-    self._sock = self._monitor = self._poller = None
+      self._sock.close()
+    self._sock = None
     self._challenge = ""
 
   def _exchange(self, request, deadline: float) -> tuple[Any, list]:
     """Sends one request and waits (until ``deadline``) for the answer to it: the answer
     its kind expects (``Refusal`` raises ``RemoteError``), and its data frames (opened,
-    when sealed). With a key, the answer's tag is checked before anything of it is parsed;
-    an answer that breaks the protocol raises ``RemoteError("malformed")``."""
+    when sealed). Each frame is checked against what the answer may hold before it is read
+    (``_Link.answer``); with a key, the answer's tag is checked before anything of it is
+    parsed; an answer that breaks the protocol raises ``RemoteError("malformed")``."""
     body = request.encode()
     auth = b""
     if self._secret is not None and not isinstance(request, Hello):
-      auth = f"{self._challenge} {security.challenge_mac(self._secret, self._challenge, body)}"
-      auth = auth.encode("ascii")
+      self._number += 1
+      signed = f"{self._challenge} {self._number}"
+      auth = f"{signed} {security.challenge_mac(self._secret, signed, body)}".encode("ascii")
     nonce = request.nonce.encode()
-    self._sock.send_multipart([nonce, body, auth], flags=zmq.NOBLOCK)
+    link = self._sock
+    link.send_multipart([nonce, body, auth], deadline=deadline)
     sealed = isinstance(request, FetchBlocks) and request.sealed
+    layout = self._layout(request)
     while True:
-      wait_ms = int((deadline - time.monotonic()) * 1000)
-      ready = dict(self._poller.poll(wait_ms)) if wait_ms > 0 else {}
-      if self._monitor in ready:
-        event = zmq_monitor.recv_monitor_message(self._monitor)
-        raise RemoteError("refused", f"peer {self.address} refused this connection's "
-                          f"handshake ({zmq.Event(event['event']).name}): the two jobs do not "
-                          "hold the same deployment key, or only one of them has one")
-      if self._sock not in ready:
-        raise RemoteError("deadline", f"peer {self.address} did not answer in time")
-      frames = self._sock.recv_multipart(copy=False)
-      if frames[0].bytes != nonce:  # to an earlier request that timed out, or junk: unread
+      frames = link.answer(nonce, layout, deadline)
+      if frames is None:  # to an earlier request, or junk: read past, unkept
         self.stale_answers += 1
         continue
-      most = 4 if not sealed else 3 + -(-self._max_frame_bytes // _CHUNK_BYTES)
-      if not 3 <= len(frames) <= most:
-        raise RemoteError("malformed", f"an answer of {len(frames)} frames, not 3 to {most}")
-      header, tag = frames[1].bytes, frames[2].bytes
-      if len(header) > _MAX_HEADER_BYTES:
-        raise RemoteError("malformed", f"an answer header of {len(header)} bytes (at most "
-                          f"{_MAX_HEADER_BYTES})")
-      data = [f.buffer for f in frames[3:]]
+      header, tag, data = frames[1], frames[2], frames[3:]
       if self._seal is not None:
         data = self._verified(request.nonce, header, tag, data, sealed)
       try:
@@ -1062,20 +1664,8 @@ class RemoteClient:
                         f"or was changed on the way ({e})") from None
 
   def _connect(self, deadline: float) -> None:
-    if self._sock is None:
-      self._sock = self._context.socket(zmq.DEALER)
-      self._sock.setsockopt(zmq.LINGER, 0)
-      self._sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
-      self._sock.setsockopt(zmq.RCVHWM, 16)
-      self._sock.setsockopt(zmq.SNDHWM, 16)
-      if self._token is not None:
-        self._sock.setsockopt(zmq.PLAIN_USERNAME, _HANDSHAKE_USER)
-        self._sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
-      self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
-      self._poller = zmq.Poller()
-      self._poller.register(self._sock, zmq.POLLIN)
-      self._poller.register(self._monitor, zmq.POLLIN)
-      self._sock.connect(f"tcp://{self.host}:{self.port}")
+    if self._sock is None or self._sock.closed:
+      self._sock = _Link(self.address, self.host, self.port, self._token, deadline)
     welcome, _ = self._exchange(Hello(nonce=_nonce()), deadline)
     self.hellos += 1
     self._challenge = welcome.challenge
@@ -1085,7 +1675,8 @@ class RemoteClient:
     """``request``'s answer; a connection gets its challenge first, again once it expires,
     and once more when the peer no longer takes it (a re-made connection)."""
     for attempt in range(2):
-      if self._sock is None or not self._challenge or time.monotonic() >= self._challenge_until:
+      if (self._sock is None or self._sock.closed or not self._challenge
+          or time.monotonic() >= self._challenge_until):
         self._connect(deadline)
       try:
         return self._exchange(request, deadline)
