@@ -552,19 +552,19 @@ def test_opening_a_store_tolerates_temporaries_that_vanish_meanwhile(tmp_path, m
   make = lambda: DiskTier(path, num_slots=8, payload_shape=(2, 2, 4, 8), dtype="float32",
                           fingerprint=b"f" * 32)
   first = make()
-  from jaxkv.tiers import disk as disk_module
+  from jaxkv.tiers import localdir
   os.makedirs(first.prefix_path, mode=0o700, exist_ok=True)
   temporary = os.path.join(first.prefix_path, "ab" * 32 + ".__lock")
   with open(temporary, "wb") as f:
     f.write(b"half a record")
-  real = disk_module._remove_if_unlocked
+  real = localdir._remove_if_unlocked
 
   def writer_finishes_first(dir_fd, name):  # the writer renames it once it was listed
     if name.endswith(".__lock"):
       os.rename(temporary, temporary[:-len(".__lock")])
     return real(dir_fd, name)
 
-  monkeypatch.setattr(disk_module, "_remove_if_unlocked", writer_finishes_first)
+  monkeypatch.setattr(localdir, "_remove_if_unlocked", writer_finishes_first)
   assert make().removed_temporaries == 0  # listed, gone by the time it is looked at
   assert os.path.exists(temporary[:-len(".__lock")])  # the finished record is left alone
 

@@ -37,7 +37,7 @@ batch, not an fsync per record: each record is a complete file or absent after a
 and adoption verifies it anyway).
 
 On open, temporaries a killed writer left are deleted (never a live writer's: see
-``_remove_if_unlocked``), and ``scan`` streams over this prefix's records with a bounded
+``localdir``), and ``scan`` streams over this prefix's records with a bounded
 window of reads (``SCAN_WINDOW``, ``SCAN_WINDOW_BYTES``), so memory stays bounded whatever
 the store holds: a record whose size is wrong is judged without reading it whole (a local
 file's size is known before it is read; an object store's reads are cut at the record's
@@ -59,42 +59,22 @@ object store, or a local one whose directories give group or others access, says
 (``security.warn_insecure``).
 
 Nothing under a local store's root is followed (threat model: BUILD.md; whoever can write
-the store can plant links, FIFOs, sockets). The root, ``records/`` and the prefix are opened
-one from the other with ``O_NOFOLLOW`` before every read, delete and write, and a link at
-any of them is refused (``InputError``: a link there would send reads and deletes to
-whatever it points at). jaxkv reads and deletes local records itself, not through
-TensorStore (whose file driver follows links and opens a FIFO blocking): a record is read
-only if it is a regular file (``lstat``, then ``open(O_NOFOLLOW | O_NONBLOCK)`` and
-``fstat``: a name swapped between the two checks is caught by the second, and a FIFO opened
-non-blocking never blocks), and only a regular file is ever deleted (``unlink`` relative to
-the checked directory, which removes a name, never what a link points to). A link, FIFO,
-socket, device or directory under a record's name is left in place and counted
-(``not_a_file`` at open; ``magic``, not a jaxkv record, when read). A hard link to someone's
-file loses only its name here. What remains: writes go through TensorStore by path, so a
-prefix swapped for a link between the check before a write and TensorStore's own open of
-the name puts that one record in the linked directory (a file named by a block key; nothing
-there is read or deleted); a name swapped for a device node between the ``lstat`` and the
-open is opened (non-blocking, no controlling tty) before ``fstat`` refuses it (planting a
-device node takes CAP_MKNOD); ``scan`` deletes a junk file only if the name still is the file
-it judged, but a later delete of a dropped block's record removes whatever regular file has
-its name then (a miss later, as any record another sharer evicted). Object stores have no
-links.
+the store can plant links, FIFOs, sockets): jaxkv reads and deletes local records itself,
+not through TensorStore (whose file driver follows links and opens a FIFO blocking), through
+``jaxkv.tiers.localdir.LocalDir``, whose docstring says what it refuses and what remains. A
+link, FIFO, socket, device or directory under a record's name is left in place and counted
+(``not_a_file``, at open and when read). Object stores have no links.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import ctypes
 import dataclasses
-import errno
-import fcntl
 import functools
 import heapq
 import os
 import stat
-import threading
 import time
 
 import numpy as np
@@ -105,9 +85,10 @@ from jaxkv import security
 from jaxkv.index import Tier
 from jaxkv.tiers import blocks
 from jaxkv.tiers.base import Failure, Fetch, FetchOutcome
+from jaxkv.tiers.localdir import (RECORDS_PATH, LocalDir, NotAFile, file_pool, identity,
+                                  pread, unlink_regular)
 from jaxkv.errors import InputError
 
-RECORDS_PATH = "records/"
 READ_ATTEMPTS = 2  # reads of one record that raise before it is given up (deleted)
 SCAN_WINDOW = 32  # records in flight at once while a store is opened (``scan``) ...
 SCAN_WINDOW_BYTES = 64 << 20  # ... and at most this many of their bytes
@@ -118,123 +99,12 @@ NOT_A_FILE = "not_a_file"  # ``scan``'s reason for a name that is no regular fil
 _KEPT_AT_OPEN = frozenset({Failure.VERSION, Failure.READ_RETRY, Failure.DEADLINE})
 # TensorStore error codes that mean the stored bytes are wrong, not that reading failed.
 _DAMAGE = ("DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
-# A local record is opened so that neither a link (ELOOP) nor a FIFO (no wait for a writer)
-# nor a terminal (no controlling tty) can make the open follow, block or do anything else.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TREE_DEPTH = 8  # ``bytes_on_disk`` looks no deeper (jaxkv's own tree is 3 deep)
 
 
 class Gone(Exception):
   """The record is not in the store (another process evicted it)."""
 
   reason = Failure.GONE
-
-
-class NotAFile(blocks.BlockError):
-  """A record's name does not lead to a regular file in the store's own directory: a link,
-  FIFO, socket, device or directory is there, or the prefix directory is a link. Never
-  opened for reading, never deleted; read, it is a verification failure (``not_a_file``)."""
-
-  def __init__(self, detail: str):
-    super().__init__(Failure.NOT_A_FILE.value, detail)
-
-
-def _kind(mode: int) -> str:
-  for test, kind in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                     (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-    if test(mode):
-      return kind
-  return f"of mode {mode:o}"
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-  return st.st_dev, st.st_ino
-
-
-def _remove_if_unlocked(dir_fd: int, name: str) -> bool:
-  """Removes the temporary ``name`` in directory ``dir_fd`` if it is a regular file no
-  process holds a lock on (a POSIX record lock conflicts with a writer's
-  open-file-description lock too). Returns whether it was removed."""
-  try:
-    fd = os.open(name, os.O_RDWR | (_FILE_FLAGS & ~os.O_ACCMODE), dir_fd=dir_fd)
-  except OSError:
-    return False  # gone (its writer finished it), a link, or not ours to open
-  try:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      return False
-    try:
-      fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-      return False  # held: a live writer's
-    # While holding the lock, as the writers' protocol expects, and only if the name still
-    # is this file (a writer that renamed it away may have made a new one under the name).
-    return _unlink_regular(dir_fd, name, _identity(st))
-  finally:
-    os.close(fd)
-
-
-def _remove_stale_temporaries(dir_fd: int) -> int:
-  n = 0
-  with os.scandir(dir_fd) as entries:
-    for entry in entries:
-      if (entry.name.endswith(".__lock") and entry.is_file(follow_symlinks=False)
-          and _remove_if_unlocked(dir_fd, entry.name)):
-        n += 1
-  return n
-
-
-def _unlink_regular(dir_fd: int, name: str, same_as: tuple[int, int] | None = None) -> bool:
-  """Removes ``name`` in directory ``dir_fd`` if it is a regular file (and, given
-  ``same_as``, that very file): never what a link points to, never a FIFO, socket, device
-  or directory. Returns whether it was removed."""
-  try:
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if not stat.S_ISREG(st.st_mode) or (same_as is not None and _identity(st) != same_as):
-      return False
-    os.unlink(name, dir_fd=dir_fd)
-    return True
-  except FileNotFoundError:
-    return False
-
-
-def _pread(fd: int, nbytes: int) -> bytes:
-  """Up to ``nbytes`` from the start of ``fd`` (fewer at its end)."""
-  chunks, got = [], 0
-  while got < nbytes:
-    chunk = os.pread(fd, nbytes - got, got)
-    if not chunk:
-      break
-    chunks.append(chunk)
-    got += len(chunk)
-  return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _tree_bytes(dir_fd: int, depth: int) -> int:
-  total = 0
-  with os.scandir(dir_fd) as entries:
-    for entry in entries:
-      try:
-        if entry.is_file(follow_symlinks=False):
-          total += entry.stat(follow_symlinks=False).st_size
-        elif entry.is_dir(follow_symlinks=False) and depth > 0:
-          fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-          try:
-            total += _tree_bytes(fd, depth - 1)
-          finally:
-            os.close(fd)
-      except OSError:  # removed meanwhile by another process, or swapped for a link
-        pass
-  return total
-
-
-@functools.lru_cache(maxsize=1)
-def _file_pool() -> concurrent.futures.ThreadPoolExecutor:
-  """Threads for local reads and deletes (jaxkv's, not TensorStore's: see the module
-  docstring). A read here never blocks on what a record's name holds."""
-  return concurrent.futures.ThreadPoolExecutor(thread_name_prefix="jaxkv-disk")
 
 
 def kvstore_spec(location) -> dict:
@@ -274,16 +144,6 @@ class _Got:
 
   state: str
   value: bytes = b""
-
-
-@dataclasses.dataclass(frozen=True)
-class _FileRead:
-  """What a local scan read found: the file's ``size`` and identity, and its first bytes
-  (a record's worth if its size is a record's, else ``blocks.PEEK_BYTES``)."""
-
-  size: int
-  identity: tuple[int, int]
-  data: bytes
 
 
 class _Adoption:
@@ -360,14 +220,11 @@ class DiskTier:
     self.record_bytes = blocks.record_bytes(payload_shape, dtype)
     self.local = self.kvstore["driver"] == "file"
     self._root = (self.kvstore.get("path", "").rstrip("/") or "/") if self.local else None
-    self._prefix_checked = None  # (prefix, st_dev, st_ino) of the directory last checked
-    self._unlinker = _Unlinker(self._open_dir) if self.local else None
-    self._root_fix = (f"point disk_kvstore at the directory itself "
-                      f"({os.path.realpath(self._root)!r})" if self.local else "")
+    self._dirs = LocalDir(self._root) if self.local else None  # every local file access
     self.discarded: collections.Counter = collections.Counter()  # the last ``scan``'s
     self._check_writable()
     self._warn_if_exposed()
-    self.removed_temporaries = self._remove_temporaries()
+    self.removed_temporaries = self._dirs.remove_temporaries() if self.local else 0
     spec = dict(self.kvstore)
     spec["path"] = spec.get("path", "") + RECORDS_PATH
     if self.local:
@@ -420,8 +277,8 @@ class DiskTier:
       return
     path = self._root
     try:
-      security.make_private_dir(path, fix=self._root_fix)
-      os.close(self._open_dir(None, create=True))
+      security.make_private_dir(path, fix=self._dirs.root_fix)
+      os.close(self._dirs.open_dir(None, create=True))
     except OSError as e:
       raise InputError(f"disk tier directory {path!r} cannot be created ({e.strerror}); "
                        "point disk_kvstore at a writable directory.") from None
@@ -429,57 +286,11 @@ class DiskTier:
       raise InputError(f"disk tier directory {path!r} is not writable; point disk_kvstore at "
                        "a writable directory.")
 
-  def _open_dir(self, prefix: str | None, *, create: bool = False) -> int:
-    """The descriptor of ``records/`` (``prefix`` None) or of ``records/<prefix>``, each
-    component opened from the one above with ``O_NOFOLLOW`` (made 0700 if missing and
-    ``create``): a link at the root, ``records/`` or the prefix raises ``InputError``, a
-    missing one (not ``create``) ``FileNotFoundError``. The caller closes it."""
-    root = security.open_private_dir(self._root, create=create, fix=self._root_fix)
-    fd, where = root, self._root
-    for part in [RECORDS_PATH] + ([prefix] if prefix is not None else []):
-      where = os.path.join(where, part.rstrip("/"))
-      parent = fd
-      try:
-        fd = security.open_private_dir(
-            part, dir_fd=parent, where=where, create=create,
-            fix=f"remove it (`rm {where}`: whoever can write the store can plant one) and "
-            "open the store again")
-      finally:
-        os.close(parent)
-    return fd
-
-  @contextlib.contextmanager
-  def _dir(self, prefix: str | None):
-    fd = self._open_dir(prefix)
-    try:
-      yield fd
-    finally:
-      os.close(fd)
-
   def _ensure_prefix(self) -> None:
-    """Makes this prefix's directory (0700) before TensorStore would make it per the umask,
-    and checks that none of the directories down to it is a link (``InputError``).
-
-    Before every write: once a directory was checked that way, the path is only resolved
-    (one ``stat``, following links as TensorStore's open will) and compared with the
-    checked directory's identity; the same inode means the write lands in it, and anything
-    else is checked again from the root (and refused if it is a link)."""
-    if not self.local:
-      return
-    checked = self._prefix_checked
-    if checked is not None and checked[0] == self.prefix:
-      try:
-        st = os.stat(self.prefix_path)
-        if (st.st_dev, st.st_ino) == checked[1:]:
-          return
-      except OSError:
-        pass  # gone or unreachable: checked (and made) again below
-    fd = self._open_dir(self.prefix, create=True)
-    try:
-      st = os.fstat(fd)
-    finally:
-      os.close(fd)
-    self._prefix_checked = (self.prefix, st.st_dev, st.st_ino)
+    """Makes this prefix's directory (0700) before TensorStore would make it per the umask;
+    refuses one that is (or is reached through) a link (``LocalDir.ensure_prefix``)."""
+    if self.local:
+      self._dirs.ensure_prefix(self.prefix, self.prefix_path)
 
   def _warn_if_exposed(self) -> None:
     """Without a key a record proves nothing against whoever can write the store, and holds
@@ -503,31 +314,6 @@ class DiskTier:
             f"run `chmod 700 {path}` or set a deployment key")
         return
 
-  def _remove_temporaries(self) -> int:
-    """Deletes ``*.__lock`` files a killed writer left in ``records/`` and the directories
-    right under it (file driver only). TensorStore's file driver holds a lock on that file
-    while it writes (an open-file-description lock on Linux); if we can take a lock on it,
-    no writer is alive and the file is stale. A live writer's (another process sharing the
-    store) is left alone, and one that vanishes meanwhile was finished by its writer.
-    Directories are listed as they are read, and no link is followed."""
-    if not self.local:
-      return 0
-    with self._dir(None) as records:
-      n = _remove_stale_temporaries(records)
-      with os.scandir(records) as entries:
-        for entry in entries:
-          if not entry.is_dir(follow_symlinks=False):
-            continue
-          try:
-            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=records)
-          except OSError:  # removed or swapped for a link meanwhile, or not ours
-            continue
-          try:
-            n += _remove_stale_temporaries(fd)
-          finally:
-            os.close(fd)
-    return n
-
   def scan(self, deadline_s: float = 600.0) -> tuple[list[tuple[int, bytes, bytes | None]], int]:
     """Verifies the stored records of this prefix and offers up to ``num_slots`` of the
     verified ones for this process's quota: the first in name order (so every process of
@@ -549,10 +335,11 @@ class DiskTier:
     t_end = time.monotonic() + deadline_s
     window = max(1, min(SCAN_WINDOW, SCAN_WINDOW_BYTES // self.record_bytes))
     found = _Adoption(self.num_slots)
+    opening = _Opening(self, found, window, t_end)
     if self.local:
-      self._scan_local(found, window, t_end)
+      opening.local(self._dirs)
     else:
-      self._scan_listed(found, window, t_end)
+      opening.listed()
     self.discarded = found.discarded
     if found.discarded:
       logging.info("disk tier %s: %d records not adopted at open (%s); %d deleted, the others "
@@ -561,198 +348,6 @@ class DiskTier:
                    ", ".join(f"{r}: {n}" for r, n in sorted(found.discarded.items())),
                    found.deleted)
     return found.good(), found.deleted
-
-  def _out_of_time(self, t_end: float, what: str) -> bool:
-    if time.monotonic() < t_end:
-      return False
-    logging.warning("disk tier %s: %s did not finish before the deadline; the records not "
-                    "judged yet are left for a later open", _where(self.kvstore), what)
-    return True
-
-  def _scan_local(self, found: _Adoption, window: int, t_end: float) -> None:
-    """``scan`` of a local directory: listed as it is read (``os.scandir``), each name
-    judged by its ``lstat`` first (a link, FIFO, socket, device or directory is counted
-    and left; a file too small for a header is junk), then read in a pool thread with
-    ``_read_file``, and deleted (if junk) only if it still is the very file judged."""
-    prefix = self.prefix
-    reads: collections.deque = collections.deque()  # (name, future of a _FileRead)
-    with self._dir(prefix) as dir_fd, os.scandir(dir_fd) as entries:
-      for entry in entries:
-        if self._out_of_time(t_end, "listing the records"):
-          break
-        name = entry.name
-        if name.endswith(".__lock"):
-          continue
-        try:
-          if not entry.is_file(follow_symlinks=False):
-            found.discarded[NOT_A_FILE] += 1
-            continue
-          st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-          continue  # its owner removed it meanwhile
-        if st.st_size < blocks.PEEK_BYTES:
-          self._discard_file(found, dir_fd, name, Failure.SIZE, _identity(st))
-          continue
-        reads.append((name, _file_pool().submit(self._read_file, prefix, name)))
-        while len(reads) >= window:
-          self._judge_file(found, dir_fd, prefix, *reads.popleft(), t_end)
-      while reads:
-        self._judge_file(found, dir_fd, prefix, *reads.popleft(), t_end)
-
-  def _read_file(self, prefix: str, name: str) -> _FileRead | None:
-    """Opens ``records/<prefix><name>`` if it is a regular file (never following a link,
-    never waiting on a FIFO) and reads a record's worth of it if its size is a record's,
-    else its first ``PEEK_BYTES``. None: it is gone. Raises ``NotAFile``."""
-    fd = self._open_record(prefix, name)
-    if fd is None:
-      return None
-    try:
-      st = os.fstat(fd)
-      if st.st_size == self.record_bytes:
-        nbytes = self.record_bytes
-      else:
-        nbytes = blocks.PEEK_BYTES if st.st_size >= blocks.PEEK_BYTES else 0
-      return _FileRead(st.st_size, _identity(st), _pread(fd, nbytes))
-    finally:
-      os.close(fd)
-
-  def _open_record(self, prefix: str, name: str) -> int | None:
-    """A read-only descriptor of the regular file ``records/<prefix><name>``; None if it
-    (or its directory) is gone. Raises ``NotAFile`` for anything else under the name, or
-    for a link on the way to it; it is looked at (``lstat``) before it is opened, opened
-    with ``O_NOFOLLOW | O_NONBLOCK`` and looked at again (``fstat``): a name swapped
-    between the two is refused by the second, and a FIFO never blocks the open."""
-    where = os.path.join(self._root, RECORDS_PATH, prefix, name)
-    try:
-      dir_fd = self._open_dir(prefix)
-    except FileNotFoundError:
-      return None
-    except InputError as e:
-      raise NotAFile(str(e)) from None
-    try:
-      try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-        if stat.S_ISREG(mode):
-          fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-      except FileNotFoundError:
-        return None
-      except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # swapped meanwhile
-          raise NotAFile(f"{where} is not a regular file (it changed as it was opened)"
-                         ) from None
-        raise
-    finally:
-      os.close(dir_fd)
-    if stat.S_ISREG(mode):
-      mode = os.fstat(fd).st_mode
-      if stat.S_ISREG(mode):
-        return fd
-      os.close(fd)
-    raise NotAFile(f"{where} is not a regular file but {_kind(mode)}: left as it is")
-
-  def _judge_file(self, found: _Adoption, dir_fd: int, prefix: str, name: str, future,
-                  t_end: float) -> None:
-    try:
-      got = future.result(timeout=max(0.0, t_end - time.monotonic()))
-    except TimeoutError:
-      future.cancel()
-      found.discarded[Failure.DEADLINE.value] += 1
-      return
-    except NotAFile:
-      found.discarded[NOT_A_FILE] += 1
-      return
-    except OSError:
-      found.discarded[Failure.READ_RETRY.value] += 1  # unreadable now: left for a later open
-      return
-    if got is None:
-      return  # removed meanwhile by its owner
-    whole = got.size == self.record_bytes and len(got.data) == self.record_bytes
-    verdict = self._verdict(prefix + name, whole, got.data)
-    if isinstance(verdict, Failure):
-      self._discard_file(found, dir_fd, name, verdict, got.identity)
-    else:
-      found.offer(*verdict)
-
-  def _discard_file(self, found: _Adoption, dir_fd: int, name: str, reason: Failure,
-                    identity: tuple[int, int]) -> None:
-    """Counts a local record ``scan`` refused and deletes it unless ``reason`` says to
-    leave it, and only if the name still is the file judged."""
-    found.discarded[reason.value] += 1
-    if reason not in _KEPT_AT_OPEN:
-      try:
-        found.deleted += _unlink_regular(dir_fd, name, identity)
-      except OSError:  # not ours to delete (permissions): left, as an unreachable store's
-        pass
-
-  def _scan_listed(self, found: _Adoption, window: int, t_end: float) -> None:
-    """``scan`` of an object store (any kvstore but a local directory): listed in ranges
-    (``_names``), read through TensorStore, each read cut at the record size."""
-    reads: collections.deque[_ScanRead] = collections.deque()
-    names = self._names(t_end)
-    while True:
-      while len(reads) < window:
-        name = next(names, None)
-        if name is None:
-          break
-        reads.append(_ScanRead(name, True, self._read_range(name, self.record_bytes)))
-      if not reads:
-        return
-      read = reads.popleft()
-      verdict = self._judge_scan_read(read, t_end)
-      if isinstance(verdict, _ScanRead):  # cut short: read its header
-        reads.append(verdict)
-      elif isinstance(verdict, Failure):
-        found.discarded[verdict.value] += 1
-        if verdict not in _KEPT_AT_OPEN:
-          self._delete_name(read.name)
-          found.deleted += 1
-      elif verdict is not None:
-        found.offer(*verdict)
-
-  def _names(self, t_end: float):
-    """This prefix's names in an object store, in order, listed one range at a time (by
-    the name's first hex digit; names that are not hex fall in the first or last range):
-    TensorStore's ``list`` returns a range whole, so only one range is held at once."""
-    prefix = self.prefix
-    bounds = [prefix] + [prefix + d for d in LIST_RANGES[1:]] + [prefix[:-1] + "0"]
-    for lo, hi in zip(bounds, bounds[1:]):
-      listing = self.kv.list(ts.KvStore.KeyRange(lo, hi), strip_prefix_length=len(prefix))
-      try:
-        batch = listing.result(timeout=max(0.0, t_end - time.monotonic()))
-      except TimeoutError:
-        listing.cancel()
-        self._out_of_time(t_end, "listing the records")
-        return
-      batch.sort()
-      for key in batch:
-        name = key.decode("ascii", "replace")
-        if not name.endswith(".__lock"):
-          yield prefix + name
-      del batch
-
-  def _read_range(self, name: str, nbytes: int):
-    try:
-      return self.kv.read(name, byte_range=slice(0, nbytes))
-    except Exception as e:  # pylint: disable=broad-except
-      return _failed(e)
-
-  def _judge_scan_read(self, read: _ScanRead, t_end: float):
-    """A scan read's verdict: ``(key, parent)`` verified, a ``Failure``, None (vanished), or
-    a header read to issue (a ``_ScanRead``: the store had fewer bytes than a record)."""
-    try:
-      got = read.future.result(timeout=max(0.0, t_end - time.monotonic()))
-    except TimeoutError:
-      read.future.cancel()
-      return Failure.DEADLINE
-    except Exception as e:  # pylint: disable=broad-except
-      if str(e).startswith("OUT_OF_RANGE"):  # shorter than asked for
-        if read.whole:
-          return _ScanRead(read.name, False, self._read_range(read.name, blocks.PEEK_BYTES))
-        return Failure.SIZE
-      return Failure.READ_RETRY  # unreadable now: left for a later open
-    if got.state != "value":
-      return None  # removed meanwhile by its owner
-    return self._verdict(read.name, read.whole, got.value)
 
   def _verdict(self, name: str, whole: bool, data: bytes):
     """Record ``name``'s verdict from its bytes: ``(key, parent)`` verified, or a
@@ -819,7 +414,7 @@ class DiskTier:
     """Starts reading block ``key``'s record (a local one in jaxkv's own threads, opened
     only if it is a regular file: ``_read_record``)."""
     if self.local:
-      fut = _file_pool().submit(self._read_record, self.prefix, key)
+      fut = file_pool().submit(self._read_record, self.prefix, key)
       return PendingRead(key, fut, time.monotonic())
     try:
       # Cut at a record's size: a longer object is never read whole (what follows a record
@@ -832,11 +427,11 @@ class DiskTier:
   def _read_record(self, prefix: str, key: bytes) -> _Got:
     """Block ``key``'s local record, cut at a record's size (raises ``NotAFile``, or
     ``blocks.BlockError`` for a file shorter than a record)."""
-    fd = self._open_record(prefix, key.hex())
+    fd = self._dirs.open_record(prefix, key.hex())
     if fd is None:
       return _Got("missing")
     try:
-      data = _pread(fd, self.record_bytes)
+      data = pread(fd, self.record_bytes)
     finally:
       os.close(fd)
     if len(data) < self.record_bytes:
@@ -915,12 +510,12 @@ class DiskTier:
 
   def _delete_name(self, name: str) -> None:
     """Starts deleting a record (best effort: absent already, or unreachable, is fine). A
-    local one is removed only if it is a regular file (``_Unlinker``)."""
+    local one is removed only if it is a regular file (``LocalDir.delete``)."""
     if len(self._deletes) >= self._prune_at:  # forget finished ones (amortized: a scan
       self._deletes = {n: d for n, d in self._deletes.items() if not d.done()}  # deletes many)
       self._prune_at = max(64, 2 * len(self._deletes))
     if self.local:
-      self._deletes[name] = self._unlinker.add(name)
+      self._deletes[name] = self._dirs.delete(name)
       return
     try:
       self._deletes[name] = self.kv.write(name, None)
@@ -937,111 +532,160 @@ class DiskTier:
   def bytes_on_disk(self) -> int:
     """Bytes the store's regular files hold (file driver; 0 otherwise). No link is
     followed."""
-    if not self.local:
-      return 0
-    try:
-      fd = os.open(self._root, _DIR_FLAGS)
-    except OSError:
-      return 0
-    try:
-      return _tree_bytes(fd, _TREE_DEPTH)
-    finally:
-      os.close(fd)
+    return self._dirs.bytes_on_disk() if self.local else 0
 
 
-class _Deletion:
-  """One queued deletion of a local record, as a future: ``done()``, ``result(timeout)``."""
+class _Opening:
+  """One ``DiskTier.scan``: the records judged so far (``found``), at most ``window`` reads
+  in flight, until ``t_end`` (``time.monotonic``)."""
 
-  __slots__ = ("_unlinker", "_name")
+  def __init__(self, tier: "DiskTier", found: _Adoption, window: int, t_end: float):
+    self.tier, self.found, self.window, self.t_end = tier, found, window, t_end
 
-  def __init__(self, unlinker: "_Unlinker", name: str):
-    self._unlinker, self._name = unlinker, name
+  def out_of_time(self, what: str) -> bool:
+    if time.monotonic() < self.t_end:
+      return False
+    logging.warning("disk tier %s: %s did not finish before the deadline; the records not "
+                    "judged yet are left for a later open", _where(self.tier.kvstore), what)
+    return True
 
-  def done(self) -> bool:
-    return not self._unlinker.pending(self._name)
-
-  def result(self, timeout=None):
-    if not self._unlinker.wait(self._name, timeout):
-      raise TimeoutError(f"the deletion of record {self._name} is still queued")
-
-  def cancel(self) -> bool:
-    return False
-
-
-class _Unlinker:
-  """Deletes a local store's records in jaxkv's file threads: a few tasks drain one queue
-  in chunks, each chunk opening a prefix directory once (checked, ``_open_dir``) and
-  removing from it only regular files. A store at capacity deletes a record for every one
-  it writes, and the file system frees a just-synced file's blocks slowly (~140 us an
-  unlink on the development machine, ~60 us each with 8 in parallel): so deletions run
-  beside the writes, a few at a time, and cost one hand-off per chunk, not a thread
-  wake-up per record. Nothing is removed through a link."""
-
-  CHUNK = 32  # deletions one task takes at a time
-  MAX_TASKS = 4
-
-  def __init__(self, open_dir):
-    self._open_dir = open_dir
-    self._cond = threading.Condition()
-    self._queue: collections.deque = collections.deque()  # names to delete
-    self._pending: collections.Counter = collections.Counter()  # name -> queued or running
-    self._tasks = 0
-
-  def add(self, name: str) -> _Deletion:
-    with self._cond:
-      self._queue.append(name)
-      self._pending[name] += 1
-      start = self._tasks < self.MAX_TASKS and len(self._queue) > self.CHUNK * self._tasks
-      self._tasks += start
-    if start:
-      _file_pool().submit(self._drain)
-    return _Deletion(self, name)
-
-  def pending(self, name: str) -> bool:
-    with self._cond:
-      return name in self._pending
-
-  def wait(self, name: str, timeout: float | None) -> bool:
-    with self._cond:
-      return self._cond.wait_for(lambda: name not in self._pending, timeout)
-
-  def _drain(self) -> None:
-    dirs: dict = {}  # prefix -> checked descriptor (None: gone or a link)
-    try:
-      while True:
-        with self._cond:
-          if not self._queue:
-            self._tasks -= 1
-            return
-          chunk = [self._queue.popleft() for _ in range(min(self.CHUNK, len(self._queue)))]
+  def local(self, dirs: LocalDir) -> None:
+    """``scan`` of a local directory: listed as it is read (``os.scandir``), each name
+    judged by its ``lstat`` first (a link, FIFO, socket, device or directory is counted
+    and left; a file too small for a header is junk), then read in a pool thread with
+    ``LocalDir.read_file``, and deleted (if junk) only if it still is the very file judged."""
+    tier, found = self.tier, self.found
+    prefix = tier.prefix
+    reads: collections.deque = collections.deque()  # (name, future of a FileRead)
+    with dirs.dir(prefix) as dir_fd, os.scandir(dir_fd) as entries:
+      for entry in entries:
+        if self.out_of_time("listing the records"):
+          break
+        name = entry.name
+        if name.endswith(".__lock"):
+          continue
         try:
-          for name in chunk:
-            prefix, _, base = name.rpartition("/")
-            if prefix not in dirs:
-              try:
-                dirs[prefix] = self._open_dir(prefix + "/")
-              except (OSError, InputError):
-                dirs[prefix] = None  # gone, or a link: nothing of this store's is behind it
-            if dirs[prefix] is not None:
-              try:
-                _unlink_regular(dirs[prefix], base)
-              except OSError:
-                pass  # best effort, as a deletion through the store is
-        finally:
-          with self._cond:
-            for name in chunk:
-              self._pending[name] -= 1
-              if not self._pending[name]:
-                del self._pending[name]
-            self._cond.notify_all()
-    except BaseException:  # a bug: this task ends (the next ``add`` starts another)
-      with self._cond:
-        self._tasks -= 1
-      raise
-    finally:
-      for fd in dirs.values():
-        if fd is not None:
-          os.close(fd)
+          if not entry.is_file(follow_symlinks=False):
+            found.discarded[NOT_A_FILE] += 1
+            continue
+          st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+          continue  # its owner removed it meanwhile
+        if st.st_size < blocks.PEEK_BYTES:
+          self._discard_file(dir_fd, name, Failure.SIZE, identity(st))
+          continue
+        reads.append((name, file_pool().submit(dirs.read_file, prefix, name,
+                                               tier.record_bytes)))
+        while len(reads) >= self.window:
+          self._judge_file(dir_fd, prefix, *reads.popleft())
+      while reads:
+        self._judge_file(dir_fd, prefix, *reads.popleft())
+
+  def _judge_file(self, dir_fd: int, prefix: str, name: str, future) -> None:
+    found, size = self.found, self.tier.record_bytes
+    try:
+      got = future.result(timeout=max(0.0, self.t_end - time.monotonic()))
+    except TimeoutError:
+      future.cancel()
+      found.discarded[Failure.DEADLINE.value] += 1
+      return
+    except NotAFile:
+      found.discarded[NOT_A_FILE] += 1
+      return
+    except OSError:
+      found.discarded[Failure.READ_RETRY.value] += 1  # unreadable now: left for a later open
+      return
+    if got is None:
+      return  # removed meanwhile by its owner
+    whole = got.size == size and len(got.data) == size
+    verdict = self.tier._verdict(prefix + name, whole, got.data)
+    if isinstance(verdict, Failure):
+      self._discard_file(dir_fd, name, verdict, got.identity)
+    else:
+      found.offer(*verdict)
+
+  def _discard_file(self, dir_fd: int, name: str, reason: Failure,
+                    identity: tuple[int, int]) -> None:
+    """Counts a local record ``scan`` refused and deletes it unless ``reason`` says to
+    leave it, and only if the name still is the file judged."""
+    found = self.found
+    found.discarded[reason.value] += 1
+    if reason not in _KEPT_AT_OPEN:
+      try:
+        found.deleted += unlink_regular(dir_fd, name, identity)
+      except OSError:  # not ours to delete (permissions): left, as an unreachable store's
+        pass
+
+  def listed(self) -> None:
+    """``scan`` of an object store (any kvstore but a local directory): listed in ranges
+    (``_names``), read through TensorStore, each read cut at the record size."""
+    tier, found = self.tier, self.found
+    reads: collections.deque[_ScanRead] = collections.deque()
+    names = self._names()
+    while True:
+      while len(reads) < self.window:
+        name = next(names, None)
+        if name is None:
+          break
+        reads.append(_ScanRead(name, True, self._read_range(name, tier.record_bytes)))
+      if not reads:
+        return
+      read = reads.popleft()
+      verdict = self._judge_scan_read(read)
+      if isinstance(verdict, _ScanRead):  # cut short: read its header
+        reads.append(verdict)
+      elif isinstance(verdict, Failure):
+        found.discarded[verdict.value] += 1
+        if verdict not in _KEPT_AT_OPEN:
+          tier._delete_name(read.name)
+          found.deleted += 1
+      elif verdict is not None:
+        found.offer(*verdict)
+
+  def _names(self):
+    """This prefix's names in an object store, in order, listed one range at a time (by
+    the name's first hex digit; names that are not hex fall in the first or last range):
+    TensorStore's ``list`` returns a range whole, so only one range is held at once."""
+    prefix = self.tier.prefix
+    bounds = [prefix] + [prefix + d for d in LIST_RANGES[1:]] + [prefix[:-1] + "0"]
+    for lo, hi in zip(bounds, bounds[1:]):
+      listing = self.tier.kv.list(ts.KvStore.KeyRange(lo, hi), strip_prefix_length=len(prefix))
+      try:
+        batch = listing.result(timeout=max(0.0, self.t_end - time.monotonic()))
+      except TimeoutError:
+        listing.cancel()
+        self.out_of_time("listing the records")
+        return
+      batch.sort()
+      for key in batch:
+        name = key.decode("ascii", "replace")
+        if not name.endswith(".__lock"):
+          yield prefix + name
+      del batch
+
+  def _read_range(self, name: str, nbytes: int):
+    try:
+      return self.tier.kv.read(name, byte_range=slice(0, nbytes))
+    except Exception as e:  # pylint: disable=broad-except
+      return _failed(e)
+
+  def _judge_scan_read(self, read: _ScanRead):
+    """A scan read's verdict: ``(key, parent)`` verified, a ``Failure``, None (vanished), or
+    a header read to issue (a ``_ScanRead``: the store had fewer bytes than a record)."""
+    try:
+      got = read.future.result(timeout=max(0.0, self.t_end - time.monotonic()))
+    except TimeoutError:
+      read.future.cancel()
+      return Failure.DEADLINE
+    except Exception as e:  # pylint: disable=broad-except
+      if str(e).startswith("OUT_OF_RANGE"):  # shorter than asked for
+        if read.whole:
+          return _ScanRead(read.name, False, self._read_range(read.name, blocks.PEEK_BYTES))
+        return Failure.SIZE
+      return Failure.READ_RETRY  # unreadable now: left for a later open
+    if got.state != "value":
+      return None  # removed meanwhile by its owner
+    return self.tier._verdict(read.name, read.whole, got.value)
 
 
 def _wait(future, timeout_s: float) -> None:

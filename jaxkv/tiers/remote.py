@@ -709,6 +709,91 @@ class _Inbound:
 _REQUEST_OVERHEAD_BYTES = 512
 
 
+def _answer_frames(seal: security.Seal | None, answer, data: list, sealed: bool) -> list:
+  """An answer's frames ``[nonce, header, tag(s), *data]``: without a key a CRC-32C in the
+  header only; with one a tag over the header and each piece of the blocks, or (``sealed``)
+  a sealed frame per piece, so that no buffer of the whole answer is made."""
+  header = answer.encode()
+  nonce = answer.nonce.encode()  # an answer is about the request it names
+  if seal is None:
+    return [nonce, header, b"", *data]
+  tag = seal.tag(_head_aad(answer.nonce, header))
+  if not data:
+    return [nonce, header, tag]
+  chunks = _chunks(data[0])
+  aads = _chunk_aads(answer.nonce, header, len(chunks))
+  if sealed:
+    return [nonce, header, tag, *map(seal.seal, aads, chunks)]
+  return [nonce, header, b"".join([tag, *map(seal.tag, aads, chunks)]), data[0]]
+
+
+class _Challenges:
+  """A ``BlockServer``'s challenges, recomputed from a secret of this process (no state per
+  connection), and the highest request number answered under each challenge in use (what
+  refuses replays). Its settings are the server's (``challenge_epoch_s``,
+  ``max_replay_windows``), read when used."""
+
+  def __init__(self, server: "BlockServer", key: bytes):
+    self.server, self._key = server, key
+    self._secret = secrets.token_bytes(32)
+    # challenge -> the highest request number answered under it, oldest challenge first.
+    self._answered: collections.OrderedDict = collections.OrderedDict()
+
+  def epoch(self) -> int:
+    return int(time.monotonic() // self.server.challenge_epoch_s)
+
+  def make(self, peer: bytes, epoch: int, salt: str) -> str:
+    """The challenge of ``peer`` for ``epoch`` and ``salt``: recomputed, never stored."""
+    mac = hmac.new(self._secret, b"%d\x00%s\x00" % (epoch, salt.encode()) + peer,
+                   hashlib.sha256)
+    return f"{epoch}-{salt}-{mac.hexdigest()[:32]}"
+
+  def authentic(self, peer: bytes, body, auth) -> tuple[str, int] | None:
+    """``(challenge, number)`` of ``auth`` (``"<challenge> <number> <MAC>"``) when it holds a
+    challenge this server made for ``peer`` (this epoch or the last) and the key's MAC over
+    it, the number and ``body``; else None."""
+    parts = bytes(auth).decode("ascii", "replace").split(" ")
+    if len(parts) != 3:
+      return None
+    challenge, number, mac = parts
+    epoch, _, rest = challenge.partition("-")
+    salt = rest.partition("-")[0]
+    if not (epoch.isdigit() and len(epoch) <= 15 and re.fullmatch(r"[0-9a-f]{8}", salt)
+            and number.isdigit() and len(number) <= 18 and str(int(number)) == number):
+      return None
+    now = self.epoch()
+    if (int(epoch) in (now, now - 1)
+        and hmac.compare_digest(self.make(peer, int(epoch), salt), challenge)
+        and security.mac_ok(self._key, f"{challenge} {number}", body, mac)):
+      return challenge, int(number)
+    return None
+
+  def first_time(self, challenge: str, number: int) -> bool | None:
+    """Whether an authenticated request numbered ``number`` under ``challenge`` is new:
+    numbered above every one answered under it (a client's numbers only grow, and one
+    connection's requests arrive in order); from now on it is the highest. Remembers a
+    number per challenge until the challenge expires (a request under an expired one is
+    unauthenticated), ``max_replay_windows`` of them at most: None (refuse, "busy") for a
+    new challenge beyond that, rather than forget one still in use."""
+    last = self._answered.get(challenge)
+    if last is not None:
+      if number <= last:
+        return False
+      self._answered[challenge] = number
+      return True
+    oldest = self.epoch() - 1
+    epoch_of = lambda c: int(c.partition("-")[0])
+    while self._answered and epoch_of(next(iter(self._answered))) < oldest:
+      self._answered.popitem(last=False)
+    if len(self._answered) >= self.server.max_replay_windows:
+      for c in [c for c in self._answered if epoch_of(c) < oldest]:
+        del self._answered[c]
+      if len(self._answered) >= self.server.max_replay_windows:
+        return None
+    self._answered[challenge] = number
+    return True
+
+
 class BlockServer:
   """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs.
 
@@ -756,12 +841,10 @@ class BlockServer:
                              "(its answers carry a CRC-32C only)", _KEYLESS_FIX)
     self._seal = security.Seal(self._key, "remote-answer") if self._key is not None else None
     self._token = _handshake_token(self._key) if self._key is not None else None
-    self._challenge_secret = secrets.token_bytes(32)  # this process's: no state per peer
     self.counts: collections.Counter = collections.Counter()
     self._handshakes_refused = 0
     self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
-    # challenge -> the highest request number answered under it, oldest challenge first.
-    self._answered: collections.OrderedDict = collections.OrderedDict()
+    self._challenges = _Challenges(self, self._key)
     self._peers: dict[bytes, _Inbound] = {}  # connection id -> its inbound side
     self._turns: collections.OrderedDict = collections.OrderedDict()  # ids with requests ready
     self._closing: set[bytes] = set()  # connections to close (their queue was full)
@@ -949,60 +1032,6 @@ class BlockServer:
         if inbound.state != "open" and now - inbound.since > self.handshake_timeout_s:
           self._hang_up(peer)
 
-  # ---- challenges: recomputed, never stored ------------------------------------------------
-  def _epoch(self) -> int:
-    return int(time.monotonic() // self.challenge_epoch_s)
-
-  def _challenge(self, peer: bytes, epoch: int, salt: str) -> str:
-    mac = hmac.new(self._challenge_secret, b"%d\x00%s\x00" % (epoch, salt.encode()) + peer,
-                   hashlib.sha256)
-    return f"{epoch}-{salt}-{mac.hexdigest()[:32]}"
-
-  def _authentic(self, peer: bytes, body, auth) -> tuple[str, int] | None:
-    """``(challenge, number)`` of ``auth`` (``"<challenge> <number> <MAC>"``) when it holds a
-    challenge this server made for ``peer`` (this epoch or the last) and the key's MAC over
-    it, the number and ``body``; else None."""
-    parts = bytes(auth).decode("ascii", "replace").split(" ")
-    if len(parts) != 3:
-      return None
-    challenge, number, mac = parts
-    epoch, _, rest = challenge.partition("-")
-    salt = rest.partition("-")[0]
-    if not (epoch.isdigit() and len(epoch) <= 15 and re.fullmatch(r"[0-9a-f]{8}", salt)
-            and number.isdigit() and len(number) <= 18 and str(int(number)) == number):
-      return None
-    now = self._epoch()
-    if (int(epoch) in (now, now - 1)
-        and hmac.compare_digest(self._challenge(peer, int(epoch), salt), challenge)
-        and security.mac_ok(self._key, f"{challenge} {number}", body, mac)):
-      return challenge, int(number)
-    return None
-
-  def _first_time(self, challenge: str, number: int) -> bool | None:
-    """Whether an authenticated request numbered ``number`` under ``challenge`` is new:
-    numbered above every one answered under it (a client's numbers only grow, and one
-    connection's requests arrive in order); from now on it is the highest. Remembers a
-    number per challenge until the challenge expires (a request under an expired one is
-    unauthenticated), ``max_replay_windows`` of them at most: None (refuse, "busy") for a
-    new challenge beyond that, rather than forget one still in use."""
-    last = self._answered.get(challenge)
-    if last is not None:
-      if number <= last:
-        return False
-      self._answered[challenge] = number
-      return True
-    oldest = self._epoch() - 1
-    epoch_of = lambda c: int(c.partition("-")[0])
-    while self._answered and epoch_of(next(iter(self._answered))) < oldest:
-      self._answered.popitem(last=False)
-    if len(self._answered) >= self.max_replay_windows:
-      for c in [c for c in self._answered if epoch_of(c) < oldest]:
-        del self._answered[c]
-      if len(self._answered) >= self.max_replay_windows:
-        return None
-    self._answered[challenge] = number
-    return True
-
   # ---- one request --------------------------------------------------------------------------
   def _handle(self, peer: bytes, frames: list, problem: str) -> tuple[list, int]:
     """The reply frames ``[nonce, answer, tag, *data]`` to one request
@@ -1016,7 +1045,8 @@ class BlockServer:
       if problem:
         raise WireError(problem)
       body, auth = frames[1], frames[2]
-      signed = self._authentic(peer, body, auth) if self._key is not None and auth else None
+      signed = (self._challenges.authentic(peer, body, auth) if self._key is not None and auth
+                else None)
       if self._key is not None and (auth or len(body) > _MAX_HELLO_BYTES) and signed is None:
         answer, data = self._refuse_unauthenticated(nonce), []
       else:
@@ -1025,12 +1055,13 @@ class BlockServer:
           raise WireError(f"the message's nonce {request.nonce!r} is not its frame's", nonce)
         if isinstance(request, Hello):
           self.counts["hello"] += 1
-          challenge = self._challenge(peer, self._epoch(), secrets.token_hex(4))
+          challenge = self._challenges.make(peer, self._challenges.epoch(),
+                                            secrets.token_hex(4))
           answer, data = Welcome(nonce=nonce, challenge=challenge,
                                  valid_ms=int(self.challenge_epoch_s * 1000)), []
         elif self._key is not None and signed is None:
           answer, data = self._refuse_unauthenticated(nonce), []
-        elif self._key is not None and (new := self._first_time(*signed)) is not True:
+        elif self._key is not None and (new := self._challenges.first_time(*signed)) is not True:
           if new is None:
             self.counts["replay_windows_full"] += 1
             answer = Refusal(nonce=nonce, error=f"busy: requests under {self.max_replay_windows} "
@@ -1049,21 +1080,9 @@ class BlockServer:
       self.counts["malformed"] += 1
       answer, data = Refusal(nonce=getattr(e, "nonce", nonce) or nonce,
                              error=f"{type(e).__name__}: {str(e)[:200]}"), []
-    header = answer.encode()
-    nonce = answer.nonce  # an answer is about the request it names
     blocks_bytes = (int(np.prod(answer.shape)) * np.dtype(answer.dtype).itemsize
                     if isinstance(answer, Offer) else 0)
-    if self._seal is None:
-      return [nonce.encode(), header, b"", *data], blocks_bytes
-    tag = self._seal.tag(_head_aad(nonce, header))
-    if not data:
-      return [nonce.encode(), header, tag], blocks_bytes
-    chunks = _chunks(data[0])
-    aads = _chunk_aads(nonce, header, len(chunks))
-    if sealed:  # a frame per sealed piece: no buffer of the whole answer is made
-      return [nonce.encode(), header, tag, *map(self._seal.seal, aads, chunks)], blocks_bytes
-    return [nonce.encode(), header, b"".join([tag, *map(self._seal.tag, aads, chunks)]),
-            data[0]], blocks_bytes
+    return _answer_frames(self._seal, answer, data, sealed), blocks_bytes
 
   def _refuse_unauthenticated(self, nonce: str) -> Refusal:
     self.counts["unauthenticated"] += 1
