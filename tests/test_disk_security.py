@@ -326,9 +326,15 @@ def test_local_stores_are_private_and_an_exposed_keyless_one_says_so(tmp_path, c
   exposed = tmp_path / "exposed"
   exposed.mkdir()
   exposed.chmod(0o755)
+  umask = os.umask(0o022)  # the usual one, which would leave a new file 0644
+  try:
+    with caplog.at_level(logging.WARNING):
+      disk = DiskTier(private, num_slots=8, payload_shape=SHAPE, dtype="float32",
+                      fingerprint=FP)
+      disk.write(b"a" * 32, np.zeros(SHAPE, np.float32), None).result()
+  finally:
+    os.umask(umask)
   with caplog.at_level(logging.WARNING):
-    disk = DiskTier(private, num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP)
-    disk.write(b"a" * 32, np.zeros(SHAPE, np.float32), None).result()
     DiskTier(str(exposed), num_slots=8, payload_shape=SHAPE, dtype="float32", fingerprint=FP,
              key=KEY)  # keyed: its records prove themselves
     assert not insecure_lines(caplog, "disk tier")
@@ -338,8 +344,9 @@ def test_local_stores_are_private_and_an_exposed_keyless_one_says_so(tmp_path, c
              fingerprint=FP)
   for d in (private, os.path.join(private, "records"), disk.prefix_path):
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
-  # The record file itself is created per the umask (TensorStore takes no mode per file):
-  # the 0700 directories above are what keep other users from it.
+  [record] = os.listdir(disk.prefix_path)  # the record alone: its temporary was renamed
+  assert stat.S_IMODE(os.stat(os.path.join(disk.prefix_path, record)).st_mode) == 0o600
+  assert disk.read_verified([b"a" * 32], time.monotonic() + 30)[0].shape == SHAPE
   assert stat.S_IMODE(os.stat(exposed).st_mode) == 0o755  # an existing directory is the user's
   [line] = insecure_lines(caplog, str(exposed))
   assert "mode 0755" in line and f"chmod 700 {exposed}" in line and "deployment key" in line
@@ -481,6 +488,26 @@ def test_a_record_or_prefix_swapped_for_a_link_after_opening_is_not_followed(tmp
   with pytest.raises(Exception, match="symbolic link"):
     disk.write(b"z" * 32, np.zeros(SHAPE, np.float32), None).result(timeout=30)
   assert files_under(mirror) == before  # nothing read through it, deleted or written
+
+
+def test_a_link_planted_under_a_record_name_is_replaced_by_the_write_not_written_through(
+    tmp_path):
+  """A write lands in a new file renamed over the name: what a link planted there points to
+  (here the owner's file outside the store) keeps its bytes and its mode."""
+  disk = keyed(str(tmp_path / "d"))
+  assert disk.scan() == ([], 0)  # makes the prefix directory
+  key = b"k" * 32
+  owner = tmp_path / "owner.txt"
+  owner.write_bytes(b"the owner's own file")
+  os.chmod(owner, 0o644)
+  os.symlink(owner, disk.path_of(key))
+  write_records(disk, [key])
+  assert owner.read_bytes() == b"the owner's own file"
+  assert stat.S_IMODE(os.stat(owner).st_mode) == 0o644
+  st = os.lstat(disk.path_of(key))
+  assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+  assert [n for n in os.listdir(disk.prefix_path) if n.endswith(".__lock")] == []
+  assert disk.read_verified([key], time.monotonic() + 30)[0].shape == SHAPE
 
 
 FIFOS_IN_A_CHILD = r"""

@@ -52,9 +52,9 @@ the largest range, which for block keys is a sixteenth of the prefix).
 
 Local stores are private: the directories jaxkv creates (the store's root, ``records/``,
 each prefix) are made mode 0700. TensorStore's file driver creates record files per the
-umask (0644 under the usual 022) and takes no mode per file, so the 0700 prefix directory
-is what keeps other users from them; directories that already exist keep their modes (a
-store shared by several users is the operator's to set up). A keyless tier that is an
+umask (0644 under the usual 022), so jaxkv writes local records itself, mode 0600
+(``LocalDir.write_file``); directories that already exist keep their modes (a store shared
+by several users is the operator's to set up). A keyless tier that is an
 object store, or a local one whose directories give group or others access, says so once
 (``security.warn_insecure``).
 
@@ -392,8 +392,9 @@ class DiskTier:
     if deleting is not None:  # a deletion of this very record in flight: let it land first
       _wait(deleting, 30.0)
     self._read_errors.pop(key, None)  # a new record
+    if self.local:  # jaxkv's own writer: mode 0600, nothing followed (``LocalDir.write_file``)
+      return file_pool().submit(self._dirs.write_file, self.prefix, key.hex(), record.tobytes())
     try:
-      self._ensure_prefix()
       return self.kv.write(name, record.tobytes())
     except Exception as e:  # pylint: disable=broad-except  (surface as a failed future)
       return _failed(e)

@@ -12,11 +12,10 @@ store's files, and it never follows what was planted:
   record's name raises ``NotAFile`` and is left in place;
 - only regular files are deleted, relative to a checked directory descriptor (``unlink``
   removes a name, never what a link points to), in chunks by a few threads (``_Unlinker``);
-- before a write (TensorStore's, by path), the prefix's path must still resolve to the
-  directory checked last (one ``stat``: ``ensure_prefix``), else it is checked again.
-What remains: a prefix swapped for a link between that ``stat`` and TensorStore's own open
-puts that one record (a file named by a block key) in the linked directory, where nothing
-is read or deleted; a name swapped for a device node between the ``lstat`` and the open is
+- a record is written by jaxkv too (``write_file``), mode 0600: into a new temporary
+  created ``O_EXCL | O_NOFOLLOW`` in the checked prefix directory, renamed over its name
+  (a link planted there is replaced, never written through).
+What remains: a name swapped for a device node between the ``lstat`` and the open is
 opened (non-blocking, no controlling tty) before ``fstat`` refuses it (planting one takes
 CAP_MKNOD); a delete of a dropped block's record removes whatever regular file has its name
 then (a miss later, as any record another sharer evicted).
@@ -31,9 +30,11 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import itertools
 import os
 import stat
 import threading
+import weakref
 
 from jaxkv import security
 from jaxkv.errors import InputError
@@ -46,6 +47,8 @@ RECORDS_PATH = "records/"
 # nor a terminal (no controlling tty) can make the open follow, block or do anything else.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+RECORD_MODE = 0o600  # a record holds KV, and KV is the prompt: its owner's alone
 _TREE_DEPTH = 8  # ``bytes_on_disk`` looks no deeper (jaxkv's own tree is 3 deep)
 
 
@@ -148,6 +151,12 @@ def tree_bytes(dir_fd: int, depth: int) -> int:
   return total
 
 
+def _close_quietly(fds: dict) -> None:
+  for fd in fds.values():
+    with contextlib.suppress(OSError):
+      os.close(fd)
+
+
 @functools.lru_cache(maxsize=1)
 def file_pool() -> concurrent.futures.ThreadPoolExecutor:
   """Threads for local reads and deletes (jaxkv's, not TensorStore's: see the module
@@ -173,6 +182,11 @@ class LocalDir:
     self.root_fix = f"point disk_kvstore at the directory itself ({os.path.realpath(self.root)!r})"
     self._prefix_checked = None  # (prefix, st_dev, st_ino) of the directory last checked
     self._unlinker = _Unlinker(self.open_dir)
+    # Writes go into checked prefix directories held open (closed with this object).
+    self._write_dirs: dict[str, int] = {}
+    self._write_lock = threading.Lock()
+    self._temporaries = itertools.count()
+    weakref.finalize(self, _close_quietly, self._write_dirs)
 
   def open_dir(self, prefix: str | None, *, create: bool = False) -> int:
     """The descriptor of ``records/`` (``prefix`` None) or of ``records/<prefix>``, each
@@ -298,6 +312,38 @@ class LocalDir:
         return fd
       os.close(fd)
     raise NotAFile(f"{where} is not a regular file but {kind(mode)}: left as it is")
+
+  def write_file(self, prefix: str, name: str, data: bytes) -> None:
+    """Writes the record ``records/<prefix><name>`` whole, mode 0600 whatever the umask
+    allows more: into a new temporary (``<name>.<n>.__lock``, created ``O_EXCL |
+    O_NOFOLLOW`` and locked while written, as ``remove_temporaries`` expects of a live
+    writer) in the checked prefix directory, then renamed over the name: a link planted
+    under the name is replaced, never written through; a directory there fails the write.
+    Not yet durable: ``sync`` the file system before publishing."""
+    dir_fd = self._prefix_fd(prefix)
+    tmp = f"{name}.{os.getpid()}-{next(self._temporaries)}.__lock"
+    fd = os.open(tmp, _NEW_FILE_FLAGS, RECORD_MODE, dir_fd=dir_fd)
+    try:
+      fcntl.lockf(fd, fcntl.LOCK_EX)
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view):]
+      os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp, dir_fd=dir_fd)
+      raise
+    finally:
+      os.close(fd)
+
+  def _prefix_fd(self, prefix: str) -> int:
+    """The checked, open directory of ``prefix`` (made 0700 if missing; a link on the way
+    refused with ``InputError``)."""
+    with self._write_lock:
+      fd = self._write_dirs.get(prefix)
+      if fd is None:
+        fd = self._write_dirs[prefix] = self.open_dir(prefix, create=True)
+      return fd
 
   def delete(self, name: str) -> _Deletion:
     """Starts removing ``records/<name>`` if it is a regular file; returns its future."""
