@@ -27,11 +27,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.cache import CapacityError
 from jaxkv.config import SamplingParams
+from jaxkv.errors import CapacityError, InputError, check_text
 from jaxkv.index import LOCAL_TIERS, Tier
 from jaxkv.tiers.base import Fetch
-from jaxkv.errors import InputError, check_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +62,7 @@ class Placement:
   pages: tuple
   hit_tiers: tuple
   fetches: tuple
+  evicted: tuple = ()  # (shard, page, key) of cached blocks whose pages it took
 
   @property
   def hot_blocks(self) -> int:
@@ -76,11 +76,12 @@ class Placement:
 
 
 class Admission:
-  """Validates and places requests on one cache's shards."""
+  """Validates and places requests on one cache's shards. It sees the cache's host side
+  only: the ``CacheManager`` (index, pins, allocation) and the ``CacheConfig``."""
 
-  def __init__(self, cache, *, max_seqs_per_shard: int, prefix_reuse: bool, vocab_size: int,
-               planner, stream=None):
-    self.cache, self.planner, self.stream = cache, planner, stream
+  def __init__(self, manager, config, *, max_seqs_per_shard: int, prefix_reuse: bool,
+               vocab_size: int, planner, stream=None):
+    self.manager, self.config, self.planner, self.stream = manager, config, planner, stream
     self.max_seqs_per_shard, self.prefix_reuse = max_seqs_per_shard, prefix_reuse
     self.vocab_size = vocab_size
 
@@ -90,7 +91,7 @@ class Admission:
     """``sampling``: a ``SamplingParams`` for every prompt, one per prompt (a list), or an
     integer ``max_new_tokens`` (greedy). Request ids count from ``first_id``; ``shard``
     restricts every request to one data shard."""
-    c = self.cache.config
+    c = self.config
     check_text(tenant, "tenant")
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
       prompts = list(prompts)
@@ -112,15 +113,15 @@ class Admission:
       if bad:
         raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "
                          f"[0, {self.vocab_size}).")
-      keys = (self.cache.index.block_keys(tokens, tenant)
+      keys = (self.manager.index.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
       requests.append(Request(index=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
                               keys=tuple(keys), num_pages_needed=-(-total // c.page_size),
                               streamed=streamed, shard=shard))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
     # e.g. pinned blocks, can make the free budget smaller than the pool).
-    shards = range(self.cache.num_shards) if shard is None else [shard]
-    room = max(self.cache.index.num_available(s) for s in shards)
+    shards = range(self.manager.num_shards) if shard is None else [shard]
+    room = max(self.manager.index.num_available(s) for s in shards)
     for i, req in enumerate(requests):
       if not req.streamed and req.num_pages_needed > room:
         raise CapacityError(
@@ -148,7 +149,7 @@ class Admission:
 
   def _check_streamable(self, i: int, prompt_len: int, max_new_tokens: int, total: int) -> None:
     """Refuses, before any work, a sequence that even the lower tiers cannot hold."""
-    c, st, index = self.cache.config, self.stream, self.cache.index
+    c, st, index = self.config, self.stream, self.manager.index
     if st is None:
       raise InputError(
           f"prompt {i} has {prompt_len} tokens + max_new_tokens={max_new_tokens} needs KV for "
@@ -158,7 +159,7 @@ class Admission:
           "from host memory (Engine(..., stream=jaxkv.StreamConfig(...))).")
     cold = -(-total // c.page_size) - st.sink_pages - st.window_pages
     room = min(st.max_cold_pages, max(index.num_available(s, Tier.HOST)
-                                      for s in range(self.cache.num_shards)))
+                                      for s in range(self.manager.num_shards)))
     if st.source == "disk":
       room = min(room, index.num_available(0, Tier.DISK))
     if cold > room:
@@ -176,7 +177,7 @@ class Admission:
     sequences each shard runs already; the rows left are filled. ``wait_for_own_shard``:
     a request may wait for a busy shard that holds more of its prefix (continuous
     batching; a wave takes whatever shard has room)."""
-    num_shards = self.cache.num_shards
+    num_shards = self.manager.num_shards
     load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
     waiting = collections.deque()
@@ -206,15 +207,14 @@ class Admission:
   def _lookup(self, req: Request) -> list[list]:
     """Per shard, ``(tier, slot)`` of each block of the longest cached prefix that leaves
     at least one prompt token to compute (its logits give the first token)."""
-    index, num_shards = self.cache.index, self.cache.num_shards
-    usable = (len(req.tokens) - 1) // self.cache.config.page_size
+    index, num_shards = self.manager.index, self.manager.num_shards
+    usable = (len(req.tokens) - 1) // self.config.page_size
     keys = list(req.keys[:usable])
-    tiers = LOCAL_TIERS if self.cache.mover.disk_available or self.cache.disk is None else (
-        Tier.DEVICE, Tier.HOST)  # a detached disk tier holds nothing meanwhile
+    tiers = self.manager.lookup_tiers()
     found = [index.locate(s, keys, tiers) if keys else [] for s in range(num_shards)]
     found = self._with_other_shards(found)
-    if self.cache.remote is not None:
-      remote = self.cache.remote.longest_prefix(keys, max(len(f) for f in found))
+    if self.manager.remote is not None:
+      remote = self.manager.remote.longest_prefix(keys, max(len(f) for f in found))
       if remote:
         peer, n = remote
         found = [f + [(Tier.REMOTE, peer)] * (n - len(f)) for f in found]
@@ -222,7 +222,7 @@ class Admission:
 
   def _shard_order(self, req: Request, found: list, load: list) -> list[int]:
     predicted = self.planner.shard_times([[t for t, _ in f] for f in found], len(req.tokens))
-    shards = range(self.cache.num_shards)
+    shards = range(self.manager.num_shards)
     if predicted is not None:  # the plan's predicted time on each shard decides
       return sorted(shards, key=lambda s: (predicted[s], load[s], s))
     on_device = [sum(t == Tier.DEVICE for t, _ in f) for f in found]
@@ -251,7 +251,7 @@ class Admission:
 
   def _place(self, req: Request, shard: int, found: list) -> Placement | None:
     """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
-    index = self.cache.index
+    index = self.manager.index
     # A device block after a lower-tier one is left out (with what follows): a split may
     # recompute that stretch, and recomputing must never write into a shared page.
     lower = [j for j, (t, _) in enumerate(found) if t != Tier.DEVICE]
@@ -269,7 +269,7 @@ class Admission:
 
     pins(True)
     n_device = sum(t == Tier.DEVICE for t, _ in found)
-    fresh = self.cache.allocate_pages(shard, req.num_pages_needed - n_device)
+    fresh, evicted = self.manager.allocate_pages(shard, req.num_pages_needed - n_device)
     if fresh is None:
       pins(False)
       return None
@@ -284,7 +284,8 @@ class Admission:
         fetches.append(Fetch(req.index, j, shard, tier, slot, req.keys[j], page))
     pages.extend(fresh)
     return Placement(request=req, shard=shard, pages=tuple(pages),
-                     hit_tiers=tuple(t for t, _ in found), fetches=tuple(fetches))
+                     hit_tiers=tuple(t for t, _ in found), fetches=tuple(fetches),
+                     evicted=evicted)
 
 
 def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:

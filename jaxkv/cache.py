@@ -14,7 +14,8 @@ other weights are never adopted, pulled or restored.
 The device pools start as the ``jaxkv.nnx.KVPages`` variables of a model: ``attach``
 allocates them inside the model's ``PagedKV`` layers and then takes them out of it, so
 the model's weights and structure go to the runner while the pools stay here. Every
-jitted step takes the pools donated and gives them back (``pools``/``set_pools``).
+jitted step takes the pools donated and gives them back through ``update_pools``, the one
+way they change.
 """
 
 from __future__ import annotations
@@ -34,15 +35,11 @@ from jaxkv import nnx as kvnnx
 from jaxkv import pages as pages_lib
 from jaxkv import security
 from jaxkv.config import CacheConfig, TierConfig
-from jaxkv.index import PrefixIndex, Tier
+from jaxkv.index import TIER_NAMES, PrefixIndex, Tier
 from jaxkv.stats import Stats
 from jaxkv.transfers import TierMover
-from jaxkv.errors import InputError
-
-
-class CapacityError(InputError):
-  """A request needs more pages than the cache can ever give it: what the caller asked
-  for does not fit this cache (an ``InputError``: launchers report it in one line)."""
+from jaxkv.errors import CapacityError, InputError
+from jaxkv.manager import CacheManager
 
 
 class KVCache:
@@ -101,6 +98,11 @@ class KVCache:
                            encrypt=self.encrypt)
     self.stats = Stats()
     self.mover = None
+    # The host-side half: index, pins, allocation (the scheduler and admission see this).
+    self.manager = CacheManager(
+        self.index, stats=self.stats, page_size=config.page_size, page_bytes=config.page_bytes,
+        write_through=tiers.write_policy == "write_through", has_disk=self.disk is not None,
+        disk_attached=lambda: self.mover is None or self.mover.disk_available)
     logging.info(
         "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
@@ -112,7 +114,6 @@ class KVCache:
       self.open_tiers()
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
     self.pool_def = None  # their tree structure
-    self._pins: dict = {}
     self._row_shardings: dict = {}
 
   def open_tiers(self) -> None:
@@ -134,6 +135,7 @@ class KVCache:
                                    transport=tiers.remote_transport)
                       for p in tiers.remote_peers]
       self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
+      self.manager.set_remote(self.remote)
     if self.disk is not None:
       self._adopt_disk_blocks()
     # The mover's jitted page moves depend on shapes only: it keeps the config without
@@ -206,9 +208,15 @@ class KVCache:
     self._check_attached()
     return self._pools
 
-  def set_pools(self, pools) -> None:
+  def update_pools(self, fn) -> tuple:
+    """The one way the pools change: ``fn(pools)`` takes them (a jitted step donates them)
+    and returns ``(new pools, *rest)``; the new pools replace the old and ``rest`` is
+    returned. Every writer of a page (steps, fetches, restores, calibration) goes
+    through here."""
     self._check_attached()
+    pools, *rest = fn(self._pools)
     self._pools = list(pools)
+    return tuple(rest)
 
   def pools_alive(self) -> bool:
     return not any(x.is_deleted() for x in self.pools)
@@ -235,64 +243,42 @@ class KVCache:
     """``put_rows`` of several arrays in one transfer call (a step's inputs)."""
     return jax.device_put(list(xs), [self._row_sharding(x.ndim) for x in xs])
 
-  def allocate_pages(self, shard: int, n: int) -> list[int] | None:
-    """``n`` device pages on ``shard`` (referenced), evicting unreferenced cached blocks
-    (reused ones last) and copying them down first under write-back. None when the shard
-    cannot give them now."""
-    evicted: list = []
-    pages = self.index.allocate(shard, n, Tier.DEVICE, evicted=evicted)
-    if evicted:  # copy the evicted blocks down before their pages are overwritten
-      self.mover.demote(self.pools, [(shard, p, k) for k, p in evicted])
-    return pages
-
   # ---- residency -------------------------------------------------------------------------------
   def hold(self, tokens, tenant: str) -> int:
     """Takes a reference on a prefix's full blocks on every data shard (all must be on
     device there), so no eviction touches them until ``release_hold``. Returns the number
     of blocks held per shard. ``Engine.pin`` computes what is missing first."""
-    keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
-    held = []
-    try:
-      for s in range(self.num_shards):
-        pages = self.index.match(s, keys)
-        if len(pages) < len(keys):
-          raise CapacityError(f"could not keep {len(keys)} blocks on shard {s}.")
-        self.index.acquire(s, pages)
-        held.append((s, pages))
-    except BaseException:
-      for s, pages in held:
-        self.index.release(s, pages)
-      raise
-    self._pins.setdefault((tenant, keys[-1]), []).append(held)
-    return len(keys)
+    return self.manager.hold(tokens, tenant)
 
   def release_hold(self, tokens, tenant: str) -> None:
     """Releases one ``hold`` of the same prefix."""
-    keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
-    held = self._pins.get((tenant, keys[-1]) if keys else None)
-    if not held:
-      raise InputError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
-    for s, pages in held.pop():
-      self.index.release(s, pages)
+    self.manager.release_hold(tokens, tenant)
 
   def offload(self) -> int:
     """Moves every unreferenced cached block out of device memory (copying it down first
     under write-back) and frees its page. Returns the number of blocks moved out."""
-    index = self.index
-    victims = []
-    for s in range(self.num_shards):
-      for key in index.cached_keys(s, Tier.DEVICE):
-        page = index.slot_of(s, key, Tier.DEVICE)
-        if index.refcount(s, page) == 0:
-          victims.append((s, page, key))
+    victims = self.manager.unreferenced_device_blocks()
     self.mover.demote(self.pools, victims)
     for s in range(self.num_shards):
-      index.evict_all_unreferenced(s, Tier.DEVICE)
+      self.index.evict_all_unreferenced(s, Tier.DEVICE)
     return len(victims)
 
   def flush(self, timeout_s: float = 60.0) -> int:
     """Waits for lower-tier writes in flight; returns how many did not finish in time."""
     return self.mover.flush(timeout_s)
+
+  def occupancy(self) -> dict:
+    """``cached_blocks`` and ``capacity_blocks`` by tier (device and host summed over data
+    shards; disk is one store) and ``referenced_pages`` (device page references held)."""
+    index, shards = self.index, range(self.num_shards)
+    cached = {TIER_NAMES[t]: sum(index.num_cached(s, t) for s in shards)
+              for t in (Tier.DEVICE, Tier.HOST)}
+    cached["disk"] = index.num_cached(0, Tier.DISK)
+    capacity = {"device": self.config.pages_per_shard * self.num_shards,
+                "host": self.tiers.host_pages_per_shard * self.num_shards,
+                "disk": self.tiers.disk_pages if self.disk is not None else 0}
+    return {"cached_blocks": cached, "capacity_blocks": capacity,
+            "referenced_pages": sum(sum(index.held_slots(s).values()) for s in shards)}
 
   def _adopt_disk_blocks(self) -> None:
     """Blocks a previous run left on disk come back into the index once verified. In a

@@ -54,8 +54,8 @@ def _host_link(cache, reps: int) -> LinkCost:
 
     def move():
       stack, _ = host.load(ids)
-      cache.set_pools(pages_lib.scatter_stacked(cache.pools, dest, stack, mesh=cache.mesh,
-                                                config=c))
+      cache.update_pools(lambda pools: (pages_lib.scatter_stacked(
+          pools, dest, stack, mesh=cache.mesh, config=c),))
       jax.block_until_ready(cache.pools)
 
     points.append((n * cache.num_shards * c.page_bytes, _median_time(move, reps)))

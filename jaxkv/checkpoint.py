@@ -373,9 +373,9 @@ class Checkpointer:
         dest[s, j] = slot[0]
         publish.append((s, slot[0], key, parent))
     if tier == Tier.DEVICE:
-      e.set_pools(pages_lib.scatter_stacked(
-          e.pools, jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None))),
-          stack, mesh=e.mesh, config=c))
+      dest = jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None)))
+      e.update_pools(lambda pools: (pages_lib.scatter_stacked(pools, dest, stack, mesh=e.mesh,
+                                                              config=c),))
     else:
       e.host.store(stack, dest)
     for s, slot, key, parent in publish:

@@ -31,6 +31,8 @@ The engine asks only this of a model: ``model(tokens [B, T] int32, batch: PageBa
 from __future__ import annotations
 
 import collections
+import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -46,8 +48,9 @@ from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamCo
 from jaxkv.runner import ModelRunner
 from jaxkv.costs import CostModel
 from jaxkv.planner import Planner
-from jaxkv.scheduler import RequestHandle, Scheduler, StepOutput, StepPlan, StepResult
-from jaxkv.streaming import StreamRunner
+from jaxkv.scheduler import RequestHandle, Scheduler, StepOutput
+from jaxkv.step import StepPlan, StepResult
+from jaxkv.streaming import StreamRunner, check_stream_config
 from jaxkv.errors import InputError
 
 
@@ -63,7 +66,7 @@ class Engine:
     self.config = config = config or EngineConfig()
     self.scheduler = scheduler or SchedulerConfig()
     self.mesh = cache.mesh
-    _check_stream(stream, cache, config)
+    check_stream_config(stream, cache, config)
     _check_context(model, cache)
     self.model = model
     self.runner = ModelRunner(model, cache, config.prefill_chunk_pages)
@@ -74,10 +77,11 @@ class Engine:
         self.scheduler, costs, num_shards=cache.num_shards, page_size=c.page_size,
         page_bytes=c.page_bytes, chunk_tokens=self.runner.chunk_tokens, stats=cache.stats,
         tail_widths=self.runner.prefill_widths)
-    self.admission = Admission(cache, max_seqs_per_shard=config.max_seqs_per_shard,
+    self.admission = Admission(cache.manager, cache.config,
+                               max_seqs_per_shard=config.max_seqs_per_shard,
                                prefix_reuse=config.prefix_reuse, vocab_size=self.vocab_size,
                                planner=self.planner, stream=stream)
-    self.loop = Scheduler(cache, self.planner, self.admission,
+    self.loop = Scheduler(cache.manager, self.planner, self.admission,
                           max_seqs_per_shard=config.max_seqs_per_shard,
                           prefix_reuse=config.prefix_reuse,
                           cache_decode_blocks=config.cache_decode_blocks,
@@ -85,7 +89,8 @@ class Engine:
                           policy="waves" if config.batching == "static" else "continuous")
     self._stream, self._streamer = None, None
     self.stream = stream
-    self._next_id = 0
+    self._next_id = 0  # request ids: one space for every request, from any thread
+    self._id_lock = threading.Lock()
 
   @property
   def stream(self) -> StreamConfig | None:
@@ -94,7 +99,7 @@ class Engine:
 
   @stream.setter
   def stream(self, stream: StreamConfig | None) -> None:
-    _check_stream(stream, self.cache, self.config)
+    check_stream_config(stream, self.cache, self.config)
     if self.loop.has_work():
       raise InputError("cannot change the stream config while requests are running; finish "
                        "them first (Engine.step until has_unfinished() is False).")
@@ -154,11 +159,29 @@ class Engine:
       return outputs, [np.stack(h.logits) for h in handles]
     return outputs
 
-  def _validate(self, prompts, sampling, tenant, shard: int | None = None):
-    requests = self.admission.validate(prompts, sampling, tenant, first_id=self._next_id,
-                                       shard=shard)
-    self._next_id += len(requests)
-    return requests
+  def new_request_id(self) -> int:
+    """A request id no other request of this engine has or will get (safe from any
+    thread: a server names its request by it before the engine's thread sees it)."""
+    with self._id_lock:
+      self._next_id += 1
+      return self._next_id - 1
+
+  def _validate(self, prompts, sampling, tenant, shard: int | None = None,
+                request_id: int | None = None):
+    if request_id is not None and (
+        not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0
+        or request_id in self.loop.handles):
+      raise InputError(f"request_id={request_id!r} must be an integer >= 0 that no running "
+                       "or waiting request has (take one from Engine.new_request_id()).")
+    requests = self.admission.validate(prompts, sampling, tenant, first_id=0, shard=shard)
+    with self._id_lock:
+      if request_id is None:
+        first = self._next_id
+        self._next_id += len(requests)
+      else:  # the caller's (``new_request_id``, or a job's leader's)
+        first = request_id
+        self._next_id = max(self._next_id, request_id + 1)
+    return [dataclasses.replace(r, index=first + i) for i, r in enumerate(requests)]
 
   def _add(self, request, *, on_token=None, want_logits: bool = False) -> RequestHandle:
     return self.loop.add(RequestHandle(request, self._wait, on_token, want_logits))
@@ -169,14 +192,16 @@ class Engine:
 
   # ---- the online API --------------------------------------------------------------------------
   def submit(self, prompt: Sequence[int], sampling: SamplingParams | int = 16,
-             tenant: str = "default", *, on_token=None) -> RequestHandle:
-    """Queues one request; returns its handle at once.
+             tenant: str = "default", *, on_token=None, request_id: int | None = None
+             ) -> RequestHandle:
+    """Queues one request; returns its handle at once. ``request_id``: its id (``handle.id``,
+    in every log line about it), from ``new_request_id``; by default the next one.
 
     ``sampling``: a ``jaxkv.SamplingParams`` or ``max_new_tokens`` (greedy). The request
     joins the running batch at the next ``step`` that has a row and pages for it.
     ``on_token(token)`` is called for each token as it is generated; iterating over the
     handle yields them too (running steps as needed)."""
-    request, = self._validate([prompt], sampling, tenant)
+    request, = self._validate([prompt], sampling, tenant, request_id=request_id)
     return self._add(request, on_token=on_token)
 
   def step(self) -> list[StepOutput]:
@@ -185,21 +210,29 @@ class Engine:
     if self._needs_costs() and self.loop.has_work():
       self._calibrate()
     try:
-      plan = self.loop.schedule()
-      if plan.empty:
-        return self.loop.update(plan, None)
-      if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
-        logging.debug("%s", plan.summary())
-      result = self._execute(plan)
-      return self.loop.update(plan, result)
+      outputs = self._run_plan()
+      if self.loop.has_orders() and not self.loop.has_work():
+        # The last requests left tier work (write-through of their blocks, the journal's
+        # pump) and no later step would carry it: a plan of those orders alone.
+        outputs += self._run_plan()
+      return outputs
     except BaseException:
       # Every reference the running requests held is released, every fetch abandoned.
       self.runner.abort(self.loop.abort_all())
       raise
 
+  def _run_plan(self) -> list[StepOutput]:
+    plan = self.loop.schedule()
+    if plan.empty:
+      return self.loop.update(plan, None)
+    if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
+      logging.debug("%s", plan.summary())
+    return self.loop.update(plan, self._execute(plan))
+
   def _execute(self, plan: StepPlan) -> StepResult:
     if plan.streamed is None:
       return self.runner.execute(plan)
+    self.runner.carry_out(plan.orders)
     tokens, logits, t_first = self._streamer.run(plan.streamed, plan.want_logits)
     return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
                       streamed=(tokens, logits, t_first))
@@ -230,7 +263,8 @@ class Engine:
       rows_per_shard = buckets.row_buckets(self.config.max_seqs_per_shard)
     rows = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
     widths = self.runner.warmup(max_seq_len, rows)
-    self.cache.set_pools(self.cache.mover.warmup(self.cache.pools, rows[-1] * max(widths)))
+    self.cache.update_pools(lambda pools: (self.cache.mover.warmup(pools,
+                                                                   rows[-1] * max(widths)),))
     cache = self.cache
     cold = (cache.host or cache.disk or cache.remote
             or (cache.num_shards > 1 and self.config.prefix_reuse))
@@ -294,18 +328,7 @@ class Engine:
     summed over data shards; disk is one store), ``referenced_pages`` (device page
     references held by running requests, transfers and pins: 0 when idle and unpinned),
     ``waiting_requests`` (queued, not yet admitted) and ``running_requests``."""
-    from jaxkv.index import TIER_NAMES, Tier
-    cache, index = self.cache, self.cache.index
-    shards = range(cache.num_shards)
-    cached = {TIER_NAMES[t]: sum(index.num_cached(s, t) for s in shards)
-              for t in (Tier.DEVICE, Tier.HOST)}
-    cached["disk"] = index.num_cached(0, Tier.DISK)
-    capacity = {"device": cache.config.pages_per_shard * cache.num_shards,
-                "host": cache.tiers.host_pages_per_shard * cache.num_shards,
-                "disk": cache.tiers.disk_pages if cache.disk is not None else 0}
-    return {"cached_blocks": cached, "capacity_blocks": capacity,
-            "referenced_pages": sum(sum(index.held_slots(s).values()) for s in shards),
-            "waiting_requests": len(self.loop.waiting),
+    return {**self.cache.occupancy(), "waiting_requests": len(self.loop.waiting),
             "running_requests": len(self.loop.running)}
 
 
@@ -319,20 +342,3 @@ def _check_context(model, cache: KVCache) -> None:
         f"the model attends over at most {limit} tokens (its sliding window) but "
         f"CacheConfig allows sequences of max_pages_per_seq={c.max_pages_per_seq} x "
         f"page_size={c.page_size} tokens; set max_pages_per_seq <= {limit // c.page_size}.")
-
-
-def _check_stream(stream: StreamConfig | None, cache: KVCache, config: EngineConfig) -> None:
-  if stream is None:
-    return
-  need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
-  if need > cache.config.pages_per_shard:
-    raise InputError(
-        f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
-        f"{stream.window_pages} + a prefill chunk of {config.prefill_chunk_pages} "
-        f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
-  if cache.host is None:
-    raise InputError("StreamConfig needs a host tier to stream from: set "
-                     "TierConfig(host_pages_per_shard=...).")
-  if stream.source == "disk" and cache.disk is None:
-    raise InputError("StreamConfig(source='disk') needs a disk tier: set "
-                     "TierConfig(disk_kvstore=..., disk_pages=...).")

@@ -22,6 +22,11 @@ class InputError(ValueError):
   """A value given to jaxkv cannot be used; the message says which and what to do."""
 
 
+class CapacityError(InputError):
+  """A request needs more pages than the cache can ever give it: what the caller asked
+  for does not fit this cache (an ``InputError``: launchers report it in one line)."""
+
+
 class InvariantError(AssertionError):
   """jaxkv's internal state broke a rule it keeps; a bug, never bad input. The message
   names the state and the rule."""

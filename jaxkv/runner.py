@@ -38,7 +38,7 @@ from jaxkv import sampling as sampling_lib
 from jaxkv.config import SamplingParams
 from jaxkv.distributed import to_host
 from jaxkv.sampling import RowSampling
-from jaxkv.scheduler import StepPlan, StepResult
+from jaxkv.step import StepPlan, StepResult, TierOrders
 
 
 def _stream_key(stream):
@@ -216,10 +216,9 @@ class ModelRunner:
     """One prefill step. Returns ``(carry, selected logits)``: the carry's rows whose
     prompt ended here hold their first generated token. ``count=False``: not served work
     (warm-up, calibration), not counted in stats."""
-    pages, carry, selected = self.steps.prefill(
-        self.cache.pools, self.weights, batch.tokens, carry, table, batch.positions,
-        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream)
-    self.cache.set_pools(pages)
+    carry, selected = self.cache.update_pools(lambda pools: self.steps.prefill(
+        pools, self.weights, batch.tokens, carry, table, batch.positions,
+        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream))
     self.cache.stats.add("prefill_steps", int(count))
     return carry, selected
 
@@ -228,25 +227,39 @@ class ModelRunner:
     """One decode step: feeds ``carry`` (each row's last token). Returns ``(next tokens,
     selected logits, the next step's batch)``: the same rows one position further, on
     device (a batch whose rows do not change needs nothing from the host)."""
-    pages, carry, selected, (positions, kv_lens) = self.steps.decode(
-        self.cache.pools, self.weights, carry, table, batch.positions, batch.kv_lens,
-        batch.sampling, stream)
-    self.cache.set_pools(pages)
+    carry, selected, (positions, kv_lens) = self.cache.update_pools(
+        lambda pools: self.steps.decode(pools, self.weights, carry, table, batch.positions,
+                                        batch.kv_lens, batch.sampling, stream))
     self.cache.stats.add("decode_steps", int(count))
     return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
 
   # ---- executing a step plan ------------------------------------------------------------------
+  def carry_out(self, orders: TierOrders) -> None:
+    """Has the cache's worker (the mover, over the pools and tiers) carry out a plan's tier
+    orders: write-through copies, then write-back copies of evicted blocks (a block both
+    copied and evicted is copied once), then the disk journal's pump. Before anything of
+    the step writes a page: the bytes they copy are still in their pages."""
+    mover = self.cache.mover
+    if orders.write_through:
+      mover.copy_down(self.cache.pools, list(orders.write_through))
+    if orders.demote:
+      mover.demote(self.cache.pools, list(orders.demote))
+    if orders.pump:
+      mover.pump()
+
   def execute(self, plan: StepPlan) -> StepResult:
-    """Runs one ``StepPlan``: issues its fetches, dispatches its decode and prefill rows
-    (compact rows per shard, bucketed), verifies the fetch groups it settles while the
-    device computes, and reads back the tokens. Returns a ``StepResult``."""
+    """Runs one ``StepPlan``: carries out its tier orders, issues its fetches, dispatches
+    its decode and prefill rows (compact rows per shard, bucketed), verifies the fetch
+    groups it settles while the device computes, and reads back the tokens. Returns a
+    ``StepResult``."""
     cache = self.cache
+    self.carry_out(plan.orders)
     # Groups whose pins the mover answers for (issued and not yet taken back by the
     # scheduler): in flight, or settled by this step.
     self._issued = set(self._pending)
     if plan.fetch is not None:
-      pools, pending = cache.mover.start_promote(cache.pools, list(plan.fetch.fetches))
-      cache.set_pools(pools)
+      pending, = cache.update_pools(
+          lambda pools: cache.mover.start_promote(pools, list(plan.fetch.fetches)))
       self._pending[plan.fetch.group] = pending
       self._issued.add(plan.fetch.group)
     ahead, self._ahead = self._ahead, None
@@ -266,9 +279,9 @@ class ModelRunner:
       self._ahead = (key, *self._decode_rows(plan.decode, None)[1:])
     fetched = []
     for group in plan.settle:
-      pools, report = cache.mover.finish_promote(
-          cache.pools, self._pending.pop(group), time.monotonic() + cache.tiers.read_deadline_s)
-      cache.set_pools(pools)
+      pending = self._pending.pop(group)
+      report, = cache.update_pools(lambda pools: cache.mover.finish_promote(
+          pools, pending, time.monotonic() + cache.tiers.read_deadline_s))
       fetched.append((group, report))
     tokens, logits, t_tokens = {}, ({} if plan.want_logits else None), None
     for requests, row, out, sel in dispatched:
@@ -337,7 +350,7 @@ class ModelRunner:
         self.cache.mover.abandon(pending)
       elif group not in self._issued:  # never issued: its pins are still the admission's
         for f in fetches:
-          self.cache.mover.release_pin(f)
+          self.cache.manager.release_pin(f)
       # (else it was settled by the failed step: finish_promote released its pins)
     for pending in self._pending.values():
       self.cache.mover.abandon(pending)

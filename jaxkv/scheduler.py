@@ -8,8 +8,10 @@ reports back; the scheduler then updates its own state from the report:
   ``runner.execute(plan)`` -> ``StepResult``  (frozen: tokens, fetch outcomes, times)
   ``update(plan, result)`` -> ``[StepOutput]``  (per request: new tokens, finished?)
 
-Nothing else crosses between them: the runner never reads the scheduler's state and the
-scheduler never touches device arrays.
+Nothing else crosses between them (``jaxkv.step`` holds both types): the runner never
+reads the scheduler's state, and the scheduler never touches device arrays, pools or
+tiers. It sees the cache through its host-side manager (``jaxkv.manager``: the index,
+pins, allocation), and every piece of tier work it decides is an order in a plan.
 
 What ``schedule`` does
 - Admission. Waiting requests are placed (``admission``) on the shard where their cached
@@ -26,12 +28,18 @@ What ``schedule`` does
 - Verification. A fetch group whose requests have no recompute left after this step's
   chunks is settled this step: the runner waits for it (with the read deadline) after it
   dispatched the step's compute, so the wait overlaps the device work.
+- Orders (``TierOrders``). The blocks this step's admissions evicted (their write-back
+  copies), the write-through copies of what the last update published, and the disk
+  journal's pump once a request completed: carried out by the cache worker before the
+  step writes any page. A step with no request left to carry them is a plan of orders
+  alone (``has_orders``; the engine runs it).
 
 What ``update`` does (the only place each of these happens)
 - settles verified groups: a failed block ends its request's hit there (its bad copy and
   the chain after it are dropped), verified blocks in the hit are published, prompt
   counters are taken, the planner learns the link's speed, the rest of the prompt is queued;
-- publishes the full blocks this step's chunks wrote (write-through copies them down);
+- publishes the full blocks this step's chunks wrote (their write-through copies are
+  orders of the next plan);
 - hands each request its token, takes TTFT, ends requests on a stop token or their length:
   their answer's blocks are published, their pages released, completion counted.
 
@@ -53,9 +61,13 @@ from absl import logging
 
 from jaxkv import buckets
 from jaxkv.admission import Placement, Request
-from jaxkv.config import SamplingParams
 from jaxkv.index import TIER_NAMES, Tier
+from jaxkv.step import (DecodeRow, FetchGroup, PrefillChunk, SeqRows, StepPlan, StepResult,
+                        TierOrders)
 from jaxkv.tiers.base import FetchReport
+
+__all__ = ["DecodeRow", "FetchGroup", "POLICIES", "PrefillChunk", "RequestHandle", "Scheduler",
+           "SeqRows", "StepOutput", "StepPlan", "StepResult", "TierOrders"]
 
 POLICIES = ("continuous", "waves")
 
@@ -123,90 +135,6 @@ class StepOutput:
   finished: bool
 
 
-# ---- the plan of a step ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SeqRows:
-  """What the runner needs of a running request to give it a batch row."""
-
-  request: int  # request id
-  shard: int
-  pages: tuple  # device pages, block order
-  num_pages: int  # pages the request can ever need (the page table's width bucket)
-  sampling: SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-  seq: SeqRows
-  tokens: np.ndarray  # [n] int32, read-only: the chunk's tokens
-  start: int  # position of its first token
-  last: bool  # it reaches the prompt's end: its last logits give the first token
-  recompute: bool  # part of the plan's recompute [hot, s) (else the rest of the prompt)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeRow:
-  seq: SeqRows
-  token: int  # the token fed in (the request's last)
-  pos: int  # its position
-
-
-@dataclasses.dataclass(frozen=True)
-class FetchGroup:
-  """The fetches of one step's admissions, issued together and verified together."""
-
-  group: int
-  fetches: tuple  # Fetch, ...
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-  """Everything one step does, decided before it runs (printable: ``summary``)."""
-
-  step: int
-  aborted: tuple = ()  # request ids that ended this step by ``Scheduler.abort``
-  admitted: tuple = ()  # request ids placed this step
-  fetch: FetchGroup | None = None  # issued at the start of the step
-  decode: tuple = ()  # DecodeRow, ...
-  prefill: tuple = ()  # PrefillChunk, ...
-  decode_again: bool = False  # every decoding row decodes next step too (dispatch it ahead)
-  settle: tuple = ()  # fetch groups to wait for and verify after the step's dispatch
-  finishing: tuple = ()  # request ids that reach max_new_tokens with this step's token
-  streamed: Request | None = None  # a long sequence that is this whole step
-  want_logits: bool = False
-
-  @property
-  def empty(self) -> bool:
-    return not (self.decode or self.prefill or self.fetch or self.settle or self.streamed)
-
-  def summary(self) -> str:
-    """One line: what ran (the log line of ``--verbosity=1``)."""
-    if self.streamed is not None:
-      return (f"step {self.step}: streamed request {self.streamed.index} "
-              f"({len(self.streamed.tokens)} prompt tokens)")
-    recompute = sum(len(c.tokens) for c in self.prefill if c.recompute)
-    prefill = sum(len(c.tokens) for c in self.prefill)
-    fetched = len(self.fetch.fetches) if self.fetch else 0
-    return (f"step {self.step}: rows decode {len(self.decode)} prefill {len(self.prefill)}; "
-            f"tokens {len(self.decode) + prefill} (prefill {prefill}, recompute {recompute}); "
-            f"admitted {list(self.admitted)}; fetch {fetched} blocks"
-            f"{f' (group {self.fetch.group})' if self.fetch else ''}; settle "
-            f"{list(self.settle)}; first tokens {[c.seq.request for c in self.prefill if c.last]}; "
-            f"finishing {list(self.finishing)}"
-            + (f"; aborted {list(self.aborted)}" if self.aborted else ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-  """What the runner reports for a ``StepPlan``."""
-
-  tokens: Mapping  # request id -> the token it produced this step
-  logits: Mapping | None  # request id -> [vocab] float32 logits (when the plan wants them)
-  t_tokens: float  # perf_counter when the tokens were on the host
-  fetched: tuple = ()  # (group, FetchReport), one per settled group
-  streamed: tuple | None = None  # (tokens, logits or None, t_first_token)
-
-
 @dataclasses.dataclass
 class _Seq:
   """A running request (the scheduler's own, mutable state: it advances every step)."""
@@ -225,12 +153,15 @@ class _Seq:
 class Scheduler:
   """Runs submitted requests step by step over one cache."""
 
-  def __init__(self, cache, planner, admission, *, max_seqs_per_shard: int, prefix_reuse: bool,
-               cache_decode_blocks: bool, chunk_tokens: int, policy: str = "continuous"):
+  def __init__(self, manager, planner, admission, *, max_seqs_per_shard: int,
+               prefix_reuse: bool, cache_decode_blocks: bool, chunk_tokens: int,
+               policy: str = "continuous"):
+    """``manager``: the cache's host side (``jaxkv.manager.CacheManager``); the scheduler
+    touches no pool and no tier, and asks for tier work only through its plans' orders."""
     if policy not in POLICIES:
       raise ValueError(f"policy={policy!r} must be one of {POLICIES}.")
-    self.cache, self.planner, self.admission = cache, planner, admission
-    self.index, self.stats, self.page = cache.index, cache.stats, cache.config.page_size
+    self.manager, self.planner, self.admission = manager, planner, admission
+    self.index, self.stats, self.page = manager.index, manager.stats, manager.page_size
     self.prefix_reuse, self.cache_decode_blocks = prefix_reuse, cache_decode_blocks
     self.policy, self.chunk_tokens = policy, chunk_tokens
     self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)  # slots per shard
@@ -245,6 +176,8 @@ class Scheduler:
     # Request ids to end at the next step that can, with how they end ("abort", or "error"
     # for one whose caller's callback raised).
     self._aborting: dict[int, str] = {}
+    # Tier work decided since the last plan, for the next plan's orders.
+    self._orders = TierOrders()
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, handle: RequestHandle) -> RequestHandle:
@@ -254,6 +187,16 @@ class Scheduler:
 
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
+
+  def has_orders(self) -> bool:
+    """Whether tier work is decided and not yet in a plan (the engine runs a plan of
+    orders alone when no request is left to carry it)."""
+    return not self._orders.empty
+
+  def _take_orders(self, *more: TierOrders) -> TierOrders:
+    orders = sum(more, self._orders)
+    self._orders = TierOrders()
+    return orders
 
   def abort(self, request_id: int, reason: str = "abort") -> None:
     """Ends a request (its caller went away) at the start of the next step that can: a
@@ -290,11 +233,13 @@ class Scheduler:
     """Admits what fits and lays out this step (advances the scheduler's own state)."""
     self._step += 1
     aborted = self._apply_aborts()
+    block_bytes = self.manager.page_bytes
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
+                      orders=self._take_orders(), block_bytes=block_bytes,
                       want_logits=self.handles[request.index].logits is not None)
-    admitted, fetch = self._admit()
+    admitted, fetch, evicted = self._admit()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = []
     for s in self.running.values():
@@ -310,6 +255,7 @@ class Scheduler:
                        if s.handle.id in first and s.placement.request.max_new_tokens == 1)
     return StepPlan(
         step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
+        orders=self._take_orders(TierOrders(demote=evicted)), block_bytes=block_bytes,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
         # Every decoding row decodes again next step (none reaches its length with this
@@ -332,16 +278,18 @@ class Scheduler:
   def _free_rows(self) -> list[list[int]]:
     return [[s * self.rows_per_shard + i for i in range(self.max_seqs_per_shard)
              if s * self.rows_per_shard + i not in self.running]
-            for s in range(self.cache.num_shards)]
+            for s in range(self.manager.num_shards)]
 
-  def _admit(self) -> tuple[tuple, FetchGroup | None]:
+  def _admit(self) -> tuple[tuple, FetchGroup | None, tuple]:
+    """Places what fits. Returns ``(admitted ids, fetch group, evicted blocks)``: the
+    blocks whose device pages the placements took, for this step's demote orders."""
     if self.policy == "waves" and self.running:
-      return (), None
+      return (), None, ()
     ordinary = collections.deque()
     while self.waiting and not self.waiting[0].streamed:
       ordinary.append(self.waiting.popleft())
     if not ordinary:
-      return (), None
+      return (), None, ()
     free = self._free_rows()
     running = [self.max_seqs_per_shard - len(f) for f in free]
     # Nothing is admitted without a free row: then nobody needs to be held back either.
@@ -358,7 +306,10 @@ class Scheduler:
     left = held | {r.index for r in candidates}
     self.waiting.extendleft(reversed([r for r in ordinary if r.index in left]))
     if not placed:
-      return (), None
+      return (), None, ()
+    # Evicted blocks are gone from the index already: their write-back copies are ordered
+    # whatever happens to the placements (their pages are reused only by a later step).
+    evicted = tuple(b for p in placed for b in p.evicted)
     if self.policy == "waves":
       self.stats.add("waves")
     try:
@@ -368,15 +319,16 @@ class Scheduler:
       for p in placed:
         self.index.release(p.shard, p.pages)
         for f in p.fetches:
-          self.cache.mover.release_pin(f)
+          self.manager.release_pin(f)
       self.waiting.extendleft(reversed([p.request for p in placed]))
+      self._orders += TierOrders(demote=evicted)
       raise
     group, fetches, seqs, page = self._step, [], [], self.page
     for p, s in zip(placed, splits):
       self._held_once.discard(p.request.index)
       for f in p.fetches:
         if f.block < s:  # cached below, but recomputing it is the plan
-          self.cache.mover.release_pin(f)
+          self.manager.release_pin(f)
       mine = tuple(f for f in p.fetches if f.block >= s)
       fetches.extend(mine)
       req = p.request
@@ -392,7 +344,7 @@ class Scheduler:
     else:  # nothing to wait for: the rest of each prompt follows its recompute at once
       self._settle(seqs, None)
     return (tuple(p.request.index for p in placed),
-            FetchGroup(group, tuple(fetches)) if fetches else None)
+            FetchGroup(group, tuple(fetches)) if fetches else None, evicted)
 
   def _held_for_shared_prefix(self, queue, free: list[list[int]]) -> set[int]:
     """Requests that wait this step because blocks of their prompt are being computed,
@@ -409,7 +361,7 @@ class Scheduler:
     for s in self.running.values():
       if not s.decoding and free[s.placement.shard]:
         computing.update(dict.fromkeys(s.placement.request.keys, s.placement.shard))
-    one_shard = self.cache.num_shards == 1
+    one_shard = self.manager.num_shards == 1
     room = [len(f) for f in free]  # requests that can still join each shard
     index, held = self.index, set()
     for req in queue:
@@ -419,7 +371,7 @@ class Scheduler:
       last = req.keys[shared - 1] if shared else None
       there = None if last is None else computing[last]
       if last is not None and (one_shard or (there is not None and room[there] > 0)) and all(
-          index.slot_of(s, last, t) is None for s in range(self.cache.num_shards)
+          index.slot_of(s, last, t) is None for s in range(self.manager.num_shards)
           for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
         held.add(req.index)
         if there is not None:
@@ -495,11 +447,9 @@ class Scheduler:
     """A verified (or failed) fetch group: each request's hit, prompt counters, the rest of
     its prompt queued."""
     outcomes = collections.defaultdict(list)  # request id -> [(fetch, failure or None)]
-    if report is not None:
+    if report is not None:  # (the worker dropped each failed copy and counted it)
       for f, why in zip(report.fetches, report.failures):
         outcomes[f.request].append((f, why))
-        if why is not None:
-          self.cache.mover.drop_failed(f, why)
       self.planner.observe_fetch(report)
     for s in seqs:
       p = s.placement
@@ -533,8 +483,10 @@ class Scheduler:
       published.append((shard, page, keys[j]))
 
   def _write_through(self, published: list) -> None:
-    if published and self.cache.tiers.write_policy == "write_through":
-      self.cache.mover.copy_down(self.cache.pools, published)
+    """Orders the copies of freshly published blocks to every lower tier (write-through):
+    carried out by the next plan, before anything of it writes a page."""
+    if published and self.manager.write_through:
+      self._orders += TierOrders(write_through=tuple(published))
 
   def _publish_chunks(self, chunks, by_id: dict) -> None:
     """Publishes the full blocks each chunk of the step wrote (the step is dispatched, so
@@ -574,7 +526,7 @@ class Scheduler:
       self.stats.e2e_s.append(e2e)
       if len(handle.tokens) > 1:
         self.stats.tpot_s.append((e2e - handle.ttft_s) / (len(handle.tokens) - 1))
-    self.cache.mover.pump()
+    self._orders += TierOrders(pump=True)  # disk writes that committed get published
 
   def abort_all(self) -> dict[int, tuple]:
     """After a failed step: every running and waiting request ends (``finish_reason``
@@ -584,6 +536,10 @@ class Scheduler:
     self.waiting.clear()
     self._held_once.clear()
     self._aborting.clear()
+    # Orders not carried out are dropped: the failed step may have consumed the pools, and
+    # a copy of what is left there would be of bytes no longer the blocks' (a lost copy is
+    # a miss later, never a wrong hit).
+    self._orders = TierOrders()
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
     for s in self.running.values():

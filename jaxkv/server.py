@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -215,6 +216,7 @@ class OpenAIServer:
     self._box: _Mailbox | None = None
     self.ready = False  # set once the engine is warm and its thread runs
     self.created = int(time.time())
+    self.run_id = uuid.uuid4().hex[:12]  # this server's run: the first part of response ids
     cache = service.engine.cache
     self.vocab_size = service.engine.vocab_size
     self.max_seq_len = cache.config.max_seq_len
@@ -323,7 +325,7 @@ class OpenAIServer:
         raise ApiError(503, str(e), "service_unavailable") from None
     except ApiError as e:
       return e.response()
-    answer = _Answer(job, self.tokenizer)
+    answer = _Answer(job, self.tokenizer, f"{self.run_id}-{ticket}")
     waiter = _Waiter(queue, request, self.request_timeout_s,
                      functools.partial(self.service.abort, ticket))
     if job.stream:  # the headers go at once; what the engine says comes as events
@@ -345,6 +347,7 @@ class OpenAIServer:
       waiter.close()
       if not answer.done_by_engine:
         self.service.abort(ticket)
+      _log_end(ticket, answer)
     if answer.finish_reason == "error":
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
@@ -393,6 +396,7 @@ class OpenAIServer:
       waiter.close()
       if not answer.done_by_engine:  # a closed stream, a stop string or the deadline
         self.service.abort(ticket)
+      _log_end(ticket, answer)
 
   def _parse(self, body: dict, chat: bool, tenant: str) -> _Job:
     model = body.get("model")
@@ -632,13 +636,23 @@ class _Job:
   return_ids: bool
 
 
+def _log_end(ticket: int, answer: "_Answer") -> None:
+  """One line per request (``--verbosity=1``), with the engine's request id: the id of the
+  engine's own lines about it (``request N``) and the response's ``id``."""
+  logging.debug("request %d (%s): %s, %d prompt tokens (%d cached), %d generated", ticket,
+                answer.id, answer.finish_reason or "abort", answer.prompt_tokens,
+                answer.cached_tokens, len(answer.tokens))
+
+
 class _Answer:
   """One request's answer as it arrives: tokens, the text so far (stop strings cut it),
   what has been streamed, usage."""
 
-  def __init__(self, job: _Job, tokenizer):
+  def __init__(self, job: _Job, tokenizer, request_id: str):
     self.job, self.tokenizer = job, tokenizer
-    self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    # ``<this server's run>-<the engine's request id>``: the id the engine's log lines
+    # carry, unique across the server's restarts and replicas.
+    self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
     self.created = int(time.time())
     self.tokens: list[int] = []
     self.text = ""

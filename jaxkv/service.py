@@ -153,7 +153,6 @@ class EngineService:
     self._inbox: collections.deque = collections.deque()
     self._wake = threading.Condition()
     self._lock = threading.Lock()
-    self._next_ticket = 0
     self._outstanding = 0
     self._accepting = True
     self._sinks: dict[int, Callable[[Delta], None] | None] = {}  # ticket -> sink (engine thread)
@@ -191,7 +190,9 @@ class EngineService:
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, tenant: str,
              sink: Callable[[Delta], None], *, quota: str | None = None) -> int:
-    """Queues a request; returns its ticket. ``sink(delta)`` is called on the engine
+    """Queues a request; returns its ticket: the engine's request id (``handle.id``, the id
+    every log line about it carries, and the server's response id's last part).
+    ``sink(delta)`` is called on the engine
     thread for every step that gives it tokens, the last with ``finish_reason`` set.
     ``quota``: whose share it counts against (default ``tenant``). Raises ``EngineFailed``,
     ``Draining`` or ``Overloaded`` (nothing was queued)."""
@@ -212,8 +213,7 @@ class EngineService:
         raise Overloaded(f"tenant {quota!r} holds {self._per_tenant[quota]} requests, its "
                          f"share (max_running_per_tenant={share} + max_waiting_per_tenant="
                          f"{self.max_waiting_per_tenant})")
-      ticket = self._next_ticket
-      self._next_ticket += 1
+      ticket = self.engine.new_request_id()  # the engine's id: one id end to end
       self._outstanding += 1
       self._sinks[ticket] = sink
       self._quota[ticket] = quota
@@ -361,7 +361,8 @@ class EngineService:
           self._sinks[c.ticket] = None
           self._outstanding += 1
       try:
-        handle = self.engine.submit(list(c.prompt), c.sampling, c.tenant)
+        handle = self.engine.submit(list(c.prompt), c.sampling, c.tenant,
+                                    request_id=c.ticket)
       except InputError as e:  # the request's own bad input: it alone is refused
         self._finish(c.ticket, Delta(finish_reason="error", prompt_tokens=len(c.prompt),
                                      error=str(e)))

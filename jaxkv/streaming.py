@@ -31,7 +31,7 @@ from jaxkv import pages as pages_lib
 from jaxkv.admission import Request
 from jaxkv.cache import CapacityError
 from jaxkv.distributed import to_host
-from jaxkv.errors import InvariantError
+from jaxkv.errors import InputError, InvariantError
 from jaxkv.index import Tier
 
 
@@ -226,3 +226,21 @@ class StreamRunner:
         block_valid=put(valid), host_pool=self.cache.host.pool, cold_slots=put(slots),
         cold_first=put(first), cold_count=put(count), pages_per_chunk=st.chunk_pages)
     return put(table), stream
+
+
+def check_stream_config(stream, cache, config) -> None:
+  """Refuses a ``StreamConfig`` the cache or engine config cannot serve (``InputError``)."""
+  if stream is None:
+    return
+  need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
+  if need > cache.config.pages_per_shard:
+    raise InputError(
+        f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
+        f"{stream.window_pages} + a prefill chunk of {config.prefill_chunk_pages} "
+        f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
+  if cache.host is None:
+    raise InputError("StreamConfig needs a host tier to stream from: set "
+                     "TierConfig(host_pages_per_shard=...).")
+  if stream.source == "disk" and cache.disk is None:
+    raise InputError("StreamConfig(source='disk') needs a disk tier: set "
+                     "TierConfig(disk_kvstore=..., disk_pages=...).")

@@ -15,9 +15,9 @@ Moves
   a request was given, through each tier's ``FetchSource`` (issue everything, let the
   caller compute, then wait, verify and land). Blocks that another data shard holds on
   device are copied with a collective. ``start_promote`` returns a ``PendingFetch``;
-  ``finish_promote`` returns the ``FetchReport`` (one ``Failure`` or None per fetch), and
-  the caller hands each failed fetch to ``drop_failed``, which forgets the bad copy and
-  every block chained after it. A promotion that will never be finished (its step
+  ``finish_promote`` drops each failed fetch's copy (``drop_failed``: the bad copy and
+  every block chained after it are forgotten) and returns the ``FetchReport`` (one
+  ``Failure`` or None per fetch). A promotion that will never be finished (its step
   failed) is given up with ``abandon``. Every fetch's pin is released exactly once, by
   one of the two.
 - ``write_records`` / ``read_records``: the long-context path's private disk records.
@@ -40,10 +40,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv import distributed
+from jaxkv import manager
 from jaxkv import pages as pages_lib
 from jaxkv.distributed import local_data_shards, put_global, to_host
 from jaxkv.errors import InvariantError
-from jaxkv.index import LOCAL_TIERS, Tier
+from jaxkv.index import Tier
 from jaxkv.journal import DiskJournal
 from jaxkv.stats import Stats
 from jaxkv.tiers.base import Failure, Fetch, FetchReport, FetchSource, Landing, Staged
@@ -274,13 +275,6 @@ class TierMover:
     return self.journal.flush(timeout_s) if self.journal is not None else 0
 
   # ---- upwards -----------------------------------------------------------------------------
-  def promote(self, pools, fetches: list[Fetch], deadline_s: float
-              ) -> tuple[list, FetchReport]:
-    """Copies lower-tier blocks into device pages and verifies them, waiting up to
-    ``deadline_s``. Returns ``(pools, report)``."""
-    pools, pending = self.start_promote(pools, fetches)
-    return self.finish_promote(pools, pending, time.monotonic() + deadline_s)
-
   def start_promote(self, pools, fetches) -> tuple[list, PendingFetch]:
     """Issues every fetch without waiting. Returns ``(pools, pending)``; compute
     dispatched meanwhile overlaps the reads and copies. Each fetch holds a pin on its
@@ -351,17 +345,14 @@ class TierMover:
 
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source."""
-    if f.tier == Tier.SHARD:
-      self.index.release(f.slot[0], [f.slot[1]], Tier.DEVICE)
-    elif f.tier in LOCAL_TIERS:
-      self.index.release(f.shard, [f.slot], f.tier)
+    manager.release_pin(self.index, f)
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:
     """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
-    and lands them, and releases every fetch's pin. Returns ``(pools, report)``: the
-    caller truncates each request's hit at its first failed block and hands each failed
-    fetch to ``drop_failed``."""
+    and lands them, releases every fetch's pin and drops each failed copy
+    (``drop_failed``). Returns ``(pools, report)``: the caller truncates each request's
+    hit at its first failed block."""
     fetches = pending.fetches
     failures: list[Failure | None] = [None] * len(fetches)  # SHARD copies cannot fail
     t_wait = time.perf_counter()
@@ -387,6 +378,9 @@ class TierMover:
     self.stats.add("fetch_s", t_done - pending.t_start)
     for f in fetches:
       self.release_pin(f)  # the pin taken at admission
+    for f, failure in zip(fetches, failures):
+      if failure is not None:
+        self.drop_failed(f, failure)
     ok = sum(failure is None for failure in failures)
     self.stats.add("blocks_fetched", ok)
     self.stats.add("bytes_moved", self._bytes(ok))

@@ -196,13 +196,37 @@ def _imports(tree) -> set[str]:
 
 
 def test_tiers_import_nothing_above_them():
-  above = ("jaxkv.executor", "jaxkv.engine", "jaxkv.scheduler", "jaxkv.checkpoint",
+  above = ("jaxkv.engine", "jaxkv.scheduler", "jaxkv.checkpoint",
            "jaxkv.cache", "jaxkv.transfers", "jaxkv.admission", "jaxkv.runner",
            "jaxkv.costs", "jaxkv.plan", "jaxkv.planner", "jaxkv.capacity")
   for path, tree in _modules():
     if path.parent.name == "tiers":
       bad = [m for m in _imports(tree) if m.startswith(above)]
       assert not bad, f"{path.name} imports {bad}"
+
+
+def test_the_scheduler_and_admission_order_tier_work_and_never_do_it():
+  """They see the cache through its manager: no mover, pool, tier or worker is named in
+  their code, and tier work reaches the worker only as a plan's orders. The runner takes
+  the plan's types from ``jaxkv.step``, not from the scheduler."""
+  trees = {path.stem: tree for path, tree in _modules() if path.parent.name == "jaxkv"}
+  worker = {"mover", "pools", "set_pools", "host", "disk", "journal", "remotes", "cache"}
+  for name in ("scheduler", "admission", "manager", "step"):
+    touched = sorted({(node.attr, node.lineno) for node in ast.walk(trees[name])
+                      if isinstance(node, ast.Attribute) and node.attr in worker})
+    assert not touched, f"jaxkv/{name}.py names {touched}"
+    assert not {m for m in _imports(trees[name])
+                if m.startswith(("jaxkv.cache", "jaxkv.transfers", "jaxkv.runner",
+                                 "jaxkv.tiers.host", "jaxkv.tiers.disk", "jaxkv.journal"))}
+  # The pools change in one place: ``KVCache.update_pools`` (no other module assigns them).
+  for path, tree in _modules():
+    if path.name != "cache.py":
+      bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and (
+          n.attr == "set_pools" or (n.attr == "_pools" and not (
+              isinstance(n.value, ast.Name) and n.value.id == "self")))]
+      assert not bad, f"{path.name}:{bad} changes the pools outside KVCache.update_pools"
+  assert "jaxkv.scheduler" not in _imports(trees["runner"])
+  assert "jaxkv.step" in _imports(trees["runner"]) and "jaxkv.step" in _imports(trees["scheduler"])
 
 
 def test_costs_plan_and_planner_import_one_way():

@@ -146,6 +146,9 @@ def test_a_repeated_prefix_reports_cached_tokens(state, checkpoint):
   assert first.usage.prompt_tokens_details.cached_tokens == 0
   cached = again.usage.prompt_tokens_details.cached_tokens
   assert 0 < cached <= len(p) and cached % 16 == 0  # whole blocks of the shared prefix
+  # One id end to end: cmpl-<this server's run>-<the engine's request id>, in order.
+  (run, a), (run2, b) = [r.id.removeprefix("cmpl-").rsplit("-", 1) for r in (first, again)]
+  assert run == run2 and len(run) == 12 and int(b) > int(a) >= 0
 
 
 def test_stop_strings_end_the_text_before_the_match(state, reference, checkpoint):

@@ -346,3 +346,45 @@ def test_a_tenants_share_holds_back_its_extra_requests_while_others_are_served(p
 
 
 TENANT_SALT = "\x1f"
+
+
+def test_one_request_id_from_the_service_ticket_to_the_engines_step(pair):
+  """The service's ticket is the engine's request id: the id the step's plan and every log
+  line carry (and the server's response id ends with it)."""
+  engine, _ = pair
+  service = EngineService(engine).start()
+  seen = {}  # ticket -> request ids the engine was running when its first delta came
+  try:
+    tickets, dones = [], []
+    for i in range(3):
+      done = threading.Event()
+
+      def sink(delta, i=i, done=done):
+        seen.setdefault(i, {s.handle.id for s in engine.loop.running.values()})
+        if delta.finish_reason is not None:
+          done.set()
+
+      tickets.append(service.submit([5, 6, 7 + i], jaxkv.SamplingParams(max_new_tokens=4),
+                                    "default", sink))
+      dones.append(done)
+    assert all(d.wait(60) for d in dones)
+  finally:
+    service.close()
+  assert len(set(tickets)) == 3
+  for i, ticket in enumerate(tickets):
+    assert ticket in seen[i]
+  # Ids are one space: the engine's own requests never take a ticket's id, and an id in use
+  # is refused by name.
+  ids = set()
+  threads = [threading.Thread(target=lambda: ids.update(engine.new_request_id()
+                                                        for _ in range(200))) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(ids) == 800 and not ids & set(tickets)
+  h = engine.submit([1, 2, 3], 2, request_id=engine.new_request_id())
+  with pytest.raises(jaxkv.InputError, match=f"request_id={h.id} must be"):
+    engine.submit([1, 2, 3], 2, request_id=h.id)
+  assert h.result() and engine.submit([1, 2, 3], 2).id > h.id
+  helpers.no_refs(engine)

@@ -140,7 +140,7 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     rng = np.random.default_rng(3)
     pools = [jax.device_put(random_bits(rng, pages_lib.pool_shape(mesh, cc), dtype),
                             pages_lib.pool_sharding(mesh, cc)) for _ in range(4)]
-    engine.cache.set_pools(pools)
+    engine.cache.update_pools(lambda old: (pools,))
     before = [bits(p) for p in pools]
     index, mover = engine.cache.index, engine.cache.mover
     keys = [bytes([i]) * 32 for i in range(5)]
@@ -162,7 +162,8 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
       (tier, slot), = index.locate(1, [k])
       index.acquire(1, [slot], tier)
       fetches.append(Fetch(0, 0, 1, tier, slot, k, d))
-    new, report = mover.promote(engine.cache.pools, fetches, deadline_s=30)
+    new, pending = mover.start_promote(engine.cache.pools, fetches)
+    new, report = mover.finish_promote(new, pending, time.monotonic() + 30)
     assert report.failures == (None,) * 5 and report.blocks == 5, report.failures
     assert report.fetches == tuple(fetches) and report.tiers == (int(Tier.HOST), int(Tier.DISK))
     assert report.bytes == 5 * cc.page_bytes and report.seconds > 0

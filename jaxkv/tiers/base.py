@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -169,8 +168,8 @@ class FetchReport:
   read it.
 
   ``failures[i]`` is ``None`` when ``fetches[i]`` was verified and is in its device page
-  now, else why it was not (the caller recomputes that request from its first failed
-  block on and calls ``TierMover.drop_failed(fetch, failure)``). ``blocks`` and ``bytes``
+  now, else why it was not (the mover dropped that copy already; the caller recomputes
+  that request from its first failed block on). ``blocks`` and ``bytes``
   count the verified blocks, ``seconds`` runs from issuing the reads to the last block's
   bytes arriving on the device (0: not timed, a copy across shards only), and ``tiers``
   lists the tiers fetched from (sorted ``int(Tier)`` values): what the planner learns a
@@ -188,18 +187,3 @@ class FetchReport:
     if len(self.failures) != len(self.fetches):
       raise ValueError(f"FetchReport has {len(self.fetches)} fetches but "
                        f"{len(self.failures)} failures; give one (None: verified) per fetch.")
-
-  def ok(self, i: int) -> bool:
-    """Whether ``fetches[i]`` was verified and landed."""
-    return self.failures[i] is None
-
-  def failure_of(self, fetch: Fetch) -> Failure | None:
-    """Why ``fetch`` (one of ``fetches``) failed, ``None`` when it was verified."""
-    try:
-      return self._failure_by_fetch[fetch]
-    except KeyError:
-      raise ValueError(f"{fetch=} is not one of this report's fetches.") from None
-
-  @functools.cached_property
-  def _failure_by_fetch(self) -> dict[Fetch, Failure | None]:
-    return dict(zip(self.fetches, self.failures))
