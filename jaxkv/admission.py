@@ -85,6 +85,10 @@ class Admission:
     self.max_seqs_per_shard, self.prefix_reuse = max_seqs_per_shard, prefix_reuse
     self.vocab_size = vocab_size
 
+  def set_stream(self, stream) -> None:
+    """How sequences longer than a device pool are served from now on (None: refused)."""
+    self.stream = stream
+
   # ---- validation ------------------------------------------------------------------------------
   def validate(self, prompts, sampling, tenant, *, first_id: int = 0,
                shard: int | None = None) -> list[Request]:

@@ -156,9 +156,15 @@ class KVCache:
             "this model (weights_digest='' computes it) or load the weights it was made for.")
       return
     self.config = dataclasses.replace(self.config, weights_digest=digest)
-    self.index.fingerprint = self.config.fingerprint()
+    self.index.bind_fingerprint(self.config.fingerprint())
     if self.disk is not None:
-      self.disk.fingerprint = self.config.fingerprint()
+      self.disk.bind_fingerprint(self.config.fingerprint())
+
+  @property
+  def deployment_key(self) -> bytes | None:
+    """The secret this cache keys block keys and authenticates with (None: keyless), for
+    the parts that seal or authenticate in its name: checkpoints, the block server."""
+    return self._deployment_key
 
   @property
   def num_arrays(self) -> int:

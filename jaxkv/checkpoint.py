@@ -116,7 +116,7 @@ class Checkpointer:
 
   def __init__(self, cache, directory: str):
     self.cache = cache
-    key = cache._deployment_key  # pylint: disable=protected-access
+    key = cache.deployment_key
     self._meta_seal = security.Seal(key, "checkpoint-meta") if key else None
     self._row_seal = security.Seal(key, "checkpoint-row") if key else None
     self._encrypt = cache.encrypt  # rows sealed (AES-GCM), not only tagged

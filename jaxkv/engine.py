@@ -104,7 +104,7 @@ class Engine:
       raise InputError("cannot change the stream config while requests are running; finish "
                        "them first (Engine.step until has_unfinished() is False).")
     self._stream = stream
-    self.admission.stream = stream
+    self.admission.set_stream(stream)
     self._streamer = (None if stream is None else StreamRunner(
         self.cache, self.runner, stream, prefill_chunk_pages=self.config.prefill_chunk_pages))
 
@@ -115,7 +115,7 @@ class Engine:
 
   @costs.setter
   def costs(self, costs: CostModel | None) -> None:
-    self.planner.costs = costs
+    self.planner.set_costs(costs)
 
   @property
   def trace_counts(self) -> collections.Counter:
@@ -133,8 +133,8 @@ class Engine:
   def _calibrate(self) -> None:
     from jaxkv import calibration
     t0 = time.perf_counter()
-    self.planner.costs = calibration.calibrate(
-        self.cache, self.runner, max_seqs_per_shard=self.config.max_seqs_per_shard)
+    self.planner.set_costs(calibration.calibrate(
+        self.cache, self.runner, max_seqs_per_shard=self.config.max_seqs_per_shard))
     self.cache.stats.add("calibration_s", time.perf_counter() - t0)
 
   # ---- generation ------------------------------------------------------------------------------

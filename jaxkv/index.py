@@ -149,6 +149,15 @@ class PrefixIndex:
     self.counters = IndexCounters()
 
   # ---- keys ------------------------------------------------------------------------------
+  def bind_fingerprint(self, fingerprint: bytes) -> None:
+    """The fingerprint block keys are chained from, once the model's weights are known
+    (``KVCache.attach``), before any block is keyed under it."""
+    if any(self.num_cached(s, t) for s in range(self.num_shards) for t in LOCAL_TIERS
+           if self.has_tier(t)):
+      raise InvariantError("the index's fingerprint changed while it holds blocks keyed "
+                           "under the old one.")
+    self.fingerprint = fingerprint
+
   def block_keys(self, tokens: Sequence[int], tenant: str) -> list[Key]:
     """Keys of every full block of ``tokens`` for ``tenant``."""
     return chain_keys(tenant_root_key(self.fingerprint, tenant, self._secret), tokens,

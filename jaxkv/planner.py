@@ -41,7 +41,7 @@ class Planner:
   and which recomputed, and which shard a request is cheapest on.
 
   ``costs``: the ``CostModel`` the ``cost`` policy plans with. None until the engine sets
-  it (``planner.costs = ...``), unless given here or loaded from ``cost_model_path``.
+  it (``planner.set_costs``), unless given here or loaded from ``cost_model_path``.
   """
 
   def __init__(self, config, costs: CostModel | None, *, num_shards: int, page_size: int,
@@ -53,6 +53,10 @@ class Planner:
     self.num_shards, self.page_size, self.page_bytes = num_shards, page_size, page_bytes
     self.chunk_tokens, self.tail_widths = chunk_tokens, tuple(tail_widths)
     self.stats = stats
+
+  def set_costs(self, costs: CostModel | None) -> None:
+    """The costs to plan with from now on (calibrated, loaded or agreed by a job)."""
+    self.costs = costs
 
   def ensure_costs(self) -> CostModel:
     """The costs to plan with. Their absence is the engine's bug (it sets them before any

@@ -131,8 +131,8 @@ def test_planner_plans_from_the_costs_the_engine_sets_and_learns_from_fetch_repo
   assert planner.splits([([D, D], 40, 0)]) == [2]  # nothing cold: no costs needed
   with pytest.raises(RuntimeError, match="must set planner.costs"):  # the engine's bug
     planner.splits([([D, H, H], 60, 0)])
-  planner.costs = CostModel(links={"host_to_device": LinkCost(0.0, 1e12)},
-                            prefill=PrefillCurve(0.0, 1e-3, 0.0))
+  planner.set_costs(CostModel(links={"host_to_device": LinkCost(0.0, 1e12)},
+                              prefill=PrefillCurve(0.0, 1e-3, 0.0)))
   assert planner.ensure_costs() is planner.costs
   assert planner.splits([([D, H, H], 60, 0)]) == [1]  # a fast link: fetch both
   # A report is a value with plain attributes; the deepest tier read names the link.

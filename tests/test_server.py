@@ -658,12 +658,12 @@ def test_a_stop_string_never_matches_a_character_still_arriving(checkpoint):
   cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
   job = _Job(chat=False, prompt=[1], sampling=jaxkv.SamplingParams(), stops=["\ufffd"],
              tenant="t", stream=True, include_usage=False, return_ids=False)
-  answer = _Answer(job, tok)
+  answer = _Answer(job, tok, "test-0")
   assert not answer.take(Delta(tokens=tuple(ids[:cut])))  # mid-character: no match
   assert answer.take(Delta(tokens=tuple(ids[cut:]), finish_reason="length"))
   assert answer.finish_reason == "length" and answer.text == "ok \U0001F600 done"
   # A real U+FFFD in the text still stops it.
   real = tok.encode("a \ufffd b", add_special_tokens=False)
-  answer = _Answer(job, tok)
+  answer = _Answer(job, tok, "test-0")
   assert answer.take(Delta(tokens=tuple(real), finish_reason="length"))
   assert answer.finish_reason == "stop" and answer.text == "a "

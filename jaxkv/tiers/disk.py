@@ -243,6 +243,11 @@ class DiskTier:
     # TensorStore future may cancel its operation)
     self._prune_at = 64
 
+  def bind_fingerprint(self, fingerprint: bytes) -> None:
+    """The fingerprint records are written, named and verified under (set once the model
+    is known, before any record is read or written)."""
+    self.fingerprint = fingerprint
+
   # ---- names -------------------------------------------------------------------------------
   @property
   def prefix(self) -> str:

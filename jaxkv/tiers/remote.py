@@ -830,7 +830,7 @@ class BlockServer:
   def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *,
                allow_insecure: bool = False):
     self.cache = cache
-    self._key = cache._deployment_key  # pylint: disable=protected-access
+    self._key = cache.deployment_key
     if self._key is None:
       if not security.is_loopback(host) and not allow_insecure:
         raise InputError(f"BlockServer on {host}:{port} has no deployment key: anyone who "
