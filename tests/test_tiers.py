@@ -19,7 +19,7 @@ from jaxkv import pages as pages_lib
 from jaxkv import workloads
 from jaxkv.tiers.base import Fetch
 from jaxkv.index import Tier
-from jaxkv.tiers import blocks
+from jaxkv.tiers import blocks, localdir
 from jaxkv.tiers.disk import DiskTier
 from jaxkv.tiers.host import HostTier
 
@@ -519,22 +519,32 @@ def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   # writes (an open-file-description lock).
   disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
                   fingerprint=b"f" * 32)
-  records = sorted(os.listdir(disk.prefix_path))
+  records = sorted(n for n in os.listdir(disk.prefix_path) if not n.endswith(".__lock"))
   assert len(records) >= 8
   torn = os.path.join(disk.prefix_path, "ab" * 32 + ".__lock")
   open(torn, "wb").write(b"partial")
   live = os.path.join(disk.prefix_path, "cd" * 32 + ".__lock")
   live_fd = os.open(live, os.O_RDWR | os.O_CREAT)
   fcntl.fcntl(live_fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
+  fresh = os.path.join(disk.prefix_path, "ef" * 32 + ".1-0.__lock")  # created, not yet locked
+  open(fresh, "wb").write(b"being written")
   os.truncate(os.path.join(disk.prefix_path, records[0]), 100)
+  # The next open comes later: what the killed writer left, and the torn temporary, are
+  # older than a live writer's (an unlocked temporary is stale only once old).
+  old = time.time() - 2 * localdir.STALE_TEMPORARY_S
+  for n in os.listdir(disk.prefix_path):
+    if n.endswith(".__lock") and not n.startswith("ef"):
+      os.utime(os.path.join(disk.prefix_path, n), (old, old))
   try:
     disk = DiskTier(path, num_slots=64, payload_shape=(4, 2, 16, 256), dtype="float32",
                     fingerprint=b"f" * 32)
     assert disk.removed_temporaries >= 1 and not os.path.exists(torn)
     assert os.path.exists(live)  # a live writer's temporary is not taken from under it
+    assert os.path.exists(fresh)  # nor one just created (its writer locks it next)
   finally:
     os.close(live_fd)
   os.remove(live)
+  os.remove(fresh)
   good, deleted = disk.scan()
   assert deleted >= 1 and len(good) >= 7
   assert records[0] not in os.listdir(disk.prefix_path)  # the torn record was deleted

@@ -34,6 +34,7 @@ import itertools
 import os
 import stat
 import threading
+import time
 import weakref
 
 from jaxkv import security
@@ -49,6 +50,7 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 RECORD_MODE = 0o600  # a record holds KV, and KV is the prompt: its owner's alone
+STALE_TEMPORARY_S = 60.0  # an unlocked temporary untouched this long was left by a crash
 _TREE_DEPTH = 8  # ``bytes_on_disk`` looks no deeper (jaxkv's own tree is 3 deep)
 
 
@@ -77,14 +79,16 @@ def identity(st: os.stat_result) -> tuple[int, int]:
 def _remove_if_unlocked(dir_fd: int, name: str) -> bool:
   """Removes the temporary ``name`` in directory ``dir_fd`` if it is a regular file no
   process holds a lock on (a POSIX record lock conflicts with a writer's
-  open-file-description lock too). Returns whether it was removed."""
+  open-file-description lock too) and that was last written ``STALE_TEMPORARY_S`` ago or
+  more: a writer creates its temporary before it can lock it, and one just created is not
+  taken from under it. Returns whether it was removed."""
   try:
     fd = os.open(name, os.O_RDWR | (_FILE_FLAGS & ~os.O_ACCMODE), dir_fd=dir_fd)
   except OSError:
     return False  # gone (its writer finished it), a link, or not ours to open
   try:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < STALE_TEMPORARY_S:
       return False
     try:
       fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -241,9 +245,10 @@ class LocalDir:
 
   def remove_temporaries(self) -> int:
     """Deletes ``*.__lock`` files a killed writer left in ``records/`` and the directories
-    right under it. TensorStore's file driver holds a lock on that file
-    while it writes (an open-file-description lock on Linux); if we can take a lock on it,
-    no writer is alive and the file is stale. A live writer's (another process sharing the
+    right under it. A writer (jaxkv's, or TensorStore's file driver) holds a lock on that
+    file while it writes (a record lock, or an open-file-description lock); if we can take
+    a lock on it and it is older than ``STALE_TEMPORARY_S``, no writer is alive and the
+    file is stale. A live writer's (another process sharing the
     store) is left alone, and one that vanishes meanwhile was finished by its writer.
     Directories are listed as they are read, and no link is followed."""
     with self.dir(None) as records:
