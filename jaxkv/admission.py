@@ -37,7 +37,7 @@ from jaxkv.tiers.base import Fetch
 class Request:
   """One prompt of a call, validated."""
 
-  index: int  # request id: the position in the caller's list, or the engine's running count
+  id: int  # the request's id (``RequestHandle.id``): the engine's, one space for all requests
   tokens: np.ndarray  # [prompt] int32
   sampling: SamplingParams
   tenant: str
@@ -49,6 +49,11 @@ class Request:
   @property
   def max_new_tokens(self) -> int:
     return self.sampling.max_new_tokens
+
+  @property
+  def index(self) -> int:
+    """The request's id under its former name (it was never a position)."""
+    return self.id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,7 @@ class Admission:
                          f"[0, {self.vocab_size}).")
       keys = (self.manager.index.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
-      requests.append(Request(index=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
+      requests.append(Request(id=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
                               keys=tuple(keys), num_pages_needed=-(-total // c.page_size),
                               streamed=streamed, shard=shard))
     # Refuse before any work what no wave could ever hold (pages held outside this call,
@@ -285,7 +290,7 @@ class Admission:
       else:
         page = fresh.popleft()
         pages.append(page)
-        fetches.append(Fetch(req.index, j, shard, tier, slot, req.keys[j], page))
+        fetches.append(Fetch(req.id, j, shard, tier, slot, req.keys[j], page))
     pages.extend(fresh)
     return Placement(request=req, shard=shard, pages=tuple(pages),
                      hit_tiers=tuple(t for t, _ in found), fetches=tuple(fetches),

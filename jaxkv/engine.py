@@ -181,7 +181,7 @@ class Engine:
       else:  # the caller's (``new_request_id``, or a job's leader's)
         first = request_id
         self._next_id = max(self._next_id, request_id + 1)
-    return [dataclasses.replace(r, index=first + i) for i, r in enumerate(requests)]
+    return [dataclasses.replace(r, id=first + i) for i, r in enumerate(requests)]
 
   def _add(self, request, *, on_token=None, want_logits: bool = False) -> RequestHandle:
     return self.loop.add(RequestHandle(request, self._wait, on_token, want_logits))

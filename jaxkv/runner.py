@@ -114,10 +114,12 @@ class StepBatch:
   select_mask: jax.Array | None = None  # [rows] bool: the row's prompt ends in this step
 
 
-# A prefill row: (row, token ids, position of the first one, whether its logits give the
-# row's next token). A decode row: (row, position of the token fed in).
-PrefillRow = tuple[int, np.ndarray, int, bool]
-DecodeRow = tuple[int, int]
+# What a batch builder takes per row (plain tuples; the plan's ``PrefillChunk`` and
+# ``DecodeRow`` are what the scheduler decided): a prefill input is (row, token ids,
+# position of the first one, whether its logits give the row's next token), a decode input
+# (row, position of the token fed in).
+PrefillInput = tuple[int, np.ndarray, int, bool]
+DecodeInput = tuple[int, int]
 
 
 class ModelRunner:
@@ -169,7 +171,7 @@ class ModelRunner:
     leaves, tree = jax.tree.flatten(host)
     return jax.tree.unflatten(tree, self.cache.put_rows_many(*leaves))
 
-  def prefill_batch(self, rows: Sequence[PrefillRow], num_rows: int,
+  def prefill_batch(self, rows: Sequence[PrefillInput], num_rows: int,
                     sampling: RowSampling | None = None, width: int | None = None
                     ) -> StepBatch:
     """The step's inputs, ``width`` tokens per row: by default the narrowest prefill
@@ -194,7 +196,7 @@ class ModelRunner:
                      select_idx=select_idx, select_mask=select_mask,
                      sampling=sampling or self.row_sampling({}, num_rows))
 
-  def decode_batch(self, rows: Sequence[DecodeRow], num_rows: int,
+  def decode_batch(self, rows: Sequence[DecodeInput], num_rows: int,
                    sampling: RowSampling | None = None) -> StepBatch:
     positions = np.full((num_rows, 1), -1, np.int32)
     kv_lens = np.zeros((num_rows,), np.int32)

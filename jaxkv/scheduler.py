@@ -84,7 +84,7 @@ class RequestHandle:
   def __init__(self, request: Request, wait: Callable[[], object],
                on_token: Callable[[int], None] | None = None, want_logits: bool = False):
     self.request = request
-    self.id = request.index
+    self.id = request.id
     self.tokens: list[int] = []
     self.logits: list | None = [] if want_logits else None
     self.finished = False
@@ -211,9 +211,9 @@ class Scheduler:
   def _apply_aborts(self) -> tuple:
     """Ends the aborted requests that can end now; returns their ids."""
     ended = []
-    if any(r.index in self._aborting for r in self.waiting):
-      kept = [r for r in self.waiting if r.index not in self._aborting]
-      ended = [r.index for r in self.waiting if r.index in self._aborting]
+    if any(r.id in self._aborting for r in self.waiting):
+      kept = [r for r in self.waiting if r.id not in self._aborting]
+      ended = [r.id for r in self.waiting if r.id in self._aborting]
       self.waiting = collections.deque(kept)
     in_flight = {s.handle.id for seqs, _ in self.groups.values() for s in seqs}
     for s in list(self.running.values()):
@@ -238,7 +238,7 @@ class Scheduler:
       request = self.waiting.popleft()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
                       orders=self._take_orders(), block_bytes=block_bytes,
-                      want_logits=self.handles[request.index].logits is not None)
+                      want_logits=self.handles[request.id].logits is not None)
     admitted, fetch, evicted = self._admit()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = []
@@ -295,7 +295,7 @@ class Scheduler:
     # Nothing is admitted without a free row: then nobody needs to be held back either.
     held = (self._held_for_shared_prefix(ordinary, free)
             if any(free) and self.policy == "continuous" else set())
-    candidates = collections.deque(r for r in ordinary if r.index not in held)
+    candidates = collections.deque(r for r in ordinary if r.id not in held)
     try:
       placed = (self.admission.admit(candidates, running=running,
                                      wait_for_own_shard=self.policy == "continuous")
@@ -303,8 +303,8 @@ class Scheduler:
     except BaseException:
       self.waiting.extendleft(reversed(ordinary))  # still queued: abort_all ends them
       raise
-    left = held | {r.index for r in candidates}
-    self.waiting.extendleft(reversed([r for r in ordinary if r.index in left]))
+    left = held | {r.id for r in candidates}
+    self.waiting.extendleft(reversed([r for r in ordinary if r.id in left]))
     if not placed:
       return (), None, ()
     # Evicted blocks are gone from the index already: their write-back copies are ordered
@@ -325,16 +325,16 @@ class Scheduler:
       raise
     group, fetches, seqs, page = self._step, [], [], self.page
     for p, s in zip(placed, splits):
-      self._held_once.discard(p.request.index)
+      self._held_once.discard(p.request.id)
       for f in p.fetches:
         if f.block < s:  # cached below, but recomputing it is the plan
           self.manager.release_pin(f)
       mine = tuple(f for f in p.fetches if f.block >= s)
       fetches.extend(mine)
       req = p.request
-      seq = _Seq(handle=self.handles[req.index], placement=p, row=free[p.shard].pop(0),
+      seq = _Seq(handle=self.handles[req.id], placement=p, row=free[p.shard].pop(0),
                  split=s, spans=collections.deque(), recompute_end=s * page,
-                 rows=SeqRows(req.index, p.shard, p.pages, req.num_pages_needed, req.sampling))
+                 rows=SeqRows(req.id, p.shard, p.pages, req.num_pages_needed, req.sampling))
       if s > p.hot_blocks:
         seq.spans.append((p.hot_blocks * page, s * page))
       seqs.append(seq)
@@ -343,7 +343,7 @@ class Scheduler:
       self.groups[group] = (seqs, tuple(fetches))
     else:  # nothing to wait for: the rest of each prompt follows its recompute at once
       self._settle(seqs, None)
-    return (tuple(p.request.index for p in placed),
+    return (tuple(p.request.id for p in placed),
             FetchGroup(group, tuple(fetches)) if fetches else None, evicted)
 
   def _held_for_shared_prefix(self, queue, free: list[list[int]]) -> set[int]:
@@ -373,11 +373,11 @@ class Scheduler:
       if last is not None and (one_shard or (there is not None and room[there] > 0)) and all(
           index.slot_of(s, last, t) is None for s in range(self.manager.num_shards)
           for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
-        held.add(req.index)
+        held.add(req.id)
         if there is not None:
           room[there] -= 1
-        if req.index not in self._held_once:
-          self._held_once.add(req.index)
+        if req.id not in self._held_once:
+          self._held_once.add(req.id)
           self.stats.add("shared_prefix_waits")
       else:  # it computes its own blocks: on one shard, requests behind it may wait
         computing.update(dict.fromkeys(req.keys[shared:], None))
@@ -392,7 +392,7 @@ class Scheduler:
       return aborted
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
-      handle = self.handles[plan.streamed.index]
+      handle = self.handles[plan.streamed.id]
       self._first_token(handle, t_first)
       # The streamer ran it to a stop token or its length.
       handle._deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)

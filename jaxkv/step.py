@@ -125,7 +125,7 @@ class StepPlan:
     """One line: what ran (the log line of ``--verbosity=1``), with the blocks and bytes
     each tier route moves."""
     if self.streamed is not None:
-      return (f"step {self.step}: streamed request {self.streamed.index} "
+      return (f"step {self.step}: streamed request {self.streamed.id} "
               f"({len(self.streamed.tokens)} prompt tokens)")
     recompute = sum(len(c.tokens) for c in self.prefill if c.recompute)
     prefill = sum(len(c.tokens) for c in self.prefill)

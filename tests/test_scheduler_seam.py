@@ -179,7 +179,7 @@ def test_a_request_waits_for_pages_and_runs_once_another_releases_them(loop_fact
   a = loop.submit(prompt(17), max_new_tokens=2)  # 5 pages
   b = loop.submit(prompt(17, start=40), max_new_tokens=2)  # 5 more: only 3 are left
   plan, _ = loop.step()
-  assert plan.admitted == (a.id,) and [r.index for r in loop.scheduler.waiting] == [b.id]
+  assert plan.admitted == (a.id,) and [r.id for r in loop.scheduler.waiting] == [b.id]
   while not a.finished:
     plan, _ = loop.step()
     assert b.id not in plan.admitted
