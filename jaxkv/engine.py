@@ -218,7 +218,7 @@ class Engine:
       return outputs
     except BaseException:
       # Every reference the running requests held is released, every fetch abandoned.
-      self.runner.abort(self.loop.abort_all())
+      self.runner.recover(self.loop.fail_all())
       raise
 
   def _run_plan(self) -> list[StepOutput]:

@@ -341,7 +341,7 @@ class ModelRunner:
     self._resident = (key, row, table, batch, out)
     return key, row, out, sel
 
-  def abort(self, unsettled: dict) -> None:
+  def recover(self, unsettled: dict) -> None:
     """After a failed step: forgets the rows kept on device, abandons the fetch groups
     never settled (``group -> fetches``; their source pins are released) and restarts the
     pools if the failed step consumed them."""

@@ -301,7 +301,7 @@ class Scheduler:
                                      wait_for_own_shard=self.policy == "continuous")
                 if any(free) else [])
     except BaseException:
-      self.waiting.extendleft(reversed(ordinary))  # still queued: abort_all ends them
+      self.waiting.extendleft(reversed(ordinary))  # still queued: fail_all ends them
       raise
     left = held | {r.id for r in candidates}
     self.waiting.extendleft(reversed([r for r in ordinary if r.id in left]))
@@ -528,7 +528,7 @@ class Scheduler:
         self.stats.tpot_s.append((e2e - handle.ttft_s) / (len(handle.tokens) - 1))
     self._orders += TierOrders(pump=True)  # disk writes that committed get published
 
-  def abort_all(self) -> dict[int, tuple]:
+  def fail_all(self) -> dict[int, tuple]:
     """After a failed step: every running and waiting request ends (``finish_reason``
     "error") and every page reference the running ones held is released. Returns the
     fetch groups never settled (group -> fetches): their transfers and the pins on their

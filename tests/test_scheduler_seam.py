@@ -261,7 +261,7 @@ def test_after_a_failed_step_every_request_ends_and_no_order_or_reference_is_lef
   c = loop.submit(prompt(9, start=60))
   loop.step()  # a's and b's first blocks are published: write-through orders are pending
   assert loop.scheduler.has_orders()
-  unsettled = loop.scheduler.abort_all()
+  unsettled = loop.scheduler.fail_all()
   assert unsettled == {} and not loop.scheduler.has_orders()
   assert all(h.finished and h.finish_reason == "error" for h in (a, b, c))
   assert loop.referenced() == 0 and not loop.scheduler.has_work()
