@@ -64,7 +64,7 @@ class Engine:
       raise TypeError(f"cache must be a jaxkv.KVCache, got {type(cache).__name__}.")
     self.cache = cache
     self.config = config = config or EngineConfig()
-    self.scheduler = scheduler or SchedulerConfig()
+    self.scheduler_config = scheduler or SchedulerConfig()
     self.mesh = cache.mesh
     check_stream_config(stream, cache, config)
     _check_context(model, cache)
@@ -74,7 +74,7 @@ class Engine:
     self.vocab_size = self.runner.vocab_size
     c = cache.config
     self.planner = Planner(
-        self.scheduler, costs, num_shards=cache.num_shards, page_size=c.page_size,
+        self.scheduler_config, costs, num_shards=cache.num_shards, page_size=c.page_size,
         page_bytes=c.page_bytes, chunk_tokens=self.runner.chunk_tokens, stats=cache.stats,
         tail_widths=self.runner.prefill_widths)
     self.admission = Admission(cache.manager, cache.config,
@@ -109,6 +109,12 @@ class Engine:
         self.cache, self.runner, stream, prefill_chunk_pages=self.config.prefill_chunk_pages))
 
   @property
+  def scheduler(self) -> SchedulerConfig:
+    """The ``SchedulerConfig`` under its former name (it configures the planner, not the
+    step loop, which is ``Engine.loop``): use ``scheduler_config``."""
+    return self.scheduler_config
+
+  @property
   def costs(self) -> CostModel | None:
     """The costs the planner decides with (calibrated on first need under ``cost``)."""
     return self.planner.costs
@@ -128,7 +134,7 @@ class Engine:
     cache = self.cache
     cold = (cache.host or cache.disk or cache.remote
             or (cache.num_shards > 1 and self.config.prefix_reuse))
-    return bool(cold) and self.scheduler.policy == "cost" and self.planner.costs is None
+    return bool(cold) and self.scheduler_config.policy == "cost" and self.planner.costs is None
 
   def _calibrate(self) -> None:
     from jaxkv import calibration
@@ -268,7 +274,7 @@ class Engine:
     cache = self.cache
     cold = (cache.host or cache.disk or cache.remote
             or (cache.num_shards > 1 and self.config.prefix_reuse))
-    if self.scheduler.policy == "cost" and cold:  # blocks on another tier or shard
+    if self.scheduler_config.policy == "cost" and cold:  # blocks on another tier or shard
       if self.planner.costs is None:
         self._calibrate()
       self.planner.warm(widths, rows[-1] * cache.num_shards)
