@@ -804,7 +804,9 @@ _STEPS_FILTER = "jaxkv_loop_steps"
 class _BoundedCodeGenerator(CodeGenerator):
   """Compiles every ``for`` to iterate through ``_Steps`` and every ``~`` to a checked
   join (jinja offers no hook for either: ``intercepted_binops`` covers ``*``, ``+``, ``%``,
-  ``**`` only)."""
+  ``**`` only). It overrides code generation, which jinja2 does not promise to keep:
+  pyproject.toml pins ``jinja2<3.2``, and ``test_loader_limits`` renders real templates and
+  hostile ones through it."""
 
   def visit_Template(self, node, frame=None):
     for loop in list(node.find_all(nodes.For)):
