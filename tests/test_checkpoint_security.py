@@ -4,6 +4,7 @@ forged ones refused, no plaintext KV in a sealed checkpoint."""
 import json
 import os
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -118,27 +119,51 @@ def test_altered_metadata_and_mismatched_keys_are_refused(mesh, tmp_path):
     Checkpointer(keyed(mesh).cache, str(tmp_path / "plain")).restore()
 
 
+def _live_kv_pieces(engine) -> set[bytes]:
+  """32-byte runs of the KV the engine holds in its device pools, read from the pools
+  themselves (not from any checkpoint): every cached page's first 256 bytes of each
+  layer's K and V, each kv head. Runs with few distinct bytes (zeros, padding) are left
+  out: they could turn up anywhere."""
+  cache, pieces = engine.cache, set()
+  shards, per = cache.num_shards, cache.config.pages_per_shard
+  pages = [s * per + p for s in range(shards) for p in range(per)
+           if cache.index.key_of(s, p) is not None]
+  assert pages  # the engine cached its prompts' blocks
+  for pool in cache.pools:
+    host = np.asarray(jax.device_get(pool))  # [kv_heads, pages, page_size, head_dim]
+    for page in pages:
+      for head in range(host.shape[0]):
+        row = np.ascontiguousarray(host[head, page]).tobytes()
+        pieces |= {row[j:j + 32] for j in range(0, min(len(row), 256), 32)}
+  return {p for p in pieces if len(set(p)) > 4}
+
+
 def test_a_sealed_checkpoint_holds_no_plaintext_kv(mesh, tmp_path):
-  """The same blocks saved tagged (plaintext rows) and sealed: no 32-byte run of any
-  plaintext row is in the sealed checkpoint's arrays, and both restore the same tokens."""
+  """The KV an engine holds in its pools, searched for in the checkpoint it saves sealed:
+  no 32-byte run of it is there. The control is independent of the sealed file: the same
+  search over another engine's checkpoint of the same prompts, saved tagged (plaintext
+  rows), finds every run, so the search does find KV as it lies in a checkpoint's arrays
+  and the negative result means the sealed one hides it. Both restore the same tokens."""
   runs = {}
   for encryption in ("off", "auto"):
     e = keyed(mesh, encryption=encryption)
     want = e.generate(PROMPTS, 4)
+    pieces = _live_kv_pieces(e)
     Checkpointer(e.cache, str(tmp_path / encryption)).save()
-    runs[encryption] = (_saved(str(tmp_path / encryption)), want)
-  (meta, plain), want = runs["off"]
-  (_, sealed), want_sealed = runs["auto"]
+    runs[encryption] = (_saved(str(tmp_path / encryption)), want, pieces)
+  (meta, plain), want, plain_pieces = runs["off"]
+  (sealed_meta, sealed), want_sealed, pieces = runs["auto"]
   assert want == want_sealed
+  assert sealed_meta["sealed"] is True and meta["sealed"] is False
   assert os.stat(tmp_path / "auto").st_mode & 0o777 == 0o700  # made private
   rows = [i for i, r in enumerate(meta["device_rows"]) if r is not None]
-  pieces = {np.ascontiguousarray(plain["device"][:, :, i]).tobytes()[j:j + 32]
-            for i in rows for j in range(0, 256, 32)}
-  pieces = {p for p in pieces if len(set(p)) > 4}  # not runs of zeros or padding
   assert len(pieces) >= len(rows)
+  # The same prompts on the same weights: the two engines hold the same KV bits.
+  assert pieces == plain_pieces
+  plain_blob = plain["device"].tobytes()
+  assert [p for p in pieces if p not in plain_blob] == []  # the search finds plaintext KV
   blob = sealed["device"].tobytes()
-  assert not [p for p in pieces if p in blob]
-  assert all(p in plain["device"].tobytes() for p in pieces)  # the search finds plaintext
+  assert [p for p in pieces if p in blob] == []
 
 
 def _drop(field):

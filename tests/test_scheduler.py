@@ -11,7 +11,7 @@ from jaxkv.capacity import capacity_plan, choose_window, stream_step_s
 from jaxkv.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.plan import (ABSENT, DECISIONS, DISK, HOST, HOT, REMOTE, SHARD, PlanInputs,
                         build_inputs, plan)
-from plan_oracle import brute_force
+from plan_oracle import brute_force, first_pass
 
 
 def cost_model(rng) -> CostModel:
@@ -50,18 +50,21 @@ def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed
   chunk, widths = ((0, ()), (16, ()), (48, ()), (128, (32, 64)))[seed % 4]
   inputs = random_inputs(rng, r=6, d=3, m=12, chunk_tokens=chunk, tail_widths=widths)
   out = jax.tree.map(np.asarray, plan(inputs, costs.arrays()))
-  # The link sharing and the compute the plan charged for the other requests (from its
-  # first pass) are its outputs; given them, every split must be the brute-force optimum.
+  # The link sharing and the compute charged for the other requests, found from the
+  # requests and shards by the oracle's own first pass (not read from the plan): the plan
+  # must have found the same, and given them every split must be the brute-force optimum.
+  link_users, others = first_pass(inputs, costs)
+  np.testing.assert_array_equal(out.link_users, np.array(link_users, np.float32))
+  np.testing.assert_allclose(out.others_s, np.array(others), rtol=2e-5, atol=1e-9)
   best = out.best_shard
-  assert (out.link_users >= 1).all() and (out.others_s >= 0).all()
   for i in range(6):
     for j in range(3):
-      share = out.link_users[j]
+      share = link_users[j]
       budget = int(min(inputs.inflight_blocks[j], inputs.free_pages[j]))
       s, t = brute_force(inputs.tiers[i, j], inputs.block_bytes[i, j], int(inputs.hot[i, j]),
                          int(inputs.cached_end[i, j]), int(inputs.tail_tokens[i]), budget,
                          share, costs, inputs.page_size, inputs.chunk_tokens,
-                         others=tuple(out.others_s[i, j]), tail_widths=inputs.tail_widths)
+                         others=others[i][j], tail_widths=inputs.tail_widths)
       assert math.isclose(out.t_pred_s[i, j], t, rel_tol=2e-5, abs_tol=1e-9), (i, j)
       # Equal cost at the chosen split (the argmin may differ only between exact ties).
       assert inputs.hot[i, j] <= out.split[i, j] <= inputs.cached_end[i, j]

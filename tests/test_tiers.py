@@ -334,19 +334,28 @@ def test_corrupt_disk_blocks_become_counted_misses_with_exact_output(mesh, tmp_p
 
 
 def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
+  """A store that answers no read: the request does not wait for it past the deadline
+  (it returns, exact, while every read is still unanswered) and the reads count as
+  timeouts; answers that come after that change nothing."""
   engine = disk_engine(mesh, tmp_path, read_deadline_s=0.2)
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
   helpers.forget_device_copies(engine)
-  engine.cache.disk.read = faults.SlowReads(engine.cache.disk, delay_s=4.0)
-  t0 = time.perf_counter()
+  held = faults.HeldReads(engine.cache.disk)
+  engine.cache.disk.read = held
   assert engine.generate([prompt], 3) == want
-  assert time.perf_counter() - t0 < 4.0  # did not wait for the slow store
+  # Answered before any read result came (a reader that waited would have had them at
+  # the backstop): it did not wait for the store.
+  assert held.issued and held.delivered == 0
   s = engine.stats()
-  assert s["read_timeouts"] >= 1 and s["hits"]["disk"] == 0
-  time.sleep(4.2)  # the late reads complete into nothing
+  assert s["read_timeouts"] == len(held.issued) and s["hits"]["disk"] == 0
+  assert s["verify_failures_by_reason"]["deadline"] == len(held.issued)
+  held.release()  # the late reads complete into nothing
+  assert held.delivered == len(held.issued)
   assert engine.flush(30) == 0
+  after = engine.stats()
+  assert after["read_timeouts"] == s["read_timeouts"] and after["hits"] == s["hits"]
   assert_clean(engine)
 
 
