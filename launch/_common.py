@@ -135,21 +135,22 @@ def write_json(path: str, obj: dict) -> None:
     f.write("\n")
 
 
-def run(main) -> None:
-  """``app.run(main)`` where bad input ends in one line on stderr and exit status 2: a flag
-  that does not parse or validate, ``app.UsageError``, and ``jaxkv.errors.InputError``
-  (raised where jaxkv checks a value). Anything else is a bug and keeps its traceback
-  with exit status 1: ``jaxkv.errors.InvariantError`` (jaxkv's bookkeeping broke a rule),
-  and a plain ``ValueError`` too, which is not mapped to 2 (only ``InputError`` is)."""
-  from absl import app, flags
+def parse_flags(argv):
+  """``flags.FLAGS(argv)`` where a flag that does not parse or validate is a one-line
+  refusal (``refuse``): the flags parser ``run`` gives ``app.run``."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    refuse(str(e))
 
-  def parse(argv):
-    try:
-      return flags.FLAGS(argv)
-    except flags.Error as e:
-      refuse(str(e))
 
-  def guarded(argv):
+def guarded(main):
+  """``main`` where ``app.UsageError`` and ``jaxkv.errors.InputError`` (raised where jaxkv
+  checks a value) are one-line refusals; anything else propagates with its traceback."""
+  from absl import app
+
+  def call(argv):
     try:
       return main(argv)
     except app.UsageError as e:
@@ -160,4 +161,15 @@ def run(main) -> None:
         refuse(str(e))
       raise
 
-  app.run(guarded, flags_parser=parse)
+  return call
+
+
+def run(main) -> None:
+  """``app.run(main)`` where bad input ends in one line on stderr and exit status 2: a flag
+  that does not parse or validate, ``app.UsageError``, and ``jaxkv.errors.InputError``
+  (raised where jaxkv checks a value). Anything else is a bug and keeps its traceback
+  with exit status 1: ``jaxkv.errors.InvariantError`` (jaxkv's bookkeeping broke a rule),
+  and a plain ``ValueError`` too, which is not mapped to 2 (only ``InputError`` is).
+  (A test calls ``guarded(main)(parse_flags(argv))`` to run a script's main in process.)"""
+  from absl import app
+  app.run(guarded(main), flags_parser=parse_flags)

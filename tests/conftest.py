@@ -7,10 +7,16 @@ import tempfile
 
 # One persistent compilation cache for the session and the subprocesses it starts (serve,
 # generate, bench, multi-process jobs compile the same steps over and over): a fresh
-# directory per session, removed at exit. It changes no result, only compile time.
+# directory per session, removed at exit; or, with JAXKV_TEST_COMPILATION_CACHE=DIR, that
+# directory, kept for the next run (a developer's reruns; the suite passes from an empty
+# one, and CI needs none). It changes no result, only compile time.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _JIT_CACHE = tempfile.mkdtemp(prefix="jaxkv-test-jit-")
-  atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
+  _JIT_CACHE = os.environ.get("JAXKV_TEST_COMPILATION_CACHE")
+  if _JIT_CACHE:
+    os.makedirs(_JIT_CACHE, exist_ok=True)
+  else:
+    _JIT_CACHE = tempfile.mkdtemp(prefix="jaxkv-test-jit-")
+    atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _JIT_CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
@@ -61,3 +67,75 @@ def _insecure_warnings_afresh():
   process, and the suite is one process)."""
   from jaxkv import security
   security._warned.clear()  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope="session")
+def device_check_dry_run(tmp_path_factory):
+  """``bash launch/device_check.sh --dry_run`` as CI runs it, once a session: (exit status,
+  its output, its JSON or None, its OUT directory, where ``steps/NAME.json`` is what each
+  step wrote). Its whole session is killed if it runs over 900 s."""
+  import json
+  import subprocess
+  import sys
+  import helpers
+  out = tmp_path_factory.mktemp("device")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
+  env.update(OUT=str(out), PYTHON=sys.executable)
+  proc = subprocess.Popen(["bash", "launch/device_check.sh", "--dry_run"], cwd=helpers.ROOT,
+                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          start_new_session=True)
+  try:
+    stdout, _ = proc.communicate(timeout=900)
+  except subprocess.TimeoutExpired:
+    helpers.kill_session(proc.pid)
+    stdout, _ = proc.communicate()
+    pytest.fail(f"the dry run ran over 900 s; its output ends:\n{stdout[-3000:]}")
+  path = out / "device_check.json"
+  return proc.returncode, stdout, json.loads(path.read_text()) if path.exists() else None, out
+
+
+_REMOTE_OWNERS = {}  # the session's owner jobs and the last test that uses them
+
+
+@pytest.fixture(scope="session")
+def remote_owners(request):
+  """One owner job (``helpers.Owner``) for tests/test_remote*.py: honest ("none"), keyed
+  and lying servers (``helpers.REMOTE_FAULTS``) over the blocks of one prefix; tests only
+  read from it. When a test of the session asks for ``spare_owner``, that one starts as
+  soon as this one is up (from the compilation cache it filled), while tests run. Both
+  end after the session's last test that uses them."""
+  import helpers
+  owner = helpers.Owner(("none", "keyed", *helpers.REMOTE_FAULTS))
+  owner.spare = None
+  _REMOTE_OWNERS["jobs"] = [owner]
+  try:
+    assert owner.address
+    users = [item for item in request.session.items if "remote_owners" in item.fixturenames]
+    _REMOTE_OWNERS["last"] = users[-1] if users else None
+    if any("spare_owner" in item.fixturenames for item in users):
+      owner.spare = helpers.Owner(("none",))
+      _REMOTE_OWNERS["jobs"].append(owner.spare)
+    yield owner
+  finally:
+    _close_remote_owners()
+
+
+def _close_remote_owners():
+  for job in _REMOTE_OWNERS.pop("jobs", []):
+    job.close()
+  _REMOTE_OWNERS.pop("last", None)
+
+
+def pytest_runtest_teardown(item, nextitem):
+  del nextitem
+  if _REMOTE_OWNERS.get("last") is item:  # no test after it needs the owner jobs
+    _close_remote_owners()
+
+
+@pytest.fixture
+def spare_owner(remote_owners):
+  """Another honest owner job (started beside ``remote_owners``), for a test that kills
+  its peer: once only."""
+  assert remote_owners.spare is not None and remote_owners.spare.proc.poll() is None, (
+      "the spare owner job was used up already")
+  return remote_owners.spare

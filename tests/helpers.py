@@ -1,9 +1,13 @@
 """Small builders shared by tests."""
 
+import collections
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from flax import nnx
@@ -80,3 +84,163 @@ def forget_device_copies(engine):
   """Evicts every unreferenced device page, so the next lookup must come from lower tiers."""
   for s in range(engine.cache.num_shards):
     engine.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
+
+
+def start_process(argv, *, env=None, stdin=None):
+  """``argv`` started as a user starts it, from the repository root, in a process group of
+  its own (``finish_process`` kills the whole group if it runs over its time), its stdout
+  and stderr captured as text."""
+  return subprocess.Popen(argv, cwd=ROOT, env=env, text=True, stdin=stdin,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True)
+
+
+def finish_process(proc, timeout_s: float, what: str = ""):
+  """Waits for a process from ``start_process``: (exit status, stdout, stderr). Past
+  ``timeout_s`` its process group is killed and the test fails."""
+  try:
+    out, err = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group ended meanwhile
+      pass
+    out, err = proc.communicate()
+    pytest.fail(f"{what or proc.args} ran over {timeout_s} s; stderr ends:\n{err[-3000:]}")
+  return proc.returncode, out, err
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.01):
+  """Polls ``condition()`` until it returns something true (returned), or fails the test
+  once ``timeout_s`` has passed (the condition is asked one last time at the deadline)."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    value = condition()
+    if value:
+      return value
+    if time.monotonic() >= deadline:
+      pytest.fail(f"{what}: not so after {timeout_s} s")
+    time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+
+def kill_session(sid: int) -> None:
+  """SIGKILL to every process of session ``sid`` (a script started with
+  ``start_new_session`` and the children it put in process groups of their own)."""
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+      if int(fields[3]) == sid:
+        os.kill(int(entry), signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+      pass
+
+
+# An owner job (tests/test_remote*.py): one engine that computed list(range(1, 42)) (and
+# one more under a deployment key, for "keyed"), its blocks served by one BlockServer per
+# name asked for ("none": honest; a fault of faults.LyingBlockServer; "keyed": honest,
+# keyed), all polled in turn on one thread. It prints "ADDRESS name host:port" for each,
+# then answers "counts NAME" on stdin with that server's refused and handshakes_refused; it
+# exits when stdin closes, or after its seconds.
+OWNER = r"""
+import os, select, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, "tests")
+import jaxkv, helpers, faults
+from jaxkv.tiers.remote import BlockServer
+names, seconds, key = sys.argv[1].split(","), float(sys.argv[2]), bytes.fromhex(sys.argv[3])
+mesh = jaxkv.make_mesh(data=2, model=2)
+engines = {}
+def engine(keyed):
+  if keyed not in engines:
+    engines[keyed] = helpers.make_engine(mesh, deployment_key=key if keyed else None)
+    engines[keyed].generate([list(range(1, 42))], 2)  # the prefix the other job will reuse
+  return engines[keyed]
+servers = {}
+for name in names:
+  if name in ("none", "keyed"):
+    servers[name] = BlockServer(engine(name == "keyed").cache)
+  else:
+    servers[name] = faults.LyingBlockServer(engine(False).cache, name)
+for name, server in servers.items():
+  print("ADDRESS", name, server.address, flush=True)
+import signal
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+  for server in servers.values():
+    server.poll(0.002)
+  if select.select([sys.stdin], [], [], 0)[0]:
+    line = sys.stdin.readline()
+    if not line:
+      break
+    server = servers[line.split()[1]]
+    print("COUNTS", server.refused, server.handshakes_refused, flush=True)
+"""
+REMOTE_KEY = bytes(range(32))  # the owner's deployment key for "keyed": 32 distinct bytes
+REMOTE_FAULTS = ("checksum", "dtype", "shape", "keys", "hang")
+
+
+class Owner:
+  """The OWNER job in a process of its own (its process group killed if it must be):
+  ``address[name]`` for each server (waited for), ``counts(name)`` its (refused,
+  handshakes_refused) now. ``kill`` is a kill -9 of the job; ``close`` ends it."""
+
+  def __init__(self, names=("none",), seconds=1800, key=REMOTE_KEY):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    self.proc = start_process(
+        [sys.executable, "-c", OWNER, ",".join(names), str(seconds), key.hex()], env=env,
+        stdin=subprocess.PIPE)
+    self._lines, self._err = queue.Queue(), collections.deque(maxlen=200)
+    for target in (self._read_out, self._read_err):
+      threading.Thread(target=target, daemon=True).start()
+    self._names, self._address = names, {}
+
+  @property
+  def address(self):
+    """{name: host:port} of its servers, once the job has started them."""
+    while len(self._address) < len(self._names):
+      _, name, address = self._line("ADDRESS", 600).split()
+      self._address[name] = address
+    return self._address
+
+  def _read_out(self):
+    for line in self.proc.stdout:
+      self._lines.put(line)
+    self._lines.put(None)
+
+  def _read_err(self):
+    for line in self.proc.stderr:
+      self._err.append(line)
+
+  def _line(self, word, timeout_s):
+    try:
+      line = self._lines.get(timeout=timeout_s)
+    except queue.Empty:
+      self.kill()
+      pytest.fail(f"the owner said no {word} in {timeout_s} s: {''.join(self._err)[-3000:]}")
+    if line is None or not line.startswith(word):
+      self.kill()
+      pytest.fail(f"the owner said {line!r}, not {word}: {''.join(self._err)[-3000:]}")
+    return line
+
+  def counts(self, name):
+    """(refused, handshakes_refused) of the server ``name``, as it has them now."""
+    self.proc.stdin.write(f"counts {name}\n")
+    self.proc.stdin.flush()
+    return tuple(map(int, self._line("COUNTS", 60).split()[1:]))
+
+  def kill(self):
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.close()
+      try:
+        self.proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        self.kill()

@@ -1,36 +1,91 @@
-"""launch/bench.py --quick suites: they run, and report every figure their issues name."""
+"""launch/bench.py --quick suites: they run, and report every figure their issues name.
+
+The tiers and kernels suites are the ones launch/device_check.sh's dry run runs (the same
+--quick command lines): their figures are read from that run's steps (conftest's
+``device_check_dry_run``, once a session) instead of being measured again.
+
+A ratio the bench reports is not checked against the quotient it was computed from (that
+could not fail): each figure must be measured (positive, finite, its median within its
+range over the repetitions both sides ran), its throughput what the bytes the bench says it
+moved give over its median, and the ratio within what the two sides' ranges allow."""
 
 import json
-import os
-import subprocess
-import sys
+import math
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import numpy as np
+
+import helpers
 
 
 def quick_bench(tmp_path, suite: str) -> dict:
   """``launch/bench.py --suite=SUITE --quick`` as a user runs it; its JSON figures."""
   out = tmp_path / f"{suite}.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "launch/bench.py", f"--suite={suite}", "--quick",
-                         f"--json_out={out}"], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  code, _, err = helpers.run_script(["launch/bench.py", f"--suite={suite}", "--quick",
+                                     f"--json_out={out}"], timeout_s=600)
+  assert code == 0, err[-3000:]
   return json.loads(out.read_text())
 
 
-def test_tiers_suite_reports_ratios_and_the_figures_behind_them(tmp_path):
-  r = quick_bench(tmp_path, "tiers")
-  for key in ("host_to_device_vs_memcpy", "device_to_host_vs_memcpy", "disk_read_vs_pread",
-              "disk_gather_vs_pread", "disk_write_vs_pwrite", "host_to_device_vs_device_put",
-              "device_to_host_vs_device_put"):
-    assert 0 < r[key] < 100, key
-  # The ratio is the quotient of the absolute figures it came from.
-  host = r["host"]
-  assert abs(r["host_to_device_vs_memcpy"]
-             - host["jaxkv_host_to_device"]["gb_per_s"] / host["memcpy"]["gb_per_s"]) < 1e-6
-  assert r["chunk_layout"]["gather_1_per_chunk"]["reps"] == 2
+def dry_run_step(dry_run, name: str) -> dict:
+  """The JSON the dry run's step ``name`` wrote (its launch/bench.py --quick run)."""
+  code, stdout, _, out_dir = dry_run
+  path = out_dir / "steps" / f"{name}.json"
+  assert path.exists(), f"the dry run (exit {code}) wrote no {name}.json:\n{stdout[-3000:]}"
+  return json.loads(path.read_text())
+
+
+def positive(x) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_timed(fig: dict, reps: int, nbytes: int | None = None) -> None:
+  """A figure of ``common.summary`` (``throughput`` over ``nbytes``): measured ``reps``
+  times, its median within its range; with ``nbytes``, its GB/s what they give."""
+  assert fig["reps"] == reps, fig
+  assert all(positive(fig[k]) for k in ("min_s", "median_s", "max_s")), fig
+  assert fig["min_s"] <= fig["median_s"] <= fig["max_s"], fig
+  if nbytes is not None:
+    assert math.isclose(fig["gb_per_s"], nbytes / fig["median_s"] / 1e9, rel_tol=1e-9), fig
+    assert fig["gb_per_s_min"] <= fig["gb_per_s"] <= fig["gb_per_s_max"], fig
+
+
+def check_speedup(ratio, a: dict, b: dict, *, lo="min_s", hi="max_s") -> None:
+  """``ratio`` is how many times faster ``a`` ran than ``b`` (time of b over time of a):
+  positive, finite, and within what their ranges allow (b at its fastest over a at its
+  slowest, b at its slowest over a at its fastest)."""
+  assert positive(ratio), ratio
+  assert b[lo] / a[hi] <= ratio * (1 + 1e-12) and ratio <= b[hi] / a[lo] * (1 + 1e-12), (
+      ratio, a, b)
+
+
+def test_tiers_suite_reports_ratios_and_the_figures_behind_them(device_check_dry_run):
+  r = dry_run_step(device_check_dry_run, "tiers")
   assert len(r["machine"]["devices"]) == 8 and r["suite"] == "tiers"
+  sizes = r["bytes"]
+  assert all(isinstance(n, int) and n > 0 for n in sizes.values()), sizes
+  host, disk = r["host"], r["disk"]
+  for fig in host.values():  # every host move is of the same bytes
+    check_timed(fig, 2, sizes["host_moves"])
+  for name, fig in disk.items():
+    check_timed(fig, 2, sizes["disk_gather"] if "gather" in name else sizes["disk_bulk"])
+  for key, a, b in (
+      ("host_to_device_vs_memcpy", host["jaxkv_host_to_device"], host["memcpy"]),
+      ("device_to_host_vs_memcpy", host["jaxkv_device_to_host"], host["memcpy"]),
+      ("host_to_device_vs_device_put", host["jaxkv_host_to_device"],
+       host["device_put_to_device"]),
+      ("device_to_host_vs_device_put", host["jaxkv_device_to_host"], host["device_put_to_host"]),
+      ("disk_read_vs_pread", disk["jaxkv_bulk_read"], disk["pread_bulk"]),
+      ("disk_gather_vs_pread", disk["jaxkv_gather"], disk["pread_gather"]),
+      ("disk_write_vs_pwrite", disk["jaxkv_write"], disk["pwrite"])):
+    assert 0 < r[key] < 100, key
+    check_speedup(r[key], a, b)
+  layout = r["chunk_layout"]
+  assert layout["gather_1_per_chunk"]["reps"] == 2
+  for kind in ("gather", "write"):
+    for per in (1, 8):
+      check_timed(layout[f"{kind}_{per}_per_chunk"], 2)
+    check_speedup(layout[f"{kind}_1_vs_8_per_chunk"], layout[f"{kind}_1_per_chunk"],
+                  layout[f"{kind}_8_per_chunk"])
 
 
 def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
@@ -38,19 +93,29 @@ def test_weights_suite_compares_loading_with_load_file_and_raw_reads(tmp_path):
   assert r["all_loaded_bytes_equal"] and r["checkpoint_bytes"] > 0
   loads = r["loads"]
   assert set(loads) == {"jaxkv", "load_file", "read"}
-  assert abs(r["load_vs_load_file"]
-             - loads["load_file"]["seconds"] / loads["jaxkv"]["seconds"]) < 1e-9
-  assert all(f["reps"] == 2 and f["seconds_min"] <= f["seconds"] <= f["seconds_max"]
-             for f in loads.values())
+  assert all(f["reps"] == 2 and 0 < f["seconds_min"] <= f["seconds"] <= f["seconds_max"]
+             and math.isclose(f["gb_per_s"], r["checkpoint_bytes"] / f["seconds"] / 1e9,
+                              rel_tol=1e-9) for f in loads.values()), loads
+  timed = dict(lo="seconds_min", hi="seconds_max")
+  check_speedup(r["load_vs_load_file"], loads["jaxkv"], loads["load_file"], **timed)
+  check_speedup(r["load_vs_read"], loads["jaxkv"], loads["read"], **timed)
   # Decode per dtype on the same checkpoint, with ratios to float32.
   decode = r["decode"]
   assert set(decode) == {"float32", "bfloat16", "bf16_storage_f32_compute"}
-  assert all(f["reps"] == 2 and f["tokens_per_s_min"] <= f["tokens_per_s"]
-             <= f["tokens_per_s_max"] for f in decode.values())
+  assert all(f["reps"] == 2 and 0 < f["tokens_per_s_min"] <= f["tokens_per_s"]
+             <= f["tokens_per_s_max"] and all(map(math.isfinite, (f["tokens_per_s_min"],
+                                                                  f["tokens_per_s_max"])))
+             for f in decode.values()), decode
+  f32 = decode["float32"]
+  assert r["decode_float32_tokens_per_s"] == f32["tokens_per_s"]
   for mode in ("bfloat16", "bf16_storage_f32_compute"):
-    assert abs(r["decode_vs_float32"][mode]
-               - decode[mode]["tokens_per_s"] / decode["float32"]["tokens_per_s"]) < 1e-9
-    assert r[f"decode_{mode}_vs_float32"] == r["decode_vs_float32"][mode]
+    ratio, fig = r["decode_vs_float32"][mode], decode[mode]
+    # A rate over float32's: within what their ranges allow.
+    assert positive(ratio)
+    assert (fig["tokens_per_s_min"] / f32["tokens_per_s_max"] <= ratio * (1 + 1e-12)
+            and ratio <= fig["tokens_per_s_max"] / f32["tokens_per_s_min"] * (1 + 1e-12)), (
+                mode, ratio, fig, f32)
+    assert r[f"decode_{mode}_vs_float32"] == ratio
   # What was timed is what it says: bfloat16 holds half float32's bytes, and computing in
   # float32 over the bfloat16 arrays gives float32's tokens.
   assert 2 * decode["bfloat16"]["weight_bytes"] == decode["float32"]["weight_bytes"]
@@ -63,23 +128,34 @@ def test_storage_suite_reports_the_object_store_ratio_and_lost_blocks(tmp_path):
   r = quick_bench(tmp_path, "storage")
   assert r["lost_blocks"] == 0
   store = r["object_store"]
-  assert abs(r["object_store_read_vs_raw"]
-             - store["client_get"]["median_s"] / store["jaxkv_read"]["median_s"]) < 1e-9
+  assert set(store) == {"jaxkv_read", "client_get"}
+  nbytes = r["object_store_blocks"] * r["object_store_record_bytes"]
+  assert nbytes > 0
+  for fig in store.values():
+    check_timed(fig, 2, nbytes)
+  check_speedup(r["object_store_read_vs_raw"], store["jaxkv_read"], store["client_get"])
   for where in ("file", "s3"):
     race = r["shared_store"][where]
     assert race["committed"] == race["verified"] == 2 * race["blocks_per_writer"] - race[
         "shared_blocks"]
 
 
-def test_kernels_suite_times_every_impl_on_the_same_steps_and_labels_the_interpreter(tmp_path):
-  r = quick_bench(tmp_path, "kernels")
+def test_kernels_suite_times_every_impl_on_the_same_steps_and_labels_the_interpreter(
+    device_check_dry_run):
+  r = dry_run_step(device_check_dry_run, "kernels")
   assert r["backend"] == "cpu"
+  s = r["shapes"]
+  # The K and V every step reads, from the shapes alone.
+  kv_bytes = 2 * s["batch"] * s["context"] * s["kv_heads"] * s["head_dim"] * np.dtype(
+      s["dtype"]).itemsize
+  assert r["kv_bytes_per_step"] == kv_bytes
   for step in ("decode", "prefill"):
     for impl in ("jnp", "pallas_gpu", "pallas_tpu"):
       fig = r[f"{step}_{impl}"]
       assert fig["interpreted"] == (impl != "jnp")  # off GPU/TPU the kernels are interpreted
       assert r[f"{step}_{impl}_max_abs_error"] < 1e-4  # what was timed computes attention
-      assert abs(r[f"{step}_{impl}_vs_jnp"]
-                 - r[f"{step}_jnp"]["median_s"] / fig["median_s"]) < 1e-9
-      tokens = r["shapes"]["batch"] * (1 if step == "decode" else r["shapes"]["prefill_tokens"])
+      check_timed(fig, 2, kv_bytes)
+      check_speedup(r[f"{step}_{impl}_vs_jnp"], fig, r[f"{step}_jnp"])
+      tokens = s["batch"] * (1 if step == "decode" else s["prefill_tokens"])
       assert abs(fig["tokens_per_s"] * fig["median_s"] - tokens) < 1e-6 * tokens
+    assert r[f"{step}_jnp_vs_jnp"] == 1.0

@@ -2,10 +2,6 @@
 pull), verified, and a dead or lying peer only ever costs a recompute."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,39 +14,15 @@ from jaxkv.tiers.remote import Lookup, RemoteClient, RemoteError
 
 import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = list(range(1, 42))  # 10 full blocks of 4 tokens
-OWNER = r"""
-import os, sys, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-sys.path.insert(0, "tests")
-import jaxkv, helpers, faults
-from jaxkv.tiers.remote import BlockServer
-mesh = jaxkv.make_mesh(data=2, model=2)
-engine = helpers.make_engine(mesh)
-engine.generate([list(range(1, 42))], 2)            # the prefix the other job will reuse
-server = (BlockServer(engine.cache) if sys.argv[1] == "none"
-          else faults.LyingBlockServer(engine.cache, sys.argv[1]))
-print("ADDRESS", server.address, flush=True)
-import signal
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-try:
-  server.serve(float(sys.argv[2]))
-finally:
-  print("REFUSED", server.refused, server.handshakes_refused, flush=True)
-"""
-KEY = bytes(range(32))  # a deployment key: 32 bytes, 32 distinct values
+KEY = helpers.REMOTE_KEY  # a deployment key: 32 bytes, 32 distinct values
 
 
-def start_owner(fault="none", seconds=120, deployment_key=None):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  if deployment_key is not None:
-    env["JAXKV_DEPLOYMENT_KEY"] = deployment_key.hex()
-  proc = subprocess.Popen([sys.executable, "-c", OWNER, fault, str(seconds)], cwd=ROOT,
-                          stdout=subprocess.PIPE, text=True, env=env)
-  line = proc.stdout.readline()
-  assert line.startswith("ADDRESS"), line
-  return proc, line.split()[1]
+@pytest.fixture
+def owners(remote_owners):
+  """The session's owner job (conftest's ``remote_owners``): honest, keyed and lying
+  servers over its blocks."""
+  return remote_owners
 
 
 def reader(mesh, peers, deadline=5.0, deployment_key=None, transport="inline"):
@@ -67,106 +39,88 @@ def want(mesh):
 
 
 @pytest.mark.parametrize("transport", ["inline", "transfer"])
-def test_a_prefix_computed_by_another_job_is_pulled_and_exact(mesh, want, transport):
-  proc, addr = start_owner()
-  try:
-    engine = reader(mesh, [addr], transport=transport)
-    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
-    s = engine.stats()
-    assert s["hits"]["remote"] == 10 and s["blocks_fetched"] == 10
-    assert s["hits"]["device"] == 0 and s["verify_failures"] == 0
-    # Now local: the next request reuses the pulled blocks from device.
-    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
-    assert engine.stats()["hits"]["device"] == 10
-  finally:
-    proc.kill()
-    proc.wait()
+def test_a_prefix_computed_by_another_job_is_pulled_and_exact(mesh, want, owners, transport):
+  engine = reader(mesh, [owners.address["none"]], transport=transport)
+  assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+  s = engine.stats()
+  assert s["hits"]["remote"] == 10 and s["blocks_fetched"] == 10
+  assert s["hits"]["device"] == 0 and s["verify_failures"] == 0
+  # Now local: the next request reuses the pulled blocks from device.
+  assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+  assert engine.stats()["hits"]["device"] == 10
 
 
-def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want):
+def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want, owners):
   """The owner runs with a deployment key: a client without it, or with another, is
   refused in the handshake (another key's is counted); a client with it pulls the prefix.
   The handshake is not the only check: a connection with its token (which crosses in
   clear) sending the right block keys without the MAC is refused too, and counted."""
-  proc, addr = start_owner(deployment_key=KEY)
-  try:
-    for key in (None, bytes(range(100, 132))):
-      engine = reader(mesh, [addr], deployment_key=key)
-      assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
-      assert engine.stats()["hits"]["remote"] == 0
-    keyed = reader(mesh, [addr], deployment_key=KEY)
-    keys = keyed.cache.index.block_keys(PREFIX, "default")
-    lookup = Lookup(nonce="probe", fingerprint=keyed.cache.config.fingerprint().hex(),
-                    keys=tuple(keys))
-    bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # no handshake token
-    with pytest.raises(RemoteError, match="handshake"):
-      bare._call(lookup, time.monotonic() + 10)
-    sock = zmq.Context.instance().socket(zmq.DEALER)  # the token, right keys, no MAC
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.plain_username, sock.plain_password = remote._HANDSHAKE_USER, remote._handshake_token(KEY)
-    sock.connect(f"tcp://{addr}")
-    sock.send_multipart([b"probe", lookup.encode(), b""])
-    assert sock.poll(10_000)
-    assert json.loads(sock.recv_multipart()[1])["error"].startswith("unauthenticated")
-    sock.close(0)
-    assert RemoteClient(addr, keyed.cache.config.fingerprint(), secret=KEY).lookup(keys) == 10
-    assert keyed.generate([PREFIX + [50, 51, 52]], 5) == want
-    assert keyed.stats()["hits"]["remote"] == 10
-    # A server without the key cannot answer a keyed client (it takes no handshake token).
-    plain, plain_addr = start_owner()
-    try:
-      with pytest.raises(RemoteError, match="handshake"):
-        RemoteClient(plain_addr, keyed.cache.config.fingerprint(), secret=KEY)._call(
-            lookup, time.monotonic() + 10)
-    finally:
-      plain.kill()
-      plain.wait()
-  finally:
-    proc.terminate()
-    out, _ = proc.communicate(timeout=60)
-  refused, handshakes_refused = map(int, out.split("REFUSED")[1].split()[:2])
+  addr = owners.address["keyed"]
+  refused, handshakes_refused = owners.counts("keyed")
+  for key in (None, bytes(range(100, 132))):
+    engine = reader(mesh, [addr], deployment_key=key)
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+    assert engine.stats()["hits"]["remote"] == 0
+  keyed = reader(mesh, [addr], deployment_key=KEY)
+  keys = keyed.cache.index.block_keys(PREFIX, "default")
+  lookup = Lookup(nonce="probe", fingerprint=keyed.cache.config.fingerprint().hex(),
+                  keys=tuple(keys))
+  bare = RemoteClient(addr, keyed.cache.config.fingerprint())  # no handshake token
+  with pytest.raises(RemoteError, match="handshake"):
+    bare._call(lookup, time.monotonic() + 10)
+  sock = zmq.Context.instance().socket(zmq.DEALER)  # the token, right keys, no MAC
+  sock.setsockopt(zmq.LINGER, 0)
+  sock.plain_username, sock.plain_password = remote._HANDSHAKE_USER, remote._handshake_token(KEY)
+  sock.connect(f"tcp://{addr}")
+  sock.send_multipart([b"probe", lookup.encode(), b""])
+  assert sock.poll(10_000)
+  assert json.loads(sock.recv_multipart()[1])["error"].startswith("unauthenticated")
+  sock.close(0)
+  assert RemoteClient(addr, keyed.cache.config.fingerprint(), secret=KEY).lookup(keys) == 10
+  assert keyed.generate([PREFIX + [50, 51, 52]], 5) == want
+  assert keyed.stats()["hits"]["remote"] == 10
+  # A server without the key cannot answer a keyed client (it takes no handshake token).
+  with pytest.raises(RemoteError, match="handshake"):
+    RemoteClient(owners.address["none"], keyed.cache.config.fingerprint(), secret=KEY)._call(
+        lookup, time.monotonic() + 10)
   # The call with the token but no MAC; the wrongly keyed reader's handshakes (the keyless
   # ones offer no token at all: they fail before the server's handler is asked).
-  assert refused == 1 and handshakes_refused >= 1
+  now_refused, now_handshakes_refused = owners.counts("keyed")
+  assert now_refused == refused + 1 and now_handshakes_refused >= handshakes_refused + 1
 
 
 @pytest.mark.parametrize("fault", ["checksum", "dtype", "shape", "keys"])
-def test_wrong_pulls_are_rejected_never_used(mesh, want, fault):
-  proc, addr = start_owner(fault)
-  try:
-    engine = reader(mesh, [addr])
-    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
-    s = engine.stats()
-    assert s["hits"]["remote"] == 0 and s["remote_failures"] == 10
-    reason = {"checksum": "checksum", "keys": "key", "shape": "shape", "dtype": None}[fault]
-    reasons = s["verify_failures_by_reason"]
-    if reason:
-      assert reasons == {reason: 10}
-    else:  # widened values: the pull itself fails or its bytes do not match their digests
-      assert set(reasons) <= {"pull", "checksum", "shape"} and sum(reasons.values()) == 10
-  finally:
-    proc.kill()
-    proc.wait()
+def test_wrong_pulls_are_rejected_never_used(mesh, want, owners, fault):
+  engine = reader(mesh, [owners.address[fault]])
+  assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
+  s = engine.stats()
+  assert s["hits"]["remote"] == 0 and s["remote_failures"] == 10
+  reason = {"checksum": "checksum", "keys": "key", "shape": "shape", "dtype": None}[fault]
+  reasons = s["verify_failures_by_reason"]
+  if reason:
+    assert reasons == {reason: 10}
+  else:  # widened values: the pull itself fails or its bytes do not match their digests
+    assert set(reasons) <= {"pull", "checksum", "shape"} and sum(reasons.values()) == 10
 
 
-def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want):
-  proc, addr = start_owner("hang")
+def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want, owners, spare_owner):
+  keys = None
+  for transport in ("inline", "transfer"):  # no answer; an offer never served
+    engine = reader(mesh, [owners.address["hang"]], deadline=1.0, transport=transport)
+    keys = engine.cache.index.block_keys(PREFIX, "default")
+    assert engine.generate([PREFIX + [50, 51, 52]], 5) == want  # the blocks never come
+    s, client = engine.stats(), engine.cache.remotes[0]
+    # The wait ended at its deadline, counted; the prompt was recomputed, not taken.
+    assert s["read_timeouts"] >= 1 and s["hits"]["remote"] == 0, (transport, s)
+    assert s["blocks_recomputed"] >= 10, (transport, s)
+    # One fetch, over at its deadline: the request waited once, then recomputed.
+    assert client.failures_by_reason == {"deadline": 1}, (transport, client.failures_by_reason)
+    assert client.lookup(keys) == 10  # the peer still answers what it holds
   try:
-    for transport in ("inline", "transfer"):  # no answer; an offer never served
-      engine = reader(mesh, [addr], deadline=1.0, transport=transport)
-      t0 = time.perf_counter()
-      assert engine.generate([PREFIX + [50, 51, 52]], 5) == want  # the blocks never come
-      assert time.perf_counter() - t0 < 20
-      assert engine.stats()["read_timeouts"] >= 1, transport
-      assert engine.cache.remotes[0].lookup(engine.cache.index.block_keys(PREFIX, "default")) == 10
+    engine = reader(mesh, [spare_owner.address["none"]], deadline=2.0)
+    engine.generate([[9, 9, 9, 9, 9]], 2)  # the peer is alive and answering
   finally:
-    proc.kill()
-    proc.wait()
-  proc, addr = start_owner()
-  engine = reader(mesh, [addr], deadline=2.0)
-  engine.generate([[9, 9, 9, 9, 9]], 2)  # the peer is alive and answering
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+    spare_owner.kill()  # kill -9: its sockets vanish with it
   client = engine.cache.remotes[0]
   for _ in range(4):  # every request still finishes, with the right tokens
     assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
@@ -175,31 +129,28 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want):
       engine.cache.index.evict_all_unreferenced(s)
   assert engine.stats()["hits"]["remote"] == 0
   assert not client.available  # the breaker is open: the dead peer is not asked again
-  t0 = time.perf_counter()
-  assert client.lookup([b"x" * 32]) == 0 and time.perf_counter() - t0 < 0.01
+  failures = dict(client.failures_by_reason)
+  assert client.lookup([b"x" * 32]) == 0
+  # Refused by the open breaker alone: no connection made, nothing else counted.
+  assert client.failures_by_reason == {**failures, "breaker": failures.get("breaker", 0) + 1}
+  assert client._sock is None
 
 
-def test_a_pull_that_never_comes_leaves_no_thread(mesh):
+def test_a_pull_that_never_comes_leaves_no_thread(mesh, owners):
   """The peer offers a transfer it never serves: the fetch is a deadline miss, and the
   thread that waited on the pull ends (its connection is broken) instead of waiting on."""
-  proc, addr = start_owner("hang")
-  try:
-    engine = reader(mesh, [addr], transport="transfer")
-    client = RemoteClient(addr, engine.cache.config.fingerprint(), transport="transfer")
-    keys = engine.cache.index.block_keys(PREFIX, "default")
-    before = set(threading.enumerate())
-    for _ in range(2):
-      with pytest.raises(RemoteError) as e:
-        client.fetch(keys, engine.cache.payload_shape, engine.cache.config.jnp_dtype,
-                     time.monotonic() + 1.0)
-      assert e.value.reason == "deadline"
-    end = time.monotonic() + 10
-    while set(threading.enumerate()) - before and time.monotonic() < end:
-      time.sleep(0.05)
-    assert not set(threading.enumerate()) - before
-  finally:
-    proc.kill()
-    proc.wait()
+  addr = owners.address["hang"]
+  engine = reader(mesh, [addr], transport="transfer")
+  client = RemoteClient(addr, engine.cache.config.fingerprint(), transport="transfer")
+  keys = engine.cache.index.block_keys(PREFIX, "default")
+  before = set(threading.enumerate())
+  for _ in range(2):
+    with pytest.raises(RemoteError) as e:
+      client.fetch(keys, engine.cache.payload_shape, engine.cache.config.jnp_dtype,
+                   time.monotonic() + 1.0)
+    assert e.value.reason == "deadline"
+  helpers.wait_for(lambda: not set(threading.enumerate()) - before, 10,
+                   "the threads that waited on the pulls ended")
 
 
 def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
@@ -236,9 +187,17 @@ def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
     assert "protocol" in ask([b"n2", json.dumps(wrong).encode(), b""])["error"]
     huge = zmq.Context.instance().socket(zmq.DEALER)  # over the request size limit: dropped
     huge.setsockopt(zmq.LINGER, 0)
+    gone = huge.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     huge.connect(f"tcp://{server.address}")
+    oversized = server.counts["oversized"]
     huge.send_multipart([b"n3", b"x" * (remote._MAX_REQUEST_BYTES + 1), b""])
-    assert not huge.poll(1000)
+    # The server hangs up on it, counted: once the client has seen the hang-up, whatever the
+    # server sent before it has arrived. Nothing had.
+    helpers.wait_for(lambda: gone.poll(0), 30, "the server hung up on the oversized request")
+    assert server.counts["oversized"] == oversized + 1
+    assert not huge.poll(0)
+    huge.disable_monitor()
+    gone.close(0)
     huge.close(0)
     keys = owner.cache.index.block_keys(PREFIX, "default")
     client = RemoteClient(server.address, owner.cache.config.fingerprint())
@@ -246,8 +205,10 @@ def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
     # An answer to another request waiting on the connection is skipped, not taken.
     client.expect(owner.cache.payload_shape, owner.cache.config.jnp_dtype)
     assert client.lookup(keys) == 10
+    answered = server.counts["answered"]
     client._sock.send_multipart([b"stale", json.dumps({**bad, "nonce": "stale"}).encode(), b""])
-    time.sleep(0.5)
+    helpers.wait_for(lambda: server.counts["answered"] > answered, 30,
+                     "the server answered the stale request")  # its answer waits, unread
     stack = client.fetch(keys, owner.cache.payload_shape, owner.cache.config.jnp_dtype,
                          time.monotonic() + 30)
     assert stack.shape[0] == 10 and client.breaker.available

@@ -3,7 +3,7 @@ a counted miss or a bounded poll, never a wrong token, a stuck engine or an exce
 
 The serving job here runs in this process (its ``BlockServer`` polled on a thread, as a
 server's engine thread would between steps) on real loopback sockets; only the transfer
-pull, which needs two processes, uses the owner subprocess of ``test_remote``.
+pull, which needs two processes, uses the session's owner job (conftest's ``remote_owners``).
 
 A keyed server takes only connections that pass its handshake (a token derived from the
 key). The attackers here that test the second line (challenges, MACs, the poll's budget)
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import pytest
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 import jaxkv
 from jaxkv import security
@@ -33,7 +34,7 @@ from jaxkv.tiers import remote
 from jaxkv.tiers.remote import BlockServer, RemoteClient, RemoteError
 
 import helpers
-from test_remote import KEY, PREFIX, start_owner
+from test_remote import KEY, PREFIX
 
 OTHER_KEY = bytes(range(100, 132))
 PROMPT = PREFIX + [50, 51, 52]
@@ -105,6 +106,41 @@ def _raw(address, key=None):
     sock.plain_password = remote._handshake_token(key)
   sock.connect(f"tcp://{address}")
   return sock
+
+
+class _Handshakes:
+  """The handshake events of a socket's monitor, read as they come: called, whether a
+  handshake of its failed (or the peer hung up on it); ``succeeded``, whether one passed."""
+
+  FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)
+
+  def __init__(self, sock):
+    self._monitor = sock.get_monitor_socket(self.FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    self.failed = self.succeeded = False
+
+  def __call__(self) -> bool:
+    while self._monitor.poll(0):
+      event = recv_monitor_message(self._monitor)["event"]
+      self.failed |= bool(event & self.FAILED)
+      self.succeeded |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    return self.failed
+
+  def close(self):
+    self._monitor.close(0)
+
+
+def _watched(address, key=None):
+  """``_raw``'s connection, its handshakes watched from before it connects: (socket,
+  ``_Handshakes``)."""
+  sock = zmq.Context.instance().socket(zmq.DEALER)
+  sock.setsockopt(zmq.LINGER, 0)
+  if key is not None:
+    sock.plain_username = remote._HANDSHAKE_USER
+    sock.plain_password = remote._handshake_token(key)
+  handshakes = _Handshakes(sock)
+  sock.connect(f"tcp://{address}")
+  return sock, handshakes
 
 
 def _signed(challenge: str, number: int, message, key=KEY) -> bytes:
@@ -203,7 +239,8 @@ def test_without_the_handshake_token_nothing_is_queued(owner):
   still serves a keyed client."""
   engine, server = owner
   before, refused = +server.counts, server.handshakes_refused  # (+: nonzero counts)
-  socks = [_raw(server.address), _raw(server.address, OTHER_KEY)]
+  watched = [_watched(server.address), _watched(server.address, OTHER_KEY)]
+  socks = [sock for sock, _ in watched]
   try:
     for sock in socks:  # as much as ZeroMQ takes (it stops taking once a handshake failed)
       with contextlib.suppress(zmq.Again):
@@ -211,12 +248,19 @@ def test_without_the_handshake_token_nothing_is_queued(owner):
         for i in range(1000):
           sock.send_multipart([b"h%d" % i, remote.Hello(nonce=f"h{i}").encode(), b""],
                               flags=zmq.NOBLOCK)
-    time.sleep(1.0)  # long enough for 200 MiB and the hellos to cross loopback, and be read
+    # Until each connection's handshake has failed (ZeroMQ sends no message before its
+    # handshake succeeds: nothing of theirs can reach the server after), and the other
+    # key's was counted.
+    helpers.wait_for(lambda: all(failed() for _, failed in watched)
+                     and server.handshakes_refused > refused, 60,
+                     "both handshakes failed and the other key's was counted")
+    assert not any(failed.succeeded for _, failed in watched)
     assert +server.counts == before
-    assert server.handshakes_refused > refused
     assert not any(sock.poll(0) for sock in socks)  # and nothing came back
   finally:
-    for sock in socks:
+    for sock, handshakes in watched:
+      sock.disable_monitor()
+      handshakes.close()
       sock.close(0)
   client = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=KEY)
   assert client.lookup(_keys(engine)) == 10 and not client.failures_by_reason
@@ -254,10 +298,8 @@ def test_a_hello_flood_evicts_no_peer(owner):
       nonce = f"flood{i}"
       socks[i % 25].send_multipart([nonce.encode(), remote.Hello(nonce=nonce).encode(), b""])
     assert client.lookup(keys) == 10  # in the middle of the flood
-    for _ in range(600):  # until the flood is answered (each poll answers 64 at most)
-      if server.counts["hello"] - hellos >= 5000:
-        break
-      time.sleep(0.1)
+    helpers.wait_for(lambda: server.counts["hello"] - hellos >= 5000, 60,
+                     "the flood was answered")  # (each poll answers 64 at most)
     assert server.counts["hello"] - hellos == 5000
     assert client.lookup(keys) == 10
     assert client.hellos == 1 and not client.failures_by_reason
@@ -289,16 +331,13 @@ def test_a_flood_of_junk_costs_a_poll_its_budget_at_most(owner):
         sock.send_multipart(junk[sent["n"] % len(junk)], flags=zmq.NOBLOCK)
         sent["n"] += 1
       except zmq.Again:
-        time.sleep(0.001)
+        sock.poll(10, zmq.POLLOUT)  # until ZeroMQ takes more
     sock.close(0)
 
   thread = threading.Thread(target=flood)
   thread.start()
   try:
-    for _ in range(1000):
-      if server.waiting():
-        break
-      time.sleep(0.01)
+    helpers.wait_for(server.waiting, 10, "the junk reached the server")
     polls = []
     while thread.is_alive():  # the whole flood
       answered = server.poll(0.01)
@@ -459,8 +498,11 @@ def test_a_poll_stops_after_its_answers_bytes_budget(owner):
     server.max_answer_bytes_per_poll = 1
     for f, a in zip(fetches, auths):
       sock.send_multipart([f.nonce.encode(), f.encode(), a])
-    time.sleep(0.5)  # all three wait
-    assert [server.poll(0.5) for _ in range(4)] == [1, 1, 1, 0]
+    helpers.wait_for(server.waiting, 10, "the fetches reached the server")
+    # Each poll reads on until a fetch is whole, answers it and stops: its blocks are over
+    # the budget. Then nothing is left.
+    assert [server.poll(10) for _ in range(3)] == [1, 1, 1]
+    assert not server.waiting() and server.poll(0) == 0
     assert server.counts["answered"] == 3 + 3  # and the hellos before
   finally:
     sock.close(0)
@@ -655,24 +697,21 @@ def test_transfer_offers_are_bounded_and_expire(owner):
     with pytest.raises(RemoteError, match="busy"):
       ask(300)
     assert server.counts["offers_refused"] == 1
-    time.sleep(0.4)  # the first offer has expired: the transfer library dropped it
+    helpers.wait_for(lambda: all(t <= time.monotonic() for t, _ in server._offers), 10,
+                     "the first offer's time is over")  # the transfer library dropped it
     assert ask(300)[0].transfer_id != offer.transfer_id
   finally:
     del server.max_offers
 
 
-def test_keyed_transfer_pulls_are_proven_or_sealed(mesh, want):
+def test_keyed_transfer_pulls_are_proven_or_sealed(mesh, want, remote_owners):
   """Pulled blocks: with encryption they travel sealed and are opened; integrity only,
   the offer's tag proves them. Both to the right tokens."""
-  proc, addr = start_owner(deployment_key=KEY)
-  try:
-    for encryption in ("auto", "off"):
-      engine = _reader(mesh, addr, encryption=encryption, transport="transfer")
-      assert engine.generate([PROMPT], 5) == want, encryption
-      assert engine.stats()["hits"]["remote"] == 10, engine.stats()
-  finally:
-    proc.kill()
-    proc.wait()
+  for encryption in ("auto", "off"):
+    engine = _reader(mesh, remote_owners.address["keyed"], encryption=encryption,
+                     transport="transfer")
+    assert engine.generate([PROMPT], 5) == want, encryption
+    assert engine.stats()["hits"]["remote"] == 10, engine.stats()
 
 
 def test_a_keyless_server_is_loud_and_loopback_only(plain_owner, monkeypatch):
@@ -894,6 +933,7 @@ class FakeWirePeer:
 
   def __init__(self, flood, key=None):
     self.flood, self.key, self.taken, self.fetches = flood, key, 0, 0
+    self._wire = None  # the connection being served
     self._seal = security.Seal(key, "remote-answer") if key is not None else None
     self._listener = socket.create_server(("127.0.0.1", 0))
     self._listener.settimeout(0.05)
@@ -914,7 +954,7 @@ class FakeWirePeer:
         sock, _ = self._listener.accept()
       except TimeoutError:
         continue
-      wire = Wire(sock, timeout_s=10.0)
+      wire = self._wire = Wire(sock, timeout_s=10.0)
       wire.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
       try:
         _handshake(wire, server=True, key=self.key)
@@ -936,6 +976,10 @@ class FakeWirePeer:
 
   def close(self):
     self._stop.set()
+    wire = self._wire
+    if wire is not None:  # its read of a next request ends now, not at its timeout
+      with contextlib.suppress(OSError):
+        wire.sock.shutdown(socket.SHUT_RDWR)
     self._thread.join()
     self._listener.close()
 
