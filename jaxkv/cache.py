@@ -100,7 +100,7 @@ class KVCache:
     self.mover = None
     # The host-side half: index, pins, allocation (the scheduler and admission see this).
     self.manager = CacheManager(
-        self.index, stats=self.stats, page_size=config.page_size, page_bytes=config.page_bytes,
+        self.index, stats=self.stats, page_bytes=config.page_bytes,
         write_through=tiers.write_policy == "write_through", has_disk=self.disk is not None,
         disk_attached=lambda: self.mover is None or self.mover.disk_available)
     logging.info(

@@ -22,12 +22,11 @@ import numpy as np
 
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.index import LOCAL_TIERS, PrefixIndex, Tier
+from jaxkv.step import Block
 
 if typing.TYPE_CHECKING:
   from jaxkv.stats import Stats
   from jaxkv.tiers.base import Fetch
-
-Block = tuple  # (shard, device page, key)
 
 
 class CacheManager:
@@ -38,11 +37,12 @@ class CacheManager:
   ``remote``: the remote tier's prefix lookup (``longest_prefix``), or None.
   """
 
-  def __init__(self, index: PrefixIndex, *, stats: Stats, page_size: int, page_bytes: int,
+  def __init__(self, index: PrefixIndex, *, stats: Stats, page_bytes: int,
                write_through: bool, has_disk: bool,
                disk_attached: Callable[[], bool] = lambda: True, remote=None):
     self.index, self.stats = index, stats
-    self.num_shards, self.page_size, self.page_bytes = index.num_shards, page_size, page_bytes
+    self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
+                                                        page_bytes)
     self.write_through, self.has_disk = write_through, has_disk
     self.remote = remote
     self._disk_attached = disk_attached

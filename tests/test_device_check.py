@@ -5,32 +5,18 @@ hand-made step results; a failing step is recorded and the next one runs."""
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+
+import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import device_check  # noqa: E402  (launch/ is not a package)
 
 STEPS = ("devices", "kernels", "tiers", "engine")
-
-
-def _kill_session(sid: int) -> None:
-  """SIGKILL to every process of session ``sid``: the script, and the steps that `timeout`
-  put in process groups of their own."""
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-      if int(fields[3]) == sid:
-        os.kill(int(entry), signal.SIGKILL)
-    except (OSError, ValueError, IndexError):
-      pass
 
 
 def _run_dry(out, timeout_s, **env_extra):
@@ -44,7 +30,7 @@ def _run_dry(out, timeout_s, **env_extra):
   try:
     stdout, _ = proc.communicate(timeout=timeout_s)
   except subprocess.TimeoutExpired:
-    _kill_session(proc.pid)
+    helpers.kill_session(proc.pid)
     stdout, _ = proc.communicate()
     pytest.fail(f"the dry run ran over {timeout_s} s; its output ends:\n{stdout[-3000:]}")
   return proc.returncode, stdout

@@ -50,7 +50,7 @@ class Loop:
                              fingerprint=self.config.fingerprint(),
                              host_pages_per_shard=host_pages)
     self.stats = Stats()
-    self.manager = CacheManager(self.index, stats=self.stats, page_size=PAGE,
+    self.manager = CacheManager(self.index, stats=self.stats,
                                 page_bytes=self.config.page_bytes, write_through=write_through,
                                 has_disk=False)
     chunk = chunk_pages * PAGE
@@ -457,7 +457,7 @@ def test_the_manager_imports_no_jax():
       import jaxkv.manager, jaxkv.index
       index = jaxkv.index.PrefixIndex(num_shards=1, pages_per_shard=4, page_size=2,
                                       fingerprint=b"f" * 32)
-      m = jaxkv.manager.CacheManager(index, stats=None, page_size=2, page_bytes=64,
+      m = jaxkv.manager.CacheManager(index, stats=None, page_bytes=64,
                                      write_through=True, has_disk=False)
       pages, evicted = m.allocate_pages(0, 3)
       print(json.dumps([pages, list(evicted), sorted(n for n in sys.modules

@@ -292,10 +292,10 @@ class DiskTier:
                        "a writable directory.")
 
   def _ensure_prefix(self) -> None:
-    """Makes this prefix's directory (0700) before TensorStore would make it per the umask;
-    refuses one that is (or is reached through) a link (``LocalDir.ensure_prefix``)."""
+    """Makes this prefix's directory (0700) at open; refuses one that is (or is reached
+    through) a link (``LocalDir.ensure_prefix``)."""
     if self.local:
-      self._dirs.ensure_prefix(self.prefix, self.prefix_path)
+      self._dirs.ensure_prefix(self.prefix)
 
   def _warn_if_exposed(self) -> None:
     """Without a key a record proves nothing against whoever can write the store, and holds

@@ -184,7 +184,6 @@ class LocalDir:
   def __init__(self, root: str):
     self.root = root.rstrip("/") or "/"
     self.root_fix = f"point disk_kvstore at the directory itself ({os.path.realpath(self.root)!r})"
-    self._prefix_checked = None  # (prefix, st_dev, st_ino) of the directory last checked
     self._unlinker = _Unlinker(self.open_dir)
     # Writes go into checked prefix directories held open (closed with this object).
     self._write_dirs: dict[str, int] = {}
@@ -220,28 +219,10 @@ class LocalDir:
     finally:
       os.close(fd)
 
-  def ensure_prefix(self, prefix: str, path: str) -> None:
-    """Makes the directory of ``prefix`` (at ``path``) (0700) before TensorStore would make it per the umask,
-    and checks that none of the directories down to it is a link (``InputError``).
-
-    Before every write: once a directory was checked that way, the path is only resolved
-    (one ``stat``, following links as TensorStore's open will) and compared with the
-    checked directory's identity; the same inode means the write lands in it, and anything
-    else is checked again from the root (and refused if it is a link)."""
-    checked = self._prefix_checked
-    if checked is not None and checked[0] == prefix:
-      try:
-        st = os.stat(path)
-        if (st.st_dev, st.st_ino) == checked[1:]:
-          return
-      except OSError:
-        pass  # gone or unreachable: checked (and made) again below
-    fd = self.open_dir(prefix, create=True)
-    try:
-      st = os.fstat(fd)
-    finally:
-      os.close(fd)
-    self._prefix_checked = (prefix, st.st_dev, st.st_ino)
+  def ensure_prefix(self, prefix: str) -> None:
+    """Makes the directory of ``prefix`` (0700) if it is missing and checks that none of
+    the directories down to it is a link (``InputError``)."""
+    os.close(self.open_dir(prefix, create=True))
 
   def remove_temporaries(self) -> int:
     """Deletes ``*.__lock`` files a killed writer left in ``records/`` and the directories
@@ -319,8 +300,8 @@ class LocalDir:
     raise NotAFile(f"{where} is not a regular file but {kind(mode)}: left as it is")
 
   def write_file(self, prefix: str, name: str, data: bytes) -> None:
-    """Writes the record ``records/<prefix><name>`` whole, mode 0600 whatever the umask
-    allows more: into a new temporary (``<name>.<n>.__lock``, created ``O_EXCL |
+    """Writes the record ``records/<prefix><name>`` whole, mode 0600 (never more, whatever
+    the umask): into a new temporary (``<name>.<n>.__lock``, created ``O_EXCL |
     O_NOFOLLOW`` and locked while written, as ``remove_temporaries`` expects of a live
     writer) in the checked prefix directory, then renamed over the name: a link planted
     under the name is replaced, never written through; a directory there fails the write.
