@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
       read_deadline_s=10.0))
   # 8 devices share the host's links (about 4 x 50 GB/s across the node's PCIe switches);
   # prefill: 2 x 70e9 FLOPs per token over 8 x 989 TFLOP/s at 40%: about 45 ms per 1000.
-  # Roofline (jaxkv.roofline), per device: H200 datasheet figures, 4.8 TB/s HBM3e and 989
+  # Roofline (jaxkv.tools.roofline), per device: H200 datasheet figures, 4.8 TB/s HBM3e and 989
   # TFLOP/s dense bf16 (an H100 SXM has the same 989 but 3.35 TB/s: set hbm_gb_per_s=3350).
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=200.0, host_link_latency_ms=0.02, disk_gb_per_s=12.0,

@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
       read_deadline_s=10.0))
   # What the planner assumes before calibration replaces it: PCIe Gen5 x16 (64 GB/s
   # nominal, ~50 achievable one way) and prefill at 2 x 8e9 FLOPs per token on 989 TFLOP/s
-  # bf16 at 40% utilisation, about 40 ms per 1000 tokens. The roofline (jaxkv.roofline)
+  # bf16 at 40% utilisation, about 40 ms per 1000 tokens. The roofline (jaxkv.tools.roofline)
   # reads one device's peaks: H200 datasheet, 4.8 TB/s HBM3e and 989 TFLOP/s dense bf16.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=50.0, host_link_latency_ms=0.02, disk_gb_per_s=6.0,

@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Host link per v5e host (PCIe Gen4, ~25 GB/s shared by its chips); prefill 2 x 8e9
   # FLOPs per token on one data shard's 2 chips x 197 TFLOP/s at 40%: about 100 ms per
   # 1000 tokens (each of the 4 data shards prefills its own requests). Roofline
-  # (jaxkv.roofline), per chip: Cloud TPU v5e spec, 819 GB/s HBM2 and 197 TFLOP/s bf16.
+  # (jaxkv.tools.roofline), per chip: Cloud TPU v5e spec, 819 GB/s HBM2 and 197 TFLOP/s bf16.
   c.hardware = ml_collections.ConfigDict(dict(
       host_link_gb_per_s=25.0, host_link_latency_ms=0.05, disk_gb_per_s=2.0,
       prefill_ms_per_1k=100.0, hbm_gb_per_s=819.0, peak_tflops=197.0))

@@ -17,16 +17,19 @@ from jaxkv import models, nnx, ops
 from jaxkv.cache import CapacityError, KVCache
 from jaxkv.config import (CacheConfig, EngineConfig, SamplingParams, SchedulerConfig,
                           StreamConfig, TierConfig)
-from jaxkv.costs import CostModel, LinkCost, PrefillCurve
-from jaxkv.engine import Engine
+from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
+from jaxkv.serving.engine import Engine
 from jaxkv.errors import InputError
 from jaxkv.identity import weights_digest
-from jaxkv.index import PrefixIndex, Tier
-from jaxkv.pages import make_mesh
-from jaxkv.plan import plan
-from jaxkv.scheduler import RequestHandle, StepOutput
+from jaxkv.manager.index import PrefixIndex, Tier
+from jaxkv.worker.pages import make_mesh
+from jaxkv.planning.plan import plan
+from jaxkv.scheduling.scheduler import RequestHandle, StepOutput
 from jaxkv.tokenizer import Tokenizer
 
+from jaxkv import _moved
+
+_moved.install()
 __version__ = "0.1.0"
 
 __all__ = [

@@ -32,12 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv import identity
 from jaxkv import nnx as kvnnx
-from jaxkv import pages as pages_lib
+from jaxkv.worker import pages as pages_lib
 from jaxkv import security
 from jaxkv.config import CacheConfig, TierConfig
-from jaxkv.index import TIER_NAMES, PrefixIndex, Tier
+from jaxkv.manager.index import TIER_NAMES, PrefixIndex, Tier
 from jaxkv.stats import Stats
-from jaxkv.transfers import TierMover
+from jaxkv.worker.transfers import TierMover
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager import CacheManager
 
@@ -87,11 +87,11 @@ class KVCache:
     self.remote = None
     self.disk_recovered = {"adopted": 0, "deleted": 0, "temporaries": 0}
     if tiers.host_enabled:
-      from jaxkv.tiers.host import HostTier
+      from jaxkv.worker.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
     self.remotes = []
     if tiers.disk_enabled:
-      from jaxkv.tiers.disk import DiskTier
+      from jaxkv.worker.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
                            payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint(), key=self._deployment_key,
@@ -129,7 +129,7 @@ class KVCache:
                        "does) or set CacheConfig.weights_digest before opening its tiers.")
     config, tiers = self.config, self.tiers
     if tiers.remote_peers:
-      from jaxkv.tiers.remote import RemoteClient, RemoteTier
+      from jaxkv.worker.tiers.remote import RemoteClient, RemoteTier
       self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s,
                                    secret=self._deployment_key, encrypt=self.encrypt,
                                    transport=tiers.remote_transport)

@@ -11,15 +11,15 @@
 - ``plan_digest``: a SHA-256 over a plan's arrays, for ``agree_digest``.
 - ``agree_reads`` / ``agree_writes``: the outcome of every disk read and write of the
   store a job shares, the same on every process (each process reads the records its own
-  devices need, and writes its turn of the blocks; ``jaxkv.transfers``, ``jaxkv.journal``).
+  devices need, and writes its turn of the blocks; ``jaxkv.worker.transfers``, ``jaxkv.worker.journal``).
 - ``allgather_codes`` / ``broadcast_bytes``: the small collectives that keep per-process
   outcomes (a disk write committed, a record verified) the same decision everywhere, and
-  give every process process 0's costs (``jaxkv.costs.agree_costs``).
+  give every process process 0's costs (``jaxkv.planning.costs.agree_costs``).
 
 Failure domain: in one ``jax.distributed`` job, a process that dies makes the others fail
 their next collective and, after the coordinator's heartbeat timeout, abort (FACTS: a few
 seconds). jaxkv cannot keep such a job alive; what it does is keep other *jobs* alive: a
-cache shared across jobs goes through the REMOTE tier (``jaxkv.tiers.remote``), where a
+cache shared across jobs goes through the REMOTE tier (``jaxkv.worker.tiers.remote``), where a
 dead peer is a miss, a recompute and an open circuit breaker — never a hang or a crash.
 """
 

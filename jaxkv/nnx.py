@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxkv import pages as pages_lib
+from jaxkv.worker import pages as pages_lib
 from jaxkv.config import CacheConfig
 from jaxkv.errors import InputError
 

@@ -2,7 +2,7 @@
 
 What the key does (threat model: BUILD.md, "Threat model"):
 - **Names.** A block key is a SHA-256 chain over a prompt's tokens from a per-tenant root
-  (``jaxkv.index``); with a key the tenant's salt is ``HMAC-SHA256(key, tenant)``, so
+  (``jaxkv.manager.index``); with a key the tenant's salt is ``HMAC-SHA256(key, tenant)``, so
   record names and ``lookup``s mean nothing to whoever lacks it.
 - **Integrity.** What crosses a process boundary — a disk or object-store record, a remote
   answer and its blocks, a checkpoint's metadata and rows — carries a keyed tag over its

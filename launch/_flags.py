@@ -58,7 +58,7 @@ def should_restore() -> bool:
   """Whether to restore: --restore and a finished checkpoint (without one, start cold with
   a warning, or refuse under --require_restore)."""
   from absl import logging
-  from jaxkv.checkpoint import latest_step
+  from jaxkv.worker.checkpoint import latest_step
   if not RESTORE.value:
     return False
   if latest_step(CHECKPOINT_DIR.value) is None:
@@ -78,7 +78,7 @@ def use_model_dir(cfg):
   tokenizer, or None (random weights, or a checkpoint without tokenizer.json)."""
   import jax
   from absl import logging
-  from jaxkv import builder
+  from jaxkv.tools import builder
   model_dir = MODEL_DIR.value or cfg.model.get("model_dir", "")
   if not model_dir:
     return None

@@ -73,40 +73,40 @@ def main(argv):
   _common.start_jax({"platform": None, "host_device_count": 8})
   t0 = time.perf_counter()
   if _SUITE.value == "tiers":
-    from jaxkv.bench import tiers
+    from jaxkv.tools.bench import tiers
     result = tiers.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "scheduler":
-    from jaxkv.bench import scheduler
+    from jaxkv.tools.bench import scheduler
     result = scheduler.run(quick=_QUICK.value)
   elif _SUITE.value == "restart":
-    from jaxkv.bench import restart
+    from jaxkv.tools.bench import restart
     result = restart.run(quick=_QUICK.value, reps=_REPS.value)
   elif _SUITE.value == "engine":
-    from jaxkv.bench import engine
+    from jaxkv.tools.bench import engine
     result = engine.run(quick=_QUICK.value)
   elif _SUITE.value == "stream":
-    from jaxkv.bench import stream
+    from jaxkv.tools.bench import stream
     result = stream.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "load":
-    from jaxkv.bench import load
+    from jaxkv.tools.bench import load
     result = load.run(quick=_QUICK.value, reference_rps=_LOAD_RPS.value)
   elif _SUITE.value == "overhead":
-    from jaxkv.bench import overhead
+    from jaxkv.tools.bench import overhead
     result = overhead.run(quick=_QUICK.value)
   elif _SUITE.value == "weights":
-    from jaxkv.bench import weights
+    from jaxkv.tools.bench import weights
     result = weights.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
   elif _SUITE.value == "kernels":
-    from jaxkv.bench import kernels
+    from jaxkv.tools.bench import kernels
     result = kernels.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "http":
-    from jaxkv.bench import http
+    from jaxkv.tools.bench import http
     result = http.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "storage":
-    from jaxkv.bench import storage
+    from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   else:
-    from jaxkv.bench import remote
+    from jaxkv.tools.bench import remote
     result = remote.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   result = {"suite": _SUITE.value, **result, "wall_s": time.perf_counter() - t0,
             "machine": _common.machine_info()}

@@ -40,12 +40,12 @@ STEPS = ("install", "devices", "kernels", "tiers", "engine")
 # judged, and it ran in the interpreter.
 KERNEL_FOR_PLATFORM = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 DEFAULT_KERNEL = "pallas_gpu"
-# Largest |kernel - reference| accepted, by the dtype of the pages (tests/test_ops.py's
-# bounds for low precision; float32 as tests/test_bench.py checks the quick suite).
+# Largest |kernel - reference| accepted, by the dtype of the pages (tests/ops/test_ops.py's
+# bounds for low precision; float32 as tests/tools/test_bench.py checks the quick suite).
 TOLERANCE = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}
 STDERR_TAIL_LINES = 30
 STDERR_TAIL_CHARS = 4000
-# What each step's JSON must hold (tests/test_device_check.py checks the dry run against it).
+# What each step's JSON must hold (tests/tools/test_device_check.py checks the dry run against it).
 STEP_KEYS = {
     "devices": ("backend", "devices", "device_kinds", "jax", "jaxkv"),
     "kernels": ("backend", "shapes", "decode_jnp", "prefill_jnp", "machine"),
@@ -62,7 +62,7 @@ def judged_kernel(platform: str | None) -> str:
 
 def verdict(kernels: dict | None, platform: str | None = None) -> dict:
   """May ``auto`` switch to the kernel on ``platform``? From the kernels suite's JSON
-  (``jaxkv.bench.kernels``; None when the step failed): every test must pass on both
+  (``jaxkv.tools.bench.kernels``; None when the step failed): every test must pass on both
   decode and prefill, and anything missing counts as a failure, with its reason."""
   platform = (kernels or {}).get("backend", platform)
   kernel = judged_kernel(platform)
@@ -127,7 +127,7 @@ def nominal_link(config_path: str) -> tuple[float | None, str]:
 
 def host_link(tiers: dict | None, nominal_gb_per_s: float | None, source: str) -> dict:
   """HBM<->host GB/s per direction: jaxkv's tier path and a bare ``jax.device_put`` of the
-  same bytes (``jaxkv.bench.tiers``), each also as a fraction of the nominal rate."""
+  same bytes (``jaxkv.tools.bench.tiers``), each also as a fraction of the nominal rate."""
   out = {"nominal_gb_per_s": nominal_gb_per_s, "nominal_from": source}
   host = (tiers or {}).get("host")
   if not isinstance(host, dict):

@@ -73,7 +73,7 @@ def main(argv):
   import jax
 
   import jaxkv
-  from jaxkv import builder
+  from jaxkv.tools import builder
   from jaxkv.tokenizer import Tokenizer
 
   model_dir = _MODEL_DIR.value

@@ -12,7 +12,7 @@ the answer's token_ids join the conversation); --mode=chat sends text messages t
 /chat/completions. Prompts are a function of --seed. Answers are streamed (SSE) with
 usage in the last event. A 429 is retried after its Retry-After until the request's
 deadline (--request_timeout_s after its arrival); a user whose request fails stops.
-jaxkv.bench.http does the work (and times it: see there for what each figure counts).
+jaxkv.tools.bench.http does the work (and times it: see there for what each figure counts).
 
 Printed, and written by --json_out as one JSON object (seconds and tokens):
   ttft_p50_s, ttft_p90_s, ttft_p99_s  arrival to the first event that carries a token
@@ -84,8 +84,8 @@ def main(argv):
   # One log line per request from httpx would cost the client CPU (and the server, when
   # they share a machine) and bury the progress lines.
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  from jaxkv import workloads
-  from jaxkv.bench import http
+  from jaxkv.tools import workloads
+  from jaxkv.tools.bench import http
   api_key = _API_KEY.value or os.environ.get("OPENAI_API_KEY") or None
   model = _MODEL.value or http.served_models(_URL.value, api_key)[0]
   target = http.Target(url=_URL.value, model=model, api_key=api_key,

@@ -12,7 +12,7 @@
 
 Prints the three options and the chosen split; --json_out writes t_fetch_s, t_recompute_s,
 decision, split_tokens and t_split_s (1 GB = 1e9 bytes). With a config whose hardware
-section gives hbm_gb_per_s and peak_tflops it also prints the roofline (jaxkv.roofline):
+section gives hbm_gb_per_s and peak_tflops it also prints the roofline (jaxkv.tools.roofline):
 the bytes, FLOPs and least time of a decode step and a prefill chunk on one device, beside
 the prefill time the cost model in use gives the same chunk; --json_out adds roofline_*
 keys (roofline_decode_step_s, roofline_prefill_chunk_s, ...). Without --tokens only the
@@ -82,8 +82,8 @@ def main(argv):
                          "and --prefill_ms_per_1k (or --cost_model) with it.")
   _common.start_jax({"platform": "cpu"})
   import jax.numpy as jnp
-  from jaxkv.capacity import capacity_plan
-  from jaxkv.costs import LinkCost
+  from jaxkv.tools.capacity import capacity_plan
+  from jaxkv.planning.costs import LinkCost
   layers, kv_heads, head_dim, dtype = (_LAYERS.value, _KV_HEADS.value, _HEAD_DIM.value,
                                        _DTYPE.value)
   link, prefill, page = _LINK.value, _PREFILL.value, _PAGE.value
@@ -91,7 +91,7 @@ def main(argv):
   roof, out = None, {}
   if cfg is not None:
     if cfg.model.get("model_dir"):  # a checkpoint's shapes replace the config's
-      from jaxkv import builder
+      from jaxkv.tools import builder
       builder.use_model_dir(cfg, cfg.model.model_dir)
     m, hw = cfg.model, cfg.get("hardware", {})
     layers, kv_heads, head_dim = (layers or m.num_layers, kv_heads or m.num_kv_heads,
@@ -156,7 +156,7 @@ def _roofline(cfg, *, required: bool):
   """(the config's roofline, None), or (None, why it was skipped). ``required`` (asked for
   with --roofline_context, or all that was asked for): a config that cannot give one is
   refused instead, naming what to fix."""
-  from jaxkv import roofline
+  from jaxkv.tools import roofline
   from jaxkv.errors import InputError
   missing = roofline.missing_hardware(cfg)
   if missing and required:
@@ -177,7 +177,7 @@ def _costs(cfg, prefill_ms_per_1k):
   """The cost model plans use: --cost_model's calibrated one, else a linear prefill curve
   from --prefill_ms_per_1k or the config's hardware section (links are added later), else
   None."""
-  from jaxkv.costs import CostModel, PrefillCurve
+  from jaxkv.planning.costs import CostModel, PrefillCurve
   if _COST_MODEL.value:
     return CostModel.load(_COST_MODEL.value)
   if prefill_ms_per_1k is not None:
@@ -187,7 +187,7 @@ def _costs(cfg, prefill_ms_per_1k):
 
 
 def _report_roofline(roof, costs) -> dict:
-  """Prints a config's roofline (jaxkv.roofline) beside the prefill time the cost model in
+  """Prints a config's roofline (jaxkv.tools.roofline) beside the prefill time the cost model in
   use gives the same chunk; returns the roofline_* figures for --json_out."""
   hw, p = roof.hardware, roof.params
   print(f"roofline of {roof.name} per device, {p.model_parallel}-way tensor parallel "

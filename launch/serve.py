@@ -9,7 +9,7 @@ By default the workload runs in rounds: each round's requests are generated toge
 the chosen policy and, unless --nocompare, by the other one right after it on the same
 prompts (interleaved, so both see the same machine noise). With --request_rate, users
 arrive by a Poisson process and each sends its next request a think time after its
-previous answer (jaxkv.online); each policy runs the same arrivals in turn, and the
+previous answer (jaxkv.tools.online); each policy runs the same arrivals in turn, and the
 summary adds time per output token and end-to-end latency.
 """
 
@@ -60,9 +60,10 @@ def main(argv):
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)
   import jax
-  from jaxkv import builder, distributed, metrics, security, workloads
+  from jaxkv import distributed, metrics, security
+  from jaxkv.tools import builder, workloads
   deployment_key = security.load_deployment_key(_DEPLOYMENT_KEY_FILE.value)
-  from jaxkv.costs import agree_costs
+  from jaxkv.planning.costs import agree_costs
   multi = distributed.initialize()  # a no-op unless launch/multihost.py (or a cluster) set it
   _common.check_platform(cfg)  # (done already in one process; a job's processes do it here)
   restore = _flags.should_restore()
@@ -109,7 +110,7 @@ def main(argv):
         e.costs = agree_costs(e.costs)
   checkpointer = None
   if _CHECKPOINT_DIR.value:
-    from jaxkv.checkpoint import Checkpointer
+    from jaxkv.worker.checkpoint import Checkpointer
     checkpointer = Checkpointer((engines["jaxkv"] if "jaxkv" in engines
                                  else engines[policies[0]]).cache, _CHECKPOINT_DIR.value)
     if restore:
@@ -214,7 +215,7 @@ def _run_rounds(engines: dict, work):
 
 def _run_online(engines: dict, make_work):
   """Each policy in turn under the same arrivals (a fresh workload each: same users)."""
-  from jaxkv import online
+  from jaxkv.tools import online
   outputs, ttft, wall_s, figures = {}, {}, {}, {}
   occupancy = []
   for p, engine in engines.items():

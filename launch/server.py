@@ -1,4 +1,4 @@
-"""Serve an OpenAI-compatible HTTP API (jaxkv.server) over one engine.
+"""Serve an OpenAI-compatible HTTP API (jaxkv.entrypoints.openai.server) over one engine.
 
   python launch/server.py --port=8000                          # configs/cpu_tiny.py, token ids
   python launch/server.py --model_dir=/ckpt/llama --port=8000  # text and chat
@@ -167,8 +167,9 @@ def main(argv):
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   import jax
-  from jaxkv import builder, distributed, metrics, security
-  from jaxkv.service import EngineService
+  from jaxkv import distributed, metrics, security
+  from jaxkv.tools import builder
+  from jaxkv.serving.service import EngineService
   deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
   block_host, block_port = _block_address(deployment_key)
   multi = distributed.initialize()
@@ -185,7 +186,7 @@ def main(argv):
     if multi:
       raise app.UsageError("--block_address serves one process's blocks: run it in a "
                            "single-process job (each job is one peer).")
-    from jaxkv.tiers.remote import BlockServer
+    from jaxkv.worker.tiers.remote import BlockServer
     block_server = BlockServer(engine.cache, block_host, block_port,
                                allow_insecure=_ALLOW_INSECURE.value)
     print(f"serving blocks on {block_server.address}", flush=True)
@@ -196,14 +197,14 @@ def main(argv):
                           max_waiting_per_tenant=waiting_share)
   checkpointer = None
   if _flags.CHECKPOINT_DIR.value:
-    from jaxkv.checkpoint import Checkpointer
+    from jaxkv.worker.checkpoint import Checkpointer
     checkpointer = Checkpointer(engine.cache, _flags.CHECKPOINT_DIR.value)
 
   def warm_up():  # every process, in the same order (calibration agrees across them)
     t0 = time.perf_counter()
     engine.warmup()
     if multi and engine.costs is not None:
-      from jaxkv.costs import agree_costs
+      from jaxkv.planning.costs import agree_costs
       engine.costs = agree_costs(engine.costs)
     if restore:
       counts = checkpointer.restore()
@@ -222,8 +223,8 @@ def main(argv):
     _finish(engine, checkpointer, multi)
     return
 
-  from jaxkv import httplimits
-  from jaxkv.server import OpenAIServer
+  from jaxkv.entrypoints.openai import limits as httplimits
+  from jaxkv.entrypoints.openai.server import OpenAIServer
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
   api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
                      tokenizer=tokenizer, api_keys=api_keys, registry=registry,

@@ -32,7 +32,7 @@ flags.mark_flag_as_required("config")
 def _triton_modules(fn, args):
   """The Triton modules (text) Pallas builds while ``fn`` lowers for CUDA."""
   from jax._src.pallas.triton import pallas_call_registration as registration
-  from jaxkv import lowering
+  from jaxkv.tools import lowering
   captured, build = [], registration.lowering.lower_jaxpr_to_triton_module
 
   def keep(*a, **k):
@@ -71,7 +71,8 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
-  from jaxkv import buckets, builder
+  from jaxkv import buckets
+  from jaxkv.tools import builder
   from jaxkv.ops import kernel, paged_attention
   _common.check_output(_JSON_OUT.value, "json_out")
   cfg = _CONFIG.value

@@ -49,7 +49,7 @@ def mesh():
 @pytest.fixture(scope="module")
 def s3():
   """An S3-compatible server on loopback (moto), for a module's stores."""
-  from jaxkv.bench.s3server import LocalS3
+  from jaxkv.tools.bench.s3server import LocalS3
   with LocalS3() as server:
     yield server
 
@@ -99,7 +99,7 @@ _REMOTE_OWNERS = {}  # the session's owner jobs and the last test that uses them
 
 @pytest.fixture(scope="session")
 def remote_owners(request):
-  """One owner job (``helpers.Owner``) for tests/test_remote*.py: honest ("none"), keyed
+  """One owner job (``helpers.Owner``) for tests/worker/test_remote*.py: honest ("none"), keyed
   and lying servers (``helpers.REMOTE_FAULTS``) over the blocks of one prefix; tests only
   read from it. When a test of the session asks for ``spare_owner``, that one starts as
   soon as this one is up (from the compilation cache it filled), while tests run. Both

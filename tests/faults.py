@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxkv.tiers.disk import PendingRead
-from jaxkv.tiers.remote import BlockServer
+from jaxkv.worker.tiers.disk import PendingRead
+from jaxkv.worker.tiers.remote import BlockServer
 
 SERVER_FAULTS = ("checksum", "dtype", "shape", "keys", "hang")
 

@@ -138,7 +138,7 @@ def kill_session(sid: int) -> None:
       pass
 
 
-# An owner job (tests/test_remote*.py): one engine that computed list(range(1, 42)) (and
+# An owner job (tests/worker/test_remote*.py): one engine that computed list(range(1, 42)) (and
 # one more under a deployment key, for "keyed"), its blocks served by one BlockServer per
 # name asked for ("none": honest; a fault of faults.LyingBlockServer; "keyed": honest,
 # keyed), all polled in turn on one thread. It prints "ADDRESS name host:port" for each,
@@ -149,7 +149,7 @@ import os, select, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, "tests")
 import jaxkv, helpers, faults
-from jaxkv.tiers.remote import BlockServer
+from jaxkv.worker.tiers.remote import BlockServer
 names, seconds, key = sys.argv[1].split(","), float(sys.argv[2]), bytes.fromhex(sys.argv[3])
 mesh = jaxkv.make_mesh(data=2, model=2)
 engines = {}

@@ -1,4 +1,4 @@
-"""A brute-force twin of ``jaxkv.plan.plan`` for one (request, shard): the test oracle.
+"""A brute-force twin of ``jaxkv.planning.plan.plan`` for one (request, shard): the test oracle.
 
 It tries every split point in plain Python loops over blocks and links, timing recompute
 with the scalar ``PrefillCurve.seconds``, so the property tests can hold the vectorized plan
@@ -10,8 +10,8 @@ link order with the plan it checks.
 
 import math
 
-from jaxkv.costs import LINKS, CostModel
-from jaxkv.plan import ABSENT, DISK, HOST, REMOTE, SHARD
+from jaxkv.planning.costs import LINKS, CostModel
+from jaxkv.planning.plan import ABSENT, DISK, HOST, REMOTE, SHARD
 
 
 def _charged(n, chunk_tokens, tail_widths):

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from jaxkv.errors import InputError, InvariantError
-from jaxkv.index import PrefixIndex
+from jaxkv.manager.index import PrefixIndex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

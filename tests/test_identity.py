@@ -9,7 +9,7 @@ from flax import nnx
 import helpers
 import jaxkv
 from jaxkv import identity
-from jaxkv.checkpoint import Checkpointer
+from jaxkv.worker.checkpoint import Checkpointer
 
 
 def digest(seed=0, **overrides):

@@ -44,7 +44,7 @@ DEPRECATED = {
 PRIVATE_ALLOWED = {
     "launch/triton_smem.py": "compiles the module Pallas builds for Triton to read its "
                              "shared-memory figure; no public API returns that module",
-    "tests/test_ops.py": "runs the TPU kernel under Mosaic's interpreter with race detection, "
+    "tests/ops/test_ops.py": "runs the TPU kernel under Mosaic's interpreter with race detection, "
                          "which only jax._src exposes",
 }
 

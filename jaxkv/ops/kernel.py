@@ -32,7 +32,7 @@ Off their hardware both run in Pallas' interpreters (``interpret=True``; the TPU
 the TPU interpreter, which simulates the DMAs and semaphores): the tests check them that
 way; interpreter timings say nothing about kernel speed. Whether a form is accepted by its
 platform's compiler is checked by lowering it for that platform (``jax.export``, tests in
-``tests/test_lowering.py``).
+``tests/tools/test_lowering.py``).
 """
 
 from __future__ import annotations

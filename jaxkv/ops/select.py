@@ -22,7 +22,7 @@ _lowering = threading.local()  # .platform: the platform being lowered for, if n
 def lowering_for(platform: str):
   """Within: a kernel resolves as if the backend were ``platform`` (``gpu`` or ``tpu``),
   so a function traced here lowers the kernel for that platform instead of the
-  interpreter (``jaxkv.lowering`` exports functions for hardware that is not attached)."""
+  interpreter (``jaxkv.tools.lowering`` exports functions for hardware that is not attached)."""
   before = getattr(_lowering, "platform", None)
   _lowering.platform = platform
   try:

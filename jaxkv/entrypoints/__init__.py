@@ -1,0 +1,1 @@
+"""Programs' front doors onto the engine."""

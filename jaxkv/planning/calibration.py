@@ -1,0 +1,133 @@
+"""Measures the costs the planner decides with, on this machine, model and config.
+
+- ``host_to_device``: ``HostTier.load`` + the device scatter for two batch sizes; latency
+  and bandwidth from the line through both points.
+- ``disk_to_host``: verified reads of freshly written records from a scratch store beside
+  the disk tier (cold when the store is a local directory), one read and a batch in flight.
+- prefill: the model runner's own prefill step, timed for every page-table width bucket; the
+  curve ``t(n, c)`` is fitted to what ``n`` tokens after ``c`` cached ones cost in steps.
+Nothing here is a constant: a different machine, model or config measures differently.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxkv import buckets
+from jaxkv.worker import pages as pages_lib
+from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
+
+
+def _median_time(fn, reps: int) -> float:
+  fn()  # warm: compile and first-touch outside the clock
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def _line(points: list[tuple[float, float]]) -> LinkCost:
+  """Latency and bandwidth of ``t = latency + bytes / bandwidth`` through two points."""
+  (b0, t0), (b1, t1) = points
+  slope = (t1 - t0) / (b1 - b0)
+  if slope <= 0:  # noise hid the bytes' cost: take the larger transfer's average rate
+    return LinkCost(latency_s=0.0, bytes_per_s=b1 / max(t1, 1e-9))
+  return LinkCost(latency_s=max(t0 - slope * b0, 0.0), bytes_per_s=1.0 / slope)
+
+
+def _host_link(cache, reps: int) -> LinkCost:
+  host, c, mover = cache.host, cache.config, cache.mover
+  points = []
+  for n in (buckets.transfer_pages(1), 8 * buckets.transfer_pages(1)):
+    ids = np.zeros((cache.num_shards, n), np.int32)  # reads slot 0 n times: same bytes moved
+    dest = jax.device_put(np.full((cache.num_shards, n), c.pages_per_shard, np.int32),
+                          mover.ids_sharding)
+
+    def move():
+      stack, _ = host.load(ids)
+      cache.update_pools(lambda pools: (pages_lib.scatter_stacked(
+          pools, dest, stack, mesh=cache.mesh, config=c),))
+      jax.block_until_ready(cache.pools)
+
+    points.append((n * cache.num_shards * c.page_bytes, _median_time(move, reps)))
+  return _line(points)
+
+
+def _disk_link(cache, reps: int) -> LinkCost:
+  """Verified reads of records written for the purpose, under a fingerprint of their own
+  (random: processes sharing the store never see or touch each other's), deleted after."""
+  disk = cache.disk
+  n = 16
+  scratch = disk.scratch(b"calibration" + secrets.token_bytes(21), n)  # same key, same cost
+  rng = np.random.default_rng(0)
+  payload = rng.standard_normal(disk.payload_shape).astype(np.float32).astype(disk.dtype)
+  keys = [i.to_bytes(32, "little") for i in range(n)]
+  try:
+    for w in [scratch.write(k, payload, None) for k in keys]:
+      w.result(timeout=120)
+
+    def read(k):
+      def go():
+        if scratch.local:  # cold reads: drop the records from the page cache first
+          for key in keys:
+            fd = os.open(scratch.path_of(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        scratch.read_verified(keys[:k], time.monotonic() + 120)
+      return go
+
+    points = [(k * scratch.record_bytes, _median_time(read(k), reps)) for k in (1, n)]
+  finally:
+    for key in keys:
+      scratch.delete(key)
+    scratch.settle()
+    if scratch.local:
+      shutil.rmtree(scratch.prefix_path, ignore_errors=True)
+  return _line(points)
+
+
+def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> PrefillCurve:
+  c = cache.config
+  chunk = runner.chunk_tokens
+  rows = cache.num_shards * min(buckets.pow2_at_least(max_seqs_per_shard), max_seqs_per_shard)
+  widths = sorted({buckets.table_width(p, c) for p in range(1, c.max_pages_per_seq + 1)})
+  step_s = {w: runner.time_prefill_step(rows, w, lambda step: _median_time(step, reps))
+            for w in widths}
+  samples = []
+  max_tokens = c.max_seq_len
+  for n in sorted({chunk, 2 * chunk, 4 * chunk, max_tokens // 4, max_tokens // 2}):
+    for ctx in sorted({0, max_tokens // 4, max_tokens // 2}):
+      if n <= 0 or n + ctx > max_tokens:
+        continue
+      steps = -(-n // chunk)
+      width = buckets.table_width(-(-(n + ctx) // c.page_size), c)
+      samples.append((float(n), float(ctx), steps * step_s[width]))
+  return PrefillCurve.fit(samples)
+
+
+def calibrate(cache, runner, *, max_seqs_per_shard: int, reps: int = 3) -> CostModel:
+  """A CostModel measured for ``cache`` (its config, tiers and machine) and the model
+  ``runner`` runs, batching up to ``max_seqs_per_shard`` sequences per shard."""
+  links = {}
+  if cache.host is not None:
+    links["host_to_device"] = _host_link(cache, reps)
+  if cache.disk is not None:
+    links["disk_to_host"] = _disk_link(cache, reps)
+    links.setdefault("host_to_device", links["disk_to_host"])  # disk blocks land via host
+  prefill = _prefill_curve(cache, runner, max_seqs_per_shard, reps)
+  for name, link in links.items():
+    logging.info("calibrated %s: %.2f GB/s, %.3f ms latency", name, link.bytes_per_s / 1e9,
+                 1e3 * link.latency_s)
+  logging.info("calibrated prefill: %.2f ms + %.4f ms per token + %.3g ms per token x "
+               "context token", 1e3 * prefill.t0_s, 1e3 * prefill.per_token_s,
+               1e3 * prefill.per_token_context_s)
+  return CostModel(links=links, prefill=prefill, source="calibrated")

@@ -1,0 +1,192 @@
+"""What bringing cached KV back costs on this machine: the numbers every plan decides with.
+
+A cold block (cached below the device pool, or on another shard) comes back one of two ways,
+and each has a measured price:
+
+- Over links. ``LINKS`` names them: ``host_to_device`` carries every block fetched from a
+  lower tier, ``disk_to_host`` the disk ones, ``remote_to_host`` the remote ones, and
+  ``cross_shard`` the blocks copied from another shard's device pool. Moving ``bytes`` over
+  a link takes ``latency_s + bytes / bytes_per_s`` (``LinkCost``). The links form a
+  pipeline, so a fetch takes as long as its slowest link, not the sum of them; a link that
+  several requests use (one host's PCIe) splits its bandwidth between them.
+- By recompute. ``PrefillCurve``: prefilling ``n`` tokens after ``c`` cached ones takes
+  ``t0 + a*n + b*n*(c + (n-1)/2)`` seconds; attention over a growing context makes it grow
+  faster than linearly. The curve is fitted to measured prefill steps (``PrefillCurve.fit``).
+
+``CostModel`` holds the links and the curve of one machine, model and config. It is measured
+(``jaxkv.planning.calibration``), saved and loaded as JSON, and refined by what actually happens (an
+EWMA over observed transfers and prefills): no cost is a constant in code. ``arrays()`` gives
+its dense form, ``CostArrays``, which the jitted ``jaxkv.planning.plan.plan`` reads.
+
+One job, one set of costs: each process of a multi-process job measures its own machine, but
+plans are replicated and compared by digest, so ``agree_costs`` hands every process the
+costs of process 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import distributed
+from jaxkv.errors import InputError
+
+# The order of the links in CostArrays and in every [.., links] array of a plan.
+LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+  """``seconds(bytes) = latency_s + bytes / bytes_per_s`` for one link (0 for no bytes)."""
+
+  latency_s: float
+  bytes_per_s: float
+
+  def __post_init__(self):
+    if not (self.latency_s >= 0 and self.bytes_per_s > 0):
+      raise InputError(f"LinkCost latency_s={self.latency_s} must be >= 0 and bytes_per_s="
+                       f"{self.bytes_per_s} > 0.")
+
+  def seconds(self, nbytes: float) -> float:
+    return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCurve:
+  """``t(n, c) = t0 + a*n + b*n*(c + (n-1)/2)`` seconds for n > 0 tokens after c cached."""
+
+  t0_s: float
+  per_token_s: float
+  per_token_context_s: float
+
+  def seconds(self, n: float, c: float) -> float:
+    if n <= 0:
+      return 0.0
+    return self.t0_s + self.per_token_s * n + self.per_token_context_s * n * (c + (n - 1) / 2)
+
+  @staticmethod
+  def fit(samples: list[tuple[float, float, float]]) -> "PrefillCurve":
+    """Least-squares fit to ``(n, c, seconds)`` samples (coefficients kept >= 0)."""
+    a = np.array([[1.0, n, n * (c + (n - 1) / 2)] for n, c, _ in samples])
+    y = np.array([t for _, _, t in samples])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    if coef[1] == 0 and coef[2] == 0:  # degenerate: fall back to a pure per-token rate
+      coef[1] = float(np.sum(y) / max(np.sum(a[:, 1]), 1.0))
+    return PrefillCurve(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+@dataclasses.dataclass
+class CostModel:
+  """Link costs and the prefill curve for one machine, model and config.
+
+  Mutable on purpose: ``observe_transfer`` and ``observe_prefill`` move it towards what the
+  machine really does. Plans read a snapshot of it (``arrays()``).
+  """
+
+  links: dict  # name (one of LINKS) -> LinkCost
+  prefill: PrefillCurve
+  ewma: float = 0.2  # weight of a new observation
+  source: str = "calibrated"
+
+  def __post_init__(self):
+    unknown = set(self.links) - set(LINKS)
+    if unknown:
+      raise InputError(f"CostModel links {sorted(unknown)} are not among {LINKS}.")
+    if not 0 < self.ewma <= 1:
+      raise InputError(f"CostModel.ewma={self.ewma} must be in (0, 1].")
+
+  def link(self, name: str) -> LinkCost:
+    if name not in self.links:
+      raise InputError(f"CostModel has no cost for link {name!r}; calibrate it or set it "
+                       f"(links known: {sorted(self.links)}).")
+    return self.links[name]
+
+  # ---- learning from what happened -----------------------------------------------------------
+  def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
+    """EWMA update of a link's bandwidth from one observed transfer."""
+    if nbytes <= 0 or seconds <= 0:
+      return
+    if name not in self.links:
+      self.links[name] = LinkCost(0.0, nbytes / seconds)
+      return
+    old = self.links[name]
+    rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
+    new_rate = (1 - self.ewma) * old.bytes_per_s + self.ewma * rate
+    self.links[name] = LinkCost(old.latency_s, new_rate)
+
+  def observe_prefill(self, n: float, c: float, seconds: float) -> None:
+    """EWMA update of the prefill curve's scale from one observed prefill."""
+    predicted = self.prefill.seconds(n, c)
+    if n <= 0 or seconds <= 0 or predicted <= 0:
+      return
+    scale = (1 - self.ewma) + self.ewma * (seconds / predicted)
+    p = self.prefill
+    self.prefill = PrefillCurve(p.t0_s * scale, p.per_token_s * scale,
+                                p.per_token_context_s * scale)
+
+  # ---- persistence ---------------------------------------------------------------------------
+  def to_json(self) -> str:
+    return json.dumps({
+        "links": {k: dataclasses.asdict(v) for k, v in sorted(self.links.items())},
+        "prefill": dataclasses.asdict(self.prefill), "ewma": self.ewma, "source": self.source,
+    }, indent=2, sort_keys=True)
+
+  @staticmethod
+  def from_json(text: str) -> "CostModel":
+    d = json.loads(text)
+    return CostModel(links={k: LinkCost(**v) for k, v in d["links"].items()},
+                     prefill=PrefillCurve(**d["prefill"]), ewma=d.get("ewma", 0.2),
+                     source=d.get("source", "file"))
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      f.write(self.to_json())
+
+  @staticmethod
+  def load(path: str) -> "CostModel":
+    try:
+      with open(path) as f:
+        return CostModel.from_json(f.read())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise InputError(f"cannot read a CostModel from {path!r}: {e}") from None
+
+  # ---- for the jitted plan -------------------------------------------------------------------
+  def arrays(self) -> "CostArrays":
+    lat, rate = [], []
+    for name in LINKS:
+      link = self.links.get(name)
+      if link is None and name in ("remote_to_host", "cross_shard"):
+        # Until a transfer over this link has been observed, a block over it is assumed
+        # to cost what a host block does; the first observation replaces this.
+        link = self.links.get("host_to_device")
+      lat.append(link.latency_s if link else 0.0)
+      rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
+    p = self.prefill
+    return CostArrays(latency_s=jnp.asarray(lat, jnp.float32),
+                      bytes_per_s=jnp.asarray(rate, jnp.float32),
+                      prefill=jnp.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
+                                          jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CostArrays:
+  """A ``CostModel`` as the dense arrays the jitted plan reads (links in ``LINKS`` order)."""
+
+  latency_s: jax.Array  # [links]
+  bytes_per_s: jax.Array  # [links]
+  prefill: jax.Array  # [3]: t0, per token, per token x context
+
+
+def agree_costs(costs: CostModel) -> CostModel:
+  """Process 0's ``costs`` on every process: the one set a job plans with. A collective:
+  every process calls it at the same point. A single process gets ``costs`` back."""
+  if jax.process_count() == 1:
+    return costs
+  text = costs.to_json().encode() if jax.process_index() == 0 else b""
+  return CostModel.from_json(distributed.broadcast_bytes(text).decode())

@@ -1,0 +1,165 @@
+"""The policy over the plan: ``SchedulerConfig.policy`` applied to the requests of a step.
+
+``Planner`` answers two questions, in the engine's plain Python types:
+- ``splits``: per request, the split point ``s`` of its cached chain. Blocks ``[hot, s)``
+  are recomputed, ``[s, end)`` fetched (``hot`` = the leading blocks already on device).
+- ``shard_times``: the predicted time of one request on every data shard, when placement
+  is not already decided by the longest prefix.
+
+Policies: ``cost`` runs the jitted ``jaxkv.planning.plan.plan`` on measured costs; ``fetch``,
+``recompute``, ``threshold`` and ``split`` (a forced split point) are fixed rules that
+need no costs, for comparison and tests.
+
+Costs flow one way. The planner never measures: the engine gives it a ``CostModel``
+(calibrated, or loaded from ``SchedulerConfig.cost_model_path``) by setting
+``planner.costs`` before it plans; a ``cost`` decision without costs is a bug in the
+engine, and ``ensure_costs`` raises. What the runner observes comes back as values
+(``observe_fetch``, ``observe_recompute``) and refines the costs.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxkv import buckets
+from jaxkv.planning.costs import CostModel
+from jaxkv.distributed import to_host
+from jaxkv.manager.index import Tier
+from jaxkv.planning.plan import Plan, build_inputs, padding_inputs, plan
+
+if typing.TYPE_CHECKING:
+  from jaxkv.worker.tiers.base import FetchReport
+
+
+class Planner:
+  """Applies ``SchedulerConfig.policy``: which cached blocks of a step's requests are fetched
+  and which recomputed, and which shard a request is cheapest on.
+
+  ``costs``: the ``CostModel`` the ``cost`` policy plans with. None until the engine sets
+  it (``planner.set_costs``), unless given here or loaded from ``cost_model_path``.
+  """
+
+  def __init__(self, config, costs: CostModel | None, *, num_shards: int, page_size: int,
+               page_bytes: int, chunk_tokens: int, stats, tail_widths: tuple = ()):
+    self.config = config
+    if costs is None and config.cost_model_path:
+      costs = CostModel.load(config.cost_model_path)
+    self.costs = costs
+    self.num_shards, self.page_size, self.page_bytes = num_shards, page_size, page_bytes
+    self.chunk_tokens, self.tail_widths = chunk_tokens, tuple(tail_widths)
+    self.stats = stats
+
+  def set_costs(self, costs: CostModel | None) -> None:
+    """The costs to plan with from now on (calibrated, loaded or agreed by a job)."""
+    self.costs = costs
+
+  def ensure_costs(self) -> CostModel:
+    """The costs to plan with. Their absence is the engine's bug (it sets them before any
+    ``cost`` decision), not bad input, hence a RuntimeError."""
+    if self.costs is None:
+      raise RuntimeError(
+          f"Planner.costs is None under policy={self.config.policy!r}, which plans from "
+          "measured costs: the engine must set planner.costs (calibrate, or load "
+          "SchedulerConfig.cost_model_path) before it plans or warms the plan.")
+    return self.costs
+
+  def _run(self, requests, num_shards: int, devices=None) -> Plan:
+    inputs = build_inputs(requests, num_shards=num_shards, page_size=self.page_size,
+                          page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,
+                          tail_widths=self.tail_widths,
+                          inflight_blocks=self.config.inflight_blocks, devices=devices)
+    return plan(inputs, self.ensure_costs().arrays())
+
+  def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
+                  ) -> np.ndarray | None:
+    """Predicted time of one request on every shard (``cost`` policy), or None when the
+    longest prefix with the most of it on device decides anyway (no plan is run then).
+    Also None while there are no costs yet: placement is a preference, and falls back to
+    the longest prefix."""
+    if (self.config.policy != "cost" or self.costs is None or self.num_shards == 1
+        or all(t == Tier.DEVICE for ts in tiers_by_shard for t in ts)):
+      return None
+    longest = max(len(ts) for ts in tiers_by_shard)
+    on_device = [sum(t == Tier.DEVICE for t in ts) for ts in tiers_by_shard]
+    if any(len(ts) == longest and n == max(on_device)
+           for ts, n in zip(tiers_by_shard, on_device)):
+      return None
+    t0 = time.perf_counter()
+    out = to_host(self._run([(tiers_by_shard, prompt_tokens)], self.num_shards).t_pred_s)[0]
+    self.stats.add("plan_s", time.perf_counter() - t0)
+    return out
+
+  def splits(self, requests: list[tuple[list[Tier], int, int]]) -> list[int]:
+    """Split point ``s`` of each request ``(tiers of its cached blocks, prompt tokens, data
+    shard it runs on)``: blocks ``[hot, s)`` are recomputed, ``[s, end)`` fetched (``hot``
+    = leading DEVICE). Requests on one shard share its compute in the plan."""
+    hot = [next((j for j, t in enumerate(ts) if t != Tier.DEVICE), len(ts))
+           for ts, _, _ in requests]
+    out = list(hot)
+    cold = [i for i, (ts, _, _) in enumerate(requests) if len(ts) > hot[i]]
+    if not cold:
+      return out
+    pol = self.config
+    if pol.policy == "cost":
+      t0 = time.perf_counter()
+      result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1,
+                         devices=[requests[i][2] for i in cold])
+      chosen = to_host(result.split)[:len(cold), 0]
+      self.stats.add("plan_s", time.perf_counter() - t0)
+    for k, i in enumerate(cold):
+      h, end = hot[i], len(requests[i][0])
+      if pol.policy == "cost":
+        s = int(chosen[k])
+      elif pol.policy == "fetch":
+        s = h
+      elif pol.policy == "recompute":
+        s = end
+      elif pol.policy == "threshold":
+        s = h if (end - h) * self.page_size >= pol.threshold_tokens else end
+      else:  # "split": forced
+        s = min(h + pol.force_split, end)
+      out[i] = s
+      decision = "recompute" if s == end else "fetch" if s == h else "split"
+      self.stats.add("plans_" + decision)
+      logging.debug("plan (%s): %d cold blocks, %s: recompute %d, fetch %d", pol.policy,
+                    end - h, decision, s - h, end - s)
+    return out
+
+  def warm(self, block_counts: list[int], max_requests: int) -> None:
+    """Compiles the plan's buckets: placement (one request on every shard) and steps of up
+    to ``max_requests`` requests, for chains of ``block_counts`` blocks."""
+    arrays = self.ensure_costs().arrays()
+    ms = sorted({buckets.plan_rows(m) for m in block_counts})
+    pad = lambda r, m, d, placed: jax.block_until_ready(plan(padding_inputs(
+        r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens, placed=placed,
+        tail_widths=self.tail_widths), arrays))
+    for m in ms:
+      pad(buckets.MIN_PLAN_ROWS, m, self.num_shards, False)
+    r = buckets.MIN_PLAN_ROWS
+    while True:
+      for m in ms:
+        pad(r, m, 1, True)
+      if r >= max_requests:
+        break
+      r *= 2
+
+  def observe_fetch(self, report: FetchReport) -> None:
+    """Learns a link's bandwidth from a fetch the runner finished. The whole transfer is
+    charged to the link of the deepest tier it read (remote, then disk, then host; else
+    another shard): in a pipeline of links, the slowest one bounds the time."""
+    if self.costs is None or not report.bytes or report.seconds <= 0:
+      return  # nothing moved, or a transfer that was not timed
+    link = ("remote_to_host" if int(Tier.REMOTE) in report.tiers else
+            "disk_to_host" if int(Tier.DISK) in report.tiers else
+            "host_to_device" if int(Tier.HOST) in report.tiers else "cross_shard")
+    self.costs.observe_transfer(link, report.bytes, report.seconds)
+
+  def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
+    """Refines the prefill curve from a recompute that was timed."""
+    if self.costs is not None:
+      self.costs.observe_prefill(tokens, context, seconds)

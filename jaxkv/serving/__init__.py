@@ -1,0 +1,1 @@
+"""The engine (the facade a user drives) and the service that runs its loop on a thread."""

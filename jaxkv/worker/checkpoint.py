@@ -1,0 +1,471 @@
+"""Warm restart: an Orbax checkpoint of the cache that restores onto any mesh.
+
+What is saved (one Orbax ``CheckpointManager`` step, written asynchronously and
+finalised atomically):
+- ``device``: every published device block, gathered into one raw-bits stack
+  ``[2 * layers, kv_heads, rows, page_size, head_dim]`` (``rows = shards * n``, padded);
+- ``host``: the host pool as it is (the same layout), when there is a host tier;
+- ``meta`` (JSON): format version, the model/layout fingerprint and the config fields
+  behind it, and for every saved row its block key, parent key, old shard and a
+  checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
+  persistent by itself and re-verifies and adopts its records when it is opened.
+
+Restoring reads the metadata first and refuses a checkpoint whose fingerprint differs,
+naming the fields that differ, or whose metadata lacks a field or holds one of the wrong
+kind (``_check_meta``: one line naming the field, never a ``KeyError``). Arrays come
+back through host memory (``pinned_host``, replicated over the data axis, kv heads split
+over the model axis), so a checkpoint restores onto another mesh shape or device count:
+a block saved by old shard ``s`` goes to new shard ``s % new_shards`` (a chain stays on
+one shard, so it still matches), into device pages or straight into the host tier
+(``into="host"``). Every row is checked against its saved checksum before it is
+published; rows that do not fit in the new budget or fail the check are left out and
+counted. Stale temporary checkpoint folders of interrupted saves are removed.
+
+With a deployment key (``jaxkv.security``) the checksums are not what proves the bytes
+(anyone who can write the checkpoint can fix a checksum up): the metadata carries a keyed
+tag over itself (purpose ``checkpoint-meta``) and every saved row one over its bits and
+its identity (block key, parent, shard, fingerprint; purpose ``checkpoint-row``) — or,
+with ``TierConfig.encryption`` on (the default with a key), every row is saved sealed
+(AES-GCM: the files hold no plaintext KV, and no checksum of plain bits either, which
+would let a guessed prompt be tested offline) and opened on restore. Restore
+refuses metadata that does not verify, or a checkpoint written under another key or none
+(its blocks' keys would differ anyway), and leaves out, counted (``failed_mac``), every
+row whose tag does not verify. Without a key the checksums catch damage, not forgery.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import buckets
+from jaxkv.worker import pages as pages_lib
+from jaxkv import security
+from jaxkv.config import LAYOUT_VERSION
+from jaxkv.distributed import to_host
+from jaxkv.manager.index import Tier
+from jaxkv.errors import InputError
+
+FORMAT = 1
+_FINGERPRINT_FIELDS = ("model_name", "dtype", "page_size", "num_layers", "num_kv_heads",
+                       "head_dim", "weights_digest")
+
+
+def _manager(directory: str) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True,
+                                           cleanup_tmp_directories=True))
+
+
+def latest_step(directory: str) -> int | None:
+  """The newest finished checkpoint's step in ``directory``, or None (creates nothing)."""
+  if not os.path.isdir(directory):
+    return None
+  manager = _manager(directory)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
+def remove_stale_temporaries(directory: str) -> int:
+  """Deletes folders an interrupted save left (``*.orbax-checkpoint-tmp*``)."""
+  if not os.path.isdir(directory):
+    return 0
+  n = 0
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      n += 1
+  return n
+
+
+def _config_fields(config) -> dict:
+  return {**{f: getattr(config, f) for f in _FINGERPRINT_FIELDS}, "layout": LAYOUT_VERSION}
+
+
+def _meta_bytes(meta: dict) -> bytes:
+  """The metadata as its tag covers it: canonical JSON without the tag itself."""
+  return json.dumps({k: v for k, v in meta.items() if k != "mac"}, sort_keys=True,
+                    separators=(",", ":")).encode()
+
+
+def _row_aad(row: list, fingerprint: str) -> bytes:
+  """What a saved row claims to be: its shard, block key, parent and the fingerprint."""
+  shard, key, parent = row[:3]
+  return f"{shard}|{key}|{parent or ''}|{fingerprint}".encode()
+
+
+def _row_bits(full: np.ndarray, i: int) -> np.ndarray:
+  """Row ``i``'s bits (``[arrays, kv_heads, page_size, head_dim]``) of a whole stack."""
+  return np.ascontiguousarray(full[:, :, i]).reshape(-1).view(np.uint8)
+
+
+class Checkpointer:
+  """Saves and restores one ``KVCache``; keeps the async save in flight."""
+
+  def __init__(self, cache, directory: str):
+    self.cache = cache
+    key = cache.deployment_key
+    self._meta_seal = security.Seal(key, "checkpoint-meta") if key else None
+    self._row_seal = security.Seal(key, "checkpoint-row") if key else None
+    self._encrypt = cache.encrypt  # rows sealed (AES-GCM), not only tagged
+    self.directory = os.path.abspath(directory)
+    self.removed_temporaries = remove_stale_temporaries(self.directory)
+    self._manager = None
+
+  # ---- save --------------------------------------------------------------------------------
+  def save(self, step: int | None = None, *, wait: bool = True) -> int:
+    """Saves the cache as ``step`` (default: one after the latest). With ``wait=False``
+    the files are written in the background; call ``wait`` before relying on them."""
+    e = self.cache
+    e.flush()
+    index, c = e.index, e.config
+    shards = e.num_shards
+    blocks = [(s, p, index.key_of(s, p)) for s in range(shards)
+              for p in range(c.pages_per_shard) if index.key_of(s, p) is not None]
+    ids, per = buckets.shard_ids(blocks, shards, 0, lambda b: b[1])
+    n = ids.shape[1]
+    rows = []
+    for items in per:
+      rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
+    stack = pages_lib.gather_stacked(e.pools, e.put_rows(ids), mesh=e.mesh, config=c)
+    sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    state = {"device": stack}
+    meta = {
+        "format": FORMAT, "fingerprint": c.fingerprint().hex(), "config": _config_fields(c),
+        "device_rows": [self._row(r, sums[i], index) for i, r in enumerate(rows)],
+        "disk": e.disk.kvstore if e.disk is not None else None,
+    }
+    if e.host is not None:
+      host = e.host
+      # The checksums recorded when each slot was stored (the host pool lives in host
+      # memory, where device computations cannot read it); restore checks the saved bytes
+      # against them, so a slot corrupted in host memory since is caught there.
+      slots = np.tile(np.arange(host.pages_per_shard), (shards, 1))
+      host_sums = host.expected_checksums(slots).astype(np.uint64).sum(axis=-1).astype(
+          np.uint32).reshape(-1)
+      host_rows = []
+      for s in range(shards):
+        for p in range(host.pages_per_shard):
+          key = index.key_of(s, p, Tier.HOST)
+          row = s * host.pages_per_shard + p
+          host_rows.append(self._row((s, key) if key else None, host_sums[row], index))
+      state["host"] = host.pool
+      meta["host_rows"] = host_rows
+    meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
+                      for k, v in state.items()}
+    if self._meta_seal is not None:
+      state = self._protect(meta, state)
+    if self._manager is None:
+      security.make_private_dir(self.directory)  # rows are KV, and KV is the prompt
+      self._manager = _manager(self.directory)
+    if step is None:
+      latest = self._manager.latest_step()
+      step = 0 if latest is None else latest + 1
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)))
+    if wait:
+      self.wait()
+    return step
+
+  def _protect(self, meta: dict, state: dict) -> dict:
+    """The state to save under the deployment key: each saved row sealed (encrypted, one
+    ``uint8`` row of ``row bytes + OVERHEAD`` each) or, without encryption, its keyed tag
+    (hex) appended to its row; then the metadata tagged."""
+    fingerprint = meta["fingerprint"]
+    out = dict(state)
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+      if name not in state:
+        continue
+      full = to_host(state[name])
+      if self._encrypt:
+        row_bytes = _row_bits(full, 0).size
+        out[name] = sealed = np.zeros((full.shape[2], row_bytes + security.Seal.OVERHEAD),
+                                      np.uint8)
+      for i, row in enumerate(meta[rows_key]):
+        if row is None:
+          continue
+        aad = _row_aad(row, fingerprint)
+        if self._encrypt:
+          sealed[i] = np.frombuffer(self._row_seal.seal(aad, _row_bits(full, i)), np.uint8)
+          row[3] = None  # a checksum of plain bits would let guesses be tested offline
+        else:
+          row.append(self._row_seal.tag(aad, _row_bits(full, i)).hex())
+    meta["sealed"] = self._encrypt
+    meta["key_id"] = self.cache.key_id
+    meta["mac"] = self._meta_seal.tag(_meta_bytes(meta)).hex()
+    return out
+
+  @staticmethod
+  def _row(row, checksum, index):
+    if row is None:
+      return None
+    shard, key = row
+    parent = index.parent_of(key)
+    return [shard, key.hex(), parent.hex() if parent else None, int(checksum)]
+
+  def wait(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._manager = None
+
+  # ---- restore -----------------------------------------------------------------------------
+  def restore(self, step: int | None = None, *, into: str = "device") -> dict:
+    """Loads a checkpoint into the (empty or not) cache. Returns counts of what came back."""
+    if into not in ("device", "host"):
+      raise InputError(f"into={into!r} must be 'device' or 'host'.")
+    if into == "host" and self.cache.host is None:
+      raise InputError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
+                       " > 0).")
+    if not os.path.isdir(self.directory):
+      raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
+    manager = _manager(self.directory)
+    try:
+      step = manager.latest_step() if step is None else step
+      if step is None:
+        raise FileNotFoundError(f"no finished checkpoint in {self.directory!r}.")
+      try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"the metadata of checkpoint {self.directory!r} step {step} is not "
+                         f"readable JSON ({type(e).__name__}: {str(e)[:200]}); restore another "
+                         "step or start cold.") from None
+      _check_meta(meta, f"checkpoint {self.directory!r} step {step}")
+      self._check_compatible(meta)
+      target = self._restore_target(meta)
+      state = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target)))["state"]
+    finally:
+      manager.close()
+    counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0,
+              "failed_mac": 0}
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+      if name in state:
+        saved, rows = state[name], meta[rows_key]
+        if self._row_seal is not None:
+          saved, rows = self._verified(saved, rows, meta, name, counts)
+        self._place(saved, rows, into, counts)
+    return counts
+
+  def _verified(self, saved, rows: list, meta: dict, name: str, counts: dict):
+    """Under a deployment key: the saved array in plain (sealed rows opened into the host
+    memory ``_restore_target`` names) and its rows, every row whose tag does not verify
+    left out (``None``) and counted as ``failed_mac``."""
+    fingerprint = meta["fingerprint"]
+    plain = meta["arrays"][name]
+    full = (np.zeros(plain["shape"], jnp.dtype(plain["dtype"])) if meta.get("sealed")
+            else to_host(saved))
+    kept = []
+    for i, row in enumerate(rows):
+      try:
+        if row is None:
+          pass
+        elif meta.get("sealed"):
+          bits = self._row_seal.open(_row_aad(row, fingerprint), np.asarray(saved[i]))
+          full[:, :, i] = np.frombuffer(bits, full.dtype).reshape(full[:, :, i].shape)
+        else:
+          self._row_seal.check(_row_aad(row, fingerprint), _row_bits(full, i),
+                               bytes.fromhex(str(row[4])))
+      except (security.SealError, ValueError, IndexError):
+        counts["failed_mac"] += 1
+        row = None
+      kept.append(row)
+    if meta.get("sealed"):
+      sharding = self._host_sharding()
+      saved = jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+    return saved, kept
+
+  def _check_compatible(self, meta: dict) -> None:
+    c = self.cache.config
+    if meta["fingerprint"] != c.fingerprint().hex():
+      mine = _config_fields(c)
+      diff = {k: (meta["config"].get(k), mine[k]) for k in mine if meta["config"].get(k) != mine[k]}
+      what = ", ".join(f"{k}: checkpoint {a!r} vs this cache {b!r}" for k, (a, b) in diff.items())
+      raise InputError(f"checkpoint in {self.directory!r} was written for another model or "
+                       f"layout ({what or 'fingerprint differs'}); restore it into a matching "
+                       "cache or start cold.")
+    self._check_signed(meta)
+
+  def _check_signed(self, meta: dict) -> None:
+    """With a deployment key: the metadata's tag verifies under it (else refused)."""
+    mine, theirs = self.cache.key_id, meta.get("key_id", "none")
+    if self._meta_seal is None:
+      if "mac" in meta:
+        raise InputError(f"checkpoint in {self.directory!r} was written with deployment key "
+                         f"{theirs} and this cache has none; give the same key (its blocks' "
+                         "keys depend on it) or start cold.")
+      return
+    if "mac" not in meta:
+      raise InputError(f"checkpoint in {self.directory!r} was written without a deployment "
+                       f"key; this cache has key {mine}, so none of its blocks would match: "
+                       "start cold, or restore it into a cache without a key.")
+    try:
+      self._meta_seal.check(_meta_bytes(meta), b"", bytes.fromhex(str(meta["mac"])))
+    except (security.SealError, ValueError):
+      raise InputError(f"the metadata of checkpoint {self.directory!r} does not verify under "
+                       f"deployment key {mine} (written with key {theirs!r}, or altered since "
+                       "it was written); restore with the key it was written with, or start "
+                       "cold.") from None
+
+  def _host_sharding(self) -> NamedSharding:
+    """Saved stacks come back in host memory, rows on every data shard."""
+    spec = P(None, self.cache.config.model_axis, None, None, None)
+    return NamedSharding(self.cache.mesh, spec).with_memory_kind("pinned_host")
+
+  def _restore_target(self, meta: dict) -> dict:
+    if meta.get("sealed"):  # one sealed row of bits per saved row, read whole on every host
+      return {k: np.empty((v["shape"][2], int(np.prod(v["shape"])) // v["shape"][2]
+                           * jnp.dtype(v["dtype"]).itemsize + security.Seal.OVERHEAD), np.uint8)
+              for k, v in meta["arrays"].items()}
+    sharding = self._host_sharding()
+    return {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=sharding)
+            for k, v in meta["arrays"].items()}
+
+  def _place(self, saved, rows, into: str, counts: dict) -> None:
+    e = self.cache
+    index, c = e.index, e.config
+    shards = e.num_shards
+    tier = Tier.DEVICE if into == "device" else Tier.HOST
+    wanted = []  # (new shard, saved row, key, parent, checksum)
+    for i, row in enumerate(rows):
+      if row is None:
+        continue
+      old_shard, key, parent, checksum = row[:4]
+      key = bytes.fromhex(key)
+      s = old_shard % shards
+      if index.slot_of(s, key, tier) is None:
+        wanted.append((s, i, key, bytes.fromhex(parent) if parent else None, checksum))
+    if not wanted:
+      return
+    src, chosen = buckets.shard_ids(wanted, shards, 0, lambda w: w[1])
+    n = src.shape[1]
+    stack = _host_take(e.mesh, c)(saved, jax.device_put(
+        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
+    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    limit = c.pages_per_shard if tier == Tier.DEVICE else e.host.pages_per_shard
+    dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
+    publish = []
+    for s, items in enumerate(chosen):
+      for j, (_, _, key, parent, checksum) in enumerate(items):
+        if checksum is not None and int(got[s * n + j]) != checksum:
+          counts["failed_checksum"] += 1
+          continue
+        slot = index.allocate(s, 1, tier)
+        if slot is None:
+          counts["skipped_no_room"] += 1
+          continue
+        dest[s, j] = slot[0]
+        publish.append((s, slot[0], key, parent))
+    if tier == Tier.DEVICE:
+      dest = jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None)))
+      e.update_pools(lambda pools: (pages_lib.scatter_stacked(pools, dest, stack, mesh=e.mesh,
+                                                              config=c),))
+    else:
+      e.host.store(stack, dest)
+    for s, slot, key, parent in publish:
+      index.publish(s, slot, key, tier, parent=parent)
+      index.release(s, [slot], tier)
+    counts["placed"] += len(publish)
+
+
+def _check_meta(meta, where: str) -> None:
+  """Refuses metadata (as ``save`` writes it) with a field missing or of the wrong kind,
+  naming the field: it is read from files anyone with write access to the directory may
+  have edited, so nothing past this point meets a missing key or a mistyped value."""
+  def refuse(field, value, rule):
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise InputError(f"the metadata of {where} has {field}={shown}, which must be {rule}; "
+                     "it was not written by jaxkv as it is: restore another step or start "
+                     "cold.")
+
+  def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+  def is_hex(v):
+    return isinstance(v, str) and len(v) % 2 == 0 and all(c in "0123456789abcdef" for c in v)
+
+  if not isinstance(meta, dict):
+    raise InputError(f"the metadata of {where} is a JSON {type(meta).__name__}, not an object; "
+                     "it was not written by jaxkv as it is: restore another step or start cold.")
+  if meta.get("format") != FORMAT:  # another version's fields are not these
+    raise InputError(f"the metadata of {where} has format {meta.get('format')!r}, not {FORMAT}: "
+                     "it was written by another jaxkv version: restore another step or start "
+                     "cold.")
+  missing = object()
+  for field, ok, rule in (
+      ("fingerprint", is_hex, "a hex string"),
+      ("config", lambda v: isinstance(v, dict), "an object of config fields"),
+      ("arrays", lambda v: isinstance(v, dict) and "device" in v
+       and set(v) <= {"device", "host"}, "an object naming the device (and host) arrays"),
+      ("device_rows", lambda v: isinstance(v, list), "a list of rows")):
+    value = meta.get(field, missing)
+    if value is missing:
+      raise InputError(f"the metadata of {where} has no {field!r}; it was not written by jaxkv "
+                       "as it is: restore another step or start cold.")
+    if not ok(value):
+      refuse(field, value, rule)
+  for field, ok, rule in (("sealed", lambda v: isinstance(v, bool), "true or false"),
+                          ("key_id", lambda v: isinstance(v, str), "a string"),
+                          ("mac", is_hex, "a hex string")):
+    if field in meta and not ok(meta[field]):
+      refuse(field, meta[field], rule)
+  for name, array in meta["arrays"].items():
+    shape, dtype = (array.get("shape"), array.get("dtype")) if isinstance(array, dict) else (
+        None, None)
+    if not (isinstance(shape, list) and len(shape) == 5 and all(is_int(d) for d in shape)):
+      refuse(f"arrays.{name}.shape", shape, "5 non-negative integers "
+             "[2 x layers, kv heads, rows, page size, head dim]")
+    try:
+      known = isinstance(dtype, str) and np.dtype(dtype) is not None
+    except TypeError:
+      known = False
+    if not known:
+      refuse(f"arrays.{name}.dtype", dtype, "a numpy dtype name")
+    rows_key = f"{name}_rows"
+    rows = meta.get(rows_key)
+    if not isinstance(rows, list) or len(rows) != shape[2]:
+      refuse(rows_key, rows, f"a list of the {shape[2]} rows arrays.{name} holds")
+    for i, row in enumerate(rows):
+      if row is None:
+        continue
+      if not (isinstance(row, list) and len(row) in (4, 5) and is_int(row[0]) and is_hex(row[1])
+              and (row[2] is None or is_hex(row[2])) and (row[3] is None or is_int(row[3]))
+              and (len(row) == 4 or is_hex(row[4]))):
+        refuse(f"{rows_key}[{i}]", row, "null or [shard, block key (hex), parent key (hex or "
+               "null), checksum (or null)] and, under a deployment key, a tag (hex)")
+
+
+@functools.lru_cache(maxsize=None)
+def _host_take(mesh, config):
+  """Rows of a host-resident, data-replicated stack, per data shard, onto device."""
+  full = P(None, config.model_axis, None, None, None)
+  ids = P(config.data_axis, None)
+  stacked = pages_lib.stacked_spec(config)
+
+  def local(saved, rows):
+    return saved[:, :, rows[0]]
+
+  take = jax.shard_map(local, mesh=mesh, in_specs=(full, ids), out_specs=stacked)
+
+  def run(saved, rows):
+    with compute_on("device_host"):
+      part = take(saved, rows)
+    return jax.device_put(part, NamedSharding(mesh, stacked))
+
+  return jax.jit(run)

@@ -1,0 +1,192 @@
+"""DiskJournal: the disk writes in flight of one cache, and when each block is published.
+
+A block goes to disk in three moves, and the journal is where it waits between them:
+1. ``write``: a disk slot is taken from the index (``allocate``; the records of blocks
+   evicted to make room are deleted), the record's write is issued, and the slot stays
+   referenced, so no eviction can take it while the bytes are on their way.
+2. ``pump`` (called often, never blocking): writes whose futures finished are settled.
+   The committed ones are made durable together (one ``DiskTier.sync`` for the batch),
+   then published in the index; a failed one is counted, its slot released and its
+   record (if any) deleted. It is never published.
+3. ``flush``: waits (with a deadline) for every write in flight, then pumps.
+
+Invariants: a block is published in the DISK pool only after its record committed and
+was synced; every slot the journal took is released exactly once (published or not); a
+key is written at most once at a time (``writing``), so two shards' copies of one block
+take one slot.
+
+A multi-process job shares one store: its processes take turns writing blocks (each
+written once, by one process), and every process journals every write, the others' too,
+so that their indexes stay identical. Each process reports the outcome of its own writes
+and all take the writer's word (``distributed.agree_writes``: a collective, at the same
+``pump`` calls everywhere, only when writes are in flight).
+
+The disk store's health: a store that keeps failing (three batches of reads or writes in
+a row raising: it is down or unreachable) is detached for a cool-down (``available`` is
+False): no reads are planned from it and no writes issued. Writes report to the breaker
+here, reads through ``record``. Not in a job: a wall-clock cool-down would differ between
+its processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxkv import distributed
+from jaxkv.manager.index import Tier
+from jaxkv.stats import Stats
+from jaxkv.worker.tiers.base import Breaker
+
+# A write's outcome as its writer reports it (0: not finished, or another process's).
+WRITE_OK, WRITE_FAILED = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Write:
+  """One block on its way to disk: the slot it took, and the commit to wait for (None when
+  another process of the job writes it)."""
+
+  slot: int
+  key: bytes
+  parent: bytes | None
+  future: object
+
+
+class DiskJournal:
+  """The disk writes in flight of one cache (its index, disk tier and stats)."""
+
+  def __init__(self, *, index, disk, stats: Stats, page_bytes: int, dtype):
+    self.index, self.disk, self.stats = index, disk, stats
+    self.page_bytes, self.dtype = page_bytes, dtype
+    self.processes, self.process = jax.process_count(), jax.process_index()
+    self._writes: list[_Write] = []
+    self.writing: set[bytes] = set()  # keys of the writes in flight
+    self._next_writer = 0  # a job's processes take turns, in issue order
+    self.breaker = Breaker() if self.processes == 1 else None
+
+  # ---- the store's health ------------------------------------------------------------------
+  @property
+  def available(self) -> bool:
+    """Whether the disk tier is attached (not cooling down after repeated failures)."""
+    return self.breaker is None or self.breaker.available
+
+  def record(self, ok: bool) -> None:
+    """One batch of reads or writes: the store answered (``ok``) or raised."""
+    if self.breaker is None:
+      return
+    was = self.breaker.available
+    self.breaker.record(ok)
+    if was and not self.breaker.available:
+      self.stats.add("disk_detached")
+      logging.warning("disk tier %s keeps failing: detached for %.0f s (requests recompute "
+                      "what it holds meanwhile)", self.disk.kvstore, self.breaker.cool_down_s)
+
+  # ---- slots -------------------------------------------------------------------------------
+  def allocate(self, n: int) -> list[int] | None:
+    """``n`` disk slots (referenced), or None when every slot is held. The records of the
+    blocks evicted from them are deleted: the index forgot them, so nothing names them."""
+    evicted: list = []
+    slots = self.index.allocate(0, n, Tier.DISK, evicted=evicted)
+    for key, _ in evicted:
+      self.disk.delete(key)
+    return slots
+
+  # ---- writes ------------------------------------------------------------------------------
+  @property
+  def writes_in_flight(self) -> int:
+    return len(self._writes)
+
+  def write(self, stack: np.ndarray, per: list[list], n: int) -> None:
+    """Writes blocks to disk that are not there yet. ``stack``: their raw bits ``[arrays,
+    kv_heads, data_shards * n, page_size, head_dim]``; ``per[s][i]``: the block
+    ``(shard, _, key)`` at row ``s * n + i``. Blocks on disk already, or on their way
+    (another shard's copy of one), are skipped."""
+    if not self.available:
+      self.stats.add("disk_detached_drops", sum(len(items) for items in per))
+      return
+    for s, items in enumerate(per):
+      for i, b in enumerate(items):
+        key = b[2]
+        if self.index.slot_of(0, key, Tier.DISK) is not None or key in self.writing:
+          continue
+        slot = self.allocate(1)
+        if slot is None:
+          self.stats.add("disk_full_drops")
+          continue
+        parent = self.index.parent_of(key)
+        writer = self._next_writer % self.processes
+        self._next_writer += 1
+        future = None
+        if writer == self.process:
+          payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.dtype)
+          future = self.disk.write(key, payload, parent)
+          self.stats.add("disk_writes")
+        self._writes.append(_Write(slot[0], key, parent, future))
+        self.writing.add(key)
+        self.stats.add("bytes_moved", self.page_bytes)
+    self.pump()
+
+  def pump(self) -> None:
+    """Publishes the writes that committed (after one sync of the batch); releases the
+    slots of failed ones. In a job every process settles the same writes at the same call."""
+    if not self._writes:
+      return
+    codes = distributed.agree_writes(self._own_codes())
+    still, published, failed = [], 0, 0
+    for w, code in zip(self._writes, codes):
+      if code == 0:  # not finished yet
+        still.append(w)
+        continue
+      self.writing.discard(w.key)
+      if code == WRITE_OK:
+        self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
+        published += 1
+      else:
+        failed += 1
+        self.stats.add("disk_write_failures")
+        self.disk.delete(w.key)  # whatever reached the store is never read: remove it
+      self.index.release(0, [w.slot], Tier.DISK)
+    self._writes = still
+    self.stats.add("demoted_disk", published)
+    if published or failed:
+      self.record(published > 0)  # one outcome per batch that finished
+
+  def _own_codes(self) -> np.ndarray:
+    """The outcome of each write in flight as this process knows it: its own writes that
+    finished are ``WRITE_OK`` (committed, and synced with one flush for all of them) or
+    ``WRITE_FAILED``; 0 for the rest."""
+    codes = np.zeros(len(self._writes), np.int32)
+    committed = []
+    for i, w in enumerate(self._writes):
+      if w.future is None or not w.future.done():
+        continue
+      try:
+        w.future.result(timeout=0)
+        committed.append(i)
+      except Exception:  # pylint: disable=broad-except  (a failed write: never published)
+        codes[i] = WRITE_FAILED
+    if committed:
+      try:
+        self.disk.sync()
+        self.stats.add("disk_syncs")
+        codes[committed] = WRITE_OK
+      except OSError:
+        codes[committed] = WRITE_FAILED
+    return codes
+
+  def flush(self, timeout_s: float = 60.0) -> int:
+    """Waits (up to ``timeout_s``) for every write in flight; returns how many are left."""
+    t_end = time.monotonic() + timeout_s
+    for w in self._writes:
+      try:
+        if w.future is not None:
+          w.future.result(timeout=max(0.0, t_end - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  (a failed write: settled in pump)
+        pass
+    self.pump()
+    return len(self._writes)

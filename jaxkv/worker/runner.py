@@ -1,0 +1,393 @@
+"""ModelRunner: the jitted prefill and decode steps, and the one builder of a step's batch.
+
+A step runs the model over a batch of rows (``data_shards x rows_per_shard``, each data
+shard's rows on its own devices) with the cache's page pools donated, so pages are written
+in place. What a step needs besides the pools and the weights is a ``StepBatch``: tokens,
+their absolute positions (``-1`` = padding), each row's KV length after the step, and for
+prefill which token's logits give the row's next token. ``prefill_batch`` and
+``decode_batch`` are the only places these arrays are built.
+
+Shapes come from ``jaxkv.buckets``: rows per shard and page-table widths are powers of two,
+a prefill step is ``prefill_chunk_pages * page_size`` tokens wide. Engines over models of
+the same structure (graphdef), mesh and cache config share one compiled ``Steps``, so a
+side-by-side comparison of two engines compares policies, not compilations, and each
+bucket compiles once (``trace_counts`` records every trace; tests check it).
+
+The runner asks only this of a model: ``model(tokens [B, T] int32, batch: PageBatch) ->
+logits [B, T, vocab]``, with its attention layers holding ``jaxkv.nnx.PagedKV``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import buckets
+from jaxkv.progress import Progress
+from jaxkv import nnx as kvnnx
+from jaxkv.worker import sampling as sampling_lib
+from jaxkv.config import SamplingParams
+from jaxkv.distributed import to_host
+from jaxkv.worker.sampling import RowSampling
+from jaxkv.scheduling.step import StepPlan, StepResult, TierOrders
+
+
+def _stream_key(stream):
+  return None if stream is None else tuple(stream.cold_slots.shape)
+
+
+class Steps:
+  """The jitted prefill and decode steps of one model structure on one mesh."""
+
+  def __init__(self, graphdef, pool_def, weight_def, mesh, config):
+    self.graphdef, self.mesh, self.config = graphdef, mesh, config
+    self.pool_def, self.weight_def = pool_def, weight_def
+    self.trace_counts: collections.Counter = collections.Counter()
+    self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
+    self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
+
+  def _forward(self, pools, weights, tokens, page_table, positions, kv_lens, stream=None):
+    # The pools and weights travel flat (a list of arrays flattens at no cost on every
+    # call; an nnx.State does not) and are put back in their trees here, at trace time.
+    model = nnx.merge(self.graphdef, jax.tree.unflatten(self.pool_def, pools),
+                      jax.tree.unflatten(self.weight_def, weights))
+    batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
+                            mesh=self.mesh, config=self.config, stream=stream)
+    logits = model(tokens, batch)
+    return logits, jax.tree.leaves(nnx.state(model, kvnnx.KVPages))
+
+  def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
+                    select_idx, select_mask, sampling, stream=None):
+    self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream)
+    selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
+    where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
+    next_tokens = sampling_lib.next_tokens(selected, sampling, where)
+    return pages, jnp.where(select_mask, next_tokens, carry), selected
+
+  def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, sampling,
+                   stream=None):
+    self.trace_counts[("decode", carry.shape, page_table.shape, _stream_key(stream))] += 1
+    logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
+                                  stream)
+    selected = logits[:, 0]
+    live = positions >= 0  # the next step's inputs, so a steady batch needs no host arrays
+    advanced = (jnp.where(live, positions + 1, positions),
+                kv_lens + live[:, 0].astype(jnp.int32))
+    return (pages, sampling_lib.next_tokens(selected, sampling, positions[:, 0] + 1), selected,
+            advanced)
+
+  def vocab_size(self, pages, rest, num_rows: int) -> int:
+    """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    before = collections.Counter(self.trace_counts)
+    out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), i32(num_rows, 1),
+                         i32(num_rows, 1), i32(num_rows), RowSampling.greedy(num_rows))
+    self.trace_counts.clear()
+    self.trace_counts.update(before)
+    return int(out[2].shape[-1])
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_steps(graphdef, pool_def, weight_def, mesh, config) -> Steps:
+  return Steps(graphdef, pool_def, weight_def, mesh, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  """One step's per-row inputs, on device (rows split over the data shards)."""
+
+  positions: jax.Array  # [rows, T] int32 absolute positions, -1 = padding
+  kv_lens: jax.Array  # [rows] int32 valid KV tokens after the step's write
+  sampling: RowSampling  # how each row picks its next token (put once per batch of rows)
+  tokens: jax.Array | None = None  # [rows, T] int32 (prefill; decode feeds the carry)
+  select_idx: jax.Array | None = None  # [rows] int32 token whose logits pick the next token
+  select_mask: jax.Array | None = None  # [rows] bool: the row's prompt ends in this step
+
+
+# What a batch builder takes per row (plain tuples; the plan's ``PrefillChunk`` and
+# ``DecodeRow`` are what the scheduler decided): a prefill input is (row, token ids,
+# position of the first one, whether its logits give the row's next token), a decode input
+# (row, position of the token fed in).
+PrefillInput = tuple[int, np.ndarray, int, bool]
+DecodeInput = tuple[int, int]
+
+
+class ModelRunner:
+  """Runs a model's steps over a ``KVCache``'s pools (taken from the model by ``attach``)."""
+
+  def __init__(self, model: nnx.Module, cache, prefill_chunk_pages: int):
+    self.cache = cache
+    self.mesh, self.config = cache.mesh, cache.config
+    graphdef, rest = cache.attach(model)
+    # Weights already on this mesh keep their placement (e.g. split over the model axis
+    # by from_pretrained); any other is replicated over it. Flat from here on.
+    self.weights, weight_def = jax.tree.flatten(jax.tree.map(self._on_mesh, rest))
+    self.steps = _compiled_steps(graphdef, cache.pool_def, weight_def, self.mesh, self.config)
+    self.chunk_tokens = prefill_chunk_pages * self.config.page_size
+    # A chunk's width, and narrower steps for a prompt's last, partial chunk.
+    self.prefill_widths = buckets.prefill_widths(self.chunk_tokens, self.config.page_size)
+    self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
+    self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
+    self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
+    # Device state between steps: the decoding rows as the last decode step left them
+    # (request ids, row of each, table, next batch, tokens out), reused while the set is
+    # unchanged; a decode step dispatched a step early; fetch groups issued, not settled.
+    self._resident = None
+    self._ahead = None
+    self._pending: dict = {}
+    self._issued: set = set()
+
+  def _on_mesh(self, leaf):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+      return leaf
+    return jax.device_put(leaf, NamedSharding(self.mesh, P()))
+
+  @property
+  def trace_counts(self) -> collections.Counter:
+    return self.steps.trace_counts
+
+  # ---- batches -------------------------------------------------------------------------------
+  def row_sampling(self, params: dict[int, SamplingParams], num_rows: int) -> RowSampling:
+    """The rows' sampling parameters on device (rows not in ``params``: greedy)."""
+    if not params:  # all greedy: the same arrays every step
+      if num_rows not in self._greedy:
+        self._greedy[num_rows] = jax.tree.map(self.cache.put_rows, RowSampling.greedy(num_rows))
+      return self._greedy[num_rows]
+    host = RowSampling.greedy(num_rows)
+    for row, sp in params.items():
+      host.temperature[row], host.top_k[row] = sp.temperature, sp.top_k
+      host.top_p[row], host.seed[row] = sp.top_p, sp.seed
+    leaves, tree = jax.tree.flatten(host)
+    return jax.tree.unflatten(tree, self.cache.put_rows_many(*leaves))
+
+  def prefill_batch(self, rows: Sequence[PrefillInput], num_rows: int,
+                    sampling: RowSampling | None = None, width: int | None = None
+                    ) -> StepBatch:
+    """The step's inputs, ``width`` tokens per row: by default the narrowest prefill
+    width that holds every row's tokens (a whole chunk when there are none)."""
+    chunk = width or (buckets.prefill_width(max(len(t) for _, t, _, _ in rows),
+                                            self.prefill_widths) if rows
+                      else self.chunk_tokens)
+    tokens = np.zeros((num_rows, chunk), np.int32)
+    positions = np.full((num_rows, chunk), -1, np.int32)
+    kv_lens = np.zeros((num_rows,), np.int32)
+    select_idx = np.zeros((num_rows,), np.int32)
+    select_mask = np.zeros((num_rows,), bool)
+    for row, toks, start, select in rows:
+      n = len(toks)
+      tokens[row, :n] = toks
+      positions[row, :n] = np.arange(start, start + n)
+      kv_lens[row] = start + n
+      select_idx[row], select_mask[row] = n - 1, select
+    positions, kv_lens, tokens, select_idx, select_mask = self.cache.put_rows_many(
+        positions, kv_lens, tokens, select_idx, select_mask)
+    return StepBatch(positions=positions, kv_lens=kv_lens, tokens=tokens,
+                     select_idx=select_idx, select_mask=select_mask,
+                     sampling=sampling or self.row_sampling({}, num_rows))
+
+  def decode_batch(self, rows: Sequence[DecodeInput], num_rows: int,
+                   sampling: RowSampling | None = None) -> StepBatch:
+    positions = np.full((num_rows, 1), -1, np.int32)
+    kv_lens = np.zeros((num_rows,), np.int32)
+    for row, pos in rows:
+      positions[row, 0], kv_lens[row] = pos, pos + 1
+    positions, kv_lens = self.cache.put_rows_many(positions, kv_lens)
+    return StepBatch(positions=positions, kv_lens=kv_lens,
+                     sampling=sampling or self.row_sampling({}, num_rows))
+
+  def zero_carry(self, num_rows: int) -> jax.Array:
+    """A carry of zeros for ``num_rows`` rows (steps do not donate it: shared)."""
+    if num_rows not in self._zeros:
+      self._zeros[num_rows] = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+    return self._zeros[num_rows]
+
+  # ---- steps ---------------------------------------------------------------------------------
+  def prefill(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
+              count: bool = True):
+    """One prefill step. Returns ``(carry, selected logits)``: the carry's rows whose
+    prompt ended here hold their first generated token. ``count=False``: not served work
+    (warm-up, calibration), not counted in stats."""
+    carry, selected = self.cache.update_pools(lambda pools: self.steps.prefill(
+        pools, self.weights, batch.tokens, carry, table, batch.positions,
+        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream))
+    self.cache.stats.add("prefill_steps", int(count))
+    return carry, selected
+
+  def decode(self, batch: StepBatch, table: jax.Array, carry: jax.Array, stream=None, *,
+             count: bool = True):
+    """One decode step: feeds ``carry`` (each row's last token). Returns ``(next tokens,
+    selected logits, the next step's batch)``: the same rows one position further, on
+    device (a batch whose rows do not change needs nothing from the host)."""
+    carry, selected, (positions, kv_lens) = self.cache.update_pools(
+        lambda pools: self.steps.decode(pools, self.weights, carry, table, batch.positions,
+                                        batch.kv_lens, batch.sampling, stream))
+    self.cache.stats.add("decode_steps", int(count))
+    return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
+
+  # ---- executing a step plan ------------------------------------------------------------------
+  def carry_out(self, orders: TierOrders) -> None:
+    """Has the cache's worker (the mover, over the pools and tiers) carry out a plan's tier
+    orders: write-through copies, then write-back copies of evicted blocks (a block both
+    copied and evicted is copied once), then the disk journal's pump. Before anything of
+    the step writes a page: the bytes they copy are still in their pages."""
+    mover = self.cache.mover
+    if orders.write_through:
+      mover.copy_down(self.cache.pools, list(orders.write_through))
+    if orders.demote:
+      mover.demote(self.cache.pools, list(orders.demote))
+    if orders.pump:
+      mover.pump()
+
+  def execute(self, plan: StepPlan) -> StepResult:
+    """Runs one ``StepPlan``: carries out its tier orders, issues its fetches, dispatches
+    its decode and prefill rows (compact rows per shard, bucketed), verifies the fetch
+    groups it settles while the device computes, and reads back the tokens. Returns a
+    ``StepResult``."""
+    cache = self.cache
+    self.carry_out(plan.orders)
+    # Groups whose pins the mover answers for (issued and not yet taken back by the
+    # scheduler): in flight, or settled by this step.
+    self._issued = set(self._pending)
+    if plan.fetch is not None:
+      pending, = cache.update_pools(
+          lambda pools: cache.mover.start_promote(pools, list(plan.fetch.fetches)))
+      self._pending[plan.fetch.group] = pending
+      self._issued.add(plan.fetch.group)
+    ahead, self._ahead = self._ahead, None
+    dispatched = []  # (request ids, row of each, tokens out, selected logits)
+    if plan.decode:
+      dispatched.append(self._decode_rows(plan.decode, ahead))
+    if plan.prefill:
+      num_rows, row, table, sampling = self._layout([c.seq for c in plan.prefill])
+      batch = self.prefill_batch([(row[c.seq.request], c.tokens, c.start, c.last)
+                                  for c in plan.prefill], num_rows, sampling)
+      out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
+      dispatched.append(([c.seq.request for c in plan.prefill if c.last], row, out, sel))
+    key = tuple(r.seq.request for r in plan.decode)
+    if plan.decode_again and self._resident is not None and self._resident[0] == key:
+      # The next step's decode, dispatched now from this one's outputs on device: the
+      # device runs it while the host reads this step's tokens and plans the next.
+      self._ahead = (key, *self._decode_rows(plan.decode, None)[1:])
+    fetched = []
+    for group in plan.settle:
+      pending = self._pending.pop(group)
+      report, = cache.update_pools(lambda pools: cache.mover.finish_promote(
+          pools, pending, time.monotonic() + cache.tiers.read_deadline_s))
+      fetched.append((group, report))
+    tokens, logits, t_tokens = {}, ({} if plan.want_logits else None), None
+    for requests, row, out, sel in dispatched:
+      if not requests:
+        continue
+      got = to_host(out)
+      if t_tokens is None:
+        t_tokens = time.perf_counter()
+      lg = to_host(sel) if logits is not None else None
+      for r in requests:
+        tokens[r] = int(got[row[r]])
+        if lg is not None:
+          logits[r] = lg[row[r]]
+    return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
+                      t_tokens=time.perf_counter() if t_tokens is None else t_tokens)
+
+  def _layout(self, seqs) -> tuple:
+    """Compact batch rows for ``seqs`` (``SeqRows``; rows per shard bucketed to what they
+    need, so a step with one prefilling sequence does not pay for every row): ``(num_rows,
+    row of each request, page table on device, sampling)``."""
+    per_shard = collections.Counter(s.shard for s in seqs)
+    rows_per_shard = buckets.pow2_at_least(max(per_shard.values()))
+    num_rows = self.cache.num_shards * rows_per_shard
+    slot, row = collections.Counter(), {}
+    width = buckets.table_width(max(s.num_pages for s in seqs), self.config)
+    table = np.zeros((num_rows, width), np.int32)
+    for s in seqs:
+      row[s.request] = s.shard * rows_per_shard + slot[s.shard]
+      slot[s.shard] += 1
+      table[row[s.request], :len(s.pages)] = s.pages
+    sampling = self.row_sampling({row[s.request]: s.sampling for s in seqs
+                                  if s.sampling.temperature > 0}, num_rows)
+    return num_rows, row, self.cache.put_rows(table), sampling
+
+  def _decode_rows(self, rows, ahead) -> tuple:
+    """Dispatches (or takes from ``ahead``) one decode step of ``rows``: from the last
+    step's outputs on device while the set of rows is unchanged, else from the host's
+    copy (each row's last token). Returns ``(request ids, row of each, tokens, logits)``."""
+    key = tuple(r.seq.request for r in rows)
+    if ahead is not None and set(key) <= set(ahead[0]):  # dispatched last step
+      if key != ahead[0]:  # some left (a stop token): their rows are dropped
+        self._resident = None
+      return (key, *ahead[1:])
+    if self._resident is not None and self._resident[0] == key:
+      _, row, table, batch, carry = self._resident
+    else:
+      num_rows, row, table, sampling = self._layout([r.seq for r in rows])
+      carry = np.zeros((num_rows,), np.int32)
+      for r in rows:
+        carry[row[r.seq.request]] = r.token
+      batch = self.decode_batch([(row[r.seq.request], r.pos) for r in rows], num_rows,
+                                sampling)
+      carry = self.cache.put_rows(carry)
+    out, sel, batch = self.decode(batch, table, carry)
+    self._resident = (key, row, table, batch, out)
+    return key, row, out, sel
+
+  def recover(self, unsettled: dict) -> None:
+    """After a failed step: forgets the rows kept on device, abandons the fetch groups
+    never settled (``group -> fetches``; their source pins are released) and restarts the
+    pools if the failed step consumed them."""
+    self._resident = self._ahead = None
+    for group, fetches in unsettled.items():
+      pending = self._pending.pop(group, None)
+      if pending is not None:
+        self.cache.mover.abandon(pending)
+      elif group not in self._issued:  # never issued: its pins are still the admission's
+        for f in fetches:
+          self.cache.manager.release_pin(f)
+      # (else it was settled by the failed step: finish_promote released its pins)
+    for pending in self._pending.values():
+      self.cache.mover.abandon(pending)
+    self._pending.clear()
+    if not self.cache.pools_alive():
+      self.cache.reset_pools()
+
+  # ---- compiling ahead -----------------------------------------------------------------------
+  def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:
+    """Compiles the prefill (every step width) and decode steps for every (rows, table
+    width) bucket with all-padding steps (they change no page). Returns the table widths
+    compiled."""
+    widths = buckets.table_widths(max_seq_len, self.config)
+    row_buckets = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
+    progress = Progress("compiling prefill and decode steps", len(row_buckets) * len(widths))
+    for rows in row_buckets:
+      num_rows = rows * self.cache.num_shards
+      for width in widths:
+        table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+        carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+        for step_width in self.prefill_widths:
+          carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
+                                  carry, count=False)
+        self.decode(self.decode_batch([], num_rows), table, carry, count=False)
+        progress.advance(detail=f"{rows} rows per shard, table width {width}")
+    return widths
+
+  def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
+    """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""
+    table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+    batch = self.prefill_batch([], num_rows)
+
+    def step():
+      carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+      carry, _ = self.prefill(batch, table, carry, count=False)
+      carry.block_until_ready()
+
+    return timer(step)

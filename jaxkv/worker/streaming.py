@@ -1,0 +1,248 @@
+"""Long contexts: sequences longer than a device pool holds, streamed through attention.
+
+A streamed sequence runs alone on the shard with the most free host slots. Its first
+``sink_pages`` and latest ``window_pages`` pages stay on device; when the window moves on,
+its oldest page is copied down (to a host slot, or with ``source="disk"`` to a private disk
+record that must commit before it is used) and its device page is reused. Every prefill
+chunk and decode step attends over the hot pages and streams the cold ones from host
+memory (``jaxkv.ops.streamed``: sliced page by page, double-buffered, merged into the same
+online softmax). With ``source="disk"`` the cold records are read back and verified into
+host slots before each step and released after it. All tier I/O and every wait go through
+the cache's ``TierMover`` with the read deadline.
+
+Staging shapes are fixed per bucket, so a repeated long request compiles nothing. The
+sequence's blocks are not published for reuse; every page, host slot and disk record it
+held is given back on every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+import time
+import typing
+
+import jax
+import numpy as np
+
+from jaxkv import buckets
+from jaxkv import nnx as kvnnx
+from jaxkv.worker import pages as pages_lib
+from jaxkv.distributed import to_host
+from jaxkv.errors import CapacityError, InputError, InvariantError
+from jaxkv.manager.index import Tier
+
+if typing.TYPE_CHECKING:
+  from jaxkv.scheduling.admission import Request  # the worker takes a request as a value
+
+
+@dataclasses.dataclass
+class _State:
+  """Where one streamed sequence's pages are (changes as the window moves)."""
+
+  shard: int
+  free: list  # device pages not holding a block of the sequence
+  block_page: dict  # logical block -> device page (the hot blocks)
+  cold: list  # host slots of the cold blocks, oldest first (blocks sink, sink+1, ...)
+  dev: list  # every device page the sequence holds
+  # source="disk": the disk slots (quota) its cold blocks' records take; the records are
+  # named by ``_record_key``, block sink + i for slot i
+  disk: list = dataclasses.field(default_factory=list)
+  nonce: bytes = b""  # names this sequence's disk records
+
+
+class StreamRunner:
+  """Prefills and decodes streamed sequences over one cache with one model runner."""
+
+  def __init__(self, cache, runner, stream, *, prefill_chunk_pages: int):
+    self.cache, self.runner, self.stream = cache, runner, stream
+    self.prefill_chunk_pages = prefill_chunk_pages
+    self.stats = cache.stats
+
+  def run(self, r: Request, want_logits: bool):
+    """Runs one request to its end; returns ``(tokens, logits or None, perf_counter time
+    of its first token)``. Completion (requests, tokens, TTFT) is the scheduler's to count."""
+    c, st, index = self.cache.config, self.stream, self.cache.index
+    shards, page = self.cache.num_shards, c.page_size
+    shard = max(range(shards), key=lambda s: (index.num_available(s, Tier.HOST), -s))
+    n_dev = st.sink_pages + st.window_pages + self.prefill_chunk_pages
+    dev = index.allocate(shard, n_dev)
+    if dev is None:
+      raise CapacityError(f"shard {shard} cannot give {n_dev} device pages to a streamed "
+                          "sequence now; pages are held elsewhere.")
+    state = _State(shard=shard, free=list(dev), block_page={}, cold=[], dev=list(dev),
+                   nonce=secrets.token_bytes(16))
+    width = buckets.pow2_at_least(r.num_pages_needed)
+    put = self.cache.put_rows
+    sp = r.sampling
+    sampling = self.runner.row_sampling({shard: sp} if sp.temperature > 0 else {}, shards)
+    stops = set(sp.stop_token_ids)
+    try:
+      carry = put(np.zeros((shards,), np.int32))
+      chunk = self.runner.chunk_tokens
+      for a in range(0, len(r.tokens), chunk):  # one row per shard: this shard's is ours
+        b = min(a + chunk, len(r.tokens))
+        self._make_room(state, a // page, -(-b // page))
+        batch = self.runner.prefill_batch([(shard, r.tokens[a:b], a, b == len(r.tokens))],
+                                          shards, sampling)
+        table, stream = self._stage_and_batch(state, width)
+        carry, selected = self.runner.prefill(batch, table, carry, stream)
+        self._unstage(state)
+      carry.block_until_ready()
+      t_first = time.perf_counter()
+      produced, logits = [carry], [to_host(selected)[shard]] if want_logits else []
+      for step in range(1, r.max_new_tokens):
+        if stops and int(to_host(carry)[shard]) in stops:
+          break
+        pos = len(r.tokens) + step - 1
+        self._make_room(state, pos // page, pos // page + 1)
+        table, stream = self._stage_and_batch(state, width)
+        carry, selected, _ = self.runner.decode(
+            self.runner.decode_batch([(shard, pos)], shards, sampling), table, carry, stream)
+        self._unstage(state)
+        produced.append(carry)
+        if want_logits:
+          logits.append(to_host(selected)[shard])
+      tokens_out = np.stack([to_host(t) for t in produced], axis=1)[shard].tolist()
+    finally:
+      self._release(state)
+    for name, n in (("streamed_requests", 1), ("prompt_tokens", len(r.tokens)),
+                    ("computed_tokens", len(r.tokens)),
+                    ("streamed_pages", max(len(state.cold), len(state.disk)))):
+      self.stats.add(name, n)
+    return tokens_out, (np.stack(logits) if want_logits else None), t_first
+
+  def _release(self, state: _State) -> None:
+    index = self.cache.index
+    index.release(state.shard, state.dev)
+    index.release(state.shard, state.cold, Tier.HOST)
+    if state.disk:  # the records name no block anyone can ask for: remove them
+      index.release(0, state.disk, Tier.DISK)
+      self.cache.mover.delete_records([self._record_key(state, self.stream.sink_pages + i)
+                                       for i in range(len(state.disk))])
+
+  def _make_room(self, state: _State, lo: int, hi: int) -> None:
+    """Gives blocks ``[lo, hi)`` device pages, moving the oldest window pages down."""
+    st, cache = self.stream, self.cache
+    need = [j for j in range(lo, hi) if j not in state.block_page]
+    short = len(need) - len(state.free)
+    if short > 0:
+      movable = sorted(j for j in state.block_page if j >= st.sink_pages and j < lo)
+      victims = movable[:short]
+      if len(victims) < short:
+        raise CapacityError("a streamed sequence ran out of device pages for its window.")
+      slots = []
+      for _ in victims:
+        slot = cache.mover.allocate_host(state.shard, 1)
+        if slot is None:
+          raise CapacityError("the host tier has no room left for a streamed sequence.")
+        slots.append(slot[0])
+      ids = np.zeros((cache.num_shards, len(victims)), np.int32)
+      host_ids = np.full(ids.shape, cache.host.pages_per_shard, np.int32)
+      ids[state.shard] = [state.block_page[j] for j in victims]
+      host_ids[state.shard] = slots
+      stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+                                       config=cache.config)
+      if st.source == "disk":
+        self._to_disk(state, victims, to_host(stack), slots)
+      else:
+        cache.host.store(stack, host_ids)
+      for j, slot in zip(victims, slots):
+        if st.source == "host":
+          if j != st.sink_pages + len(state.cold):
+            raise InvariantError("a streamed sequence's cold pages must stay contiguous")
+          state.cold.append(slot)
+        state.free.append(state.block_page.pop(j))
+      self.stats.add("stream_demotions", len(victims))
+    for j in need:
+      state.block_page[j] = state.free.pop()
+
+  @staticmethod
+  def _record_key(state: _State, block: int) -> bytes:
+    return hashlib.sha256(state.nonce + block.to_bytes(8, "little")).digest()
+
+  def _to_disk(self, state: _State, victims, stack: np.ndarray, host_slots) -> None:
+    """source='disk': the victims' pages go to disk records (durable before use)."""
+    index, st = self.cache.index, self.stream
+    index.release(state.shard, host_slots, Tier.HOST)  # not needed: the pages go straight down
+    n = stack.shape[2] // self.cache.num_shards
+    payloads, keys = [], []
+    for i, j in enumerate(victims):
+      if j != st.sink_pages + len(state.disk):
+        raise InvariantError("a streamed sequence's cold pages must stay contiguous")
+      slot = self.cache.mover.allocate_disk(1)  # this sequence's quota of the store
+      if slot is None:
+        raise CapacityError("the disk tier has no room left for a streamed sequence.")
+      state.disk.append(slot[0])
+      payloads.append(np.ascontiguousarray(stack[:, :, state.shard * n + i]).view(
+          self.cache.config.jnp_dtype))
+      keys.append(self._record_key(state, j))
+    self.cache.mover.write_records(payloads, keys, self.cache.tiers.read_deadline_s)
+
+  def _stage(self, state: _State) -> None:
+    """source='disk': reads every cold record into host slots for the coming step."""
+    cache, st = self.cache, self.stream
+    if len(state.cold) == len(state.disk):
+      return
+    self._unstage(state)
+    slots = cache.index.allocate(state.shard, len(state.disk), Tier.HOST)
+    if slots is None:
+      raise CapacityError("the host tier has no room to stage a streamed sequence's pages.")
+    keys = [self._record_key(state, st.sink_pages + i) for i in range(len(state.disk))]
+    payloads = cache.mover.read_records(keys, cache.tiers.read_deadline_s)
+    n = len(slots)
+    bits = pages_lib.bits_dtype(cache.config.jnp_dtype)
+    shape = cache.payload_shape
+    stack = np.zeros((*shape[:2], cache.num_shards * n, *shape[2:]), bits)
+    for i, payload in enumerate(payloads):
+      stack[:, :, state.shard * n + i] = payload.view(bits)
+    host_ids = np.full((cache.num_shards, n), cache.host.pages_per_shard, np.int32)
+    host_ids[state.shard] = slots
+    cache.host.store(jax.device_put(stack, cache.mover.stack_sharding), host_ids)
+    state.cold = list(slots)
+    self.stats.add("stream_disk_reads", len(slots))
+
+  def _unstage(self, state: _State) -> None:
+    if self.stream.source == "disk" and state.cold:
+      self.cache.index.release(state.shard, state.cold, Tier.HOST)
+      state.cold = []
+
+  def _stage_and_batch(self, state: _State, width: int):
+    """The step's page table and the ``StreamBatch`` naming its cold pages."""
+    if self.stream.source == "disk":
+      self._stage(state)
+    st, shards, put = self.stream, self.cache.num_shards, self.cache.put_rows
+    table = np.zeros((shards, width), np.int32)
+    valid = np.zeros((shards, width), bool)
+    for j, p in state.block_page.items():
+      table[state.shard, j], valid[state.shard, j] = p, True
+    cold_width = max(st.chunk_pages, buckets.pow2_at_least(len(state.cold)))
+    cold_width = -(-cold_width // st.chunk_pages) * st.chunk_pages
+    slots = np.zeros((shards, cold_width), np.int32)
+    slots[state.shard, :len(state.cold)] = state.cold
+    first = np.full((shards,), st.sink_pages, np.int32)
+    count = np.zeros((shards,), np.int32)
+    count[state.shard] = len(state.cold)
+    stream = kvnnx.StreamBatch(
+        block_valid=put(valid), host_pool=self.cache.host.pool, cold_slots=put(slots),
+        cold_first=put(first), cold_count=put(count), pages_per_chunk=st.chunk_pages)
+    return put(table), stream
+
+
+def check_stream_config(stream, cache, config) -> None:
+  """Refuses a ``StreamConfig`` the cache or engine config cannot serve (``InputError``)."""
+  if stream is None:
+    return
+  need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
+  if need > cache.config.pages_per_shard:
+    raise InputError(
+        f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
+        f"{stream.window_pages} + a prefill chunk of {config.prefill_chunk_pages} "
+        f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
+  if cache.host is None:
+    raise InputError("StreamConfig needs a host tier to stream from: set "
+                     "TierConfig(host_pages_per_shard=...).")
+  if stream.source == "disk" and cache.disk is None:
+    raise InputError("StreamConfig(source='disk') needs a disk tier: set "
+                     "TierConfig(disk_kvstore=..., disk_pages=...).")

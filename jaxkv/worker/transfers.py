@@ -1,0 +1,434 @@
+"""TierMover: moves blocks between device, host and disk, and verifies what comes back.
+
+It is called from one thread, always in the same order for the same work, so every
+transfer is issued deterministically (multi-host jobs need that). Device and host
+transfers are asynchronous JAX dispatches ordered by data dependencies: a gather that
+reads a device page is dispatched before any step that overwrites it. Disk I/O runs on
+TensorStore futures. Every wait on a tier happens through this module, with a deadline.
+
+Moves
+- ``demote``: blocks evicted from the device pool are copied down before their pages are
+  reused (write-back): to the first lower tier (host memory if there is one, else disk).
+  Blocks the host pool evicts to make room go on to disk the same way.
+- ``copy_down``: write-through of freshly published device blocks to every lower tier.
+- ``start_promote`` / ``finish_promote``: lower-tier hits are copied into the device pages
+  a request was given, through each tier's ``FetchSource`` (issue everything, let the
+  caller compute, then wait, verify and land). Blocks that another data shard holds on
+  device are copied with a collective. ``start_promote`` returns a ``PendingFetch``;
+  ``finish_promote`` drops each failed fetch's copy (``drop_failed``: the bad copy and
+  every block chained after it are forgotten) and returns the ``FetchReport`` (one
+  ``Failure`` or None per fetch). A promotion that will never be finished (its step
+  failed) is given up with ``abandon``. Every fetch's pin is released exactly once, by
+  one of the two.
+- ``write_records`` / ``read_records``: the long-context path's private disk records.
+Blocks are published in a lower tier only when their bytes are there: host slots when
+the copy is dispatched (later reads are ordered after it), disk slots when the write has
+committed (``jaxkv.worker.journal``). A slot in flight holds a reference, so eviction cannot reuse
+it meanwhile. In a multi-process job each process reads the disk records its own devices
+need, and the outcomes are agreed (``distributed.agree_reads``) before anything lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import buckets
+from jaxkv import distributed
+from jaxkv import manager
+from jaxkv.worker import pages as pages_lib
+from jaxkv.distributed import local_data_shards, put_global, to_host
+from jaxkv.errors import InvariantError
+from jaxkv.manager.index import Tier
+from jaxkv.worker.journal import DiskJournal
+from jaxkv.stats import Stats
+from jaxkv.worker.tiers.base import Failure, Fetch, FetchReport, FetchSource, Landing, Staged
+
+Block = tuple  # (shard, device page or host slot, key)
+# A read's outcome as ``distributed.agree_reads`` takes it: 1 verified, 2 + i failure i.
+_VERIFIED = 1
+_FAILURES = list(Failure)
+
+
+def _read_code(failure: Failure | None) -> int:
+  return _VERIFIED if failure is None else 2 + _FAILURES.index(failure)
+
+
+def _failure_of_code(code: int) -> Failure | None:
+  return None if code == _VERIFIED else _FAILURES[code - 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+  """One tier's reads of a promotion: its handle, and the positions of its fetches in
+  ``PendingFetch.fetches``. ``agreed``: a job's disk reads, this process issued only
+  those of its own shards and the job agrees on every outcome."""
+
+  source: FetchSource
+  handle: Any
+  positions: tuple[int, ...]
+  agreed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingFetch:
+  """A promotion in flight (``TierMover.start_promote``). Hand it back exactly once:
+  to ``finish_promote``, or to ``abandon`` when it will never be finished.
+
+  ``fetches``: what was asked for, in the caller's order (a ``FetchReport`` keeps it).
+  ``t_start``: when the reads were issued (``time.perf_counter``).
+  """
+
+  fetches: tuple[Fetch, ...]
+  t_start: float
+  reads: tuple[_Reads, ...]
+  landed: tuple = ()  # device stacks already landing (the host tier's async copies)
+
+
+class TierMover:
+  """Block movement and verification for one cache (its index, tiers and layout)."""
+
+  def __init__(self, *, index, mesh, config, num_shards: int, payload_shape: tuple, host=None,
+               disk=None, remote=None, stats: Stats | None = None):
+    self.index, self.mesh, self.config = index, mesh, config
+    self.num_shards, self.payload_shape = num_shards, tuple(payload_shape)
+    self.host, self.disk, self.remote = host, disk, remote
+    self.stats = stats if stats is not None else Stats()
+    # Where fetches come from, in the order they are issued (disk reads first: in flight
+    # longest) and waited for.
+    self.sources = [t for t in (disk, host, remote) if t is not None]
+    # The disk writes in flight and the disk store's health (None without a disk tier).
+    self.journal = (DiskJournal(index=index, disk=disk, stats=self.stats,
+                                page_bytes=config.page_bytes, dtype=config.jnp_dtype)
+                    if disk is not None else None)
+    # A multi-process job shares one disk store: its processes take turns writing blocks
+    # (each written once) and read the records their own devices need.
+    self.processes = jax.process_count()
+    self._local_shards = local_data_shards(mesh, config.data_axis)
+    self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
+    self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
+
+  # ---- helpers -----------------------------------------------------------------------------
+  def _gather_device(self, pools, blocks: list) -> tuple[jax.Array, list[list]]:
+    ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
+    stack = pages_lib.gather_stacked(pools, jax.device_put(ids, self.ids_sharding),
+                                     mesh=self.mesh, config=self.config)
+    return stack, per
+
+  def _bytes(self, n: int) -> int:
+    return n * self.config.page_bytes
+
+  def stage(self, items: list[Staged]) -> Landing:
+    """Host bytes of blocks (``(shard, page, payload)``) as one device stack to land."""
+    dest, per = buckets.shard_grid(items, self.num_shards, self.config.pages_per_shard)
+    n = dest.shape[1]
+    arrays, heads, page, dim = self.payload_shape
+    bits = pages_lib.bits_dtype(self.config.jnp_dtype)
+    stack = np.zeros((arrays, heads, self.num_shards * n, page, dim), bits)
+    for s, its in enumerate(per):
+      for i, (_, page_id, payload) in enumerate(its):
+        stack[:, :, s * n + i] = payload.view(bits)
+        dest[s, i] = page_id
+    return Landing(dest, put_global(stack, self.stack_sharding))  # lands per shard
+
+  def land(self, pools, landing: Landing):
+    """Scatters a landing into the (donated) device pools; returns the new pools."""
+    return pages_lib.scatter_stacked(pools, jax.device_put(landing.dest, self.ids_sharding),
+                                     landing.stack, mesh=self.mesh, config=self.config)
+
+  def warmup(self, pools, max_pages: int) -> list:
+    """Compiles every transfer for each bucket up to ``max_pages`` pages per shard, with
+    all-padding ids (nothing is read into or written over a page). Returns the pools."""
+    shards = self.num_shards
+    n = buckets.MIN_TRANSFER_PAGES
+    while shards > 1:  # copies between shards (destinations all padding: dropped)
+      src = np.zeros((n,), np.int32)
+      dst = np.full((n,), shards * self.config.pages_per_shard, np.int32)
+      pools = pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
+      if n >= max_pages:
+        break
+      n *= 2
+    if self.host is None and self.disk is None:
+      return list(pools)
+    n = buckets.MIN_TRANSFER_PAGES
+    while True:
+      pad_dev = jax.device_put(np.full((shards, n), self.config.pages_per_shard, np.int32),
+                               self.ids_sharding)
+      stack = pages_lib.gather_stacked(pools, jax.device_put(np.zeros((shards, n), np.int32),
+                                                             self.ids_sharding),
+                                       mesh=self.mesh, config=self.config)
+      if self.host is not None:
+        pad_host = np.full((shards, n), self.host.pages_per_shard, np.int32)
+        self.host.store(stack, pad_host)
+        stack, _ = self.host.load(np.zeros((shards, n), np.int32))
+        self.host.read_numpy(np.zeros((shards, n), np.int32))
+        self.host.expected_checksums(pad_host)
+      pools = pages_lib.scatter_stacked(pools, pad_dev, stack, mesh=self.mesh,
+                                        config=self.config)
+      jax.block_until_ready(pools)
+      if n >= max_pages:
+        return list(pools)
+      n *= 2
+
+  # ---- downwards ---------------------------------------------------------------------------
+  def _missing(self, blocks: list[Block], tier: Tier) -> list[Block]:
+    """The blocks that have no copy in ``tier`` yet (disk slots are shared: shard 0)."""
+    return [b for b in blocks
+            if self.index.slot_of(0 if tier == Tier.DISK else b[0], b[2], tier) is None]
+
+  def demote(self, pools, evicted: list[Block]) -> None:
+    """Write-back of blocks just evicted from device pages (before the pages are reused):
+    to the first lower tier."""
+    if self.host is not None:
+      self._device_to_host(pools, self._missing(evicted, Tier.HOST))
+    elif self.disk is not None:
+      self._device_to_disk(pools, self._missing(evicted, Tier.DISK))
+
+  def copy_down(self, pools, published: list[Block]) -> None:
+    """Write-through: copies freshly published device blocks to every lower tier."""
+    if self.host is not None:
+      self._device_to_host(pools, self._missing(published, Tier.HOST))
+    if self.disk is not None:
+      self._device_to_disk(pools, self._missing(published, Tier.DISK))
+
+  def allocate_host(self, shard: int, n: int) -> list[int] | None:
+    """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
+    to disk first. None when every slot is held."""
+    evicted: list = []
+    slots = self.index.allocate(shard, n, Tier.HOST, evicted=evicted)
+    if evicted and self.disk is not None:  # read them out before they are overwritten
+      self.host_to_disk(self._missing([(shard, p, k) for k, p in evicted], Tier.DISK))
+    return slots
+
+  def allocate_disk(self, n: int) -> list[int] | None:
+    """``n`` disk slots (referenced) for private records; the records of cached blocks
+    evicted to make room are deleted. None when every slot is held."""
+    return self.journal.allocate(n)
+
+  def _device_to_host(self, pools, blocks: list[Block]) -> None:
+    if not blocks:
+      return
+    placed, host_victims, overflow = [], [], []
+    for b in blocks:
+      evicted = []
+      slot = self.index.allocate(b[0], 1, Tier.HOST, evicted=evicted)
+      if slot is None:  # every host slot of this shard is taken by blocks in flight
+        overflow.append(b)
+        continue
+      host_victims.extend((b[0], p, k) for k, p in evicted)
+      placed.append((b[0], b[1], b[2], slot[0]))
+    if self.disk is not None:
+      self.host_to_disk(self._missing(host_victims, Tier.DISK))
+      self._device_to_disk(pools, self._missing(overflow, Tier.DISK))
+    else:
+      self.stats.add("host_full_drops", len(overflow))
+    if not placed:
+      return
+    stack, per = self._gather_device(pools, placed)
+    host_ids = np.full((self.num_shards, stack.shape[2] // self.num_shards),
+                       self.host.pages_per_shard, np.int32)
+    for s, items in enumerate(per):
+      host_ids[s, :len(items)] = [it[3] for it in items]
+    self.host.store(stack, host_ids)
+    for shard, _, key, slot in placed:
+      self.index.publish(shard, slot, key, Tier.HOST, parent=self.index.parent_of(key))
+      self.index.release(shard, [slot], Tier.HOST)
+    self.stats.add("demoted_host", len(placed))
+    self.stats.add("bytes_moved", self._bytes(len(placed)))
+
+  def host_to_disk(self, blocks: list[Block]) -> None:
+    """``blocks``: (shard, host slot, key) of host slots about to be overwritten."""
+    if not blocks:
+      return
+    ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
+    self.journal.write(self.host.read_numpy(ids), per, ids.shape[1])
+
+  def _device_to_disk(self, pools, blocks: list[Block]) -> None:
+    if not blocks:
+      return
+    stack, per = self._gather_device(pools, blocks)
+    self.journal.write(to_host(stack), per, stack.shape[2] // self.num_shards)
+
+  # ---- the disk journal (``jaxkv.worker.journal``) ------------------------------------------------
+  @property
+  def disk_available(self) -> bool:
+    """Whether the disk tier is attached (not cooling down after repeated failures)."""
+    return self.journal is not None and self.journal.available
+
+  @property
+  def writes_in_flight(self) -> int:
+    """Disk writes issued and not yet published or given up."""
+    return self.journal.writes_in_flight if self.journal is not None else 0
+
+  def pump(self) -> None:
+    """Publishes the disk writes that committed; never blocks (``DiskJournal.pump``)."""
+    if self.journal is not None:
+      self.journal.pump()
+
+  def flush(self, timeout_s: float = 60.0) -> int:
+    """Waits (up to ``timeout_s``) for every disk write; returns how many are left."""
+    return self.journal.flush(timeout_s) if self.journal is not None else 0
+
+  # ---- upwards -----------------------------------------------------------------------------
+  def start_promote(self, pools, fetches) -> tuple[list, PendingFetch]:
+    """Issues every fetch without waiting. Returns ``(pools, pending)``; compute
+    dispatched meanwhile overlaps the reads and copies. Each fetch holds a pin on its
+    source (taken at admission) until ``finish_promote`` or ``abandon`` releases it."""
+    t0 = time.perf_counter()
+    fetches = tuple(fetches)
+    served = {source.tier for source in self.sources} | {Tier.SHARD}
+    stray = sorted({int(f.tier) for f in fetches} - {int(t) for t in served})
+    if stray:
+      raise InvariantError(f"fetches from tiers {stray} but this cache's tiers are "
+                           f"{sorted(int(t) for t in served)}: admission placed a hit in a "
+                           "tier the cache does not have.")
+    reads, landed = [], []
+    for source in self.sources:
+      positions = tuple(i for i, f in enumerate(fetches) if f.tier == source.tier)
+      if not positions:
+        continue
+      mine = [fetches[i] for i in positions]
+      if source.tier == Tier.DISK and self.processes > 1:
+        # A job: each process reads what its own devices need; outcomes agreed later.
+        _, handle = source.start_fetch([f for f in mine if f.shard in self._local_shards])
+        reads.append(_Reads(source, handle, positions, agreed=True))
+      else:
+        landing, handle = source.start_fetch(mine)
+        if landing is not None:
+          pools = self.land(pools, landing)
+          landed.append(landing.stack)
+        reads.append(_Reads(source, handle, positions))
+    shard = [f for f in fetches if f.tier == Tier.SHARD]
+    if shard:  # device to device inside the job: a collective, no verification needed
+      pools = self._promote_shard(pools, shard)
+    return pools, PendingFetch(fetches, t0, tuple(reads), tuple(landed))
+
+  def _promote_shard(self, pools, fetches: list[Fetch]):
+    per_shard = self.config.pages_per_shard
+    n = buckets.transfer_pages(len(fetches))
+    src = np.zeros((n,), np.int32)
+    dst = np.full((n,), self.num_shards * per_shard, np.int32)  # padding: dropped
+    for i, f in enumerate(fetches):
+      src_shard, src_page = f.slot
+      src[i], dst[i] = src_shard * per_shard + src_page, f.shard * per_shard + f.page
+    return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
+
+  def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
+                    ) -> tuple[Landing | None, tuple[Failure | None, ...]]:
+    """Waits for one tier's reads; returns what to land and each read's failure."""
+    if not reads.agreed:
+      outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
+      return outcome.landing, outcome.failures
+    # A job's disk reads: this process verified those of its own shards; the job agrees
+    # on every outcome, and lands what all agree on (another process's shards' bytes are
+    # not needed here: zeros stand in for them).
+    payloads = {}
+
+    def keep(items: list[Staged]) -> None:
+      payloads.update({(shard, page): payload for shard, page, payload in items})
+
+    mine = [fetches[i] for i in reads.positions]
+    local = iter(reads.source.finish_fetch(reads.handle, t_end, keep).failures)
+    codes = [_read_code(next(local)) if f.shard in self._local_shards else 0 for f in mine]
+    agreed = distributed.agree_reads(np.array(codes, np.int32),
+                                     unread=_read_code(Failure.DEADLINE))
+    failures = tuple(_failure_of_code(int(c)) for c in agreed)
+    zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
+    items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
+             for f, failure in zip(mine, failures) if failure is None]
+    return (self.stage(items) if items else None), failures
+
+  def release_pin(self, f: Fetch) -> None:
+    """Drops the reference a fetch took at admission on its source."""
+    manager.release_pin(self.index, f)
+
+  def finish_promote(self, pools, pending: PendingFetch, t_end: float
+                     ) -> tuple[list, FetchReport]:
+    """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
+    and lands them, releases every fetch's pin and drops each failed copy
+    (``drop_failed``). Returns ``(pools, report)``: the caller truncates each request's
+    hit at its first failed block."""
+    fetches = pending.fetches
+    failures: list[Failure | None] = [None] * len(fetches)  # SHARD copies cannot fail
+    t_wait = time.perf_counter()
+    arrived = list(pending.landed)
+    for reads in pending.reads:
+      landing, got = self._finish_reads(reads, fetches, t_end)
+      for i, failure in zip(reads.positions, got):
+        failures[i] = failure
+      if reads.source.tier == Tier.DISK:  # the store answered (bad bytes are answers too)
+        self.journal.record(any(failure not in (Failure.READ_RETRY, Failure.READ_ERROR)
+                                for failure in got))
+      if landing is not None:
+        pools = self.land(pools, landing)
+        arrived.append(landing.stack)
+    # Done when the bytes are on the device: the scatters into the pools are ordered after
+    # any step already dispatched, and waiting for them would time that compute too (the
+    # link's speed is learned from these seconds). Copies across shards live only in the
+    # pools, ordered after that compute: they are not waited for, nor timed (seconds 0).
+    jax.block_until_ready(arrived)
+    t_done = time.perf_counter()
+    seconds = t_done - pending.t_start if arrived else 0.0
+    self.stats.add("fetch_wait_s", t_done - t_wait)
+    self.stats.add("fetch_s", t_done - pending.t_start)
+    for f in fetches:
+      self.release_pin(f)  # the pin taken at admission
+    for f, failure in zip(fetches, failures):
+      if failure is not None:
+        self.drop_failed(f, failure)
+    ok = sum(failure is None for failure in failures)
+    self.stats.add("blocks_fetched", ok)
+    self.stats.add("bytes_moved", self._bytes(ok))
+    return pools, FetchReport(fetches=fetches, failures=tuple(failures), blocks=ok,
+                              bytes=self._bytes(ok), seconds=seconds,
+                              tiers=tuple(sorted({int(f.tier) for f in fetches})))
+
+  def abandon(self, pending: PendingFetch) -> None:
+    """Gives up a promotion that will never be finished (its step failed): releases the
+    pin of every fetch. Reads still in flight complete into nothing."""
+    for f in pending.fetches:
+      self.release_pin(f)
+
+  def drop_failed(self, fetch: Fetch, reason: Failure) -> None:
+    """Records a failed fetch (``reason``, from the ``FetchReport``) and drops the bad copy
+    and the chain after it (a disk copy's records are deleted with them)."""
+    self.stats.failures[reason.value] += 1
+    self.stats.add("verify_failures", reason.corrupt)
+    self.stats.add("read_timeouts", reason == Failure.DEADLINE)
+    if fetch.tier == Tier.REMOTE:
+      self.stats.add("remote_failures")
+      return  # nothing of ours to drop: the peer's copy is the peer's
+    if reason == Failure.READ_RETRY:
+      return  # the record stays, and so does its chain: the next lookup reads it again
+    shard = 0 if fetch.tier == Tier.DISK else fetch.shard
+    dropped = self.index.drop_chain(shard, fetch.key, fetch.tier)
+    if fetch.tier == Tier.DISK:  # the index forgot them: nothing names their records now
+      for key in dropped:
+        if not (key == fetch.key and reason == Failure.GONE):  # gone: nothing to delete
+          self.disk.delete(key)
+
+  # ---- records of the long-context path ----------------------------------------------------
+  def write_records(self, payloads: list[np.ndarray], keys: list[bytes],
+                    deadline_s: float) -> None:
+    """Writes private disk records (named by ``keys``, in slots the caller took with
+    ``allocate_disk``) and waits until each has committed (raises if one fails or misses
+    the deadline): a streamed page must be durable before it is used."""
+    writes = [self.disk.write(k, p, None) for p, k in zip(payloads, keys)]
+    t_end = time.monotonic() + deadline_s
+    for w in writes:
+      w.result(timeout=max(0.0, t_end - time.monotonic()))
+    self.disk.sync()
+
+  def read_records(self, keys: list[bytes], deadline_s: float) -> list[np.ndarray]:
+    """Reads and verifies private disk records (all in flight at once) within the deadline."""
+    return self.disk.read_verified(keys, time.monotonic() + deadline_s)
+
+  def delete_records(self, keys: list[bytes]) -> None:
+    """Removes private disk records (best effort); their slots are the caller's to release."""
+    for key in keys:
+      self.disk.delete(key)

@@ -1,0 +1,109 @@
+"""A real two-process jax.distributed job on loopback: same outputs, same index, same plans,
+one disk store shared by the job's processes, checkpoints saved and restored by the job."""
+
+import json
+import os
+import subprocess
+import sys
+
+import helpers  # noqa: E402  (tests/ is on the path: conftest.py sits there)
+
+ROOT = helpers.ROOT
+SMALL = ["--nocompare", "--config.workload.chat.users=4", "--config.workload.chat.turns=2",
+         "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.max_new_tokens=6",
+         "--config.workload.chat.user_tokens=(8, 30)", "--config.model.num_layers=2"]
+
+
+def env():
+  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+PLANNER = r"""
+import os, sys
+sys.path.insert(0, ".")
+from jaxkv import distributed
+distributed.initialize()
+import jax, numpy as np
+from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve, agree_costs
+from jaxkv.planning.plan import DISK, HOST, HOT, PlanInputs, plan
+pid = jax.process_index()
+rng = np.random.default_rng(0)  # the same inputs everywhere
+r, d, m = 16, 2, 12
+tiers = rng.choice([HOT, HOST, DISK], size=(r, d, m)).astype(np.int32)
+inputs = PlanInputs(tiers=tiers, block_bytes=np.full(tiers.shape, 2e6, np.float32),
+    hot=np.zeros((r, d), np.int32), cached_end=np.full((r, d), m, np.int32),
+    tail_tokens=np.full((r,), 32, np.int32), free_pages=np.full((d,), 64, np.int32),
+    inflight_blocks=np.full((d,), 64, np.int32), link_group=np.zeros((d,), np.int32),
+    valid=np.ones((r,), bool), page_size=16)
+# Each host measured its own link (calibration differs from machine to machine).
+local = CostModel(links={"host_to_device": LinkCost(1e-4, (1 + pid) * 1e8),
+                         "disk_to_host": LinkCost(1e-3, 5e7)},
+                  prefill=PrefillCurve(1e-3, 2e-5, 1e-9))
+out = open(os.path.join(sys.argv[1], f"p{pid}.txt"), "w")
+mine = distributed.plan_digest(plan(inputs, local.arrays()))
+try:
+  distributed.agree_digest(mine, "the plan")
+  out.write("UNAGREED-COSTS-AGREE\n")
+except ValueError:
+  out.write("UNAGREED-COSTS-DIFFER\n")
+agreed = agree_costs(local)
+distributed.agree_digest(distributed.plan_digest(plan(inputs, agreed.arrays())), "the plan")
+out.write(f"PLANS-IDENTICAL {agreed.links['host_to_device'].bytes_per_s}\n")
+out.close()
+"""
+
+
+def test_plans_are_identical_on_every_process(tmp_path):
+  script = tmp_path / "planner.py"
+  script.write_text(PLANNER)
+  proc = subprocess.run([sys.executable, "launch/multihost.py", "--num_processes=2", "--",
+                         str(script), str(tmp_path)], cwd=ROOT, env=env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = (tmp_path / "p0.txt").read_text() + (tmp_path / "p1.txt").read_text()
+  assert out.count("UNAGREED-COSTS-DIFFER") == 2  # the check does catch a difference
+  assert out.count("PLANS-IDENTICAL 100000000.0") == 2  # both planned with process 0's costs
+
+
+def test_a_failing_process_fails_the_job(tmp_path):
+  proc = subprocess.run([sys.executable, "launch/multihost.py", "--num_processes=2", "--",
+                         "launch/serve.py", "--config=configs/nope.py"], cwd=ROOT, env=env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0 and "failed with exit status" in proc.stderr
+
+
+def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
+  """One shared disk store for the job: each block written once (the processes take
+  turns), the same index everywhere, outputs equal to one process with the same tiers;
+  then a job restoring the checkpoint and reading the store gives the same outputs."""
+  tiers = lambda d: ["--config.workload.chat.users=8", "--device_pages=8", "--host_pages=2",
+                     "--config.scheduler.policy=fetch", "--config.tiers.write_policy=write_through",
+                     f"--disk_dir={d / 'disk'}", f"--checkpoint_dir={d / 'ckpt'}"]
+  job = lambda *extra, out: subprocess.run(
+      [sys.executable, "launch/multihost.py", "--num_processes=2", "--", "launch/serve.py",
+       *SMALL, *tiers(tmp_path), *extra, f"--json_out={tmp_path / out}"], cwd=ROOT, env=env(),
+      capture_output=True, text=True, timeout=900)
+  first = job(out="m.json")
+  assert first.returncode == 0, first.stderr[-3000:]
+  single = subprocess.run([sys.executable, "launch/serve.py", *SMALL, *tiers(tmp_path / "one"),
+                           f"--json_out={tmp_path / 's.json'}"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+  assert single.returncode == 0, single.stderr[-3000:]
+  p0, p1, one = (json.loads((tmp_path / n).read_text()) for n in ("m.p0.json", "m.p1.json",
+                                                                   "s.json"))
+  assert p0["process"] == {"index": 0, "count": 2} and p1["process"]["index"] == 1
+  assert len(p0["machine"]["devices"]) == 8
+  assert p0["output_digest"] == p1["output_digest"] == one["output_digest"]
+  assert p0["index_digest"] == p1["index_digest"]  # (serve also checks it across processes)
+  assert p0["hits"]["device"] > 0 and p0["hits"]["disk"] > 0 and p0["verify_failures"] == 0
+  records = [f for _, _, fs in os.walk(tmp_path / "disk" / "records") for f in fs]
+  written = [p["stats"]["disk_writes"] for p in (p0, p1)]
+  assert min(written) > 0 and sum(written) == len(records)  # each block once, both wrote
+  assert p0["stats"]["demoted_disk"] == len(records)
+  again = job("--restore", "--require_restore", out="r.json")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "restored step" in again.stdout
+  r0, r1 = (json.loads((tmp_path / n).read_text()) for n in ("r.p0.json", "r.p1.json"))
+  assert r0["output_digest"] == r1["output_digest"] == one["output_digest"]
+  assert r0["index_digest"] == r1["index_digest"]
+  assert r0["hits"]["device"] > p0["hits"]["device"]  # the restored pages were reused
