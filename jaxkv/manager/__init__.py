@@ -116,6 +116,21 @@ class CacheManager:
           out.append((s, page, key))
     return out
 
+  def forget_device_blocks(self) -> int:
+    """Forgets every unreferenced cached device block (its page becomes free): after
+    ``offload`` copied them down, or after a failed step lost the pools' bytes. Returns
+    how many were forgotten."""
+    return sum(self.index.evict_all_unreferenced(s, Tier.DEVICE)
+               for s in range(self.num_shards))
+
+  def adopt_disk(self, records: Sequence[tuple[int, bytes, bytes | None]]) -> None:
+    """Blocks a previous run left on disk (``(slot, key, parent)``, verified by the
+    worker's scan) come back into the index, unreferenced."""
+    for slot, key, parent in records:
+      self.index.acquire(0, [slot], Tier.DISK)
+      self.index.publish(0, slot, key, Tier.DISK, parent=parent)
+      self.index.release(0, [slot], Tier.DISK)
+
 
 def release_pin(index: PrefixIndex, f: Fetch) -> None:
   """Drops the reference fetch ``f`` took at admission on its source (another shard's

@@ -139,7 +139,7 @@ class PrefixIndex:
     self.page_size = page_size
     self.fingerprint = fingerprint
     self._secret = security.check_key(secret)  # the deployment key (never shown)
-    self._pools = {Tier.DEVICE: [_Pool(pages_per_shard) for _ in range(num_shards)],
+    self._slots = {Tier.DEVICE: [_Pool(pages_per_shard) for _ in range(num_shards)],
                    Tier.HOST: [_Pool(host_pages_per_shard) for _ in range(num_shards)],
                    Tier.DISK: [_Pool(disk_slots)]}
     self._hits: collections.Counter = collections.Counter()  # key -> reuses, aged
@@ -165,7 +165,7 @@ class PrefixIndex:
 
   # ---- queries ---------------------------------------------------------------------------
   def has_tier(self, tier: Tier) -> bool:
-    return self._pools[tier][0].num_slots > 0
+    return self._slots[tier][0].num_slots > 0
 
   def match(self, shard: int, keys: Sequence[Key], tier: Tier = Tier.DEVICE) -> list[int]:
     """Slots holding the longest prefix of ``keys`` in one pool (may be empty)."""
@@ -374,7 +374,7 @@ class PrefixIndex:
     """Raises ``InvariantError`` naming the first rule of the module docstring that the
     index breaks (also under ``python -O``, unlike ``assert``)."""
     copies = collections.Counter()
-    for tier, pools in self._pools.items():
+    for tier, pools in self._slots.items():
       for s, pool in enumerate(pools):
         where = f"{TIER_NAMES[tier]} pool {s}"
         _expect((pool.refcount >= 0).all(), f"negative refcount in {where}")
@@ -395,7 +395,7 @@ class PrefixIndex:
     """SHA-256 over the full index state; equal on processes that did the same work."""
     h = hashlib.sha256(self.fingerprint)
     for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-      for pool in self._pools[tier]:
+      for pool in self._slots[tier]:
         h.update(pool.refcount.astype("<i8").tobytes())
         for p in range(pool.num_slots):
           h.update(pool.key_of_slot[p] or b"\x00")
@@ -441,13 +441,13 @@ class PrefixIndex:
 
   def _pool(self, tier: Tier, shard: int) -> _Pool:
     if tier == Tier.DISK:
-      return self._pools[Tier.DISK][0]
-    if tier not in self._pools:
+      return self._slots[Tier.DISK][0]
+    if tier not in self._slots:
       raise InvariantError(f"tier={tier!r} has no pools in the index; its pools are "
                            f"{[TIER_NAMES[t] for t in LOCAL_TIERS]}.")
     if not 0 <= shard < self.num_shards:
       raise InvariantError(f"shard={shard} is out of range [0, {self.num_shards}).")
-    return self._pools[tier][shard]
+    return self._slots[tier][shard]
 
   @staticmethod
   def _check_slot(pool: _Pool, slot: int) -> None:

@@ -104,7 +104,7 @@ def test_mismatched_model_or_layout_is_refused_naming_the_difference(mesh, tmp_p
 SAVER = r"""
 import asyncio, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/worker"]
 import numpy as np
 from orbax.checkpoint._src.path import atomicity
 import jaxkv, helpers

@@ -62,7 +62,7 @@ from jaxkv.errors import InputError
 from jaxkv.metrics import percentile
 from jaxkv.progress import Progress
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---- the requests ------------------------------------------------------------------------------

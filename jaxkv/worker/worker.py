@@ -1,0 +1,207 @@
+"""CacheWorker: the device side of a ``KVCache``, the one owner of what holds cached bytes.
+
+It holds the device page pools, the lower tiers (host pool, disk store, remote peers) and
+the ``TierMover`` (with its disk journal) that moves blocks between them. Every writer of a
+page goes through ``update_pools``; tier work arrives as a step plan's orders (the runner
+carries them out through the mover before the step's compute) or as the few whole-cache
+operations ``KVCache`` offers (offload, flush). What it learns that the index must know
+comes back as values (the blocks a store holds at open): the host-side ``CacheManager``
+publishes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv.config import CacheConfig, TierConfig
+from jaxkv.errors import InputError
+from jaxkv.stats import Stats
+from jaxkv.worker import pages as pages_lib
+from jaxkv.worker.transfers import TierMover
+
+
+class CacheWorker:
+  """The device pools, the tiers and the mover of one cache."""
+
+  def __init__(self, config: CacheConfig, tiers: TierConfig, mesh: Mesh, *, index,
+               stats: Stats, key: bytes | None, encrypt: bool):
+    self.config, self.tiers, self.mesh = config, tiers, mesh
+    self.num_shards = pages_lib.data_shards(mesh, config)
+    self._index, self._stats, self._key, self._encrypt = index, stats, key, encrypt
+    self.host = self.disk = self.remote = self.mover = None
+    self.remotes: list = []
+    if tiers.host_enabled:
+      from jaxkv.worker.tiers.host import HostTier
+      self.host = HostTier(mesh, config, tiers, self.num_arrays)
+    if tiers.disk_enabled:
+      from jaxkv.worker.tiers.disk import DiskTier
+      self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
+                           payload_shape=self.payload_shape, dtype=config.jnp_dtype,
+                           fingerprint=config.fingerprint(), key=key, encrypt=encrypt)
+    self.disk_recovered = {"adopted": 0, "deleted": 0, "temporaries": 0}
+    self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
+    self.pool_def = None  # their tree structure
+    self._row_shardings: dict = {}
+
+  @property
+  def num_arrays(self) -> int:
+    """Page arrays the model holds: K and V of every layer."""
+    return 2 * self.config.num_layers
+
+  @property
+  def payload_shape(self) -> tuple[int, int, int, int]:
+    """One block outside device memory: ``[2 * layers, kv_heads, page_size, head_dim]``."""
+    c = self.config
+    return (self.num_arrays, c.num_kv_heads, c.page_size, c.head_dim)
+
+  def bind_fingerprint(self, config: CacheConfig) -> None:
+    """The weights are known: what is keyed by the fingerprint follows (before any read)."""
+    self.config = config
+    if self.disk is not None:
+      self.disk.bind_fingerprint(config.fingerprint())
+
+  # ---- opening the tiers ---------------------------------------------------------------------
+  def open(self) -> list:
+    """Connects the remote peers, scans the disk store and builds the mover over every
+    tier. Returns the disk records a previous run left that verified, as ``(slot, key,
+    parent)`` for the manager to adopt (in a job: process 0's scan, the same on every
+    process)."""
+    config, tiers = self.config, self.tiers
+    if tiers.remote_peers:
+      from jaxkv.worker.tiers.remote import RemoteClient, RemoteTier
+      self.remotes = [RemoteClient(p, config.fingerprint(), deadline_s=tiers.read_deadline_s,
+                                   secret=self._key, encrypt=self._encrypt,
+                                   transport=tiers.remote_transport)
+                      for p in tiers.remote_peers]
+      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
+    good = self._scan_disk() if self.disk is not None else []
+    # The mover's jitted page moves depend on shapes only: it keeps the config without
+    # the weights, so caches of differently trained models share their compilations.
+    self.mover = TierMover(index=self._index, mesh=self.mesh,
+                           config=dataclasses.replace(config, weights_digest=""),
+                           num_shards=self.num_shards, payload_shape=self.payload_shape,
+                           host=self.host, disk=self.disk, remote=self.remote,
+                           stats=self._stats)
+    return good
+
+  def disk_available(self) -> bool:
+    """Whether the disk tier takes reads and writes now (not detached after failures)."""
+    return self.mover is None or self.mover.disk_available
+
+  def _scan_disk(self) -> list:
+    if jax.process_count() == 1:
+      good, deleted = self.disk.scan()
+    else:
+      good, deleted = self._scan_in_job()
+    self.disk_recovered = {"adopted": len(good), "deleted": deleted,
+                           "temporaries": self.disk.removed_temporaries}
+    self._stats.add_discarded_at_open(self.disk.discarded)  # by reason (process 0's, in a job)
+    logging.info("disk tier %s: adopted %d blocks from earlier runs; discarded %d records "
+                 "(other weights or layout, or failed verification) and %d unfinished writes",
+                 self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)
+    return good
+
+  def _scan_in_job(self) -> tuple[list, int]:
+    """In a multi-process job the store must be one every process sees (checked); process
+    0 verifies it and the others take its list, so every index starts the same."""
+    from jaxkv import distributed
+    disk = self.disk
+    probe = distributed.broadcast_bytes(os.urandom(16).hex().encode()).decode()
+    name = f"job-check-{probe}"
+    if jax.process_index() == 0:
+      disk.kv.write(name, probe.encode()).result(timeout=60)
+    distributed.allgather_codes(np.zeros(1, np.int32))  # written before anyone looks
+    seen = disk.kv.read(name).result(timeout=60)
+    sees = distributed.allgather_codes(np.array([seen.state == "value"], np.int32))[:, 0]
+    if jax.process_index() == 0:
+      disk.kv.write(name, None).result(timeout=60)
+    if not sees.all():
+      raise InputError(
+          f"the disk tier at {disk.kvstore} is not one store for the whole job: process(es) "
+          f"{[int(i) for i in np.flatnonzero(sees == 0)]} do not see what process 0 writes there. "
+          "In a multi-process job every process must open the same shared directory or bucket.")
+    good, deleted = disk.scan() if jax.process_index() == 0 else ([], 0)
+    text = json.dumps([[slot, key.hex(), parent.hex() if parent else None]
+                       for slot, key, parent in good] + [deleted])
+    rows = json.loads(distributed.broadcast_bytes(text.encode()).decode())
+    good = [(slot, bytes.fromhex(k), bytes.fromhex(p) if p else None) for slot, k, p in rows[:-1]]
+    return good, rows[-1]
+
+  # ---- the device pools ----------------------------------------------------------------------
+  @property
+  def attached(self) -> bool:
+    return self._pools is not None
+
+  def take_pools(self, state) -> None:
+    """The pools a model's ``KVPages`` were allocated as (``KVCache.attach``) become this
+    worker's; the model keeps none."""
+    if self._pools is not None:
+      raise InputError("this KVCache already serves a model; build one KVCache per engine.")
+    self._pools, self.pool_def = jax.tree.flatten(state)
+
+  def _check_attached(self) -> None:
+    if self._pools is None:
+      raise InputError("the cache has no device pools yet: attach(model) allocates them "
+                       "(jaxkv.Engine does this when it is built).")
+
+  @property
+  def page_state(self):
+    """The pools as the ``nnx.State`` of the model's ``KVPages``."""
+    self._check_attached()
+    return jax.tree.unflatten(self.pool_def, self._pools)
+
+  @property
+  def pools(self) -> list[jax.Array]:
+    """The device pools, K and V of every layer (the order the tiers' stacks use; a
+    jitted step takes them flat, donated, and returns them)."""
+    self._check_attached()
+    return self._pools
+
+  def update_pools(self, fn) -> tuple:
+    """The one way the pools change: ``fn(pools)`` takes them (a jitted step donates them)
+    and returns ``(new pools, *rest)``; the new pools replace the old and ``rest`` is
+    returned. Every writer of a page (steps, fetches, restores, calibration) goes
+    through here."""
+    self._check_attached()
+    pools, *rest = fn(self._pools)
+    self._pools = list(pools)
+    return tuple(rest)
+
+  def pools_alive(self) -> bool:
+    return not any(x.is_deleted() for x in self.pools)
+
+  def zero_pools(self) -> None:
+    """After a failed step consumed the donated pools: they start again from zeros (the
+    manager forgets the blocks they held)."""
+    self._pools = [pages_lib.zeros_pool(self.mesh, self.config) for _ in self._pools]
+
+  def _row_sharding(self, ndim: int) -> NamedSharding:
+    sharding = self._row_shardings.get(ndim)
+    if sharding is None:
+      sharding = NamedSharding(self.mesh, P(self.config.data_axis, *([None] * (ndim - 1))))
+      self._row_shardings[ndim] = sharding
+    return sharding
+
+  def put_rows(self, x: np.ndarray) -> jax.Array:
+    """A host array whose leading axis is split over the data shards, on device."""
+    return jax.device_put(x, self._row_sharding(x.ndim))
+
+  def put_rows_many(self, *xs: np.ndarray) -> list[jax.Array]:
+    """``put_rows`` of several arrays in one transfer call (a step's inputs)."""
+    return jax.device_put(list(xs), [self._row_sharding(x.ndim) for x in xs])
+
+  # ---- tier work ------------------------------------------------------------------------------
+  def demote(self, blocks) -> None:
+    """Copies ``blocks`` (the manager's victims) down the tiers before their pages go."""
+    self.mover.demote(self.pools, blocks)
+
+  def flush(self, timeout_s: float) -> int:
+    """Waits for lower-tier writes in flight; returns how many did not finish in time."""
+    return self.mover.flush(timeout_s)
