@@ -94,7 +94,8 @@ class KVCache:
     self.manager = CacheManager(
         self.index, stats=self.stats, page_bytes=config.page_bytes,
         write_through=tiers.write_policy == "write_through", has_disk=self.disk is not None,
-        disk_attached=self.worker.disk_available)
+        disk_attached=self.worker.disk_available,
+        wait_for_peers=jax.process_count() > 1)  # a job admits alike on every process
     logging.info(
         "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,

@@ -15,10 +15,13 @@ so they can be built and tested with no model, no mesh and no device.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import typing
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from absl import logging
 
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager.index import LOCAL_TIERS, PrefixIndex, Tier
@@ -29,17 +32,29 @@ if typing.TYPE_CHECKING:
   from jaxkv.worker.tiers.base import Fetch
 
 
+class _Pending:
+  def __repr__(self) -> str:
+    return "PENDING"
+
+
+PENDING = _Pending()  # ``CacheManager.peer_prefix``: the peer's answer has not come yet
+
+
 class CacheManager:
   """Host-side bookkeeping of one cache: its index, pins, allocation and eviction.
 
   ``disk_attached``: asks the cache worker whether the disk tier is attached now (it
   detaches for a cool-down after repeated failures; a lookup then leaves it out).
   ``remote``: the remote tier's prefix lookup (``longest_prefix``), or None.
+  ``wait_for_peers``: a peer lookup's answer is waited for where it is asked (a
+  multi-process job, whose processes must admit alike); otherwise it is asked on a
+  thread of its own and the request waits in the queue for it (``peer_prefix``).
   """
 
   def __init__(self, index: PrefixIndex, *, stats: Stats, page_bytes: int,
                write_through: bool, has_disk: bool,
-               disk_attached: Callable[[], bool] = lambda: True, remote=None):
+               disk_attached: Callable[[], bool] = lambda: True, remote=None,
+               wait_for_peers: bool = False):
     self.index, self.stats = index, stats
     self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
                                                         page_bytes)
@@ -47,6 +62,10 @@ class CacheManager:
     self.remote = remote
     self._disk_attached = disk_attached
     self._pins: dict = {}  # (tenant, last key) -> [[(shard, pages), ...] per hold]
+    self.wait_for_peers = wait_for_peers
+    self._asked: dict[int, concurrent.futures.Future] = {}  # request id -> its peer lookup
+    self._lookups: concurrent.futures.ThreadPoolExecutor | None = None
+    self._answered = threading.Event()  # set when any lookup finishes
 
   def set_remote(self, remote) -> None:
     """The remote tier whose ``longest_prefix`` lookups admission asks (opened with the
@@ -59,6 +78,56 @@ class CacheManager:
     if not self.has_disk or self._disk_attached():
       return LOCAL_TIERS
     return (Tier.DEVICE, Tier.HOST)
+
+  def peer_prefix(self, request: int, keys: Sequence[bytes]):
+    """``(peer, blocks)`` of the remote peer holding the longest prefix of ``keys`` (None:
+    none holds any), or ``PENDING`` while the question is out: the first call asks on the
+    lookup thread and returns at once; a later call for the same request takes the answer.
+    A lookup that fails answers None (the request recomputes; the client counted why)."""
+    future = self._asked.get(request)
+    if future is None:
+      if self.wait_for_peers:
+        return self.remote.longest_prefix(list(keys), 0)
+      if self._lookups is None:
+        self._lookups = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jaxkv-peer-lookup")
+      future = self._lookups.submit(self.remote.longest_prefix, list(keys), 0)
+      future.add_done_callback(lambda _: self._answered.set())
+      self._asked[request] = future
+    if not future.done():
+      return PENDING
+    del self._asked[request]
+    try:
+      return future.result()
+    except Exception:  # pylint: disable=broad-except  (a peer never breaks admission)
+      logging.exception("the peer lookup of request %d failed; it recomputes", request)
+      self.stats.add("peer_lookup_errors")
+      return None
+
+  def peers_pending(self) -> bool:
+    """Whether a peer lookup is still out."""
+    return any(not f.done() for f in self._asked.values())
+
+  def wait_for_peer_answer(self, timeout_s: float) -> bool:
+    """Waits (at most ``timeout_s``) until a lookup that is out answers: what a loop with
+    nothing else to do calls instead of spinning. Returns whether one did."""
+    self._answered.clear()
+    if not self.peers_pending():
+      return True
+    return self._answered.wait(timeout_s)
+
+  def forget_peer_lookup(self, request: int) -> None:
+    """A request that left the queue (aborted, failed) no longer waits for its answer."""
+    future = self._asked.pop(request, None)
+    if future is not None:
+      future.cancel()
+
+  def close(self) -> None:
+    """Stops the lookup thread (answers still out are dropped)."""
+    self._asked.clear()
+    if self._lookups is not None:
+      self._lookups.shutdown(wait=False, cancel_futures=True)
+      self._lookups = None
 
   # ---- allocation ------------------------------------------------------------------------------
   def allocate_pages(self, shard: int, n: int) -> tuple[list[int] | None, tuple[Block, ...]]:

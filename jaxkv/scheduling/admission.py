@@ -30,6 +30,7 @@ import numpy as np
 from jaxkv.config import SamplingParams
 from jaxkv.errors import CapacityError, InputError, check_text
 from jaxkv.manager.index import LOCAL_TIERS, Tier
+from jaxkv.manager import PENDING
 from jaxkv.worker.tiers.base import Fetch
 
 
@@ -190,9 +191,14 @@ class Admission:
     load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
     waiting = collections.deque()
+    asking = False  # a request waits for a peer's answer (not for room)
     while pending and any(n < self.max_seqs_per_shard for n in load):
       req = pending.popleft()
       found = self._lookup(req)
+      if found is PENDING:  # it waits in the queue for the answer; the others go on
+        waiting.append(req)
+        asking = True
+        continue
       order = self._shard_order(req, found, load) if req.shard is None else [req.shard]
       if (wait_for_own_shard and req.shard is None
           and self._wait_for_own_shard(found, order, load)):
@@ -208,23 +214,27 @@ class Admission:
       else:
         waiting.append(req)
     pending.extendleft(reversed(waiting))
-    if not wave and not any(load):  # cannot happen after validate's room check unless pages leaked
+    if not wave and not any(load) and not asking:  # after validate's room check: pages leaked
       raise CapacityError("no request fits in an empty wave; the cache's page budget is held "
                           "elsewhere.")
     return wave
 
-  def _lookup(self, req: Request) -> list[list]:
+  def _lookup(self, req: Request):
     """Per shard, ``(tier, slot)`` of each block of the longest cached prefix that leaves
-    at least one prompt token to compute (its logits give the first token)."""
+    at least one prompt token to compute (its logits give the first token); ``PENDING``
+    while a remote peer's answer about a longer one has not come."""
     index, num_shards = self.manager.index, self.manager.num_shards
     usable = (len(req.tokens) - 1) // self.config.page_size
     keys = list(req.keys[:usable])
     tiers = self.manager.lookup_tiers()
     found = [index.locate(s, keys, tiers) if keys else [] for s in range(num_shards)]
     found = self._with_other_shards(found)
-    if self.manager.remote is not None:
-      remote = self.manager.remote.longest_prefix(keys, max(len(f) for f in found))
-      if remote:
+    local = max(len(f) for f in found)
+    if self.manager.remote is not None and len(keys) > local:
+      remote = self.manager.peer_prefix(req.id, keys)
+      if remote is PENDING:
+        return PENDING
+      if remote and remote[1] > local:
         peer, n = remote
         found = [f + [(Tier.REMOTE, peer)] * (n - len(f)) for f in found]
     return found

@@ -223,6 +223,7 @@ class Scheduler:
         ended.append(s.handle.id)
     for request in ended:
       self._held_once.discard(request)
+      self.manager.forget_peer_lookup(request)
       reason = self._aborting.pop(request)
       self.handles[request]._deliver([], None, reason)
       self.stats.add("aborted_requests" if reason == "abort" else "failed_requests")
@@ -533,6 +534,8 @@ class Scheduler:
     "error") and every page reference the running ones held is released. Returns the
     fetch groups never settled (group -> fetches): their transfers and the pins on their
     sources are the runner's to abandon."""
+    for request in self.waiting:
+      self.manager.forget_peer_lookup(request.id)
     self.waiting.clear()
     self._held_once.clear()
     self._aborting.clear()

@@ -230,7 +230,11 @@ class Engine:
   def _run_plan(self) -> list[StepOutput]:
     plan = self.loop.schedule()
     if plan.empty:
-      return self.loop.update(plan, None)
+      outputs = self.loop.update(plan, None)
+      # Nothing ran: what waits, waits for a peer's answer about its prefix. Wait for
+      # the answer here, briefly, rather than spin (the lookup's own deadline bounds it).
+      self.cache.manager.wait_for_peer_answer(0.05)
+      return outputs
     if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
       logging.debug("%s", plan.summary())
     return self.loop.update(plan, self._execute(plan))

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -319,6 +321,92 @@ def test_a_failed_or_late_fetch_recomputes_from_that_block_on(loop_factory, fail
   # The failed block and the chain after it are gone from the host tier, block 0 stays.
   assert [loop.index.slot_of(0, k, Tier.HOST) is not None for k in keys] == [1, 0, 0, 0]
   assert h.tokens == expected(loop, h, 2)
+
+
+class Peers:
+  """The remote tier's prefix lookup as admission asks it, answered when the test says:
+  ``longest_prefix`` blocks (on the manager's lookup thread) until ``answer`` is called."""
+
+  def __init__(self):
+    self.asked, self._answer, self._given = [], None, threading.Event()
+
+  def longest_prefix(self, keys, local):
+    self.asked.append((len(keys), local))
+    if not self._given.wait(60):
+      raise TimeoutError("the test never answered")
+    if isinstance(self._answer, BaseException):
+      raise self._answer
+    return self._answer
+
+  def answer(self, value):
+    self._answer = value
+    self._given.set()
+
+
+def settled(loop):
+  """Waits (with a deadline) until no peer lookup is out."""
+  deadline = time.monotonic() + 60
+  while loop.manager.peers_pending():
+    assert time.monotonic() < deadline, "the peer lookup never finished"
+    loop.manager.wait_for_peer_answer(1.0)
+
+
+def test_a_request_waits_in_the_queue_for_a_peers_answer_while_others_run(loop_factory):
+  loop = loop_factory(chunk_pages=4)
+  peers = Peers()
+  loop.manager.set_remote(peers)
+  tokens = prompt(17)
+  a = loop.submit(tokens, max_new_tokens=2)  # asks the peers about its 4 full blocks
+  b = loop.submit(prompt(4, start=50), max_new_tokens=2)  # no full block: nothing to ask
+  plan, _ = loop.step()
+  assert plan.admitted == (b.id,) and [r.id for r in loop.scheduler.waiting] == [a.id]
+  plan, _ = loop.step()  # still out: a keeps its place, the loop goes on
+  assert a.id not in plan.admitted and loop.manager.peers_pending()
+  peers.answer((0, 3))  # peer 0 holds the first 3 blocks
+  settled(loop)
+  plan, _ = loop.step()
+  assert plan.admitted == (a.id,)
+  assert [(f.block, f.tier, f.slot) for f in plan.fetch.fetches] == [
+      (j, Tier.REMOTE, 0) for j in range(3)]
+  loop.run([a, b])
+  assert [c.start for p in loop.plans for c in p.prefill if c.seq.request == a.id] == [3 * PAGE]
+  assert peers.asked == [(4, 0)]  # asked once, off the loop
+  assert loop.stats.hits["remote"] == 3 and a.cached_tokens == 3 * PAGE
+  assert a.tokens == expected(loop, a, 2) and b.tokens == expected(loop, b, 2)
+  assert loop.referenced() == 0
+
+
+def test_a_peer_lookup_that_fails_leaves_the_request_to_recompute(loop_factory):
+  loop = loop_factory(chunk_pages=8)
+  peers = Peers()
+  loop.manager.set_remote(peers)
+  a = loop.submit(prompt(17), max_new_tokens=2)
+  plan, _ = loop.step()
+  assert plan.empty and [r.id for r in loop.scheduler.waiting] == [a.id]  # no CapacityError
+  peers.answer(ConnectionResetError("the peer went away"))
+  settled(loop)
+  plan, _ = loop.step()
+  assert plan.admitted == (a.id,) and plan.fetch is None
+  assert [(c.start, c.recompute) for c in plan.prefill] == [(0, False)]
+  loop.run([a])
+  assert loop.stats["peer_lookup_errors"] == 1 and a.cached_tokens == 0
+  assert a.tokens == expected(loop, a, 2)
+
+
+def test_an_aborted_request_stops_waiting_for_its_peers_answer(loop_factory):
+  loop = loop_factory()
+  peers = Peers()
+  loop.manager.set_remote(peers)
+  a = loop.submit(prompt(17), max_new_tokens=2)
+  loop.step()
+  assert loop.manager.peers_pending()
+  loop.scheduler.abort(a.id)
+  plan, _ = loop.step()
+  assert plan.aborted == (a.id,) and a.finish_reason == "abort"
+  assert not loop.manager.peers_pending()  # its question is dropped with it
+  peers.answer((0, 4))  # a late answer changes nothing
+  assert not loop.scheduler.waiting and loop.referenced() == 0
+  loop.manager.close()
 
 
 def test_a_split_recomputes_the_front_while_the_back_is_fetched(loop_factory):
