@@ -266,3 +266,41 @@ def test_every_wire_message_round_trips_and_a_broken_one_is_named():
   with pytest.raises(remote.WireError, match="Have.have"):
     remote.decode(json.dumps({"op": "have", "protocol": remote.PROTOCOL, "nonce": "n",
                               "have": True}).encode(), remote.ANSWERS)
+
+
+def test_the_remote_tier_modules_import_one_way():
+  """wire <- auth <- server, client <- tier: each module imports only those before it
+  (``tier`` the client; ``server`` and ``client`` never each other), and none imports the
+  package's ``__init__`` (its re-exports are for the package's users)."""
+  import ast
+  import pathlib
+  package = "jaxkv.worker.tiers.remote"
+  where = pathlib.Path(helpers.ROOT, *package.split("."))
+  names = {p.stem for p in where.glob("*.py")}
+  assert names == {"__init__", "wire", "auth", "server", "client", "tier"}, sorted(names)
+
+  def imported(name: str) -> set[str]:
+    """The package's modules ``name`` imports (``__init__`` for the package itself)."""
+    out = set()
+    for node in ast.walk(ast.parse((where / f"{name}.py").read_text())):
+      if isinstance(node, ast.ImportFrom):
+        base = package if node.level else (node.module or "")
+        full = f"{base}.{node.module}" if node.level and node.module else base
+        targets = [f"{full}.{a.name}" for a in node.names]
+      elif isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      else:
+        continue
+      for target in targets:
+        for prefix in (package, "jaxkv.tiers.remote"):  # the old path is the same package
+          if target == prefix or target.startswith(prefix + "."):
+            rest = target[len(prefix) + 1:].split(".")[0]
+            out.add(rest if rest in names - {"__init__"} else "__init__")
+    return out
+
+  never = {"wire": {"auth", "server", "client", "tier"}, "auth": {"server", "client", "tier"},
+           "server": {"client", "tier"}, "client": {"server", "tier"}, "tier": {"server"}}
+  for name, forbidden in never.items():
+    got = imported(name)
+    assert not got & (forbidden | {"__init__"}), f"{name} imports {sorted(got)}"
+  assert "client" in imported("tier") and "wire" in imported("auth")

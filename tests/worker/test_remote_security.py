@@ -12,6 +12,7 @@ hold that token, as one on the path would: it crosses in clear.
 
 import collections
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -30,8 +31,10 @@ from zmq.utils.monitor import recv_monitor_message
 import jaxkv
 from jaxkv import security
 from jaxkv.errors import InputError
+from jaxkv.worker import pages as pages_lib
 from jaxkv.worker.tiers import remote
-from jaxkv.worker.tiers.remote import BlockServer, RemoteClient, RemoteError
+from jaxkv.worker.tiers.remote import BlockServer, BlockServerLimits, RemoteClient, RemoteError
+from jaxkv.worker.tiers.remote import wire as remote_wire
 
 import helpers
 from test_remote import KEY, PREFIX
@@ -342,7 +345,8 @@ def test_a_flood_of_junk_costs_a_poll_its_budget_at_most(owner):
     while thread.is_alive():  # the whole flood
       answered = server.poll(0.01)
       polls.append((answered, server.waiting()))
-    assert polls and all(n <= server.max_messages_per_peer <= server.max_messages_per_poll
+    assert polls and all(n <= server.limits.max_messages_per_peer
+                         <= server.limits.max_messages_per_poll
                          for n, _ in polls), polls
     assert any(still_waiting for _, still_waiting in polls), polls  # returned with work left
     assert server.counts["shed"] > 0 and server.counts["unauthenticated"] > 0
@@ -366,7 +370,7 @@ def test_a_forged_payload_with_a_fixed_up_crc_is_rejected(mesh, owner, want, enc
   tagged or sealed in many pieces.)"""
   _, server = owner
   if piece_bytes:
-    monkeypatch.setattr(remote, "_CHUNK_BYTES", piece_bytes)
+    monkeypatch.setattr(remote_wire, "_CHUNK_BYTES", piece_bytes)
   proxy = Proxy(server.address, forge=True, key=KEY)
   try:
     engine = _reader(mesh, proxy.address, encryption=encryption)
@@ -461,8 +465,7 @@ def test_what_refuses_replays_is_bounded_and_forgets_nothing(owner):
   than the first's number forgotten, and the first connection is served on; its replay is
   still refused."""
   engine, _ = owner
-  server = BlockServer(engine.cache)
-  server.max_replay_windows = 1
+  server = BlockServer(engine.cache, limits=BlockServerLimits(max_replay_windows=1))
   keys, fp = tuple(_keys(engine)), engine.cache.config.fingerprint().hex()
   lookup = remote.Lookup(nonce="q", fingerprint=fp, keys=keys)
   socks = [_raw(server.address, KEY) for _ in range(2)]
@@ -486,16 +489,15 @@ def test_a_poll_stops_after_its_answers_bytes_budget(owner):
   """Three fetches waiting: with a budget below one fetch's blocks, each poll answers one
   (a fetch is answered whole) and leaves the rest to the next poll."""
   engine, _ = owner
-  server = BlockServer(engine.cache)
+  server = BlockServer(engine.cache, limits=BlockServerLimits(max_answer_bytes_per_poll=1))
   keys, fp = tuple(_keys(engine)), engine.cache.config.fingerprint().hex()
   sock = _raw(server.address, KEY)
   try:
-    with serving(server):
+    with serving(server):  # the hellos: no blocks, within the budget
       fetches = [remote.FetchBlocks(nonce=f"f{i}", fingerprint=fp, keys=keys, token="t",
                                     transport="inline", sealed=False, wait_ms=5000)
                  for i in range(3)]
       auths = [_auth(sock, f, number=i + 1) for i, f in enumerate(fetches)]
-    server.max_answer_bytes_per_poll = 1
     for f, a in zip(fetches, auths):
       sock.send_multipart([f.nonce.encode(), f.encode(), a])
     helpers.wait_for(server.waiting, 10, "the fetches reached the server")
@@ -658,7 +660,7 @@ def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_byt
   the plaintext (the control). ``piece_bytes``: sealed in many pieces, a frame each."""
   engine, server = owner
   if piece_bytes:
-    monkeypatch.setattr(remote, "_CHUNK_BYTES", piece_bytes)
+    monkeypatch.setattr(remote_wire, "_CHUNK_BYTES", piece_bytes)
   fp, shape = engine.cache.config.fingerprint(), engine.cache.payload_shape
   dtype = engine.cache.config.jnp_dtype
   proxy = Proxy(server.address, key=KEY)
@@ -670,7 +672,7 @@ def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_byt
     assert reader.cache.encrypt and reader.generate([PROMPT], 5) == want
     assert reader.stats()["hits"]["remote"] == 10
     sealed = proxy.data_frames[1]
-    pieces = -(-len(plain) // remote._CHUNK_BYTES)
+    pieces = -(-len(plain) // remote_wire._CHUNK_BYTES)
     assert len(proxy.data_frames) == 2 and (pieces > 1) == bool(piece_bytes)
     assert len(sealed) == len(plain) + pieces * security.Seal.OVERHEAD
     block = len(plain) // 10
@@ -690,7 +692,8 @@ def test_transfer_offers_are_bounded_and_expire(owner):
   ask = lambda wait_ms: client._call(remote.FetchBlocks(
       nonce=remote._nonce(), fingerprint=client.fingerprint, keys=tuple(_keys(engine)),
       token="t", transport="transfer", sealed=False, wait_ms=wait_ms), time.monotonic() + 30)
-  server.max_offers = 1
+  limits = server.limits  # the shared server's: put back after
+  server.limits = dataclasses.replace(limits, max_offers=1)
   try:
     offer, _ = ask(300)
     assert offer.expires_ms == 300 and offer.data_tag is not None and offer.crc32c is None
@@ -701,7 +704,7 @@ def test_transfer_offers_are_bounded_and_expire(owner):
                      "the first offer's time is over")  # the transfer library dropped it
     assert ask(300)[0].transfer_id != offer.transfer_id
   finally:
-    del server.max_offers
+    server.limits = limits
 
 
 def test_keyed_transfer_pulls_are_proven_or_sealed(mesh, want, remote_owners):
@@ -989,7 +992,7 @@ def _flood(shape, dtype, how: str, sealed: bool, seal=None):
   larger than asked) or "too_many" (the blocks as asked, each frame the size it should be,
   then more frames), 256 MiB of 64 KiB frames after the offer (each under the largest
   frame a client reads: a ZeroMQ socket takes them all)."""
-  bits = np.dtype(remote.pages_lib.bits_dtype(dtype))
+  bits = np.dtype(pages_lib.bits_dtype(dtype))
 
   def answer(n, request):
     keys = tuple(bytes.fromhex(k) for k in request["keys"])
@@ -999,9 +1002,9 @@ def _flood(shape, dtype, how: str, sealed: bool, seal=None):
     tag = seal.tag(remote._head_aad(n, offer)) if seal is not None else bytes(28)
     yield _frame(n.encode(), more=True) + _frame(offer, more=True) + _frame(tag, more=True)
     if how == "too_many":
-      pieces = -(-want // remote._CHUNK_BYTES) if sealed else 1
+      pieces = -(-want // remote_wire._CHUNK_BYTES) if sealed else 1
       for i in range(pieces):
-        size = (min(remote._CHUNK_BYTES, want - i * remote._CHUNK_BYTES)
+        size = (min(remote_wire._CHUNK_BYTES, want - i * remote_wire._CHUNK_BYTES)
                 + security.Seal.OVERHEAD if sealed else want)
         yield _frame(bytes(size), more=True)
     yield from _frames_of(64 << 10, 4096, more_after=False)
@@ -1067,8 +1070,8 @@ def test_a_request_replayed_after_thousands_of_newer_ones_is_refused(owner):
   (more than any window of remembered requests) is refused as a replay, counted, while
   every request of the client's own is answered, before and after."""
   engine, _ = owner
-  server = BlockServer(engine.cache)
-  server.max_messages_per_peer = server.max_messages_per_poll  # its requests never wait
+  limits = BlockServerLimits(max_messages_per_peer=BlockServerLimits().max_messages_per_poll)
+  server = BlockServer(engine.cache, limits=limits)  # its requests never wait
   keys = _keys(engine)[:1]
   try:
     with serving(server):

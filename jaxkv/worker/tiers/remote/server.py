@@ -1,0 +1,694 @@
+"""The REMOTE tier's serving side: ``BlockServer``, the blocks of a job's cache for other jobs.
+
+``BlockServer`` runs in the job that holds the blocks (a serving peer with spare memory).
+It listens on a ZeroMQ STREAM socket and answers on the serving job's own thread, in
+``serve``/``poll``: a request is only read when that thread is between steps, so
+gathering blocks never races the engine's donated pools, and the server needs no thread.
+What it may spend is its ``BlockServerLimits`` (the names below are its fields).
+
+What a connection costs it: it reads raw bytes off its STREAM socket, which queues at
+most ``_RCVHWM_CHUNKS`` chunks of ``_IN_BATCH_BYTES`` a connection between polls
+(``BlockServer.queued_bytes_most``, (64 + 1) x 8 KiB = 520 KiB), then TCP holds the
+sender back. A request is three frames, each capped (``_REQUEST_FRAME_BYTES``: 64 B,
+``_MAX_REQUEST_BYTES`` = 1.07 MiB, 160 B); a frame over its cap or past the third is
+dropped as its bytes arrive (counted, ``counts["frames_dropped"]``; its message is refused
+once it ends), one over ``_MAX_REQUEST_BYTES`` closes the connection. Requests read but
+not yet answered are held up to ``max_pending_bytes_per_peer`` (2.13 MiB) a connection,
+more are shed. So a connection costs the server at most ``queued_bytes_most`` +
+``held_bytes_most`` (pending + the caps of one request being read + two chunks and a
+command: 3.2 MiB), whatever it sends, plus what the kernel buffers for its socket
+(``tcp_rmem``).
+
+What the server never owes: a ``poll`` answers at most ``max_messages_per_poll``
+requests, no connection more than ``max_messages_per_peer`` of them (its others wait for
+the next poll), stops reading ``poll_overrun_s`` after its timeout, and stops once the
+blocks it answered with pass ``max_answer_bytes_per_poll`` (a fetch is answered whole, so
+a poll overruns that by at most one fetch: up to ``_MAX_FETCH_BLOCKS`` blocks); answers
+queue for a connection up to its send high-water mark (``4 x max_messages_per_peer``
+largest answers), beyond which the connection is closed; transfer offers are bounded in
+number and bytes and expire (``offer_ttl_s``, or the client's own wait, whichever is
+shorter).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import hmac
+import math
+import secrets
+import time
+
+import jax
+import numpy as np
+import zmq
+
+from jaxkv import buckets
+from jaxkv.worker import pages as pages_lib
+from jaxkv import security
+from jaxkv.distributed import to_host
+from jaxkv.manager.index import Tier
+from jaxkv.errors import InputError, InvariantError
+from jaxkv.worker.tiers.remote.auth import (_HANDSHAKE_USER, _KEYLESS_FIX, _UNAUTHENTICATED,
+                                            _Challenges, _handshake_token, _plain_credentials)
+from jaxkv.worker.tiers.remote.wire import (
+    _COMMAND, _GREETING_BYTES, _LONG, _MAX_COMMAND_BYTES, _MAX_FETCH_BLOCKS, _MAX_HELLO_BYTES,
+    _MAX_REQUEST_BYTES, _MORE, _REQUEST_FRAME_BYTES, REQUESTS, FetchBlocks, Have, Hello, Lookup,
+    Offer, Refusal, Welcome, WireError, _bytes_of, _chunk_aads, _chunks, _command,
+    _command_parts, _digest, _encoded, _greeting, _greeting_mechanism, _head_aad, _parse_head,
+    _piece_sizes, _pull_aad, _readable_nonce, _socket_type, decode)
+
+_IN_BATCH_BYTES = 8192  # libzmq reads a STREAM connection in chunks of at most this
+_RCVHWM_CHUNKS = 64  # chunks a STREAM connection's queue holds before TCP holds the sender
+
+
+class _Hangup(Exception):
+  """A connection that broke the protocol, or its handshake: the server closes it."""
+
+
+class _Inbound:
+  """The server's side of one connection, fed the raw bytes ZeroMQ's STREAM socket reads
+  (``feed``): its handshake (ZMTP NULL without a key; PLAIN with the key's token, compared
+  in constant time), then its requests, frame by frame.
+
+  A request's frames are kept up to their caps (``_REQUEST_FRAME_BYTES``), each written
+  into a buffer of its size as its bytes arrive; a frame over its cap, or past the third,
+  is dropped as its bytes arrive (counted in ``counts["frames_dropped"]``), and its
+  message is refused once it ends; a frame over ``_MAX_REQUEST_BYTES`` closes the
+  connection (``counts["oversized"]``). Complete requests wait in ``ready`` for a poll, at
+  most ``pending_bytes_most`` of them (each charged ``_REQUEST_OVERHEAD_BYTES`` for its
+  objects; more are shed, ``counts["shed"]``). So a connection holds at most that, one
+  request being read, and the bytes of a chunk not parsed yet (less than a command)."""
+
+  def __init__(self, token: bytes | None, counts: collections.Counter,
+               pending_bytes_most: int, now: float):
+    self.token = token
+    self.counts = counts
+    self.pending_bytes_most = pending_bytes_most
+    self.since = now
+    self.state = "greeting"  # -> "hello" -> "initiate" (PLAIN) | "ready" (NULL) -> "open"
+    self.refused = False  # its PLAIN credentials did not pass (then "closed")
+    self._raw = bytearray()  # bytes not parsed yet: part of a header or command, a chunk
+    self._frames: list = []  # the kept frames of the request being read
+    self._count = 0  # its frames so far, kept or dropped
+    self._problem = ""  # why that request will be refused, if it will
+    self._left = 0  # bytes of the current frame still to come ...
+    self._into: bytearray | None = None  # ... into this buffer (None: dropped)
+    self._more = False  # ... and whether another frame follows it
+    self.ready: collections.deque = collections.deque()  # (frames, problem, charge)
+    self.pending_bytes = 0
+
+  def take(self) -> tuple[list, str]:
+    frames, problem, charge = self.ready.popleft()
+    self.pending_bytes -= charge
+    return frames, problem
+
+  def feed(self, data: bytes) -> list[bytes]:
+    """Takes a chunk of the connection's bytes; returns what to send back (the handshake's
+    steps). Raises ``_Hangup`` when the connection must be closed."""
+    if self.state == "closed":
+      return []
+    raw = self._raw
+    raw += data
+    at, replies = 0, []
+    try:
+      while True:
+        if self._left:  # the rest of a frame: written into its buffer, or dropped
+          n = min(self._left, len(raw) - at)
+          if self._into is not None:
+            end = len(self._into) - self._left
+            with memoryview(raw) as view:
+              self._into[end:end + n] = view[at:at + n]
+          at += n
+          self._left -= n
+          if self._left:
+            break
+          self._frame_done()
+          continue
+        if self.state == "greeting":
+          if len(raw) - at < _GREETING_BYTES:
+            break
+          mechanism = b"PLAIN" if self.token is not None else b"NULL"
+          if _greeting_mechanism(raw[at:at + _GREETING_BYTES]) != mechanism:
+            raise _Hangup("another mechanism")  # the client sees it too: not counted
+          at += _GREETING_BYTES
+          self.state = "hello" if self.token is not None else "ready"
+          continue
+        head = _parse_head(raw, at)
+        if head is None:
+          break
+        flags, size, head_bytes = head
+        if flags & ~(_MORE | _LONG | _COMMAND):
+          raise _Hangup(f"frame flags {flags:#x}")
+        if flags & _COMMAND or self.state != "open":
+          if not flags & _COMMAND or flags & _MORE or self._count or size > _MAX_COMMAND_BYTES:
+            raise _Hangup("not a command where one belongs")
+          if len(raw) - at < head_bytes + size:
+            break
+          replies += self._command(bytes(raw[at + head_bytes:at + head_bytes + size]))
+          at += head_bytes + size
+          if self.state == "closed":
+            return replies
+          continue
+        if size > _MAX_REQUEST_BYTES:
+          self.counts["oversized"] += 1
+          raise _Hangup(f"a frame of {size} bytes")
+        at += head_bytes
+        self._count += 1
+        self._left, self._more, self._into = size, bool(flags & _MORE), None
+        cap = _REQUEST_FRAME_BYTES[self._count - 1] if self._count <= 3 else -1
+        if size <= cap:
+          self._into = bytearray(size)
+        else:
+          self.counts["frames_dropped"] += 1
+          if cap >= 0 and not self._problem:
+            self._problem = (f"frame {self._count} of a request (nonce, message, auth) holds "
+                             f"at most {cap} bytes, not {size}")
+        if not size:
+          self._frame_done()
+    finally:
+      del raw[:at]
+    return replies
+
+  def _frame_done(self) -> None:
+    if self._into is not None:
+      self._frames.append(self._into)
+      self._into = None
+    if self._more:
+      return
+    frames, count, problem = self._frames, self._count, self._problem
+    self._frames, self._count, self._problem = [], 0, ""
+    if count != 3:
+      problem = f"a request has 3 frames (nonce, message, auth), not {count}"
+    charge = sum(map(len, frames)) + _REQUEST_OVERHEAD_BYTES
+    if self.pending_bytes + charge > self.pending_bytes_most:
+      self.counts["shed"] += 1
+      return
+    self.ready.append((frames, problem, charge))
+    self.pending_bytes += charge
+
+  def _command(self, command: bytes) -> list[bytes]:
+    """The answer to one handshake command (a command after it, a ping, needs none)."""
+    name, body = _command_parts(command)
+    if self.state == "hello" and name == b"HELLO":
+      credentials = _plain_credentials(body)
+      if (credentials is not None and credentials[0] == _HANDSHAKE_USER
+          and hmac.compare_digest(credentials[1], self.token)):
+        self.state = "initiate"
+        return [_command(b"WELCOME")]
+      self.state, self.refused = "closed", True
+      return [_command(b"ERROR", b"\x03400")]  # 400: ZAP's "not these credentials"
+    if (self.state, name) in (("initiate", b"INITIATE"), ("ready", b"READY")):
+      self.state = "open"
+      return [_command(b"READY", _socket_type(b"ROUTER"))]
+    if self.state == "open":
+      return []
+    raise _Hangup(f"a {name[:20]!r} command in the handshake")
+
+
+# Charged, per request waiting for a poll, for its Python objects (a list, three buffers).
+_REQUEST_OVERHEAD_BYTES = 512
+
+
+def _answer_frames(seal: security.Seal | None, answer, data: list, sealed: bool) -> list:
+  """An answer's frames ``[nonce, header, tag(s), *data]``: without a key a CRC-32C in the
+  header only; with one a tag over the header and each piece of the blocks, or (``sealed``)
+  a sealed frame per piece, so that no buffer of the whole answer is made."""
+  header = answer.encode()
+  nonce = answer.nonce.encode()  # an answer is about the request it names
+  if seal is None:
+    return [nonce, header, b"", *data]
+  tag = seal.tag(_head_aad(answer.nonce, header))
+  if not data:
+    return [nonce, header, tag]
+  chunks = _chunks(data[0])
+  aads = _chunk_aads(answer.nonce, header, len(chunks))
+  if sealed:
+    return [nonce, header, tag, *map(seal.seal, aads, chunks)]
+  return [nonce, header, b"".join([tag, *map(seal.tag, aads, chunks)]), data[0]]
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockServerLimits:
+  """What a ``BlockServer`` spends on its peers: per poll, per connection, on replay windows
+  and on transfer offers (the module's docstring: what each bounds). The defaults suit a
+  serving job polled between steps; a deployer tunes one by name, e.g.
+  ``BlockServer(cache, limits=BlockServerLimits(max_offers=16))``."""
+
+  max_messages_per_poll: int = 64  # requests one ``poll`` answers
+  max_messages_per_peer: int = 16  # of them for one connection; its others wait for the next poll
+  max_pending_bytes_per_peer: int = 2 * _MAX_REQUEST_BYTES  # requests read, not yet answered
+  poll_overrun_s: float = 0.005  # reading stops this long after ``poll``'s timeout
+  max_answer_bytes_per_poll: int = 64 << 20  # ... or once its answers' blocks pass this
+  challenge_epoch_s: float = 60.0  # a challenge holds for its epoch and the next one
+  handshake_timeout_s: float = 30.0  # a connection still in its handshake after this is closed
+  max_offers: int = 256  # transfer offers outstanding (not yet expired) ...
+  max_offer_bytes: int = 1 << 30  # ... and their device bytes
+  offer_ttl_s: float = 30.0  # the longest a transfer offer stands (the client's wait, if shorter)
+  max_replay_windows: int = 4096  # challenges whose highest answered number is remembered
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      least, above, why = _LIMIT_FLOORS[f.name]
+      kind = int if f.type == "int" else (int, float)
+      if (not isinstance(value, kind) or isinstance(value, bool) or not math.isfinite(value)
+          or (value <= least if above else value < least)):
+        raise InputError(
+            f"BlockServerLimits.{f.name}={value!r} must be "
+            f"{'an integer' if kind is int else 'a finite number'} {'>' if above else '>='} "
+            f"{least} ({why}). Fix: give {f.name} a value {'>' if above else '>='} {least}, or "
+            f"leave it out (its default: {f.default!r}).")
+
+
+# Each limit's smallest value, whether it must be above it, and why.
+_LIMIT_FLOORS = {
+    "max_messages_per_poll": (1, False, "a poll that may answer nothing never serves"),
+    "max_messages_per_peer": (1, False, "a connection that may get no answer is never served"),
+    "max_pending_bytes_per_peer": (
+        sum(_REQUEST_FRAME_BYTES) + _REQUEST_OVERHEAD_BYTES, False,
+        "one request at its frames' caps: below it the largest lookups are always shed"),
+    "poll_overrun_s": (0, False, "how long past its timeout a poll may read"),
+    "max_answer_bytes_per_poll": (0, False, "bytes of blocks; at 0 a poll answers one fetch"),
+    "challenge_epoch_s": (0, True, "a challenge must hold for some time"),
+    "handshake_timeout_s": (0, True, "a handshake takes some time"),
+    "max_offers": (0, False, "at 0 every transfer fetch is refused"),
+    "max_offer_bytes": (0, False, "at 0 every transfer fetch is refused"),
+    "offer_ttl_s": (0, True, "an offer must stand long enough to be pulled"),
+    "max_replay_windows": (1, False, "at 0 every authenticated request is refused as busy"),
+}
+
+
+class BlockServer:
+  """Serves the device and host blocks of ``cache`` (a ``jaxkv.KVCache``) to other jobs.
+
+  Requests are read and answered only inside ``poll``/``serve``, on the calling thread (one
+  thread at a time), within a budget per poll and per connection (``limits``, a
+  ``BlockServerLimits``: the defaults unless given). Each connection's bytes go through its
+  ``_Inbound`` (the handshake, then requests frame by frame, within their bounds: the
+  module's docstring).
+  Each request is checked (frames, nonce, authentication) before it is parsed
+  (``decode``), then answered by ``reply``; a fetch's blocks are gathered once and handed
+  to ``ship``, which sends them the way the client asked. Every failure on the way is a
+  ``Refusal``, never a crash.
+
+  With a deployment key only connections that pass the PLAIN handshake get a request
+  read. Without one the server answers anyone who reaches it: bound to a non-loopback
+  ``host`` it refuses to start unless ``allow_insecure``, and it logs that it is insecure
+  in any case. ``counts`` tells what it did (answered, unauthenticated, replay, shed,
+  malformed, frames dropped, oversized frames, offers refused for the bound);
+  ``handshakes_refused``, how many connections it turned away before reading a request of
+  theirs. ``close`` it: it owns a ZeroMQ context.
+  """
+
+  def __init__(self, cache, host: str = "127.0.0.1", port: int = 0, *,
+               allow_insecure: bool = False, limits: BlockServerLimits = BlockServerLimits()):
+    if not isinstance(limits, BlockServerLimits):
+      raise InputError(f"BlockServer(limits={limits!r}) must be a BlockServerLimits: build "
+                       "one, BlockServerLimits(max_offers=...), naming the limits to change.")
+    self.cache = cache
+    self.limits = limits
+    self._key = cache.deployment_key
+    if self._key is None:
+      if not security.is_loopback(host) and not allow_insecure:
+        raise InputError(f"BlockServer on {host}:{port} has no deployment key: anyone who "
+                         "reaches it could test which prompts were served and pull their KV. "
+                         f"Fix: {_KEYLESS_FIX}; or pass allow_insecure=True "
+                         "(--allow_insecure) on an isolated network.")
+      security.warn_insecure("the block server answers anyone, without a deployment key "
+                             "(its answers carry a CRC-32C only)", _KEYLESS_FIX)
+    self._seal = security.Seal(self._key, "remote-answer") if self._key is not None else None
+    self._token = _handshake_token(self._key) if self._key is not None else None
+    self.counts: collections.Counter = collections.Counter()
+    self._handshakes_refused = 0
+    self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
+    self._challenges = _Challenges(self, self._key)
+    self._peers: dict[bytes, _Inbound] = {}  # connection id -> its inbound side
+    self._turns: collections.OrderedDict = collections.OrderedDict()  # ids with requests ready
+    self._closing: set[bytes] = set()  # connections to close (their queue was full)
+    self._sweep_at = 0.0  # when handshakes past their time are next closed
+    self._progressed = False  # a handshake took a step in this poll
+    self._transfer = None
+    self._context = zmq.Context()
+    self._socket = None
+    try:
+      self._socket = self._context.socket(zmq.STREAM)
+      self._socket.setsockopt(zmq.LINGER, 0)
+      self._socket.setsockopt(zmq.RCVHWM, _RCVHWM_CHUNKS)  # per connection, raw chunks
+      # Per connection, in sends: a largest answer is a header piece and, sealed, two sends
+      # a piece; beyond, the connection is closed (it does not read).
+      block = int(np.prod(cache.payload_shape)) * np.dtype(
+          pages_lib.bits_dtype(cache.config.jnp_dtype)).itemsize
+      sends = 1 + 2 * len(_piece_sizes(_MAX_FETCH_BLOCKS * block))
+      self._socket.setsockopt(zmq.SNDHWM, 4 * self.limits.max_messages_per_peer * sends)
+      if port:
+        self._socket.bind(f"tcp://{host}:{port}")
+      else:
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+    except BaseException:  # e.g. the port is taken: leave no socket behind
+      self._context.destroy(linger=0)
+      raise
+    self.address = f"{host}:{port}"
+
+  @property
+  def refused(self) -> int:
+    """Requests refused for a missing or wrong MAC (or an unknown challenge)."""
+    return self.counts["unauthenticated"]
+
+  @property
+  def handshakes_refused(self) -> int:
+    """Connections turned away in the handshake (a wrong token), before a request of
+    theirs was read. A client without any credentials fails earlier still (its greeting
+    names another mechanism) and is not counted here."""
+    return self._handshakes_refused
+
+  @property
+  def queued_bytes_most(self) -> int:
+    """The most bytes ZeroMQ queues for one connection between polls: its STREAM queue of
+    ``_RCVHWM_CHUNKS`` chunks, and the one its reader holds once the queue is full (raw
+    chunks are read ``_IN_BATCH_BYTES`` at most; then TCP holds the sender back)."""
+    return (_RCVHWM_CHUNKS + 1) * _IN_BATCH_BYTES
+
+  @property
+  def held_bytes_most(self) -> int:
+    """The most bytes of one connection's requests this server holds: those read and
+    waiting (``max_pending_bytes_per_peer``), the one being read (its three frames at their
+    caps), a chunk as read and as not parsed yet, and a command."""
+    return (self.limits.max_pending_bytes_per_peer + sum(_REQUEST_FRAME_BYTES)
+            + 2 * _IN_BATCH_BYTES + _MAX_COMMAND_BYTES)
+
+  def poll(self, timeout_s: float = 0.0) -> int:
+    """Reads what arrives within ``timeout_s`` and answers requests, at most
+    ``max_messages_per_poll`` of them and ``max_messages_per_peer`` a connection (the
+    connections in turn; a connection's others wait for the next poll), and none once its
+    answers' blocks pass ``max_answer_bytes_per_poll``. While a handshake is under way it
+    may read on until ``poll_overrun_s`` past the timeout (a handshake is three round
+    trips). Returns how many requests it answered."""
+    answered = answered_bytes = 0
+    per_peer: collections.Counter = collections.Counter()
+    now = time.monotonic()
+    deadline = now + timeout_s
+    stop = deadline + self.limits.poll_overrun_s
+    self._tidy(now)
+    self._progressed = False
+    while (answered < self.limits.max_messages_per_poll
+           and answered_bytes <= self.limits.max_answer_bytes_per_poll):
+      turn = self._next_turn(per_peer)
+      if turn is not None:
+        peer, frames, problem = turn
+        per_peer[peer] += 1
+        reply, blocks_bytes = self._handle(peer, frames, problem)
+        self._send(peer, _encoded(reply))
+        answered += 1
+        answered_bytes += blocks_bytes
+        continue
+      now = time.monotonic()
+      until = stop if self._progressed else deadline
+      if now >= stop or not self._socket.poll(max(0, int((until - now) * 1000))):
+        break
+      self._receive()
+    self.counts["answered"] += answered
+    return answered
+
+  def waiting(self) -> bool:
+    """Whether a request or bytes wait to be read (a ``poll`` left work for the next one)."""
+    return bool(self._turns) or bool(self._socket.poll(0))
+
+  def serve(self, duration_s: float) -> None:
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+      self.poll(min(0.1, max(0.0, end - time.monotonic())))
+
+  def close(self) -> None:
+    if self._socket is not None:
+      self._socket.close(0)
+    self._context.term()
+
+  # ---- connections: bytes in, answers out -----------------------------------------------------
+  def _receive(self) -> None:
+    """Reads one chunk: a connection made or gone (ZeroMQ's empty notice), or its bytes."""
+    try:
+      peer, data = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+    except zmq.Again:
+      return
+    inbound = self._peers.get(peer)
+    if not data:
+      if inbound is not None:  # gone
+        self._forget(peer)
+      else:  # made (or a notice of one already closed here: its greeting finds no one)
+        self._peers[peer] = _Inbound(self._token, self.counts,
+                                     self.limits.max_pending_bytes_per_peer, time.monotonic())
+        self._progressed |= self._send(peer, [_greeting(
+            b"PLAIN" if self._token is not None else b"NULL", self._token is not None)])
+      return
+    if inbound is None:  # bytes of a connection being closed
+      return
+    try:
+      replies = inbound.feed(data)
+    except _Hangup:
+      self._hang_up(peer)
+      return
+    if inbound.refused:
+      inbound.refused = False
+      self._handshakes_refused += 1
+      self._closing.add(peer)  # once its ERROR has gone: at the next poll
+    if replies:
+      self._progressed |= self._send(peer, replies)
+    if inbound.ready and peer not in self._turns:
+      self._turns[peer] = None
+
+  def _next_turn(self, per_peer) -> tuple[bytes, list, str] | None:
+    """The next request to answer: from the first connection in turn below its share."""
+    for peer in self._turns:
+      if per_peer[peer] < self.limits.max_messages_per_peer:
+        inbound = self._peers[peer]
+        frames, problem = inbound.take()
+        if inbound.ready:
+          self._turns.move_to_end(peer)
+        else:
+          del self._turns[peer]
+        return peer, frames, problem
+    return None
+
+  def _send(self, peer: bytes, pieces: list) -> bool:
+    """Sends ``pieces`` (one message's bytes) to ``peer`` without waiting; a connection whose
+    queue is full is closed (a partly sent message cannot be taken back)."""
+    try:
+      for piece in pieces:
+        self._socket.send_multipart([peer, piece], flags=zmq.NOBLOCK, copy=False)
+      return True
+    except zmq.Again:
+      self.counts["send_queue_full"] += 1
+      self._hang_up(peer)
+    except zmq.ZMQError:  # the connection is gone
+      self._forget(peer)
+    return False
+
+  def _hang_up(self, peer: bytes) -> None:
+    """Closes a connection (an empty send does), or tries again next poll."""
+    self._forget(peer)
+    try:
+      self._socket.send_multipart([peer, b""], flags=zmq.NOBLOCK)
+    except zmq.Again:  # its queue is full: the close waits there too
+      self._closing.add(peer)
+    except zmq.ZMQError:
+      pass  # gone already
+
+  def _forget(self, peer: bytes) -> None:
+    self._peers.pop(peer, None)
+    self._turns.pop(peer, None)
+    self._closing.discard(peer)
+
+  def _tidy(self, now: float) -> None:
+    """Closes the connections waiting to be closed, and once a second those whose
+    handshake is past ``handshake_timeout_s``."""
+    for peer in list(self._closing):
+      self._hang_up(peer)
+    if now >= self._sweep_at:
+      self._sweep_at = now + 1.0
+      for peer, inbound in list(self._peers.items()):
+        if inbound.state != "open" and now - inbound.since > self.limits.handshake_timeout_s:
+          self._hang_up(peer)
+
+  # ---- one request --------------------------------------------------------------------------
+  def _handle(self, peer: bytes, frames: list, problem: str) -> tuple[list, int]:
+    """The reply frames ``[nonce, answer, tag, *data]`` to one request
+    ``[nonce, message, auth]`` (``problem``: why its frames already break the protocol),
+    and the bytes of the blocks it answers with (for the poll's budget): checked from the
+    cheapest test on, parsed only once authenticated (a hello excepted)."""
+    nonce = ""
+    sealed = False
+    try:
+      nonce = _readable_nonce(bytes(frames[0][:65]).decode("ascii", "replace") if frames else "")
+      if problem:
+        raise WireError(problem)
+      body, auth = frames[1], frames[2]
+      signed = (self._challenges.authentic(peer, body, auth) if self._key is not None and auth
+                else None)
+      if self._key is not None and (auth or len(body) > _MAX_HELLO_BYTES) and signed is None:
+        answer, data = self._refuse_unauthenticated(nonce), []
+      else:
+        request = decode(body, REQUESTS)
+        if request.nonce != nonce:
+          raise WireError(f"the message's nonce {request.nonce!r} is not its frame's", nonce)
+        if isinstance(request, Hello):
+          self.counts["hello"] += 1
+          challenge = self._challenges.make(peer, self._challenges.epoch(),
+                                            secrets.token_hex(4))
+          answer, data = Welcome(nonce=nonce, challenge=challenge,
+                                 valid_ms=int(self.limits.challenge_epoch_s * 1000)), []
+        elif self._key is not None and signed is None:
+          answer, data = self._refuse_unauthenticated(nonce), []
+        elif self._key is not None and (new := self._challenges.first_time(*signed)) is not True:
+          if new is None:
+            self.counts["replay_windows_full"] += 1
+            answer = Refusal(nonce=nonce, error=f"busy: requests under "
+                             f"{self.limits.max_replay_windows} challenges are numbered here "
+                             "already (say hello again later)")
+          else:
+            self.counts["replay"] += 1
+            answer = Refusal(nonce=nonce, error="replay: numbered at or below a request this "
+                             "server has answered under the same challenge")
+          data = []
+        else:
+          answer, data = self.reply(request)
+          sealed = isinstance(answer, Offer) and answer.sealed
+    except InvariantError:  # our own bookkeeping broke: a bug, not the peer's problem
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (answer, never crash)
+      self.counts["malformed"] += 1
+      answer, data = Refusal(nonce=getattr(e, "nonce", nonce) or nonce,
+                             error=f"{type(e).__name__}: {str(e)[:200]}"), []
+    blocks_bytes = (int(np.prod(answer.shape)) * np.dtype(answer.dtype).itemsize
+                    if isinstance(answer, Offer) else 0)
+    return _answer_frames(self._seal, answer, data, sealed), blocks_bytes
+
+  def _refuse_unauthenticated(self, nonce: str) -> Refusal:
+    self.counts["unauthenticated"] += 1
+    return Refusal(nonce=nonce, error=f"{_UNAUTHENTICATED}: a wrong or missing deployment "
+                   "key, or a challenge this server did not make for this connection or that "
+                   "expired (say hello again)")
+
+  def reply(self, request: Lookup | FetchBlocks) -> tuple[Have | Offer | Refusal, list]:
+    """The answer to an authenticated request, and the data frames that follow it."""
+    if request.fingerprint != self.cache.config.fingerprint().hex():
+      return Refusal(nonce=request.nonce, error="fingerprint: another model or layout"), []
+    if isinstance(request, FetchBlocks) and request.sealed and self._key is None:
+      return Refusal(nonce=request.nonce, error="sealed: this peer has no deployment key, "
+                     "it cannot seal blocks"), []
+    where = self._where(list(request.keys))
+    if isinstance(request, Lookup):
+      return Have(nonce=request.nonce, have=len(where)), []
+    if len(where) < len(request.keys):
+      return Refusal(nonce=request.nonce, error=f"missing: holds {len(where)} of "
+                     f"{len(request.keys)} blocks"), []
+    stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
+    transfer = request.transport == "transfer"
+    offer = Offer(nonce=request.nonce, keys=request.keys, dtype=np.dtype(stack.dtype).name,
+                  shape=tuple(stack.shape), token=request.token, sealed=request.sealed,
+                  crc32c=_digest(stack) if self._key is None else None,
+                  expires_ms=(min(request.wait_ms, int(self.limits.offer_ttl_s * 1000))
+                              if transfer else None))
+    return self.ship(offer, stack, request.transport)
+
+  def ship(self, offer: Offer, stack: np.ndarray, transport: str) -> tuple[Offer | Refusal, list]:
+    """Sends the blocks ``offer`` describes: inline, as one zero-copy frame after it (tagged
+    or sealed with the header); or as a ``jax.experimental.transfer`` pull the offer names.
+
+    A transfer offer holds a device copy of the blocks (sealed: of their ciphertext) until
+    it is pulled or ``offer.expires_ms`` has passed (``await_pull``'s timeout: the transfer
+    library then drops it). Offers not yet expired are bounded by ``max_offers`` and
+    ``max_offer_bytes``, counting pulled ones until they expire (the library does not say
+    when a pull happened); beyond the bound a fetch is refused (counted,
+    ``counts["offers_refused"]``) and the client recomputes."""
+    if transport == "inline":
+      return offer, [_bytes_of(stack)]
+    payload = stack
+    if self._seal is not None and offer.sealed:
+      payload = np.frombuffer(self._seal.seal(_pull_aad(offer.nonce), _bytes_of(stack)),
+                              np.uint8)
+    elif self._seal is not None:
+      offer = dataclasses.replace(
+          offer, data_tag=self._seal.tag(_pull_aad(offer.nonce), _bytes_of(stack)).hex())
+    now = time.monotonic()
+    self._offers = [(t, n) for t, n in self._offers if t > now]
+    held = sum(n for _, n in self._offers)
+    if (len(self._offers) >= self.limits.max_offers
+        or held + payload.nbytes > self.limits.max_offer_bytes):
+      self.counts["offers_refused"] += 1
+      return Refusal(nonce=offer.nonce, error=f"busy: {len(self._offers)} transfer offers "
+                     f"({held} bytes) outstanding, the most this peer holds"), []
+    if self._transfer is None:
+      import jax.experimental.transfer as transfer
+      self._transfer = transfer.start_transfer_server(jax.local_devices()[0].client,
+                                                      f"{self.address.rpartition(':')[0]}:0",
+                                                      ["127.0.0.1:0"])
+    ttl_s = (offer.expires_ms if offer.expires_ms is not None
+             else self.limits.offer_ttl_s * 1000) / 1000
+    transfer_id = secrets.randbits(63)
+    self._transfer.await_pull(transfer_id, [jax.device_put(payload, jax.local_devices()[0])],
+                              timeout=datetime.datetime.now() + datetime.timedelta(seconds=ttl_s))
+    self._offers.append((now + ttl_s, payload.nbytes))
+    return dataclasses.replace(offer, transfer_id=transfer_id,
+                               transfer_address=self._transfer.address()), []
+
+  def _where(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
+    """(shard, tier, slot) of the longest prefix of ``keys`` in device or host memory on
+    any one shard (a block on disk ends the prefix: what follows it is not a prefix)."""
+    index = self.cache.index
+    best: list = []
+    for s in range(self.cache.num_shards):
+      found = [(s, t, slot) for t, slot in index.locate(s, keys, (Tier.DEVICE, Tier.HOST))]
+      if len(found) > len(best):
+        best = found
+    return best
+
+  def _gather(self, where) -> np.ndarray:
+    """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
+    gather per tier for all of them; only the rows of the shards holding them come to
+    the host, then one numpy copy puts each block in place."""
+    cache = self.cache
+    out = None
+    for tier in (Tier.DEVICE, Tier.HOST):
+      picks = [(i, s, slot) for i, (s, t, slot) in enumerate(where) if t == tier]
+      if not picks:
+        continue
+      ids, per = buckets.shard_ids(picks, cache.num_shards, 0, lambda p: p[2],
+                                   shard_of=lambda p: p[1])
+      n = ids.shape[1]
+      if tier == Tier.DEVICE:
+        stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+                                         config=cache.config)
+      else:
+        stack = cache.host.read_numpy(ids)
+      for s, items in enumerate(per):
+        if not items:
+          continue
+        got = _host_blocks(stack, s * n, s * n + len(items))
+        dst = [i for i, _, _ in items]
+        if out is None and dst == list(range(len(where))):
+          return got  # one tier, one shard: already in place
+        if out is None:
+          out = np.empty((len(where), *got.shape[1:]), got.dtype)
+        out[dst] = got
+    return out
+
+def _host_blocks(x, start: int, stop: int) -> np.ndarray:
+  """``x[:, :, start:stop]`` as numpy with the rows first (``[rows, arrays, kv_heads, ...]``,
+  a block per row), copying to the host only the device shards that hold those rows (a
+  device gather spans every data shard; a peer wants one): one copy per shard."""
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return np.ascontiguousarray(np.moveaxis(to_host(x)[:, :, start:stop], 2, 0))
+  parts = []
+  for shard in x.addressable_shards:
+    lo, hi, _ = shard.index[2].indices(x.shape[2])
+    if shard.replica_id == 0 and lo < stop and start < hi:
+      shard.data.copy_to_host_async()
+      parts.append((shard, lo, max(lo, start), min(hi, stop)))
+  out = np.empty((stop - start, *x.shape[:2], *x.shape[3:]), x.dtype)
+  for shard, lo, a, b in parts:
+    out[a - start:b - start, shard.index[0], shard.index[1]] = np.moveaxis(
+        np.asarray(shard.data)[:, :, a - lo:b - lo], 2, 0)
+  return out
