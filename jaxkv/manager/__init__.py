@@ -116,11 +116,12 @@ class CacheManager:
       return True
     return self._answered.wait(timeout_s)
 
-  def forget_peer_lookup(self, request: int) -> None:
-    """A request that left the queue (aborted, failed) no longer waits for its answer."""
-    future = self._asked.pop(request, None)
-    if future is not None:
-      future.cancel()
+  def forget_peer_lookups(self, requests) -> None:
+    """Requests that left the queue (aborted, failed) no longer wait for their answers."""
+    for request in requests:
+      future = self._asked.pop(request, None)
+      if future is not None:
+        future.cancel()
 
   def close(self) -> None:
     """Stops the lookup thread (answers still out are dropped)."""

@@ -94,7 +94,9 @@ class RequestHandle:
     self.t_submit = time.perf_counter()
     self._wait, self._on_token = wait, on_token
 
-  def _deliver(self, tokens, logits=None, finish_reason: str | None = None) -> None:
+  def deliver(self, tokens, logits=None, finish_reason: str | None = None) -> None:
+    """The scheduler's: a step's tokens (and their logits) for this request; with
+    ``finish_reason``, its end."""
     for i, token in enumerate(tokens):
       self.tokens.append(int(token))
       if self.logits is not None and logits is not None:
@@ -102,9 +104,9 @@ class RequestHandle:
     if finish_reason is not None:
       self.finished, self.finish_reason = True, finish_reason
 
-  def _notify(self, tokens) -> None:
-    """Calls the caller's ``on_token`` (after the scheduler's own bookkeeping: a callback
-    that raises fails the step, never the accounts)."""
+  def notify(self, tokens) -> None:
+    """The scheduler's: calls the caller's ``on_token`` (after its own bookkeeping: a
+    callback that raises fails the step, never the accounts)."""
     if self._on_token is not None:
       for token in tokens:
         self._on_token(int(token))
@@ -189,8 +191,7 @@ class Scheduler:
     return bool(self.waiting or self.running)
 
   def has_orders(self) -> bool:
-    """Whether tier work is decided and not yet in a plan (the engine runs a plan of
-    orders alone when no request is left to carry it)."""
+    """Whether tier work waits for a plan (none left to carry it: a plan of orders alone)."""
     return not self._orders.empty
 
   def _take_orders(self, *more: TierOrders) -> TierOrders:
@@ -221,11 +222,11 @@ class Scheduler:
         self.index.release(s.placement.shard, s.placement.pages)
         del self.running[s.row]
         ended.append(s.handle.id)
+    self.manager.forget_peer_lookups(ended)
     for request in ended:
       self._held_once.discard(request)
-      self.manager.forget_peer_lookup(request)
       reason = self._aborting.pop(request)
-      self.handles[request]._deliver([], None, reason)
+      self.handles[request].deliver([], None, reason)
       self.stats.add("aborted_requests" if reason == "abort" else "failed_requests")
     return tuple(ended)
 
@@ -396,7 +397,7 @@ class Scheduler:
       handle = self.handles[plan.streamed.id]
       self._first_token(handle, t_first)
       # The streamer ran it to a stop token or its length.
-      handle._deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)
+      handle.deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)
                       or "length")
       self._complete(handle, result.t_tokens)
       out = StepOutput(handle, tuple(tokens), True)
@@ -420,7 +421,7 @@ class Scheduler:
       logits = None if result.logits is None else [result.logits[request]]
       if done is not None:
         self._leave(s)
-      s.handle._deliver([token], logits, done)
+      s.handle.deliver([token], logits, done)
       if done is not None:
         self._complete(s.handle, result.t_tokens)
       outputs.append(StepOutput(s.handle, (token,), done is not None))
@@ -433,7 +434,7 @@ class Scheduler:
     fails its own request (it ends with "error" at the next step, its pages released),
     never the step, the accounts or another request."""
     try:
-      out.handle._notify(out.new_tokens)
+      out.handle.notify(out.new_tokens)
     except Exception:  # the caller's code: logged with its traceback, kept to its request
       logging.exception("on_token of request %d raised; the request ends with "
                         "finish_reason='error'", out.handle.id)
@@ -534,14 +535,12 @@ class Scheduler:
     "error") and every page reference the running ones held is released. Returns the
     fetch groups never settled (group -> fetches): their transfers and the pins on their
     sources are the runner's to abandon."""
-    for request in self.waiting:
-      self.manager.forget_peer_lookup(request.id)
+    self.manager.forget_peer_lookups(r.id for r in self.waiting)
     self.waiting.clear()
     self._held_once.clear()
     self._aborting.clear()
-    # Orders not carried out are dropped: the failed step may have consumed the pools, and
-    # a copy of what is left there would be of bytes no longer the blocks' (a lost copy is
-    # a miss later, never a wrong hit).
+    # Orders not carried out are dropped: the failed step may have consumed the pools (a
+    # lost copy is a miss later, a copy of bytes no longer the blocks' a wrong hit).
     self._orders = TierOrders()
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
@@ -551,7 +550,7 @@ class Scheduler:
     handles, self.handles = self.handles, {}
     for handle in handles.values():  # waiting, running, or taken off the queue by the step
       if not handle.finished:
-        handle._deliver([], None, "error")
+        handle.deliver([], None, "error")
     return unsettled
 
 

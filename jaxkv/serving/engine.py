@@ -18,9 +18,8 @@ queue and leaves it through the same steps:
                  verification, the readback; returns the ``StepResult``.
   ``streaming``  executes the plan of a sequence longer than a device pool (hot pages on
                  device, cold ones streamed from host or disk through attention).
-What goes back up is a return value. Everything the parts share lives in the ``KVCache``:
-the device pools, the tiers, the index, the pins and the ``Stats``.
-
+What goes back up is a return value. What the parts share is the ``KVCache``: its manager
+(index, pins) for admission and the scheduler, its worker (pools, tiers) for the runner.
 ``EngineConfig(batching="static")`` is an admission policy of the same loop (admit only
 into an empty batch: waves), kept to compare against.
 
@@ -229,12 +228,9 @@ class Engine:
 
   def _run_plan(self) -> list[StepOutput]:
     plan = self.loop.schedule()
-    if plan.empty:
-      outputs = self.loop.update(plan, None)
-      # Nothing ran: what waits, waits for a peer's answer about its prefix. Wait for
-      # the answer here, briefly, rather than spin (the lookup's own deadline bounds it).
+    if plan.empty:  # what waits, waits for a peer's answer: wait a little for it, not spin
       self.cache.manager.wait_for_peer_answer(0.05)
-      return outputs
+      return self.loop.update(plan, None)
     if logging.level_debug():  # --verbosity=1: the plan each step ran, one line
       logging.debug("%s", plan.summary())
     return self.loop.update(plan, self._execute(plan))

@@ -342,6 +342,7 @@ class RemoteClient:
     self._transfer_server = None
     # transfer address -> connection, least recently used first (``_MAX_TRANSFER_CONNECTIONS``)
     self._connections: collections.OrderedDict = collections.OrderedDict()
+    self._busy = threading.Lock()  # a lookup or a fetch uses the connection
 
   @property
   def available(self) -> bool:
@@ -500,7 +501,19 @@ class RemoteClient:
 
   def lookup(self, keys: list[bytes]) -> int:
     """How many leading ``keys`` the peer holds, at most ``len(keys)`` (0 when it cannot
-    be asked, or its answer is wrong: counted in ``failures_by_reason``)."""
+    be asked, or its answer is wrong: counted in ``failures_by_reason``). Safe beside a
+    ``fetch`` on another thread (the manager asks on its lookup thread): one at a time
+    uses the connection."""
+    wait_s = min(self.deadline_s, 1.0)
+    if not self._busy.acquire(timeout=wait_s):
+      self._failed(Failure.DEADLINE, close=False)  # a fetch held the connection throughout
+      return 0
+    try:
+      return self._lookup(keys, time.monotonic() + wait_s)
+    finally:
+      self._busy.release()
+
+  def _lookup(self, keys: list[bytes], deadline: float) -> int:
     keys = list(keys[:_MAX_KEYS])  # a prefix of a prefix: still the question asked
     if not keys:
       return 0
@@ -509,7 +522,7 @@ class RemoteClient:
       return 0
     try:
       have, _ = self._call(Lookup(nonce=_nonce(), fingerprint=self.fingerprint,
-                                  keys=tuple(keys)), time.monotonic() + min(self.deadline_s, 1.0))
+                                  keys=tuple(keys)), deadline)
       if have.have > len(keys):
         raise RemoteError("malformed", f"holds {have.have} of the {len(keys)} keys asked about")
       self.breaker.record(True)
@@ -523,6 +536,15 @@ class RemoteClient:
   def fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
     """The blocks' raw bits ``[blocks, *payload_shape]`` (at most ``_MAX_FETCH_BLOCKS``),
     verified; raises ``RemoteError`` (counted in ``failures_by_reason``), nothing else."""
+    if not self._busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
+      self._failed(Failure.DEADLINE, close=False)  # a lookup held the connection past it
+      raise RemoteError("deadline", f"peer {self.address}'s connection stayed busy")
+    try:
+      return self._fetch(keys, payload_shape, dtype, deadline)
+    finally:
+      self._busy.release()
+
+  def _fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
     if len(keys) > _MAX_FETCH_BLOCKS:
       raise InputError(f"fetch of {len(keys)} blocks: at most {_MAX_FETCH_BLOCKS} a fetch; "
                        "split them (RemoteTier does).")
