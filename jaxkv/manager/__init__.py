@@ -137,8 +137,7 @@ class CacheManager:
     give them now (then nothing was evicted); ``evicted`` the blocks whose pages were taken,
     whose bytes are still there until the step that uses the pages writes them, so a
     write-back copy ordered in that step's ``TierOrders.demote`` comes first."""
-    evicted: list = []
-    pages = self.index.allocate(shard, n, Tier.DEVICE, evicted=evicted)
+    pages, evicted = self.index.allocate_evicting(shard, n, Tier.DEVICE)
     return pages, tuple((shard, p, k) for k, p in evicted)
 
   def release_pin(self, f: Fetch) -> None:

@@ -245,33 +245,38 @@ class PrefixIndex:
     for key in keys:
       self._hits[key] += 1
 
-  def allocate(self, shard: int, n: int, tier: Tier = Tier.DEVICE,
-               evicted: list | None = None) -> list[int] | None:
-    """``n`` fresh slots with refcount 1, evicting the least valuable cached blocks.
+  def allocate(self, shard: int, n: int, tier: Tier = Tier.DEVICE) -> list[int] | None:
+    """``n`` fresh slots with refcount 1, evicting the least valuable cached blocks; None
+    (and nothing changed) when fewer than ``n`` are free or evictable. For a caller whose
+    evicted blocks need nothing more (``allocate_evicting`` says which they were)."""
+    return self.allocate_evicting(shard, n, tier)[0]
 
-    Returns ``None`` (and changes nothing) when fewer than ``n`` slots are free or
-    evictable: running out is an expected outcome, not an error. Each evicted block is
-    appended to ``evicted`` as ``(key, slot)`` (its bytes are still in the slot until the
-    caller overwrites it, so a write-back copy can be issued first).
+  def allocate_evicting(self, shard: int, n: int, tier: Tier = Tier.DEVICE
+                        ) -> tuple[list[int] | None, tuple[tuple[Key, int], ...]]:
+    """``(slots, evicted)``: ``n`` fresh slots with refcount 1 and the cached blocks
+    evicted to make room, as ``(key, slot)`` (their bytes are still in the slots until
+    the caller overwrites them, so a write-back copy can be issued first).
+
+    ``slots`` is None (and nothing changed) when fewer than ``n`` slots are free or
+    evictable: running out is an expected outcome, not an error.
     """
     pool = self._pool(tier, shard)
     if n < 0:
       raise InvariantError(f"allocate n={n} on shard {shard}: a slot count must be >= 0; "
                            "the caller computed it wrong.")
     if n > len(pool.free_queue):
-      return None
-    out = []
+      return None, ()
+    out, evicted = [], []
     for _ in range(n):
       p = self._pick_victim(pool)
       key = pool.key_of_slot[p]
       if key is not None:
         self._forget(pool, p, key)
         self.counters.evictions += 1
-        if evicted is not None:
-          evicted.append((key, p))
+        evicted.append((key, p))
       pool.refcount[p] = 1
       out.append(p)
-    return out
+    return out, tuple(evicted)
 
   def publish(self, shard: int, slot: int, key: Key, tier: Tier = Tier.DEVICE,
               parent: Key | None = None) -> bool:

@@ -90,8 +90,7 @@ class DiskJournal:
   def allocate(self, n: int) -> list[int] | None:
     """``n`` disk slots (referenced), or None when every slot is held. The records of the
     blocks evicted from them are deleted: the index forgot them, so nothing names them."""
-    evicted: list = []
-    slots = self.index.allocate(0, n, Tier.DISK, evicted=evicted)
+    slots, evicted = self.index.allocate_evicting(0, n, Tier.DISK)
     for key, _ in evicted:
       self.disk.delete(key)
     return slots

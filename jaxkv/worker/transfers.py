@@ -199,8 +199,7 @@ class TierMover:
   def allocate_host(self, shard: int, n: int) -> list[int] | None:
     """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
     to disk first. None when every slot is held."""
-    evicted: list = []
-    slots = self.index.allocate(shard, n, Tier.HOST, evicted=evicted)
+    slots, evicted = self.index.allocate_evicting(shard, n, Tier.HOST)
     if evicted and self.disk is not None:  # read them out before they are overwritten
       self.host_to_disk(self._missing([(shard, p, k) for k, p in evicted], Tier.DISK))
     return slots
@@ -215,8 +214,7 @@ class TierMover:
       return
     placed, host_victims, overflow = [], [], []
     for b in blocks:
-      evicted = []
-      slot = self.index.allocate(b[0], 1, Tier.HOST, evicted=evicted)
+      slot, evicted = self.index.allocate_evicting(b[0], 1, Tier.HOST)
       if slot is None:  # every host slot of this shard is taken by blocks in flight
         overflow.append(b)
         continue

@@ -222,8 +222,7 @@ def test_tiered_pools_never_hand_out_a_pinned_slot(ops):
     mine = held.setdefault((tier, pool_shard), [])
     keys = idx.block_keys(prompts[which], "t")
     if op == "alloc":
-      evicted = []
-      got = idx.allocate(shard, n % 3, tier, evicted=evicted)
+      got, evicted = idx.allocate_evicting(shard, n % 3, tier)
       if got is not None:
         assert not set(got) & set(mine), "a held slot was handed out again"
         assert not {p for _, p in evicted} & set(mine), "a held slot was evicted"
@@ -283,8 +282,7 @@ def test_popularity_ages_a_once_hot_block_leaves_under_a_stream_of_new_ones(reus
     idx.record_hits(hot)
   survived = 0
   for i in range(50):  # a stream of new blocks, each cached once and never reused
-    evicted = []
-    new, = idx.allocate(0, 1, evicted=evicted)
+    (new,), evicted = idx.allocate_evicting(0, 1)
     idx.publish(0, new, idx.block_keys(list(range(1000 + 4 * i, 1004 + 4 * i)), "t")[0])
     idx.release(0, [new])
     if any(k == hot[0] for k, _ in evicted):
