@@ -31,8 +31,20 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+# Files whose tests share a session fixture run on one xdist worker (it starts once).
+_SHARED = {"tests/worker/test_remote.py": "remote owners",
+           "tests/worker/test_remote_security.py": "remote owners",
+           "tests/tools/test_bench.py": "device check dry run",
+           "tests/tools/test_device_check.py": "device check dry run"}
+
+
 def pytest_collection_modifyitems(config, items):
-  del config
+  # ``-n 2 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
+  # a module's fixtures (a server, an owner job, a checkpoint) start once.
+  root = str(config.rootpath)
+  for item in items:
+    path = os.path.relpath(str(item.path), root)
+    item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
   if len(jax.devices()) < 8:
     skip = pytest.mark.skip(reason="needs 8 devices (XLA_FLAGS was set too late)")
     for item in items:
