@@ -44,9 +44,10 @@ class TinyDecoder(nnx.Module):
 
 def main() -> list:
   model = TinyDecoder(vocab=100, dim=32, heads=4, kv_heads=2, head_dim=8, rngs=nnx.Rngs(0))
+  # The cache's shapes come from the model's PagedKV layers (1 layer, 2 kv heads of 8).
   cache = jaxkv.KVCache(
-      jaxkv.CacheConfig(model_name="tiny-decoder", num_layers=1, num_kv_heads=2, head_dim=8,
-                        page_size=4, pages_per_shard=32, max_pages_per_seq=16),
+      jaxkv.CacheConfig.for_model(model, model_name="tiny-decoder", page_size=4,
+                                  pages_per_shard=32, max_pages_per_seq=16),
       jaxkv.make_mesh(data=4, model=2))
   engine = jaxkv.Engine(model, cache)
   prompt = [5, 17, 42, 8, 99, 3, 61, 7, 20, 11]

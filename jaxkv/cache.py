@@ -37,7 +37,7 @@ from jaxkv import identity
 from jaxkv import nnx as kvnnx
 from jaxkv.worker import pages as pages_lib
 from jaxkv import security
-from jaxkv.config import CacheConfig, TierConfig
+from jaxkv.config import CacheConfig, TierConfig, check_fits_model
 from jaxkv.manager.index import TIER_NAMES, PrefixIndex, Tier
 from jaxkv.stats import Stats
 from jaxkv.worker.worker import CacheWorker
@@ -169,11 +169,13 @@ class KVCache:
 
   # ---- the device pools --------------------------------------------------------------------
   def attach(self, model: nnx.Module) -> tuple:
-    """Allocates the device pools inside ``model``'s ``PagedKV`` layers, hands them to the
-    worker and binds the weights' digest into the fingerprint (opening no store:
-    ``open_tiers``). Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
+    """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),
+    allocates the device pools inside its ``PagedKV`` layers, hands them to the worker and
+    binds the weights' digest into the fingerprint (opening no store: ``open_tiers``).
+    Returns ``(graphdef, weights)``: the rest of the model, for the runner."""
     if self.worker.attached:
       raise InputError("this KVCache already serves a model; build one KVCache per engine.")
+    check_fits_model(self.config, model)  # its shapes are the model's, or it is refused
     kvnnx.init_pages(model, self.config, self.mesh)
     graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
     self._bind_weights(identity.weights_digest(model, rest))

@@ -8,9 +8,11 @@ Library code never reads flags; launch scripts build these objects from flags/co
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import hashlib
 import json
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,87 @@ def _positive_int(obj, name: str) -> None:
       f"{type(obj).__name__}.{name}={value!r} must be a positive integer; "
       f"pass e.g. {name}=16.",
   )
+
+
+# The fields of a CacheConfig that are the model's shapes, read from it (``model_shapes``)
+# rather than restated: ``CacheConfig.for_model`` fills them, and a cache whose fields
+# differ from its model's is refused when it is attached (``check_fits_model``).
+MODEL_SHAPES = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def _declares_shapes(obj) -> bool:
+  return obj is not None and all(hasattr(obj, name) for name in MODEL_SHAPES)
+
+
+def model_shapes(model_or_config) -> dict:
+  """``num_layers``, ``num_kv_heads``, ``head_dim`` and ``model_name`` of a model (and its
+  ``dtype`` when it declares one of ``SUPPORTED_DTYPES``), as ``CacheConfig`` names them.
+
+  Read, in this order, from: an object that has the three shape attributes itself (a model
+  config such as ``jaxkv.models.LlamaConfig``, an ``ml_collections`` model section; a plain
+  mapping with those keys); a model's config attribute (``config`` or ``cfg``, as
+  ``jaxkv.models.Llama`` has); else the ``jaxkv.nnx.PagedKV`` layers of an NNX model (their
+  count, kv heads and head_dim, which every layer must share). ``model_name``: the
+  source's ``model_name`` or ``name`` when it has one, else its class name (less a
+  ``Config`` suffix: ``LlamaConfig`` and ``Llama`` both give ``"Llama"``)."""
+  src = model_or_config
+  if isinstance(src, collections.abc.Mapping):
+    src = types.SimpleNamespace(**src)
+  if not _declares_shapes(src):
+    src = next((c for c in (getattr(src, "config", None), getattr(src, "cfg", None))
+                if _declares_shapes(c)), None)
+  if src is None:
+    return _layer_shapes(model_or_config)
+  out = {name: getattr(src, name) for name in MODEL_SHAPES}
+  dtype = getattr(src, "dtype", None)
+  if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
+    out["dtype"] = dtype
+  out["model_name"] = _model_name(src, model_or_config)
+  return out
+
+
+def _model_name(src, model) -> str:
+  for obj in (src, model):
+    for attr in ("model_name", "name"):
+      name = getattr(obj, attr, None)
+      if isinstance(name, str) and name.strip():
+        return name
+  name = type(src).__name__
+  return name[:-len("Config")] if name.endswith("Config") and name != "Config" else name
+
+
+def _layer_shapes(model) -> dict:
+  """The shapes of an NNX model's ``PagedKV`` layers (imported here: ``jaxkv.nnx`` imports
+  this module, and a config needs no model code until a model is read)."""
+  from flax import nnx
+  from jaxkv import nnx as kvnnx
+  _require(isinstance(model, nnx.Module),
+           f"cannot read a model's shapes from {type(model).__name__}: give a model config "
+           "(with num_layers, num_kv_heads, head_dim, e.g. jaxkv.models.LlamaConfig) or an NNX "
+           "model whose attention layers hold jaxkv.nnx.PagedKV.")
+  layers = kvnnx.paged_layers(model)
+  _require(bool(layers), f"the model {type(model).__name__} has no jaxkv.nnx.PagedKV layers "
+           "(its attention must keep K/V in one) and no config attribute (config or cfg) with "
+           "num_layers, num_kv_heads and head_dim: there is no cache to build for it.")
+  kinds = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
+  _require(len(kinds) == 1,
+           f"the model's PagedKV layers have different (num_kv_heads, head_dim): {kinds}; "
+           "one cache holds layers of one shape.")
+  return {"num_layers": len(layers), "num_kv_heads": kinds[0][0], "head_dim": kinds[0][1],
+          "model_name": _model_name(model, model)}
+
+
+def check_fits_model(config: CacheConfig, model) -> None:
+  """Refuses (``InputError``) a cache whose shapes (``MODEL_SHAPES``) are not ``model``'s
+  (read as ``model_shapes`` reads them), naming each field that differs, both values and the
+  fix. ``KVCache.attach`` calls it, before any page is allocated."""
+  have = model_shapes(model)
+  bad = [f"CacheConfig.{name}={getattr(config, name)!r} but the model has {name}={have[name]!r}"
+         for name in MODEL_SHAPES if getattr(config, name) != have[name]]
+  _require(not bad,
+           "; ".join(bad) + ": a cache's pages hold its model's K/V, so its shapes are the "
+           "model's. Build it from the model: CacheConfig.for_model(model, page_size=..., "
+           "pages_per_shard=...) reads them and takes only the budgets.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +198,20 @@ class CacheConfig:
         f"CacheConfig axis names data_axis={self.data_axis!r}, model_axis={self.model_axis!r} "
         "must be two different non-empty strings, e.g. 'data' and 'model'.",
     )
+
+  @classmethod
+  def for_model(cls, model_or_config, **budgets) -> CacheConfig:
+    """A cache for a model: ``num_layers``, ``num_kv_heads``, ``head_dim``, ``model_name``
+    and, when the model declares one, ``dtype`` read from ``model_or_config`` (a model
+    config such as ``jaxkv.models.LlamaConfig``, or an NNX model: see ``model_shapes``);
+    ``budgets`` give every other field (``page_size``, ``pages_per_shard``,
+    ``max_pages_per_seq``, ...) and may replace ``model_name`` or ``dtype``. The shapes
+    themselves are the model's only: naming one here is refused."""
+    restated = [name for name in MODEL_SHAPES if name in budgets]
+    _require(not restated,
+             f"CacheConfig.for_model reads {', '.join(restated)} from the model; drop "
+             f"{', '.join(f'{n}={budgets[n]!r}' for n in restated)} from its arguments.")
+    return cls(**{**model_shapes(model_or_config), **budgets})
 
   # ---- derived -------------------------------------------------------------------------
   @property

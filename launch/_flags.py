@@ -13,15 +13,23 @@ CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                            "cpu_tiny.py"), "Config file (see configs/); fields can be overridden, "
     "e.g. --config.workload.chat.turns=6.")
+# The shortcut flags, each an alias of one --config field (apply_tier_flags sets it). What
+# follows from a value (a sequence's page cap within its pool, a disk tier's default
+# capacity) is builder's config building, whichever flag set it.
 DEVICE_PAGES = flags.DEFINE_integer(
-    "device_pages", None, "Device pages per data shard (overrides the config; a sequence's "
-    "page cap is lowered to fit).", lower_bound=1)
-HOST_PAGES = flags.DEFINE_integer("host_pages", None, "Host-memory pages per data shard "
-                                  "(0 = no host tier).", lower_bound=0)
-DISK_DIR = flags.DEFINE_string("disk_dir", None, "Directory of the disk tier (enables it).")
-DISK_PAGES = flags.DEFINE_integer("disk_pages", None, "Disk tier capacity in blocks, with "
-                                  "--disk_dir (default: the config's tiers.disk_pages, or "
-                                  "4096 when it has none).", lower_bound=1)
+    "device_pages", None, "Alias of --config.cache.pages_per_shard: device pages per data "
+    "shard (a sequence's cap, cache.max_pages_per_seq, is lowered to fit).", lower_bound=1)
+HOST_PAGES = flags.DEFINE_integer(
+    "host_pages", None, "Alias of --config.tiers.host_pages_per_shard: host-memory pages per "
+    "data shard (0 = no host tier).", lower_bound=0)
+DISK_DIR = flags.DEFINE_string(
+    "disk_dir", None, "Alias of --config.tiers.disk_kvstore: directory of the disk tier "
+    "(enables it; '' disables it).")
+DISK_PAGES = flags.DEFINE_integer(
+    "disk_pages", None, "Alias of --config.tiers.disk_pages: the disk tier's capacity in "
+    "blocks (a disk tier given none gets 4096).", lower_bound=1)
+ALIASES = ((DEVICE_PAGES, "cache.pages_per_shard"), (HOST_PAGES, "tiers.host_pages_per_shard"),
+           (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"))
 CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
@@ -95,16 +103,17 @@ def use_model_dir(cfg):
 
 
 def apply_tier_flags(cfg) -> None:
-  """The tier and pool flags over the config's values."""
-  with cfg.unlocked():
-    if DEVICE_PAGES.value is not None:
-      cfg.cache.pages_per_shard = DEVICE_PAGES.value
-      cfg.cache.max_pages_per_seq = min(cfg.cache.max_pages_per_seq, DEVICE_PAGES.value)
-    if HOST_PAGES.value is not None:
-      cfg.tiers.host_pages_per_shard = HOST_PAGES.value
-    if DISK_DIR.value:
-      cfg.tiers.disk_kvstore = DISK_DIR.value
-    if DISK_PAGES.value is not None:
-      cfg.tiers.disk_pages = DISK_PAGES.value
-    elif cfg.tiers.get("disk_kvstore") and not cfg.tiers.get("disk_pages"):
-      cfg.tiers.disk_pages = 4096  # a disk tier named without a capacity
+  """Sets the ``--config`` field each shortcut flag given is an alias of (``ALIASES``), and
+  nothing else; refuses a shortcut given with its ``--config.*`` field at another value."""
+  overrides = config_flags.get_override_values(flags.FLAGS[CONFIG.name])
+  for holder, field in ALIASES:
+    if holder.value is None:
+      continue
+    if field in overrides and overrides[field] != holder.value:
+      raise app.UsageError(
+          f"--{holder.name}={holder.value} and --config.{field}={overrides[field]} set the same "
+          f"field to different values (--{holder.name} is an alias of --config.{field}); "
+          "give one of them.")
+    section, name = field.split(".")
+    with cfg.unlocked():
+      setattr(cfg[section], name, holder.value)

@@ -41,11 +41,10 @@ def tiny_model_config(**overrides) -> jaxkv.models.LlamaConfig:
 
 
 def cache_config_for(mc: jaxkv.models.LlamaConfig, **overrides) -> jaxkv.CacheConfig:
-  base = dict(model_name="test-llama", num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-              head_dim=mc.head_dim, page_size=4, pages_per_shard=64, max_pages_per_seq=32,
-              attention_chunk_pages=4, dtype=mc.dtype)
+  base = dict(model_name="test-llama", page_size=4, pages_per_shard=64, max_pages_per_seq=32,
+              attention_chunk_pages=4)
   base.update(overrides)
-  return jaxkv.CacheConfig(**base)
+  return jaxkv.CacheConfig.for_model(mc, **base)  # shapes and dtype: the model's
 
 
 def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None, costs=None,

@@ -7,11 +7,13 @@ It reads no flags: callers pass the config (and overrides) they parsed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
 
 import jax
+from absl import logging
 from flax import nnx
 
 from jaxkv import models
@@ -85,8 +87,9 @@ def platform_defaults(cfg, *, platform: str, explicit=(), processes: int = 1) ->
     folded data factor, so the totals they describe stay the same
     (``--config.mesh.data=1`` takes them as they are).
   - ``engine.prefill_chunk_pages`` on CPU: ``CPU_PREFILL_TOKENS`` wide (capped by
-    ``cache.max_pages_per_seq``), and ``engine.cache_decode_blocks`` off: a block filled
-    while decoding was computed one token per step, whose bits differ from a 64+-token
+    ``cache.max_pages_per_seq`` and ``cache.pages_per_shard``), and
+    ``engine.cache_decode_blocks`` off: a block filled while decoding was computed one
+    token per step, whose bits differ from a 64+-token
     prefill step's on XLA:CPU, so it is recomputed in the next turn's prefill instead
     (where it costs little: the step is bound by the cores), and a block's K/V is the
     same bits however it was computed — where steps hold one row each: XLA:CPU's matmuls
@@ -126,7 +129,8 @@ def platform_defaults(cfg, *, platform: str, explicit=(), processes: int = 1) ->
           f"--config.mesh.data={data} --config.mesh.model={model} keeps it")
     page_size = cfg.cache.page_size
     if "engine.prefill_chunk_pages" not in explicit:
-      pages = min(-(-CPU_PREFILL_TOKENS // page_size), cfg.cache.max_pages_per_seq)
+      pages = min(-(-CPU_PREFILL_TOKENS // page_size), cfg.cache.max_pages_per_seq,
+                  cfg.cache.pages_per_shard)  # (the cap cache_config fits a sequence to)
       if pages > cfg.engine.prefill_chunk_pages:
         was = cfg.engine.prefill_chunk_pages
         cfg.engine.prefill_chunk_pages = pages
@@ -181,19 +185,52 @@ def make_mesh_for(cfg: Mapping):
                    devices=devices)
 
 
+# A disk tier named (``tiers.disk_kvstore``) without a capacity gets this many blocks.
+DEFAULT_DISK_PAGES = 4096
+_FITS_LOGGED: set[str] = set()  # each fit is logged once per process, not per engine built
+
+
+def _log_fit(line: str) -> None:
+  if line not in _FITS_LOGGED:
+    _FITS_LOGGED.add(line)
+    logging.info("%s", line)
+
+
+def _int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def cache_config(cfg: Mapping) -> CacheConfig:
+  """The config's cache: the model section's shapes (``CacheConfig.for_model`` of
+  ``model_config``) with the cache section's budgets. A sequence's page cap
+  (``cache.max_pages_per_seq``) above the shard's pool (``cache.pages_per_shard``) is
+  lowered to the pool, however the pool was set (``--config.cache.pages_per_shard``,
+  ``--device_pages``, the platform's defaults), and logged."""
   m = _section(cfg, "model")
   c = _section(cfg, "cache")
-  return CacheConfig(model_name=m.get("name", "model"), num_layers=m["num_layers"],
-                     num_kv_heads=m["num_kv_heads"], head_dim=m["head_dim"], **c)
+  default = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+  pages = c.get("pages_per_shard", default["pages_per_shard"])
+  per_seq = c.get("max_pages_per_seq", default["max_pages_per_seq"])
+  if _int(pages) and _int(per_seq) and 0 < pages < per_seq:
+    c["max_pages_per_seq"] = pages
+    _log_fit(f"cache.max_pages_per_seq {per_seq} -> {pages}: a sequence fits in the shard's "
+             f"pool of cache.pages_per_shard={pages} pages")
+  return CacheConfig.for_model(model_config(cfg), model_name=m.get("name", "model"), **c)
 
 
 def tier_config(cfg: Mapping) -> TierConfig:
+  """The config's tiers. A disk tier named (``tiers.disk_kvstore``) without a capacity
+  (``tiers.disk_pages`` 0 or unset) gets ``DEFAULT_DISK_PAGES`` blocks, logged; none named
+  means no disk tier, whatever ``disk_pages`` says."""
   if "tiers" not in cfg:
     return TierConfig()
   t = _section(cfg, "tiers")
   if t.get("disk_kvstore") in ("", None):
     t["disk_kvstore"], t["disk_pages"] = None, 0
+  elif not t.get("disk_pages"):
+    t["disk_pages"] = DEFAULT_DISK_PAGES
+    _log_fit(f"tiers.disk_pages {DEFAULT_DISK_PAGES}: the disk tier at {t['disk_kvstore']} "
+             f"was given no capacity (--config.tiers.disk_pages=N sets one)")
   elif isinstance(t["disk_kvstore"], str) and t["disk_kvstore"].lstrip().startswith("{"):
     try:  # a TensorStore kvstore spec given as JSON on the command line
       t["disk_kvstore"] = json.loads(t["disk_kvstore"])

@@ -1,13 +1,17 @@
 """Every shipped config builds valid jaxkv configs; the planner reads real-model configs.
 (The launchers' refusals of bad flags and configs: tests/launch/test_operations.py.)"""
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import sys
 
 import pytest
+from flax import nnx
 
+import jaxkv
 from jaxkv.tools import builder
 
 import helpers
@@ -33,6 +37,56 @@ def test_config_builds_valid_jaxkv_configs(name):
   assert cc.num_kv_heads % cfg.mesh.model == 0
   assert cc.num_layers == mc.num_layers and cc.head_dim == mc.head_dim
   assert tiers.host_pages_per_shard >= 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_cache_takes_the_models_shapes(name):
+  """builder.cache_config is CacheConfig.for_model of the model section with the cache
+  section's budgets: the CacheConfig it built before, when the shapes were copied by hand."""
+  cfg = load(name)
+  m, c = cfg.model, cfg.cache.to_dict()
+  by_hand = jaxkv.CacheConfig(model_name=m.name, num_layers=m.num_layers,
+                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, **c)
+  assert builder.cache_config(cfg) == by_hand
+  assert jaxkv.CacheConfig.for_model(builder.model_config(cfg), model_name=m.name,
+                                     **c) == by_hand
+
+
+def test_a_model_config_or_model_gives_the_shapes_and_dtype():
+  mc = builder.model_config(load("cpu_tiny.py"))
+  from_config = jaxkv.CacheConfig.for_model(mc, pages_per_shard=32, max_pages_per_seq=8)
+  assert (from_config.num_layers, from_config.num_kv_heads, from_config.head_dim) == (4, 2, 32)
+  assert from_config.model_name == "Llama" and from_config.pages_per_shard == 32
+  bf16 = dataclasses.replace(mc, dtype="bfloat16")
+  model = jaxkv.models.Llama(bf16, rngs=nnx.Rngs(0))  # its cfg is read
+  assert jaxkv.CacheConfig.for_model(model) == jaxkv.CacheConfig.for_model(bf16)
+  assert jaxkv.CacheConfig.for_model(bf16).dtype == "bfloat16"
+  assert jaxkv.CacheConfig.for_model(bf16, dtype="float32").dtype == "float32"
+
+
+def test_a_sequences_cap_and_a_disk_tiers_capacity_fit_whichever_flag_set_them(caplog,
+                                                                           monkeypatch):
+  """What --device_pages and --disk_dir did besides setting their field is the builder's
+  rule over the config's values (logged at INFO), so --config.* gives the same."""
+  monkeypatch.setattr(builder, "_FITS_LOGGED", set())
+  caplog.set_level(logging.INFO)
+  cfg = load("cpu_tiny.py")
+  with cfg.unlocked():
+    cfg.cache.pages_per_shard = 40  # the config's max_pages_per_seq is 64
+    cfg.tiers.disk_kvstore = "/tmp/jaxkv-unused"  # no disk_pages
+  cache, tiers = builder.cache_config(cfg), builder.tier_config(cfg)
+  assert (cache.pages_per_shard, cache.max_pages_per_seq) == (40, 40)
+  assert (tiers.disk_kvstore, tiers.disk_pages) == ("/tmp/jaxkv-unused", 4096)
+  assert "cache.max_pages_per_seq 64 -> 40" in caplog.text
+  assert "tiers.disk_pages 4096" in caplog.text
+  assert cfg.cache.max_pages_per_seq == 64 and cfg.tiers.disk_pages == 0  # read, not changed
+  with cfg.unlocked():  # a cap within the pool and a capacity given stay as they are
+    cfg.cache.max_pages_per_seq, cfg.tiers.disk_pages = 16, 100
+  assert builder.cache_config(cfg).max_pages_per_seq == 16
+  assert builder.tier_config(cfg).disk_pages == 100
+  with cfg.unlocked():
+    cfg.tiers.disk_kvstore = ""  # no disk tier, whatever its capacity says
+  assert builder.tier_config(cfg).disk_pages == 0
 
 
 def test_planner_sizes_a_real_model_from_its_config(tmp_path):

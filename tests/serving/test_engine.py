@@ -1,8 +1,11 @@
 """Engine: prefix reuse never changes outputs; isolation, eviction, refusal, bad input."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxkv
 from jaxkv.tools import workloads
@@ -173,12 +176,31 @@ def test_config_errors_name_value_and_fix():
     jaxkv.EngineConfig(max_seqs_per_shard=0)
 
 
-def test_model_and_config_must_agree(mesh):
+@pytest.mark.parametrize("field,wrong", [("num_layers", 3), ("num_kv_heads", 4),
+                                         ("head_dim", 16)])
+def test_an_engine_refuses_a_cache_without_its_models_shapes(mesh, field, wrong):
+  """At construction, before a page is allocated: the field, both values and the fix."""
   mc = helpers.tiny_model_config()
-  with pytest.raises(ValueError, match="2 PagedKV layers but CacheConfig.num_layers=3"):
-    helpers.make_engine(mesh, mc, cache=helpers.cache_config_for(mc, num_layers=3))
-  with pytest.raises(ValueError, match="head_dim=8 but CacheConfig has .*head_dim=16"):
-    helpers.make_engine(mesh, mc, cache=helpers.cache_config_for(mc, head_dim=16))
+  right = getattr(mc, field)
+  cache = dataclasses.replace(helpers.cache_config_for(mc), **{field: wrong})
+  with pytest.raises(jaxkv.InputError) as refused:
+    helpers.make_engine(mesh, mc, cache=cache)
+  message = str(refused.value)
+  assert f"CacheConfig.{field}={wrong} but the model has {field}={right}" in message
+  assert "CacheConfig.for_model(model, " in message
+  # The shapes are the model's only: for_model takes the budgets, not a shape.
+  with pytest.raises(jaxkv.InputError, match=f"for_model reads {field} from the model"):
+    jaxkv.CacheConfig.for_model(mc, **{field: wrong})
+
+
+def test_a_model_whose_layers_disagree_with_its_config_is_refused_by_init_pages(mesh):
+  """The PagedKV layers are what the pools are allocated into: they are checked too."""
+  mc = helpers.tiny_model_config()
+  model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(0))
+  model.layers[1].attn.kv.head_dim = 16  # its cfg still says 8
+  cache = jaxkv.KVCache(helpers.cache_config_for(mc), mesh)
+  with pytest.raises(jaxkv.InputError, match="head_dim=16 but CacheConfig has .*head_dim=8"):
+    jaxkv.Engine(model, cache)
 
 
 def test_each_step_compiles_once_per_bucket(mesh):

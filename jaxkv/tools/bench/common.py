@@ -81,7 +81,5 @@ def bench_model_config():
 def bench_cache_config(**overrides):
   """The cache of ``BENCH_MODEL``: 16-token pages; pass the page budgets."""
   from jaxkv.config import CacheConfig
-  m = BENCH_MODEL
-  return CacheConfig(**{"model_name": "bench-llama", "num_layers": m["num_layers"],
-                        "num_kv_heads": m["num_kv_heads"], "head_dim": m["head_dim"],
-                        "page_size": 16, **overrides})
+  return CacheConfig.for_model(BENCH_MODEL, **{"model_name": "bench-llama", "page_size": 16,
+                                               **overrides})

@@ -138,10 +138,9 @@ for mode in modes:
     models[mode] = jaxkv.models.from_pretrained(path, dtype=mode, mesh=mesh)
 for mode, model in models.items():
   c, pages = model.cfg, -(-(prompt_len + new) // 16)
-  cache = jaxkv.CacheConfig(model_name=mode, num_layers=c.num_layers,
-                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=16,
-                            pages_per_shard=pages, max_pages_per_seq=pages,
-                            attention_chunk_pages=min(pages, 8), dtype=c.dtype)
+  cache = jaxkv.CacheConfig.for_model(model, model_name=mode, page_size=16,
+                                      pages_per_shard=pages, max_pages_per_seq=pages,
+                                      attention_chunk_pages=min(pages, 8), dtype=c.dtype)
   engines[mode] = jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(
       max_seqs_per_shard=1, prefill_chunk_pages=pages, prefix_reuse=False))
   engines[mode].warmup(max_seq_len=prompt_len + new)
