@@ -25,7 +25,7 @@ from jaxkv.manager.index import PrefixIndex, Tier
 from jaxkv.worker.pages import make_mesh
 from jaxkv.planning.plan import plan
 from jaxkv.scheduling.scheduler import RequestHandle, StepOutput
-from jaxkv.tokenizer import Tokenizer
+from jaxkv.entrypoints.openai.tokenizer import Tokenizer
 
 from jaxkv import _moved
 

@@ -33,6 +33,7 @@ MOVED = {
     "jaxkv.service": "jaxkv.serving.service",
     "jaxkv.server": "jaxkv.entrypoints.openai.server",
     "jaxkv.httplimits": "jaxkv.entrypoints.openai.limits",
+    "jaxkv.tokenizer": "jaxkv.entrypoints.openai.tokenizer",
     "jaxkv.builder": "jaxkv.tools.builder",
     "jaxkv.workloads": "jaxkv.tools.workloads",
     "jaxkv.online": "jaxkv.tools.online",

@@ -97,7 +97,7 @@ def use_model_dir(cfg):
     logging.info("%s: %s", os.path.basename(os.path.normpath(model_dir)), line)
   if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
     return None
-  from jaxkv.tokenizer import Tokenizer
+  from jaxkv.entrypoints.openai.tokenizer import Tokenizer
   return Tokenizer.from_dir(model_dir,
                             special_tokens_in_content=SPECIAL_TOKENS_IN_CONTENT.value)
 

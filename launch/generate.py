@@ -73,8 +73,8 @@ def main(argv):
   import jax
 
   import jaxkv
+  from jaxkv.entrypoints.openai.tokenizer import Tokenizer, TokenizerError
   from jaxkv.tools import builder
-  from jaxkv.tokenizer import Tokenizer
 
   model_dir = _MODEL_DIR.value
   hf = jaxkv.models.hf.read_config(model_dir)
@@ -90,7 +90,7 @@ def main(argv):
   tok = None
   try:
     tok = Tokenizer.from_dir(model_dir)
-  except jaxkv.tokenizer.TokenizerError:
+  except TokenizerError:
     if prompt_ids is None:
       raise
   if prompt_ids is None:

@@ -7,8 +7,9 @@ package (errors, config, security, stats, distributed, buckets, nnx) with ``mode
 ``planning`` (costs, the jitted plan, the planner, calibration); ``worker`` (pools, runner,
 transfers, journal, streaming, checkpoints, the tiers); ``cache`` (``KVCache``, the facade
 over the manager and the worker); ``serving`` (engine, service); ``entrypoints`` (the HTTP
-server); ``tools`` (the harness). A layer imports only the layers below it, with the
-exceptions named in ``ALLOWED`` and why.
+server: its protocol, limits, the tokenizer and the chat-template sandbox; no layer below
+imports the tokenizer, which ``jaxkv`` re-exports); ``tools`` (the harness). A layer
+imports only the layers below it, with the exceptions named in ``ALLOWED`` and why.
 """
 
 import ast
@@ -28,7 +29,7 @@ from jaxkv import _moved
 ROOT = pathlib.Path(helpers.ROOT)
 BASE = ("jaxkv.errors", "jaxkv.config", "jaxkv.security", "jaxkv.stats", "jaxkv.progress",
         "jaxkv.distributed", "jaxkv.buckets", "jaxkv.identity", "jaxkv.metrics", "jaxkv.nnx",
-        "jaxkv.tokenizer", "jaxkv.models", "jaxkv.ops")
+        "jaxkv.models", "jaxkv.ops")
 # each role and the roles it may import (besides the basics and itself)
 BELOW = {
     "jaxkv.manager": (),
@@ -100,6 +101,19 @@ def test_each_role_imports_only_the_roles_below_it():
         continue
       bad.append(f"{name} imports {imported}")
   assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_http_layers_parts_import_one_way():
+  """chat_template -> tokenizer -> server, and protocol -> server: the sandbox knows no
+  tokenizer, the wire format no server."""
+  trees = {name: tree for name, _, tree in _modules()}
+  http = "jaxkv.entrypoints.openai"
+  for name, above in ((f"{http}.chat_template", ("tokenizer", "protocol", "server")),
+                      (f"{http}.tokenizer", ("protocol", "server")),
+                      (f"{http}.protocol", ("tokenizer", "chat_template", "server"))):
+    bad = sorted(m for m in _imports(trees[name])
+                 if any(_under(m, f"{http}.{a}") for a in above))
+    assert not bad, f"{name} imports {bad}"
 
 
 def test_nothing_on_the_serving_path_imports_the_harness():
@@ -199,13 +213,17 @@ def test_old_paths_in_a_fresh_process_load_one_copy_and_keep_the_plan_function()
       import json, sys
       import jaxkv.checkpoint, jaxkv.bench.storage, jaxkv.plan, jaxkv.tiers.remote
       from jaxkv.capacity import capacity_plan
+      from jaxkv.tokenizer import TemplateLimits, Tokenizer, TokenizerError
       import jaxkv
+      from jaxkv.entrypoints.openai import tokenizer
       from jaxkv.worker import checkpoint
       from jaxkv.tools.bench import storage
       unique = {id(m): m for n, m in sys.modules.items() if n.startswith("jaxkv")}
       files = [getattr(m, "__file__", None) for m in unique.values()]
       print(json.dumps({
-          "same": [jaxkv.checkpoint is checkpoint, jaxkv.bench.storage is storage],
+          "same": [jaxkv.checkpoint is checkpoint, jaxkv.bench.storage is storage,
+                   jaxkv.tokenizer is tokenizer, jaxkv.tokenizer.TokenizerError is TokenizerError,
+                   Tokenizer is jaxkv.Tokenizer, TemplateLimits is tokenizer.TemplateLimits],
           "names": [checkpoint.__spec__.name, storage.__spec__.name, jaxkv.capacity.__name__],
           "plan_is_function": callable(jaxkv.plan) and not hasattr(jaxkv.plan, "__path__"),
           "copies": [f for f in set(files) if files.count(f) > 1]}))
@@ -214,7 +232,7 @@ def test_old_paths_in_a_fresh_process_load_one_copy_and_keep_the_plan_function()
                        timeout=300, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-3000:]
   got = json.loads(out.stdout.strip().splitlines()[-1])
-  assert got["same"] == [True, True], got
+  assert got["same"] == [True] * 6, got
   assert got["names"] == ["jaxkv.worker.checkpoint", "jaxkv.tools.bench.storage",
                           "jaxkv.tools.capacity"], got
   assert got["plan_is_function"] and got["copies"] == [], got

@@ -249,7 +249,7 @@ class Trace(Workload):
   start: online runs submit the request then; give it on every line or on none).
   Online, each line is one user with one request.
 
-  With a ``tokenizer`` (``jaxkv.tokenizer.Tokenizer``), a line may give text instead:
+  With a ``tokenizer`` (``jaxkv.Tokenizer``), a line may give text instead:
   ``"prompt": "some text"`` (encoded with the tokenizer's special tokens) or
   ``"messages": [{"role": ..., "content": ...}]`` (through its chat template); such a line
   stops at the tokenizer's end-of-sequence ids unless it names ``stop_token_ids``."""

@@ -651,7 +651,7 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
 def test_a_stop_string_never_matches_a_character_still_arriving(checkpoint):
   """Byte-level tokens can end inside a character, which decodes as U+FFFD until its
   last byte arrives: a stop string matches only text that is complete."""
-  from jaxkv.entrypoints.openai.server import _Answer, _Job
+  from jaxkv.entrypoints.openai.protocol import _Answer, _Job
   from jaxkv.serving.service import Delta
   tok = jaxkv.Tokenizer.from_dir(checkpoint)
   ids = tok.encode("ok \U0001F600 done", add_special_tokens=False)

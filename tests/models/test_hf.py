@@ -12,6 +12,7 @@ import pytest
 
 import hf_fixtures as hf
 import jaxkv
+from jaxkv.entrypoints.openai.tokenizer import TokenizerError
 from jaxkv.models import CheckpointError, from_pretrained
 
 import helpers  # noqa: E402  (tests/ is on the path: conftest.py sits there)
@@ -335,9 +336,9 @@ def test_tokenizer_encodes_decodes_and_renders_the_chat(tmp_path):
   chat = tok.encode_chat(msgs)
   assert chat.count(ids["<s>"]) == 1 and chat[-1] == ids["<|assistant|>"]
   assert tok.eos_token_ids == (ids["</s>"], ids["<|end|>"])
-  with pytest.raises(jaxkv.tokenizer.TokenizerError, match="'content'"):
+  with pytest.raises(TokenizerError, match="'content'"):
     tok.render_chat([{"role": "user"}])
-  with pytest.raises(jaxkv.tokenizer.TokenizerError, match="tokenizer.json is missing"):
+  with pytest.raises(TokenizerError, match="tokenizer.json is missing"):
     jaxkv.Tokenizer.from_dir(str(tmp_path / "nothing"))
 
 
@@ -372,7 +373,7 @@ def test_special_tokens_in_content_are_parsed_by_default_or_split_as_text(tmp_pa
   for text in ("the cache keeps keys and values", "odd \ufdd0 0 \ufdd1 text"):
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     assert tok.encode_chat(plain, special_tokens_in_content="split") == tok.encode_chat(plain)
-  with pytest.raises(jaxkv.tokenizer.TokenizerError,
+  with pytest.raises(TokenizerError,
                      match="special_tokens_in_content='strip' must be one of 'parse', 'split'"):
     tok.encode_chat(msgs, special_tokens_in_content="strip")
 
@@ -386,7 +387,7 @@ def test_a_template_cutting_a_placeholder_apart_is_refused_under_split(tmp_path)
     json.dump(config, f)
   tok = jaxkv.Tokenizer.from_dir(str(tmp_path), special_tokens_in_content="split")
   msgs = [{"role": "user", "content": "<|end|> and more"}]
-  with pytest.raises(jaxkv.tokenizer.TokenizerError, match="cut apart the placeholder"):
+  with pytest.raises(TokenizerError, match="cut apart the placeholder"):
     tok.encode_chat(msgs)
   parsed = tok.encode_chat(msgs, special_tokens_in_content="parse")
   assert parsed == tok.encode("<|", add_special_tokens=False)

@@ -6,9 +6,10 @@
   GET  /health                200 once the engine is warm and taking requests, else 503
   GET  /metrics               jaxkv's Prometheus families + HTTP requests by route and status
 
-Handlers only parse, validate and wait: a request is validated here (every refusal is a
-4xx with OpenAI's error JSON naming the field, the value and the fix), submitted to the
-service, and its answer read from its own asyncio queue, fed by the engine thread.
+Handlers only parse, validate and wait: a request is validated here, its fields by
+``protocol`` (every refusal is a 4xx with OpenAI's error JSON naming the field, the value
+and the fix), submitted to the service, and its answer read from its own asyncio queue,
+fed by the engine thread.
 Parameters: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop`` (strings, matched on the detokenized text; the answer ends
 before the match), ``stop_token_ids``, ``ignore_eos``, ``n=1``, ``stream`` (server-sent
@@ -25,12 +26,9 @@ each other's prefixes. A client that disconnects aborts its request at the next 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hashlib
 import json
-import math
-import secrets
 import threading
 import time
 import uuid
@@ -43,38 +41,15 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from jaxkv.config import SamplingParams
-from jaxkv.errors import InputError, check_text
+from jaxkv.entrypoints.openai.protocol import (
+    MAX_BODY_BYTES, MAX_JSON_DEPTH, TENANT_SEPARATOR, ApiError, _Answer, _bad, _bool,
+    _chat_messages, _check_json, _check_supported, _clip, _error_event, _Job, _job,
+    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids)
+from jaxkv.errors import InputError
 from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
 
-MAX_BODY_BYTES = 4 * 2**20
-MAX_JSON_DEPTH = 32  # a request's JSON nests a few levels; deeper is refused before use
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-TENANT_SEPARATOR = "\x1f"  # tenant names may not hold it: (tenant, salt) pairs stay distinct
 
-
-class ApiError(Exception):
-  """A refusal: HTTP status, OpenAI error type, a message naming the value and the fix."""
-
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-               code: str | None = None, param: str | None = None, headers=None):
-    super().__init__(message)
-    self.status, self.message, self.kind, self.code, self.param = (
-        status, message, kind, code, param)
-    self.headers = headers
-
-  def response(self) -> JSONResponse:
-    return JSONResponse(status_code=self.status, headers=self.headers, content={
-        "error": {"message": self.message, "type": self.kind, "code": self.code,
-                  "param": self.param}})
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-  return ApiError(400, message, param=param)
-
-
-# ---- reading a request -------------------------------------------------------------------------
+# ---- reading a request off the connection ----------------------------------------------------
 async def _read_json(request: Request, limit: int) -> dict:
   length = request.headers.get("content-length")
   if length is not None and length.isdigit() and int(length) > limit:
@@ -101,88 +76,6 @@ async def _read_json(request: Request, limit: int) -> dict:
     raise _bad(f"the body is a JSON {type(body).__name__}; send a JSON object.")
   _check_json(body)
   return body
-
-
-def _clip(text: str, n: int = 200) -> str:
-  return text if len(text) <= n else text[:n] + "..."
-
-
-def _check_json(body: dict) -> None:
-  """Refuses a body nested deeper than ``MAX_JSON_DEPTH`` or holding a string that is not
-  Unicode text (a lone surrogate such as ``"\ud800"`` is valid JSON, but no encoder takes
-  it): every string of a request is text by the time a handler reads it. (Iterative: a
-  deep body costs no recursion.)"""
-  stack = [(body, "body", None, 1)]  # (value, its path, the top-level field, depth)
-  while stack:
-    value, path, field, depth = stack.pop()
-    if depth > MAX_JSON_DEPTH:
-      raise _bad(f"{_clip(path.encode('utf-8', 'backslashreplace').decode(), 80)} nests deeper than {MAX_JSON_DEPTH} levels; send a "
-                 "flatter body.", field)
-    pairs = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in pairs:
-      where = f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]"
-      top = field if field is not None else str(key)
-      for text in (key, item):
-        if isinstance(text, str):
-          try:
-            text.encode("utf-8")
-          except UnicodeEncodeError as e:
-            shown = where.encode("utf-8", "backslashreplace").decode()
-            raise _bad(f"{_clip(shown, 80)} holds {text[e.start]!r} at character {e.start}, "
-                       "a lone surrogate (not a Unicode character); send valid UTF-8 text.",
-                       top) from None
-      if isinstance(item, (dict, list)):
-        stack.append((item, where, top, depth + 1))
-
-
-def _int(body, name, *, default=None, low=None, high=None):
-  value = body.get(name, default)
-  if value is None:
-    return default
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise _bad(f"{name}={_clip(repr(value))} must be an integer.", name)
-  if (low is not None and value < low) or (high is not None and value > high):
-    rule = (f">= {low}" if high is None else f"<= {high}" if low is None
-            else f"in [{low}, {high}]")
-    raise _bad(f"{name}={_clip(str(value))} must be {rule}.", name)
-  return value
-
-
-def _number(body, name, *, default, low, high, low_open=False):
-  value = body.get(name, default)
-  if value is None:
-    return default
-  if not isinstance(value, (int, float)) or isinstance(value, bool):
-    raise _bad(f"{name}={_clip(repr(value))} must be a number.", name)
-  try:
-    finite = math.isfinite(value)
-  except OverflowError:  # an integer beyond any float
-    finite = False
-  if not finite:
-    raise _bad(f"{name}={_clip(repr(value))} must be a finite number.", name)
-  if value > high or value < low or (low_open and value == low):
-    raise _bad(f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}].", name)
-  return float(value)
-
-
-def _bool(body, name) -> bool:
-  value = body.get(name, False)
-  if value is None:
-    return False
-  if not isinstance(value, bool):
-    raise _bad(f"{name}={value!r} must be true or false.", name)
-  return value
-
-
-def _token_ids(value, name: str, vocab_size: int) -> list[int]:
-  if not isinstance(value, list) or not all(
-      isinstance(t, int) and not isinstance(t, bool) for t in value):
-    raise _bad(f"{name} must be a list of integer token ids.", name)
-  bad = [t for t in value if not 0 <= t < vocab_size]
-  if bad:
-    raise _bad(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size}).",
-               name)
-  return value
 
 
 def _key_digest(key: str) -> bytes:
@@ -399,6 +292,8 @@ class OpenAIServer:
       _log_end(ticket, answer)
 
   def _parse(self, body: dict, chat: bool, tenant: str) -> _Job:
+    """The request's fields in the order they are checked (what needs no server state is
+    read by ``protocol``)."""
     model = body.get("model")
     if not isinstance(model, str):
       raise _bad(f"model={model!r}: give the model's name, {self.model_name!r} (GET /v1/models).",
@@ -407,21 +302,13 @@ class OpenAIServer:
       raise ApiError(404, f"model {model!r} is not served here; this server serves "
                      f"{self.model_name!r}.", "not_found_error", code="model_not_found",
                      param="model")
-    n = _int(body, "n", default=1)
-    if n != 1:
-      raise _bad(f"n={_clip(str(n))}: this server returns one choice per request; send n=1 (or several "
-                 "requests).", "n")
-    for name, default in _UNSUPPORTED.items():
-      if body.get(name) not in (None, default, []):
-        raise _bad(f"{name}={body[name]!r} is not supported by this server; leave it out.", name)
+    _check_supported(body)
     tok = self.tokenizer
     if chat:
       prompt = self._chat_prompt(body.get("messages"))
     else:
       prompt = self._text_prompt(body.get("prompt"))
-    max_tokens = _int(body, "max_completion_tokens", low=1, high=2**31 - 1)
-    if max_tokens is None:
-      max_tokens = _int(body, "max_tokens", low=1, high=2**31 - 1)
+    max_tokens = _max_tokens(body)
     if max_tokens is None:  # chat: up to the context; completions: OpenAI's 16
       max_tokens = max(1, self.max_seq_len - len(prompt)) if chat else 16
     total = len(prompt) + max_tokens - 1
@@ -431,48 +318,16 @@ class OpenAIServer:
                  f"{total} tokens, more than a sequence holds here (max_pages_per_seq="
                  f"{c.max_pages_per_seq} x page_size={c.page_size} = {self.max_seq_len}); "
                  "shorten the prompt or lower max_tokens.", "max_tokens")
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-      raise _bad(f"stop={stop!r} must be a non-empty string or a list of them.", "stop")
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-      raise _bad(f"stop has {len(stops)} strings (longest {max(map(len, stops))} characters); "
-                 f"this server takes at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} "
-                 "characters.", "stop")
+    stops = _stop_strings(body)
     if stops and tok is None:
       raise _bad("stop strings need a tokenizer (start the server with --model_dir); send "
                  "stop_token_ids instead.", "stop")
-    stop_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", self.vocab_size)
-    if len(stop_ids) > 1024:
-      raise _bad(f"stop_token_ids has {len(stop_ids)} ids; at most 1024.", "stop_token_ids")
+    stop_ids = _stop_token_ids(body, self.vocab_size)
     if tok is not None and not _bool(body, "ignore_eos"):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
-    temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)
-    top_p = _number(body, "top_p", default=1.0, low=0.0, high=1.0, low_open=True)
-    top_k = _int(body, "top_k", default=0, low=-1, high=self.vocab_size)
-    seed = _int(body, "seed", low=0, high=2**32 - 1)
-    if seed is None:
-      seed = secrets.randbelow(2**32)
-    salt = body.get("cache_salt")
-    if salt is not None:
-      try:
-        check_text(salt, "cache_salt", max_chars=256)
-      except InputError as e:
-        raise _bad(str(e), "cache_salt") from None
-    stream = _bool(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-      raise _bad(f"stream_options={options!r} must be an object.", "stream_options")
-    try:
-      sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                                stop_token_ids=tuple(stop_ids))
-    except InputError as e:
-      raise _bad(str(e)) from None
-    return _Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
-                tenant=tenant if salt is None else f"{tenant}{TENANT_SEPARATOR}{salt}",
-                stream=stream, include_usage=_bool(options, "include_usage"),
-                return_ids=_bool(body, "return_token_ids") or tok is None)
+    return _job(body, chat=chat, prompt=prompt, max_tokens=max_tokens, stops=stops,
+                stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
+                ids_only=tok is None)
 
   def _text_prompt(self, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -495,32 +350,13 @@ class OpenAIServer:
     if self.tokenizer is None:
       raise _bad("chat needs a tokenizer and chat template: start the server with "
                  "--model_dir, or use /v1/completions with token ids.", "messages")
-    if not isinstance(messages, list) or not messages:
-      raise _bad("messages must be a non-empty list of {'role', 'content'} objects.",
-                 "messages")
-    plain = []
-    for i, m in enumerate(messages):
-      if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise _bad(f"messages[{i}] must be an object with a string 'role'.", "messages")
-      content = m.get("content")
-      if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text"
-                   and isinstance(p.get("text"), str) for p in content):
-          raise _bad(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
-                     "...}}) are supported.", "messages")
-        content = "".join(p["text"] for p in content)
-      if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string or a list of text parts.",
-                   "messages")
-      plain.append({"role": m["role"], "content": content})
+    plain = _chat_messages(messages)
     try:
       return self.tokenizer.encode_chat(plain)
     except InputError as e:
       raise _bad(str(e), "messages") from None
 
 
-_UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
-                "suffix": "", "tools": ()}
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -622,130 +458,10 @@ class _CountRequests:
       self.counter.labels(path if path in _ROUTES else "other", status[0]).inc()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Job:
-  """A validated request."""
-
-  chat: bool
-  prompt: list  # token ids
-  sampling: SamplingParams
-  stops: list  # stop strings
-  tenant: str  # the tenant, salted with the request's cache_salt
-  stream: bool
-  include_usage: bool
-  return_ids: bool
-
-
-def _log_end(ticket: int, answer: "_Answer") -> None:
+def _log_end(ticket: int, answer: _Answer) -> None:
   """One line per request (``--verbosity=1``), with the engine's request id: the id of the
   engine's own lines about it (``request N``) and the response's ``id``."""
   logging.debug("request %d (%s): %s, %d prompt tokens (%d cached), %d generated", ticket,
                 answer.id, answer.finish_reason or "abort", answer.prompt_tokens,
                 answer.cached_tokens, len(answer.tokens))
 
-
-class _Answer:
-  """One request's answer as it arrives: tokens, the text so far (stop strings cut it),
-  what has been streamed, usage."""
-
-  def __init__(self, job: _Job, tokenizer, request_id: str):
-    self.job, self.tokenizer = job, tokenizer
-    # ``<this server's run>-<the engine's request id>``: the id the engine's log lines
-    # carry, unique across the server's restarts and replicas.
-    self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
-    self.created = int(time.time())
-    self.tokens: list[int] = []
-    self.text = ""
-    self.finish_reason: str | None = None
-    self.done_by_engine = False  # the engine ended it (else it is aborted on the way out)
-    self.prompt_tokens = len(job.prompt)
-    self.cached_tokens = 0
-    self.sent_chars = 0
-    self.sent_tokens = 0
-    self.hold = max((len(s) for s in job.stops), default=1) - 1
-
-  def take(self, delta: Delta) -> bool:
-    """Adds a delta; True when the answer is complete."""
-    if self.finish_reason is not None:
-      return True
-    self.cached_tokens = delta.cached_tokens
-    if delta.finish_reason is not None:
-      self.done_by_engine = True
-    self.tokens.extend(delta.tokens)
-    if self.tokenizer is not None:
-      self.text = self.tokenizer.decode(self.tokens)
-      # A character whose bytes have not all arrived decodes as U+FFFD for now: stop
-      # strings are matched only on text that is complete (all of it at the end).
-      whole = self.text if delta.finish_reason is not None else self.text.rstrip("\ufffd")
-      for s in self.job.stops:
-        at = whole.find(s, max(0, self.sent_chars - len(s)))
-        if at >= 0:
-          self.text, self.finish_reason = self.text[:at], "stop"
-          return True
-    if delta.finish_reason is not None:
-      self.finish_reason = delta.finish_reason
-      return True
-    return False
-
-  def flush(self, done: bool) -> tuple[str, list]:
-    """The text and token ids not yet streamed (text held back while it may still turn
-    into a stop string or ends inside a character)."""
-    end = len(self.text)
-    if not done:
-      end = max(self.sent_chars, end - self.hold)
-      while end > self.sent_chars and self.text[end - 1] == "\ufffd":
-        end -= 1
-    text = self.text[self.sent_chars:end]
-    self.sent_chars = end
-    ids = self.tokens[self.sent_tokens:]
-    self.sent_tokens = len(self.tokens)
-    return text, ids
-
-  def usage(self) -> dict:
-    n = len(self.tokens)
-    return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-            "total_tokens": self.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-  def body(self, model: str, chat: bool) -> dict:
-    choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
-    if chat:
-      choice["message"] = {"role": "assistant", "content": self.text}
-      kind = "chat.completion"
-    else:
-      choice["text"] = self.text
-      kind = "text_completion"
-    if self.job.return_ids:
-      choice["token_ids"] = list(self.tokens)
-    return {"id": self.id, "object": kind, "created": self.created, "model": model,
-            "choices": [choice], "usage": self.usage()}
-
-  def chunk(self, model: str, content, ids, finish_reason: str | None = None) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-    if self.job.chat:
-      choice["delta"] = content if isinstance(content, dict) else (
-          {"content": content} if content or finish_reason is None else {})
-      kind = "chat.completion.chunk"
-    else:
-      choice["text"] = content
-      kind = "text_completion"
-    if self.job.return_ids and ids is not None:
-      choice["token_ids"] = list(ids)
-    out = {"id": self.id, "object": kind, "created": self.created, "model": model,
-           "choices": [choice]}
-    if self.job.include_usage:
-      out["usage"] = None
-    return out
-
-  def usage_chunk(self, model: str) -> dict:
-    return {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else
-            "text_completion", "created": self.created, "model": model, "choices": [],
-            "usage": self.usage()}
-
-
-def _error_event(message: str, kind: str) -> str:
-  return _sse({"error": {"message": message, "type": kind, "code": None, "param": None}})
-
-
-def _sse(obj: dict) -> str:
-  return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
