@@ -562,8 +562,10 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
 
 
 FAULT_PROMPT = [7] * 12
+# Decode steps are paced (20 ms each) so that a 480-token stream is still running when the
+# fault's request arrives, however loaded the machine (unpaced it can end in 0.3 s).
 FAULTY_SERVER = """
-import os, runpy, sys
+import os, runpy, sys, time
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join({root!r}, "launch"))
@@ -575,6 +577,8 @@ def execute(self, plan):
   for c in plan.prefill:
     if c.start == 0 and list(c.tokens[:12]) == {marker!r}:
       raise InvariantError("injected: a page released twice")
+  if plan.decode:
+    time.sleep(0.02)
   return real(self, plan)
 
 runner.ModelRunner.execute = execute
