@@ -88,14 +88,16 @@ class KVCache:
                              disk_slots=tiers.disk_pages, secret=self._deployment_key)
     self.stats = Stats()
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it).
-    self.worker = CacheWorker(config, tiers, mesh, index=self.index, stats=self.stats,
-                              key=self._deployment_key, encrypt=self.encrypt)
     # The host-side half: index, pins, allocation (the scheduler and admission see this).
     self.manager = CacheManager(
         self.index, stats=self.stats, page_bytes=config.page_bytes,
-        write_through=tiers.write_policy == "write_through", has_disk=self.disk is not None,
-        disk_attached=self.worker.disk_available,
+        write_through=tiers.write_policy == "write_through", has_disk=tiers.disk_enabled,
+        disk_attached=lambda: self.worker.disk_available(),
         wait_for_peers=jax.process_count() > 1)  # a job admits alike on every process
+    # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it);
+    # what its copies do it reports to the manager.
+    self.worker = CacheWorker(config, tiers, mesh, manager=self.manager, stats=self.stats,
+                              key=self._deployment_key, encrypt=self.encrypt)
     logging.info(
         "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
@@ -132,7 +134,7 @@ class KVCache:
             "this model (weights_digest='' computes it) or load the weights it was made for.")
       return
     self.config = dataclasses.replace(self.config, weights_digest=digest)
-    self.index.bind_fingerprint(self.config.fingerprint())
+    self.manager.bind_fingerprint(self.config.fingerprint())
     self.worker.bind_fingerprint(self.config)
 
   @property

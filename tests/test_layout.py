@@ -163,6 +163,28 @@ def test_the_scheduler_and_admission_order_tier_work_and_never_do_it():
                                             "jaxkv.serving", "jaxkv.worker.transfers"))}
 
 
+def test_the_index_changes_only_through_the_manager():
+  """Slots are taken, released and published, and copies reported, through
+  ``CacheManager``: no module outside ``jaxkv.manager`` names a mutator of a
+  ``PrefixIndex`` (called or not), so the index has one writer. Reads stay open."""
+  mutators = {"allocate", "allocate_evicting", "publish", "release", "acquire", "unpublish",
+              "drop_chain", "evict_all_unreferenced", "bind_fingerprint", "record_hits"}
+  seen = 0
+  for name, path, tree in _modules():
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.Attribute) and node.attr in mutators):
+        continue
+      on = node.value
+      if (isinstance(on, ast.Name) and on.id == "index") or (
+          isinstance(on, ast.Attribute) and on.attr == "index"):
+        if _under(name, "jaxkv.manager"):
+          seen += 1
+        else:
+          pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} changes the index directly "
+                      f"(.index.{node.attr}): go through the cache's manager")
+  assert seen, "the manager's own index writes are not where this rule looks for them"
+
+
 def test_costs_plan_and_planner_import_one_way():
   # distributed -> costs -> plan -> planner, bottom up: none imports a module after it, nor
   # the layers above the planner (the callers hand it values; it never calls back up).

@@ -130,6 +130,49 @@ class CacheManager:
       self._lookups.shutdown(wait=False, cancel_futures=True)
       self._lookups = None
 
+  # ---- the index's slots: every change to them goes through here ------------------------------
+  # The worker reports what its copies did (``copied``, ``dropped``), the scheduler what
+  # its steps computed (``publish``); references are taken and released here. No other
+  # module calls the index's mutators (tests/test_layout.py).
+  def allocate(self, shard: int, n: int, tier: Tier = Tier.DEVICE
+               ) -> tuple[list[int] | None, tuple]:
+    """``(slots, evicted)``: ``n`` fresh referenced slots of ``tier`` (None when it cannot
+    give them now) and the ``(key, slot)`` of the cached blocks evicted to make room (their
+    bytes are still there until the caller overwrites them)."""
+    return self.index.allocate_evicting(shard, n, tier)
+
+  def acquire(self, shard: int, slots: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
+    self.index.acquire(shard, slots, tier)
+
+  def release(self, shard: int, slots: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
+    self.index.release(shard, slots, tier)
+
+  def publish(self, shard: int, slot: int, key: bytes, tier: Tier = Tier.DEVICE,
+              parent: bytes | None = None) -> bool:
+    """Referenced ``slot`` holds block ``key`` now (``PrefixIndex.publish``)."""
+    return self.index.publish(shard, slot, key, tier, parent=parent)
+
+  def copied(self, shard: int, slot: int, key: bytes, tier: Tier,
+             parent: bytes | None = None) -> bool:
+    """The worker's report of a copy down that finished: ``slot`` of ``tier`` holds ``key``
+    (chained after ``parent``, by default the parent the index knows) and the worker's
+    reference on it ends. Returns whether it was published (False: held elsewhere)."""
+    parent = self.index.parent_of(key) if parent is None else parent
+    published = self.index.publish(shard, slot, key, tier, parent=parent)
+    self.index.release(shard, [slot], tier)
+    return published
+
+  def dropped(self, shard: int, key: bytes, tier: Tier) -> list[bytes]:
+    """The worker's report of a copy that failed verification: ``key`` and the chain after
+    it are forgotten in ``tier``. Returns the keys forgotten."""
+    return self.index.drop_chain(shard, key, tier)
+
+  def record_hits(self, keys: Sequence[bytes]) -> None:
+    self.index.record_hits(keys)
+
+  def bind_fingerprint(self, fingerprint: bytes) -> None:
+    self.index.bind_fingerprint(fingerprint)
+
   # ---- allocation ------------------------------------------------------------------------------
   def allocate_pages(self, shard: int, n: int) -> tuple[list[int] | None, tuple[Block, ...]]:
     """``n`` device pages on ``shard`` (referenced), evicting unreferenced cached blocks
@@ -137,13 +180,16 @@ class CacheManager:
     give them now (then nothing was evicted); ``evicted`` the blocks whose pages were taken,
     whose bytes are still there until the step that uses the pages writes them, so a
     write-back copy ordered in that step's ``TierOrders.demote`` comes first."""
-    pages, evicted = self.index.allocate_evicting(shard, n, Tier.DEVICE)
+    pages, evicted = self.allocate(shard, n, Tier.DEVICE)
     return pages, tuple((shard, p, k) for k, p in evicted)
 
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source (one the plan will
-    not make)."""
-    release_pin(self.index, f)
+    not make; a remote source holds none)."""
+    if f.tier == Tier.SHARD:  # the source page on another shard
+      self.index.release(f.slot[0], [f.slot[1]], Tier.DEVICE)
+    elif f.tier in LOCAL_TIERS:
+      self.index.release(f.shard, [f.slot], f.tier)
 
   # ---- residency -------------------------------------------------------------------------------
   def hold(self, tokens: Sequence[int], tenant: str) -> int:
@@ -200,11 +246,3 @@ class CacheManager:
       self.index.publish(0, slot, key, Tier.DISK, parent=parent)
       self.index.release(0, [slot], Tier.DISK)
 
-
-def release_pin(index: PrefixIndex, f: Fetch) -> None:
-  """Drops the reference fetch ``f`` took at admission on its source (another shard's
-  device page, or a local tier's slot; a remote source holds none)."""
-  if f.tier == Tier.SHARD:
-    index.release(f.slot[0], [f.slot[1]], Tier.DEVICE)
-  elif f.tier in LOCAL_TIERS:
-    index.release(f.shard, [f.slot], f.tier)

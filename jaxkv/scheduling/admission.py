@@ -270,7 +270,7 @@ class Admission:
 
   def _place(self, req: Request, shard: int, found: list) -> Placement | None:
     """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
-    index = self.manager.index
+    m = self.manager
     # A device block after a lower-tier one is left out (with what follows): a split may
     # recompute that stretch, and recomputing must never write into a shared page.
     lower = [j for j, (t, _) in enumerate(found) if t != Tier.DEVICE]
@@ -282,9 +282,9 @@ class Admission:
     def pins(take: bool):
       for tier, slot in found:
         if tier in LOCAL_TIERS:
-          (index.acquire if take else index.release)(shard, [slot], tier)
+          (m.acquire if take else m.release)(shard, [slot], tier)
         elif tier == Tier.SHARD:  # the source page on the other shard stays put meanwhile
-          (index.acquire if take else index.release)(slot[0], [slot[1]], Tier.DEVICE)
+          (m.acquire if take else m.release)(slot[0], [slot[1]], Tier.DEVICE)
 
     pins(True)
     n_device = sum(t == Tier.DEVICE for t, _ in found)

@@ -219,7 +219,7 @@ class Scheduler:
     in_flight = {s.handle.id for seqs, _ in self.groups.values() for s in seqs}
     for s in list(self.running.values()):
       if s.handle.id in self._aborting and s.handle.id not in in_flight:
-        self.index.release(s.placement.shard, s.placement.pages)
+        self.manager.release(s.placement.shard, s.placement.pages)
         del self.running[s.row]
         ended.append(s.handle.id)
     self.manager.forget_peer_lookups(ended)
@@ -319,7 +319,7 @@ class Scheduler:
                                     for p in placed])
     except BaseException:  # placed, not running: give back what placing took
       for p in placed:
-        self.index.release(p.shard, p.pages)
+        self.manager.release(p.shard, p.pages)
         for f in p.fetches:
           self.manager.release_pin(f)
       self.waiting.extendleft(reversed([p.request for p in placed]))
@@ -470,7 +470,7 @@ class Scheduler:
     reused = hot + (hit - s.split if hit > s.split else 0)
     for j in list(range(hot)) + list(range(s.split, hit)):
       stats.hits[TIER_NAMES[p.hit_tiers[j]]] += 1
-    self.index.record_hits(p.request.keys[:hit])
+    self.manager.record_hits(p.request.keys[:hit])
     n = len(p.request.tokens)
     s.handle.cached_tokens = reused * page
     stats.add("hit_tokens", reused * page)
@@ -481,7 +481,7 @@ class Scheduler:
 
   # ---- publishing --------------------------------------------------------------------------------
   def _publish(self, shard, page, keys, j, published: list) -> None:
-    if self.index.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
+    if self.manager.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
       published.append((shard, page, keys[j]))
 
   def _write_through(self, published: list) -> None:
@@ -514,7 +514,7 @@ class Scheduler:
       for j in range(len(p.request.tokens) // self.page, len(keys)):
         self._publish(p.shard, p.pages[j], keys, j, published)
       self._write_through(published)
-    self.index.release(p.shard, p.pages)
+    self.manager.release(p.shard, p.pages)
     del self.running[s.row]
 
   def _complete(self, handle: RequestHandle, t_done: float) -> None:
@@ -545,7 +545,7 @@ class Scheduler:
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
     for s in self.running.values():
-      self.index.release(s.placement.shard, s.placement.pages)
+      self.manager.release(s.placement.shard, s.placement.pages)
     self.running.clear()
     handles, self.handles = self.handles, {}
     for handle in handles.values():  # waiting, running, or taken off the queue by the step

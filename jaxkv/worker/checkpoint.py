@@ -366,7 +366,7 @@ class Checkpointer:
         if checksum is not None and int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
           continue
-        slot = index.allocate(s, 1, tier)
+        slot, _ = e.manager.allocate(s, 1, tier)
         if slot is None:
           counts["skipped_no_room"] += 1
           continue
@@ -379,8 +379,7 @@ class Checkpointer:
     else:
       e.host.store(stack, dest)
     for s, slot, key, parent in publish:
-      index.publish(s, slot, key, tier, parent=parent)
-      index.release(s, [slot], tier)
+      e.manager.copied(s, slot, key, tier, parent=parent)
     counts["placed"] += len(publish)
 
 

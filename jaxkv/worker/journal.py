@@ -1,12 +1,13 @@
 """DiskJournal: the disk writes in flight of one cache, and when each block is published.
 
 A block goes to disk in three moves, and the journal is where it waits between them:
-1. ``write``: a disk slot is taken from the index (``allocate``; the records of blocks
+1. ``write``: a disk slot is taken from the manager (``allocate``; the records of blocks
    evicted to make room are deleted), the record's write is issued, and the slot stays
    referenced, so no eviction can take it while the bytes are on their way.
 2. ``pump`` (called often, never blocking): writes whose futures finished are settled.
    The committed ones are made durable together (one ``DiskTier.sync`` for the batch),
-   then published in the index; a failed one is counted, its slot released and its
+   then reported to the manager (``copied``: published in its index); a failed one is
+   counted, its slot released and its
    record (if any) deleted. It is never published.
 3. ``flush``: waits (with a deadline) for every write in flight, then pumps.
 
@@ -58,10 +59,12 @@ class _Write:
 
 
 class DiskJournal:
-  """The disk writes in flight of one cache (its index, disk tier and stats)."""
+  """The disk writes in flight of one cache (its disk tier and stats; their slots and
+  outcomes are the manager's)."""
 
-  def __init__(self, *, index, disk, stats: Stats, page_bytes: int, dtype):
-    self.index, self.disk, self.stats = index, disk, stats
+  def __init__(self, *, manager, disk, stats: Stats, page_bytes: int, dtype):
+    # The manager's index is read here; it changes through the manager's reports only.
+    self.manager, self.index, self.disk, self.stats = manager, manager.index, disk, stats
     self.page_bytes, self.dtype = page_bytes, dtype
     self.processes, self.process = jax.process_count(), jax.process_index()
     self._writes: list[_Write] = []
@@ -90,7 +93,7 @@ class DiskJournal:
   def allocate(self, n: int) -> list[int] | None:
     """``n`` disk slots (referenced), or None when every slot is held. The records of the
     blocks evicted from them are deleted: the index forgot them, so nothing names them."""
-    slots, evicted = self.index.allocate_evicting(0, n, Tier.DISK)
+    slots, evicted = self.manager.allocate(0, n, Tier.DISK)
     for key, _ in evicted:
       self.disk.delete(key)
     return slots
@@ -131,8 +134,9 @@ class DiskJournal:
     self.pump()
 
   def pump(self) -> None:
-    """Publishes the writes that committed (after one sync of the batch); releases the
-    slots of failed ones. In a job every process settles the same writes at the same call."""
+    """Reports the writes that committed to the manager (after one sync of the batch:
+    published) and releases the slots of failed ones. In a job every process settles the
+    same writes at the same call."""
     if not self._writes:
       return
     codes = distributed.agree_writes(self._own_codes())
@@ -143,13 +147,13 @@ class DiskJournal:
         continue
       self.writing.discard(w.key)
       if code == WRITE_OK:
-        self.index.publish(0, w.slot, w.key, Tier.DISK, parent=w.parent)
+        self.manager.copied(0, w.slot, w.key, Tier.DISK, parent=w.parent)
         published += 1
-      else:
-        failed += 1
-        self.stats.add("disk_write_failures")
-        self.disk.delete(w.key)  # whatever reached the store is never read: remove it
-      self.index.release(0, [w.slot], Tier.DISK)
+        continue
+      failed += 1
+      self.stats.add("disk_write_failures")
+      self.disk.delete(w.key)  # whatever reached the store is never read: remove it
+      self.manager.release(0, [w.slot], Tier.DISK)
     self._writes = still
     self.stats.add("demoted_disk", published)
     if published or failed:

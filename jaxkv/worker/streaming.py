@@ -67,7 +67,7 @@ class StreamRunner:
     shards, page = self.cache.num_shards, c.page_size
     shard = max(range(shards), key=lambda s: (index.num_available(s, Tier.HOST), -s))
     n_dev = st.sink_pages + st.window_pages + self.prefill_chunk_pages
-    dev = index.allocate(shard, n_dev)
+    dev, _ = self.cache.manager.allocate(shard, n_dev)
     if dev is None:
       raise CapacityError(f"shard {shard} cannot give {n_dev} device pages to a streamed "
                           "sequence now; pages are held elsewhere.")
@@ -114,11 +114,11 @@ class StreamRunner:
     return tokens_out, (np.stack(logits) if want_logits else None), t_first
 
   def _release(self, state: _State) -> None:
-    index = self.cache.index
-    index.release(state.shard, state.dev)
-    index.release(state.shard, state.cold, Tier.HOST)
+    manager = self.cache.manager
+    manager.release(state.shard, state.dev)
+    manager.release(state.shard, state.cold, Tier.HOST)
     if state.disk:  # the records name no block anyone can ask for: remove them
-      index.release(0, state.disk, Tier.DISK)
+      manager.release(0, state.disk, Tier.DISK)
       self.cache.mover.delete_records([self._record_key(state, self.stream.sink_pages + i)
                                        for i in range(len(state.disk))])
 
@@ -164,8 +164,8 @@ class StreamRunner:
 
   def _to_disk(self, state: _State, victims, stack: np.ndarray, host_slots) -> None:
     """source='disk': the victims' pages go to disk records (durable before use)."""
-    index, st = self.cache.index, self.stream
-    index.release(state.shard, host_slots, Tier.HOST)  # not needed: the pages go straight down
+    st = self.stream
+    self.cache.manager.release(state.shard, host_slots, Tier.HOST)  # the pages go straight down
     n = stack.shape[2] // self.cache.num_shards
     payloads, keys = [], []
     for i, j in enumerate(victims):
@@ -186,7 +186,7 @@ class StreamRunner:
     if len(state.cold) == len(state.disk):
       return
     self._unstage(state)
-    slots = cache.index.allocate(state.shard, len(state.disk), Tier.HOST)
+    slots, _ = cache.manager.allocate(state.shard, len(state.disk), Tier.HOST)
     if slots is None:
       raise CapacityError("the host tier has no room to stage a streamed sequence's pages.")
     keys = [self._record_key(state, st.sink_pages + i) for i in range(len(state.disk))]
@@ -205,7 +205,7 @@ class StreamRunner:
 
   def _unstage(self, state: _State) -> None:
     if self.stream.source == "disk" and state.cold:
-      self.cache.index.release(state.shard, state.cold, Tier.HOST)
+      self.cache.manager.release(state.shard, state.cold, Tier.HOST)
       state.cold = []
 
   def _stage_and_batch(self, state: _State, width: int):

@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv import distributed
-from jaxkv import manager
 from jaxkv.worker import pages as pages_lib
 from jaxkv.distributed import local_data_shards, put_global, to_host
 from jaxkv.errors import InvariantError
@@ -91,11 +90,14 @@ class PendingFetch:
 
 
 class TierMover:
-  """Block movement and verification for one cache (its index, tiers and layout)."""
+  """Block movement and verification for one cache (its tiers and layout). What its
+  copies do is reported to the cache's ``manager`` (slots taken, copies published or
+  dropped); it reads the manager's index, and changes it only through those reports."""
 
-  def __init__(self, *, index, mesh, config, num_shards: int, payload_shape: tuple, host=None,
-               disk=None, remote=None, stats: Stats | None = None):
-    self.index, self.mesh, self.config = index, mesh, config
+  def __init__(self, *, manager, mesh, config, num_shards: int, payload_shape: tuple,
+               host=None, disk=None, remote=None, stats: Stats | None = None):
+    self.manager, self.index = manager, manager.index  # the index: read only
+    self.mesh, self.config = mesh, config
     self.num_shards, self.payload_shape = num_shards, tuple(payload_shape)
     self.host, self.disk, self.remote = host, disk, remote
     self.stats = stats if stats is not None else Stats()
@@ -103,7 +105,7 @@ class TierMover:
     # longest) and waited for.
     self.sources = [t for t in (disk, host, remote) if t is not None]
     # The disk writes in flight and the disk store's health (None without a disk tier).
-    self.journal = (DiskJournal(index=index, disk=disk, stats=self.stats,
+    self.journal = (DiskJournal(manager=manager, disk=disk, stats=self.stats,
                                 page_bytes=config.page_bytes, dtype=config.jnp_dtype)
                     if disk is not None else None)
     # A multi-process job shares one disk store: its processes take turns writing blocks
@@ -199,7 +201,7 @@ class TierMover:
   def allocate_host(self, shard: int, n: int) -> list[int] | None:
     """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
     to disk first. None when every slot is held."""
-    slots, evicted = self.index.allocate_evicting(shard, n, Tier.HOST)
+    slots, evicted = self.manager.allocate(shard, n, Tier.HOST)
     if evicted and self.disk is not None:  # read them out before they are overwritten
       self.host_to_disk(self._missing([(shard, p, k) for k, p in evicted], Tier.DISK))
     return slots
@@ -214,7 +216,7 @@ class TierMover:
       return
     placed, host_victims, overflow = [], [], []
     for b in blocks:
-      slot, evicted = self.index.allocate_evicting(b[0], 1, Tier.HOST)
+      slot, evicted = self.manager.allocate(b[0], 1, Tier.HOST)
       if slot is None:  # every host slot of this shard is taken by blocks in flight
         overflow.append(b)
         continue
@@ -234,8 +236,7 @@ class TierMover:
       host_ids[s, :len(items)] = [it[3] for it in items]
     self.host.store(stack, host_ids)
     for shard, _, key, slot in placed:
-      self.index.publish(shard, slot, key, Tier.HOST, parent=self.index.parent_of(key))
-      self.index.release(shard, [slot], Tier.HOST)
+      self.manager.copied(shard, slot, key, Tier.HOST)
     self.stats.add("demoted_host", len(placed))
     self.stats.add("bytes_moved", self._bytes(len(placed)))
 
@@ -343,7 +344,7 @@ class TierMover:
 
   def release_pin(self, f: Fetch) -> None:
     """Drops the reference a fetch took at admission on its source."""
-    manager.release_pin(self.index, f)
+    self.manager.release_pin(f)
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:
@@ -404,7 +405,7 @@ class TierMover:
     if reason == Failure.READ_RETRY:
       return  # the record stays, and so does its chain: the next lookup reads it again
     shard = 0 if fetch.tier == Tier.DISK else fetch.shard
-    dropped = self.index.drop_chain(shard, fetch.key, fetch.tier)
+    dropped = self.manager.dropped(shard, fetch.key, fetch.tier)
     if fetch.tier == Tier.DISK:  # the index forgot them: nothing names their records now
       for key in dropped:
         if not (key == fetch.key and reason == Failure.GONE):  # gone: nothing to delete

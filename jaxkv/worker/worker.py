@@ -30,11 +30,11 @@ from jaxkv.worker.transfers import TierMover
 class CacheWorker:
   """The device pools, the tiers and the mover of one cache."""
 
-  def __init__(self, config: CacheConfig, tiers: TierConfig, mesh: Mesh, *, index,
+  def __init__(self, config: CacheConfig, tiers: TierConfig, mesh: Mesh, *, manager,
                stats: Stats, key: bytes | None, encrypt: bool):
     self.config, self.tiers, self.mesh = config, tiers, mesh
     self.num_shards = pages_lib.data_shards(mesh, config)
-    self._index, self._stats, self._key, self._encrypt = index, stats, key, encrypt
+    self._manager, self._stats, self._key, self._encrypt = manager, stats, key, encrypt
     self.host = self.disk = self.remote = self.mover = None
     self.remotes: list = []
     if tiers.host_enabled:
@@ -84,7 +84,7 @@ class CacheWorker:
     good = self._scan_disk() if self.disk is not None else []
     # The mover's jitted page moves depend on shapes only: it keeps the config without
     # the weights, so caches of differently trained models share their compilations.
-    self.mover = TierMover(index=self._index, mesh=self.mesh,
+    self.mover = TierMover(manager=self._manager, mesh=self.mesh,
                            config=dataclasses.replace(config, weights_digest=""),
                            num_shards=self.num_shards, payload_shape=self.payload_shape,
                            host=self.host, disk=self.disk, remote=self.remote,
