@@ -38,12 +38,24 @@ _SHARED = {"tests/worker/test_remote.py": "remote owners",
            "tests/tools/test_device_check.py": "device check dry run"}
 
 
+# The slowest files (seconds on 2 cores), run first so that no worker is left with a long
+# file at the end while the other idles; the rest follow in the order pytest found them.
+_SLOW = {"tests/worker/test_streamed.py": 180, "tests/entrypoints/test_server.py": 170,
+         "tests/tools/test_platform_defaults.py": 160, "tests/serving/test_engine.py": 95,
+         "tests/worker/test_checkpoint.py": 85, "tests/models/test_hf.py": 80,
+         "tests/tools/test_bench.py": 70, "tests/worker/test_tiers.py": 60,
+         "tests/tools/test_online.py": 57, "tests/tools/test_lowering.py": 55,
+         "tests/launch/test_multihost.py": 51, "tests/serving/test_serving.py": 50}
+
+
 def pytest_collection_modifyitems(config, items):
   # ``-n 2 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
   # a module's fixtures (a server, an owner job, a checkpoint) start once.
   root = str(config.rootpath)
+  paths = {id(item): os.path.relpath(str(item.path), root) for item in items}
+  items.sort(key=lambda item: -_SLOW.get(paths[id(item)], 0))  # stable: a file keeps its order
   for item in items:
-    path = os.path.relpath(str(item.path), root)
+    path = paths[id(item)]
     item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
   if len(jax.devices()) < 8:
     skip = pytest.mark.skip(reason="needs 8 devices (XLA_FLAGS was set too late)")
