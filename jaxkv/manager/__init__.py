@@ -3,11 +3,13 @@
 The manager is the host-side half of a ``KVCache``. It holds the ``PrefixIndex`` (which
 slot of which tier holds which block, with the chain between blocks), the references that
 keep blocks in place (a request's pages, a fetch's source, a ``hold`` on a prefix), and the
-decisions that change them: allocating device pages (evicting the least valuable cached
-blocks), releasing pins. What such a decision needs moved comes back as a value: the blocks
-an allocation evicted are returned beside its pages, and the scheduler puts them in the
-step's ``TierOrders`` for the cache worker, which alone touches pools and tiers
-(``jaxkv.worker.transfers``, ``jaxkv.cache``).
+decisions that change them: allocating slots (evicting the least valuable cached blocks),
+releasing pins, publishing what a step computed and what the worker's copies reached
+(``copied``, ``dropped``: the worker reports, the manager writes). It is the index's one
+writer. What a decision needs moved comes back as a value: the blocks an allocation evicted
+are returned beside its pages, and the scheduler puts them in the step's ``TierOrders`` for
+the cache worker (``jaxkv.worker.worker``), which alone touches pools and tiers. It also
+asks remote peers about a prefix, off the step loop (``peer_prefix``).
 
 The scheduler and admission see only this object (never the pools, tiers or mover),
 so they can be built and tested with no model, no mesh and no device.

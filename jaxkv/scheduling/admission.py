@@ -230,7 +230,9 @@ class Admission:
     found = [index.locate(s, keys, tiers) if keys else [] for s in range(num_shards)]
     found = self._with_other_shards(found)
     local = max(len(f) for f in found)
-    if self.manager.remote is not None and len(keys) > local:
+    if self.manager.remote is not None and len(keys) <= local:
+      self.manager.forget_peer_lookups([req.id])  # asked before it was cached here: moot
+    elif self.manager.remote is not None:
       remote = self.manager.peer_prefix(req.id, keys)
       if remote is PENDING:
         return PENDING
