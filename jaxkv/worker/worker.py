@@ -4,9 +4,9 @@ It holds the device page pools, the lower tiers (host pool, disk store, remote p
 the ``TierMover`` (with its disk journal) that moves blocks between them. Every writer of a
 page goes through ``update_pools``; tier work arrives as a step plan's orders (the runner
 carries them out through the mover before the step's compute) or as the few whole-cache
-operations ``KVCache`` offers (offload, flush). What it learns that the index must know
-comes back as values (the blocks a store holds at open): the host-side ``CacheManager``
-publishes them.
+operations ``KVCache`` offers (offload, flush). It never writes the index: the blocks a
+store holds at open come back as values, and what its copies did (a slot filled, a chain
+that failed verification) it reports to the host-side ``CacheManager``, which publishes.
 """
 
 from __future__ import annotations
