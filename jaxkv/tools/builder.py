@@ -227,17 +227,18 @@ def tier_config(cfg: Mapping) -> TierConfig:
   t = _section(cfg, "tiers")
   if t.get("disk_kvstore") in ("", None):
     t["disk_kvstore"], t["disk_pages"] = None, 0
-  elif not t.get("disk_pages"):
-    t["disk_pages"] = DEFAULT_DISK_PAGES
-    _log_fit(f"tiers.disk_pages {DEFAULT_DISK_PAGES}: the disk tier at {t['disk_kvstore']} "
-             f"was given no capacity (--config.tiers.disk_pages=N sets one)")
-  elif isinstance(t["disk_kvstore"], str) and t["disk_kvstore"].lstrip().startswith("{"):
+    return TierConfig(**t)
+  if isinstance(t["disk_kvstore"], str) and t["disk_kvstore"].lstrip().startswith("{"):
     try:  # a TensorStore kvstore spec given as JSON on the command line
       t["disk_kvstore"] = json.loads(t["disk_kvstore"])
     except json.JSONDecodeError as e:
       raise InputError(f"tiers.disk_kvstore={t['disk_kvstore']!r} is not valid JSON ({e}); give "
                        "a directory or a kvstore spec such as '{\"driver\": \"s3\", "
                        "\"bucket\": \"b\", \"path\": \"kv/\"}'.") from None
+  if not t.get("disk_pages"):
+    t["disk_pages"] = DEFAULT_DISK_PAGES
+    _log_fit(f"tiers.disk_pages {DEFAULT_DISK_PAGES}: the disk tier at {t['disk_kvstore']} "
+             f"was given no capacity (--config.tiers.disk_pages=N sets one)")
   return TierConfig(**t)
 
 

@@ -87,6 +87,10 @@ def test_a_sequences_cap_and_a_disk_tiers_capacity_fit_whichever_flag_set_them(c
   with cfg.unlocked():
     cfg.tiers.disk_kvstore = ""  # no disk tier, whatever its capacity says
   assert builder.tier_config(cfg).disk_pages == 0
+  with cfg.unlocked():  # a kvstore spec given as JSON, with no capacity: parsed, and 4096
+    cfg.tiers.disk_kvstore, cfg.tiers.disk_pages = '{"driver": "memory"}', 0
+  tiers = builder.tier_config(cfg)
+  assert (tiers.disk_kvstore, tiers.disk_pages) == ({"driver": "memory"}, 4096)
 
 
 def test_planner_sizes_a_real_model_from_its_config(tmp_path):
