@@ -19,6 +19,8 @@ import time
 
 from absl import app, flags
 
+from jaxkv.tools.env import child_env
+
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes in the job.", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices", 8, "CPU devices in the whole job (split evenly).",
                                 lower_bound=1)
@@ -52,9 +54,8 @@ def main(argv):
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = []
   for pid in range(n):
-    env = dict(os.environ, JAXKV_COORDINATOR=coordinator, JAXKV_NUM_PROCESSES=str(n),
-               JAXKV_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={_DEVICES.value // n}")
+    env = child_env(device_count=_DEVICES.value // n, JAXKV_COORDINATOR=coordinator,
+                    JAXKV_NUM_PROCESSES=str(n), JAXKV_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu")
     procs.append(subprocess.Popen([sys.executable, *_with_suffix(script, pid)], env=env))
   # SIGTERM is passed on to every process, as a cluster would send it (a server drains
   # through process 0); Ctrl-C reaches them from the terminal itself. The job ends when

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
+from jaxkv.tools.env import child_env  # noqa: F401  (the tests start children with it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_script(args, timeout_s=600):
   """A launch/ script as a user runs it: (exit status, stdout, stderr). Its process group is
   killed if it outlives ``timeout_s``."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
+  env = child_env()  # launchers set their own device count
   proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True)
@@ -145,7 +146,8 @@ def kill_session(sid: int) -> None:
 # exits when stdin closes, or after its seconds.
 OWNER = r"""
 import os, select, sys, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
 sys.path.insert(0, "tests")
 import jaxkv, helpers, faults
 from jaxkv.worker.tiers.remote import BlockServer
@@ -188,7 +190,7 @@ class Owner:
   handshakes_refused) now. ``kill`` is a kill -9 of the job; ``close`` ends it."""
 
   def __init__(self, names=("none",), seconds=1800, key=REMOTE_KEY):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     self.proc = start_process(
         [sys.executable, "-c", OWNER, ",".join(names), str(seconds), key.hex()], env=env,
         stdin=subprocess.PIPE)

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from jaxkv.errors import InputError, InvariantError
+from jaxkv.tools.env import child_env
 from jaxkv.manager.index import PrefixIndex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +52,7 @@ _common.run(main)
 
 
 def launch(body: str) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = child_env(drop=("JAX_PLATFORMS",))
   env["JAX_PLATFORMS"] = "cpu"
   code = textwrap.dedent(MAIN).replace("{body}", body)
   return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

@@ -28,6 +28,7 @@ from absl import logging
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager.index import LOCAL_TIERS, PrefixIndex, Tier
 from jaxkv.scheduling.step import Block
+from jaxkv.worker.tiers.base import Failure
 
 if typing.TYPE_CHECKING:
   from jaxkv.stats import Stats
@@ -164,10 +165,24 @@ class CacheManager:
     self.index.release(shard, [slot], tier)
     return published
 
-  def dropped(self, shard: int, key: bytes, tier: Tier) -> list[bytes]:
-    """The worker's report of a copy that failed verification: ``key`` and the chain after
-    it are forgotten in ``tier``. Returns the keys forgotten."""
-    return self.index.drop_chain(shard, key, tier)
+  def fetched(self, fetches: Sequence[Fetch], failures: Sequence[Failure | None]
+              ) -> tuple[bytes, ...]:
+    """A settled fetch group, as the worker reported it (``FetchReport``): every fetch's
+    pin on its source (taken at admission) is released, and each failed copy is forgotten
+    with the chain after it, except where nothing of ours is wrong (a remote copy is the
+    peer's; a record that raised while read is kept to read again). Returns the disk
+    records of what was forgotten, for the worker to delete (``TierOrders.drop``)."""
+    for f in fetches:
+      self.release_pin(f)
+    records = []
+    for f, why in zip(fetches, failures):
+      if why is None or f.tier == Tier.REMOTE or why == Failure.READ_RETRY:
+        continue
+      shard = 0 if f.tier == Tier.DISK else f.shard
+      dropped = self.index.drop_chain(shard, f.key, f.tier)
+      if f.tier == Tier.DISK:  # nothing names these records now (a gone one is not there)
+        records += [k for k in dropped if not (k == f.key and why == Failure.GONE)]
+    return tuple(records)
 
   def record_hits(self, keys: Sequence[bytes]) -> None:
     self.index.record_hits(keys)

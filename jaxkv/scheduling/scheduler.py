@@ -28,15 +28,16 @@ What ``schedule`` does
 - Verification. A fetch group whose requests have no recompute left after this step's
   chunks is settled this step: the runner waits for it (with the read deadline) after it
   dispatched the step's compute, so the wait overlaps the device work.
-- Orders (``TierOrders``). The blocks this step's admissions evicted (their write-back
-  copies), the write-through copies of what the last update published, and the disk
-  journal's pump once a request completed: carried out by the cache worker before the
-  step writes any page. A step with no request left to carry them is a plan of orders
+- Orders (``TierOrders``). The disk records of chains the last update forgot, the blocks
+  this step's admissions evicted (their write-back copies), the write-through copies of
+  what the last update published, and the disk journal's pump once a request completed:
+  carried out by the cache worker before the step writes any page. A step with no request left to carry them is a plan of orders
   alone (``has_orders``; the engine runs it).
 
 What ``update`` does (the only place each of these happens)
-- settles verified groups: a failed block ends its request's hit there (its bad copy and
-  the chain after it are dropped), verified blocks in the hit are published, prompt
+- settles verified groups: the fetches' pins are released, a failed block ends its
+  request's hit there (its bad copy and the chain after it are forgotten, their disk
+  records are the next plan's ``drop``), verified blocks in the hit are published, prompt
   counters are taken, the planner learns the link's speed, the rest of the prompt is queued;
 - publishes the full blocks this step's chunks wrote (their write-through copies are
   orders of the next plan);
@@ -175,11 +176,9 @@ class Scheduler:
     self.groups: dict[int, tuple[list[_Seq], tuple]] = {}
     self._step = 0
     self._held_once: set[int] = set()  # requests counted in stats' shared_prefix_waits
-    # Request ids to end at the next step that can, with how they end ("abort", or "error"
-    # for one whose caller's callback raised).
+    # Request ids to end at the next step that can -> "abort", or "error" (its callback raised).
     self._aborting: dict[int, str] = {}
-    # Tier work decided since the last plan, for the next plan's orders.
-    self._orders = TierOrders()
+    self._orders = TierOrders()  # tier work decided since the last plan, for the next one
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, handle: RequestHandle) -> RequestHandle:
@@ -446,10 +445,12 @@ class Scheduler:
     self.stats.ttft_s.append(handle.ttft_s)
 
   def _settle(self, seqs: list[_Seq], report: FetchReport | None) -> None:
-    """A verified (or failed) fetch group: each request's hit, prompt counters, the rest of
-    its prompt queued."""
+    """A verified (or failed) fetch group: pins released and failed chains forgotten (their
+    disk records: the next orders' drop), each request's hit and counters, the rest of its
+    prompt queued."""
     outcomes = collections.defaultdict(list)  # request id -> [(fetch, failure or None)]
-    if report is not None:  # (the worker dropped each failed copy and counted it)
+    if report is not None:  # (the worker counted each failure)
+      self._orders += TierOrders(drop=self.manager.fetched(report.fetches, report.failures))
       for f, why in zip(report.fetches, report.failures):
         outcomes[f.request].append((f, why))
       self.planner.observe_fetch(report)

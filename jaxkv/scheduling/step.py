@@ -6,14 +6,17 @@ the result comes back as a value the scheduler learns from. This module is the o
 the two import of each other.
 
 A step in order:
-1. ``orders`` (``TierOrders``): the tier work decided since the last step: write-through
-   copies of blocks the last step published, write-back copies of blocks this step's
-   admissions evicted (before their pages are reused), the disk journal's pump. Carried out
-   before anything of this step writes a page.
+1. ``orders`` (``TierOrders``): the tier work decided since the last step: the disk records
+   of chains that failed verification (deleted), write-through copies of blocks the last
+   step published, write-back copies of blocks this step's admissions evicted (before their
+   pages are reused), the disk journal's pump. Carried out before anything of this step
+   writes a page.
 2. ``fetch``: the fetch group of this step's admissions, issued (promote).
 3. The compute: ``decode`` rows and ``prefill`` chunks.
-4. ``settle``: fetch groups waited for and verified while the device computes; a failed
-   copy is dropped by the worker, and its outcome comes back in the result's reports.
+4. ``settle``: fetch groups waited for and verified while the device computes; each outcome
+   comes back in the result's reports, and the scheduler has the manager release the
+   fetches' pins and forget each failed copy's chain (its disk records are the next
+   step's ``drop``).
 5. The tokens read back (``StepResult``).
 """
 
@@ -38,16 +41,18 @@ Block = tuple  # (shard, device page, key)
 class TierOrders:
   """The tier work of one step, carried out by the cache worker before the step's compute."""
 
+  drop: tuple = ()  # bytes, ...: disk records of blocks the manager forgot (failed copies)
   write_through: tuple = ()  # Block, ...: published device blocks copied to every lower tier
   demote: tuple = ()  # Block, ...: evicted device blocks copied to the first lower tier
   pump: bool = False  # publish the disk writes that committed (a request completed)
 
   @property
   def empty(self) -> bool:
-    return not (self.write_through or self.demote or self.pump)
+    return not (self.drop or self.write_through or self.demote or self.pump)
 
   def __add__(self, other: "TierOrders") -> "TierOrders":
-    return TierOrders(write_through=self.write_through + other.write_through,
+    return TierOrders(drop=self.drop + other.drop,
+                      write_through=self.write_through + other.write_through,
                       demote=self.demote + other.demote, pump=self.pump or other.pump)
 
 
@@ -139,6 +144,7 @@ class StepPlan:
             f"{list(self.settle)}; first tokens {[c.seq.request for c in self.prefill if c.last]}; "
             f"finishing {list(self.finishing)}"
             + ("; pump" if self.orders.pump else "")
+            + (f"; drop {len(self.orders.drop)} disk records" if self.orders.drop else "")
             + (f"; aborted {list(self.aborted)}" if self.aborted else ""))
 
 

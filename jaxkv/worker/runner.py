@@ -145,7 +145,6 @@ class ModelRunner:
     self._resident = None
     self._ahead = None
     self._pending: dict = {}
-    self._issued: set = set()
 
   def _on_mesh(self, leaf):
     sharding = getattr(leaf, "sharding", None)
@@ -238,10 +237,14 @@ class ModelRunner:
   # ---- executing a step plan ------------------------------------------------------------------
   def carry_out(self, orders: TierOrders) -> None:
     """Has the cache's worker (the mover, over the pools and tiers) carry out a plan's tier
-    orders: write-through copies, then write-back copies of evicted blocks (a block both
-    copied and evicted is copied once), then the disk journal's pump. Before anything of
-    the step writes a page: the bytes they copy are still in their pages."""
+    orders: the disk records of dropped chains deleted (before any copy that could write a
+    record of the same name again), write-through copies, then write-back copies of evicted
+    blocks (a block both copied and evicted is copied once), then the disk journal's pump.
+    Before anything of the step writes a page: the bytes they copy are still in their
+    pages."""
     mover = self.cache.mover
+    if orders.drop:
+      mover.delete_records(list(orders.drop))
     if orders.write_through:
       mover.copy_down(self.cache.pools, list(orders.write_through))
     if orders.demote:
@@ -256,14 +259,10 @@ class ModelRunner:
     ``StepResult``."""
     cache = self.cache
     self.carry_out(plan.orders)
-    # Groups whose pins the mover answers for (issued and not yet taken back by the
-    # scheduler): in flight, or settled by this step.
-    self._issued = set(self._pending)
     if plan.fetch is not None:
       pending, = cache.update_pools(
           lambda pools: cache.mover.start_promote(pools, list(plan.fetch.fetches)))
       self._pending[plan.fetch.group] = pending
-      self._issued.add(plan.fetch.group)
     ahead, self._ahead = self._ahead, None
     dispatched = []  # (request ids, row of each, tokens out, selected logits)
     if plan.decode:
@@ -342,18 +341,15 @@ class ModelRunner:
     return key, row, out, sel
 
   def recover(self, unsettled: dict) -> None:
-    """After a failed step: forgets the rows kept on device, abandons the fetch groups
-    never settled (``group -> fetches``; their source pins are released) and restarts the
-    pools if the failed step consumed them."""
+    """After a failed step: forgets the rows kept on device, gives up the fetch groups
+    whose reports the scheduler never took (``group -> fetches``: in flight, settled by the
+    failed step, or never issued) and releases their source pins, and restarts the pools if
+    the failed step consumed them."""
     self._resident = self._ahead = None
     for group, fetches in unsettled.items():
-      pending = self._pending.pop(group, None)
-      if pending is not None:
-        self.cache.mover.abandon(pending)
-      elif group not in self._issued:  # never issued: its pins are still the admission's
-        for f in fetches:
-          self.cache.manager.release_pin(f)
-      # (else it was settled by the failed step: finish_promote released its pins)
+      self._pending.pop(group, None)  # reads still in flight complete into nothing
+      for f in fetches:
+        self.cache.manager.release_pin(f)
     for pending in self._pending.values():
       self.cache.mover.abandon(pending)
     self._pending.clear()

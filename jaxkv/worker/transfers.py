@@ -15,12 +15,13 @@ Moves
   a request was given, through each tier's ``FetchSource`` (issue everything, let the
   caller compute, then wait, verify and land). Blocks that another data shard holds on
   device are copied with a collective. ``start_promote`` returns a ``PendingFetch``;
-  ``finish_promote`` drops each failed fetch's copy (``drop_failed``: the bad copy and
-  every block chained after it are forgotten) and returns the ``FetchReport`` (one
-  ``Failure`` or None per fetch). A promotion that will never be finished (its step
-  failed) is given up with ``abandon``. Every fetch's pin is released exactly once, by
-  one of the two.
-- ``write_records`` / ``read_records``: the long-context path's private disk records.
+  ``finish_promote`` counts each failure and returns the ``FetchReport`` (one ``Failure``
+  or None per fetch). The scheduler hands the report to the manager, which releases the
+  fetches' pins and forgets each failed copy's chain; the disk records of that chain come
+  back as the next step's ``TierOrders.drop`` (``delete_records``). A promotion that will
+  never be finished (its step failed) is given up with ``abandon``, which releases its pins.
+- ``write_records`` / ``read_records`` / ``delete_records``: the long-context path's private
+  disk records, and the records of dropped chains.
 Blocks are published in a lower tier only when their bytes are there: host slots when
 the copy is dispatched (later reads are ordered after it), disk slots when the write has
 committed (``jaxkv.worker.journal``). A slot in flight holds a reference, so eviction cannot reuse
@@ -342,16 +343,12 @@ class TierMover:
              for f, failure in zip(mine, failures) if failure is None]
     return (self.stage(items) if items else None), failures
 
-  def release_pin(self, f: Fetch) -> None:
-    """Drops the reference a fetch took at admission on its source."""
-    self.manager.release_pin(f)
-
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:
     """Waits (until ``t_end``, monotonic) for the fetches of ``start_promote``, verifies
-    and lands them, releases every fetch's pin and drops each failed copy
-    (``drop_failed``). Returns ``(pools, report)``: the caller truncates each request's
-    hit at its first failed block."""
+    and lands them, and counts each failure. Returns ``(pools, report)``: the scheduler
+    truncates each request's hit at its first failed block, and the manager releases the
+    pins and forgets the failed chains (``CacheManager.fetched``)."""
     fetches = pending.fetches
     failures: list[Failure | None] = [None] * len(fetches)  # SHARD copies cannot fail
     t_wait = time.perf_counter()
@@ -375,11 +372,9 @@ class TierMover:
     seconds = t_done - pending.t_start if arrived else 0.0
     self.stats.add("fetch_wait_s", t_done - t_wait)
     self.stats.add("fetch_s", t_done - pending.t_start)
-    for f in fetches:
-      self.release_pin(f)  # the pin taken at admission
     for f, failure in zip(fetches, failures):
       if failure is not None:
-        self.drop_failed(f, failure)
+        self._count_failure(f, failure)
     ok = sum(failure is None for failure in failures)
     self.stats.add("blocks_fetched", ok)
     self.stats.add("bytes_moved", self._bytes(ok))
@@ -391,25 +386,13 @@ class TierMover:
     """Gives up a promotion that will never be finished (its step failed): releases the
     pin of every fetch. Reads still in flight complete into nothing."""
     for f in pending.fetches:
-      self.release_pin(f)
+      self.manager.release_pin(f)
 
-  def drop_failed(self, fetch: Fetch, reason: Failure) -> None:
-    """Records a failed fetch (``reason``, from the ``FetchReport``) and drops the bad copy
-    and the chain after it (a disk copy's records are deleted with them)."""
+  def _count_failure(self, fetch: Fetch, reason: Failure) -> None:
     self.stats.failures[reason.value] += 1
     self.stats.add("verify_failures", reason.corrupt)
     self.stats.add("read_timeouts", reason == Failure.DEADLINE)
-    if fetch.tier == Tier.REMOTE:
-      self.stats.add("remote_failures")
-      return  # nothing of ours to drop: the peer's copy is the peer's
-    if reason == Failure.READ_RETRY:
-      return  # the record stays, and so does its chain: the next lookup reads it again
-    shard = 0 if fetch.tier == Tier.DISK else fetch.shard
-    dropped = self.manager.dropped(shard, fetch.key, fetch.tier)
-    if fetch.tier == Tier.DISK:  # the index forgot them: nothing names their records now
-      for key in dropped:
-        if not (key == fetch.key and reason == Failure.GONE):  # gone: nothing to delete
-          self.disk.delete(key)
+    self.stats.add("remote_failures", fetch.tier == Tier.REMOTE)
 
   # ---- records of the long-context path ----------------------------------------------------
   def write_records(self, payloads: list[np.ndarray], keys: list[bytes],
@@ -428,6 +411,7 @@ class TierMover:
     return self.disk.read_verified(keys, time.monotonic() + deadline_s)
 
   def delete_records(self, keys: list[bytes]) -> None:
-    """Removes private disk records (best effort); their slots are the caller's to release."""
+    """Removes disk records (best effort): a stream's private ones (their slots are the
+    caller's to release), or those of a chain the manager forgot (``TierOrders.drop``)."""
     for key in keys:
       self.disk.delete(key)

@@ -567,7 +567,8 @@ FAULT_PROMPT = [7] * 12
 FAULTY_SERVER = """
 import os, runpy, sys, time
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join({root!r}, "launch"))
 from jaxkv.worker import runner
 from jaxkv.errors import InvariantError
@@ -613,7 +614,10 @@ def test_zzz_an_internal_error_stops_the_server_and_it_exits_with_status_1(state
 def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   """launch/multihost.py: process 0 serves HTTP and broadcasts each step's arrivals and
   aborts; both processes run the same steps. A stream closed early is aborted on both."""
-  args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16"]
+  # One row per shard: the requests come one at a time, and each process compiles half
+  # the step shapes.
+  args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16",
+          "--config.engine.max_seqs_per_shard=1"]
   single = start(args, tmp_path)
   try:
     prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(4)]

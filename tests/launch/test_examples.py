@@ -10,7 +10,7 @@ ROOT = helpers.ROOT
 
 
 def test_own_model_example_runs_and_reuses_its_prefix():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = helpers.child_env()
   proc = subprocess.run([sys.executable, "examples/own_model.py"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

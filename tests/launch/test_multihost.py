@@ -15,7 +15,7 @@ SMALL = ["--nocompare", "--config.workload.chat.users=4", "--config.workload.cha
 
 
 def env():
-  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return helpers.child_env(drop=("JAX_PLATFORMS",))
 
 
 PLANNER = r"""

@@ -32,8 +32,8 @@ SMALL = ["--config.workload.chat.users=3", "--config.workload.chat.turns=2",
 
 
 def clean_env():
-  """As a user's shell has it: no JAX_PLATFORMS or XLA_FLAGS inherited from the tests."""
-  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  """As a user's shell has it: no JAX_PLATFORMS and no device count inherited from the tests."""
+  return helpers.child_env(drop=("JAX_PLATFORMS",))
 
 
 def launch(script, *args, timeout=600):
@@ -207,8 +207,7 @@ def refused(tmp_path_factory):
   cases = [(r.script, [a.format(**paths) for a in r.args]) for r in REFUSALS]
   work = tmp_path_factory.mktemp("driver")
   (work / "cases.json").write_text(json.dumps(cases))
-  env = {**clean_env(), "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # as cpu_tiny starts JAX
+  env = helpers.child_env(device_count=8, JAX_PLATFORMS="cpu")  # as cpu_tiny starts JAX
   driver = helpers.start_process([sys.executable, "-c", DRIVER, str(work / "cases.json"),
                                   str(work / "results.json")], env=env)
   real = {}

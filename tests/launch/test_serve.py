@@ -17,7 +17,7 @@ SMALL = ["--config.workload.chat.users=4", "--config.workload.chat.turns=3",
 
 def serve(tmp_path, name, *flags):
   out = tmp_path / f"{name}.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets it
+  env = helpers.child_env()  # the launcher sets it
   proc = subprocess.run([sys.executable, "launch/serve.py", *SMALL, f"--json_out={out}", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_serve_plot_metrics_and_other_workloads(tmp_path):
 
 
 def test_bad_trace_file_is_one_line(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = helpers.child_env()
   proc = subprocess.run([sys.executable, "launch/serve.py", f"--trace={tmp_path / 'no.jsonl'}"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and "trace file" in proc.stderr and "Traceback" not in proc.stderr

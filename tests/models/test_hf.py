@@ -398,7 +398,7 @@ def text_checkpoint(tmp_path, seed=0):
 
 
 def run(script, *args, timeout=600):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = helpers.child_env()
   return subprocess.run([sys.executable, f"launch/{script}", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

@@ -43,7 +43,7 @@ ROOT = helpers.ROOT
 class Loop:
   """A scheduler over a real index, with this test as its runner."""
 
-  def __init__(self, *, shards=1, pages=16, host_pages=0, seqs=2, chunk_pages=2,
+  def __init__(self, *, shards=1, pages=16, host_pages=0, disk_pages=0, seqs=2, chunk_pages=2,
                policy="fetch", force_split=0, batching="continuous", write_through=True,
                cache_decode_blocks=True, prefix_reuse=True):
     self.config = CacheConfig(model_name="seam", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -52,11 +52,11 @@ class Loop:
                               attention_impl="jnp", weights_digest="seam")
     self.index = PrefixIndex(num_shards=shards, pages_per_shard=pages, page_size=PAGE,
                              fingerprint=self.config.fingerprint(),
-                             host_pages_per_shard=host_pages)
+                             host_pages_per_shard=host_pages, disk_slots=disk_pages)
     self.stats = Stats()
     self.manager = CacheManager(self.index, stats=self.stats,
                                 page_bytes=self.config.page_bytes, write_through=write_through,
-                                has_disk=False)
+                                has_disk=bool(disk_pages))
     chunk = chunk_pages * PAGE
     self.planner = Planner(SchedulerConfig(policy=policy, force_split=force_split), None,
                            num_shards=shards,
@@ -102,11 +102,8 @@ class Loop:
       fetches = self.groups_issued[group]
       failures = tuple(self.failures.get(f.key) for f in fetches)
       ok = sum(f is None for f in failures)
-      for f in fetches:  # as the worker does: every pin released, then bad copies dropped
-        self.manager.release_pin(f)
-      for f, why in zip(fetches, failures):
-        if why is not None:
-          self.index.drop_chain(f.shard, f.key, f.tier)
+      # The worker only reports: the scheduler has the manager release the pins and drop
+      # the failed chains.
       fetched.append((group, FetchReport(fetches=fetches, failures=failures, blocks=ok,
                                          bytes=ok * self.config.page_bytes, seconds=0.0,
                                          tiers=tuple(sorted({int(f.tier) for f in fetches})))))
@@ -120,17 +117,18 @@ class Loop:
       self.step()
     raise AssertionError(f"not finished after {limit} steps")
 
-  def put_in_host(self, tokens, shard=0, upto=None):
-    """Publishes a prompt's first blocks in the host tier (as a write-through would)."""
+  def put_in_host(self, tokens, shard=0, upto=None, tier=Tier.HOST):
+    """Publishes a prompt's first blocks in a lower tier (as a write-through would)."""
     keys = self.index.block_keys(np.asarray(tokens, np.int32), "default")[:upto]
+    shard = 0 if tier == Tier.DISK else shard  # one disk for the job
     for j, key in enumerate(keys):
-      slot, = self.index.allocate(shard, 1, Tier.HOST)
-      self.index.publish(shard, slot, key, Tier.HOST, parent=keys[j - 1] if j else None)
-      self.index.release(shard, [slot], Tier.HOST)
+      slot, = self.index.allocate(shard, 1, tier)
+      self.index.publish(shard, slot, key, tier, parent=keys[j - 1] if j else None)
+      self.index.release(shard, [slot], tier)
     return keys
 
-  def referenced(self, shard=0):
-    return sum(self.index.held_slots(shard).values())
+  def referenced(self, shard=0, tier=Tier.DEVICE):
+    return sum(self.index.held_slots(shard, tier).values())
 
 
 @pytest.fixture
@@ -321,6 +319,33 @@ def test_a_failed_or_late_fetch_recomputes_from_that_block_on(loop_factory, fail
   # The failed block and the chain after it are gone from the host tier, block 0 stays.
   assert [loop.index.slot_of(0, k, Tier.HOST) is not None for k in keys] == [1, 0, 0, 0]
   assert h.tokens == expected(loop, h, 2)
+
+
+@pytest.mark.parametrize("failure", [Failure.CHECKSUM, Failure.GONE, Failure.READ_RETRY])
+def test_a_failed_disk_copy_is_forgotten_at_once_and_its_records_deleted_by_the_next_plan(
+    loop_factory, failure):
+  loop = loop_factory(disk_pages=8, chunk_pages=4)
+  tokens = prompt(21)
+  keys = loop.put_in_host(tokens, upto=4, tier=Tier.DISK)
+  loop.failures[keys[1]] = failure
+  h = loop.submit(tokens, max_new_tokens=2)
+  plan, _ = loop.step()
+  assert plan.moves() == {"fetch_disk": 4} and plan.orders.drop == ()
+  assert loop.referenced(tier=Tier.DISK) == 0  # every pin released when the group settled
+  on_disk = [loop.index.slot_of(0, k, Tier.DISK) is not None for k in keys]
+  plan, _ = loop.step()
+  if failure == Failure.READ_RETRY:  # the store raised: the record is kept to read again
+    assert on_disk == [1, 1, 1, 1] and plan.orders.drop == ()
+  else:  # the chain from the bad block on is forgotten now, its records deleted next step
+    assert on_disk == [1, 0, 0, 0]
+    gone = failure == Failure.GONE  # (a record not in the store has nothing to delete)
+    assert plan.orders.drop == tuple(keys[2 if gone else 1:])
+    assert f"drop {len(plan.orders.drop)} disk records" in plan.summary()
+  assert [(c.start, c.recompute) for c in plan.prefill] == [(1 * PAGE, False)]
+  loop.run([h])
+  assert h.cached_tokens == PAGE and h.tokens == expected(loop, h, 2)
+  assert all(not p.orders.drop for p in loop.plans[2:])  # once
+  loop.index.check_invariants()
 
 
 class Peers:

@@ -247,7 +247,8 @@ def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, t
   real = mover.finish_promote
 
   def settles_then_fails(*args, **kw):
-    out = real(*args, **kw)  # the group is settled: its pins are released here
+    out = real(*args, **kw)  # settled, but its report is lost with the step: recover
+    # releases its pins, once
     raise RuntimeError("injected failure after the fetches settled")
 
   mover.finish_promote = settles_then_fails

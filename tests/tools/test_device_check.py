@@ -22,7 +22,7 @@ STEPS = ("devices", "kernels", "tiers", "engine")
 def _run_dry(out, timeout_s, **env_extra):
   """``bash launch/device_check.sh --dry_run`` with OUT=``out``: (exit status, output). Its
   whole session is killed if it outlives ``timeout_s``."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # launchers set their own
+  env = helpers.child_env()  # launchers set their own
   env.update(OUT=str(out), **env_extra)
   proc = subprocess.Popen(["bash", "launch/device_check.sh", "--dry_run"], cwd=ROOT, env=env,
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

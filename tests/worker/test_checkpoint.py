@@ -103,7 +103,8 @@ def test_mismatched_model_or_layout_is_refused_naming_the_difference(mesh, tmp_p
 
 SAVER = r"""
 import asyncio, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 sys.path[:0] = ["tests", "tests/worker"]
 import numpy as np
 from orbax.checkpoint._src.path import atomicity
@@ -142,7 +143,7 @@ def test_restore_in_a_new_process_and_after_a_save_killed_midway(mesh, tmp_path)
   ckpt = str(tmp_path / "ckpt")
   proc = subprocess.Popen([sys.executable, "-c", SAVER, ckpt, "kill"], cwd=ROOT,
                           stdout=subprocess.PIPE, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env=helpers.child_env())
   saved = proc.stdout.readline()
   assert saved.startswith("SAVED"), saved
   saving = proc.stdout.readline()
@@ -172,7 +173,7 @@ def test_serve_restarts_warm(tmp_path):
            "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.user_tokens=(8, 30)",
            "--config.workload.chat.max_new_tokens=6", "--config.model.num_layers=2", "--nocompare",
            f"--checkpoint_dir={tmp_path / 'ckpt'}"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = helpers.child_env()
   runs = []
   for extra in ([], ["--restore"]):
     out = tmp_path / f"run{len(runs)}.json"

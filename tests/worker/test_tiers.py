@@ -167,6 +167,9 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     assert report.failures == (None,) * 5 and report.blocks == 5, report.failures
     assert report.fetches == tuple(fetches) and report.tiers == (int(Tier.HOST), int(Tier.DISK))
     assert report.bytes == 5 * cc.page_bytes and report.seconds > 0
+    assert sum(index.held_slots(1, Tier.HOST).values()) == 2  # the pins are the manager's
+    assert engine.cache.manager.fetched(report.fetches, report.failures) == ()  # to release
+    assert not index.held_slots(1, Tier.HOST) and not index.held_slots(0, Tier.DISK)
     for b, p in zip(before, new):
       got = bits(p)
       for src, d in zip(pages, dest):

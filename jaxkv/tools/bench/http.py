@@ -61,6 +61,7 @@ import numpy as np
 from jaxkv.errors import InputError
 from jaxkv.metrics import percentile
 from jaxkv.progress import Progress
+from jaxkv.tools.env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -473,7 +474,8 @@ class ServerProcess:
         ...                      # the server compiles meanwhile
         server.wait_ready(300)   # then server.url is the API's base
 
-  The child does not inherit ``XLA_FLAGS``: its config sets its own device count."""
+  The child does not inherit the virtual device count (its config sets its own); other
+  ``XLA_FLAGS`` flags pass on."""
 
   def __init__(self, flags=(), *, script: str = os.path.join("launch", "server.py"),
                prefix=(), workdir: str | None = None):
@@ -482,7 +484,7 @@ class ServerProcess:
     self.log_path = os.path.join(self._dir.name, "server.log")
     self.flags = list(flags)
     self.port = self.url = self.base = None
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     command = [*prefix, script, "--port=0", f"--ready_file={self.ready_file}", *self.flags]
     if sys.platform == "linux":  # dies with this process, even one killed without cleanup
       command = ["-c", _DIE_WITH_PARENT, str(os.getpid()), *command]

@@ -35,12 +35,12 @@ from jaxkv.cache import KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.serving.engine import Engine
 from jaxkv.manager.index import chain_keys, tenant_root_key
+from jaxkv.tools.env import child_env
 from jaxkv.worker.pages import make_mesh
 from jaxkv.worker.tiers.remote import RemoteClient
 
 _OWNER = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 from jaxkv.tools.bench import remote
 engine = remote.build_engine(data=2, model=2, peers=())
@@ -101,9 +101,8 @@ def _tcp_send(nbytes: int) -> float:
 
 def _start_owner(tokens: int, key: bytes | None) -> tuple[subprocess.Popen, str]:
   """A serving job (keyed when ``key`` is given) and its block server's address."""
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
-                      "JAXKV_DEPLOYMENT_KEY_FILE")}
+  env = child_env(device_count=4, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
+                                       "JAXKV_DEPLOYMENT_KEY_FILE"))
   if key is not None:
     env["JAXKV_DEPLOYMENT_KEY"] = key.hex()
   owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tokens), "3600"],

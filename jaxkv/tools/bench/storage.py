@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxkv.tools.bench import common
 from jaxkv.tools.bench.s3server import LocalS3
+from jaxkv.tools.env import child_env
 from jaxkv.worker.tiers.disk import DiskTier
 
 FINGERPRINT = hashlib.sha256(b"jaxkv storage bench").digest()
@@ -70,8 +71,7 @@ def writer_main(spec_json: str, writer: str, n: int, shared: int, shape_json: st
 def lost_blocks(spec, *, n: int = 64, shared: int = 16, shape=(8, 2, 16, 32),
                 writers: int = 2) -> dict:
   """Writers racing on one store, this process opening it meanwhile; then a full verify."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env(JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen(
       [sys.executable, "-m", "jaxkv.tools.bench.storage", "writer", json.dumps(spec), f"w{i}", str(n),
        str(shared), json.dumps(list(shape))], stdout=subprocess.PIPE, text=True, env=env)

@@ -35,6 +35,8 @@ import tempfile
 
 import numpy as np
 
+from jaxkv.tools.env import child_env
+
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=64, tie_word_embeddings=True, rope_theta=500000.0,
@@ -204,8 +206,8 @@ def write_checkpoint(path: str, shape: dict, *, shards: int, seed: int = 0) -> i
 
 
 def _child(kind: str, path: str, *, script: str = _CHILD, args=()) -> dict:
-  env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-  env.pop("XLA_FLAGS", None)  # one device: the weights once
+  # One device: the weights once.
+  env = child_env(JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   proc = subprocess.run([sys.executable, "-c", script, kind, path, *map(str, args)], env=env,
                         capture_output=True, text=True, timeout=1800)
   if proc.returncode != 0:
