@@ -52,7 +52,8 @@ def state(tmp_path_factory, checkpoint):
           "--block_address=127.0.0.1:0", "--metrics_tenants=ops", "--header_timeout_s=2",
           "--body_timeout_s=2", f"--max_connections={MAX_CONNECTIONS}",
           "--special_tokens_in_content=split", *OVERRIDES]
-  box = {"server": start(args, work), "args": args, "work": str(work)}
+  box = {"server": start(args, work, script=paced_server(work)), "args": args,
+         "work": str(work)}
   yield box
   box["server"].close()
 
@@ -549,12 +550,9 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
   assert server.proc.wait(120) == 0, server.log_tail()
   assert "saved the cache as step" in server.log_tail()
   server.close()
-  # The restart runs under a fault injector (the next test's): the same server, whose steps
-  # raise an InvariantError once a prompt starts with FAULT_PROMPT.
-  wrapper = os.path.join(state["work"], "faulty_server.py")
-  with open(wrapper, "w") as f:
-    f.write(FAULTY_SERVER.format(root=ROOT, marker=FAULT_PROMPT))
-  state["server"] = start(state["args"] + ["--restore"], state["work"], script=wrapper)
+  # The restart runs the same server (paced, with the next test's fault injector).
+  state["server"] = start(state["args"] + ["--restore"], state["work"],
+                          script=paced_server(state["work"]))
   r = client(state).completions.create(model=name, prompt=p, max_tokens=3, temperature=0,
                                        extra_body={"return_token_ids": True})
   assert r.usage.prompt_tokens_details.cached_tokens >= 48  # warm: from the checkpoint
@@ -562,9 +560,11 @@ def test_zz_sigterm_mid_stream_ends_cleanly_and_a_restart_with_restore_is_warm(
 
 
 FAULT_PROMPT = [7] * 12
-# Decode steps are paced (20 ms each) so that a 480-token stream is still running when the
-# fault's request arrives, however loaded the machine (unpaced it can end in 0.3 s).
-FAULTY_SERVER = """
+# The module's server runs launch/server.py with its decode steps paced (20 ms each), so
+# that a 480-token stream is still running while a test sends its other requests, however
+# loaded the machine (unpaced it can end in 0.3 s); its steps raise an InvariantError once
+# a prompt starts with FAULT_PROMPT (the last test's fault; no other prompt has it).
+PACED_SERVER = """
 import os, runpy, sys, time
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -586,6 +586,13 @@ runner.ModelRunner.execute = execute
 sys.argv[0] = os.path.join({root!r}, "launch", "server.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def paced_server(work) -> str:
+  path = os.path.join(str(work), "paced_server.py")
+  with open(path, "w") as f:
+    f.write(PACED_SERVER.format(root=ROOT, marker=FAULT_PROMPT))
+  return path
 
 
 def test_zzz_an_internal_error_stops_the_server_and_it_exits_with_status_1(state, checkpoint):
