@@ -31,8 +31,8 @@ What ``schedule`` does
 - Orders (``TierOrders``). The disk records of chains the last update forgot, the blocks
   this step's admissions evicted (their write-back copies), the write-through copies of
   what the last update published, and the disk journal's pump once a request completed:
-  carried out by the cache worker before the step writes any page. A step with no request left to carry them is a plan of orders
-  alone (``has_orders``; the engine runs it).
+  carried out by the cache worker before the step writes any page. A step with no request
+  left to carry them is a plan of orders alone (``has_orders``; the engine runs it).
 
 What ``update`` does (the only place each of these happens)
 - settles verified groups: the fetches' pins are released, a failed block ends its
