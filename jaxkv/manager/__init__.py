@@ -5,7 +5,8 @@ slot of which tier holds which block, with the chain between blocks), the refere
 keep blocks in place (a request's pages, a fetch's source, a ``hold`` on a prefix), and the
 decisions that change them: allocating slots (evicting the least valuable cached blocks),
 releasing pins, publishing what a step computed and what the worker's copies reached
-(``copied``, ``dropped``: the worker reports, the manager writes). It is the index's one
+(``copied``: the worker reports, the manager writes), and settling fetch groups
+(``fetched``: pins released, failed chains forgotten). It is the index's one
 writer. What a decision needs moved comes back as a value: the blocks an allocation evicted
 are returned beside its pages, and the scheduler puts them in the step's ``TierOrders`` for
 the cache worker (``jaxkv.worker.worker``), which alone touches pools and tiers. It also

@@ -155,5 +155,5 @@ class StepResult:
   tokens: Mapping  # request id -> the token it produced this step
   logits: Mapping | None  # request id -> [vocab] float32 logits (when the plan wants them)
   t_tokens: float  # perf_counter when the tokens were on the host
-  fetched: tuple = ()  # (group, FetchReport), one per settled group; failed copies dropped
+  fetched: tuple = ()  # (group, FetchReport), one per settled group (the scheduler settles it)
   streamed: tuple | None = None  # (tokens, logits or None, t_first_token)

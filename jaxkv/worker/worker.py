@@ -5,8 +5,9 @@ the ``TierMover`` (with its disk journal) that moves blocks between them. Every 
 page goes through ``update_pools``; tier work arrives as a step plan's orders (the runner
 carries them out through the mover before the step's compute) or as the few whole-cache
 operations ``KVCache`` offers (offload, flush). It never writes the index: the blocks a
-store holds at open come back as values, and what its copies did (a slot filled, a chain
-that failed verification) it reports to the host-side ``CacheManager``, which publishes.
+store holds at open come back as values, a copy down that filled a slot is reported to the
+host-side ``CacheManager`` (which publishes), and a fetch that failed verification comes
+back in the step's result, which the scheduler settles through the manager.
 """
 
 from __future__ import annotations
