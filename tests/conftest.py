@@ -47,10 +47,10 @@ _SHARED = {"tests/worker/test_remote.py": "remote owners",
 
 # The slowest files (seconds on 2 cores), run first so that no worker is left with a long
 # file at the end while the other idles; the rest follow in the order pytest found them.
-_SLOW = {"tests/worker/test_streamed.py": 180, "tests/entrypoints/test_server.py": 170,
-         "tests/tools/test_platform_defaults.py": 160, "tests/serving/test_engine.py": 95,
-         "tests/worker/test_checkpoint.py": 85, "tests/models/test_hf.py": 80,
-         "tests/tools/test_bench.py": 70, "tests/worker/test_tiers.py": 60,
+_SLOW = {"tests/entrypoints/test_server.py": 150, "tests/tools/test_platform_defaults.py": 125,
+         "tests/serving/test_engine.py": 95, "tests/worker/test_checkpoint.py": 80,
+         "tests/models/test_hf.py": 80, "tests/tools/test_bench.py": 70,
+         "tests/worker/test_streamed.py": 65, "tests/worker/test_tiers.py": 60,
          "tests/tools/test_online.py": 57, "tests/tools/test_lowering.py": 55,
          "tests/launch/test_multihost.py": 51, "tests/serving/test_serving.py": 50}
 
@@ -64,16 +64,15 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     path = paths[id(item)]
     item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
-  if len(jax.devices()) < 8:
-    skip = pytest.mark.skip(reason="needs 8 devices (XLA_FLAGS was set too late)")
-    for item in items:
-      if "mesh" in item.fixturenames:
-        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
 def mesh():
   import jaxkv
+  # A missing precondition is an error: these tests need the 8 virtual devices.
+  if len(jax.devices()) < 8:
+    pytest.fail(f"the tests need 8 devices and JAX has {len(jax.devices())}: XLA_FLAGS was "
+                "set after JAX started (conftest.py sets it before importing jax)")
   return jaxkv.make_mesh(data=4, model=2)
 
 

@@ -34,6 +34,13 @@ def run_script(args, timeout_s=600):
   return proc.returncode, out, err
 
 
+# The model and cache shapes every test's serve.py run uses (with its own workload flags):
+# one set, so the steps one run compiles are hits of the session's compilation cache for
+# the next.
+SERVE_SHAPES = ("--config.model.num_layers=2", "--config.model.hidden_size=64",
+                "--config.cache.max_pages_per_seq=16")
+
+
 def tiny_model_config(**overrides) -> jaxkv.models.LlamaConfig:
   base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8, mlp_dim=64)

@@ -618,6 +618,39 @@ def test_zzz_an_internal_error_stops_the_server_and_it_exits_with_status_1(state
   assert "the engine stopped on an internal error" in log
 
 
+class InProcessServer:
+  """launch/server.py's engine, service and HTTP app for the default config, served by
+  uvicorn on a thread of this process."""
+
+  def __init__(self, *, max_waiting, **cache_and_engine):
+    import uvicorn
+    from jaxkv.entrypoints.openai.server import OpenAIServer
+    from jaxkv.serving.service import EngineService
+    from jaxkv.tools import builder
+    cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+    for name, value in cache_and_engine.items():
+      setattr(cfg.cache if name in cfg.cache else cfg.engine, name, value)
+    self.service = EngineService(builder.build_engine(cfg), max_waiting=max_waiting)
+    self.service.start()
+    api = OpenAIServer(self.service, model_name=cfg.model.name)
+    api.ready = True
+    self.server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0,
+                                                log_level="warning"))
+    self.thread = threading.Thread(target=self.server.run, daemon=True)
+    self.thread.start()
+    deadline = time.monotonic() + 60
+    while not self.server.started:
+      assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+      time.sleep(0.01)
+    port = self.server.servers[0].sockets[0].getsockname()[1]
+    self.url = f"http://127.0.0.1:{port}/v1"
+
+  def close(self):
+    self.server.should_exit = True
+    self.thread.join(30)
+    self.service.close()
+
+
 def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   """launch/multihost.py: process 0 serves HTTP and broadcasts each step's arrivals and
   aborts; both processes run the same steps. A stream closed early is aborted on both."""
@@ -625,7 +658,9 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   # the step shapes.
   args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16",
           "--config.engine.max_seqs_per_shard=1"]
-  single = start(args, tmp_path)
+  # What one process answers, from the same server code in this process (no lower tier:
+  # the answers and their cached tokens do not depend on the warmup's calibration).
+  single = InProcessServer(max_pages_per_seq=16, max_seqs_per_shard=1, max_waiting=4)
   try:
     prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(4)]
     sampling = [dict(temperature=0), dict(temperature=0.8, seed=5)]

@@ -27,8 +27,7 @@ import helpers
 SMALL = ["--config.workload.chat.users=3", "--config.workload.chat.turns=2",
          "--config.workload.chat.system_prompt_tokens=40",
          "--config.workload.chat.user_tokens=(8, 30)", "--config.workload.chat.max_new_tokens=5",
-         "--config.model.num_layers=2", "--config.model.hidden_size=64",
-         "--config.cache.max_pages_per_seq=16"]
+         *helpers.SERVE_SHAPES]
 
 
 def clean_env():

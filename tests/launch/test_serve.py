@@ -11,8 +11,7 @@ import helpers  # noqa: E402  (tests/ is on the path: conftest.py sits there)
 ROOT = helpers.ROOT
 SMALL = ["--config.workload.chat.users=4", "--config.workload.chat.turns=3",
          "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.user_tokens=(8, 30)",
-         "--config.workload.chat.max_new_tokens=6", "--config.model.num_layers=2",
-         "--config.model.hidden_size=64", "--config.cache.max_pages_per_seq=16"]
+         "--config.workload.chat.max_new_tokens=6", *helpers.SERVE_SHAPES]
 
 
 def serve(tmp_path, name, *flags):

@@ -270,7 +270,10 @@ def test_serve_keeps_what_the_command_line_sets(checkpoint, tmp_path):
                            f"--json_out={out}", "--config.mesh.data=4",
                            "--config.engine.prefill_chunk_pages=1",
                            "--config.model.dtype=float32", "--config.workload.chat.users=2",
-                           "--config.workload.chat.turns=2"])
+                           "--config.workload.chat.turns=2",
+                           # (fewer step shapes to compile: one row a shard, 3 table widths)
+                           "--config.engine.max_seqs_per_shard=1",
+                           "--config.cache.max_pages_per_seq=32"])
   assert rc == 0, err[-3000:]
   assert "dtype float32 (asked for; checkpoint stores bfloat16)" in err
   assert "mesh 1 x" not in err and "prefill chunk" not in err

@@ -171,7 +171,7 @@ def test_serve_restarts_warm(tmp_path):
   import json
   small = ["--config.workload.chat.users=4", "--config.workload.chat.turns=2",
            "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.user_tokens=(8, 30)",
-           "--config.workload.chat.max_new_tokens=6", "--config.model.num_layers=2", "--nocompare",
+           "--config.workload.chat.max_new_tokens=6", *helpers.SERVE_SHAPES, "--nocompare",
            f"--checkpoint_dir={tmp_path / 'ckpt'}"]
   env = helpers.child_env()
   runs = []

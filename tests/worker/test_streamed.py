@@ -105,31 +105,42 @@ def test_streamed_equals_all_pages_at_once(mesh, impl, hq, hkv, page, attn_chunk
 import helpers  # noqa: E402
 
 
-def stream_engines(mesh, host_pages=64, dtype="float32", source="host", disk_dir=None, impl="jnp"):
-  mc = helpers.tiny_model_config(dtype=dtype)
+def stream_engine(mesh, host_pages=64, source="host", disk_dir=None, impl="jnp"):
+  """An engine whose device holds 12 pages a shard and streams the rest of a sequence."""
+  mc = helpers.tiny_model_config()
   small = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12,
                                    attention_impl=impl)
-  big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96,
-                                 attention_impl=impl)
   tiers = jaxkv.TierConfig(host_pages_per_shard=host_pages,
                            disk_kvstore=disk_dir, disk_pages=256 if disk_dir else 0)
-  engine = helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2, tiers=tiers,
-                               stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
-                                                         chunk_pages=3, source=source))
+  return helpers.make_engine(mesh, mc, cache=small, prefill_chunk_pages=2, tiers=tiers,
+                             stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
+                                                       chunk_pages=3, source=source))
+
+
+# 3.3x and 4.4x the 12-page device budget, plus a short prompt served normally.
+_RNG = np.random.default_rng(1)
+LONG_PROMPTS = [_RNG.integers(1, 128, 150).tolist(), [5, 6, 7, 8, 9],
+                _RNG.integers(1, 128, 205).tolist()]
+
+
+@pytest.fixture(scope="module")
+def all_on_device(mesh):
+  """The long prompts' tokens and logits with every page on device (96 a shard), by the
+  jnp path: what each streamed engine, whatever its source or kernel, must give."""
+  mc = helpers.tiny_model_config()
+  big = helpers.cache_config_for(mc, pages_per_shard=96, max_pages_per_seq=96)
   everything = helpers.make_engine(mesh, mc, cache=big, prefill_chunk_pages=2)
-  return engine, everything
+  return everything.generate(LONG_PROMPTS, 8, return_logits=True)
 
 
 @pytest.mark.parametrize("source,impl", [("host", "jnp"), ("disk", "jnp"), ("host", "pallas_gpu")])
-def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path, source, impl):
-  engine, everything = stream_engines(mesh, source=source, impl=impl,
-                                      disk_dir=str(tmp_path / "d") if source == "disk" else None)
-  rng = np.random.default_rng(1)
-  # 3.3x and 4.4x the 12-page device budget, plus a short prompt served normally.
-  prompts = [rng.integers(1, 128, 150).tolist(), [5, 6, 7, 8, 9],
-             rng.integers(1, 128, 205).tolist()]
+def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path, all_on_device,
+                                                                  source, impl):
+  engine = stream_engine(mesh, source=source, impl=impl,
+                         disk_dir=str(tmp_path / "d") if source == "disk" else None)
+  prompts = LONG_PROMPTS
   got, got_logits = engine.generate(prompts, 8, return_logits=True)
-  want, want_logits = everything.generate(prompts, 8, return_logits=True)
+  want, want_logits = all_on_device
   assert got == want
   for a, b in zip(got_logits, want_logits):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
@@ -150,7 +161,7 @@ def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path
 
 
 def test_a_request_no_tier_can_hold_is_refused_before_any_work(mesh):
-  engine, _ = stream_engines(mesh, host_pages=16)
+  engine = stream_engine(mesh, host_pages=16)
   engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9]], 2)
   digest = engine.cache.index.digest()
   with pytest.raises(jaxkv.CapacityError, match="prompt 1 needs 35 pages in host memory"):
