@@ -33,7 +33,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxkv import identity
+from jaxkv import distributed, identity
 from jaxkv import nnx as kvnnx
 from jaxkv.worker import pages as pages_lib
 from jaxkv import security
@@ -93,7 +93,9 @@ class KVCache:
         self.index, stats=self.stats, page_bytes=config.page_bytes,
         write_through=tiers.write_policy == "write_through", has_disk=tiers.disk_enabled,
         disk_attached=lambda: self.worker.disk_available(),
-        wait_for_peers=jax.process_count() > 1)  # a job admits alike on every process
+        # A job: process 0 asks the peers and broadcasts their answers to every process.
+        share_answers=distributed.broadcast_bytes if jax.process_count() > 1 else None,
+        asks_peers=jax.process_index() == 0)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it);
     # what its copies do it reports to the manager.
     self.worker = CacheWorker(config, tiers, mesh, manager=self.manager, stats=self.stats,

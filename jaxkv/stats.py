@@ -36,6 +36,8 @@ COUNTERS = {
     "shared_prefix_waits": "requests that waited for a running request's blocks of their "
                            "prompt instead of computing them again",
     "verify_failures": "lower-tier blocks whose bytes failed verification",
+    "peer_lookups": "prefix lookups this process asked remote peers (in a job, process 0 "
+                    "asks for every process)",
     "disk_discarded_at_open": "disk records not adopted when the store was opened (failed "
                               "verification, another format version, unreadable)",
     "read_timeouts": "lower-tier reads that missed their deadline",

@@ -19,6 +19,7 @@ so they can be built and tested with no model, no mesh and no device.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import typing
 from collections.abc import Callable, Sequence
@@ -49,16 +50,19 @@ class CacheManager:
 
   ``disk_attached``: asks the cache worker whether the disk tier is attached now (it
   detaches for a cool-down after repeated failures; a lookup then leaves it out).
-  ``remote``: the remote tier's prefix lookup (``longest_prefix``), or None.
-  ``wait_for_peers``: a peer lookup's answer is waited for where it is asked (a
-  multi-process job, whose processes must admit alike); otherwise it is asked on a
-  thread of its own and the request waits in the queue for it (``peer_prefix``).
+  ``remote``: the remote tier's prefix lookup (``longest_prefix``), or None. A peer
+  lookup is asked on a thread of its own, and the request waits in the queue for its
+  answer (``peer_prefix``); the loop does not. ``share_answers``: in a multi-process job,
+  process 0's broadcast (``distributed.broadcast_bytes``). Only the process with
+  ``asks_peers`` asks; the answers reach every process together, at the start of a
+  schedule (``agree_peer_answers``), so every process admits alike.
   """
 
   def __init__(self, index: PrefixIndex, *, stats: Stats, page_bytes: int,
                write_through: bool, has_disk: bool,
                disk_attached: Callable[[], bool] = lambda: True, remote=None,
-               wait_for_peers: bool = False):
+               share_answers: Callable[[bytes], bytes] | None = None,
+               asks_peers: bool = True):
     self.index, self.stats = index, stats
     self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
                                                         page_bytes)
@@ -66,8 +70,10 @@ class CacheManager:
     self.remote = remote
     self._disk_attached = disk_attached
     self._pins: dict = {}  # (tenant, last key) -> [[(shard, pages), ...] per hold]
-    self.wait_for_peers = wait_for_peers
-    self._asked: dict[int, concurrent.futures.Future] = {}  # request id -> its peer lookup
+    self.share_answers, self.asks_peers = share_answers, asks_peers
+    # request id -> its peer lookup (None where another process asks)
+    self._asked: dict[int, concurrent.futures.Future | None] = {}
+    self._agreed: dict[int, tuple[int, int] | None] = {}  # a job's answers, not yet taken
     self._lookups: concurrent.futures.ThreadPoolExecutor | None = None
     self._answered = threading.Event()  # set when any lookup finishes
 
@@ -86,21 +92,29 @@ class CacheManager:
   def peer_prefix(self, request: int, keys: Sequence[bytes]):
     """``(peer, blocks)`` of the remote peer holding the longest prefix of ``keys`` (None:
     none holds any), or ``PENDING`` while the question is out: the first call asks on the
-    lookup thread and returns at once; a later call for the same request takes the answer.
-    A lookup that fails answers None (the request recomputes; the client counted why)."""
-    future = self._asked.get(request)
-    if future is None:
-      if self.wait_for_peers:
-        return self.remote.longest_prefix(list(keys), 0)
-      if self._lookups is None:
-        self._lookups = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="jaxkv-peer-lookup")
-      future = self._lookups.submit(self.remote.longest_prefix, list(keys), 0)
-      future.add_done_callback(lambda _: self._answered.set())
-      self._asked[request] = future
-    if not future.done():
+    lookup thread and returns at once; a later call for the same request takes the answer
+    (in a job: once ``agree_peer_answers`` brought it). A lookup that fails answers None
+    (the request recomputes; the client counted why)."""
+    if request in self._agreed:
+      return self._agreed.pop(request)
+    if request not in self._asked:
+      self._asked[request] = self._ask(keys) if self.asks_peers else None
+    future = self._asked[request]
+    if self.share_answers is not None or not future.done():
       return PENDING
     del self._asked[request]
+    return self._answer(request, future)
+
+  def _ask(self, keys: Sequence[bytes]) -> concurrent.futures.Future:
+    if self._lookups is None:
+      self._lookups = concurrent.futures.ThreadPoolExecutor(
+          max_workers=1, thread_name_prefix="jaxkv-peer-lookup")
+    self.stats.add("peer_lookups")
+    future = self._lookups.submit(self.remote.longest_prefix, list(keys), 0)
+    future.add_done_callback(lambda _: self._answered.set())
+    return future
+
+  def _answer(self, request: int, future: concurrent.futures.Future):
     try:
       return future.result()
     except Exception:  # pylint: disable=broad-except  (a peer never breaks admission)
@@ -108,21 +122,39 @@ class CacheManager:
       self.stats.add("peer_lookup_errors")
       return None
 
+  def agree_peer_answers(self) -> None:
+    """A job's step: the answers process 0 has now reach every process (a collective
+    while any lookup is out; every process calls it at the start of each schedule, and
+    every process has the same lookups out). Nothing happens in one process."""
+    if self.share_answers is None or not self._asked:
+      return
+    done = {}
+    if self.asks_peers:
+      done = {r: self._answer(r, f) for r, f in self._asked.items() if f.done()}
+    text = json.dumps([[r, list(a) if a else None] for r, a in done.items()])
+    for request, answer in json.loads(self.share_answers(text.encode()).decode()):
+      self._asked.pop(request, None)
+      self._agreed[request] = tuple(answer) if answer else None
+
   def peers_pending(self) -> bool:
     """Whether a peer lookup is still out."""
+    if self.share_answers is not None:  # the same on every process of a job
+      return bool(self._asked)
     return any(not f.done() for f in self._asked.values())
 
   def wait_for_peer_answer(self, timeout_s: float) -> bool:
     """Waits (at most ``timeout_s``) until a lookup that is out answers: what a loop with
-    nothing else to do calls instead of spinning. Returns whether one did."""
+    nothing else to do calls instead of spinning. Returns whether one did (at once where
+    another process asks: the job's next schedule waits for its answers)."""
     self._answered.clear()
-    if not self.peers_pending():
+    if not any(f is not None and not f.done() for f in self._asked.values()):
       return True
     return self._answered.wait(timeout_s)
 
   def forget_peer_lookups(self, requests) -> None:
     """Requests that left the queue (aborted, failed) no longer wait for their answers."""
     for request in requests:
+      self._agreed.pop(request, None)
       future = self._asked.pop(request, None)
       if future is not None:
         future.cancel()
@@ -130,6 +162,7 @@ class CacheManager:
   def close(self) -> None:
     """Stops the lookup thread (answers still out are dropped)."""
     self._asked.clear()
+    self._agreed.clear()
     if self._lookups is not None:
       self._lookups.shutdown(wait=False, cancel_futures=True)
       self._lookups = None

@@ -234,19 +234,16 @@ class Scheduler:
     """Admits what fits and lays out this step (advances the scheduler's own state)."""
     self._step += 1
     aborted = self._apply_aborts()
-    block_bytes = self.manager.page_bytes
+    self.manager.agree_peer_answers()  # (a job's: the same on every process)
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
-                      orders=self._take_orders(), block_bytes=block_bytes,
+                      orders=self._take_orders(), block_bytes=self.manager.page_bytes,
                       want_logits=self.handles[request.id].logits is not None)
     admitted, fetch, evicted = self._admit()
     decoding = [s for s in self.running.values() if s.decoding]
-    prefill = []
-    for s in self.running.values():
-      if s.decoding or not s.spans:
-        continue
-      prefill.append(self._next_chunk(s))
+    prefill = [self._next_chunk(s) for s in self.running.values()
+               if not s.decoding and s.spans]
     settle = tuple(sorted(g for g, (seqs, _) in self.groups.items()
                           if not any(s.spans for s in seqs)))
     first = {c.seq.request for c in prefill if c.last}
@@ -256,7 +253,8 @@ class Scheduler:
                        if s.handle.id in first and s.placement.request.max_new_tokens == 1)
     return StepPlan(
         step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
-        orders=self._take_orders(TierOrders(demote=evicted)), block_bytes=block_bytes,
+        orders=self._take_orders(TierOrders(demote=evicted)),
+        block_bytes=self.manager.page_bytes,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
         # Every decoding row decodes again next step (none reaches its length with this

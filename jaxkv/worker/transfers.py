@@ -25,8 +25,9 @@ Moves
 Blocks are published in a lower tier only when their bytes are there: host slots when
 the copy is dispatched (later reads are ordered after it), disk slots when the write has
 committed (``jaxkv.worker.journal``). A slot in flight holds a reference, so eviction cannot reuse
-it meanwhile. In a multi-process job each process reads the disk records its own devices
-need, and the outcomes are agreed (``distributed.agree_reads``) before anything lands.
+it meanwhile. In a multi-process job each process reads the disk records (and pulls the
+remote blocks) its own devices need, and the outcomes are agreed
+(``distributed.agree_reads``) before anything lands.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def _failure_of_code(code: int) -> Failure | None:
 @dataclasses.dataclass(frozen=True)
 class _Reads:
   """One tier's reads of a promotion: its handle, and the positions of its fetches in
-  ``PendingFetch.fetches``. ``agreed``: a job's disk reads, this process issued only
-  those of its own shards and the job agrees on every outcome."""
+  ``PendingFetch.fetches``. ``agreed``: a job's disk or remote reads, this process issued
+  only those of its own shards and the job agrees on every outcome."""
 
   source: FetchSource
   handle: Any
@@ -293,7 +294,7 @@ class TierMover:
       if not positions:
         continue
       mine = [fetches[i] for i in positions]
-      if source.tier == Tier.DISK and self.processes > 1:
+      if source.tier in (Tier.DISK, Tier.REMOTE) and self.processes > 1:
         # A job: each process reads what its own devices need; outcomes agreed later.
         _, handle = source.start_fetch([f for f in mine if f.shard in self._local_shards])
         reads.append(_Reads(source, handle, positions, agreed=True))
@@ -324,9 +325,9 @@ class TierMover:
     if not reads.agreed:
       outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
       return outcome.landing, outcome.failures
-    # A job's disk reads: this process verified those of its own shards; the job agrees
-    # on every outcome, and lands what all agree on (another process's shards' bytes are
-    # not needed here: zeros stand in for them).
+    # A job's disk or remote reads: this process verified those of its own shards; the job
+    # agrees on every outcome, and lands what all agree on (another process's shards'
+    # bytes are not needed here: zeros stand in for them).
     payloads = {}
 
     def keep(items: list[Staged]) -> None:

@@ -45,7 +45,8 @@ class Loop:
 
   def __init__(self, *, shards=1, pages=16, host_pages=0, disk_pages=0, seqs=2, chunk_pages=2,
                policy="fetch", force_split=0, batching="continuous", write_through=True,
-               cache_decode_blocks=True, prefix_reuse=True):
+               cache_decode_blocks=True, prefix_reuse=True, share_answers=None,
+               asks_peers=True):
     self.config = CacheConfig(model_name="seam", num_layers=2, num_kv_heads=2, head_dim=8,
                               page_size=PAGE, pages_per_shard=pages,
                               max_pages_per_seq=min(16, pages),
@@ -56,7 +57,8 @@ class Loop:
     self.stats = Stats()
     self.manager = CacheManager(self.index, stats=self.stats,
                                 page_bytes=self.config.page_bytes, write_through=write_through,
-                                has_disk=bool(disk_pages))
+                                has_disk=bool(disk_pages), share_answers=share_answers,
+                                asks_peers=asks_peers)
     chunk = chunk_pages * PAGE
     self.planner = Planner(SchedulerConfig(policy=policy, force_split=force_split), None,
                            num_shards=shards,
@@ -416,6 +418,74 @@ def test_a_peer_lookup_that_fails_leaves_the_request_to_recompute(loop_factory):
   loop.run([a])
   assert loop.stats["peer_lookup_errors"] == 1 and a.cached_tokens == 0
   assert a.tokens == expected(loop, a, 2)
+
+
+class Broadcast:
+  """Process 0's bytes to every process, a collective (as ``distributed.broadcast_bytes``)
+  between the threads that stand for a job's processes."""
+
+  def __init__(self, processes):
+    self.barrier, self.value = threading.Barrier(processes, timeout=60), None
+
+  def of(self, process):
+    def share(payload: bytes) -> bytes:
+      if process == 0:
+        self.value = payload
+      self.barrier.wait()
+      out = self.value
+      self.barrier.wait()  # every process has read it before the next
+      return out
+    return share
+
+
+def test_in_a_job_process_0_asks_the_peer_and_every_process_admits_with_its_answer():
+  """Two schedulers in lockstep, as the processes of a job: only process 0 asks the
+  peer; its answer reaches both at the start of the same step, so both plans stay the
+  same, step for step, fetches included."""
+  broadcast = Broadcast(2)
+  loops = [Loop(chunk_pages=4, share_answers=broadcast.of(i), asks_peers=i == 0)
+           for i in range(2)]
+  peers = [Peers(), Peers()]
+  for loop, p in zip(loops, peers):
+    loop.manager.set_remote(p)
+  handles = [(loop.submit(prompt(17), max_new_tokens=2),
+              loop.submit(prompt(4, start=50), max_new_tokens=2)) for loop in loops]
+
+  def step_all():
+    plans = [None, None]
+
+    def run(i):
+      plans[i] = loops[i].step()[0]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(60)
+    assert all(p is not None for p in plans), "a process's step did not finish"
+    return plans
+
+  for _ in range(2):  # the question is out: on both, a waits and b runs
+    plans = step_all()
+    assert all(l.manager.peers_pending() for l in loops)
+  assert [p.admitted for p in plans] == [(), ()]
+  peers[0].answer((0, 3))
+  assert loops[0].manager.wait_for_peer_answer(60)  # answered on process 0 only, so far
+  assert loops[1].manager.wait_for_peer_answer(0.0)  # (nothing of its own to wait for)
+  plans = step_all()
+  for (a, _), plan in zip(handles, plans):
+    assert plan.admitted == (a.id,)
+    assert [(f.block, f.tier, f.slot) for f in plan.fetch.fetches] == [
+        (j, Tier.REMOTE, 0) for j in range(3)]
+  while any(loop.scheduler.has_work() for loop in loops):
+    step_all()
+  assert peers[0].asked == [(4, 0)] and peers[1].asked == []
+  assert [l.stats["peer_lookups"] for l in loops] == [1, 0]
+  assert [[p.summary() for p in l.plans] for l in loops[1:]] == [
+      [p.summary() for p in loops[0].plans]]
+  for loop, (a, b) in zip(loops, handles):
+    assert a.cached_tokens == 3 * PAGE and a.tokens == expected(loop, a, 2)
+    assert b.tokens == expected(loop, b, 2) and loop.referenced() == 0
+    assert not loop.manager.peers_pending()
 
 
 def test_an_aborted_request_stops_waiting_for_its_peers_answer(loop_factory):

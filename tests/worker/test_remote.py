@@ -304,3 +304,52 @@ def test_the_remote_tier_modules_import_one_way():
     got = imported(name)
     assert not got & (forbidden | {"__init__"}), f"{name} imports {sorted(got)}"
   assert "client" in imported("tier") and "wire" in imported("auth")
+
+
+JOB_READER = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from jaxkv import distributed
+distributed.initialize()
+import jax, jaxkv, helpers
+peer, out, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=2), tiers=jaxkv.TierConfig(
+    remote_peers=(peer,), read_deadline_s=30.0))
+tokens = engine.generate(prompts, 5)
+s = engine.stats()
+with open(f"{out}.p{jax.process_index()}.json", "w") as f:
+  json.dump({"tokens": tokens, "hits": s["hits"], "fetched": s["blocks_fetched"],
+             "lookups": s["peer_lookups"],
+             "index": engine.cache.index.digest(),
+             "pending": engine.cache.manager.peers_pending()}, f)
+"""
+
+
+def test_a_two_process_job_asks_the_peer_once_and_pulls_its_blocks_onto_every_process(
+    owners, tmp_path):
+  """A job of two processes (one data shard each) reading from a peer: process 0 asks the
+  peer, off the step loop, and its answers reach both processes together (they admit
+  alike); each process pulls the blocks its own shard needs and the job agrees on every
+  outcome. The tokens are a recompute's, and both processes end with the same index."""
+  import jax
+  prompts = [PREFIX + [50, 51, 52], PREFIX[:21] + [7, 8, 9], list(range(90, 100))]
+  fresh = helpers.make_engine(jaxkv.make_mesh(data=2, model=2, devices=jax.devices()[:4]),
+                              prefix_reuse=False)
+  want = fresh.generate(prompts, 5)
+  script = tmp_path / "reader.py"
+  script.write_text(JOB_READER)
+  out = tmp_path / "job"
+  code, _, err = helpers.run_script(
+      ["launch/multihost.py", "--num_processes=2", "--devices=4", "--", str(script),
+       owners.address["none"], str(out), json.dumps(prompts)], timeout_s=600)
+  assert code == 0, err[-3000:]
+  p0, p1 = (json.loads((tmp_path / f"job.p{i}.json").read_text()) for i in (0, 1))
+  assert p0["tokens"] == p1["tokens"] == want
+  assert p0["index"] == p1["index"] and p0["hits"] == p1["hits"]
+  # The first prompt pulls the peer's 10 blocks; the second finds its 5 among them, on the
+  # device of the shard they were pulled to; the third has none anywhere.
+  assert p0["hits"]["remote"] == 10 and p0["hits"]["device"] == 5
+  assert p0["fetched"] == p1["fetched"] == 10
+  # Process 0 asked about the three prompts; process 1 asked nothing.
+  assert p0["lookups"] == 3 and p1["lookups"] == 0
+  assert not p0["pending"] and not p1["pending"]

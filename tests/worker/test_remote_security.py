@@ -695,6 +695,9 @@ def test_transfer_offers_are_bounded_and_expire(owner):
   limits = server.limits  # the shared server's: put back after
   server.limits = dataclasses.replace(limits, max_offers=1)
   try:
+    # The shared server may still hold an earlier test's offer (a pull's wait is seconds).
+    helpers.wait_for(lambda: all(t <= time.monotonic() for t, _ in server._offers), 60,
+                     "the earlier tests' offers' time is over")
     offer, _ = ask(300)
     assert offer.expires_ms == 300 and offer.data_tag is not None and offer.crc32c is None
     with pytest.raises(RemoteError, match="busy"):
