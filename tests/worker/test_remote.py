@@ -313,7 +313,7 @@ from jaxkv import distributed
 distributed.initialize()
 import jax, jaxkv, helpers
 peer, out, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=2), tiers=jaxkv.TierConfig(
+engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=1), tiers=jaxkv.TierConfig(
     remote_peers=(peer,), read_deadline_s=30.0))
 tokens = engine.generate(prompts, 5)
 s = engine.stats()
@@ -333,14 +333,14 @@ def test_a_two_process_job_asks_the_peer_once_and_pulls_its_blocks_onto_every_pr
   outcome. The tokens are a recompute's, and both processes end with the same index."""
   import jax
   prompts = [PREFIX + [50, 51, 52], PREFIX[:21] + [7, 8, 9], list(range(90, 100))]
-  fresh = helpers.make_engine(jaxkv.make_mesh(data=2, model=2, devices=jax.devices()[:4]),
+  fresh = helpers.make_engine(jaxkv.make_mesh(data=2, model=1, devices=jax.devices()[:2]),
                               prefix_reuse=False)
   want = fresh.generate(prompts, 5)
   script = tmp_path / "reader.py"
   script.write_text(JOB_READER)
   out = tmp_path / "job"
   code, _, err = helpers.run_script(
-      ["launch/multihost.py", "--num_processes=2", "--devices=4", "--", str(script),
+      ["launch/multihost.py", "--num_processes=2", "--devices=2", "--", str(script),
        owners.address["none"], str(out), json.dumps(prompts)], timeout_s=600)
   assert code == 0, err[-3000:]
   p0, p1 = (json.loads((tmp_path / f"job.p{i}.json").read_text()) for i in (0, 1))
