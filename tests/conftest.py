@@ -45,25 +45,39 @@ _SHARED = {"tests/worker/test_remote.py": "remote owners",
            "tests/tools/test_device_check.py": "device check dry run"}
 
 
-# The slowest files (seconds on 2 cores), run first so that no worker is left with a long
+# The slowest files (seconds on a loaded worker, 2 cores), run first so that no worker is left with a long
 # file at the end while the other idles; the rest follow in the order pytest found them.
-_SLOW = {"tests/entrypoints/test_server.py": 150, "tests/tools/test_platform_defaults.py": 125,
-         "tests/serving/test_engine.py": 95, "tests/worker/test_checkpoint.py": 80,
-         "tests/models/test_hf.py": 80, "tests/tools/test_bench.py": 70,
-         "tests/worker/test_streamed.py": 65, "tests/worker/test_tiers.py": 60,
-         "tests/tools/test_online.py": 57, "tests/tools/test_lowering.py": 55,
-         "tests/launch/test_multihost.py": 51, "tests/serving/test_serving.py": 50}
+_SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py": 195,
+         "tests/tools/test_bench.py": 155, "tests/ops/test_ops.py": 130,
+         "tests/launch/test_multihost.py": 125, "tests/worker/test_streamed.py": 120,
+         "tests/models/test_hf.py": 120, "tests/tools/test_platform_defaults.py": 110,
+         "tests/worker/test_remote.py": 100, "tests/worker/test_remote_security.py": 100,
+         "tests/tools/test_lowering.py": 95, "tests/launch/test_serve.py": 93,
+         "tests/worker/test_checkpoint.py": 93, "tests/tools/test_load.py": 90,
+         "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
+         "tests/worker/test_tiers.py": 65}
+
+
+def pytest_itemcollected(item):
+  # ``-n 2 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
+  # a module's fixtures (a server, an owner job, a checkpoint) start once. (Marked as each
+  # item is collected: xdist reads the groups in its own pytest_collection_modifyitems,
+  # which runs before this file's.)
+  path = os.path.relpath(str(item.path), str(item.config.rootpath))
+  item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
 
 
 def pytest_collection_modifyitems(config, items):
-  # ``-n 2 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
-  # a module's fixtures (a server, an owner job, a checkpoint) start once.
   root = str(config.rootpath)
   paths = {id(item): os.path.relpath(str(item.path), root) for item in items}
   items.sort(key=lambda item: -_SLOW.get(paths[id(item)], 0))  # stable: a file keeps its order
-  for item in items:
-    path = paths[id(item)]
-    item.add_marker(pytest.mark.xdist_group(_SHARED.get(path, path)))
+  # This hook runs after xdist's, which has put each item's group into its node id: a
+  # pytest or xdist that drops it would split every file across the workers, silently.
+  ungrouped = [item.nodeid for item in items if "@" not in item.nodeid]
+  if getattr(config.option, "loadgroup", False) and ungrouped:  # (set on xdist workers)
+    raise pytest.UsageError(f"--dist loadgroup did not group {ungrouped[0]} (and "
+                            f"{len(ungrouped) - 1} more): this pytest-xdist cannot add groups "
+                            "to this pytest's node ids; install pyproject.toml's test range.")
 
 
 @pytest.fixture(scope="session")
@@ -169,3 +183,4 @@ def spare_owner(remote_owners):
   assert remote_owners.spare is not None and remote_owners.spare.proc.poll() is None, (
       "the spare owner job was used up already")
   return remote_owners.spare
+
