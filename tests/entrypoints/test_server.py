@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 
+import helpers
 import hf_fixtures as hf
 import jaxkv
 from jaxkv.tools.bench.http import ROOT, ServerProcess
@@ -638,10 +639,9 @@ class InProcessServer:
                                                 log_level="warning"))
     self.thread = threading.Thread(target=self.server.run, daemon=True)
     self.thread.start()
-    deadline = time.monotonic() + 60
-    while not self.server.started:
-      assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-      time.sleep(0.01)
+    helpers.wait_for(lambda: self.server.started or not self.thread.is_alive(), 60,
+                     "uvicorn starting")
+    assert self.server.started, "uvicorn's thread ended before it listened"
     port = self.server.servers[0].sockets[0].getsockname()[1]
     self.url = f"http://127.0.0.1:{port}/v1"
 
