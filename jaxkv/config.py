@@ -113,7 +113,7 @@ def _layer_shapes(model) -> dict:
   _require(len(kinds) == 1,
            f"the model's PagedKV layers have different (num_kv_heads, head_dim): {kinds}; "
            "one cache holds layers of one shape.")
-  return {"num_layers": len(layers), "num_kv_heads": kinds[0][0], "head_dim": kinds[0][1],
+  return {"num_layers": sum(layer.layers for layer in layers), "num_kv_heads": kinds[0][0], "head_dim": kinds[0][1],
           "model_name": _model_name(model, model)}
 
 

@@ -13,6 +13,12 @@ keys and values after projection (and RoPE):
         out = self.kv(q, k, v, batch)   # writes k, v into pages, attends over them
         return self.o_proj(out.reshape(...))
 
+A model that runs its layers under a scan (one layer compiled, the stacked weights scanned:
+what ``jaxkv.models.Llama`` does) holds one ``PagedKV(..., num_layers=L)`` for the whole
+stack, whose pages are ``[L, kv_heads, ...]``, and calls ``attend`` in the scan's body with
+the layer index and the pages it carries; the pages are written and read in place in the
+stack (no layer is copied out).
+
 The page arrays are ``KVPages`` variables, a subtype of ``nnx.Cache``, so NNX filters
 see them: ``nnx.split(model, jaxkv.nnx.KVPages, ...)`` separates the cache from the
 weights, which is how the engine donates the cache to each jitted step. ``PagedKV``
@@ -41,7 +47,8 @@ from jaxkv.errors import InputError
 
 
 class KVPages(nnx.Cache):
-  """One layer's K or V pages: ``[kv_heads, num_pages, page_size, head_dim]``."""
+  """One layer's K or V pages: ``[kv_heads, num_pages, page_size, head_dim]``; a stack of
+  layers' (``PagedKV(num_layers=L)``): ``[L, kv_heads, num_pages, page_size, head_dim]``."""
 
 
 @jax.tree_util.register_dataclass
@@ -72,21 +79,48 @@ class PageBatch:
 
 
 class PagedKV(nnx.Module):
-  """Paged KV storage and attention for one layer."""
+  """Paged KV storage and attention for one layer, or with ``num_layers`` for a stack of
+  identical layers run under a scan (``attend`` in the scan's body)."""
 
-  def __init__(self, *, num_kv_heads: int, head_dim: int):
+  def __init__(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None):
+    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool)
+                                   or num_layers <= 0):
+      raise InputError(f"PagedKV num_layers={num_layers!r} must be a positive integer or None "
+                       "(one layer).")
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
-    self.k_index = -1  # where this layer's K and V sit among the cache's page arrays
-    self.v_index = -1  # (set by init_pages; used to find them in the host pool)
-    empty = jnp.zeros((num_kv_heads, 0, 1, head_dim), jnp.float32)
+    self.num_layers = num_layers
+    self.k_index = -1  # where this layer's K and V (a stack's first layer's) sit among the
+    self.v_index = -1  # rows tiers move (set by init_pages; used to find them in the host pool)
+    lead = () if num_layers is None else (num_layers,)
+    empty = jnp.zeros((*lead, num_kv_heads, 0, 1, head_dim), jnp.float32)
     self.k_pages = KVPages(empty)
     self.v_pages = KVPages(empty)
 
-  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch) -> jax.Array:
-    """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]. Returns attention output [B, T, Hq, D]."""
-    k_pages, v_pages = self.k_pages.get_value(), self.v_pages.get_value()
-    if k_pages.shape[1] == 0:
+  @property
+  def layers(self) -> int:
+    """How many of the model's layers this holds (1, or the stack's length)."""
+    return 1 if self.num_layers is None else self.num_layers
+
+  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch,
+               layer=None) -> jax.Array:
+    """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]. Returns attention output [B, T, Hq, D].
+    ``layer``: which of a stack's layers (a stack's pages are updated in place)."""
+    out, k_pages, v_pages = self.attend(q, k, v, batch, self.k_pages.get_value(),
+                                        self.v_pages.get_value(), layer)
+    self.k_pages.set_value(k_pages)
+    self.v_pages.set_value(v_pages)
+    return out
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch, k_pages,
+             v_pages, layer=None):
+    """The functional form, for a scan's body: writes ``k``/``v`` into ``k_pages``/``v_pages``
+    (this module's pages as the scan carries them) at ``layer`` (a scalar, traced or not;
+    None for a one-layer ``PagedKV``), attends, and returns ``(out, k_pages, v_pages)``."""
+    if (layer is None) != (self.num_layers is None):
+      raise InputError(f"PagedKV(num_layers={self.num_layers}) called with layer={layer!r}: a "
+                       "stack of layers needs the layer's index, one layer takes none.")
+    if k_pages.shape[-3] == 0:
       raise InputError("PagedKV has no pages yet: the engine calls jaxkv.nnx.init_pages(model, "
                        "config, mesh) before the first step; call it if you drive the model.")
     if k.shape[2:] != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
@@ -99,25 +133,28 @@ class PagedKV(nnx.Module):
           block_valid=st.block_valid, host_pool=st.host_pool, cold_slots=st.cold_slots,
           cold_first=st.cold_first, cold_count=st.cold_count,
           pages_per_chunk=st.pages_per_chunk, k_index=self.k_index, v_index=self.v_index)
-    out, k_pages, v_pages = pages_lib.write_and_attend(
+    return pages_lib.write_and_attend(
         q, k, v, k_pages, v_pages, batch.page_table, batch.positions, batch.kv_lens,
-        mesh=batch.mesh, config=batch.config, stream=stream)
-    self.k_pages.set_value(k_pages)
-    self.v_pages.set_value(v_pages)
-    return out
+        mesh=batch.mesh, config=batch.config, stream=stream, layer=layer)
 
 
 def paged_layers(model: nnx.Module) -> list[PagedKV]:
-  """The model's ``PagedKV`` layers in graph order (that order is the layer index)."""
+  """The model's ``PagedKV`` modules in graph order (a stack counts for its ``layers``)."""
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, PagedKV)]
+
+
+def num_paged_layers(model: nnx.Module) -> int:
+  """How many layers keep KV in the model's ``PagedKV`` modules."""
+  return sum(m.layers for m in paged_layers(model))
 
 
 def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
   """Allocates every ``PagedKV`` layer's pools (zeros) in the config's sharding."""
   layers = paged_layers(model)
-  if len(layers) != config.num_layers:
+  count = sum(m.layers for m in layers)
+  if count != config.num_layers:
     raise InputError(
-        f"the model has {len(layers)} PagedKV layers but CacheConfig.num_layers="
+        f"the model has {count} PagedKV layers but CacheConfig.num_layers="
         f"{config.num_layers}; make them agree.")
   for i, layer in enumerate(layers):
     if (layer.num_kv_heads, layer.head_dim) != (config.num_kv_heads, config.head_dim):
@@ -127,11 +164,15 @@ def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
           f"{config.head_dim}; make them agree.")
   pages_lib.validate_mesh(mesh, config)
   for layer in layers:
-    layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config))
-    layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config))
-  # The order of the page arrays in the flattened cache state is the order of the
-  # stacks the tiers move (gather_stacked): remember where each layer's K and V are.
-  order = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(nnx.state(model, KVPages)))}
+    layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
+    layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
+  # The order of the page arrays in the flattened cache state is the order of the rows
+  # the tiers move (gather_stacked; a stack one row per layer): remember where each
+  # layer's K and V (a stack's first layer's) are.
+  order, row = {}, 0
+  for leaf in jax.tree.leaves(nnx.state(model, KVPages)):
+    order[id(leaf)] = row
+    row += pages_lib.pool_layers(leaf)
   for layer in layers:
     layer.k_index = order[id(layer.k_pages.get_value())]
     layer.v_index = order[id(layer.v_pages.get_value())]

@@ -23,7 +23,7 @@ def test_the_digest_follows_weights_and_settings_not_the_instance():
   assert digest(1) != a  # other random weights
   assert digest(0, rope_theta=500000.0) != a  # same weights, other positions: other KV
   model = jaxkv.models.Llama(helpers.tiny_model_config(), rngs=nnx.Rngs(0))
-  kernel = model.layers[1].mlp.down.kernel
+  kernel = model.layers.mlp.down.kernel  # [layers, mlp, hidden]: the last layer's last row
   kernel.set_value(kernel.get_value().at[-1, -1].add(1e-3))  # one sampled value
   assert identity.weights_digest(model) != a
 

@@ -9,8 +9,12 @@ import jaxkv
 import helpers
 
 
-def test_kv_pages_are_nnx_cache_and_split_off_the_weights(mesh):
-  mc = helpers.tiny_model_config()
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "looped"])
+def test_kv_pages_are_nnx_cache_and_split_off_the_weights(mesh, scan):
+  """A scanned model holds one stack of every layer's K and V; a looped one a pool per
+  layer. Either way the pages are nnx.Cache, apart from the weights, and the rows the
+  tiers move are every layer's K and V."""
+  mc = helpers.tiny_model_config(num_layers=3, scan_layers=scan)
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(0))
   cc = helpers.cache_config_for(mc)
   jaxkv.nnx.init_pages(model, cc, mesh)
@@ -19,11 +23,20 @@ def test_kv_pages_are_nnx_cache_and_split_off_the_weights(mesh):
   pages = nnx.state(model, jaxkv.nnx.KVPages)
   params = nnx.state(model, nnx.Param)
   leaves = jax.tree.leaves(pages)
-  assert len(leaves) == 2 * mc.num_layers == len(jax.tree.leaves(caches))
+  pool = (cc.num_kv_heads, 4 * cc.pages_per_shard, cc.page_size, cc.head_dim)
+  assert len(leaves) == len(jax.tree.leaves(caches)) == (2 if scan else 2 * mc.num_layers)
   for leaf in leaves:
-    assert leaf.shape == (cc.num_kv_heads, 4 * cc.pages_per_shard, cc.page_size, cc.head_dim)
+    assert leaf.shape == ((mc.num_layers, *pool) if scan else pool)
   assert not set(map(id, leaves)) & set(map(id, jax.tree.leaves(params)))
-  assert [l.num_kv_heads for l in jaxkv.nnx.paged_layers(model)] == [2] * mc.num_layers
+  layers = jaxkv.nnx.paged_layers(model)
+  assert [l.num_kv_heads for l in layers] == [2] * len(layers)
+  assert jaxkv.nnx.num_paged_layers(model) == mc.num_layers
+  # Layer i's K and V rows among the 2 x layers rows: the K stack's, then the V stack's.
+  rows = sorted(r for l in layers for i in range(l.layers) for r in (l.k_index + i,
+                                                                      l.v_index + i))
+  assert rows == list(range(2 * mc.num_layers))
+  assert ([(l.k_index, l.v_index) for l in layers] == [(0, mc.num_layers)] if scan
+          else all(l.v_index == l.k_index + 1 for l in layers))
 
 
 def test_init_pages_rejects_a_mesh_that_cannot_split_heads(mesh):

@@ -551,7 +551,7 @@ def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: in
   if owner in ("q_proj", "k_proj", "v_proj", "gate", "up", "lm_head"):
     dim = len(shape) - 1  # output columns (a q/k/v bias has only those)
   elif owner in ("o_proj", "down") and leaf == "kernel":
-    dim = 0  # input rows
+    dim = len(shape) - 2  # input rows (after a stack's leading layer axis)
   else:
     return P()
   if axis_size == 1 or shape[dim] % axis_size:
@@ -585,7 +585,17 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   flat = dict(nnx.to_flat_state(params))
-  mapped = {p: shape[::-1] if transposed else shape for p, _, transposed, shape in wanted}
+  # A scanned model holds layer i's tensor at index i of one stacked parameter.
+  groups: dict[tuple, list] = {}
+  for nnx_path, name, transposed, shape in wanted:
+    key = (nnx_path[:1] + nnx_path[2:] if cfg.scan_layers and nnx_path[0] == "layers"
+           else nnx_path)
+    groups.setdefault(key, []).append((name, transposed, shape))
+  mapped = {}
+  for key, entries in groups.items():
+    _, transposed, shape = entries[0]
+    shape = shape[::-1] if transposed else shape
+    mapped[key] = (len(entries), *shape) if cfg.scan_layers and key[0] == "layers" else shape
   built = {p: tuple(v.get_value().shape) for p, v in flat.items()}
   if mapped != built:  # the model and this loader disagree on its parameters: a bug here
     raise InvariantError(
@@ -593,36 +603,45 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
         f"{sorted(set(mapped.items()) ^ set(built.items()), key=repr)[:4]}; _tensor_map "
         "must name every parameter of Llama with its shape.")
   dt = jnp.dtype(cfg.dtype)
-  for nnx_path, name, transposed, _ in wanted:
-    flat[nnx_path].set_value(_place(handles[files[name]].view(name), mapped[nnx_path],
-                                    transposed, dt, nnx_path, mesh, model_axis))
+  for key, entries in groups.items():
+    views = [handles[files[name]].view(name) for name, _, _ in entries]
+    stacked = cfg.scan_layers and key[0] == "layers"
+    flat[key].set_value(_place(views if stacked else views[0], mapped[key], entries[0][1], dt,
+                               key, mesh, model_axis, stacked=stacked))
   handles.clear()  # the memory maps close with their last view
   placed = nnx.from_flat_state(flat)
   rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)
   return nnx.merge(graphdef, placed, rest)
 
 
-def _place(tensor: np.ndarray, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Mesh | None,
-           model_axis: str) -> jax.Array:
+def _place(tensor, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Mesh | None,
+           model_axis: str, stacked: bool = False) -> jax.Array:
   """One parameter on its devices, each reading only its slice of the file. A linear
   layer's matrix is placed as stored ([out, in]) and transposed on the devices (XLA's
-  transpose is many times faster than a strided copy on the host)."""
+  transpose is many times faster than a strided copy on the host). ``stacked``: ``tensor``
+  is the list of every layer's tensor, placed as one ``[layers, ...]`` parameter."""
+  lead = 1 if stacked else 0
+  flip = lambda dims: (*dims[:lead], *dims[lead:][::-1])
   if mesh is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     stored_sharding = sharding
   else:
     spec = partition_spec(nnx_path, shape, model_axis, mesh.shape[model_axis])
     sharding = NamedSharding(mesh, spec)
-    stored_sharding = NamedSharding(mesh, P(*tuple(spec)[::-1])) if transposed else sharding
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    stored_sharding = NamedSharding(mesh, P(*flip(spec))) if transposed else sharding
   parts: dict = {}  # devices holding the same slice (data-axis replicas) read it once
 
   def read(index: tuple) -> np.ndarray:
     key = tuple((i.start, i.stop) for i in index)
     if key not in parts:  # a view when the dtype is the file's: the device copy is the read
-      parts[key] = np.asarray(tensor[index], dt)
+      if stacked:
+        parts[key] = np.stack([np.asarray(t[index[1:]], dt) for t in tensor[index[0]]])
+      else:
+        parts[key] = np.asarray(tensor[index], dt)
     return parts[key]
 
-  stored = shape[::-1] if transposed else shape
+  stored = flip(shape) if transposed else shape
   array = jax.make_array_from_callback(stored, stored_sharding, read)
   parts.clear()
   if transposed:
@@ -632,5 +651,5 @@ def _place(tensor: np.ndarray, shape: tuple, transposed: bool, dt, nnx_path: tup
 
 @functools.lru_cache(maxsize=None)
 def _transpose(in_sharding, out_sharding):
-  return jax.jit(lambda x: x.T, in_shardings=in_sharding, out_shardings=out_sharding,
+  return jax.jit(lambda x: jnp.swapaxes(x, -1, -2), in_shardings=in_sharding, out_shardings=out_sharding,
                  donate_argnums=0)

@@ -4,7 +4,15 @@ RMSNorm, rotary position embeddings (the rotate-half convention of Hugging Face
 checkpoints, with Llama 3's frequency scaling or linear position interpolation),
 grouped-query attention and a SwiGLU MLP; optional q/k/v biases (Qwen2) and an output
 head tied to the embedding. It uses only the public layer ``jaxkv.nnx`` (``PagedKV`` +
-``PageBatch``), exactly as a user's own model would. ``jaxkv.models.from_pretrained``
+``PageBatch``), exactly as a user's own model would.
+
+The layers run under a scan (``LlamaConfig.scan_layers``, the default): their weights are
+stacked on a leading layer axis, one ``PagedKV(num_layers=L)`` holds every layer's pages,
+and ``jax.lax.scan`` runs one compiled layer over the stack, so a step compiles in the time
+of one layer whatever the depth. With ``scan_layers=False`` the layers are a Python loop of
+modules, each with its own ``PagedKV``: the form a user's own model most often has. Both
+give the same weights for the same seed (layers are initialised one after another in both)
+and the same tokens. ``jaxkv.models.from_pretrained``
 fills it from a checkpoint; sizes are configurable so tests run many shapes on CPU and
 benchmarks build realistic ones with random weights.
 """
@@ -76,6 +84,9 @@ class LlamaConfig:
   # Attention in the checkpoint's own model reaches back at most this many tokens (0: no
   # limit). jaxkv's attention does not window, so sequences are limited to it instead.
   sliding_window: int = 0
+  # The layers run under a scan over stacked weights (one layer compiled); False: a
+  # Python loop of layer modules (every layer compiled into each step).
+  scan_layers: bool = True
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict) or hasattr(self.rope_scaling, "to_dict"):
@@ -147,8 +158,10 @@ def apply_rope(x, positions, theta: float,
 
 
 class Attention(nnx.Module):
+  """With ``paged`` the module keeps its own ``PagedKV``; without (a layer of a scanned
+  stack) it is called with ``attend``, the stack's attention for its layer."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, paged: bool = True):
     dt = jnp.dtype(cfg.dtype)
     lin = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dt, param_dtype=dt,
                                         rngs=rngs)
@@ -157,9 +170,10 @@ class Attention(nnx.Module):
     self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
     self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
     self.o_proj = lin(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.out_bias)
-    self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    if paged:
+      self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
 
-  def __call__(self, x, batch: kvnnx.PageBatch):
+  def __call__(self, x, batch: kvnnx.PageBatch, attend=None):
     b, t, _ = x.shape
     c = self.cfg
     q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
@@ -167,7 +181,7 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
     q = apply_rope(q, batch.positions, c.rope_theta, c.rope_scaling)
     k = apply_rope(k, batch.positions, c.rope_theta, c.rope_scaling)
-    out = self.kv(q, k, v, batch)
+    out = attend(q, k, v) if attend is not None else self.kv(q, k, v, batch)
     return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
 
 
@@ -186,16 +200,26 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, paged: bool = True):
     dt = jnp.dtype(cfg.dtype)
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs, paged=paged)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, batch):
-    x = x + self.attn(self.attn_norm(x), batch)
+  def __call__(self, x, batch, attend=None):
+    x = x + self.attn(self.attn_norm(x), batch, attend)
     return x + self.mlp(self.mlp_norm(x))
+
+
+def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
+  """``cfg.num_layers`` blocks as one ``Block`` whose every weight has a leading layer axis.
+  The layers are initialised one after another from ``rngs``, as the loop form's are, so
+  a seed gives the same weights in both forms."""
+  blocks = [Block(cfg, rngs=rngs, paged=False) for _ in range(cfg.num_layers)]
+  graphdef, first = nnx.split(blocks[0])
+  states = [first] + [nnx.state(b) for b in blocks[1:]]
+  return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class Llama(nnx.Module):
@@ -207,7 +231,12 @@ class Llama(nnx.Module):
     self.vocab_size = cfg.vocab_size
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:
+      self.layers = stacked_blocks(cfg, rngs)
+      self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                              num_layers=cfg.num_layers)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dt,
@@ -222,8 +251,36 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens, batch: kvnnx.PageBatch):
     x = self.embed(tokens)
-    for layer in self.layers:
-      x = layer(x, batch)
+    if self.cfg.scan_layers:
+      x = self._scan_layers(x, batch)
+    else:
+      for layer in self.layers:
+        x = layer(x, batch)
     x = self.norm(x)
     logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
+
+  def _scan_layers(self, x, batch):
+    """One compiled layer scanned over the stacked weights; the pages ride in the carry,
+    so each layer's K/V is written and read in place in the stack."""
+    graphdef, weights = nnx.split(self.layers)
+    kv = self.kv
+
+    def body(carry, xs):
+      x, k_pages, v_pages = carry
+      layer, w = xs
+      pages = {}
+
+      def attend(q, k, v):
+        out, pages["k"], pages["v"] = kv.attend(q, k, v, batch, k_pages, v_pages, layer)
+        return out
+
+      x = nnx.merge(graphdef, w)(x, batch, attend)
+      return (x, pages["k"], pages["v"]), None
+
+    layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    (x, k_pages, v_pages), _ = jax.lax.scan(
+        body, (x, kv.k_pages.get_value(), kv.v_pages.get_value()), (layers, weights))
+    kv.k_pages.set_value(k_pages)
+    kv.v_pages.set_value(v_pages)
+    return x

@@ -80,15 +80,26 @@ def finish(state, q):
   return out.reshape(q.shape).astype(q.dtype)
 
 
+def layer_pages(pages, layer, table):
+  """``pages[:, table]`` of one layer's pool (``layer`` None), or of the ``layer``-th of a
+  stack ``[layers, H, P, S, D]`` gathered straight from the stack (no layer copied out):
+  ``[H, *table.shape, S, D]``."""
+  if layer is None:
+    return pages[:, table]
+  return jnp.moveaxis(pages[layer, :, table], table.ndim, 0)  # [*table, H, S, D] -> [H, ...]
+
+
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                pages_per_chunk: int, block_valid=None):
+                pages_per_chunk: int, block_valid=None, layer=None):
   """Folds every page of ``page_table`` into ``state``, ``pages_per_chunk`` at a time.
+  ``layer``: the pools are stacks of layers and this is the one attended (see
+  ``layer_pages``).
 
   ``block_valid`` ([B, M] bool, optional) masks whole table entries: a sequence whose
   older pages live in a lower tier marks those entries invalid here and streams them.
   """
   batch = page_table.shape[0]
-  num_kv_heads, _, page_size, head_dim = k_pages.shape
+  num_kv_heads, _, page_size, head_dim = k_pages.shape[-4:]
   width = page_table.shape[1]
   num_chunks = -(-width // pages_per_chunk)
   pad = num_chunks * pages_per_chunk - width
@@ -101,8 +112,8 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
 
   def step(c, state):
     table = entries(page_table, c)
-    k = k_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
-    v = v_pages[:, table].reshape(num_kv_heads, batch, chunk_tokens, head_dim)
+    k = layer_pages(k_pages, layer, table).reshape(num_kv_heads, batch, chunk_tokens, head_dim)
+    v = layer_pages(v_pages, layer, table).reshape(num_kv_heads, batch, chunk_tokens, head_dim)
     kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None]
     valid = (None if block_valid is None
              else jnp.repeat(entries(block_valid, c), page_size, axis=1))

@@ -115,25 +115,31 @@ def _run(state_refs, out_refs, used, step) -> None:
     ref[...] = x
 
 
-def _kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref,
-            m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int):
+def _kernel(head_ref, lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref,
+            acc_ref, m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int,
+            num_pages: int):
   length = lens_ref[0]
   q, qpos = q_ref[...], qpos_ref[...]  # [R, D] float32 scaled; [R]
+  # The pools come as [rows * pages, S, D] (rows: the stack's layers x kv heads): this
+  # program's head of its layer starts at page ``first``.
+  first = (head_ref[0] + pl.program_id(1)) * num_pages
 
   def step(c, state):
     entries = pl.ds(c * pages_per_chunk, pages_per_chunk)
     table = table_ref[entries]
     valid = jnp.repeat(valid_ref[entries], page_size) != 0
-    return _fold_chunk(state, c, q, qpos, length, k_ref[table], v_ref[table], valid)
+    return _fold_chunk(state, c, q, qpos, length, k_ref[first + table], v_ref[first + table],
+                       valid)
 
   used = _chunks_used(length, table_ref.shape[0], pages_per_chunk, page_size)
   _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), used, step)
 
 
-def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m_ref, l_ref,
-                acc_ref, m_out, l_out, acc_out, k_buf, v_buf, k_sem, v_sem, *,
+def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm, v_hbm, m_ref,
+                l_ref, acc_ref, m_out, l_out, acc_out, k_buf, v_buf, k_sem, v_sem, *,
                 pages_per_chunk: int, page_size: int, width: int):
-  b, h = pl.program_id(0), pl.program_id(1)
+  b = pl.program_id(0)
+  h = head_ref[0] + pl.program_id(1)  # this layer's kv head among the stack's rows
   length = lens_ref[b]
   q, qpos = q_ref[...], qpos_ref[0]  # [R, D] float32 scaled; [R]
   used = _chunks_used(length, width, pages_per_chunk, page_size)
@@ -171,14 +177,29 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_hbm, v_hbm, m
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
                 pages_per_chunk: int, block_valid=None, interpret: bool = False,
-                form: str = "gpu"):
+                form: str = "gpu", layer=None):
   """``chunked.paged_state`` on the kernel: folds every page of ``page_table`` into
   ``state`` (``[B, H, G, T, 1]`` max and sum, ``[B, H, G, T, D]`` acc); ``qg``:
   ``[B, T, H, G, D]`` scaled float32 queries (``chunked.init_state``); ``form``: ``gpu``
   or ``tpu`` (see the module's docstring); ``interpret``: a bool, or for the TPU form a
-  ``pltpu.InterpretParams`` (the TPU interpreter: simulated DMAs, race detection)."""
+  ``pltpu.InterpretParams`` (the TPU interpreter: simulated DMAs, race detection);
+  ``layer``: the pools are stacks of layers ``[layers, H, P, S, D]`` and this (a scalar,
+  traced or not) is the one attended. The kernel reads the stack in place, as
+  ``[layers * H, P, S, D]`` rows (a free reshape), starting at row ``layer * H``."""
   batch, q_len, heads, group, head_dim = qg.shape
-  page_size = k_pages.shape[2]
+  page_size = k_pages.shape[-2]
+  first = jnp.zeros((1,), jnp.int32)  # the kernel's first row of this layer's heads
+  if layer is not None:
+    first = (jnp.asarray(layer, jnp.int32) * heads).reshape(1)
+  if k_pages.ndim == 5 and form == "gpu" and k_pages.size >= 2**31:
+    # Triton offsets pages with int32 arithmetic: a stack of 2**31 elements or more would
+    # overflow it, so such a stack's layer is sliced out (a copy of one layer's pool).
+    k_pages = jax.lax.dynamic_index_in_dim(k_pages, layer, keepdims=False)
+    v_pages = jax.lax.dynamic_index_in_dim(v_pages, layer, keepdims=False)
+    first = jnp.zeros((1,), jnp.int32)
+  if k_pages.ndim == 5:
+    k_pages = k_pages.reshape(-1, *k_pages.shape[2:])
+    v_pages = v_pages.reshape(-1, *v_pages.shape[2:])
   if form == "gpu":
     pages_per_chunk = gpu_pages_per_chunk(pages_per_chunk, page_size, head_dim,
                                           k_pages.dtype.itemsize)
@@ -200,12 +221,13 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
                                           constant_values=value)
     q, m, l, acc = pad_rows(q), pad_rows(m, -jnp.inf), pad_rows(l), pad_rows(acc)
     qpos = jnp.pad(qpos, ((0, 0), (0, extra)), constant_values=-1)  # masked: nothing read
-    out = _call(pages_per_chunk, page_size, block, interpret, m, l, acc,
+    out = _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first,
                 kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
                 k_pages, v_pages)
   else:
-    out = _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens.astype(jnp.int32),
-                    page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
+    out = _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first,
+                    kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
+                    k_pages, v_pages)
   return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
 
@@ -224,33 +246,39 @@ def _state_specs(rows: int, head_dim: int) -> list:
   return [_per_head(rows, 1), _per_head(rows, 1), _per_head(rows, head_dim)]
 
 
-def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, kv_lens, page_table, valid,
-          qpos, q, k_pages, v_pages):
+def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_lens, page_table,
+          valid, qpos, q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
-  num_pages, width = k_pages.shape[1], page_table.shape[1]
+  width = page_table.shape[1]
   seq = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h, r: (b, *([0] * len(tail))))
   rows_of = lambda tail: pl.BlockSpec((None, None, block, tail), lambda b, h, r: (b, h, r, 0))
-  pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, r: (h, 0, 0, 0))
+  # The whole stack stays in global memory (a pointer), its heads' pages one after another
+  # (a free reshape); the kernel offsets its page ids to its layer's head.
+  num_pages = k_pages.shape[1]
+  k_pages = k_pages.reshape(-1, page_size, head_dim)
+  v_pages = v_pages.reshape(-1, page_size, head_dim)
+  pool = pl.BlockSpec(k_pages.shape, lambda b, h, r: (0, 0, 0))
   state_specs = [rows_of(1), rows_of(1), rows_of(head_dim)]
-  kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size)
+  kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size,
+                             num_pages=num_pages)
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, rows // block),
-      in_specs=[seq(1), seq(width), seq(width),
+      in_specs=[pl.BlockSpec((1,), lambda b, h, r: (0,)), seq(1), seq(width), seq(width),
                 pl.BlockSpec((None, block), lambda b, h, r: (b, r)),
                 rows_of(head_dim), pool, pool, *state_specs],
       out_specs=state_specs,
       out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
-      input_output_aliases={7: 0, 8: 1, 9: 2},
+      input_output_aliases={8: 0, 9: 1, 10: 2},
       compiler_params=pltriton.CompilerParams(num_warps=GPU_NUM_WARPS,
                                               num_stages=GPU_NUM_STAGES),
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
-  )(kv_lens[:, None], page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
+  )(first, kv_lens[:, None], page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
 
 
-def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_table, valid, qpos,
-              q, k_pages, v_pages):
+def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first, kv_lens, page_table, valid,
+              qpos, q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
   width = page_table.shape[1]
   state_specs = _state_specs(rows, head_dim)
@@ -261,16 +289,17 @@ def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, kv_lens, page_ta
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,  # lengths, the page table, the valid flags (flattened)
+          num_scalar_prefetch=4,  # lengths, the page table, the valid flags (flattened), the
+          # layer's first head row
           grid=(batch, heads),
           in_specs=[_per_row(1, rows), _per_head(rows, head_dim), hbm, hbm, *state_specs],
           out_specs=state_specs,
           scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)),
                           pltpu.SemaphoreType.DMA((2,))]),
       out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (m, l, acc)],
-      input_output_aliases={7: 0, 8: 1, 9: 2},
+      input_output_aliases={8: 0, 9: 1, 10: 2},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
       name=f"jaxkv_paged_attention_tpu_{pages_per_chunk}x{page_size}",
-  )(kv_lens, page_table.reshape(-1), valid.reshape(-1), qpos[:, None], q, k_pages, v_pages,
-    m, l, acc)
+  )(kv_lens, page_table.reshape(-1), valid.reshape(-1), first, qpos[:, None], q, k_pages,
+    v_pages, m, l, acc)

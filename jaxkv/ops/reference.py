@@ -74,15 +74,18 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, kv_l
   return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
 
 
-def write_pages_reference(k_pages, new, page_table, positions):
+def write_pages_reference(k_pages, new, page_table, positions, layer=None):
   """Writes ``new`` ``[batch, q_len, kv_heads, head_dim]`` into pages at ``positions``.
 
+  ``k_pages``: one layer's pool ``[kv_heads, pages, page_size, head_dim]``, or with
+  ``layer`` (a scalar, traced or not) a stack of layers ``[layers, kv_heads, ...]`` whose
+  ``layer``-th is written (in place in the stack: no layer is copied out).
   Tokens with position ``-1`` are dropped. Returns the updated pages (donate them to
   update in place).
   """
   k_pages, new, page_table, positions = map(jnp.asarray, (k_pages, new, page_table, positions))
   batch, q_len, num_kv_heads, head_dim = new.shape
-  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+  num_pages, page_size = k_pages.shape[-3], k_pages.shape[-2]
   pos = positions.reshape(-1)
   rows = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), q_len)
   valid = pos >= 0
@@ -90,5 +93,9 @@ def write_pages_reference(k_pages, new, page_table, positions):
   page = page_table[rows, safe_pos // page_size]
   page = jnp.where(valid, page, num_pages)  # out of bounds: dropped by the scatter
   slot = safe_pos % page_size
-  vals = new.reshape(batch * q_len, num_kv_heads, head_dim).transpose(1, 0, 2)
-  return k_pages.at[:, page, slot].set(vals.astype(k_pages.dtype), mode="drop")
+  vals = new.reshape(batch * q_len, num_kv_heads, head_dim).astype(k_pages.dtype)
+  if layer is None:  # [H, N, D]: the indexed dims stay where the slice puts them
+    return k_pages.at[:, page, slot].set(vals.transpose(1, 0, 2), mode="drop")
+  # (layer, :, page, slot): the scalar and the two index arrays are apart, so the indexed
+  # dims come first: [N, H, D]
+  return k_pages.at[layer, :, page, slot].set(vals, mode="drop")

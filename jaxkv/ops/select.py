@@ -47,15 +47,18 @@ def resolve(impl: str, interpret=None) -> tuple[str, object]:
 
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                pages_per_chunk: int, block_valid=None, impl: str = "auto", interpret=None):
-  """Folds every page of ``page_table`` into ``state`` (see ``chunked.paged_state``)."""
+                pages_per_chunk: int, block_valid=None, impl: str = "auto", interpret=None,
+                layer=None):
+  """Folds every page of ``page_table`` into ``state`` (see ``chunked.paged_state``;
+  ``layer``: the pools are stacks of layers and this is the one attended)."""
   impl, interpret = resolve(impl, interpret)
   if impl == "jnp":
     return chunked.paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
-                               pages_per_chunk=pages_per_chunk, block_valid=block_valid)
+                               pages_per_chunk=pages_per_chunk, block_valid=block_valid,
+                               layer=layer)
   return kernel.paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens,
                             pages_per_chunk=pages_per_chunk, block_valid=block_valid,
-                            interpret=interpret, form=_KERNEL_PLATFORM[impl])
+                            interpret=interpret, form=_KERNEL_PLATFORM[impl], layer=layer)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,

@@ -138,9 +138,12 @@ def _abstract_model(cfg: Mapping, cache_cfg: CacheConfig, mesh: AbstractMesh, nu
   if num_layers is not None:
     model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
   model = nnx.eval_shape(lambda: models.Llama(model_cfg, rngs=nnx.Rngs(0)))
-  pool = _sds(mesh, pages_lib.pool_shape(mesh, cache_cfg), cache_cfg.jnp_dtype,
-              pages_lib.pool_spec(cache_cfg))
+  shape = pages_lib.pool_shape(mesh, cache_cfg)
   for layer in kvnnx.paged_layers(model):
+    pool = (_sds(mesh, shape, cache_cfg.jnp_dtype, pages_lib.pool_spec(cache_cfg))
+            if layer.num_layers is None else
+            _sds(mesh, (layer.num_layers, *shape), cache_cfg.jnp_dtype,
+                 pages_lib.layer_stack_spec(cache_cfg)))
     layer.k_pages.set_value(pool)
     layer.v_pages.set_value(pool)
   graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
@@ -209,7 +212,8 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
             tokens)
 
   tiers = dict(cfg.get("tiers", {}))
-  num_arrays = len(pools)
+  num_arrays = sum(pages_lib.pool_layers(p) for p in pools)
+  ranks = pages_lib.pool_ranks(pools)
   host_pages = int(tiers.get("host_pages_per_shard", 0) or 0)
   moved = buckets.transfer_pages(engine["prefill_chunk_pages"])
   ids = row(shards, moved)
@@ -218,10 +222,10 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
   stack = _sds(mesh, stack_shape, bits, pages_lib.stacked_spec(cache_cfg))
   out.append(Lowerable(f"gather_stacked[pages={moved}]",
-                       pages_lib.gather_stacked_fn(mesh, cache_cfg, num_arrays),
+                       pages_lib.gather_stacked_fn(mesh, cache_cfg, ranks),
                        (tuple(pools), ids)))
   out.append(Lowerable(f"scatter_stacked[pages={moved}]",
-                       pages_lib.scatter_stacked_fn(mesh, cache_cfg, num_arrays),
+                       pages_lib.scatter_stacked_fn(mesh, cache_cfg, ranks),
                        (tuple(pools), ids, stack)))
   if host_pages:
     from jaxkv.worker.tiers import host as host_lib

@@ -83,24 +83,49 @@ def pool_shape(mesh: Mesh, config: CacheConfig) -> tuple[int, int, int, int]:
           config.page_size, config.head_dim)
 
 
-def zeros_pool(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None) -> jax.Array:
-  """One layer's pool of zeros, created directly in its sharding (no host copy)."""
-  return _zeros_fn(mesh, config, memory_kind)()
+def layer_stack_spec(config: CacheConfig) -> P:
+  """Sharding of a stack of layers' pools ``[layers, kv_heads, pages, page_size,
+  head_dim]`` (one ``PagedKV`` of a model that scans its layers)."""
+  return P(None, *pool_spec(config))
+
+
+def spec_of(pool, config: CacheConfig) -> P:
+  """A pool's sharding spec by its rank: one layer's (4-d) or a stack of layers' (5-d)."""
+  return pool_spec(config) if pool.ndim == 4 else layer_stack_spec(config)
+
+
+def pool_layers(pool) -> int:
+  """How many layers' K (or V) one pool array holds: 1, or a stack's length."""
+  return 1 if pool.ndim == 4 else pool.shape[0]
+
+
+def zeros_pool(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None,
+               layers: int | None = None) -> jax.Array:
+  """One layer's pool of zeros (or, with ``layers``, a stack ``[layers, ...]`` of them),
+  created directly in its sharding (no host copy)."""
+  return _zeros_fn(mesh, config, memory_kind, layers)()
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None):
+def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None, layers: int | None):
   shape = pool_shape(mesh, config)
+  spec = pool_spec(config)
+  if layers is not None:
+    shape, spec = (layers, *shape), layer_stack_spec(config)
+  sharding = NamedSharding(mesh, spec)
   return jax.jit(lambda: jnp.zeros(shape, config.jnp_dtype),
-                 out_shardings=pool_sharding(mesh, config, memory_kind))
+                 out_shardings=sharding.with_memory_kind(memory_kind) if memory_kind
+                 else sharding)
 
 
 # ---- the fused write + attention used by every model layer --------------------------------
 def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *,
-                     mesh: Mesh, config: CacheConfig, stream=None):
+                     mesh: Mesh, config: CacheConfig, stream=None, layer=None):
   """Writes this step's K/V into the pages, then attends over them. Traced inside jit.
 
-  q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D]; pages: one layer's pool;
+  q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D]; pages: one layer's pool, or with
+  ``layer`` (a scalar, traced under a scan over layers) a stack of layers' pools of which
+  the ``layer``-th is written and attended in place;
   page_table: [B, M] shard-local ids; positions: [B, T] (-1 = padding); kv_lens: [B].
   ``stream``: for sequences longer than the device holds, a ``StreamArgs`` naming the
   hot entries of the table and the cold pages to stream from the host pool.
@@ -109,26 +134,34 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
   heads = P(config.data_axis, None, config.model_axis, None)
   rows = P(config.data_axis, None)
   row = P(config.data_axis)
-  pool = pool_spec(config)
+  pool = spec_of(k_pages, config)
+  if (layer is None) != (k_pages.ndim == 4):
+    raise InputError(f"pages of shape {k_pages.shape} with layer={layer!r}: one layer's pool "
+                     "takes no layer; a stack of layers [layers, ...] needs one.")
+  layer_arg = () if layer is None else (jnp.asarray(layer, jnp.int32),)
 
   def local(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *extra):
-    k_pages = reference.write_pages_reference(k_pages, k_new, page_table, positions)
-    v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions)
-    qg, state = chunked.init_state(q, k_pages.shape[0])
+    at = extra[0] if layer_arg else None
+    extra = extra[len(layer_arg):]
+    k_pages = reference.write_pages_reference(k_pages, k_new, page_table, positions, at)
+    v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions, at)
+    qg, state = chunked.init_state(q, k_pages.shape[-4])
     block_valid = extra[0] if extra else None
     state = select.paged_state(state, qg, k_pages, v_pages, page_table, positions, kv_lens,
                                pages_per_chunk=config.attention_chunk_pages,
-                               block_valid=block_valid, impl=config.attention_impl)
+                               block_valid=block_valid, impl=config.attention_impl, layer=at)
     if extra:
       _, host_pool, slots, first, count = extra
-      state = streamed.stream_state(state, qg, host_pool, stream.k_index, stream.v_index,
+      offset = 0 if at is None else at  # a stack's K and V rows are consecutive per layer
+      state = streamed.stream_state(state, qg, host_pool, stream.k_index + offset,
+                                    stream.v_index + offset,
                                     slots, first, count, positions, kv_lens,
                                     pages_per_chunk=stream.pages_per_chunk,
                                     dtype=k_pages.dtype)
     return chunked.finish(state, q), k_pages, v_pages
 
-  in_specs = [heads, heads, heads, pool, pool, rows, rows, row]
-  args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens]
+  in_specs = [heads, heads, heads, pool, pool, rows, rows, row] + [P()] * len(layer_arg)
+  args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *layer_arg]
   if stream is not None:
     in_specs += [rows, stacked_spec(config), rows, row, row]
     args += [stream.block_valid, stream.host_pool, stream.cold_slots, stream.cold_first,
@@ -187,6 +220,9 @@ def scatter_pages(pages: jax.Array, page_ids: jax.Array, values: jax.Array, *, m
 # Pages travel between tiers as raw bits (uint16/uint32): XLA may compute a bfloat16 gather
 # or scatter in float32 on some backends, which would canonicalise NaN payloads. Moving
 # integers keeps every round trip bit-exact.
+# A stack's rows are the pools' layers in the pools' (leaf) order: a one-layer pool is one
+# row, a stack of layers (a scanned model's K or V) one row per layer. ``ranks`` (each pool's
+# ndim) is what the jitted functions are specialised on.
 def bits_dtype(dtype):
   return {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 
@@ -200,47 +236,64 @@ def stacked_spec(config: CacheConfig) -> P:
   return P(None, config.model_axis, config.data_axis, None, None)
 
 
+def pool_ranks(pools) -> tuple[int, ...]:
+  """What the stacked moves are specialised on: each pool's ndim (4: one layer, 5: a stack)."""
+  return tuple(p.ndim for p in pools)
+
+
+def _rank_specs(config: CacheConfig, ranks) -> tuple:
+  return tuple(pool_spec(config) if r == 4 else layer_stack_spec(config) for r in ranks)
+
+
+def _as_rows(pages):  # [H, n, S, D] -> [1, H, n, S, D]; a stack's [L, H, n, S, D] as is
+  return pages[None] if pages.ndim == 4 else pages
+
+
 @functools.lru_cache(maxsize=None)
-def gather_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
-  """The jitted function behind ``gather_stacked`` for ``num_arrays`` pools."""
-  pool, ids = pool_spec(config), P(config.data_axis, None)
+def gather_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  """The jitted function behind ``gather_stacked`` for pools of these ranks."""
+  ids = P(config.data_axis, None)
 
   def local(pools, page_ids):
-    return jnp.stack([to_bits(p)[:, page_ids[0]] for p in pools])
+    return jnp.concatenate([_as_rows(to_bits(p)[..., page_ids[0], :, :]) for p in pools])
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=((pool,) * num_arrays, ids),
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(_rank_specs(config, ranks), ids),
                                out_specs=stacked_spec(config)))
 
 
 @functools.lru_cache(maxsize=None)
-def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   """The jitted function behind ``scatter_stacked`` (pools donated)."""
-  pool, ids = pool_spec(config), P(config.data_axis, None)
+  ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
 
   def local(pools, page_ids, values):
-    return tuple(jax.lax.bitcast_convert_type(
-        to_bits(p).at[:, page_ids[0]].set(values[i], mode="drop"), p.dtype)
-                 for i, p in enumerate(pools))
+    out, row = [], 0
+    for p in pools:
+      n = pool_layers(p)
+      rows = values[row] if p.ndim == 4 else values[row:row + n]
+      out.append(jax.lax.bitcast_convert_type(
+          to_bits(p).at[..., page_ids[0], :, :].set(rows, mode="drop"), p.dtype))
+      row += n
+    return tuple(out)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=((pool,) * num_arrays, ids, stacked_spec(config)),
-                               out_specs=(pool,) * num_arrays), donate_argnums=(0,))
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, stacked_spec(config)),
+                               out_specs=specs), donate_argnums=(0,))
 
 
 def gather_stacked(pools, page_ids, *, mesh: Mesh, config: CacheConfig) -> jax.Array:
   """Copies pages of every pool (all layers' K and V) into one stack of raw bits.
 
-  ``page_ids``: ``[data_shards, n]`` shard-local ids. Returns ``[len(pools), kv_heads,
-  data_shards * n, page_size, head_dim]`` of ``bits_dtype``; rows ``s*n..`` are shard
-  ``s``'s pages.
+  ``page_ids``: ``[data_shards, n]`` shard-local ids. Returns ``[2 * layers, kv_heads,
+  data_shards * n, page_size, head_dim]`` of ``bits_dtype`` (rows in the order above);
+  rows ``s*n..`` of the page axis are shard ``s``'s pages.
   """
-  return gather_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids)
+  return gather_stacked_fn(mesh, config, pool_ranks(pools))(tuple(pools), page_ids)
 
 
 def scatter_stacked(pools, page_ids, values, *, mesh: Mesh, config: CacheConfig) -> tuple:
   """Writes a raw-bits stack into every pool (donated: in place); ids ``>= pages`` are
   dropped."""
-  return scatter_stacked_fn(mesh, config, len(pools))(tuple(pools), page_ids, values)
+  return scatter_stacked_fn(mesh, config, pool_ranks(pools))(tuple(pools), page_ids, values)
 
 
 _MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted sum
@@ -287,15 +340,15 @@ def page_checksums(stack: jax.Array, *, mesh: Mesh, config: CacheConfig) -> jax.
 
 
 @functools.lru_cache(maxsize=None)
-def _copy_fn(mesh: Mesh, config: CacheConfig, num_arrays: int):
+def _copy_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   def copy(pools, src, dst):  # global page ids: XLA moves the pages between shards
-    return tuple(p.at[:, dst].set(p[:, src], mode="drop") for p in pools)
+    return tuple(p.at[..., dst, :, :].set(p[..., src, :, :], mode="drop") for p in pools)
 
   return jax.jit(copy, donate_argnums=(0,),
-                 out_shardings=(pool_sharding(mesh, config),) * num_arrays)
+                 out_shardings=tuple(NamedSharding(mesh, s) for s in _rank_specs(config, ranks)))
 
 
 def copy_across_shards(pools, src, dst, *, mesh: Mesh, config: CacheConfig) -> tuple:
   """Copies pages between data shards (a jitted collective): ``src``/``dst`` are global
   page ids (``shard * pages_per_shard + page``); ``dst`` beyond the pool is dropped."""
-  return _copy_fn(mesh, config, len(pools))(tuple(pools), src, dst)
+  return _copy_fn(mesh, config, pool_ranks(pools))(tuple(pools), src, dst)

@@ -230,17 +230,24 @@ def test_the_model_is_built_from_the_checkpoint_not_initialised(tmp_path, mesh):
   assert not hasattr(model, "lm_head")
   # Tensor-parallel over the model axis (2 devices): whole heads per device, rows of the
   # output projections, vocabulary of nothing here (tied: the embedding is replicated).
-  q = model.layers[0].attn.q_proj.kernel.get_value()  # [32, 4 heads x 8]
+  # The layers are scanned: each weight is one stack, layer i at index i.
+  q = model.layers.attn.q_proj.kernel.get_value()  # [2 layers, 32, 4 heads x 8]
   assert q.dtype == np.dtype("bfloat16") and len(q.sharding.device_set) == mesh.size
-  assert {s.data.shape for s in q.addressable_shards} == {(32, 16)}
-  assert {s.data.shape for s in model.layers[0].attn.q_proj.bias.get_value()
-          .addressable_shards} == {(16,)}
-  assert {s.data.shape for s in model.layers[0].mlp.down.kernel.get_value()
-          .addressable_shards} == {(32, 32)}  # [mlp 64, hidden 32]: rows split
+  assert {s.data.shape for s in q.addressable_shards} == {(2, 32, 16)}
+  assert {s.data.shape for s in model.layers.attn.q_proj.bias.get_value()
+          .addressable_shards} == {(2, 16)}
+  assert {s.data.shape for s in model.layers.mlp.down.kernel.get_value()
+          .addressable_shards} == {(2, 32, 32)}  # [mlp 64, hidden 32]: rows split
   assert model.embed.embedding.get_value().sharding.is_fully_replicated
-  want = hf.random_weights(cfg, seed=0)["model.layers.0.self_attn.q_proj.weight"].T
-  np.testing.assert_array_equal(np.asarray(q, np.float32),
-                                want.astype(np.dtype("bfloat16")).astype(np.float32))
+  weights = hf.random_weights(cfg, seed=0)
+  for i in range(2):
+    want = weights[f"model.layers.{i}.self_attn.q_proj.weight"].T
+    np.testing.assert_array_equal(np.asarray(q[i], np.float32),
+                                  want.astype(np.dtype("bfloat16")).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(model.layers.mlp.down.kernel.get_value()[i], np.float32),
+        weights[f"model.layers.{i}.mlp.down_proj.weight"].T.astype(np.dtype("bfloat16"))
+        .astype(np.float32))
 
 
 def write_bad(tmp_path, name, *, drop=None, shape=None, **cfg_overrides):

@@ -56,7 +56,9 @@ def test_engine_logits_equal_dense_forward(mesh, chunk_pages):
 def test_model_rejects_use_before_pages_exist():
   mc = helpers.tiny_model_config()
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(0))
-  layer = model.layers[0].attn.kv
+  layer = model.kv  # the scanned layers' one PagedKV stack
   z = jnp.zeros((1, 1, 4, 8))
   with pytest.raises(ValueError, match="init_pages"):
+    layer(z, jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 1, 2, 8)), None, layer=0)
+  with pytest.raises(ValueError, match="needs the layer's index"):
     layer(z, jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 1, 2, 8)), None)

@@ -220,3 +220,48 @@ def test_the_tpu_forms_double_buffered_copies_do_not_race():
                              atol=2e-5)
   assert interpret_pallas_call.races is not None
   assert not interpret_pallas_call.races.races_found
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_layer_of_a_stack_is_written_and_attended_in_place(impl):
+  """A scanned model's pages are one stack [layers, H, P, S, D] and each layer is addressed
+  by its index (traced, as under the scan): writing and attending layer i of the stack
+  gives what one layer's pool gives, and leaves every other layer's pages untouched."""
+  from jaxkv.ops import chunked, reference, select
+  rng = np.random.default_rng(11)
+  layers = 3
+  cases = [random_case(rng, batch=3, q_len=2, hq=4, hkv=2, d=8, page_size=4, pages_per_seq=6,
+                       num_pages=30, lens=[24, 13, 5]) for _ in range(layers)]
+  k_stack = jnp.stack([jnp.asarray(c[1]) for c in cases])
+  v_stack = jnp.stack([jnp.asarray(c[2]) for c in cases])
+  q, _, _, table, pos, lens, _, _ = cases[1]
+  new = rng.standard_normal((3, 2, 2, 8)).astype(np.float32)
+
+  @jax.jit
+  def on_stack(k_stack, v_stack, layer):
+    k_stack = reference.write_pages_reference(k_stack, new, table, pos, layer)
+    v_stack = reference.write_pages_reference(v_stack, new * 2, table, pos, layer)
+    qg, state = chunked.init_state(jnp.asarray(q), 2)
+    state = select.paged_state(state, qg, k_stack, v_stack, table, pos, lens,
+                               pages_per_chunk=2, impl=impl, layer=layer)
+    return chunked.finish(state, jnp.asarray(q)), k_stack, v_stack
+
+  @jax.jit
+  def on_pool(k_pages, v_pages):
+    k_pages = reference.write_pages_reference(k_pages, new, table, pos)
+    v_pages = reference.write_pages_reference(v_pages, new * 2, table, pos)
+    qg, state = chunked.init_state(jnp.asarray(q), 2)
+    state = select.paged_state(state, qg, k_pages, v_pages, table, pos, lens,
+                               pages_per_chunk=2, impl=impl)
+    return chunked.finish(state, jnp.asarray(q)), k_pages, v_pages
+
+  for layer in range(layers):
+    out, ks, vs = on_stack(k_stack, v_stack, jnp.int32(layer))
+    want, kp, vp = on_pool(k_stack[layer], v_stack[layer])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(ks[layer]), np.asarray(kp))
+    np.testing.assert_array_equal(np.asarray(vs[layer]), np.asarray(vp))
+    others = np.array([i for i in range(layers) if i != layer])
+    np.testing.assert_array_equal(np.asarray(ks[others]), np.asarray(k_stack[others]))
+    np.testing.assert_array_equal(np.asarray(vs[others]), np.asarray(v_stack[others]))
+    assert not np.array_equal(np.asarray(ks[layer]), np.asarray(k_stack[layer]))

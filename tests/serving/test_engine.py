@@ -197,7 +197,7 @@ def test_a_model_whose_layers_disagree_with_its_config_is_refused_by_init_pages(
   """The PagedKV layers are what the pools are allocated into: they are checked too."""
   mc = helpers.tiny_model_config()
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(0))
-  model.layers[1].attn.kv.head_dim = 16  # its cfg still says 8
+  model.kv.head_dim = 16  # its cfg still says 8
   cache = jaxkv.KVCache(helpers.cache_config_for(mc), mesh)
   with pytest.raises(jaxkv.InputError, match="head_dim=16 but CacheConfig has .*head_dim=8"):
     jaxkv.Engine(model, cache)

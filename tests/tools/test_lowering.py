@@ -189,13 +189,16 @@ def test_engine_functions_lower_at_full_depth():
   # One config at its real depth (32 layers), as a check that depth changes nothing.
   cfg = _config(os.path.join(ROOT, "configs", "llama3_8b_h200.py"))
   tgt = lowering.target("cuda")
-  mesh, functions = lowering.engine_functions(cfg, tgt)
+  mesh, functions = lowering.engine_functions(cfg, tgt, impl="pallas_gpu")
   decode = next(f for f in functions if f.name.startswith("decode["))
   exported = lowering.lower(decode.name, decode.fn, decode.args, tgt, mesh)
-  # 32 layers x (K, V) pools in, the same out (donated): the real model's pools.
-  pools = [a for a in exported.in_avals if a.shape[:1] == (cfg.model.num_kv_heads,)
-           and len(a.shape) == 4]
-  assert len(pools) == 2 * cfg.model.num_layers
+  # The layers are scanned: one K and one V stack of all 32 layers' pools in, the same out
+  # (donated), and one layer's attention compiled (the kernel once, not 32 times).
+  pools = [a for a in exported.in_avals
+           if a.shape[:2] == (cfg.model.num_layers, cfg.model.num_kv_heads) and len(a.shape) == 5]
+  assert len(pools) == 2
+  text = exported.mlir_module()
+  assert text.count(KERNEL_CALL["cuda"]) == 1
 
 
 # ---- what a failure says -----------------------------------------------------------------------

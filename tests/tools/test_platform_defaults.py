@@ -63,7 +63,7 @@ def test_auto_loads_a_bf16_checkpoint_in_float32_on_cpu(checkpoint):
   stored = from_pretrained(path)  # the default stays the checkpoint's own dtype
   auto = from_pretrained(path, dtype="auto")
   assert stored.cfg.dtype == "bfloat16" and auto.cfg.dtype == "float32"
-  q = auto.layers[0].attn.q_proj.kernel.get_value()
+  q = auto.layers.attn.q_proj.kernel.get_value()[0]  # layer 0 of the scanned stack
   assert q.dtype == np.float32
   np.testing.assert_array_equal(np.asarray(q),
                                 weights["model.layers.0.self_attn.q_proj.weight"].T)
