@@ -166,13 +166,11 @@ def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
   for layer in layers:
     layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
     layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
-  # The order of the page arrays in the flattened cache state is the order of the rows
-  # the tiers move (gather_stacked; a stack one row per layer): remember where each
-  # layer's K and V (a stack's first layer's) are.
-  order, row = {}, 0
-  for leaf in jax.tree.leaves(nnx.state(model, KVPages)):
-    order[id(leaf)] = row
-    row += pages_lib.pool_layers(leaf)
+  # The flattened cache state's page arrays give a block's rows in the tiers (gather_stacked:
+  # K0, V0, K1, V1, ...; a stack's layers interleaved): remember where each layer's K and V
+  # (a stack's layer 0's) are.
+  leaves = jax.tree.leaves(nnx.state(model, KVPages))
+  order = {id(leaf): row for leaf, row in zip(leaves, pages_lib.first_rows(leaves))}
   for layer in layers:
     layer.k_index = order[id(layer.k_pages.get_value())]
     layer.v_index = order[id(layer.v_pages.get_value())]

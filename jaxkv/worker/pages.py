@@ -152,7 +152,7 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
                                block_valid=block_valid, impl=config.attention_impl, layer=at)
     if extra:
       _, host_pool, slots, first, count = extra
-      offset = 0 if at is None else at  # a stack's K and V rows are consecutive per layer
+      offset = 0 if at is None else 2 * at  # a stack's layers are K, V rows layer by layer
       state = streamed.stream_state(state, qg, host_pool, stream.k_index + offset,
                                     stream.v_index + offset,
                                     slots, first, count, positions, kv_lens,
@@ -220,9 +220,12 @@ def scatter_pages(pages: jax.Array, page_ids: jax.Array, values: jax.Array, *, m
 # Pages travel between tiers as raw bits (uint16/uint32): XLA may compute a bfloat16 gather
 # or scatter in float32 on some backends, which would canonicalise NaN payloads. Moving
 # integers keeps every round trip bit-exact.
-# A stack's rows are the pools' layers in the pools' (leaf) order: a one-layer pool is one
-# row, a stack of layers (a scanned model's K or V) one row per layer. ``ranks`` (each pool's
-# ndim) is what the jitted functions are specialised on.
+# A block's rows are its layers' K and V, layer by layer (K0, V0, K1, V1, ...), whatever
+# form the model keeps its pools in: one-layer pools (a model that loops over its layers)
+# are one row each, in leaf order (each layer's K then V); a stack of layers (a scanned
+# model's K stack and V stack, adjacent leaves) gives its layers' rows interleaved. So a
+# record's bytes mean the same for both forms. ``ranks`` (each pool's ndim) is what the
+# jitted functions are specialised on.
 def bits_dtype(dtype):
   return {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 
@@ -245,17 +248,50 @@ def _rank_specs(config: CacheConfig, ranks) -> tuple:
   return tuple(pool_spec(config) if r == 4 else layer_stack_spec(config) for r in ranks)
 
 
-def _as_rows(pages):  # [H, n, S, D] -> [1, H, n, S, D]; a stack's [L, H, n, S, D] as is
-  return pages[None] if pages.ndim == 4 else pages
+def row_groups(ranks) -> list[tuple[int, ...]]:
+  """The pools (by position) that give a block's rows together: a one-layer pool alone, a
+  stack of layers with the next pool (its K stack, then its V stack)."""
+  groups, i = [], 0
+  while i < len(ranks):
+    if ranks[i] == 4:
+      groups.append((i,))
+      i += 1
+    elif ranks[i] == 5 and i + 1 < len(ranks) and ranks[i + 1] == 5:
+      groups.append((i, i + 1))
+      i += 2
+    else:
+      raise InputError(f"pools of ranks {tuple(ranks)}: a stack of layers' pools ([layers, "
+                       "kv_heads, pages, page_size, head_dim]) comes as a K stack followed by its "
+                       "V stack (one PagedKV(num_layers=L)); one layer's pools are 4-d.")
+  return groups
+
+
+def first_rows(pools) -> list[int]:
+  """Each pool's first row in a block (see above): a one-layer pool's own row; a K stack's
+  layer-0 K row and its V stack's layer-0 V row (layer ``l``'s are ``2 * l`` further on)."""
+  rows, row = [0] * len(pools), 0
+  for group in row_groups(pool_ranks(pools)):
+    for j, i in enumerate(group):
+      rows[i] = row + j
+    row += 1 if len(group) == 1 else 2 * pools[group[0]].shape[0]
+  return rows
 
 
 @functools.lru_cache(maxsize=None)
 def gather_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   """The jitted function behind ``gather_stacked`` for pools of these ranks."""
-  ids = P(config.data_axis, None)
+  ids, groups = P(config.data_axis, None), row_groups(ranks)
 
   def local(pools, page_ids):
-    return jnp.concatenate([_as_rows(to_bits(p)[..., page_ids[0], :, :]) for p in pools])
+    rows = []
+    for group in groups:
+      got = [to_bits(pools[i])[..., page_ids[0], :, :] for i in group]
+      if len(group) == 1:
+        rows.append(got[0][None])
+      else:  # [L, 2, H, n, S, D] -> rows K0, V0, K1, V1, ...
+        pair = jnp.stack(got, axis=1)
+        rows.append(pair.reshape(-1, *pair.shape[2:]))
+    return jnp.concatenate(rows)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(_rank_specs(config, ranks), ids),
                                out_specs=stacked_spec(config)))
@@ -264,16 +300,24 @@ def gather_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
 @functools.lru_cache(maxsize=None)
 def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   """The jitted function behind ``scatter_stacked`` (pools donated)."""
-  ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
+  ids, specs, groups = P(config.data_axis, None), _rank_specs(config, ranks), row_groups(ranks)
+
+  def put(p, rows, page_ids):
+    return jax.lax.bitcast_convert_type(
+        to_bits(p).at[..., page_ids[0], :, :].set(rows, mode="drop"), p.dtype)
 
   def local(pools, page_ids, values):
-    out, row = [], 0
-    for p in pools:
-      n = pool_layers(p)
-      rows = values[row] if p.ndim == 4 else values[row:row + n]
-      out.append(jax.lax.bitcast_convert_type(
-          to_bits(p).at[..., page_ids[0], :, :].set(rows, mode="drop"), p.dtype))
-      row += n
+    out, row = list(pools), 0
+    for group in groups:
+      if len(group) == 1:
+        out[group[0]] = put(pools[group[0]], values[row], page_ids)
+        row += 1
+      else:
+        n = pools[group[0]].shape[0]
+        pair = values[row:row + 2 * n].reshape(n, 2, *values.shape[1:])
+        for j, i in enumerate(group):
+          out[i] = put(pools[i], pair[:, j], page_ids)
+        row += 2 * n
     return tuple(out)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, stacked_spec(config)),

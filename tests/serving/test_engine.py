@@ -224,7 +224,7 @@ def test_pages_and_weights_live_in_device_memory(mesh):
   for leaf in engine.cache.pools + jax.tree.leaves(engine.runner.weights):
     assert leaf.sharding.memory_kind == "device"
   for leaf in engine.cache.pools:
-    assert leaf.sharding.spec == jaxkv.worker.pages.pool_spec(engine.cache.config)
+    assert leaf.sharding.spec == jaxkv.worker.pages.layer_stack_spec(engine.cache.config)
 
 
 def test_pinned_prefix_stays_on_every_shard_under_pressure(mesh):
@@ -269,7 +269,8 @@ def test_a_prefix_on_a_busy_shard_is_copied_across_shards_not_recomputed(mesh):
     assert all(engine.cache.index.refcount(sh, p) == 0 for p in range(64))
   # The copy is a collective (that is the point); page writes and attention stay local.
   import jax
-  text = jaxkv.worker.pages._copy_fn(mesh, engine.cache.config, 4).lower(
+  text = jaxkv.worker.pages._copy_fn(
+      mesh, engine.cache.config, jaxkv.worker.pages.pool_ranks(engine.cache.pools)).lower(
       tuple(engine.cache.pools), jax.numpy.zeros(4, jax.numpy.int32),
       jax.numpy.zeros(4, jax.numpy.int32)).compile().as_text()
   assert any(op in text for op in jaxkv.worker.pages.COLLECTIVE_OPS)

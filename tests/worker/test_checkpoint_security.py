@@ -130,7 +130,8 @@ def _live_kv_pieces(engine) -> set[bytes]:
            if cache.index.key_of(s, p) is not None]
   assert pages  # the engine cached its prompts' blocks
   for pool in cache.pools:
-    host = np.asarray(jax.device_get(pool))  # [kv_heads, pages, page_size, head_dim]
+    # [kv_heads, pages, page_size, head_dim], or a stack of layers' [layers, kv_heads, ...]
+    host = np.asarray(jax.device_get(pool)).reshape(-1, *pool.shape[-3:])
     for page in pages:
       for head in range(host.shape[0]):
         row = np.ascontiguousarray(host[head, page]).tobytes()

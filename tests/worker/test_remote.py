@@ -315,7 +315,10 @@ import jax, jaxkv, helpers
 peer, out, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=1), tiers=jaxkv.TierConfig(
     remote_peers=(peer,), read_deadline_s=30.0))
-tokens = engine.generate(prompts, 5)
+# The first and third together; the second after them, so that the first's pulled blocks
+# are on device when it is admitted (admitted in the same step, it would pull them too).
+first = engine.generate([prompts[0], prompts[2]], 5)
+tokens = [first[0], engine.generate([prompts[1]], 5)[0], first[1]]
 s = engine.stats()
 with open(f"{out}.p{jax.process_index()}.json", "w") as f:
   json.dump({"tokens": tokens, "hits": s["hits"], "fetched": s["blocks_fetched"],
@@ -346,10 +349,11 @@ def test_a_two_process_job_asks_the_peer_once_and_pulls_its_blocks_onto_every_pr
   p0, p1 = (json.loads((tmp_path / f"job.p{i}.json").read_text()) for i in (0, 1))
   assert p0["tokens"] == p1["tokens"] == want
   assert p0["index"] == p1["index"] and p0["hits"] == p1["hits"]
-  # The first prompt pulls the peer's 10 blocks; the second finds its 5 among them, on the
-  # device of the shard they were pulled to; the third has none anywhere.
+  # The first prompt pulls the peer's 10 blocks; the second, admitted after it, finds its 5
+  # among them, on the device of the shard they were pulled to; the third has none anywhere.
   assert p0["hits"]["remote"] == 10 and p0["hits"]["device"] == 5
   assert p0["fetched"] == p1["fetched"] == 10
-  # Process 0 asked about the three prompts; process 1 asked nothing.
-  assert p0["lookups"] == 3 and p1["lookups"] == 0
+  # Process 0 asked about the first and third prompts (the second's prefix was on device,
+  # nothing longer to ask for); process 1 asked nothing.
+  assert p0["lookups"] == 2 and p1["lookups"] == 0
   assert not p0["pending"] and not p1["pending"]
