@@ -38,9 +38,10 @@ RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint 
 REQUIRE_RESTORE = flags.DEFINE_bool("require_restore", False, "With --restore: refuse to "
                                     "start (before compiling) when there is no checkpoint.")
 MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2) instead of "
-    "the config's random weights: its shapes replace the config's model section; text "
-    "prompts need its tokenizer.json.")
+    "model_dir", None, "Serve this Hugging Face checkpoint (Llama, Mistral, Qwen2), or a "
+    ".gguf file of a Llama-family model, instead of the config's random weights: its shapes "
+    "replace the config's model section; text prompts need its tokenizer (tokenizer.json, "
+    "or the GGUF file's own).")
 SPECIAL_TOKENS_IN_CONTENT = flags.DEFINE_enum(
     "special_tokens_in_content", "parse", ["parse", "split"], "Chat: special-token text "
     "inside a message (e.g. '<|im_end|>') becomes those tokens ('parse', as vLLM and "
@@ -95,7 +96,9 @@ def use_model_dir(cfg):
   for line in builder.platform_defaults(cfg, platform=jax.default_backend(),
                                         explicit=explicit, processes=jax.process_count()):
     logging.info("%s: %s", os.path.basename(os.path.normpath(model_dir)), line)
-  if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+  from jaxkv.models import gguf
+  if (not os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+      and gguf.find(model_dir) is None):
     return None
   from jaxkv.entrypoints.openai.tokenizer import Tokenizer
   return Tokenizer.from_dir(model_dir,

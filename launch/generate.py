@@ -25,8 +25,10 @@ from absl import app, flags, logging
 import _common
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory "
-                                 "(config.json, *.safetensors, tokenizer.json).")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs tokenizer.json).")
+                                 "(config.json, *.safetensors, tokenizer.json), or a .gguf "
+                                 "file.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer: tokenizer.json "
+                              "or the GGUF file's).")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "Prompt token ids, comma-separated.")
 _CHAT = flags.DEFINE_bool("chat", False, "Send --prompt as a user message through the "
                           "checkpoint's chat template.")

@@ -2,6 +2,9 @@
 
     model = jaxkv.models.from_pretrained("/models/Meta-Llama-3-8B-Instruct", mesh=mesh)
 
+A GGUF file (or a directory holding one, without config.json) loads the same way:
+``jaxkv.models.gguf`` presents it as such a checkpoint, its tensors dequantized as read.
+
 Reads ``config.json`` and the weights (``model.safetensors``, or the shards that
 ``model.safetensors.index.json`` lists). Architectures: ``LlamaForCausalLM`` (Llama 2, 3,
 3.1, 3.2: ``rope_scaling`` of type ``llama3``, ``head_dim``, tied or untied embeddings,
@@ -59,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.errors import InputError, InvariantError
+from jaxkv.models import gguf
 from jaxkv.models.llama import LinearRopeScaling, Llama, LlamaConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -86,11 +90,16 @@ def _load_json(file: str, what: str):
 
 
 def read_config(path: str) -> dict:
-  """``config.json`` of the checkpoint directory ``path``, as a dict."""
+  """``config.json`` of the checkpoint directory ``path``, as a dict; of a GGUF checkpoint
+  (``jaxkv.models.gguf``), the one its metadata describes."""
+  gguf_file = gguf.find(path)
+  if gguf_file is not None:
+    return gguf.checkpoint(gguf_file).config
   file = os.path.join(path, "config.json")
   if not os.path.isdir(path):
     raise CheckpointError(f"model directory {path!r} does not exist; pass a Hugging Face "
-                          "checkpoint directory (config.json + *.safetensors).")
+                          "checkpoint directory (config.json + *.safetensors) or a .gguf "
+                          "file.")
   if not os.path.exists(file):
     raise CheckpointError(f"{file} is missing; {path!r} is not a Hugging Face checkpoint "
                           "directory.")
@@ -572,12 +581,17 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   first device).
   Weights are read slice by slice (see the module docstring)."""
   hf = read_config(path)
+  gguf_file = gguf.find(path)
   if dtype == "auto":
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     dtype, _ = platform_dtype(checkpoint_dtype(hf), device.platform)
   cfg = llama_config(hf, dtype=dtype)
-  handles: dict[str, SafetensorsFile] = {}
-  files = _weight_files(path, handles)
+  handles: dict = {}  # file -> SafetensorsFile, or the GGUFCheckpoint
+  if gguf_file is not None:
+    handles[gguf_file] = gguf.checkpoint(gguf_file)
+    files = {name: gguf_file for name in handles[gguf_file].keys()}
+  else:
+    files = _weight_files(path, handles)
   if mesh is not None and model_axis not in mesh.shape:
     raise CheckpointError(f"mesh axes {tuple(mesh.shape)} have no model_axis={model_axis!r}; "
                           "pass the axis the cache splits KV heads over.")

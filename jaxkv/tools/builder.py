@@ -45,7 +45,8 @@ def use_model_dir(cfg, model_dir: str) -> None:
   hf = models.llama_config(models.hf.read_config(model_dir), dtype=cfg.model.dtype)
   with cfg.unlocked():
     cfg.model.model_dir = model_dir
-    cfg.model.name = os.path.basename(os.path.normpath(model_dir))
+    name = os.path.basename(os.path.normpath(model_dir))
+    cfg.model.name = name[:-len(".gguf")] if name.endswith(".gguf") else name
     for field in _SHAPE_FIELDS:
       setattr(cfg.model, field, getattr(hf, field))
     if hf.sliding_window:

