@@ -9,6 +9,18 @@ import json
 import os
 import sys
 
+from absl import flags
+
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None, "Keep compiled steps here, so that a restart of the same "
+    "model, shapes, flags and JAX version compiles nothing (JAX's persistent compilation "
+    "cache: an entry's key is the program, the devices, the XLA flags and the versions). "
+    "Default: $JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/jaxkv/jit; '' turns it "
+    "off. The directory is trimmed to --compilation_cache_max_mb, oldest use first.")
+COMPILATION_CACHE_MAX_MB = flags.DEFINE_integer(
+    "compilation_cache_max_mb", 2048, "Most megabytes --compilation_cache_dir may hold.",
+    lower_bound=1)
+
 
 def refuse(message: str) -> None:
   """Bad input: one line on stderr naming the value and the fix, exit status 2."""
@@ -51,8 +63,29 @@ def start_jax(cfg) -> None:
       os.environ["XLA_FLAGS"] = (
           f"{xla_flags} --xla_force_host_platform_device_count={count}".strip())
   import jax  # noqa: F401  (imported here, after the environment is set)
+  use_compilation_cache()
   if not os.environ.get("JAXKV_COORDINATOR"):  # a job's processes check after joining it
     check_platform(cfg)
+
+
+def use_compilation_cache() -> str | None:
+  """Points JAX's persistent compilation cache at --compilation_cache_dir (see the flag);
+  returns the directory, or None when it is off. Every compile is kept, however short: a
+  warm restart is the point."""
+  import jax
+  directory = COMPILATION_CACHE_DIR.value
+  if directory is None:
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+      return os.environ["JAX_COMPILATION_CACHE_DIR"]  # JAX reads it itself
+    directory = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jit")
+  if not directory:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_MB.value << 20)
+  return directory
 
 
 def check_platform(cfg) -> None:

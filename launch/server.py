@@ -66,6 +66,11 @@ _WAITING_PER_TENANT = flags.DEFINE_integer(
     "max_waiting_per_tenant", -1, "Requests one tenant may have waiting beyond its "
     "--max_running_per_tenant (then 429 for that tenant). -1: half of --max_waiting.",
     lower_bound=-1)
+_WARMUP = flags.DEFINE_enum(
+    "warmup", "background", ["background", "all"], "background: /health is 200 once the "
+    "smallest step bucket is compiled; the others compile while the engine is idle (a "
+    "request that needs one first compiles it), and /health's 'warm' turns true when all "
+    "are. all: every bucket before /health is 200. A multi-process job compiles all first.")
 _METRICS_TENANTS = flags.DEFINE_list(
     "metrics_tenants", [], "With --api_keys_file: the tenants whose keys may read /metrics "
     "(its counters are every tenant's). Others get 403.")
@@ -194,7 +199,8 @@ def main(argv):
   service = EngineService(engine, max_waiting=_MAX_WAITING.value,
                           between_steps=block_server.poll if block_server else None,
                           max_running_per_tenant=running_share,
-                          max_waiting_per_tenant=waiting_share)
+                          max_waiting_per_tenant=waiting_share,
+                          idle_work=None if multi else engine.runner.warm_next)
   checkpointer = None
   if _flags.CHECKPOINT_DIR.value:
     from jaxkv.worker.checkpoint import Checkpointer
@@ -202,7 +208,7 @@ def main(argv):
 
   def warm_up():  # every process, in the same order (calibration agrees across them)
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(shapes=1 if _WARMUP.value == "background" and not multi else None)
     if multi and engine.costs is not None:
       from jaxkv.planning.costs import agree_costs
       engine.costs = agree_costs(engine.costs)

@@ -28,7 +28,10 @@ A path is a GGUF checkpoint when it is a ``.gguf`` file, or a directory without
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -82,8 +85,8 @@ def find(path: str) -> str | None:
 
 
 def checkpoint(file: str) -> GGUFCheckpoint:
-  """``GGUFCheckpoint(file)``, opened once while the file is unchanged (reading a file's
-  metadata takes seconds: its vocabulary is tens of thousands of strings)."""
+  """``GGUFCheckpoint(file)``, opened once while the file is unchanged (the config, the
+  tokenizer and the weights all read it)."""
   st = os.stat(file)
   return _checkpoint(os.path.realpath(file), st.st_mtime_ns, st.st_size)
 
@@ -94,26 +97,106 @@ def _checkpoint(file: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
   return GGUFCheckpoint(file)
 
 
-def open_reader(file: str):
-  """The ``gguf.GGUFReader`` of ``file`` (memory-mapped: nothing is read until used)."""
-  gguf = _gguf()
-  try:
-    return gguf.GGUFReader(file, "r")
-  except (ValueError, OSError, IndexError, KeyError) as e:
-    raise GGUFError(f"{file} is not a GGUF file jaxkv can read ({type(e).__name__}: {e}); "
-                    "download or convert it again.") from None
+# ---- the file: a header of metadata and tensor descriptions, then aligned tensor data -----
+# Every count and length is checked against the bytes that are left before it is used, so
+# a corrupt or hostile file is refused in one line and never makes the reader allocate
+# more than the file holds.
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+_STRUCT = {"<u1": "<B", "<i1": "<b", "<u2": "<H", "<i2": "<h", "<u4": "<I", "<i4": "<i",
+           "<f4": "<f", "<u8": "<Q", "<i8": "<q", "<f8": "<d"}
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+MAX_DIMS = 4
 
 
-def field(reader, key: str, default=None):
-  """The value of metadata ``key`` (strings decoded, arrays as lists), or ``default``."""
-  f = reader.fields.get(key)
-  if f is None:
-    return default
-  try:
-    return f.contents()
-  except (ValueError, IndexError, UnicodeDecodeError) as e:
-    raise GGUFError(f"metadata {key!r} of {reader.path} cannot be read ({e}); download or "
-                    "convert the file again.") from None
+class _Header:
+  """The metadata (``fields``: key -> value; strings decoded, arrays as lists) and the
+  tensors (``tensors``: name -> (type name, shape as GGML lists it, byte offset)) of a GGUF
+  file, read with bounds checks; ``data_start``: where tensor offsets count from."""
+
+  def __init__(self, file: str):
+    self.file = file
+    self._pos = 0
+    try:
+      with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        self._buf = memoryview(mm)
+        try:
+          self._parse()
+        finally:
+          self._buf.release()
+    except (ValueError, IndexError, UnicodeDecodeError, OverflowError) as e:
+      raise GGUFError(f"{file} is not a GGUF file jaxkv can read ({e} at byte {self._pos}); "
+                      "download or convert it again.") from None
+
+  def _parse(self) -> None:
+    if bytes(self._take(4)) != b"GGUF":
+      raise ValueError("no GGUF magic")
+    version = self._int("<u4")
+    if version not in (2, 3):
+      raise ValueError(f"GGUF version {version} (jaxkv reads 2 and 3)")
+    num_tensors, num_fields = self._int("<u8"), self._int("<u8")
+    self._bound(num_tensors, 24, "tensor count")
+    self._bound(num_fields, 13, "metadata count")
+    self.fields = {}
+    for _ in range(num_fields):
+      key = self._str()
+      self.fields[key] = self._value(self._int("<u4"))
+    self.tensors = {}
+    for _ in range(num_tensors):
+      name = self._str()
+      dims = self._int("<u4")
+      if not 1 <= dims <= MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {dims} dimensions")
+      shape = tuple(self._int("<u8") for _ in range(dims))
+      kind, offset = self._int("<u4"), self._int("<u8")
+      self.tensors[name] = (kind, shape, offset)
+    align = self.fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+      raise ValueError(f"general.alignment={align!r} is not a power of two")
+    self.data_start = -(-self._pos // align) * align
+
+  def _take(self, n: int) -> memoryview:
+    if n > len(self._buf) - self._pos:
+      raise ValueError(f"{n} bytes asked for, {len(self._buf) - self._pos} left")
+    out = self._buf[self._pos:self._pos + n]
+    self._pos += n
+    return out
+
+  def _int(self, fmt: str) -> int:
+    code = _STRUCT[fmt]
+    return struct.unpack(code, self._take(struct.calcsize(code)))[0]
+
+  def _bound(self, count: int, item_bytes: int, what: str) -> None:
+    if count * item_bytes > len(self._buf) - self._pos:
+      raise ValueError(f"{what} {count} is more than the file holds")
+
+  def _str(self) -> str:
+    n = self._int("<u8")
+    return bytes(self._take(n)).decode("utf-8")
+
+  def _value(self, kind: int):
+    if kind == _STRING:
+      return self._str()
+    if kind in _SCALARS:
+      value = self._int(_SCALARS[kind])
+      return bool(value) if kind == _BOOL else value
+    if kind == _ARRAY:
+      item, count = self._int("<u4"), self._int("<u8")
+      if item == _STRING:
+        self._bound(count, 8, "array length")
+        return [self._str() for _ in range(count)]
+      if item not in _SCALARS:
+        raise ValueError(f"an array of value type {item}")
+      dt = np.dtype(_SCALARS[item])
+      self._bound(count, dt.itemsize, "array length")
+      values = np.frombuffer(bytes(self._take(count * dt.itemsize)), dt)
+      return values.astype(bool).tolist() if item == _BOOL else values.tolist()
+    raise ValueError(f"metadata value type {kind}")
+
+
+def field(header: _Header, key: str, default=None):
+  """The value of metadata ``key``, or ``default``."""
+  return header.fields.get(key, default)
 
 
 class GGUFCheckpoint:
@@ -124,23 +207,37 @@ class GGUFCheckpoint:
 
   def __init__(self, file: str):
     self.file = file
-    self.reader = open_reader(file)
-    arch = field(self.reader, "general.architecture")
+    self.meta = _Header(file)
+    arch = field(self.meta, "general.architecture")
     if arch not in ARCHITECTURES:
       raise GGUFError(f"{file} holds a model of architecture {arch!r}; jaxkv loads GGUF "
                       f"architectures {', '.join(ARCHITECTURES)}.")
-    self._tensors = {}
-    for t in self.reader.tensors:
-      name = self._hf_name(t.name)
+    gguf = _gguf()
+    size = os.path.getsize(file)
+    self._tensors = {}  # HF name -> (GGML type, numpy shape, first byte, bytes)
+    for gguf_name, (kind, dims, offset) in self.meta.tensors.items():
+      name = self._hf_name(gguf_name)
       if name is None:
-        raise GGUFError(f"tensor {t.name!r} of {file} is not part of a Llama model jaxkv "
+        raise GGUFError(f"tensor {gguf_name!r} of {file} is not part of a Llama model jaxkv "
                         "knows (rope_freqs.weight: Llama 3.1's RoPE scaling is not read from "
                         "GGUF); it computes something else.")
-      if t.tensor_type.name not in SUPPORTED_TYPES:
-        raise GGUFError(f"tensor {t.name!r} of {file} is stored as {t.tensor_type.name}; jaxkv "
+      try:
+        qtype = gguf.GGMLQuantizationType(kind)
+      except ValueError:
+        qtype = None
+      type_name = qtype.name if qtype is not None else f"type {kind}"
+      if type_name not in SUPPORTED_TYPES:
+        raise GGUFError(f"tensor {gguf_name!r} of {file} is stored as {type_name}; jaxkv "
                         f"dequantizes {', '.join(SUPPORTED_TYPES)}: convert the model to one "
                         "of them (llama.cpp's llama-quantize).")
-      self._tensors[name] = t
+      block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+      nbytes = math.prod(dims) // block * block_bytes  # Python ints: never wraps
+      start = self.meta.data_start + offset
+      if dims[0] % block or start + nbytes > size:
+        raise GGUFError(f"tensor {gguf_name!r} of {file} ({type_name}, shape {list(dims)}) "
+                        f"does not fit the file: truncated or corrupt; download it again.")
+      self._tensors[name] = (qtype, tuple(reversed(dims)), start, nbytes)
+    self._data = np.memmap(file, np.uint8, "r") if size else None
     self.config = self._config()
     self.header = {name: {"shape": list(self.shape(name))} for name in self._tensors}
 
@@ -154,7 +251,7 @@ class GGUFCheckpoint:
     return None
 
   def _meta(self, key: str, kind, default=None):
-    value = field(self.reader, f"llama.{key}", default)
+    value = field(self.meta, f"llama.{key}", default)
     if value is None:
       raise GGUFError(f"{self.file} has no metadata 'llama.{key}'; a Llama GGUF file names "
                       "it: convert the model again.")
@@ -169,7 +266,7 @@ class GGUFCheckpoint:
     it as it checks a Hugging Face one)."""
     heads = self._meta("attention.head_count", int)
     hidden = self._meta("embedding_length", int)
-    tokens = field(self.reader, "tokenizer.ggml.tokens")
+    tokens = field(self.meta, "tokenizer.ggml.tokens")
     vocab = self._meta("vocab_size", int, len(tokens) if tokens is not None else None)
     head_dim = self._meta("attention.key_length", int, self._meta(
         "rope.dimension_count", int, hidden // heads if heads else None))
@@ -193,7 +290,7 @@ class GGUFCheckpoint:
         "tie_word_embeddings": "lm_head.weight" not in self._tensors,
         "torch_dtype": self._stored_dtype(),
     }
-    scaling = field(self.reader, "llama.rope.scaling.type", "none")
+    scaling = field(self.meta, "llama.rope.scaling.type", "none")
     if scaling == "linear":
       config["rope_scaling"] = {"rope_type": "linear",
                                 "factor": float(self._meta("rope.scaling.factor", float))}
@@ -203,7 +300,7 @@ class GGUFCheckpoint:
     return config
 
   def _stored_dtype(self) -> str:
-    kinds = {t.tensor_type.name for name, t in self._tensors.items() if len(t.shape) > 1}
+    kinds = {t[0].name for t in self._tensors.values() if len(t[1]) > 1}
     return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(
         frozenset(kinds), "float32")
 
@@ -211,18 +308,20 @@ class GGUFCheckpoint:
     return self._tensors.keys()
 
   def shape(self, name: str) -> tuple:
-    return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGML lists dims inner first
+    return self._tensors[name][1]  # numpy order: GGML lists the innermost dimension first
 
   def view(self, name: str) -> np.ndarray:
-    t = self._tensors[name]
-    kind = t.tensor_type.name
-    if kind in ("F32", "F16"):
-      data = np.asarray(t.data)
-    elif kind == "BF16":
-      data = np.asarray(t.data).view(ml_dtypes.bfloat16)
-    else:
-      data = _gguf().quants.dequantize(t.data, t.tensor_type)
-    data = data.reshape(self.shape(name))
+    qtype, shape, start, nbytes = self._tensors[name]
+    raw = self._data[start:start + nbytes]
+    if qtype.name == "F32":
+      data = raw.view(np.float32)
+    elif qtype.name == "F16":
+      data = raw.view(np.float16)
+    elif qtype.name == "BF16":
+      data = raw.view(ml_dtypes.bfloat16)
+    else:  # whole blocks per row (checked at open): [rows, bytes per row] -> float32
+      data = _gguf().quants.dequantize(raw.reshape(-1, nbytes // math.prod(shape[:-1])), qtype)
+    data = data.reshape(shape)
     c = self.config
     if name.endswith("self_attn.q_proj.weight"):
       data = unpermute_rows(data, c["num_attention_heads"])
@@ -266,7 +365,7 @@ def tokenizer_parts(file: str) -> dict:
   ``eos_token_ids`` and ``chat_template`` (or None)."""
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
   from tokenizers import processors
-  reader = checkpoint(file).reader
+  reader = checkpoint(file).meta
   kind = field(reader, "tokenizer.ggml.model")
   tokens = field(reader, "tokenizer.ggml.tokens")
   if kind != "gpt2" or tokens is None:
@@ -278,6 +377,11 @@ def tokenizer_parts(file: str) -> dict:
                     f"{', '.join(_PRE_SPLITS)}; pass token ids instead.")
   merges = field(reader, "tokenizer.ggml.merges", [])
   types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+  for key, value, kind in (("tokens", tokens, str), ("merges", merges, str),
+                           ("token_type", types, int)):
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+      raise GGUFError(f"tokenizer.ggml.{key} of {file} is not a list of {kind.__name__}s; "
+                      "convert the model again.")
   if len(types) != len(tokens):
     raise GGUFError(f"{file} has {len(tokens)} tokens but {len(types)} token types.")
   vocab = {t: i for i, t in enumerate(tokens)}

@@ -252,8 +252,8 @@ class Engine:
     """Whether submitted requests are waiting or running."""
     return self.loop.has_work()
 
-  def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None
-             ) -> int:
+  def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None,
+             *, shapes: int | None = None) -> int:
     """Compiles the prefill and decode steps for every shape bucket a workload can use.
 
     ``max_seq_len`` bounds prompt + generated tokens (default: the config's maximum);
@@ -261,14 +261,14 @@ class Engine:
     ``max_seqs_per_shard``). With lower tiers, also compiles their page transfers; when
     blocks may come from a lower tier or another shard, measures the costs (``cost``
     policy) and compiles the plan. Runs all-padding steps, which change no page. Returns
-    the number of (prefill, decode) bucket pairs compiled.
-    """
+    the (prefill, decode) bucket pairs compiled. ``shapes``: that many now, the smallest
+    first; ``runner.warm_next`` compiles the rest (a step needing one first compiles it)."""
     c = self.cache.config
     max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
     if rows_per_shard is None:
       rows_per_shard = buckets.row_buckets(self.config.max_seqs_per_shard)
     rows = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
-    widths = self.runner.warmup(max_seq_len, rows)
+    widths = self.runner.warmup(max_seq_len, rows, shapes)
     self.cache.update_pools(lambda pools: (self.cache.mover.warmup(pools,
                                                                    rows[-1] * max(widths)),))
     cache = self.cache
@@ -279,7 +279,7 @@ class Engine:
         self._calibrate()
       self.planner.warm(widths, rows[-1] * cache.num_shards)
     jax.block_until_ready(self.cache.pools)
-    return len(rows) * len(widths)
+    return self.runner.warm_total - len(self.runner.warm_later)
 
   # ---- the cache -------------------------------------------------------------------------------
   def pin(self, tokens: Sequence[int], tenant: str = "default") -> int:

@@ -131,7 +131,8 @@ class EngineService:
 
   def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0,
                between_steps: Callable[[float], object] | None = None,
-               max_running_per_tenant: int = 0, max_waiting_per_tenant: int | None = None):
+               max_running_per_tenant: int = 0, max_waiting_per_tenant: int | None = None,
+               idle_work: Callable[[], bool] | None = None):
     for name, value in (("max_waiting", max_waiting),
                         ("max_running_per_tenant", max_running_per_tenant),
                         ("max_waiting_per_tenant", max_waiting_per_tenant or 0)):
@@ -149,6 +150,9 @@ class EngineService:
     # Work that must run on the engine's thread between steps (a ``BlockServer``'s
     # ``poll``): called with how long it may wait, after every step and while idle.
     self.between_steps = between_steps
+    # Work for the engine's thread while no request runs or waits, a piece per call (the
+    # engine's step buckets left to compile): returns whether any is left. One process only.
+    self.idle_work = idle_work
     self.lockstep = jax.process_count() > 1  # commands broadcast from process 0
     self._inbox: collections.deque = collections.deque()
     self._wake = threading.Condition()
@@ -290,6 +294,13 @@ class EngineService:
     """The inbox's commands; waits for one while the engine has nothing to run, at most
     ``idle_wait_s`` (with many processes an idle loop still broadcasts that often, so the
     others' wait in the broadcast is bounded too)."""
+    if self.idle_work is not None and not self._inbox and not self.engine.has_unfinished():
+      if not self.idle_work():
+        self.idle_work = None
+      with self._wake:  # no wait: what arrived meanwhile, or on to the next piece
+        commands = list(self._inbox)
+        self._inbox.clear()
+      return commands
     deadline = time.monotonic() + self.idle_wait_s
     while self.between_steps is not None and not self._inbox and not (
         self.engine.has_unfinished()) and time.monotonic() < deadline:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -139,6 +140,8 @@ class ModelRunner:
     self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
+    self.warm_later: collections.deque = collections.deque()  # buckets warmup left to do
+    self.warm_total = 0  # buckets the last warmup named
     # Device state between steps: the decoding rows as the last decode step left them
     # (request ids, row of each, table, next batch, tokens out), reused while the set is
     # unchanged; a decode step dispatched a step early; fetch groups issued, not settled.
@@ -357,24 +360,41 @@ class ModelRunner:
       self.cache.reset_pools()
 
   # ---- compiling ahead -----------------------------------------------------------------------
-  def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int]) -> list[int]:
+  def warmup(self, max_seq_len: int, rows_per_shard: Sequence[int],
+             shapes: int | None = None) -> list[int]:
     """Compiles the prefill (every step width) and decode steps for every (rows, table
-    width) bucket with all-padding steps (they change no page). Returns the table widths
-    compiled."""
+    width) bucket, smallest first, with all-padding steps (they change no page); with
+    ``shapes``, only that many now, the others left to ``warm_next``. Returns the table
+    widths of every bucket."""
     widths = buckets.table_widths(max_seq_len, self.config)
     row_buckets = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
-    progress = Progress("compiling prefill and decode steps", len(row_buckets) * len(widths))
-    for rows in row_buckets:
-      num_rows = rows * self.cache.num_shards
-      for width in widths:
-        table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
-        carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
-        for step_width in self.prefill_widths:
-          carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
-                                  carry, count=False)
-        self.decode(self.decode_batch([], num_rows), table, carry, count=False)
-        progress.advance(detail=f"{rows} rows per shard, table width {width}")
+    pairs = [(rows, width) for rows in row_buckets for width in widths]
+    now = pairs if shapes is None else pairs[:max(1, shapes)]
+    self.warm_later = collections.deque(pairs[len(now):])
+    self.warm_total = len(pairs)
+    progress = Progress("compiling prefill and decode steps", len(now))
+    for rows, width in now:
+      self._warm_shape(rows, width)
+      progress.advance(detail=f"{rows} rows per shard, table width {width}")
     return widths
+
+  def warm_next(self) -> bool:
+    """Compiles the next bucket ``warmup`` left (all-padding steps: safe between any two
+    steps). Returns whether any is left after it."""
+    if self.warm_later:
+      self._warm_shape(*self.warm_later.popleft())
+      if not self.warm_later:
+        logging.info("every step shape is compiled (%d buckets)", self.warm_total)
+    return bool(self.warm_later)
+
+  def _warm_shape(self, rows: int, width: int) -> None:
+    num_rows = rows * self.cache.num_shards
+    table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+    carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
+    for step_width in self.prefill_widths:
+      carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
+                              carry, count=False)
+    self.decode(self.decode_batch([], num_rows), table, carry, count=False)
 
   def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
     """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""

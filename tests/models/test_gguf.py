@@ -6,6 +6,7 @@ installs)."""
 
 import os
 import shutil
+import struct
 
 import jax
 import numpy as np
@@ -107,6 +108,10 @@ def _refusal(tmp_path, case):
   elif case == "not-gguf":
     with open(path, "wb") as f:
       f.write(b"GGUF" + b"\xff" * 64)
+  elif case == "huge-array":  # one metadata array claiming 2**60 items: refused, not allocated
+    with open(path, "wb") as f:
+      f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
+              + struct.pack("<IIQ", 9, 0, 2**60) + b"\0" * 64)
   return path
 
 
@@ -114,8 +119,9 @@ REFUSALS = {"k-quant": "stored as Q4_K; jaxkv dequantizes F32, F16",
             "architecture": "architecture 'qwen2'",
             "rope-freqs": "rope_freqs.weight",
             "missing-layer": "'model.layers.1.input_layernorm.weight' is missing",
-            "truncated": "not a GGUF file jaxkv can read",
-            "not-gguf": "not a GGUF file jaxkv can read"}
+            "truncated": "does not fit the file: truncated or corrupt",
+            "not-gguf": "GGUF version 4294967295 (jaxkv reads 2 and 3)",
+            "huge-array": "array length 1152921504606846976 is more than the file holds"}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))

@@ -3,7 +3,8 @@
   POST /v1/completions        prompt as text (with a tokenizer) or token ids
   POST /v1/chat/completions   messages through the checkpoint's chat template
   GET  /v1/models             the one model served
-  GET  /health                200 once the engine is warm and taking requests, else 503
+  GET  /health                200 once the engine takes requests, else 503; "warm": every
+                              step bucket compiled (launch/server.py --warmup)
   GET  /metrics               jaxkv's Prometheus families + HTTP requests by route and status
 
 Handlers only parse, validate and wait: a request is validated here, its fields by
@@ -147,7 +148,10 @@ class OpenAIServer:
         return ApiError(503, "the engine is warming up.", "service_unavailable").response()
       if not self.service.accepting:
         return ApiError(503, "the server is shutting down.", "service_unavailable").response()
-      return {"status": "ok"}
+      runner = self.service.engine.runner  # step buckets compiled (the rest compile idle)
+      done = runner.warm_total - len(runner.warm_later)
+      return {"status": "ok", "warm": done == runner.warm_total, "compiled_buckets": done,
+              "buckets": runner.warm_total}
 
     @app.get("/v1/models")
     async def models(request: Request):
