@@ -54,6 +54,7 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/worker/test_remote.py": 100, "tests/worker/test_remote_security.py": 100,
          "tests/tools/test_lowering.py": 95, "tests/launch/test_serve.py": 93,
          "tests/worker/test_checkpoint.py": 93, "tests/tools/test_load.py": 90,
+         "tests/models/test_gguf.py": 85,
          "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
          "tests/worker/test_tiers.py": 65}
 

@@ -206,3 +206,44 @@ def test_smollm2_answers_equal_the_reference_and_later_turns_hit_the_cache(smoll
   got = engine.generate([turn2], stop)[0]
   assert engine.stats()["hits"]["device"] > before
   assert got == ref.greedy(turn2, 20, stop=tok.eos_token_ids)[0]
+
+
+def test_smollm2_served_over_http_equals_the_reference_and_warms_in_the_background(
+    smollm2, tmp_path):
+  """launch/server.py --model_dir=<the .gguf>: /health is 200 after the smallest step bucket
+  compiled and says 'warm' once the rest have, compiled while idle; chat answers, streamed
+  and not, are the reference's tokens; a second turn reuses the first's blocks."""
+  import httpx
+  import openai
+  from jaxkv.tools.bench.http import ServerProcess
+  path, ref, tok = smollm2
+  # One device: the config's 4 data shards x 1 row fold into one shard of 4 rows, so the
+  # buckets are 1, 2 and 4 rows at one table width (8 pages of 16 tokens).
+  with ServerProcess([f"--model_dir={path}", "--config.engine.max_seqs_per_shard=1",
+                      "--config.cache.max_pages_per_seq=8"], workdir=str(tmp_path)) as server:
+    server.wait_ready(600)
+    health = httpx.get(server.base + "/health").json()
+    assert health["status"] == "ok" and health["buckets"] == 3
+    assert 1 <= health["compiled_buckets"] <= 3
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    name = c.models.list().data[0].id
+    assert name == "SmolLM2-135M-Instruct.Q4_1"
+    history = []
+    for turn, question in enumerate((QUESTIONS[0], "And of Italy?")):
+      history.append({"role": "user", "content": question})
+      want, _ = ref.greedy(tok.encode_chat(history), 16, stop=tok.eos_token_ids)
+      r = c.chat.completions.create(model=name, messages=history, max_tokens=16,
+                                    temperature=0, extra_body={"return_token_ids": True})
+      assert (r.choices[0].model_extra or {})["token_ids"] == want
+      text = r.choices[0].message.content
+      assert text == tok.decode(want)
+      cached = r.usage.prompt_tokens_details.cached_tokens
+      assert (cached > 0) == (turn == 1)
+      chunks = c.chat.completions.create(model=name, messages=history, max_tokens=16,
+                                         temperature=0, stream=True)
+      assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+      history.append({"role": "assistant", "content": text})
+    assert "Paris" in history[1]["content"] and "Rome" in history[3]["content"]
+    helpers.wait_for(lambda: httpx.get(server.base + "/health").json()["warm"], 300,
+                     "the server's other step buckets to compile while idle", interval_s=0.5)
+    assert "every step shape is compiled (3 buckets)" in server.log_tail()
