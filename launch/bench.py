@@ -17,7 +17,9 @@ storage (the disk tier on an S3 server on loopback against a plain client's gets
 writer processes racing on one store, directory and bucket: blocks lost);
 kernels (each attention implementation on the same decode and prefill steps; Pallas kernels
 off their hardware run in the interpreter and are labelled so);
-http (launch/server.py over HTTP and SSE against the same engine in process, same arrivals).
+http (launch/server.py over HTTP and SSE against the same engine in process, same arrivals);
+smollm2 (a real model from its GGUF file: load, compile per step bucket with the layers
+scanned and looped, server start cold and warm, decode and prefill against transformers).
 """
 
 import time
@@ -27,7 +29,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels", "http")
+          "weights", "storage", "kernels", "http", "smollm2")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -102,6 +104,9 @@ def main(argv):
   elif _SUITE.value == "http":
     from jaxkv.tools.bench import http
     result = http.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  elif _SUITE.value == "smollm2":
+    from jaxkv.tools.bench import smollm2
+    result = smollm2.run(quick=_QUICK.value, reps=_REPS.value)
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -47,6 +47,7 @@ symlinks into a Hugging Face hub cache's ``blobs/`` are how that cache stores fi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -571,21 +572,22 @@ def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: in
 
 
 def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None,
-                    model_axis: str = "model") -> Llama:
+                    model_axis: str = "model", scan_layers: bool = True) -> Llama:
   """A ``Llama`` holding the checkpoint in directory ``path``.
 
   ``dtype``: the weights' and activations' dtype (default: the checkpoint's
   ``torch_dtype``; ``"auto"``: ``platform_dtype``'s choice for the platform of ``mesh``'s
   devices, or of the first device). ``mesh``: where the weights go, split over its
   ``model_axis`` (the ``CacheConfig.model_axis`` of the cache it will serve; default: the
-  first device).
+  first device). ``scan_layers``: the layers' weights stacked and run under a scan (one
+  layer compiled), or False: a Python loop of layer modules (``LlamaConfig.scan_layers``).
   Weights are read slice by slice (see the module docstring)."""
   hf = read_config(path)
   gguf_file = gguf.find(path)
   if dtype == "auto":
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     dtype, _ = platform_dtype(checkpoint_dtype(hf), device.platform)
-  cfg = llama_config(hf, dtype=dtype)
+  cfg = dataclasses.replace(llama_config(hf, dtype=dtype), scan_layers=scan_layers)
   handles: dict = {}  # file -> SafetensorsFile, or the GGUFCheckpoint
   if gguf_file is not None:
     handles[gguf_file] = gguf.checkpoint(gguf_file)
