@@ -414,9 +414,12 @@ def test_generate_text_in_text_out(tmp_path):
   path, cfg, weights, _ = text_checkpoint(tmp_path)
   tok = jaxkv.Tokenizer.from_dir(path)
   out = tmp_path / "g.json"
+  jit = tmp_path / "jit"  # the compilation cache the two runs share
   proc = run("generate.py", f"--model_dir={path}", "--prompt=hello world", "--chat",
-             "--max_new_tokens=7", f"--json_out={out}")
+             "--max_new_tokens=7", f"--json_out={out}", f"--compilation_cache_dir={jit}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  compiled = set(os.listdir(jit))
+  assert compiled
   r = json.loads(out.read_text())
   prompt = tok.encode_chat([{"role": "user", "content": "hello world"}])
   want, _ = hf.reference_greedy(cfg, weights, prompt, 7)
@@ -428,9 +431,11 @@ def test_generate_text_in_text_out(tmp_path):
   # Token ids in, the same answer; no tokenizer needed for the ids.
   ids_out = tmp_path / "ids.json"
   proc = run("generate.py", f"--model_dir={path}", f"--prompt_ids={','.join(map(str, prompt))}",
-             "--max_new_tokens=7", f"--json_out={ids_out}")
+             "--max_new_tokens=7", f"--json_out={ids_out}", f"--compilation_cache_dir={jit}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(ids_out.read_text())["token_ids"] == want
+  # The same shapes again: every step came from the cache, nothing new was compiled.
+  assert set(os.listdir(jit)) == compiled
 
 
 @pytest.mark.parametrize("args,needle", [
