@@ -111,8 +111,8 @@ MAX_DIMS = 4
 
 class _Header:
   """The metadata (``fields``: key -> value; strings decoded, arrays as lists) and the
-  tensors (``tensors``: name -> (type name, shape as GGML lists it, byte offset)) of a GGUF
-  file, read with bounds checks; ``data_start``: where tensor offsets count from."""
+  tensors (``tensors``: name -> (GGML type number, shape as GGML lists it, byte offset)) of
+  a GGUF file, read with bounds checks; ``data_start``: where tensor offsets count from."""
 
   def __init__(self, file: str):
     self.file = file
@@ -233,7 +233,7 @@ class GGUFCheckpoint:
       block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
       nbytes = math.prod(dims) // block * block_bytes  # Python ints: never wraps
       start = self.meta.data_start + offset
-      if dims[0] % block or start + nbytes > size:
+      if 0 in dims or dims[0] % block or start + nbytes > size:
         raise GGUFError(f"tensor {gguf_name!r} of {file} ({type_name}, shape {list(dims)}) "
                         f"does not fit the file: truncated or corrupt; download it again.")
       self._tensors[name] = (qtype, tuple(reversed(dims)), start, nbytes)
