@@ -39,7 +39,8 @@ import numpy as np
 from jaxkv.errors import InputError
 
 # Tensor types read (dequantized to float32 unless stored as a float type).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                   "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ARCHITECTURES = ("llama",)
 # Per layer: GGUF's name -> Hugging Face's (``model.layers.{i}.`` prefixed).
 _LAYER_NAMES = {

@@ -32,7 +32,15 @@ def engine_for(model, mesh):
   return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh), jaxkv.EngineConfig(max_seqs_per_shard=1))
 
 
-@pytest.mark.parametrize("kind", gguf_lib.SUPPORTED_TYPES)
+# What the gguf package quantizes itself; the K-quants come from llama.cpp's quantizer.
+WRITTEN = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# llama.cpp's file types (llama-quantize's presets) and the K-quant type each is named for
+# (a preset mixes in others for some tensors).
+LLAMA_CPP_FTYPES = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K",
+                    "Q6_K": "Q6_K"}
+
+
+@pytest.mark.parametrize("kind", WRITTEN)
 def test_each_tensor_type_loads_as_the_reference_computes_it(kind, mesh, tmp_path):
   """Every type dequantizes, and Q/K rows come back from GGUF's order: jaxkv (rotate-half
   RoPE on reordered rows) and the reference (adjacent-pair RoPE on the file's rows) give
@@ -55,6 +63,33 @@ def test_each_tensor_type_loads_as_the_reference_computes_it(kind, mesh, tmp_pat
   embed = np.asarray(model.embed.embedding.get_value())
   error = np.abs(embed - weights["model.embed_tokens.weight"]).max()
   assert (error == 0) == (kind == "F32")
+
+
+@pytest.mark.parametrize("ftype", sorted(LLAMA_CPP_FTYPES))
+def test_k_quants_written_by_llama_cpp_load_as_the_reference_computes_them(ftype, mesh,
+                                                                           tmp_path):
+  """A float32 file requantized by llama.cpp's own quantizer (its K-quant mixes, as
+  llama-quantize writes them: 256-value super-blocks) loads and computes as the reference
+  does on the same file."""
+  import ctypes
+  import gguf
+  import llama_cpp
+  src, cfg, _ = tiny(tmp_path, hidden_size=256, intermediate_size=512, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2)
+  out = str(tmp_path / f"tiny-{ftype}.gguf")
+  params = llama_cpp.llama_model_quantize_default_params()
+  params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+  params.nthread = 2
+  assert llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params)) == 0
+  kinds = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} - {"F32"}
+  assert LLAMA_CPP_FTYPES[ftype] in kinds
+  assert kinds <= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"}
+  model = jaxkv.models.from_pretrained(out, mesh=mesh)
+  prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg["vocab_size"], 19)]
+  tokens, logits = engine_for(model, mesh).generate([prompt], 4, return_logits=True)
+  want, want_logits = gf.GGUFReference(out).greedy(prompt, 4)
+  assert tokens[0] == want
+  np.testing.assert_allclose(logits[0], want_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_the_rows_of_q_and_k_are_reordered_and_it_matters(mesh, tmp_path):
@@ -93,8 +128,8 @@ def _refusal(tmp_path, case):
   weights = hf.random_weights(cfg, seed=5)
   path = str(tmp_path / f"{case}.gguf")
   if case == "k-quant":  # a type jaxkv does not dequantize, refused by its name
-    gf.write_gguf(path, cfg, weights, raw={"output.weight": ("Q4_K", np.zeros((96, 144),
-                                                                               np.uint8))})
+    gf.write_gguf(path, cfg, weights, raw={"output.weight": ("IQ4_XS", np.zeros((96, 136),
+                                                                                 np.uint8))})
   elif case == "architecture":
     gf.write_gguf(path, cfg, weights, arch="qwen2")
   elif case == "rope-freqs":  # Llama 3.1's scaled RoPE, a tensor of its own in GGUF
@@ -115,7 +150,7 @@ def _refusal(tmp_path, case):
   return path
 
 
-REFUSALS = {"k-quant": "stored as Q4_K; jaxkv dequantizes F32, F16",
+REFUSALS = {"k-quant": "stored as IQ4_XS; jaxkv dequantizes F32, F16",
             "architecture": "architecture 'qwen2'",
             "rope-freqs": "rope_freqs.weight",
             "missing-layer": "'model.layers.1.input_layernorm.weight' is missing",
