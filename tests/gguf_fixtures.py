@@ -140,8 +140,40 @@ def to_gguf_rows(w: np.ndarray, heads: int) -> np.ndarray:
           .reshape(w.shape))
 
 
+def train_bpe(pre: str, specials=("<|begin_of_text|>", "<|eot_id|>")) -> dict:
+  """A small byte-level BPE vocabulary trained on ``hf_fixtures.CORPUS`` with the split
+  llama.cpp names ``pre`` (written here from llama.cpp's published expressions):
+  ``{"tokens", "types", "merges", "bos", "eos"}`` as a GGUF file holds them."""
+  import json
+  from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+  import hf_fixtures
+  llama3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+            r"\s+(?!\S)|\s+")
+  tok = Tokenizer(models.BPE())
+  if pre == "llama-bpe":
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  else:
+    assert pre == "gpt-2", pre
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=list(specials),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  corpus = hf_fixtures.CORPUS + ["Numbers 12345 and 2024, it's 'quoted' -- ok?\n\n  x"]
+  tok.train_from_iterator(corpus * 4, trainer)
+  vocab = tok.get_vocab()
+  tokens = sorted(vocab, key=vocab.get)
+  merges = json.loads(tok.to_str())["model"]["merges"]
+  merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+  return {"tokens": tokens, "merges": merges,
+          "types": [3 if t in specials else 1 for t in tokens],
+          "bos": vocab[specials[0]], "eos": vocab[specials[1]]}
+
+
 def write_gguf(path: str, cfg: dict, weights: dict, *, kind: str = "F32", arch: str = "llama",
-               extra_tensors: dict | None = None, raw: dict | None = None) -> str:
+               extra_tensors: dict | None = None, raw: dict | None = None,
+               tokenizer: dict | None = None, pre: str = "gpt-2") -> str:
   """A GGUF file of the Hugging Face config and weights (``hf_fixtures``): every matrix
   stored as ``kind`` (norms in F32, as llama.cpp stores them); ``extra_tensors``: more F32
   tensors by GGUF name; ``raw``: tensors by GGUF name stored as given bytes of a named type
@@ -160,6 +192,15 @@ def write_gguf(path: str, cfg: dict, weights: dict, *, kind: str = "F32", arch: 
   w.add_rope_freq_base(cfg["rope_theta"])
   w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
   w.add_vocab_size(cfg["vocab_size"])
+  if tokenizer is not None:  # train_bpe's
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokenizer["tokens"])
+    w.add_token_types(tokenizer["types"])
+    w.add_token_merges(tokenizer["merges"])
+    w.add_bos_token_id(tokenizer["bos"])
+    w.add_eos_token_id(tokenizer["eos"])
+    w.add_add_bos_token(True)
   qtype = gguf.GGMLQuantizationType[kind]
   for name in sorted(weights):
     data = weights[name]

@@ -349,10 +349,14 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 # ---- the tokenizer -------------------------------------------------------------------------
 # ``tokenizer.ggml.pre`` names how llama.cpp splits text before BPE; these are the splits
-# of the names jaxkv reads (as regular expressions over Unicode classes, applied in order,
-# each piece kept), followed by GPT-2's byte-level split.
-_PRE_SPLITS = {"gpt2": (), "smollm": (r"\p{N}",), "starcoder": (r"\p{N}",),
-               "refact": (r"\p{N}",)}
+# of the names jaxkv reads (regular expressions over Unicode classes, applied in order,
+# each piece kept), and whether GPT-2's byte-level split follows (else the pieces are only
+# mapped to bytes) and merges apply to a piece that is a token already (Llama 3's do not).
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+           r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"gpt-2": ((), True), "smollm": ((r"\p{N}",), True),
+               "starcoder": ((r"\p{N}",), True), "refact": ((r"\p{N}",), True),
+               "llama-bpe": ((_LLAMA3,), False)}
 # Control tokens that end a turn, by their text, for files whose metadata names only one
 # end-of-sequence id (llama.cpp finds these the same way).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
@@ -372,7 +376,7 @@ def tokenizer_parts(file: str) -> dict:
   if kind != "gpt2" or tokens is None:
     raise GGUFError(f"{file} has a tokenizer of kind {kind!r}; jaxkv reads GGUF's byte-level "
                     "BPE tokenizers ('gpt2'); pass token ids instead.")
-  pre = field(reader, "tokenizer.ggml.pre", "gpt2")
+  pre = field(reader, "tokenizer.ggml.pre")
   if pre not in _PRE_SPLITS:
     raise GGUFError(f"{file} splits text as {pre!r} (tokenizer.ggml.pre); jaxkv reads "
                     f"{', '.join(_PRE_SPLITS)}; pass token ids instead.")
@@ -392,10 +396,11 @@ def tokenizer_parts(file: str) -> dict:
     if not sep or left not in vocab or right not in vocab:
       raise GGUFError(f"merge {m!r} of {file} does not join two tokens of its vocabulary.")
     pairs.append((left, right))
-  tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
-  splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
+  patterns, gpt2_split = _PRE_SPLITS[pre]
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=not gpt2_split))
+  splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in patterns]
   tok.pre_tokenizer = pre_tokenizers.Sequence(
-      splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+      splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_split)])
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                           for t, kind in zip(tokens, types) if kind == _CONTROL])

@@ -167,6 +167,28 @@ def test_a_gguf_file_jaxkv_cannot_load_is_refused_in_one_line(case, tmp_path):
   assert REFUSALS[case] in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe"])
+def test_a_byte_level_bpe_splits_as_llama_cpp_does(pre, tmp_path):
+  """A vocabulary trained with each split jaxkv reads besides SmolLM2's, in a GGUF file:
+  token ids equal llama.cpp's (BOS added, as the file asks), and decode back to the text."""
+  from llama_cpp import Llama
+  tokenizer = gf.train_bpe(pre)
+  cfg = hf.hf_config("llama", vocab_size=len(tokenizer["tokens"]))
+  path = gf.write_gguf(str(tmp_path / f"{pre}.gguf"), cfg, hf.random_weights(cfg, seed=1),
+                       tokenizer=tokenizer, pre=pre)
+  tok = jaxkv.Tokenizer.from_dir(path)
+  vocab = Llama(model_path=path, vocab_only=True, verbose=False)
+  texts = ["the cache keeps keys and values", "Numbers 12345 and 2024, it's 'QUOTED' -- ok?",
+           "  leading spaces\n\n\ttabs\r\nand\u00a0nbsp, héllo wörld 日本 🤖",
+           "<|eot_id|>the quick brown fox<|begin_of_text|>"]
+  for text in texts:
+    want = vocab.tokenize(text.encode(), add_bos=True, special=True)
+    assert want[0] == tokenizer["bos"]
+    assert tok.encode(text) == want, text
+    assert tok.decode(want[1:], skip_special_tokens=False) == text
+  assert tok.eos_token_ids[0] == tokenizer["eos"]
+
+
 # ---- the real model -----------------------------------------------------------------------
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a cache is."]
