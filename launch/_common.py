@@ -73,7 +73,9 @@ def use_compilation_cache() -> str | None:
   returns the directory, or None when it is off. Every compile is kept, however short: a
   warm restart is the point."""
   import jax
-  directory = COMPILATION_CACHE_DIR.value
+  # (A script that parses its own arguments, not absl's, gets the defaults.)
+  parsed = flags.FLAGS.is_parsed()
+  directory = COMPILATION_CACHE_DIR.value if parsed else None
   if directory is None:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
       return os.environ["JAX_COMPILATION_CACHE_DIR"]  # JAX reads it itself
@@ -84,7 +86,8 @@ def use_compilation_cache() -> str | None:
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_MB.value << 20)
+  max_mb = COMPILATION_CACHE_MAX_MB.value if parsed else COMPILATION_CACHE_MAX_MB.default
+  jax.config.update("jax_compilation_cache_max_size", max_mb << 20)
   return directory
 
 
