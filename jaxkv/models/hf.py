@@ -620,10 +620,11 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
         "must name every parameter of Llama with its shape.")
   dt = jnp.dtype(cfg.dtype)
   for key, entries in groups.items():
-    views = [handles[files[name]].view(name) for name, _, _ in entries]
     stacked = cfg.scan_layers and key[0] == "layers"
-    flat[key].set_value(_place(views if stacked else views[0], mapped[key], entries[0][1], dt,
-                               key, mesh, model_axis, stacked=stacked))
+    # A stack's layers are read one at a time (a GGUF tensor is dequantized when read).
+    views = [functools.partial(handles[files[name]].view, name) for name, _, _ in entries]
+    flat[key].set_value(_place(views if stacked else views[0](), mapped[key], entries[0][1],
+                               dt, key, mesh, model_axis, stacked=stacked))
   handles.clear()  # the memory maps close with their last view
   placed = nnx.from_flat_state(flat)
   rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)
@@ -635,7 +636,8 @@ def _place(tensor, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Me
   """One parameter on its devices, each reading only its slice of the file. A linear
   layer's matrix is placed as stored ([out, in]) and transposed on the devices (XLA's
   transpose is many times faster than a strided copy on the host). ``stacked``: ``tensor``
-  is the list of every layer's tensor, placed as one ``[layers, ...]`` parameter."""
+  is a list of every layer's tensor as a function returning it, placed as one ``[layers,
+  ...]`` parameter (each layer read into it in turn: one layer beside the stack at most)."""
   lead = 1 if stacked else 0
   flip = lambda dims: (*dims[:lead], *dims[lead:][::-1])
   if mesh is None:
@@ -652,7 +654,15 @@ def _place(tensor, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Me
     key = tuple((i.start, i.stop) for i in index)
     if key not in parts:  # a view when the dtype is the file's: the device copy is the read
       if stacked:
-        parts[key] = np.stack([np.asarray(t[index[1:]], dt) for t in tensor[index[0]]])
+        layers = tensor[index[0]]
+        part = None
+        for i, layer in enumerate(layers):
+          rows = np.asarray(layer()[index[1:]], dt)
+          if part is None:
+            part = np.empty((len(layers), *rows.shape), dt)
+          part[i] = rows
+          del rows
+        parts[key] = part
       else:
         parts[key] = np.asarray(tensor[index], dt)
     return parts[key]
