@@ -27,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
       name="llama-3.2-1b-random", model_dir="",
       vocab_size=128256, hidden_size=2048, num_layers=16,
       num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0,
-      tie_embeddings=True, dtype="bfloat16"))
+      tie_embeddings=True, dtype="bfloat16", scan_layers=True))
   # One block = 2 (K,V) x 16 layers x 8 kv heads x 16 tokens x 64 x 2 bytes = 512 KiB.
   # 32 GiB of HBM for KV: 65536 pages. launch/serve.py builds a second engine (the no-cache
   # baseline) with its own pool: 64 GiB for both, with 2.5 GB of weights, inside the 75% of

@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       name="llama-3-70b-random", model_dir="",
       vocab_size=128256, hidden_size=8192, num_layers=80,
-      num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672, dtype="bfloat16"))
+      num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672, dtype="bfloat16",
+      scan_layers=True))
   # One block = 2 x 80 layers x 8 kv heads x 16 tokens x 128 x 2 bytes = 5 MiB (640 KiB
   # per device). 24 GiB of KV per device: 39321 pages.
   c.cache = ml_collections.ConfigDict(dict(

@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       name="llama-3-8b-random", model_dir="",
       vocab_size=128256, hidden_size=4096, num_layers=32,
-      num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16"))
+      num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16",
+      scan_layers=True))
   # One block = 2 (K,V) x 32 layers x 8 kv heads x 16 tokens x 128 x 2 bytes = 2 MiB.
   # 48 GiB of HBM for KV (weights take 16 GB, activations the rest): 24576 pages.
   c.cache = ml_collections.ConfigDict(dict(

@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       name="llama-3-8b-random", model_dir="",
       vocab_size=128256, hidden_size=4096, num_layers=32,
-      num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16"))
+      num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336, dtype="bfloat16",
+      scan_layers=True))
   # 2 MiB per block, 1 MiB per chip; 6 GiB of KV per chip: 6144 pages per data shard.
   c.cache = ml_collections.ConfigDict(dict(
       page_size=16, pages_per_shard=6144, max_pages_per_seq=2048, attention_chunk_pages=16,

@@ -76,6 +76,10 @@ class PageBatch:
   mesh: Mesh = dataclasses.field(metadata=dict(static=True))
   config: CacheConfig = dataclasses.field(metadata=dict(static=True))
   stream: StreamBatch | None = None
+  # [B] int32: the one token per row whose logits the step reads (a prefill's last prompt
+  # token). A model may return logits for those alone, [B, 1, vocab]: the output head is
+  # the largest matmul of a long prefill. None: every token's.
+  logits_at: jax.Array | None = None
 
 
 class PagedKV(nnx.Module):

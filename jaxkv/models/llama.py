@@ -223,7 +223,8 @@ def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
 
 
 class Llama(nnx.Module):
-  """Decoder-only LM: ``model(tokens [B, T], batch) -> logits [B, T, vocab]`` (float32)."""
+  """Decoder-only LM: ``model(tokens [B, T], batch) -> logits [B, T, vocab]`` (float32;
+  ``[B, 1, vocab]`` when ``batch.logits_at`` names the one token per row to compute)."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.dtype)
@@ -256,6 +257,8 @@ class Llama(nnx.Module):
     else:
       for layer in self.layers:
         x = layer(x, batch)
+    if batch.logits_at is not None:  # only the tokens whose logits the step reads
+      x = jnp.take_along_axis(x, batch.logits_at[:, None, None], axis=1)
     x = self.norm(x)
     logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)

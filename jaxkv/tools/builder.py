@@ -153,16 +153,19 @@ def model_config(cfg: Mapping) -> models.LlamaConfig:
   m.pop("name", None)
   model_dir = m.pop("model_dir", "")
   if model_dir:
-    return models.llama_config(models.hf.read_config(model_dir), dtype=m.get("dtype"))
+    return dataclasses.replace(
+        models.llama_config(models.hf.read_config(model_dir), dtype=m.get("dtype")),
+        scan_layers=m.get("scan_layers", True))
   return models.LlamaConfig(**m)
 
 
 def load_model(cfg: Mapping, mesh) -> nnx.Module:
   """The config's model: the checkpoint in ``model.model_dir`` when it names one (weights
   placed on ``mesh``), else random weights from ``cfg.seed``."""
-  model_dir = _section(cfg, "model").get("model_dir", "")
-  if model_dir:
-    return models.from_pretrained(model_dir, dtype=cfg["model"]["dtype"], mesh=mesh)
+  model = _section(cfg, "model")
+  if model.get("model_dir", ""):
+    return models.from_pretrained(model["model_dir"], dtype=model["dtype"], mesh=mesh,
+                                  scan_layers=model.get("scan_layers", True))
   return models.Llama(model_config(cfg), rngs=nnx.Rngs(int(cfg.get("seed", 0))))
 
 

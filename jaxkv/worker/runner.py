@@ -56,21 +56,26 @@ class Steps:
     self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
     self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
 
-  def _forward(self, pools, weights, tokens, page_table, positions, kv_lens, stream=None):
+  def _forward(self, pools, weights, tokens, page_table, positions, kv_lens, stream=None,
+               logits_at=None):
     # The pools and weights travel flat (a list of arrays flattens at no cost on every
     # call; an nnx.State does not) and are put back in their trees here, at trace time.
     model = nnx.merge(self.graphdef, jax.tree.unflatten(self.pool_def, pools),
                       jax.tree.unflatten(self.weight_def, weights))
     batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
-                            mesh=self.mesh, config=self.config, stream=stream)
+                            mesh=self.mesh, config=self.config, stream=stream,
+                            logits_at=logits_at)
     logits = model(tokens, batch)
     return logits, jax.tree.leaves(nnx.state(model, kvnnx.KVPages))
 
   def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
                     select_idx, select_mask, sampling, stream=None):
     self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
-    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream)
-    selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]  # [B, V]
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream,
+                                  logits_at=select_idx)
+    if logits.shape[1] != 1:  # a model that computed every token's logits
+      logits = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)
+    selected = logits[:, 0]  # [B, V]
     where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
     next_tokens = sampling_lib.next_tokens(selected, sampling, where)
     return pages, jnp.where(select_mask, next_tokens, carry), selected

@@ -17,6 +17,7 @@ off (continuous batching, one token read back per step, as serving needs for sto
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -67,6 +68,9 @@ class _Dense:
   """The dense loop: one compiled step per (rows, tokens per step) shape."""
 
   def __init__(self, mc, rows: int, max_len: int):
+    # The loop form (a Python loop of layer modules, as a user writes it first) of the same
+    # weights as jaxkv's scanned model: a seed gives the same weights in both forms.
+    mc = dataclasses.replace(mc, scan_layers=False)
     graphdef, state = nnx.split(models.Llama(mc, rngs=nnx.Rngs(0)))
     self.state = state
     self.shape = (mc.num_layers, 2, rows, max_len, mc.num_kv_heads, mc.head_dim)
