@@ -620,54 +620,46 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
         "must name every parameter of Llama with its shape.")
   dt = jnp.dtype(cfg.dtype)
   for key, entries in groups.items():
-    stacked = cfg.scan_layers and key[0] == "layers"
-    # A stack's layers are read one at a time (a GGUF tensor is dequantized when read).
     views = [functools.partial(handles[files[name]].view, name) for name, _, _ in entries]
-    flat[key].set_value(_place(views if stacked else views[0](), mapped[key], entries[0][1],
-                               dt, key, mesh, model_axis, stacked=stacked))
+    if cfg.scan_layers and key[0] == "layers":  # read one layer at a time
+      placed = _place_stack(views, mapped[key], entries[0][1], dt, key, mesh, model_axis)
+    else:
+      placed = _place(views[0](), mapped[key], entries[0][1], dt, key, mesh, model_axis)
+    flat[key].set_value(placed)
   handles.clear()  # the memory maps close with their last view
   placed = nnx.from_flat_state(flat)
   rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest)
   return nnx.merge(graphdef, placed, rest)
 
 
-def _place(tensor, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Mesh | None,
-           model_axis: str, stacked: bool = False) -> jax.Array:
-  """One parameter on its devices, each reading only its slice of the file. A linear
-  layer's matrix is placed as stored ([out, in]) and transposed on the devices (XLA's
-  transpose is many times faster than a strided copy on the host). ``stacked``: ``tensor``
-  is a list of every layer's tensor as a function returning it, placed as one ``[layers,
-  ...]`` parameter (each layer read into it in turn: one layer beside the stack at most)."""
-  lead = 1 if stacked else 0
-  flip = lambda dims: (*dims[:lead], *dims[lead:][::-1])
+def _shardings(nnx_path: tuple, shape: tuple, transposed: bool, mesh: Mesh | None,
+               model_axis: str):
+  """(where a parameter of ``shape`` lives, where it is placed as stored): a linear layer's
+  matrix is stored ``[out, in]`` and transposed on the devices."""
   if mesh is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    stored_sharding = sharding
-  else:
-    spec = partition_spec(nnx_path, shape, model_axis, mesh.shape[model_axis])
-    sharding = NamedSharding(mesh, spec)
-    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    stored_sharding = NamedSharding(mesh, P(*flip(spec))) if transposed else sharding
+    return sharding, sharding
+  spec = partition_spec(nnx_path, shape, model_axis, mesh.shape[model_axis])
+  sharding = NamedSharding(mesh, spec)
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return sharding, NamedSharding(mesh, P(*spec[::-1])) if transposed else sharding
+
+
+def _place(tensor: np.ndarray, shape: tuple, transposed: bool, dt, nnx_path: tuple,
+           mesh: Mesh | None, model_axis: str) -> jax.Array:
+  """One parameter on its devices, each reading only its slice of the file. A linear
+  layer's matrix is placed as stored ([out, in]) and transposed on the devices (XLA's
+  transpose is many times faster than a strided copy on the host)."""
+  sharding, stored_sharding = _shardings(nnx_path, shape, transposed, mesh, model_axis)
   parts: dict = {}  # devices holding the same slice (data-axis replicas) read it once
 
   def read(index: tuple) -> np.ndarray:
     key = tuple((i.start, i.stop) for i in index)
     if key not in parts:  # a view when the dtype is the file's: the device copy is the read
-      if stacked:
-        layers = tensor[index[0]]
-        part = None
-        for i, layer in enumerate(layers):
-          rows = np.asarray(layer()[index[1:]], dt)
-          if part is None:
-            part = np.empty((len(layers), *rows.shape), dt)
-          part[i] = rows
-          del rows
-        parts[key] = part
-      else:
-        parts[key] = np.asarray(tensor[index], dt)
+      parts[key] = np.asarray(tensor[index], dt)
     return parts[key]
 
-  stored = flip(shape) if transposed else shape
+  stored = shape[::-1] if transposed else shape
   array = jax.make_array_from_callback(stored, stored_sharding, read)
   parts.clear()
   if transposed:
@@ -675,7 +667,32 @@ def _place(tensor, shape: tuple, transposed: bool, dt, nnx_path: tuple, mesh: Me
   return array
 
 
+def _place_stack(layers: list, shape: tuple, transposed: bool, dt, nnx_path: tuple,
+                 mesh: Mesh | None, model_axis: str) -> jax.Array:
+  """A stacked parameter ``[layers, ...]`` of a scanned model: ``layers`` returns each
+  layer's tensor when called (a GGUF tensor is dequantized then). The stack is made on the
+  devices and each layer placed (as ``_place`` does) and written into it in turn, so at
+  most one layer stands beside it, on the host or the devices."""
+  sharding, _ = _shardings(nnx_path, shape, False, mesh, model_axis)
+  stack = _zeros(sharding, shape, jnp.dtype(dt).name)()
+  for i, layer in enumerate(layers):  # (a layer's sharding is the stack's after its axis)
+    placed = _place(layer(), shape[1:], transposed, dt, nnx_path, mesh, model_axis)
+    stack = _write_layer(sharding)(stack, placed, np.int32(i))
+  return stack
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(sharding, shape: tuple, dtype: str):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_layer(sharding):
+  return jax.jit(lambda stack, x, i: jax.lax.dynamic_update_index_in_dim(stack, x, i, 0),
+                 out_shardings=sharding, donate_argnums=0)
+
+
 @functools.lru_cache(maxsize=None)
 def _transpose(in_sharding, out_sharding):
-  return jax.jit(lambda x: jnp.swapaxes(x, -1, -2), in_shardings=in_sharding, out_shardings=out_sharding,
+  return jax.jit(lambda x: x.T, in_shardings=in_sharding, out_shardings=out_sharding,
                  donate_argnums=0)

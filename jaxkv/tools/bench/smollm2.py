@@ -7,7 +7,9 @@
   the floor).
 - ``compile_s_per_step_shape``: one step bucket (a prefill and a decode) compiled with no
   compilation cache, the layers under a scan (``scan``) and as a Python loop of layer
-  modules (``loop``, what jaxkv did before the scan), each in a fresh process.
+  modules (``loop``, what jaxkv did before the scan), each in a fresh process; with each
+  form's decode speed (``decode_tokens_per_s_by_form``, ``decode_scan_vs_loop``: XLA:CPU
+  copies each layer's weights out of the stack in every step of the scan).
 - ``server_ready_s_cold`` / ``server_ready_s_warm``: ``launch/server.py --model_dir=<file>``
   from its start to ``/health`` 200, with an empty ``--compilation_cache_dir``, then
   restarted on the directory the first run filled; with the time until ``/health`` says
@@ -68,7 +70,16 @@ engine = jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(
     max_seqs_per_shard=1, prefill_chunk_pages=8))
 t0 = time.perf_counter()
 shapes = engine.warmup(max_seq_len=128, rows_per_shard=[1])
-print(json.dumps({"compile_s": (time.perf_counter() - t0) / shapes, "shapes": shapes}))
+compile_s = (time.perf_counter() - t0) / shapes
+rates = []
+for rep in range(4):  # decode speed of the same form (the first round a warm-up)
+  stamps = []
+  handle = engine.submit(list(range(100 + rep, 164 + rep)), jaxkv.SamplingParams(
+      max_new_tokens=48), on_token=lambda _: stamps.append(time.perf_counter()))
+  list(handle)
+  rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+print(json.dumps({"compile_s": compile_s, "shapes": shapes,
+                  "decode_tokens_per_s": sorted(rates[1:])[1]}))
 """
 
 _SPEED_CHILD = r"""
@@ -162,11 +173,15 @@ def run(*, quick: bool, reps: int) -> dict:
   out["gguf_load_s"] = _median([r["seconds"] for r in load])
   out["dequantized_weight_bytes"] = load[0]["bytes"]
   out["gguf_peak_rss_over_weights"] = _median([r["peak_anon_bytes"] / r["bytes"] for r in load])
-  compile_s = {form: _child(_COMPILE_CHILD, path, form)["compile_s"]
-               for form in (("scan",) if quick else ("scan", "loop"))}
+  forms = {form: _child(_COMPILE_CHILD, path, form)
+           for form in (("scan",) if quick else ("scan", "loop"))}
+  compile_s = {form: r["compile_s"] for form, r in forms.items()}
   out["compile_s_per_step_shape"] = compile_s
+  out["decode_tokens_per_s_by_form"] = {f: r["decode_tokens_per_s"] for f, r in forms.items()}
   if "loop" in compile_s:
     out["compile_loop_over_scan"] = compile_s["loop"] / compile_s["scan"]
+    out["decode_scan_vs_loop"] = (forms["scan"]["decode_tokens_per_s"]
+                                  / forms["loop"]["decode_tokens_per_s"])
   with tempfile.TemporaryDirectory(prefix="jaxkv-bench-smollm2-") as work:
     cache_dir = os.path.join(work, "jit")
     cold = _server_start(path, cache_dir, work)
