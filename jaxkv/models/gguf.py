@@ -339,14 +339,6 @@ def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
           .reshape(w.shape))
 
 
-def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
-  """The inverse of ``unpermute_rows``: a Hugging Face Q or K projection in GGUF's order
-  (what llama.cpp's converter writes)."""
-  rows = w.shape[0]
-  return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
-          .reshape(w.shape))
-
-
 # ---- the tokenizer -------------------------------------------------------------------------
 # ``tokenizer.ggml.pre`` names how llama.cpp splits text before BPE; these are the splits
 # of the names jaxkv reads (regular expressions over Unicode classes, applied in order,

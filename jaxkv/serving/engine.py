@@ -279,7 +279,7 @@ class Engine:
         self._calibrate()
       self.planner.warm(widths, rows[-1] * cache.num_shards)
     jax.block_until_ready(self.cache.pools)
-    return self.runner.warm_total - len(self.runner.warm_later)
+    return self.runner.warm_progress()[0]
 
   # ---- the cache -------------------------------------------------------------------------------
   def pin(self, tokens: Sequence[int], tenant: str = "default") -> int:

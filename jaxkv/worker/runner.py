@@ -392,6 +392,10 @@ class ModelRunner:
         logging.info("every step shape is compiled (%d buckets)", self.warm_total)
     return bool(self.warm_later)
 
+  def warm_progress(self) -> tuple[int, int]:
+    """``(buckets compiled, buckets)`` of the last ``warmup``."""
+    return self.warm_total - len(self.warm_later), self.warm_total
+
   def _warm_shape(self, rows: int, width: int) -> None:
     num_rows = rows * self.cache.num_shards
     table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))

@@ -148,10 +148,10 @@ class OpenAIServer:
         return ApiError(503, "the engine is warming up.", "service_unavailable").response()
       if not self.service.accepting:
         return ApiError(503, "the server is shutting down.", "service_unavailable").response()
-      runner = self.service.engine.runner  # step buckets compiled (the rest compile idle)
-      done = runner.warm_total - len(runner.warm_later)
-      return {"status": "ok", "warm": done == runner.warm_total, "compiled_buckets": done,
-              "buckets": runner.warm_total}
+      # Step buckets compiled (the rest compile while the engine is idle).
+      done, total = self.service.engine.runner.warm_progress()
+      return {"status": "ok", "warm": done == total, "compiled_buckets": done,
+              "buckets": total}
 
     @app.get("/v1/models")
     async def models(request: Request):
