@@ -122,8 +122,8 @@ class KVCache:
       raise InputError("the cache's model is not known yet: attach(model) (jaxkv.Engine "
                        "does) or set CacheConfig.weights_digest before opening its tiers.")
     adopted = self.worker.open()
-    if self.worker.remote is not None:
-      self.manager.set_remote(self.worker.remote)
+    if self.worker.lookups is not None:
+      self.manager.set_remote(self.worker.lookups)
     self.manager.adopt_disk(adopted)
 
   def _bind_weights(self, digest: str) -> None:
@@ -150,6 +150,7 @@ class KVCache:
   disk = property(lambda self: self.worker.disk, doc="The disk tier, or None.")
   remote = property(lambda self: self.worker.remote, doc="The remote tier, or None.")
   remotes = property(lambda self: self.worker.remotes, doc="The remote peers' clients.")
+  pool = property(lambda self: self.worker.pool, doc="The pool tier, or None.")
   mover = property(lambda self: self.worker.mover,
                    doc="The TierMover over every tier (None until the tiers are open).")
   disk_recovered = property(lambda self: self.worker.disk_recovered,

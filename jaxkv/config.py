@@ -294,6 +294,7 @@ class EngineConfig:
 WRITE_POLICIES = ("write_back", "write_through")
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 REMOTE_TRANSPORTS = ("inline", "transfer")
+POOL_PROTOCOLS = ("tcp", "rdma")
 ENCRYPTION = ("auto", "on", "off")
 
 
@@ -316,6 +317,15 @@ class TierConfig:
   ``encryption``: whether blocks leaving the process (disk and object-store records, remote
   answers) are encrypted (AES-256-GCM) under the deployment key: ``auto`` (default) when a
   key is set, ``on`` (a key is required), ``off`` (keyed MACs only). See ``jaxkv.security``.
+  ``pool_master``: ``host:port`` of a Mooncake Store master: blocks are also put in (and
+  fetched from) the pool every node lends memory to (the POOL tier,
+  ``jaxkv.worker.tiers.pool``); None disables it. ``pool_metadata``: the URL of its HTTP
+  metadata server (default: the master's host, port 8080). ``pool_segment_mb``: host memory
+  this process lends to the pool (0: it only borrows). ``pool_buffer_mb``: the client's
+  local transfer buffer. ``pool_protocol``: ``tcp`` or ``rdma`` (``pool_rdma_devices`` names
+  the NICs). ``pool_replicas``: copies of each block the pool keeps. ``pool_pin_s``: blocks
+  reused before they are put are soft-pinned this long (0: never). ``pool_queue_mb``: puts
+  waiting to be written; more are dropped (counted).
   """
 
   host_pages_per_shard: int = 0
@@ -327,8 +337,37 @@ class TierConfig:
   remote_peers: tuple = ()
   remote_transport: str = "inline"
   encryption: str = "auto"
+  pool_master: str | None = None
+  pool_metadata: str | None = None
+  pool_segment_mb: int = 256
+  pool_buffer_mb: int = 64
+  pool_protocol: str = "tcp"
+  pool_rdma_devices: str = ""
+  pool_replicas: int = 1
+  pool_pin_s: float = 600.0
+  pool_queue_mb: int = 256
 
   def __post_init__(self):
+    _require(self.pool_master is None or (
+        isinstance(self.pool_master, str) and self.pool_master.rpartition(":")[2].isdigit()
+        and self.pool_master.rpartition(":")[0]),
+             f"TierConfig.pool_master={self.pool_master!r} must be 'host:port' (a Mooncake "
+             "master's RPC address) or None.")
+    _require(self.pool_metadata is None or isinstance(self.pool_metadata, str),
+             f"TierConfig.pool_metadata={self.pool_metadata!r} must be a URL or None.")
+    _require(self.pool_protocol in POOL_PROTOCOLS,
+             f"TierConfig.pool_protocol={self.pool_protocol!r} must be one of {POOL_PROTOCOLS}.")
+    for name in ("pool_segment_mb", "pool_queue_mb"):
+      v = getattr(self, name)
+      _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
+               f"TierConfig.{name}={v!r} must be an integer >= 0.")
+    for name in ("pool_buffer_mb", "pool_replicas"):
+      v = getattr(self, name)
+      _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
+               f"TierConfig.{name}={v!r} must be an integer >= 1.")
+    _require(isinstance(self.pool_pin_s, (int, float)) and not isinstance(self.pool_pin_s, bool)
+             and self.pool_pin_s >= 0,
+             f"TierConfig.pool_pin_s={self.pool_pin_s!r} must be a number of seconds >= 0.")
     _require(self.encryption in ENCRYPTION,
              f"TierConfig.encryption={self.encryption!r} must be one of {ENCRYPTION}.")
     _require(self.remote_transport in REMOTE_TRANSPORTS,
@@ -364,6 +403,10 @@ class TierConfig:
   @property
   def disk_enabled(self) -> bool:
     return self.disk_pages > 0
+
+  @property
+  def pool_enabled(self) -> bool:
+    return self.pool_master is not None
 
 
 SCHEDULER_POLICIES = ("cost", "fetch", "recompute", "threshold", "split")

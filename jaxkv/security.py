@@ -151,7 +151,7 @@ class SealError(ValueError):
   key's, or sealed for another purpose)."""
 
 
-PURPOSES = ("disk-record", "remote-answer", "checkpoint-meta", "checkpoint-row")
+PURPOSES = ("disk-record", "remote-answer", "checkpoint-meta", "checkpoint-row", "pool-value")
 
 
 class Seal:

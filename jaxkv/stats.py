@@ -55,8 +55,11 @@ COUNTERS = {
     "calibration_s": "seconds spent calibrating costs",
     "fetch_s": "seconds from issuing fetches to their verification",
     "fetch_wait_s": "seconds spent waiting for fetches after the recompute",
+    "pool_puts": "blocks this process put in the pool",
+    "pool_lookups": "prefix lookups asked of the pool",
+    "pool_failures": "pool fetches that failed (missing, late, rejected)",
 }
-HIT_TIERS = ("device", "host", "disk", "remote", "shard")
+HIT_TIERS = ("device", "host", "disk", "remote", "shard", "pool")
 
 
 @dataclasses.dataclass

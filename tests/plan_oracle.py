@@ -11,7 +11,7 @@ link order with the plan it checks.
 import math
 
 from jaxkv.planning.costs import LINKS, CostModel
-from jaxkv.planning.plan import ABSENT, DISK, HOST, REMOTE, SHARD
+from jaxkv.planning.plan import ABSENT, DISK, HOST, POOL, REMOTE, SHARD
 
 
 def _charged(n, chunk_tokens, tail_widths):
@@ -38,8 +38,10 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
     link_bytes = dict.fromkeys(LINKS, 0.0)
     for b in range(s, end):
       t = int(tiers[b])
-      if t in (HOST, DISK, REMOTE):
+      if t in (HOST, DISK, REMOTE, POOL):
         link_bytes["host_to_device"] += float(block_bytes[b])
+      if t == POOL:
+        link_bytes["pool_to_host"] += float(block_bytes[b])
       if t == DISK:
         link_bytes["disk_to_host"] += float(block_bytes[b])
       if t == REMOTE:
@@ -83,8 +85,8 @@ def first_pass(inputs, cost_model: CostModel) -> tuple[list, list]:
     j = min(range(d), key=lambda k: (options[k][1], k))
     s, hot, end = options[j][0], int(inputs.hot[i, j]), int(inputs.cached_end[i, j])
     fetched = [int(t) for t in inputs.tiers[i, j, s:end]]
-    crossed = (any(t in (HOST, DISK, REMOTE) for t in fetched), DISK in fetched,
-               REMOTE in fetched, SHARD in fetched)
+    crossed = (any(t in (HOST, DISK, REMOTE, POOL) for t in fetched), DISK in fetched,
+               REMOTE in fetched, SHARD in fetched, POOL in fetched)
     rounded = lambda n: _charged(n, inputs.chunk_tokens, inputs.tail_widths)
     t_rec = prefill.seconds(rounded((s - hot) * ps), hot * ps)
     t_tail = prefill.seconds(rounded(int(inputs.tail_tokens[i])), end * ps)

@@ -43,6 +43,7 @@ class _Pending:
 
 
 PENDING = _Pending()  # ``CacheManager.peer_prefix``: the peer's answer has not come yet
+POOL_PEER = -1  # a lookup's ``(peer, blocks)`` answer whose blocks are in the pool tier
 
 
 class CacheManager:
@@ -204,13 +205,13 @@ class CacheManager:
     """A settled fetch group, as the worker reported it (``FetchReport``): every fetch's
     pin on its source (taken at admission) is released, and each failed copy is forgotten
     with the chain after it, except where nothing of ours is wrong (a remote copy is the
-    peer's; a record that raised while read is kept to read again). Returns the disk
+    peer's, a pool value the pool's; a record that raised while read is kept to read again). Returns the disk
     records of what was forgotten, for the worker to delete (``TierOrders.drop``)."""
     for f in fetches:
       self.release_pin(f)
     records = []
     for f, why in zip(fetches, failures):
-      if why is None or f.tier == Tier.REMOTE or why == Failure.READ_RETRY:
+      if why is None or f.tier in (Tier.REMOTE, Tier.POOL) or why == Failure.READ_RETRY:
         continue
       shard = 0 if f.tier == Tier.DISK else f.shard
       dropped = self.index.drop_chain(shard, f.key, f.tier)

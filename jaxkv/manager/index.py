@@ -60,10 +60,11 @@ class Tier(enum.IntEnum):
   REMOTE = 3
   SHARD = 4  # on another data shard's device pool of the same job
   ABSENT = 5  # cached nowhere (plan inputs only: such a block can only be recomputed)
+  POOL = 6  # in the memory pool other nodes lend (Mooncake Store), not kept in the index
 
 
 TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
-              Tier.REMOTE: "remote", Tier.SHARD: "shard"}
+              Tier.REMOTE: "remote", Tier.SHARD: "shard", Tier.POOL: "pool"}
 LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
@@ -239,6 +240,10 @@ class PrefixIndex:
       if pool.refcount[p] == 0:
         pool.free_queue.pop(p, None)
       pool.refcount[p] += 1
+
+  def reuses(self, key: Key) -> float:
+    """How often the block was reused (aged as eviction passes it over)."""
+    return self._hits.get(key, 0)
 
   def record_hits(self, keys: Sequence[Key]) -> None:
     """Counts a reuse of each block: reused blocks are evicted later than cold ones."""

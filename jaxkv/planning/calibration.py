@@ -4,6 +4,8 @@
   and bandwidth from the line through both points.
 - ``disk_to_host``: verified reads of freshly written records from a scratch store beside
   the disk tier (cold when the store is a local directory), one read and a batch in flight.
+- ``pool_to_host``: verified gets of values put in the pool for the purpose (one, and a
+  batch), removed after.
 - prefill: the model runner's own prefill step, timed for every page-table width bucket; the
   curve ``t(n, c)`` is fitted to what ``n`` tokens after ``c`` cached ones cost in steps.
 Nothing here is a constant: a different machine, model or config measures differently.
@@ -95,6 +97,28 @@ def _disk_link(cache, reps: int) -> LinkCost:
   return _line(points)
 
 
+def _pool_link(cache, reps: int) -> LinkCost:
+  """Verified gets of values put for the purpose under a fingerprint of their own (random:
+  no other process reads or evicts them on purpose), removed after."""
+  live = cache.pool
+  scratch = live.scratch(b"calibration" + secrets.token_bytes(21))
+  rng = np.random.default_rng(0)
+  payload = rng.standard_normal(live.payload_shape).astype(np.float32).astype(live.dtype)
+  n = 8
+  keys = [i.to_bytes(32, "little") for i in range(n)]
+  try:
+    for k in keys:
+      if live.client.put(scratch.name(k), scratch.value(k, payload, None)) != 0:
+        raise RuntimeError("the pool refused a calibration value")
+    points = [(k * scratch.value_bytes,
+               _median_time(lambda k=k: scratch.read_verified(keys[:k], time.monotonic() + 60),
+                            reps)) for k in (1, n)]
+  finally:
+    for k in keys:
+      live.client.remove(scratch.name(k), True)
+  return _line(points)
+
+
 def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> PrefillCurve:
   c = cache.config
   chunk = runner.chunk_tokens
@@ -123,6 +147,12 @@ def calibrate(cache, runner, *, max_seqs_per_shard: int, reps: int = 3) -> CostM
   if cache.disk is not None:
     links["disk_to_host"] = _disk_link(cache, reps)
     links.setdefault("host_to_device", links["disk_to_host"])  # disk blocks land via host
+  if cache.pool is not None:
+    try:
+      links["pool_to_host"] = _pool_link(cache, reps)
+      links.setdefault("host_to_device", links["pool_to_host"])  # pool blocks land via host
+    except Exception:  # pylint: disable=broad-except  (a pool down now: learned from fetches)
+      logging.exception("calibrating the pool link failed; it is learned from fetches")
   prefill = _prefill_curve(cache, runner, max_seqs_per_shard, reps)
   for name, link in links.items():
     logging.info("calibrated %s: %.2f GB/s, %.3f ms latency", name, link.bytes_per_s / 1e9,

@@ -4,8 +4,9 @@ A cold block (cached below the device pool, or on another shard) comes back one 
 and each has a measured price:
 
 - Over links. ``LINKS`` names them: ``host_to_device`` carries every block fetched from a
-  lower tier, ``disk_to_host`` the disk ones, ``remote_to_host`` the remote ones, and
-  ``cross_shard`` the blocks copied from another shard's device pool. Moving ``bytes`` over
+  lower tier, ``disk_to_host`` the disk ones, ``remote_to_host`` the remote ones,
+  ``cross_shard`` the blocks copied from another shard's device pool, and ``pool_to_host``
+  the pool's (``jaxkv.worker.tiers.pool``). Moving ``bytes`` over
   a link takes ``latency_s + bytes / bytes_per_s`` (``LinkCost``). The links form a
   pipeline, so a fetch takes as long as its slowest link, not the sum of them; a link that
   several requests use (one host's PCIe) splits its bandwidth between them.
@@ -36,7 +37,7 @@ from jaxkv import distributed
 from jaxkv.errors import InputError
 
 # The order of the links in CostArrays and in every [.., links] array of a plan.
-LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")
+LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard", "pool_to_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,7 @@ class CostModel:
     lat, rate = [], []
     for name in LINKS:
       link = self.links.get(name)
-      if link is None and name in ("remote_to_host", "cross_shard"):
+      if link is None and name in ("remote_to_host", "cross_shard", "pool_to_host"):
         # Until a transfer over this link has been observed, a block over it is assumed
         # to cost what a host block does; the first observation replaces this.
         link = self.links.get("host_to_device")

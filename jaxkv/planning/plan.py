@@ -2,7 +2,7 @@
 
 The rule (per request r and candidate data shard d)
   A request's first ``h`` blocks are hot on the shard's device pool; blocks ``[h, e)`` are
-  cached in lower tiers (host, disk, remote) or on another shard; anything after ``e`` must
+  cached in lower tiers (host, pool, disk, remote) or on another shard; anything after ``e`` must
   be computed anyway. For a split point ``s`` in ``[h, e]`` jaxkv recomputes blocks
   ``[h, s)`` while it fetches blocks ``[s, e)``, in parallel, then prefills the rest:
 
@@ -41,8 +41,9 @@ from jaxkv.planning.costs import LINKS, CostArrays
 from jaxkv.manager.index import Tier
 
 # Tier codes in plan inputs: ``jaxkv.Tier`` values (HOT = on this shard's device pool).
-HOT, HOST, DISK, REMOTE, SHARD, ABSENT = (int(t) for t in (
-    Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE, Tier.SHARD, Tier.ABSENT))
+HOT, HOST, DISK, REMOTE, SHARD, ABSENT, POOL = (int(t) for t in (
+    Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE, Tier.SHARD, Tier.ABSENT, Tier.POOL))
+NUM_TIERS = len(Tier)
 DECISIONS = ("fetch", "recompute", "split")  # Plan.decision indexes this
 
 
@@ -77,7 +78,7 @@ class PlanInputs:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   split: jax.Array  # [R, D] int32 s*: blocks [hot, s*) recomputed, [s*, cached_end) fetched
-  fetch_blocks: jax.Array  # [R, D, 6] int32 blocks fetched, indexed by tier code
+  fetch_blocks: jax.Array  # [R, D, NUM_TIERS] int32 blocks fetched, indexed by tier code
   t_pred_s: jax.Array  # [R, D] predicted time of the chosen plan (incl. the tail prefill)
   t_fetch_all_s: jax.Array  # [R, D] fetch everything cached (s = hot), plus tail
   t_recompute_all_s: jax.Array  # [R, D] recompute everything (s = cached_end), plus tail
@@ -116,11 +117,12 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
   blk = jnp.arange(m, dtype=jnp.int32)
   in_cold = (blk >= hot) & (blk < end)
   per_tier = [jnp.where(in_cold & (tiers == t), block_bytes, 0.0)
-              for t in (HOST, DISK, REMOTE, SHARD)]
+              for t in (HOST, DISK, REMOTE, SHARD, POOL)]
   # suffix[s] = bytes of blocks [s, m) (zeros outside the cold range already)
   suffix = lambda x: jnp.concatenate([jnp.cumsum(x[::-1])[::-1], jnp.zeros((1,), x.dtype)])
-  host_b, disk_b, remote_b, shard_b = (suffix(x) for x in per_tier)
-  link_bytes = jnp.stack([host_b + disk_b + remote_b, disk_b, remote_b, shard_b])
+  host_b, disk_b, remote_b, shard_b, pool_b = (suffix(x) for x in per_tier)
+  link_bytes = jnp.stack([host_b + disk_b + remote_b + pool_b, disk_b, remote_b, shard_b,
+                          pool_b])
   rate = costs.bytes_per_s[:, None] / jnp.maximum(share[:, None], 1.0)
   link_t = jnp.where(link_bytes > 0, costs.latency_s[:, None] + link_bytes / rate, 0.0)
   t_fetch = jnp.max(link_t, axis=0)  # pipeline: the slowest link decides
@@ -141,8 +143,8 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
   t_fetch_all = jnp.where((end - hot <= budget) & (at(absent, hot) == 0),
                           jnp.maximum(at(t_fetch, hot), others[0]), jnp.inf)
   counts = jnp.stack([jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
-                      if t in (HOST, DISK, REMOTE, SHARD) else jnp.int32(0)
-                      for t in range(6)])
+                      if t in (HOST, DISK, REMOTE, SHARD, POOL) else jnp.int32(0)
+                      for t in range(NUM_TIERS)])
   decision = jnp.where(s >= end, 1, jnp.where(s <= hot, 0, 2)).astype(jnp.int32)
   # What this request adds to the shard's compute at its split (one fixed step overhead
   # t0 is shared, so only the marginal part counts).
@@ -189,8 +191,9 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
           & ~jnp.eye(r, dtype=bool)[:, None, :])  # [R, D, R]: j shares i's device at d
   others = jnp.einsum("rdj,jk->rdk", same.astype(jnp.float32), work_best)  # [R, D, 2]
   fetches = jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]  # [R, 4]
-  uses = jnp.stack([fetches[:, HOST] + fetches[:, DISK] + fetches[:, REMOTE] > 0,
-                    fetches[:, DISK] > 0, fetches[:, REMOTE] > 0, fetches[:, SHARD] > 0],
+  uses = jnp.stack([fetches[:, HOST] + fetches[:, DISK] + fetches[:, REMOTE]
+                    + fetches[:, POOL] > 0, fetches[:, DISK] > 0, fetches[:, REMOTE] > 0,
+                    fetches[:, SHARD] > 0, fetches[:, POOL] > 0],
                    axis=1) & inputs.valid[:, None]  # [R, links]
   group_of_req = inputs.link_group[best]  # [R]
   same = group_of_req[:, None] == inputs.link_group[None, :]  # [R, D]

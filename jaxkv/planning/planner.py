@@ -150,12 +150,13 @@ class Planner:
 
   def observe_fetch(self, report: FetchReport) -> None:
     """Learns a link's bandwidth from a fetch the runner finished. The whole transfer is
-    charged to the link of the deepest tier it read (remote, then disk, then host; else
+    charged to the link of the deepest tier it read (remote, then disk, then the pool, then host; else
     another shard): in a pipeline of links, the slowest one bounds the time."""
     if self.costs is None or not report.bytes or report.seconds <= 0:
       return  # nothing moved, or a transfer that was not timed
     link = ("remote_to_host" if int(Tier.REMOTE) in report.tiers else
             "disk_to_host" if int(Tier.DISK) in report.tiers else
+            "pool_to_host" if int(Tier.POOL) in report.tiers else
             "host_to_device" if int(Tier.HOST) in report.tiers else "cross_shard")
     self.costs.observe_transfer(link, report.bytes, report.seconds)
 

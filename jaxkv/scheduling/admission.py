@@ -30,7 +30,7 @@ import numpy as np
 from jaxkv.config import SamplingParams
 from jaxkv.errors import CapacityError, InputError, check_text
 from jaxkv.manager.index import LOCAL_TIERS, Tier
-from jaxkv.manager import PENDING
+from jaxkv.manager import PENDING, POOL_PEER
 from jaxkv.worker.tiers.base import Fetch
 
 
@@ -238,7 +238,8 @@ class Admission:
         return PENDING
       if remote and remote[1] > local:
         peer, n = remote
-        found = [f + [(Tier.REMOTE, peer)] * (n - len(f)) for f in found]
+        where = (Tier.POOL, None) if peer == POOL_PEER else (Tier.REMOTE, peer)
+        found = [f + [where] * (n - len(f)) for f in found]
     return found
 
   def _shard_order(self, req: Request, found: list, load: list) -> list[int]:

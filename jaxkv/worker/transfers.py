@@ -97,15 +97,15 @@ class TierMover:
   dropped); it reads the manager's index, and changes it only through those reports."""
 
   def __init__(self, *, manager, mesh, config, num_shards: int, payload_shape: tuple,
-               host=None, disk=None, remote=None, stats: Stats | None = None):
+               host=None, disk=None, remote=None, pool=None, stats: Stats | None = None):
     self.manager, self.index = manager, manager.index  # the index: read only
     self.mesh, self.config = mesh, config
     self.num_shards, self.payload_shape = num_shards, tuple(payload_shape)
-    self.host, self.disk, self.remote = host, disk, remote
+    self.host, self.disk, self.remote, self.pool = host, disk, remote, pool
     self.stats = stats if stats is not None else Stats()
     # Where fetches come from, in the order they are issued (disk reads first: in flight
     # longest) and waited for.
-    self.sources = [t for t in (disk, host, remote) if t is not None]
+    self.sources = [t for t in (disk, host, pool, remote) if t is not None]
     # The disk writes in flight and the disk store's health (None without a disk tier).
     self.journal = (DiskJournal(manager=manager, disk=disk, stats=self.stats,
                                 page_bytes=config.page_bytes, dtype=config.jnp_dtype)
@@ -113,6 +113,7 @@ class TierMover:
     # A multi-process job shares one disk store: its processes take turns writing blocks
     # (each written once) and read the records their own devices need.
     self.processes = jax.process_count()
+    self.process = jax.process_index()
     self._local_shards = local_data_shards(mesh, config.data_axis)
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
@@ -157,7 +158,7 @@ class TierMover:
       if n >= max_pages:
         break
       n *= 2
-    if self.host is None and self.disk is None:
+    if self.host is None and self.disk is None and self.pool is None:
       return list(pools)
     n = buckets.MIN_TRANSFER_PAGES
     while True:
@@ -187,25 +188,61 @@ class TierMover:
 
   def demote(self, pools, evicted: list[Block]) -> None:
     """Write-back of blocks just evicted from device pages (before the pages are reused):
-    to the first lower tier."""
+    to the first lower tier (host memory; without it the pool and the disk)."""
     if self.host is not None:
       self._device_to_host(pools, self._missing(evicted, Tier.HOST))
-    elif self.disk is not None:
-      self._device_to_disk(pools, self._missing(evicted, Tier.DISK))
+    else:
+      self._device_down(pools, evicted)
 
   def copy_down(self, pools, published: list[Block]) -> None:
     """Write-through: copies freshly published device blocks to every lower tier."""
     if self.host is not None:
       self._device_to_host(pools, self._missing(published, Tier.HOST))
-    if self.disk is not None:
-      self._device_to_disk(pools, self._missing(published, Tier.DISK))
+    self._device_down(pools, published)
+
+  def _device_down(self, pools, blocks: list[Block]) -> None:
+    """Device blocks to the pool and the disk (one gather for both)."""
+    to_disk = self._missing(blocks, Tier.DISK) if self.disk is not None else []
+    to_pool = self._not_in_pool(blocks)
+    both = list({b[2]: b for b in to_disk + to_pool}.values())
+    if not both:
+      return
+    stack, per = self._gather_device(pools, both)
+    self._write_down(to_host(stack), per, stack.shape[2] // self.num_shards,
+                     {b[2] for b in to_disk}, {b[2] for b in to_pool})
+
+  def _not_in_pool(self, blocks: list[Block]) -> list[Block]:
+    if self.pool is None:
+      return []
+    return [b for b in blocks if not self.pool.recently_put(b[2])]
+
+  def _write_down(self, stack: np.ndarray, per: list[list], n: int, disk_keys: set,
+                  pool_keys: set) -> None:
+    """Raw bits ``stack`` of blocks ``per[s][i]`` (row ``s * n + i``) to the disk journal
+    (those in ``disk_keys``) and the pool (those in ``pool_keys``; in a job each block is put
+    by one process)."""
+    if self.journal is not None and disk_keys:  # it skips blocks already on disk (the rest)
+      self.journal.write(stack, per, n)
+    if self.pool is None or not pool_keys:
+      return
+    items = []
+    for s, blocks in enumerate(per):
+      for i, b in enumerate(blocks):
+        key = b[2]
+        if key not in pool_keys or (
+            self.processes > 1 and int.from_bytes(key[:4], "little") % self.processes
+            != self.process):
+          continue
+        payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
+        items.append((key, self.index.parent_of(key), payload, self.index.reuses(key) >= 1))
+    self.pool.put(items)
 
   def allocate_host(self, shard: int, n: int) -> list[int] | None:
     """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
     to disk first. None when every slot is held."""
     slots, evicted = self.manager.allocate(shard, n, Tier.HOST)
-    if evicted and self.disk is not None:  # read them out before they are overwritten
-      self.host_to_disk(self._missing([(shard, p, k) for k, p in evicted], Tier.DISK))
+    if evicted:  # read them out before they are overwritten
+      self.host_down([(shard, p, k) for k, p in evicted])
     return slots
 
   def allocate_disk(self, n: int) -> list[int] | None:
@@ -224,9 +261,9 @@ class TierMover:
         continue
       host_victims.extend((b[0], p, k) for k, p in evicted)
       placed.append((b[0], b[1], b[2], slot[0]))
-    if self.disk is not None:
-      self.host_to_disk(self._missing(host_victims, Tier.DISK))
-      self._device_to_disk(pools, self._missing(overflow, Tier.DISK))
+    self.host_down(host_victims)
+    if self.disk is not None or self.pool is not None:
+      self._device_down(pools, overflow)
     else:
       self.stats.add("host_full_drops", len(overflow))
     if not placed:
@@ -242,18 +279,17 @@ class TierMover:
     self.stats.add("demoted_host", len(placed))
     self.stats.add("bytes_moved", self._bytes(len(placed)))
 
-  def host_to_disk(self, blocks: list[Block]) -> None:
-    """``blocks``: (shard, host slot, key) of host slots about to be overwritten."""
-    if not blocks:
+  def host_down(self, blocks: list[Block]) -> None:
+    """``blocks``: (shard, host slot, key) of host slots about to be overwritten: to the
+    disk and the pool (one read of the host slots for both)."""
+    to_disk = self._missing(blocks, Tier.DISK) if self.disk is not None else []
+    to_pool = self._not_in_pool(blocks)
+    both = list({b[2]: b for b in to_disk + to_pool}.values())
+    if not both:
       return
-    ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
-    self.journal.write(self.host.read_numpy(ids), per, ids.shape[1])
-
-  def _device_to_disk(self, pools, blocks: list[Block]) -> None:
-    if not blocks:
-      return
-    stack, per = self._gather_device(pools, blocks)
-    self.journal.write(to_host(stack), per, stack.shape[2] // self.num_shards)
+    ids, per = buckets.shard_ids(both, self.num_shards, 0, lambda b: b[1])
+    self._write_down(self.host.read_numpy(ids), per, ids.shape[1], {b[2] for b in to_disk},
+                     {b[2] for b in to_pool})
 
   # ---- the disk journal (``jaxkv.worker.journal``) ------------------------------------------------
   @property
@@ -294,7 +330,7 @@ class TierMover:
       if not positions:
         continue
       mine = [fetches[i] for i in positions]
-      if source.tier in (Tier.DISK, Tier.REMOTE) and self.processes > 1:
+      if source.tier in (Tier.DISK, Tier.REMOTE, Tier.POOL) and self.processes > 1:
         # A job: each process reads what its own devices need; outcomes agreed later.
         _, handle = source.start_fetch([f for f in mine if f.shard in self._local_shards])
         reads.append(_Reads(source, handle, positions, agreed=True))
@@ -394,6 +430,7 @@ class TierMover:
     self.stats.add("verify_failures", reason.corrupt)
     self.stats.add("read_timeouts", reason == Failure.DEADLINE)
     self.stats.add("remote_failures", fetch.tier == Tier.REMOTE)
+    self.stats.add("pool_failures", fetch.tier == Tier.POOL)
 
   # ---- records of the long-context path ----------------------------------------------------
   def write_records(self, payloads: list[np.ndarray], keys: list[bytes],

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.errors import InputError
+from jaxkv.manager import POOL_PEER
 from jaxkv.stats import Stats
 from jaxkv.worker import pages as pages_lib
 from jaxkv.worker.transfers import TierMover
@@ -36,7 +37,7 @@ class CacheWorker:
     self.config, self.tiers, self.mesh = config, tiers, mesh
     self.num_shards = pages_lib.data_shards(mesh, config)
     self._manager, self._stats, self._key, self._encrypt = manager, stats, key, encrypt
-    self.host = self.disk = self.remote = self.mover = None
+    self.host = self.disk = self.remote = self.pool = self.mover = None
     self.remotes: list = []
     if tiers.host_enabled:
       from jaxkv.worker.tiers.host import HostTier
@@ -82,6 +83,11 @@ class CacheWorker:
                                    transport=tiers.remote_transport)
                       for p in tiers.remote_peers]
       self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
+    if tiers.pool_enabled:
+      from jaxkv.worker.tiers.pool import PoolTier
+      self.pool = PoolTier(tiers, payload_shape=self.payload_shape, dtype=config.jnp_dtype,
+                           fingerprint=config.fingerprint(), key=self._key,
+                           stats=self._stats).open()
     good = self._scan_disk() if self.disk is not None else []
     # The mover's jitted page moves depend on shapes only: it keeps the config without
     # the weights, so caches of differently trained models share their compilations.
@@ -89,8 +95,22 @@ class CacheWorker:
                            config=dataclasses.replace(config, weights_digest=""),
                            num_shards=self.num_shards, payload_shape=self.payload_shape,
                            host=self.host, disk=self.disk, remote=self.remote,
-                           stats=self._stats)
+                           pool=self.pool, stats=self._stats)
     return good
+
+  @property
+  def lookups(self):
+    """What admission asks about blocks beyond the local tiers (``longest_prefix``): the
+    remote peers and the pool, or None when the cache has neither."""
+    if self.remote is None and self.pool is None:
+      return None
+    return PrefixSources(self.remote, self.pool)
+
+  def close(self, timeout_s: float = 10.0) -> None:
+    """Finishes the pool's queued puts and leaves the pool (nothing else holds a connection
+    that outlives the process)."""
+    if self.pool is not None:
+      self.pool.close(timeout_s)
 
   def disk_available(self) -> bool:
     """Whether the disk tier takes reads and writes now (not detached after failures)."""
@@ -206,3 +226,26 @@ class CacheWorker:
   def flush(self, timeout_s: float) -> int:
     """Waits for lower-tier writes in flight; returns how many did not finish in time."""
     return self.mover.flush(timeout_s)
+
+
+
+class PrefixSources:
+  """The remote peers and the pool behind one ``longest_prefix`` (what
+  ``CacheManager.peer_prefix`` asks on its lookup thread): ``(peer, blocks)`` of the source
+  holding the longest prefix beyond ``local`` blocks, ``peer`` being ``POOL_PEER`` for the
+  pool (which wins ties: no peer has to serve it)."""
+
+  def __init__(self, remote, pool):
+    self.remote, self.pool = remote, pool
+
+  def longest_prefix(self, keys: list[bytes], local: int) -> tuple[int, int] | None:
+    best = None
+    if self.pool is not None and len(keys) > local:
+      n = self.pool.lookup(keys, local)
+      if n > local:
+        best = (POOL_PEER, n)
+    if self.remote is not None:
+      found = self.remote.longest_prefix(keys, best[1] if best else local)
+      if found is not None:
+        best = found
+    return best

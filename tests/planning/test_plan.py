@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from jaxkv.tools.capacity import capacity_plan, choose_window, stream_step_s
-from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
-from jaxkv.planning.plan import (ABSENT, DECISIONS, DISK, HOST, HOT, REMOTE, SHARD, PlanInputs,
+from jaxkv.planning.costs import LINKS, CostModel, LinkCost, PrefillCurve
+from jaxkv.planning.plan import (ABSENT, DECISIONS, DISK, HOST, HOT, POOL, REMOTE, SHARD, PlanInputs,
                         build_inputs, plan)
 from plan_oracle import brute_force, first_pass
 
 
 def cost_model(rng) -> CostModel:
   links = {name: LinkCost(float(rng.uniform(0, 2e-3)), float(10 ** rng.uniform(7, 10)))
-           for name in ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard")}
+           for name in LINKS}
   curve = PrefillCurve(float(rng.uniform(0, 5e-3)), float(10 ** rng.uniform(-6, -3)),
                        float(10 ** rng.uniform(-10, -7)))
   return CostModel(links=links, prefill=curve)
@@ -31,8 +31,8 @@ def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0, tail_widths=()):
       e = int(rng.integers(0, m + 1))
       h = int(rng.integers(0, e + 1))
       tiers[i, j, :h] = HOT
-      tiers[i, j, h:e] = rng.choice([HOST, DISK, REMOTE, SHARD, ABSENT],
-                                    size=e - h, p=[0.24, 0.24, 0.2, 0.2, 0.12])
+      tiers[i, j, h:e] = rng.choice([HOST, DISK, REMOTE, SHARD, POOL, ABSENT],
+                                    size=e - h, p=[0.2, 0.2, 0.16, 0.16, 0.16, 0.12])
       hot[i, j], end[i, j] = h, e
   return PlanInputs(
       tiers=tiers, block_bytes=rng.uniform(1e5, 4e6, (r, d, m)).astype(np.float32), hot=hot,

@@ -1,0 +1,427 @@
+"""POOL tier: blocks in a Mooncake Store pool, the memory every node of a deployment lends.
+
+Each process mounts a segment of its own host memory in the pool (``TierConfig.pool_segment_mb``)
+and puts the blocks it demotes there; the pool's master places every value on some
+segment (``pool_replicas`` copies), evicts by lease and soft pin, and any process of any
+job that knows the master reads it back. A block another process put is a hit here: the
+pool is shared like a store, not owned like the host tier, so its blocks are not in the
+prefix index. Admission asks the pool (one ``batch_is_exist`` per request, on the lookup
+thread) how many blocks after those cached locally it holds, and the plan prices them over
+the ``pool_to_host`` link, calibrated at start and learned from every fetch.
+
+The pool is untrusted storage (it has no authentication; anyone who reaches the master can
+read, overwrite or delete any value):
+
+- With a deployment key, a value's name is a keyed hash of its block key (``name``), so the
+  pool learns no block key, and its value is the block's record (``blocks``, CRC-32C) sealed
+  with AES-256-GCM (``security.Seal``, purpose ``pool-value``) with the block key and the
+  model fingerprint as associated data. A value moved under another name, written without
+  the key, or changed does not open (``Failure.MAC``, counted); its chain is recomputed.
+- Without a key, the name is the block key in hex and the value the plain record: its CRC
+  catches accidents only, and the pool holds the prompt's KV in the clear. One ``INSECURE:``
+  line says so.
+
+Every read has a deadline: gets run on a few threads (the client releases the GIL; a get
+whose segment's owner stopped answering returns only after the client's own 30 s), and
+``finish_fetch`` takes what arrived by ``t_end``; the rest is ``Failure.DEADLINE``. A value
+gone (evicted, or on a segment whose process died) is ``Failure.GONE``; an error of the
+client (the master down) is ``Failure.IO``. After three failed calls in a row the pool is
+skipped for a cool-down (``Breaker``): lookups answer nothing and puts are dropped, counted,
+until a call succeeds again (the client reconnects to a restarted master by itself).
+
+Puts are written behind, on one thread, from a bounded queue (``pool_queue_mb``): a put the
+queue has no room for is dropped and counted, never waited for. Blocks already in the pool
+are not put again (one ``batch_is_exist`` per batch). A put the pool refuses (full: every
+value's lease is live) is counted. Blocks reused at least once when they are put
+are soft-pinned for ``pool_pin_s`` (eviction takes unpinned values first; the pin ends with
+its time-to-live).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import hmac
+import queue
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+import numpy as np
+from absl import logging
+
+from jaxkv import security
+from jaxkv.errors import InputError
+from jaxkv.manager.index import Tier
+from jaxkv.stats import Stats
+from jaxkv.worker.tiers import blocks
+from jaxkv.worker.tiers.base import Breaker, Failure, Fetch, FetchOutcome
+from jaxkv.worker.tiers.pool import native
+
+GET_THREADS = 4
+RECENT_KEYS = 1 << 16  # keys queued lately that are not queued again
+
+
+def split_address(address: str, flag: str = "--pool") -> tuple[str, int]:
+  """``host:port`` as ``(host, port)`` (InputError naming ``flag`` otherwise)."""
+  host, _, port = str(address).rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise InputError(f"{flag}={address!r} is not HOST:PORT (the Mooncake master's RPC "
+                     "address, e.g. 10.0.0.5:50051).")
+  return host.strip("[]"), int(port)
+
+
+def metadata_url(master: str, metadata: str | None) -> str:
+  """The HTTP metadata server's URL: ``metadata``, else the master's host on port 8080
+  (``mooncake_master --enable_http_metadata_server``'s default port)."""
+  if metadata:
+    u = urlparse(metadata)
+    if u.scheme not in ("http", "https") or not u.hostname or not u.port:
+      raise InputError(f"--pool_metadata={metadata!r} is not an http://HOST:PORT/metadata URL "
+                       "(the master's HTTP metadata server).")
+    return metadata
+  return f"http://{split_address(master)[0]}:8080/metadata"
+
+
+def local_address(master: str) -> str:
+  """The address of this host that the master (and so the other nodes) reach it at."""
+  host, port = split_address(master)
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                     socket.SOCK_DGRAM) as s:
+    try:
+      s.connect((host, port))  # a UDP connect sends nothing: it picks the route
+      return s.getsockname()[0]
+    except OSError:
+      return "127.0.0.1"
+
+
+def check_reachable(master: str, metadata: str | None, timeout_s: float = 3.0) -> None:
+  """Raises InputError naming the flag and the fix when the master's RPC port or its
+  metadata server does not answer (before anything slow starts)."""
+  host, port = split_address(master)
+  try:
+    with socket.create_connection((host, port), timeout=timeout_s):
+      pass
+  except OSError as e:
+    raise InputError(f"--pool={master}: no Mooncake master answers there ({e.strerror or e}); "
+                     "start mooncake_master (--rpc_port) or fix the address.") from None
+  url = urlparse(metadata_url(master, metadata))
+  try:
+    with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
+      pass
+  except OSError as e:
+    raise InputError(f"--pool_metadata={metadata_url(master, metadata)}: the master's HTTP "
+                     f"metadata server does not answer ({e.strerror or e}); start the master "
+                     "with --enable_http_metadata_server=true --http_metadata_server_port=P, "
+                     "or give its URL.") from None
+
+
+class _Put:
+  __slots__ = ("key", "parent", "payload", "pin")
+
+  def __init__(self, key, parent, payload, pin):
+    self.key, self.parent, self.payload, self.pin = key, parent, payload, pin
+
+
+class PoolTier:
+  """A Mooncake Store pool as a tier: lookups, fetches (``FetchSource``) and puts."""
+
+  tier = Tier.POOL
+
+  def __init__(self, tiers, *, payload_shape: tuple, dtype, fingerprint: bytes,
+               key: bytes | None, stats: Stats | None = None):
+    self.tiers = tiers
+    self.payload_shape, self.dtype = tuple(payload_shape), dtype
+    self.fingerprint, self.key = fingerprint, key
+    self.stats = stats if stats is not None else Stats()
+    self._seal = security.Seal(key, "pool-value") if key is not None else None
+    self.record_bytes = blocks.record_bytes(self.payload_shape, dtype)
+    self.value_bytes = self.record_bytes + (security.Seal.OVERHEAD if key is not None else 0)
+    self.master = tiers.pool_master
+    self.metadata = metadata_url(tiers.pool_master, tiers.pool_metadata)
+    self.breaker = Breaker(trip_after=3, cool_down_s=5.0)
+    self.client = None
+    self._store = None
+    self._gets = None
+    self._puts: queue.Queue = queue.Queue()
+    self._queued_bytes = 0
+    self._lock = threading.Lock()
+    self._writer = None
+    self._closed = False
+    self._idle = threading.Event()
+    self._idle.set()
+    self._recent: collections.OrderedDict = collections.OrderedDict()  # keys put lately
+    if key is None:
+      security.warn_insecure(
+          f"the pool tier at {self.master} holds blocks in the clear under their block keys, "
+          "and anyone who reaches the master can read, replace or delete them",
+          "set a deployment key (JAXKV_DEPLOYMENT_KEY or --deployment_key_file) to name them "
+          "by keyed hashes and seal them")
+
+  # ---- opening and closing -----------------------------------------------------------------
+  def open(self) -> "PoolTier":
+    """Connects to the master and mounts this process's segment (raises InputError with the
+    flag and the fix when that fails)."""
+    store = native.load_store()
+    self._store = store
+    client = store.MooncakeDistributedStore()
+    t = self.tiers
+    rc = client.setup(local_address(self.master), self.metadata, t.pool_segment_mb << 20,
+                      t.pool_buffer_mb << 20, t.pool_protocol, t.pool_rdma_devices,
+                      self.master)
+    if rc != 0:
+      raise InputError(f"--pool={self.master}: mounting a {t.pool_segment_mb} MiB segment "
+                       f"failed (Mooncake setup returned {rc}); check that the master runs "
+                       f"there, that --pool_metadata={self.metadata} is its metadata server, "
+                       "and that --pool_segment_mb fits in free memory.")
+    self.client = client
+    self._gets = concurrent.futures.ThreadPoolExecutor(GET_THREADS,
+                                                       thread_name_prefix="jaxkv-pool-get")
+    self._writer = threading.Thread(target=self._write_loop, name="jaxkv-pool-put",
+                                    daemon=True)
+    self._writer.start()
+    logging.info("pool tier: master %s, %d MiB lent, %d replica(s), values of %d bytes%s",
+                 self.master, t.pool_segment_mb, t.pool_replicas, self.value_bytes,
+                 ", sealed" if self._seal else "")
+    return self
+
+  def close(self, timeout_s: float = 10.0) -> None:
+    """Finishes the queued puts (up to ``timeout_s``), unmounts the segment, disconnects."""
+    if self.client is None or self._closed:
+      return
+    self.settle(timeout_s)
+    self._closed = True
+    self._puts.put(None)
+    self._writer.join(timeout_s)
+    self._gets.shutdown(wait=False, cancel_futures=True)
+    try:
+      self.client.close()
+    except Exception:  # pylint: disable=broad-except  (closing a client whose master is gone)
+      logging.exception("closing the pool client failed")
+
+  def scratch(self, fingerprint: bytes) -> "PoolTier":
+    """A tier over the same connection whose values live under another fingerprint
+    (calibration's: nobody else reads them)."""
+    other = PoolTier.__new__(PoolTier)
+    other.__dict__.update(self.__dict__)
+    other.fingerprint = fingerprint
+    return other
+
+  # ---- names and values ----------------------------------------------------------------------
+  def name(self, key: bytes) -> str:
+    """The pool's name for a block: keyed (the pool learns no block key) under a key."""
+    if self.key is None:
+      return f"jaxkv/{self.fingerprint[:16].hex()}/{key.hex()}"
+    space = hmac.new(self.key, b"jaxkv-pool-space\x00" + self.fingerprint,
+                     hashlib.sha256).hexdigest()[:32]
+    return f"jaxkv/{space}/" + hmac.new(self.key, b"jaxkv-pool-name\x00" + key,
+                                        hashlib.sha256).hexdigest()
+
+  def value(self, key: bytes, payload: np.ndarray, parent: bytes | None) -> bytes:
+    record = blocks.encode(payload, key, self.fingerprint, parent).tobytes()
+    if self._seal is None:
+      return record
+    return self._seal.seal(key + self.fingerprint, record)
+
+  def decode(self, key: bytes, value) -> np.ndarray:
+    """The verified payload of a value read under ``key``'s name (raises BlockError)."""
+    if self._seal is not None:
+      try:
+        value = self._seal.open(key + self.fingerprint, value)
+      except security.SealError as e:
+        raise blocks.BlockError("mac", str(e)) from None
+    return blocks.decode(np.frombuffer(value, np.uint8), key=key, fingerprint=self.fingerprint,
+                         dtype=self.dtype, shape=self.payload_shape)
+
+  # ---- lookups ---------------------------------------------------------------------------------
+  def _call(self, what: str, fn, *args):
+    """One client call; an exception or a negative code trips the breaker (and raises)."""
+    try:
+      out = fn(*args)
+    except Exception:
+      self.breaker.record(False)
+      raise
+    return out
+
+  def present(self, keys: list[bytes]) -> list[bool]:
+    """Which blocks the pool holds now (empty when it is cooling down or fails)."""
+    if not keys or self.client is None or not self.breaker.available:
+      return [False] * len(keys)
+    try:
+      codes = self._call("exist", self.client.batch_is_exist, [self.name(k) for k in keys])
+    except Exception:  # pylint: disable=broad-except  (a pool that fails is a miss)
+      logging.exception("pool lookup failed")
+      self.stats.add("pool_lookup_errors")
+      return [False] * len(keys)
+    if any(c < 0 for c in codes):
+      self.breaker.record(False)
+      self.stats.add("pool_lookup_errors")
+    else:
+      self.breaker.record(True)
+    return [c > 0 for c in codes]
+
+  def lookup(self, keys: list[bytes], local: int = 0) -> int:
+    """Blocks of ``keys`` cached in the pool or locally, from the front: ``local`` plus the
+    leading run of ``keys[local:]`` the pool holds."""
+    self.stats.add("pool_lookups")
+    there = self.present(list(keys[local:]))
+    run = next((i for i, p in enumerate(there) if not p), len(there))
+    return local + run
+
+  # ---- FetchSource -----------------------------------------------------------------------------
+  def _get(self, keys: list[bytes]) -> list:
+    return self.client.get_batch([self.name(k) for k in keys])
+
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list]:
+    """Issues one batched get per request (on the get threads) without waiting."""
+    groups: dict = collections.defaultdict(list)
+    for i, f in enumerate(fetches):
+      groups[f.request].append(i)
+    pending = []
+    for positions in groups.values():
+      keys = [fetches[i].key for i in positions]
+      future = (self._gets.submit(self._get, keys) if self.breaker.available
+                else None)
+      pending.append((positions, future))
+    return None, (tuple(fetches), pending)
+
+  def finish_fetch(self, handle, t_end: float, stage) -> FetchOutcome:
+    fetches, pending = handle
+    failures: list = [None] * len(fetches)
+    staged = []
+    for positions, future in pending:
+      if future is None:
+        for i in positions:
+          failures[i] = Failure.BREAKER
+        continue
+      try:
+        values = future.result(timeout=max(0.0, t_end - time.monotonic()))
+      except concurrent.futures.TimeoutError:
+        future.cancel()
+        self.breaker.record(False)
+        for i in positions:
+          failures[i] = Failure.DEADLINE
+        continue
+      except Exception as e:  # pylint: disable=broad-except  (a failed get is a miss)
+        logging.warning("pool get failed: %s", e)
+        self.breaker.record(False)
+        for i in positions:
+          failures[i] = Failure.IO
+        continue
+      self.breaker.record(True)
+      for i, value in zip(positions, values):
+        f = fetches[i]
+        if not value:
+          failures[i] = Failure.GONE
+          continue
+        try:
+          payload = self.decode(f.key, value)
+        except blocks.BlockError as e:
+          failures[i] = e.reason
+          logging.warning("pool value for block %s rejected and removed: %s",
+                          f.key[:8].hex(), e)
+          self._remove(f.key)
+          continue
+        staged.append((f.shard, f.page, payload))
+    return FetchOutcome(stage(staged) if staged else None, tuple(failures))
+
+  def _remove(self, key: bytes) -> None:
+    try:
+      self.client.remove(self.name(key), True)
+    except Exception:  # pylint: disable=broad-except  (best effort: the next reader rejects it too)
+      logging.exception("removing a rejected pool value failed")
+
+  def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
+    """Reads and verifies blocks (all in one get) within the deadline; raises on a miss."""
+    future = self._gets.submit(self._get, list(keys))
+    values = future.result(timeout=max(0.0, t_end - time.monotonic()))
+    if not all(values):
+      raise blocks.BlockError("magic", "a calibration value is not in the pool")
+    return [self.decode(k, v) for k, v in zip(keys, values)]
+
+  # ---- puts ------------------------------------------------------------------------------------
+  def recently_put(self, key: bytes) -> bool:
+    """Whether this process queued ``key`` for the pool lately (not put again)."""
+    if key in self._recent:
+      self._recent.move_to_end(key)
+      return True
+    return False
+
+  def put(self, items: list[tuple[bytes, bytes | None, np.ndarray, bool]]) -> None:
+    """Queues ``(key, parent, payload, pin)`` puts; those the queue has no room for are
+    dropped and counted (never waited for)."""
+    limit = self.tiers.pool_queue_mb << 20
+    for key, parent, payload, pin in items:
+      if self._closed or not self.breaker.available:
+        self.stats.add("pool_put_dropped")
+        continue
+      with self._lock:
+        if self._queued_bytes + payload.nbytes > limit:
+          self.stats.add("pool_put_dropped")
+          continue
+        self._queued_bytes += payload.nbytes
+        self._idle.clear()
+      self._recent[key] = None
+      if len(self._recent) > RECENT_KEYS:
+        self._recent.popitem(last=False)
+      self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin))
+
+  def settle(self, timeout_s: float = 30.0) -> bool:
+    """Waits (up to ``timeout_s``) until every queued put was tried; True when none is left."""
+    return self._idle.wait(timeout_s)
+
+  def _write_loop(self) -> None:
+    while True:
+      first = self._puts.get()
+      if first is None:
+        return
+      batch = [first]
+      while len(batch) < 64:
+        try:
+          nxt = self._puts.get_nowait()
+        except queue.Empty:
+          break
+        if nxt is None:
+          self._puts.put(None)
+          break
+        batch.append(nxt)
+      try:
+        self._write(batch)
+      except Exception:  # pylint: disable=broad-except  (a put that fails is counted, not fatal)
+        logging.exception("pool puts failed")
+        self.breaker.record(False)
+        self.stats.add("pool_put_errors", len(batch))
+      finally:
+        with self._lock:
+          self._queued_bytes -= sum(p.payload.nbytes for p in batch)
+          if self._queued_bytes == 0 and self._puts.empty():
+            self._idle.set()
+
+  def _config(self, pin: bool):
+    config = self._store.ReplicateConfig()
+    config.replica_num = self.tiers.pool_replicas
+    if pin and self.tiers.pool_pin_s > 0:
+      config.soft_pin_action = self._store.SoftPinAction.ENABLE
+      config.soft_pin_ttl_ms = int(self.tiers.pool_pin_s * 1000)
+    return config
+
+  def _write(self, batch: list[_Put]) -> None:
+    names = [self.name(p.key) for p in batch]
+    there = self.client.batch_is_exist(names)
+    for p, name, code in zip(batch, names, there):
+      if code > 0:
+        self.stats.add("pool_put_present")
+        continue
+      if code < 0:
+        self.breaker.record(False)
+        self.stats.add("pool_put_errors")
+        continue
+      rc = self.client.put(name, self.value(p.key, p.payload, p.parent), self._config(p.pin))
+      if rc == 0:
+        self.breaker.record(True)
+        self.stats.add("pool_puts")
+        self.stats.add("pool_pinned", p.pin)
+      else:
+        self.stats.add("pool_put_refused")
