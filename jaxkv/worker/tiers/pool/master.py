@@ -1,7 +1,7 @@
 """A Mooncake master on this machine: for the tests, the bench and a single-node trial.
 
-``LocalMaster`` starts the wheel's ``mooncake_master`` with its HTTP metadata server, both
-on loopback ports of their own, waits until both answer, and stops it with its whole
+``LocalMaster`` starts the wheel's ``mooncake_master`` with its HTTP metadata server (and
+its metrics server), each on a loopback port of its own, waits until both answer, and stops it with its whole
 process group. ``restart`` brings it back on the same ports (what a crashed master's
 supervisor does); the pool's contents do not survive it (the master keeps them in memory:
 clients remount their segments and put again).
@@ -38,7 +38,7 @@ class LocalMaster:
 
   def __init__(self, *, log_path: str | None = None, lease_ms: int = 2000,
                flags: tuple = ()):
-    self.rpc_port, self.http_port = free_port(), free_port()
+    self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
     self.log_path = log_path or os.devnull
     self.flags = (f"--default_kv_lease_ttl={lease_ms}", "--client_ttl=3", *flags)
     self.proc: subprocess.Popen | None = None
@@ -55,7 +55,8 @@ class LocalMaster:
     native.fetch_libs()
     cmd = [native.master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
            "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
-           "--http_metadata_server_host=127.0.0.1", *self.flags]
+           "--http_metadata_server_host=127.0.0.1", "--metrics_host=127.0.0.1",
+           f"--metrics_port={self.metrics_port}", *self.flags]
     with open(self.log_path, "ab") as log:
       self.proc = subprocess.Popen(cmd, env=native.master_env(), stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)

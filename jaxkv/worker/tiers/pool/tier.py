@@ -329,7 +329,7 @@ class PoolTier:
 
   def _remove(self, key: bytes) -> None:
     try:
-      self.client.remove(self.name(key), True)
+      self.stats.add("pool_removed", self.client.remove(self.name(key), True) == 0)
     except Exception:  # pylint: disable=broad-except  (best effort: the next reader rejects it too)
       logging.exception("removing a rejected pool value failed")
 
@@ -344,9 +344,10 @@ class PoolTier:
   # ---- puts ------------------------------------------------------------------------------------
   def recently_put(self, key: bytes) -> bool:
     """Whether this process queued ``key`` for the pool lately (not put again)."""
-    if key in self._recent:
-      self._recent.move_to_end(key)
-      return True
+    with self._lock:
+      if key in self._recent:
+        self._recent.move_to_end(key)
+        return True
     return False
 
   def put(self, items: list[tuple[bytes, bytes | None, np.ndarray, bool]]) -> None:
@@ -363,9 +364,9 @@ class PoolTier:
           continue
         self._queued_bytes += payload.nbytes
         self._idle.clear()
-      self._recent[key] = None
-      if len(self._recent) > RECENT_KEYS:
-        self._recent.popitem(last=False)
+        self._recent[key] = None
+        if len(self._recent) > RECENT_KEYS:
+          self._recent.popitem(last=False)
       self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin))
 
   def settle(self, timeout_s: float = 30.0) -> bool:
@@ -417,6 +418,7 @@ class PoolTier:
       if code < 0:
         self.breaker.record(False)
         self.stats.add("pool_put_errors")
+        self._forget(p.key)
         continue
       rc = self.client.put(name, self.value(p.key, p.payload, p.parent), self._config(p.pin))
       if rc == 0:
@@ -425,3 +427,8 @@ class PoolTier:
         self.stats.add("pool_pinned", p.pin)
       else:
         self.stats.add("pool_put_refused")
+        self._forget(p.key)  # may be put again later
+
+  def _forget(self, key: bytes) -> None:
+    with self._lock:
+      self._recent.pop(key, None)

@@ -1,0 +1,245 @@
+"""The POOL tier against a real Mooncake master on loopback: a block one cache puts is a
+hit in another (another process too), names and values reveal and accept nothing without
+the deployment key, and every fault (master killed and back, a lender killed or stopped, a
+tampered or moved value, a pool with no room) is a counted miss with the exact answer,
+never a wait past the read deadline."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.errors import InputError
+from jaxkv.worker.tiers.pool import check_reachable, native
+from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
+
+import helpers
+
+KEY = b"the deployment key of the pool tests, 32+ bytes long"
+LENGTH = 30  # tokens per prompt: 7 full blocks of 4
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+  with LocalMaster(log_path=str(tmp_path_factory.mktemp("pool") / "master.log")) as m:
+    yield m
+
+
+def pool_engine(mesh, m, *, key=None, segment_mb=16, host=0, disk=None, policy="write_through",
+                deadline_s=10.0, **kw):
+  tiers = jaxkv.TierConfig(pool_master=m.address, pool_metadata=m.metadata,
+                           pool_segment_mb=segment_mb, write_policy=policy,
+                           host_pages_per_shard=host, read_deadline_s=deadline_s,
+                           disk_kvstore=disk, disk_pages=64 if disk else 0)
+  return helpers.make_engine(mesh, tiers=tiers, deployment_key=key, **kw)
+
+
+def prompts(seed, n=2):
+  return [[1 + (seed * 37 + i * 11 + j * 3) % 120 for j in range(LENGTH)] for i in range(n)]
+
+
+def blocks_of(n_prompts):
+  return n_prompts * ((LENGTH - 1) // 4)  # usable blocks: one token is left to compute
+
+
+def close(*engines):
+  for e in engines:
+    e.cache.worker.close()
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_block_one_cache_put_is_a_hit_in_another_exact_and_named_by_key_only(
+    mesh, master, fresh, keyed):
+  key = KEY if keyed else None
+  a, b = pool_engine(mesh, master, key=key), pool_engine(mesh, master, key=key)
+  ps = prompts(1 + keyed)
+  want = fresh.generate(ps, 3)
+  assert a.generate(ps, 3) == want
+  assert a.cache.pool.settle(30)
+  assert a.stats()["pool_puts"] >= blocks_of(2)
+  assert b.generate(ps, 3) == want
+  s = b.stats()
+  assert s["hits"]["pool"] == blocks_of(2), s["hits"]
+  assert s["pool_failures"] == 0 and s["verify_failures"] == 0
+  # What the pool sees: with a key, names that are keyed hashes (no block key in them) and
+  # sealed values; without one, the block key in the name.
+  pool, keys = b.cache.pool, b.cache.index.block_keys(ps[0], "default")[:3]
+  names = [pool.name(k) for k in keys]
+  assert any(k.hex() in n for k, n in zip(keys, names)) != keyed
+  value = pool.client.get(names[0])
+  assert len(value) == pool.value_bytes
+  assert (b"JAXKVBK1" in value) != keyed  # the record's magic is visible only in the clear
+  close(a, b)
+
+
+def test_a_value_moved_tampered_or_written_without_the_key_is_rejected_counted_and_removed(
+    mesh, master, fresh):
+  a, b = pool_engine(mesh, master, key=KEY), pool_engine(mesh, master, key=KEY)
+  ps = prompts(3, 1)
+  want = fresh.generate(ps, 3)
+  a.generate(ps, 3)
+  assert a.cache.pool.settle(30)
+  pool = a.cache.pool
+  keys = a.cache.index.block_keys(ps[0], "default")
+  client = pool.client
+  # Block 1's value put under block 0's name; block 2's flipped; block 3's replaced by a
+  # keyless record of the right block (what a writer without the key can make).
+  moved = client.get(pool.name(keys[1]))
+  flipped = bytearray(client.get(pool.name(keys[2])))
+  flipped[len(flipped) // 2] ^= 1
+  payload = np.zeros(pool.payload_shape, pool.dtype)
+  unkeyed = pool.scratch(pool.fingerprint)
+  unkeyed.key, unkeyed._seal = None, None  # pylint: disable=protected-access
+  forged = unkeyed.value(keys[3], payload, keys[2])
+  for k, v in ((keys[0], moved), (keys[2], bytes(flipped)), (keys[3], forged)):
+    assert client.remove(pool.name(k), True) == 0
+    assert client.put(pool.name(k), v) == 0
+  assert b.generate(ps, 3) == want  # the first bad block ends the hit: recomputed from there
+  s = b.stats()
+  assert s["verify_failures_by_reason"] == {"mac": 3}, s["verify_failures_by_reason"]
+  assert s["hits"]["pool"] == 0 and s["pool_failures"] == 3
+  # The rejected values were removed, and put again by the reader, which recomputed them:
+  # every value verifies now, and the next cache hits them all.
+  assert s["pool_removed"] == 3
+  assert b.cache.pool.settle(30)
+  for k in keys[:4]:
+    pool.decode(k, client.get(pool.name(k)))
+  c = pool_engine(mesh, master, key=KEY)
+  assert c.generate(ps, 3) == want
+  assert c.stats()["hits"]["pool"] == blocks_of(1)
+  close(a, b, c)
+
+
+def test_the_master_killed_mid_run_is_a_counted_miss_and_the_pool_comes_back(
+    mesh, tmp_path, fresh):
+  with LocalMaster(log_path=str(tmp_path / "master.log")) as m:
+    a = pool_engine(mesh, m, deadline_s=2.0)
+    ps = prompts(4, 1)
+    want = {tuple(p): fresh.generate([p], 3)[0] for p in ps}
+    assert a.generate(ps, 3)[0] == want[tuple(ps[0])]
+    assert a.cache.pool.settle(30)
+    m.stop()
+    helpers.forget_device_copies(a)
+    a.reset_stats()
+    t0 = time.monotonic()
+    assert a.generate(ps, 3)[0] == want[tuple(ps[0])]  # the lookup fails: recomputed
+    assert time.monotonic() - t0 < 60  # no wait on a dead master (the deadline holds)
+    s = a.stats()
+    assert s["hits"]["pool"] == 0 and s["computed_tokens"] == LENGTH
+    assert s["pool_lookup_errors"] >= 1
+    # The master is back (empty: it keeps the pool in memory); the client reconnects and
+    # puts again, and another cache hits what it put.
+    m.start()
+    tried = []
+
+    def put_one():
+      later = prompts(100 + len(tried), 1)
+      tried.append(later)
+      a.generate(later, 3)
+      a.cache.pool.settle(10)
+      return a.stats()["pool_puts"] > 0
+
+    helpers.wait_for(put_one, 60, "puts succeed after the master came back", interval_s=0.5)
+    b = pool_engine(mesh, m)
+    assert b.generate(tried[-1], 3) == fresh.generate(tried[-1], 3)
+    assert b.stats()["hits"]["pool"] == blocks_of(1)
+    close(a, b)
+
+
+def _start_lender(m, ps):
+  proc = helpers.start_process([sys.executable, "tests/pool_lender.py", m.address, m.metadata,
+                                json.dumps(ps)])
+  line = proc.stdout.readline()
+  if not line.startswith("READY"):
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"the lender did not start: {line!r} {proc.stderr.read()[-2000:]}")
+  return proc, int(line.split()[1])
+
+
+def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_when_it_hangs(
+    mesh, master, fresh):
+  ps = prompts(6, 2)
+  want = fresh.generate(ps, 3)
+  proc, put = _start_lender(master, ps)
+  try:
+    assert put >= blocks_of(2)
+    # This process lends nothing: every value lives in the lender's segment.
+    a = pool_engine(mesh, master, segment_mb=0, deadline_s=1.5)
+    assert a.generate(ps[:1], 3) == want[:1]
+    assert a.stats()["hits"]["pool"] == blocks_of(1)
+    # The lender stops answering (SIGSTOP): a get hangs in the client for 30 s, the read
+    # deadline makes it a miss after 1.5 s and the prompt is recomputed.
+    os.killpg(proc.pid, signal.SIGSTOP)
+    b = pool_engine(mesh, master, segment_mb=0, deadline_s=1.5)
+    t0 = time.monotonic()
+    assert b.generate(ps[1:], 3) == want[1:]
+    assert time.monotonic() - t0 < 25
+    s = b.stats()
+    assert s["verify_failures_by_reason"].get("deadline", 0) >= 1 or s["hits"]["pool"] == 0
+    assert s["read_timeouts"] >= 1, s
+    os.killpg(proc.pid, signal.SIGCONT)
+    # The lender killed: its blocks vanish (a miss each, recomputed exactly).
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    c = pool_engine(mesh, master, segment_mb=0, deadline_s=5.0)
+    assert c.generate(ps, 3) == want
+    assert c.stats()["hits"]["pool"] == 0
+    close(a, b, c)
+  finally:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+def test_a_pool_with_no_room_refuses_puts_counted_and_answers_stay_exact(mesh, tmp_path, fresh):
+  with LocalMaster(log_path=str(tmp_path / "master.log")) as m:
+    a = pool_engine(mesh, m, segment_mb=0)  # nobody lends: nothing fits
+    ps = prompts(7, 2)
+    want = fresh.generate(ps, 3)
+    assert a.generate(ps, 3) == want
+    assert a.cache.pool.settle(30)
+    s = a.stats()
+    assert s["pool_puts"] == 0 and s["pool_put_refused"] >= blocks_of(2)
+    b = pool_engine(mesh, m, segment_mb=0)
+    assert b.generate(ps, 3) == want and b.stats()["hits"]["pool"] == 0
+    close(a, b)
+
+
+def test_pool_between_host_and_disk_takes_what_the_host_evicts(mesh, master, fresh, tmp_path):
+  """Write-back with a small device pool and host tier: the host's victims go to the pool
+  and the disk; a cache with the pool alone then hits them there."""
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=16, max_pages_per_seq=16)
+  a = pool_engine(mesh, master, key=KEY, host=2, disk=str(tmp_path / "d"), policy="write_back",
+                  cache=cc, max_seqs_per_shard=2)
+  ps = [p for seed in range(8, 14) for p in prompts(seed, 2)]
+  want = fresh.generate(ps, 3)
+  assert a.generate(ps, 3) == want
+  assert a.cache.pool.settle(30)
+  s = a.stats()
+  assert s["pool_puts"] > 0 and s["demoted_host"] > 0 and s["disk_writes"] > 0
+  b = pool_engine(mesh, master, key=KEY)
+  assert b.generate(ps[:2], 3) == want[:2]
+  assert b.stats()["hits"]["pool"] > 0
+  close(a, b)
+
+
+def test_bad_pool_settings_name_the_flag_and_the_fix():
+  with pytest.raises(InputError, match=r"--pool=nohost.*HOST:PORT"):
+    check_reachable("nohost", None)
+  port = free_port()
+  with pytest.raises(InputError, match=rf"--pool=127.0.0.1:{port}: no Mooncake master"):
+    check_reachable(f"127.0.0.1:{port}", None, timeout_s=1)
+  with pytest.raises(InputError, match="--pool_metadata='ftp://x' is not"):
+    check_reachable(f"127.0.0.1:{port}", "ftp://x")
+  with pytest.raises(InputError, match="pool_replicas"):
+    jaxkv.TierConfig(pool_master="127.0.0.1:1", pool_replicas=0)
+  with pytest.raises(InputError, match="pool_master"):
+    jaxkv.TierConfig(pool_master="127.0.0.1")
+  assert native.lib_dir()
