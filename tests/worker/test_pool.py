@@ -231,7 +231,7 @@ def test_pool_between_host_and_disk_takes_what_the_host_evicts(mesh, master, fre
 
 
 def test_bad_pool_settings_name_the_flag_and_the_fix():
-  with pytest.raises(InputError, match=r"--pool=nohost.*HOST:PORT"):
+  with pytest.raises(InputError, match=r"--pool='nohost' is not HOST:PORT"):
     check_reachable("nohost", None)
   port = free_port()
   with pytest.raises(InputError, match=rf"--pool=127.0.0.1:{port}: no Mooncake master"):
