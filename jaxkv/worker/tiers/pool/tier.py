@@ -101,13 +101,13 @@ def check_reachable(master: str, metadata: str | None, timeout_s: float = 3.0) -
   """Raises InputError naming the flag and the fix when the master's RPC port or its
   metadata server does not answer (before anything slow starts)."""
   host, port = split_address(master)
+  url = urlparse(metadata_url(master, metadata))  # a malformed URL is refused before any wait
   try:
     with socket.create_connection((host, port), timeout=timeout_s):
       pass
   except OSError as e:
     raise InputError(f"--pool={master}: no Mooncake master answers there ({e.strerror or e}); "
                      "start mooncake_master (--rpc_port) or fix the address.") from None
-  url = urlparse(metadata_url(master, metadata))
   try:
     with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
       pass
