@@ -231,6 +231,11 @@ class KVCache:
     """Waits for lower-tier writes in flight; returns how many did not finish in time."""
     return self.worker.flush(timeout_s)
 
+  def close(self, timeout_s: float = 10.0) -> None:
+    """Leaves what outlives the process otherwise: the pool's queued puts are finished (up
+    to ``timeout_s``) and its segment unmounted. The cache serves no more after it."""
+    self.worker.close(timeout_s)
+
   def occupancy(self) -> dict:
     """``cached_blocks`` and ``capacity_blocks`` by tier (device and host summed over data
     shards; disk is one store) and ``referenced_pages`` (device page references held)."""

@@ -28,8 +28,20 @@ DISK_DIR = flags.DEFINE_string(
 DISK_PAGES = flags.DEFINE_integer(
     "disk_pages", None, "Alias of --config.tiers.disk_pages: the disk tier's capacity in "
     "blocks (a disk tier given none gets 4096).", lower_bound=1)
+POOL = flags.DEFINE_string(
+    "pool", None, "Alias of --config.tiers.pool_master: HOST:PORT of a Mooncake Store master. "
+    "Blocks are also put in, and fetched from, the pool of memory every node lends (the POOL "
+    "tier, between host and disk); each process lends --pool_segment_mb of its memory.")
+POOL_METADATA = flags.DEFINE_string(
+    "pool_metadata", None, "Alias of --config.tiers.pool_metadata: URL of the master's HTTP "
+    "metadata server (default http://<--pool's host>:8080/metadata).")
+POOL_SEGMENT_MB = flags.DEFINE_integer(
+    "pool_segment_mb", None, "Alias of --config.tiers.pool_segment_mb: MiB of this process's "
+    "memory lent to the pool (default 256; 0 lends none).", lower_bound=0)
 ALIASES = ((DEVICE_PAGES, "cache.pages_per_shard"), (HOST_PAGES, "tiers.host_pages_per_shard"),
-           (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"))
+           (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"),
+           (POOL, "tiers.pool_master"), (POOL_METADATA, "tiers.pool_metadata"),
+           (POOL_SEGMENT_MB, "tiers.pool_segment_mb"))
 CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "
@@ -105,6 +117,37 @@ def use_model_dir(cfg):
                             special_tokens_in_content=SPECIAL_TOKENS_IN_CONTENT.value)
 
 
+def _available_mb() -> int | None:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) // 1024
+  except OSError:
+    pass
+  return None
+
+
+def check_pool(cfg) -> None:
+  """A pool tier the config names: its client loads, the master and its metadata server
+  answer, and the segment fits in free memory (else InputError naming the flag and the
+  fix). Called right after ``_common.start_jax`` (importing jaxkv imports JAX, whose flags
+  start_jax sets first), before any model is loaded or compiled."""
+  tiers = cfg.get("tiers", {})
+  master = tiers.get("pool_master") or None
+  if master is None:
+    return
+  from jaxkv.worker.tiers.pool import check_reachable, native
+  native.load_store()
+  check_reachable(master, tiers.get("pool_metadata") or None)
+  segment = int(tiers.get("pool_segment_mb", 256))
+  free = _available_mb()
+  if free is not None and segment > free:
+    from jaxkv.errors import InputError
+    raise InputError(f"--pool_segment_mb={segment} is more than this machine's free memory "
+                     f"({free} MiB available): lend less.")
+
+
 def apply_tier_flags(cfg) -> None:
   """Sets the ``--config`` field each shortcut flag given is an alias of (``ALIASES``), and
   nothing else; refuses a shortcut given with its ``--config.*`` field at another value."""
@@ -119,4 +162,6 @@ def apply_tier_flags(cfg) -> None:
           "give one of them.")
     section, name = field.split(".")
     with cfg.unlocked():
+      if section not in cfg:
+        cfg[section] = {}
       setattr(cfg[section], name, holder.value)

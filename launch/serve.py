@@ -59,6 +59,8 @@ def main(argv):
   cfg = _common.load_config(_CONFIG)
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)
+  _flags.check_pool(cfg)
+  _flags.check_pool(cfg)
   import jax
   from jaxkv import distributed, metrics, security
   from jaxkv.tools import builder, workloads
@@ -135,6 +137,8 @@ def main(argv):
     step = checkpointer.save()
     checkpointer.close()
     print(f"saved the cache as step {step} in {_CHECKPOINT_DIR.value}")
+  for e in engines.values():
+    e.cache.close()  # the pool's queued puts finished, its segment unmounted
   stats = engines[main_policy].stats()
   result = {
       "config": cfg.name,

@@ -171,6 +171,7 @@ def main(argv):
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
+  _flags.check_pool(cfg)
   import jax
   from jaxkv import distributed, metrics, security
   from jaxkv.tools import builder
@@ -301,6 +302,7 @@ def _finish(engine, checkpointer, multi) -> None:
     step = checkpointer.save()
     checkpointer.close()
     print(f"saved the cache as step {step} in {_flags.CHECKPOINT_DIR.value}", flush=True)
+  engine.cache.close()  # the pool's queued puts finished, its segment unmounted
 
 
 class _Server(uvicorn.Server):

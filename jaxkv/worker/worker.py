@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -224,9 +225,13 @@ class CacheWorker:
     self.mover.demote(self.pools, blocks)
 
   def flush(self, timeout_s: float) -> int:
-    """Waits for lower-tier writes in flight; returns how many did not finish in time."""
-    return self.mover.flush(timeout_s)
-
+    """Waits for lower-tier writes in flight (disk writes, the pool's queued puts); returns
+    how many did not finish in time."""
+    t_end = time.monotonic() + timeout_s
+    left = self.mover.flush(timeout_s)
+    if self.pool is not None and not self.pool.settle(max(0.0, t_end - time.monotonic())):
+      left += self.pool.queued
+    return left
 
 
 class PrefixSources:

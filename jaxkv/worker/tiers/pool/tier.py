@@ -369,6 +369,11 @@ class PoolTier:
           self._recent.popitem(last=False)
       self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin))
 
+  @property
+  def queued(self) -> int:
+    """Puts queued and not yet tried."""
+    return self._puts.qsize()
+
   def settle(self, timeout_s: float = 30.0) -> bool:
     """Waits (up to ``timeout_s``) until every queued put was tried; True when none is left."""
     return self._idle.wait(timeout_s)

@@ -1,0 +1,119 @@
+"""--pool on the launch scripts, as a user runs them: a second serve.py run (a restart, a new
+process) hits the blocks the first one lent; two OpenAI servers on one pool answer exactly,
+the second from the first's blocks; a bad --pool is one line and exit 2 before any compile."""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import helpers
+from jaxkv.tools.bench.http import ServerProcess
+from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
+
+ROOT = helpers.ROOT
+SMALL = ["--config.workload.chat.users=3", "--config.workload.chat.turns=2",
+         "--config.workload.chat.system_prompt_tokens=40",
+         "--config.workload.chat.user_tokens=(8, 30)",
+         "--config.workload.chat.max_new_tokens=4", *helpers.SERVE_SHAPES]
+KEY = bytes(range(40, 80))
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+  with LocalMaster(log_path=str(tmp_path_factory.mktemp("pool") / "master.log"),
+                   lease_ms=60_000) as m:
+    yield m
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("key") / "deployment.key"
+  path.write_text(KEY.hex())
+  path.chmod(0o600)
+  return str(path)
+
+
+def serve(tmp_path, name, *flags):
+  out = tmp_path / f"{name}.json"
+  proc = subprocess.run([sys.executable, "launch/serve.py", *SMALL, f"--json_out={out}",
+                         "--nocompare", *flags], cwd=ROOT, env=helpers.child_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def lender(master):
+  """A node that lends memory and serves no model (it outlives the serve runs' restarts)."""
+  proc = helpers.start_process([sys.executable, "-m", "jaxkv.worker.tiers.pool.lend",
+                                f"--pool={master.address}", f"--pool_metadata={master.metadata}",
+                                "--segment_mb=64"], env=helpers.child_env())
+  line = proc.stdout.readline()
+  if not line.startswith("lending"):
+    helpers.finish_process(proc, 5)
+    pytest.fail(f"the lender did not mount its segment: {line!r}")
+  yield proc
+  proc.terminate()
+  helpers.finish_process(proc, 30, "the lender")
+
+
+def test_a_second_serve_run_hits_the_pool_the_first_filled_with_the_same_outputs(
+    tmp_path, master, key_file, lender):
+  """The runs lend nothing: what they put lives in the lender's segment, so it outlives
+  them (a process's own segment, and the blocks in it, leave the pool with it)."""
+  pool = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
+          "--pool_segment_mb=0", "--config.tiers.write_policy=write_through",
+          f"--deployment_key_file={key_file}"]
+  plain = serve(tmp_path, "plain")
+  first = serve(tmp_path, "first", *pool)
+  second = serve(tmp_path, "second", *pool)
+  assert first["output_digest"] == second["output_digest"] == plain["output_digest"]
+  assert first["hits"]["pool"] == 0 and second["hits"]["pool"] > 0
+  # The first turn of every user is a pool hit in the second run (its system prompt at least).
+  assert second["hits"]["pool"] >= 3 * (40 // 16)
+
+
+def test_two_servers_on_one_pool_the_second_answers_from_the_firsts_blocks(
+    tmp_path, master, key_file):
+  flags = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
+           "--pool_segment_mb=32", "--config.tiers.write_policy=write_through",
+           f"--deployment_key_file={key_file}", "--config.cache.max_pages_per_seq=16"]
+  prompt = [(i * 13 + 5) % 250 + 1 for i in range(100)]
+  body = {"model": "cpu-tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+  with ServerProcess(flags, workdir=str(tmp_path)) as a, \
+       ServerProcess(flags, workdir=str(tmp_path)) as b:
+    a.wait_ready(600)
+    b.wait_ready(600)
+    first = httpx.post(f"{a.url}/completions", json=body, timeout=120).json()
+    # a's blocks reach the pool behind the answer: ask until b finds them (each ask is
+    # exact whatever it finds).
+    answers = []
+
+    def cached():
+      r = httpx.post(f"{b.url}/completions", json=body, timeout=120).json()
+      answers.append(r)
+      return r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    helpers.wait_for(cached, 60, "the second server hits the first's blocks", interval_s=0.5)
+  assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+  assert all(r["choices"][0]["text"] == first["choices"][0]["text"] for r in answers)
+  assert all(extra_ids(r) == extra_ids(first) for r in answers)
+
+
+def extra_ids(response):
+  return response["choices"][0].get("token_ids")
+
+
+def test_a_pool_nobody_answers_is_one_line_and_exit_2():
+  port = free_port()
+  code, out, err = helpers.run_script(["launch/serve.py", f"--pool=127.0.0.1:{port}",
+                                       *SMALL], timeout_s=300)
+  assert code == 2, err[-2000:]
+  lines = [l for l in err.strip().splitlines() if "--pool" in l]
+  assert lines and "no Mooncake master answers" in lines[-1], err[-2000:]
+  assert "compiled" not in out
+  code, _, err = helpers.run_script(["launch/serve.py", "--pool=nohost", *SMALL], timeout_s=300)
+  assert code == 2 and "is not HOST:PORT" in err
