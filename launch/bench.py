@@ -19,7 +19,9 @@ kernels (each attention implementation on the same decode and prefill steps; Pal
 off their hardware run in the interpreter and are labelled so);
 http (launch/server.py over HTTP and SSE against the same engine in process, same arrivals);
 smollm2 (a real model from its GGUF file: load, compile per step bucket with the layers
-scanned and looped, server start cold and warm, decode and prefill against transformers).
+scanned and looped, server start cold and warm, decode and prefill against transformers);
+pool (a Mooncake Store pool on loopback: another process's blocks against loopback TCP, the
+BlockServer and recompute; how much of the lent memory holds blocks when it overflows).
 """
 
 import time
@@ -29,7 +31,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels", "http", "smollm2")
+          "weights", "storage", "kernels", "http", "smollm2", "pool")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -107,6 +109,9 @@ def main(argv):
   elif _SUITE.value == "smollm2":
     from jaxkv.tools.bench import smollm2
     result = smollm2.run(quick=_QUICK.value, reps=_REPS.value)
+  elif _SUITE.value == "pool":
+    from jaxkv.tools.bench import pool
+    result = pool.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

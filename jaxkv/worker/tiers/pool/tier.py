@@ -61,6 +61,7 @@ from jaxkv.worker.tiers.base import Breaker, Failure, Fetch, FetchOutcome
 from jaxkv.worker.tiers.pool import native
 
 GET_THREADS = 4
+NOT_FOUND, BUFFER_TOO_SMALL = -704, -600  # Mooncake's error codes for a get into a buffer
 RECENT_KEYS = 1 << 16  # keys queued lately that are not queued again
 
 
@@ -179,6 +180,16 @@ class PoolTier:
     self.client = client
     self._gets = concurrent.futures.ThreadPoolExecutor(GET_THREADS,
                                                        thread_name_prefix="jaxkv-pool-get")
+    # One registered receive buffer per get thread: values land there without a copy by
+    # the client, and are copied out once.
+    slab = max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS)
+    self._slabs = queue.Queue()
+    for _ in range(GET_THREADS):
+      buf = np.empty(slab, np.uint8)
+      if client.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+        raise InputError(f"registering a {slab >> 20} MiB receive buffer with the pool client "
+                         "failed; lower --config.tiers.pool_buffer_mb.")
+      self._slabs.put(buf)
     self._writer = threading.Thread(target=self._write_loop, name="jaxkv-pool-put",
                                     daemon=True)
     self._writer.start()
@@ -271,8 +282,40 @@ class PoolTier:
     return local + run
 
   # ---- FetchSource -----------------------------------------------------------------------------
-  def _get(self, keys: list[bytes]) -> list:
-    return self.client.get_batch([self.name(k) for k in keys])
+  def _get(self, keys: list[bytes]) -> list[tuple[int, memoryview | None]]:
+    """``(code, value)`` per key: ``code`` the bytes read or Mooncake's error code."""
+    slab = self._slabs.get(timeout=60)
+    try:
+      per = len(slab) // self.value_bytes
+      out = []
+      for lo in range(0, len(keys), per):
+        part = keys[lo:lo + per]
+        base = slab.ctypes.data
+        codes = self.client.batch_get_into(
+            [self.name(k) for k in part], [base + i * self.value_bytes for i in range(len(part))],
+            [self.value_bytes] * len(part))
+        got = memoryview(slab[:len(part) * self.value_bytes].copy())
+        out += [(c, got[i * self.value_bytes:(i + 1) * self.value_bytes] if c > 0 else None)
+                for i, c in enumerate(codes)]
+      return out
+    finally:
+      self._slabs.put(slab)
+
+  def _judge(self, key: bytes, code: int, value) -> tuple[np.ndarray | None, Failure | None]:
+    """A got value's payload, or why it is not used (a wrong-sized one is removed)."""
+    if code == NOT_FOUND:
+      return None, Failure.GONE
+    if code < 0 and code != BUFFER_TOO_SMALL:
+      return None, Failure.IO
+    try:
+      if code != self.value_bytes:
+        raise blocks.BlockError("size", f"the pool's value has {code if code >= 0 else 'more'} "
+                                f"bytes, not {self.value_bytes}")
+      return self.decode(key, value), None
+    except blocks.BlockError as e:
+      logging.warning("pool value for block %s rejected and removed: %s", key[:8].hex(), e)
+      self._remove(key)
+      return None, e.reason
 
   def start_fetch(self, fetches: list[Fetch]) -> tuple[None, list]:
     """Issues one batched get per request (on the get threads) without waiting."""
@@ -311,20 +354,11 @@ class PoolTier:
           failures[i] = Failure.IO
         continue
       self.breaker.record(True)
-      for i, value in zip(positions, values):
+      for i, (code, value) in zip(positions, values):
         f = fetches[i]
-        if not value:
-          failures[i] = Failure.GONE
-          continue
-        try:
-          payload = self.decode(f.key, value)
-        except blocks.BlockError as e:
-          failures[i] = e.reason
-          logging.warning("pool value for block %s rejected and removed: %s",
-                          f.key[:8].hex(), e)
-          self._remove(f.key)
-          continue
-        staged.append((f.shard, f.page, payload))
+        payload, failures[i] = self._judge(f.key, code, value)
+        if payload is not None:
+          staged.append((f.shard, f.page, payload))
     return FetchOutcome(stage(staged) if staged else None, tuple(failures))
 
   def _remove(self, key: bytes) -> None:
@@ -336,10 +370,13 @@ class PoolTier:
   def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies blocks (all in one get) within the deadline; raises on a miss."""
     future = self._gets.submit(self._get, list(keys))
-    values = future.result(timeout=max(0.0, t_end - time.monotonic()))
-    if not all(values):
-      raise blocks.BlockError("magic", "a calibration value is not in the pool")
-    return [self.decode(k, v) for k, v in zip(keys, values)]
+    out = []
+    for k, (code, value) in zip(keys, future.result(timeout=max(0.0, t_end - time.monotonic()))):
+      payload, failure = self._judge(k, code, value)
+      if failure is not None:
+        raise blocks.BlockError(failure.value, f"block {k[:8].hex()} read from the pool")
+      out.append(payload)
+    return out
 
   # ---- puts ------------------------------------------------------------------------------------
   def recently_put(self, key: bytes) -> bool:
