@@ -38,6 +38,12 @@ POOL_METADATA = flags.DEFINE_string(
 POOL_SEGMENT_MB = flags.DEFINE_integer(
     "pool_segment_mb", None, "Alias of --config.tiers.pool_segment_mb: MiB of this process's "
     "memory lent to the pool (default 256; 0 lends none).", lower_bound=0)
+ROLE = flags.DEFINE_enum(
+    "role", "both", ["both", "prefill", "decode"], "Disaggregated serving through the pool "
+    "(launch/server.py; needs --pool): 'prefill' answers every request with its prompt's KV "
+    "in the pool and kv_transfer_params for a decode node (it writes through, every block "
+    "soft-pinned); 'decode' takes requests whose kv_transfer_params say do_remote_prefill "
+    "(and any other); 'both' does either per request, as its kv_transfer_params ask.")
 ALIASES = ((DEVICE_PAGES, "cache.pages_per_shard"), (HOST_PAGES, "tiers.host_pages_per_shard"),
            (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"),
            (POOL, "tiers.pool_master"), (POOL_METADATA, "tiers.pool_metadata"),
@@ -146,6 +152,18 @@ def check_pool(cfg) -> None:
     from jaxkv.errors import InputError
     raise InputError(f"--pool_segment_mb={segment} is more than this machine's free memory "
                      f"({free} MiB available): lend less.")
+
+
+def apply_role(cfg) -> None:
+  """--role: refused without a pool; a prefill node writes every block through to it."""
+  if ROLE.value == "both":
+    return
+  if not (cfg.get("tiers", {}).get("pool_master") or None):
+    raise app.UsageError(f"--role={ROLE.value} hands KV over through the pool: give "
+                         "--pool=HOST:PORT (a Mooncake master) too.")
+  if ROLE.value == "prefill":
+    with cfg.unlocked():
+      cfg.tiers.write_policy = "write_through"
 
 
 def apply_tier_flags(cfg) -> None:

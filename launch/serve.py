@@ -58,6 +58,10 @@ def main(argv):
                          "extra).")
   cfg = _common.load_config(_CONFIG)
   _flags.apply_tier_flags(cfg)
+  if _flags.ROLE.value != "both":
+    raise app.UsageError(f"--role={_flags.ROLE.value}: serve.py runs whole requests; a prefill "
+                         "or decode node is launch/server.py --role (launch/pd_proxy.py "
+                         "drives a pair).")
   _common.start_jax(cfg)
   _flags.check_pool(cfg)
   _flags.check_pool(cfg)

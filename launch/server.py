@@ -170,6 +170,7 @@ def main(argv):
     _check_port(_HOST.value, _PORT.value)
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
+  _flags.apply_role(cfg)
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   _flags.check_pool(cfg)
   import jax
@@ -235,7 +236,10 @@ def main(argv):
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
   api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
                      tokenizer=tokenizer, api_keys=api_keys, registry=registry,
-                     request_timeout_s=_TIMEOUT.value, metrics_tenants=_METRICS_TENANTS.value)
+                     request_timeout_s=_TIMEOUT.value, metrics_tenants=_METRICS_TENANTS.value,
+                     role=_flags.ROLE.value)
+  if _flags.ROLE.value == "prefill":
+    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
   if _METRICS_PORT.value is not None:
     metrics.serve(registry, _METRICS_PORT.value, addr="127.0.0.1")
   limits = httplimits.HttpLimits(

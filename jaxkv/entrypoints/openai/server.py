@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from jaxkv.entrypoints.openai import disagg
 from jaxkv.entrypoints.openai.protocol import (
     MAX_BODY_BYTES, MAX_JSON_DEPTH, TENANT_SEPARATOR, ApiError, _Answer, _bad, _bool,
     _chat_messages, _check_json, _check_supported, _clip, _error_event, _Job, _job,
@@ -89,8 +90,14 @@ class OpenAIServer:
   def __init__(self, service: EngineService, *, model_name: str, tokenizer=None,
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               request_timeout_s: float = 600.0, metrics_tenants=()):
+               request_timeout_s: float = 600.0, metrics_tenants=(), role: str = "both"):
     self.service, self.model_name, self.tokenizer = service, model_name, tokenizer
+    if role not in disagg.ROLES:
+      raise InputError(f"role={role!r} must be one of {disagg.ROLES}.")
+    if role != "both" and service.engine.cache.pool is None:
+      raise InputError(f"--role={role} hands KV over through the pool: give --pool=HOST:PORT "
+                       "(a Mooncake master) too.")
+    self.role = role
     # Kept by digest: a lookup then takes no time that depends on how much of a guessed
     # key matches a real one, and the keys themselves are not kept in memory.
     self.api_keys = {_key_digest(k): t for k, t in api_keys.items()} if api_keys else None
@@ -206,6 +213,13 @@ class OpenAIServer:
         raise ApiError(503, "the engine is warming up; retry when /health says ok.",
                        "service_unavailable", headers={"Retry-After": "5"})
       body = await _read_json(request, self.max_body_bytes)
+      try:
+        hand_off, transfer = disagg.read_params(body, self.role)
+      except disagg.Refused as e:
+        raise _bad(str(e), e.param) from None
+      if hand_off and self.service.engine.cache.pool is None:
+        raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
+                   "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
       if chat or isinstance(body.get("prompt"), str):  # a template or tokenizer runs: not
         job = await asyncio.to_thread(self._parse, body, chat, tenant)  # on the event loop
       else:
@@ -223,6 +237,8 @@ class OpenAIServer:
     except ApiError as e:
       return e.response()
     answer = _Answer(job, self.tokenizer, f"{self.run_id}-{ticket}")
+    if transfer is not None:
+      disagg.received(self.service.engine.cache, transfer)
     waiter = _Waiter(queue, request, self.request_timeout_s,
                      functools.partial(self.service.abort, ticket))
     if job.stream:  # the headers go at once; what the engine says comes as events
@@ -248,7 +264,14 @@ class OpenAIServer:
     if answer.finish_reason == "error":
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
-    return JSONResponse(answer.body(self.model_name, chat))
+    out = answer.body(self.model_name, chat)
+    cache = self.service.engine.cache
+    if hand_off:  # its blocks are in the pool before the proxy hears of them
+      out["kv_transfer_params"] = await asyncio.to_thread(
+          disagg.hand_off, cache, job.prompt, job.tenant, engine_id=self.run_id,
+          host=request.url.hostname, port=request.url.port,
+          deadline_s=min(60.0, self.request_timeout_s))
+    return JSONResponse(out)
 
   def _mailbox(self) -> _Mailbox:
     loop = asyncio.get_running_loop()

@@ -154,6 +154,7 @@ class PoolTier:
     self._idle = threading.Event()
     self._idle.set()
     self._recent: collections.OrderedDict = collections.OrderedDict()  # keys put lately
+    self.pin_all = False  # a prefill node's: every block it puts is soft-pinned
     if key is None:
       security.warn_insecure(
           f"the pool tier at {self.master} holds blocks in the clear under their block keys, "
@@ -404,7 +405,7 @@ class PoolTier:
         self._recent[key] = None
         if len(self._recent) > RECENT_KEYS:
           self._recent.popitem(last=False)
-      self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin))
+      self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin or self.pin_all))
 
   @property
   def queued(self) -> int:

@@ -1,0 +1,89 @@
+"""Prefill on one server, decode on another, through the pool: ``kv_transfer_params`` as
+vLLM's disaggregation proxies send and read them.
+
+A proxy sends the prompt to a prefill node with ``max_tokens=1`` and ``kv_transfer_params:
+{"do_remote_decode": true}`` (a node started with ``--role=prefill`` hands off every
+request, with or without it). The prefill node computes the prompt, its blocks go to the
+pool as they are published (a prefill node writes through, every block soft-pinned for
+``pool_pin_s``: eviction takes other values first until the pin's lease ends), and before
+it answers it waits until they are in the pool. Its answer carries
+
+    kv_transfer_params: {"do_remote_prefill": true, "do_remote_decode": false,
+                         "remote_engine_id": <this server's run id>,
+                         "remote_block_ids": [<a 64-bit id per block in the pool>],
+                         "remote_host": <host the proxy reached>, "remote_port": <port>,
+                         "tp_size": 1}
+
+The proxy sends the request on to a decode node with those params. A decode node needs
+nothing from them to find the blocks: a block's pool name follows from the prompt's tokens
+(and the tenant and deployment key), so its admission finds them in the pool like any
+other cached prefix, and its plan fetches them, or recomputes where that is cheaper.
+``remote_block_ids`` say how many blocks the prefill node left there (counted, compared).
+"""
+
+from __future__ import annotations
+
+ROLES = ("both", "prefill", "decode")
+
+
+class Refused(ValueError):
+  """``kv_transfer_params`` this node does not take (``param`` names the field)."""
+
+  def __init__(self, message: str, param: str = "kv_transfer_params"):
+    super().__init__(message)
+    self.param = param
+
+
+def read_params(body: dict, role: str) -> tuple[bool, dict | None]:
+  """``(hand_off, params)``: whether this request is a prefill to hand off, and the
+  validated ``kv_transfer_params`` a decode request brings (None if none)."""
+  params = body.get("kv_transfer_params")
+  if params is None:
+    return role == "prefill", None
+  if not isinstance(params, dict):
+    raise Refused(f"kv_transfer_params={params!r} must be an object (or null).")
+  for name in ("do_remote_decode", "do_remote_prefill"):
+    if not isinstance(params.get(name, False), bool):
+      raise Refused(f"kv_transfer_params.{name}={params[name]!r} must be true or false.")
+  ids = params.get("remote_block_ids", [])
+  if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                          for i in ids) or len(ids) > 1 << 20:
+    raise Refused("kv_transfer_params.remote_block_ids must be a list of integer block ids.")
+  remote_decode = params.get("do_remote_decode", False)
+  remote_prefill = params.get("do_remote_prefill", False)
+  if remote_decode and remote_prefill:
+    raise Refused("kv_transfer_params asks for both a remote prefill and a remote decode; a "
+                  "request is one or the other.")
+  if remote_decode and role == "decode":
+    raise Refused("this node decodes (--role=decode): send requests with "
+                  "do_remote_decode to a prefill node.")
+  if remote_prefill and role == "prefill":
+    raise Refused("this node prefills (--role=prefill): send requests with "
+                  "do_remote_prefill to a decode node.")
+  if remote_decode and body.get("stream"):
+    raise Refused("a prefill to hand off is answered whole: send it with stream=false "
+                  "(the decode node streams).", "stream")
+  return remote_decode or role == "prefill", (params if remote_prefill else None)
+
+
+def hand_off(cache, prompt: list[int], tenant: str, *, engine_id: str, host: str | None,
+             port: int | None, deadline_s: float) -> dict:
+  """Waits (up to ``deadline_s``) until the prompt's blocks are in the pool; returns the
+  ``kv_transfer_params`` of the answer. Runs off the event loop (it waits)."""
+  pool = cache.pool
+  usable = (len(prompt) - 1) // cache.config.page_size  # what a decode node can reuse
+  keys = cache.index.block_keys(prompt, tenant)[:usable]
+  pool.settle(deadline_s)
+  there = pool.present(keys)
+  lead = next((i for i, p in enumerate(there) if not p), len(there))
+  pool.stats.add("pd_prefills_handed_off")
+  pool.stats.add("pd_blocks_handed_off", lead)
+  return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+          "remote_block_ids": [int(pool.name(k)[-16:], 16) for k in keys[:lead]],
+          "remote_host": host, "remote_port": port, "tp_size": 1}
+
+
+def received(cache, params: dict) -> None:
+  """Counts a decode request's hand-off (what it was promised)."""
+  cache.stats.add("pd_decodes_received")
+  cache.stats.add("pd_blocks_promised", len(params.get("remote_block_ids", [])))

@@ -1,0 +1,102 @@
+"""Prefill here, decode there: launch/server.py --role=prefill and --role=decode on one
+pool, driven by launch/pd_proxy.py as a vLLM-style proxy drives a pair. The pair's tokens
+equal one engine's (greedy and seeded), the decode node finds the prompt's blocks in the
+pool, and kv_transfer_params carry vLLM's field names; bad params are a 400 naming them."""
+
+import os
+import runpy
+
+import httpx
+import openai
+import pytest
+
+import helpers
+import jaxkv
+from jaxkv.tools.bench.http import ROOT, ServerProcess
+from jaxkv.worker.tiers.pool.master import LocalMaster
+
+OVERRIDES = ("--config.cache.max_pages_per_seq=16",)
+MODEL = "llama-tiny-random"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+  work = tmp_path_factory.mktemp("pd")
+  with LocalMaster(log_path=str(work / "master.log"), lease_ms=60_000) as m:
+    pool = [f"--pool={m.address}", f"--pool_metadata={m.metadata}", "--pool_segment_mb=32",
+            *OVERRIDES]
+    with ServerProcess([*pool, "--role=prefill"], workdir=str(work)) as prefill, \
+         ServerProcess([*pool, "--role=decode"], workdir=str(work)) as decode:
+      prefill.wait_ready(600)
+      decode.wait_ready(600)
+      with ServerProcess([f"--prefill={prefill.base}", f"--decode={decode.base}"],
+                         script=os.path.join("launch", "pd_proxy.py"),
+                         workdir=str(work)) as proxy:
+        proxy.wait_ready(120)
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  from jaxkv.tools import builder
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+  cfg.cache.max_pages_per_seq = 16
+  return builder.build_engine(cfg, policy="nocache")
+
+
+def prompt(seed, n=90):
+  return [(seed * 31 + i * 7) % 250 + 1 for i in range(n)]
+
+
+def test_the_pairs_tokens_equal_one_engines_and_the_decode_node_reads_the_pool(pair, reference):
+  client = openai.OpenAI(base_url=pair["proxy"].url, api_key="none", max_retries=0, timeout=120)
+  for seed, sampling in ((1, {"temperature": 0}), (2, {"temperature": 0.8, "seed": 7})):
+    p = prompt(seed)
+    want = reference.generate([p], jaxkv.SamplingParams(
+        max_new_tokens=6, **{"temperature": sampling["temperature"],
+                             **({"seed": sampling["seed"]} if "seed" in sampling else {})}))[0]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                  extra_body={"return_token_ids": True}, **sampling)
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16 * ((len(p) - 1) // 16)
+    # Streamed through the proxy: the same tokens.
+    stream = client.completions.create(model=MODEL, prompt=p, max_tokens=6, stream=True,
+                                       extra_body={"return_token_ids": True}, **sampling)
+    ids = [t for chunk in stream for t in (chunk.choices[0].model_extra.get("token_ids") or [])]
+    assert ids == want
+
+
+def test_a_prefill_answer_carries_vllms_kv_transfer_params(pair):
+  p = prompt(3)
+  body = {"model": MODEL, "prompt": p, "max_tokens": 1,
+          "kv_transfer_params": {"do_remote_decode": True}}
+  r = httpx.post(f"{pair['prefill'].url}/completions", json=body, timeout=120).json()
+  params = r["kv_transfer_params"]
+  assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+  assert len(params["remote_block_ids"]) == (len(p) - 1) // 16
+  assert params["remote_engine_id"] and params["remote_port"] == pair["prefill"].port
+  # A decode node given them hits every promised block.
+  d = httpx.post(f"{pair['decode'].url}/completions", json=dict(
+      body, max_tokens=3, kv_transfer_params=params), timeout=120).json()
+  assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * len(
+      params["remote_block_ids"])
+
+
+@pytest.mark.parametrize("node,params,needle", [
+    ("decode", {"do_remote_decode": True}, "this node decodes"),
+    ("prefill", {"do_remote_prefill": True}, "this node prefills"),
+    ("decode", {"do_remote_prefill": True, "remote_block_ids": ["x"]}, "remote_block_ids"),
+    ("decode", "yes", "must be an object"),
+])
+def test_bad_kv_transfer_params_are_a_400_naming_them(pair, node, params, needle):
+  body = {"model": MODEL, "prompt": prompt(4, 20), "max_tokens": 1,
+          "kv_transfer_params": params}
+  r = httpx.post(f"{pair[node].url}/completions", json=body, timeout=60)
+  assert r.status_code == 400 and needle in r.json()["error"]["message"]
+  assert r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_a_role_without_a_pool_is_refused_before_start():
+  code, _, err = helpers.run_script(["launch/server.py", "--role=decode", *OVERRIDES],
+                                    timeout_s=120)
+  assert code == 2 and "--role=decode hands KV over through the pool" in err
