@@ -11,6 +11,11 @@ blocks with ``BlockServer``. In this job, interleaved, the same blocks, verified
 - ``pool_hit``: TTFT of a request on that prefix in a fresh engine that lends nothing and
   finds the prefix in the pool, against ``recompute`` in a fresh engine without the pool
   (``pool_hit_ttft_speedup = recompute TTFT / pool-hit TTFT``);
+- ``pd_decode_ttft_vs_recompute``: three ``launch/server.py`` processes (cpu_tiny): a
+  prefill node and a decode node on one pool, and one plain server. The decode node's TTFT
+  for a prompt the prefill node handed off, over its TTFT for a prompt it must compute;
+  ``pd_tokens_equal``: the pair's tokens through ``launch/pd_proxy.py`` equal the plain
+  server's (greedy and seeded);
 - ``pool_capacity_used``: a second master (short leases) and two lenders of 16 MiB each;
   one cache puts 3x what both hold through the tier's own write path; then the blocks still
   in the pool x their size / the bytes lent.
@@ -20,6 +25,8 @@ BlockServer comparison runs keyless); the BlockServer's answers carry CRC-32C to
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import statistics
 import subprocess
@@ -133,6 +140,69 @@ def _capacity(probe: Engine, quick: bool) -> dict:
         p.wait(30)
 
 
+def _ttft(url: str, body: dict) -> tuple[float, list[int]]:
+  """Seconds to the first streamed token of a completion, and every token's id."""
+  import httpx  # pylint: disable=import-outside-toplevel
+  ids, first = [], None
+  t0 = time.perf_counter()
+  with httpx.stream("POST", f"{url}/completions", json=dict(body, stream=True,
+                                                             return_token_ids=True),
+                    timeout=300) as r:
+    for line in r.iter_lines():
+      if not line.startswith("data: ") or line == "data: [DONE]":
+        continue
+      got = json.loads(line[6:])["choices"][0].get("token_ids") or []
+      if got and first is None:
+        first = time.perf_counter() - t0
+      ids += got
+  if first is None:
+    raise RuntimeError(f"{url} streamed no token for a {len(body['prompt'])}-token prompt")
+  return first, ids
+
+
+def _pd(quick: bool, reps: int) -> dict:
+  """A prefill node and a decode node on one pool (launch/server.py --role, cpu_tiny), the
+  hand-off's TTFT on the decode node against recomputing there, and the pair's tokens
+  (through launch/pd_proxy.py) against one server's."""
+  import httpx  # pylint: disable=import-outside-toplevel
+  from jaxkv.tools.bench.http import ServerProcess  # pylint: disable=import-outside-toplevel
+  tokens = 512 if quick else 1000
+  rng = np.random.default_rng(11)
+  make = lambda: rng.integers(1, 500, tokens).tolist()
+  with LocalMaster(lease_ms=600_000) as m:
+    pool = [f"--pool={m.address}", f"--pool_metadata={m.metadata}", "--pool_segment_mb=64"]
+    warm = "--warmup=all"  # every bucket compiled before /health says ok: none compiles
+    with ServerProcess([*pool, "--role=prefill", warm]) as pre, \
+         ServerProcess([*pool, "--role=decode", warm]) as dec, ServerProcess([warm]) as one:
+      for server in (pre, dec, one):
+        server.wait_ready(900)
+      with ServerProcess([f"--prefill={pre.base}", f"--decode={dec.base}"],
+                         script=os.path.join("launch", "pd_proxy.py")) as proxy:
+        proxy.wait_ready(120)
+        model = httpx.get(f"{one.url}/models").json()["data"][0]["id"]
+        hit, rec, blocks = [], [], 0
+        for rep in range(reps + 1):
+          body = {"model": model, "prompt": make(), "max_tokens": 2, "temperature": 0}
+          params = httpx.post(f"{pre.url}/completions", json=dict(
+              body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                              timeout=300).json()["kv_transfer_params"]
+          blocks = len(params["remote_block_ids"])
+          t_hit, _ = _ttft(dec.url, dict(body, kv_transfer_params=params))
+          t_rec, _ = _ttft(dec.url, dict(body, prompt=make()))  # its blocks are nowhere
+          if rep:  # the first round compiles
+            hit.append(t_hit)
+            rec.append(t_rec)
+        equal = []
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+          body = {"model": model, "prompt": make(), "max_tokens": 8, **sampling}
+          equal.append(_ttft(proxy.url, body)[1] == _ttft(one.url, body)[1])
+  h, r = statistics.median(hit), statistics.median(rec)
+  return {"pd_decode_ttft_vs_recompute": h / r, "pd_tokens_equal": all(equal),
+          "pd_ttft_handoff_s": h, "pd_ttft_recompute_s": r, "pd_prompt_tokens": tokens,
+          "pd_blocks_handed_off": blocks,
+          "pd_servers": "launch/server.py cpu_tiny (4 x 2 CPU devices) x 3 processes, loopback"}
+
+
 def run(*, quick: bool = False, reps: int = 5) -> dict:
   import jax
   tokens = 2048 if quick else 4096
@@ -187,7 +257,8 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       }
       result.update(_capacity(probe, quick))
       probe.cache.close()
-      return result
     finally:
       owner.kill()
       owner.wait()
+  result.update(_pd(quick, reps))
+  return result
