@@ -114,6 +114,8 @@ class TierMover:
     # (each written once) and read the records their own devices need.
     self.processes = jax.process_count()
     self.process = jax.process_index()
+    if pool is not None:
+      pool.in_job = self.processes > 1
     self._local_shards = local_data_shards(mesh, config.data_axis)
     self.ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
     self.stack_sharding = NamedSharding(mesh, pages_lib.stacked_spec(config))
@@ -225,6 +227,7 @@ class TierMover:
       self.journal.write(stack, per, n)
     if self.pool is None or not pool_keys:
       return
+    self.pool.note(sorted(pool_keys))  # every process notes every key, in one order
     items = []
     for s, blocks in enumerate(per):
       for i, b in enumerate(blocks):

@@ -155,6 +155,7 @@ class PoolTier:
     self._idle.set()
     self._recent: collections.OrderedDict = collections.OrderedDict()  # keys put lately
     self.pin_all = False  # a prefill node's: every block it puts is soft-pinned
+    self.in_job = False  # set by the mover in a multi-process job
     if key is None:
       security.warn_insecure(
           f"the pool tier at {self.master} holds blocks in the clear under their block keys, "
@@ -388,6 +389,17 @@ class PoolTier:
         return True
     return False
 
+  def note(self, keys) -> None:
+    """Marks ``keys`` as sent to the pool (by this process or, in a job, another): not
+    offered again while they are recent. Every process of a job notes the same keys at the
+    same point, so what the next copy down gathers is the same everywhere."""
+    with self._lock:
+      for key in keys:
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+      while len(self._recent) > RECENT_KEYS:
+        self._recent.popitem(last=False)
+
   def put(self, items: list[tuple[bytes, bytes | None, np.ndarray, bool]]) -> None:
     """Queues ``(key, parent, payload, pin)`` puts; those the queue has no room for are
     dropped and counted (never waited for)."""
@@ -402,9 +414,6 @@ class PoolTier:
           continue
         self._queued_bytes += payload.nbytes
         self._idle.clear()
-        self._recent[key] = None
-        if len(self._recent) > RECENT_KEYS:
-          self._recent.popitem(last=False)
       self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin or self.pin_all))
 
   @property
@@ -473,5 +482,8 @@ class PoolTier:
         self._forget(p.key)  # may be put again later
 
   def _forget(self, key: bytes) -> None:
-    with self._lock:
-      self._recent.pop(key, None)
+    """A put that failed may be offered again (not in a job: its processes' notes must
+    stay the same, and only one of them saw the failure)."""
+    if not self.in_job:
+      with self._lock:
+        self._recent.pop(key, None)
