@@ -63,6 +63,8 @@ from jaxkv.worker.tiers.pool import native
 GET_THREADS = 4
 NOT_FOUND, BUFFER_TOO_SMALL = -704, -600  # Mooncake's error codes for a get into a buffer
 RECENT_KEYS = 1 << 16  # keys queued lately that are not queued again
+LOOKUP_DEADLINE_S = 0.5  # a lookup answers nothing after this (normally ~0.3 ms on loopback)
+UNAVAILABLE = -900  # Mooncake's RPC failure (the master unreachable): the batch stops
 
 
 def split_address(address: str, flag: str = "--pool") -> tuple[str, int]:
@@ -182,6 +184,8 @@ class PoolTier:
     self.client = client
     self._gets = concurrent.futures.ThreadPoolExecutor(GET_THREADS,
                                                        thread_name_prefix="jaxkv-pool-get")
+    self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-pool-ask")
+    self._asking = None
     # One registered receive buffer per get thread: values land there without a copy by
     # the client, and are copied out once.
     slab = max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS)
@@ -209,6 +213,7 @@ class PoolTier:
     self._puts.put(None)
     self._writer.join(timeout_s)
     self._gets.shutdown(wait=False, cancel_futures=True)
+    self._asker.shutdown(wait=False, cancel_futures=True)
     try:
       self.client.close()
     except Exception:  # pylint: disable=broad-except  (closing a client whose master is gone)
@@ -249,30 +254,37 @@ class PoolTier:
                          dtype=self.dtype, shape=self.payload_shape)
 
   # ---- lookups ---------------------------------------------------------------------------------
-  def _call(self, what: str, fn, *args):
-    """One client call; an exception or a negative code trips the breaker (and raises)."""
-    try:
-      out = fn(*args)
-    except Exception:
-      self.breaker.record(False)
-      raise
-    return out
-
   def present(self, keys: list[bytes]) -> list[bool]:
-    """Which blocks the pool holds now (empty when it is cooling down or fails)."""
+    """Which blocks the pool holds now; none when it is cooling down, fails, or does not
+    answer within ``LOOKUP_DEADLINE_S`` (a client call blocks ~4 s while the master is
+    down: the call is left to finish on its thread, and the next lookup does not queue
+    behind it)."""
+    none = [False] * len(keys)
     if not keys or self.client is None or not self.breaker.available:
-      return [False] * len(keys)
+      return none
+    with self._lock:
+      if self._asking is not None and not self._asking.done():
+        self.stats.add("pool_lookup_skipped")  # the last one is still stuck in the client
+        return none
+      self._asking = self._asker.submit(self.client.batch_is_exist,
+                                        [self.name(k) for k in keys])
+      asking = self._asking
     try:
-      codes = self._call("exist", self.client.batch_is_exist, [self.name(k) for k in keys])
+      codes = asking.result(timeout=min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
+    except concurrent.futures.TimeoutError:
+      self.breaker.record(False)
+      self.stats.add("pool_lookup_timeouts")
+      return none
     except Exception:  # pylint: disable=broad-except  (a pool that fails is a miss)
       logging.exception("pool lookup failed")
+      self.breaker.record(False)
       self.stats.add("pool_lookup_errors")
-      return [False] * len(keys)
+      return none
     if any(c < 0 for c in codes):
       self.breaker.record(False)
       self.stats.add("pool_lookup_errors")
-    else:
-      self.breaker.record(True)
+      return none
+    self.breaker.record(True)
     return [c > 0 for c in codes]
 
   def lookup(self, keys: list[bytes], local: int = 0) -> int:
@@ -461,9 +473,25 @@ class PoolTier:
     return config
 
   def _write(self, batch: list[_Put]) -> None:
+    """Puts a batch; when the master is unreachable (each call then blocks ~4 s) or the
+    breaker is open, the rest of the batch is dropped and counted, not tried one by one."""
+    if not self.breaker.available:
+      self.stats.add("pool_put_dropped", len(batch))
+      return
     names = [self.name(p.key) for p in batch]
     there = self.client.batch_is_exist(names)
-    for p, name, code in zip(batch, names, there):
+    if any(c == UNAVAILABLE for c in there):
+      self.breaker.record(False)
+      self.stats.add("pool_put_dropped", len(batch))
+      for p in batch:
+        self._forget(p.key)
+      return
+    for n, (p, name, code) in enumerate(zip(batch, names, there)):
+      if not self.breaker.available:
+        self.stats.add("pool_put_dropped", len(batch) - n)
+        for q in batch[n:]:
+          self._forget(q.key)
+        return
       if code > 0:
         self.stats.add("pool_put_present")
         continue
@@ -478,6 +506,8 @@ class PoolTier:
         self.stats.add("pool_puts")
         self.stats.add("pool_pinned", p.pin)
       else:
+        if rc == UNAVAILABLE:
+          self.breaker.record(False)
         self.stats.add("pool_put_refused")
         self._forget(p.key)  # may be put again later
 
