@@ -131,7 +131,7 @@ def test_the_master_killed_mid_run_is_a_counted_miss_and_the_pool_comes_back(
     assert a.generate(ps, 3)[0] == want[tuple(ps[0])]
     s = a.stats()
     assert s["hits"]["pool"] == 0 and s["computed_tokens"] == LENGTH
-    assert s["pool_lookup_errors"] + s["pool_lookup_timeouts"] >= 1
+    assert s.get("pool_lookup_errors", 0) + s.get("pool_lookup_timeouts", 0) >= 1
     # The master is back (empty: it keeps the pool in memory); the client reconnects and
     # puts again, and another cache hits what it put.
     m.start()
