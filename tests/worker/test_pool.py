@@ -241,3 +241,23 @@ def test_bad_pool_settings_name_the_flag_and_the_fix():
   with pytest.raises(InputError, match="pool_master"):
     jaxkv.TierConfig(pool_master="127.0.0.1")
   assert native.lib_dir()
+
+
+def test_the_native_libraries_are_fetched_without_root_and_the_client_loads(tmp_path):
+  """What a fresh machine without Debian's libibverbs1 / libnuma1 does: the libraries the
+  system lacks are fetched into a private directory, and the client loads from there."""
+  env = dict(os.environ, JAXKV_NATIVE_LIBS=str(tmp_path / "native"))
+  code, out, err = helpers.finish_process(helpers.start_process(
+      [sys.executable, "-m", "jaxkv.worker.tiers.pool.native"], env=env), 300, "the fetch")
+  assert code == 0, err[-2000:]
+  fetched = sorted(p.name for p in (tmp_path / "native").glob("*.so*"))
+  libs = {lib for pkg in native.PACKAGES.values() for lib in pkg}
+  if out.startswith("fetched"):  # what it says it fetched is there, whole, and nothing else
+    assert fetched and set(fetched) <= libs, (out, fetched)
+    assert all((tmp_path / "native" / f).stat().st_size > 10_000 for f in fetched)
+  else:
+    assert out.startswith("nothing to fetch") and not fetched, out
+  code, _, err = helpers.finish_process(helpers.start_process(
+      [sys.executable, "-c", "from jaxkv.worker.tiers.pool import native; native.load_store()"],
+      env=env), 120, "loading the client")
+  assert code == 0, err[-2000:]

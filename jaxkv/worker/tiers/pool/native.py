@@ -5,7 +5,8 @@ The wheel's extension links ``libibverbs.so.1`` and ``libnuma.so.1`` even for TC
 neither is part of the wheel. A machine with Debian's ``libibverbs1`` and ``libnuma1``
 installed has them; one without (a fresh CI machine, a container without root) can have
 them fetched into a private directory (``fetch_libs``: ``apt-get download`` and
-``dpkg-deb -x``, no root needed), from which ``load_store`` preloads them
+``dpkg-deb -x``, no root needed; as root on a machine whose package lists are empty,
+``apt-get update`` first), from which ``load_store`` preloads them
 (``RTLD_GLOBAL``, in dependency order) before importing the client, and ``master_env``
 points the master binary at them (``LD_LIBRARY_PATH``). ``python -m
 jaxkv.worker.tiers.pool.native`` fetches them. The directory is
@@ -15,6 +16,7 @@ jaxkv.worker.tiers.pool.native`` fetches them. The directory is
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import glob
 import importlib.util
 import os
@@ -58,8 +60,18 @@ def _missing_packages() -> list[str]:
 
 def fetch_libs(timeout_s: float = 300.0) -> list[str]:
   """Fetches the Debian packages whose libraries neither the system nor ``lib_dir()`` has,
-  and unpacks their libraries into ``lib_dir()``. Returns the packages fetched."""
-  missing = _missing_packages()
+  and unpacks their libraries into ``lib_dir()`` (one process at a time: a lock file; each
+  library lands whole, by rename). Returns the packages fetched."""
+  if not _missing_packages():
+    return []
+  os.makedirs(lib_dir(), exist_ok=True)
+  with open(os.path.join(lib_dir(), ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return _fetch(timeout_s)
+
+
+def _fetch(timeout_s: float) -> list[str]:
+  missing = _missing_packages()  # another process may have fetched them meanwhile
   if not missing:
     return []
   for tool in ("apt-get", "dpkg-deb"):
@@ -70,6 +82,11 @@ def fetch_libs(timeout_s: float = 300.0) -> list[str]:
   with tempfile.TemporaryDirectory() as tmp:
     got = subprocess.run(["apt-get", "download", *missing], cwd=tmp, capture_output=True,
                          text=True, timeout=timeout_s, check=False)
+    if got.returncode != 0 and os.geteuid() == 0:  # a machine whose package lists are empty
+      subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=timeout_s,
+                     check=False)
+      got = subprocess.run(["apt-get", "download", *missing], cwd=tmp, capture_output=True,
+                           text=True, timeout=timeout_s, check=False)
     debs = glob.glob(os.path.join(tmp, "*.deb"))
     if got.returncode != 0 or len(debs) < len(missing):
       raise InputError(f"apt-get download {' '.join(missing)} failed ({got.stderr.strip()[-300:]}): "
@@ -82,7 +99,9 @@ def fetch_libs(timeout_s: float = 300.0) -> list[str]:
         found = glob.glob(os.path.join(root, "**", lib), recursive=True)
         if not found:
           raise InputError(f"the package {pkg} has no {lib}: {FIX}.")
-        shutil.copy2(os.path.realpath(found[0]), os.path.join(lib_dir(), lib))
+        part = os.path.join(lib_dir(), f".{lib}.part")
+        shutil.copy2(os.path.realpath(found[0]), part)
+        os.replace(part, os.path.join(lib_dir(), lib))
   return missing
 
 
