@@ -8,8 +8,9 @@ TensorStore futures. Every wait on a tier happens through this module, with a de
 
 Moves
 - ``demote``: blocks evicted from the device pool are copied down before their pages are
-  reused (write-back): to the first lower tier (host memory if there is one, else disk).
-  Blocks the host pool evicts to make room go on to disk the same way.
+  reused (write-back): to the first lower tier (host memory if there is one, else the pool
+  and the disk). Blocks the host pool evicts to make room go on to the pool and the disk
+  the same way (one read for both; the pool's puts are written behind by its own thread).
 - ``copy_down``: write-through of freshly published device blocks to every lower tier.
 - ``start_promote`` / ``finish_promote``: lower-tier hits are copied into the device pages
   a request was given, through each tier's ``FetchSource`` (issue everything, let the
@@ -242,7 +243,7 @@ class TierMover:
 
   def allocate_host(self, shard: int, n: int) -> list[int] | None:
     """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
-    to disk first. None when every slot is held."""
+    to the disk and the pool first. None when every slot is held."""
     slots, evicted = self.manager.allocate(shard, n, Tier.HOST)
     if evicted:  # read them out before they are overwritten
       self.host_down([(shard, p, k) for k, p in evicted])

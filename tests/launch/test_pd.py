@@ -15,7 +15,9 @@ import jaxkv
 from jaxkv.tools.bench.http import ROOT, ServerProcess
 from jaxkv.worker.tiers.pool.master import LocalMaster
 
-OVERRIDES = ("--config.cache.max_pages_per_seq=16",)
+# Lower-tier hits always fetched: the plan's measured costs (which may recompute a prefix
+# on a loaded machine) would make the hit counts below depend on the machine's load.
+OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
 MODEL = "llama-tiny-random"
 
 

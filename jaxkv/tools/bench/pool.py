@@ -40,7 +40,6 @@ from flax import nnx
 from jaxkv import models
 from jaxkv.cache import KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
-from jaxkv.manager.index import Tier
 from jaxkv.serving.engine import Engine
 from jaxkv.tools.bench import common
 from jaxkv.tools.bench.remote import MODEL, _tcp_send, prompt
@@ -245,8 +244,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       outputs = {}
       for rep in range(reps + 1):
         for name, e in engines.items():
-          for shard in range(e.cache.num_shards):
-            e.cache.index.evict_all_unreferenced(shard, Tier.DEVICE)
+          e.cache.manager.forget_device_blocks()
           e.reset_stats()
           outputs[name] = e.generate([request], 4)
           if rep:  # the first round compiles
