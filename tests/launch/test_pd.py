@@ -84,6 +84,12 @@ def test_a_prefill_answer_carries_vllms_kv_transfer_params(pair):
       params["remote_block_ids"])
 
 
+def test_a_prefill_node_refuses_a_stream_it_would_not_hand_off(pair):
+  body = {"model": MODEL, "prompt": prompt(5, 20), "max_tokens": 1, "stream": True}
+  r = httpx.post(f"{pair['prefill'].url}/completions", json=body, timeout=60)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
 @pytest.mark.parametrize("node,params,needle", [
     ("decode", {"do_remote_decode": True}, "this node decodes"),
     ("prefill", {"do_remote_prefill": True}, "this node prefills"),

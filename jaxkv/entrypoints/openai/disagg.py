@@ -39,6 +39,9 @@ def read_params(body: dict, role: str) -> tuple[bool, dict | None]:
   validated ``kv_transfer_params`` a decode request brings (None if none)."""
   params = body.get("kv_transfer_params")
   if params is None:
+    if role == "prefill" and body.get("stream"):
+      raise Refused("this node prefills (--role=prefill) and answers whole: send the request "
+                    "with stream=false (the decode node streams).", "stream")
     return role == "prefill", None
   if not isinstance(params, dict):
     raise Refused(f"kv_transfer_params={params!r} must be an object (or null).")
