@@ -125,11 +125,9 @@ def main(argv):
                          f"({e.strerror}); pick a free port.") from None
   port = sock.getsockname()[1]
   print(f"pd proxy on http://{_HOST.value}:{port}/v1", flush=True)
-  if _READY_FILE.value:
-    tmp = _READY_FILE.value + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump({"port": port}, f)
-    os.replace(tmp, _READY_FILE.value)
+  if _READY_FILE.value:  # whole or absent: written aside, then renamed
+    _common.write_json(_READY_FILE.value + ".tmp", {"port": port})
+    os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
   server = uvicorn.Server(uvicorn.Config(api, log_level="warning", access_log=False))
   server.run(sockets=[sock])
 

@@ -157,6 +157,7 @@ class PoolTier:
     self._idle.set()
     self._recent: collections.OrderedDict = collections.OrderedDict()  # keys put lately
     self.pin_all = False  # a prefill node's: every block it puts is soft-pinned
+    self._spaced, self._prefix = None, ""  # the fingerprint the names' prefix is of
     self.in_job = False  # set by the mover in a multi-process job
     if key is None:
       security.warn_insecure(
@@ -228,14 +229,21 @@ class PoolTier:
     return other
 
   # ---- names and values ----------------------------------------------------------------------
+  def _space(self) -> str:
+    """The names' prefix: this model's fingerprint (keyed under a key), computed once."""
+    if self._spaced != self.fingerprint:
+      self._spaced, self._prefix = self.fingerprint, (
+          self.fingerprint[:16].hex() if self.key is None else
+          hmac.new(self.key, b"jaxkv-pool-space\x00" + self.fingerprint,
+                   hashlib.sha256).hexdigest()[:32])
+    return self._prefix
+
   def name(self, key: bytes) -> str:
     """The pool's name for a block: keyed (the pool learns no block key) under a key."""
     if self.key is None:
-      return f"jaxkv/{self.fingerprint[:16].hex()}/{key.hex()}"
-    space = hmac.new(self.key, b"jaxkv-pool-space\x00" + self.fingerprint,
-                     hashlib.sha256).hexdigest()[:32]
-    return f"jaxkv/{space}/" + hmac.new(self.key, b"jaxkv-pool-name\x00" + key,
-                                        hashlib.sha256).hexdigest()
+      return f"jaxkv/{self._space()}/{key.hex()}"
+    return f"jaxkv/{self._space()}/" + hmac.new(self.key, b"jaxkv-pool-name\x00" + key,
+                                                hashlib.sha256).hexdigest()
 
   def value(self, key: bytes, payload: np.ndarray, parent: bytes | None) -> bytes:
     record = blocks.encode(payload, key, self.fingerprint, parent).tobytes()
