@@ -64,7 +64,6 @@ def main(argv):
                          "drives a pair).")
   _common.start_jax(cfg)
   _flags.check_pool(cfg)
-  _flags.check_pool(cfg)
   import jax
   from jaxkv import distributed, metrics, security
   from jaxkv.tools import builder, workloads
