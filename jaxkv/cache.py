@@ -43,6 +43,8 @@ from jaxkv.stats import Stats
 from jaxkv.worker.worker import CacheWorker
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager import CacheManager
+from jaxkv.manager.events import BlockEvents
+from jaxkv.manager.publisher import EventPublisher
 
 
 class KVCache:
@@ -87,6 +89,14 @@ class KVCache:
                              host_pages_per_shard=tiers.host_pages_per_shard,
                              disk_slots=tiers.disk_pages, secret=self._deployment_key)
     self.stats = Stats()
+    # KV events for routers: process 0 publishes for the job (every process holds the same
+    # index, so one stream tells it whole).
+    self.events_publisher = self.events = None
+    if tiers.kv_events and jax.process_index() == 0:
+      self.events_publisher = EventPublisher(
+          tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
+      self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
+                                parent_of=self.index.parent_of, tokens=tiers.kv_events_tokens)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it).
     # The host-side half: index, pins, allocation (the scheduler and admission see this).
     self.manager = CacheManager(
@@ -95,7 +105,7 @@ class KVCache:
         disk_attached=lambda: self.worker.disk_available(),
         # A job: process 0 asks the peers and broadcasts their answers to every process.
         share_answers=distributed.broadcast_bytes if jax.process_count() > 1 else None,
-        asks_peers=jax.process_index() == 0)
+        asks_peers=jax.process_index() == 0, events=self.events)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it);
     # what its copies do it reports to the manager.
     self.worker = CacheWorker(config, tiers, mesh, manager=self.manager, stats=self.stats,
@@ -235,6 +245,8 @@ class KVCache:
     """Leaves what outlives the process otherwise: the pool's queued puts are finished (up
     to ``timeout_s``) and its segment unmounted. The cache serves no more after it."""
     self.worker.close(timeout_s)
+    if self.events_publisher is not None:
+      self.events_publisher.close()
 
   def occupancy(self) -> dict:
     """``cached_blocks`` and ``capacity_blocks`` by tier (device and host summed over data

@@ -326,6 +326,13 @@ class TierConfig:
   the NICs). ``pool_replicas``: copies of each block the pool keeps. ``pool_pin_s``: blocks
   reused before they are put are soft-pinned this long (0: never). ``pool_queue_mb``: puts
   waiting to be written; more are dropped (counted).
+  ``kv_events``: a ZeroMQ endpoint (``tcp://HOST:PORT``) to publish KV events on, in vLLM's
+  format (``jaxkv.manager.publisher``): a router learns which blocks this replica holds in
+  which medium. ``kv_events_replay``: the endpoint of the replay socket a reader asks for
+  messages it missed. ``kv_events_topic``: every message's first frame.
+  ``kv_events_tokens``: send each block's token ids (as vLLM does; a router that scores
+  requests by their tokens needs them, and so sees prompts); False sends only hashes.
+  In a multi-process job process 0 publishes for the job.
   """
 
   host_pages_per_shard: int = 0
@@ -346,8 +353,23 @@ class TierConfig:
   pool_replicas: int = 1
   pool_pin_s: float = 600.0
   pool_queue_mb: int = 256
+  kv_events: str | None = None
+  kv_events_replay: str | None = None
+  kv_events_topic: str = ""
+  kv_events_tokens: bool = True
 
   def __post_init__(self):
+    from jaxkv.manager import publisher  # pylint: disable=import-outside-toplevel
+    for name in ("kv_events", "kv_events_replay"):
+      if getattr(self, name):
+        publisher.check_endpoint(getattr(self, name), f"TierConfig.{name}")
+    _require(not self.kv_events_replay or self.kv_events,
+             f"TierConfig.kv_events_replay={self.kv_events_replay!r} needs kv_events (the "
+             "endpoint whose messages it replays).")
+    _require(isinstance(self.kv_events_topic, str),
+             f"TierConfig.kv_events_topic={self.kv_events_topic!r} must be a string.")
+    _require(isinstance(self.kv_events_tokens, bool),
+             f"TierConfig.kv_events_tokens={self.kv_events_tokens!r} must be True or False.")
     _require(self.pool_master is None or (
         isinstance(self.pool_master, str) and self.pool_master.rpartition(":")[2].isdigit()
         and self.pool_master.rpartition(":")[0]),

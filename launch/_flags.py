@@ -44,10 +44,20 @@ ROLE = flags.DEFINE_enum(
     "in the pool and kv_transfer_params for a decode node (it writes through, every block "
     "soft-pinned); 'decode' takes requests whose kv_transfer_params say do_remote_prefill "
     "(and any other); 'both' does either per request, as its kv_transfer_params ask.")
+KV_EVENTS = flags.DEFINE_string(
+    "kv_events", None, "Alias of --config.tiers.kv_events: publish KV events (which blocks "
+    "this replica holds, in which medium) on this ZeroMQ endpoint, in vLLM's format, for a "
+    "router to read, e.g. tcp://*:5557 (Dynamo's KV indexer; launch/router.py). Events carry "
+    "block token ids, so the router sees prompts (--config.tiers.kv_events_tokens=false: "
+    "hashes only). In a multi-process job process 0 publishes.")
+KV_EVENTS_REPLAY = flags.DEFINE_string(
+    "kv_events_replay", None, "Alias of --config.tiers.kv_events_replay: the endpoint of the "
+    "replay socket a reader asks for the KV event messages it missed, e.g. tcp://*:5558.")
 ALIASES = ((DEVICE_PAGES, "cache.pages_per_shard"), (HOST_PAGES, "tiers.host_pages_per_shard"),
            (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"),
            (POOL, "tiers.pool_master"), (POOL_METADATA, "tiers.pool_metadata"),
-           (POOL_SEGMENT_MB, "tiers.pool_segment_mb"))
+           (POOL_SEGMENT_MB, "tiers.pool_segment_mb"), (KV_EVENTS, "tiers.kv_events"),
+           (KV_EVENTS_REPLAY, "tiers.kv_events_replay"))
 CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "

@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv.errors import CapacityError, InputError
+from jaxkv.manager.events import BlockEvents
 from jaxkv.manager.index import LOCAL_TIERS, PrefixIndex, Tier
 from jaxkv.scheduling.step import Block
 from jaxkv.worker.tiers.base import Failure
@@ -63,8 +64,11 @@ class CacheManager:
                write_through: bool, has_disk: bool,
                disk_attached: Callable[[], bool] = lambda: True, remote=None,
                share_answers: Callable[[bytes], bytes] | None = None,
-               asks_peers: bool = True):
+               asks_peers: bool = True, events: BlockEvents | None = None):
     self.index, self.stats = index, stats
+    # What the index holds, told to routers (``jaxkv.manager.events``; None: not published).
+    self.events = events
+    index.observer = events
     self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
                                                         page_bytes)
     self.write_through, self.has_disk = write_through, has_disk
@@ -82,6 +86,14 @@ class CacheManager:
     """The remote tier whose ``longest_prefix`` lookups admission asks (opened with the
     cache's tiers, once the model is known)."""
     self.remote = remote
+
+  def block_keys(self, tokens, tenant: str) -> list[bytes]:
+    """Keys of every full block of ``tokens`` for ``tenant`` (``PrefixIndex.block_keys``);
+    with KV events on, the blocks' tokens are noted for the events that name them."""
+    keys = self.index.block_keys(tokens, tenant)
+    if self.events is not None:
+      self.events.learn(keys, tokens)
+    return keys
 
   # ---- lookups ---------------------------------------------------------------------------------
   def lookup_tiers(self) -> tuple[Tier, ...]:
@@ -248,7 +260,7 @@ class CacheManager:
     """Takes a reference on a prefix's full blocks on every data shard (all must be on
     device there), so no eviction touches them until ``release_hold``. Returns the number
     of blocks held per shard."""
-    keys = self.index.block_keys(np.asarray(tokens, np.int32), tenant)
+    keys = self.block_keys(np.asarray(tokens, np.int32), tenant)
     held = []
     try:
       for s in range(self.num_shards):

@@ -101,8 +101,8 @@ def _expect(holds, message: str) -> None:
 class _Pool:
   """Bookkeeping of one pool of slots (a shard's device or host pages, the disk slots)."""
 
-  def __init__(self, num_slots: int):
-    self.num_slots = num_slots
+  def __init__(self, num_slots: int, tier: Tier):
+    self.num_slots, self.tier = num_slots, tier
     self.refcount = np.zeros(num_slots, dtype=np.int64)
     self.key_of_slot: list[Key | None] = [None] * num_slots
     self.slot_of_key: dict[Key, int] = {}
@@ -140,14 +140,17 @@ class PrefixIndex:
     self.page_size = page_size
     self.fingerprint = fingerprint
     self._secret = security.check_key(secret)  # the deployment key (never shown)
-    self._slots = {Tier.DEVICE: [_Pool(pages_per_shard) for _ in range(num_shards)],
-                   Tier.HOST: [_Pool(host_pages_per_shard) for _ in range(num_shards)],
-                   Tier.DISK: [_Pool(disk_slots)]}
+    self._slots = {tier: [_Pool(n, tier) for _ in range(num_shards)] for tier, n in (
+        (Tier.DEVICE, pages_per_shard), (Tier.HOST, host_pages_per_shard))}
+    self._slots[Tier.DISK] = [_Pool(disk_slots, Tier.DISK)]
     self._hits: collections.Counter = collections.Counter()  # key -> reuses, aged
     self._parent: dict[Key, Key | None] = {}
     self._children: dict[Key, dict[Key, None]] = {}
     self._copies: collections.Counter = collections.Counter()  # key -> copies in any pool
     self.counters = IndexCounters()
+    # Told of every copy that enters or leaves a pool (``stored(key, tier)`` once its chain
+    # link is known, ``forgotten(key, tier)``): the KV events (``jaxkv.manager.events``).
+    self.observer = None
 
   # ---- keys ------------------------------------------------------------------------------
   def bind_fingerprint(self, fingerprint: bytes) -> None:
@@ -314,6 +317,8 @@ class PrefixIndex:
         self._children.setdefault(parent, {})[key] = None
     self._copies[key] += 1
     self.counters.published += 1
+    if self.observer is not None:
+      self.observer.stored(key, tier)
     return True
 
   def release(self, shard: int, slots: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
@@ -439,6 +444,8 @@ class PrefixIndex:
   def _forget(self, pool: _Pool, slot: int, key: Key) -> None:
     del pool.slot_of_key[key]
     pool.key_of_slot[slot] = None
+    if self.observer is not None:
+      self.observer.forgotten(key, pool.tier)
     self._copies[key] -= 1
     if self._copies[key] == 0:
       del self._copies[key]

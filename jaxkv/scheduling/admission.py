@@ -123,7 +123,7 @@ class Admission:
       if bad:
         raise InputError(f"prompt {i}: stop_token_ids {bad} are outside the vocabulary "
                          f"[0, {self.vocab_size}).")
-      keys = (self.manager.index.block_keys(tokens, tenant)
+      keys = (self.manager.block_keys(tokens, tenant)
               if self.prefix_reuse and not streamed else [])
       requests.append(Request(id=first_id + i, tokens=tokens, sampling=sp, tenant=tenant,
                               keys=tuple(keys), num_pages_needed=-(-total // c.page_size),

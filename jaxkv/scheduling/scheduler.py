@@ -508,7 +508,7 @@ class Scheduler:
     p = s.placement
     if self.prefix_reuse and self.cache_decode_blocks:
       written = np.concatenate([p.request.tokens, np.asarray(s.handle.tokens, np.int32)])
-      keys = self.index.block_keys(written, p.request.tenant)
+      keys = self.manager.block_keys(written, p.request.tenant)
       published = []
       for j in range(len(p.request.tokens) // self.page, len(keys)):
         self._publish(p.shard, p.pages[j], keys, j, published)

@@ -229,6 +229,9 @@ def tier_config(cfg: Mapping) -> TierConfig:
   if "tiers" not in cfg:
     return TierConfig()
   t = _section(cfg, "tiers")
+  for name in ("kv_events", "kv_events_replay"):  # '' from a flag: not published
+    if name in t and not t[name]:
+      t[name] = None
   if t.get("disk_kvstore") in ("", None):
     t["disk_kvstore"], t["disk_pages"] = None, 0
     return TierConfig(**t)

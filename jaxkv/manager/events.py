@@ -1,0 +1,162 @@
+"""KV events: what this cache holds, told to routers in vLLM's event format.
+
+A router that sends each request to the replica holding its prefix needs to know what every
+replica holds. ``BlockEvents`` watches the prefix index (``PrefixIndex.observer``: every copy
+that enters or leaves a pool passes through it) and turns the changes into events:
+
+- ``BlockStored`` when a block's first copy enters a medium (any data shard of this
+  replica), with its chain link and its tokens;
+- ``BlockRemoved`` when the last copy in that medium leaves it;
+- ``AllBlocksCleared`` when the publisher starts, and before each snapshot it sends.
+
+Media are named as vLLM names them, and as Dynamo's indexer reads them: ``GPU`` for device
+memory (on TPU too), ``CPU`` for the host tier, ``DISK`` for the disk tier. The pool, the
+remote peers and other data shards are not this replica's own and are not told.
+
+Block hashes are the first 8 bytes of jaxkv's block keys as an unsigned 64-bit integer: the
+keys chain over the whole prefix from a tenant-salted root, so two tenants' identical
+prompts are different blocks here. ``token_ids`` are the block's tokens, as vLLM sends them
+(a router that scores requests by their tokens, as Dynamo's does, needs them); with
+``tokens=False`` they are left out and the router sees only hashes. A block whose tokens this
+process never saw (adopted from disk at start, restored from a checkpoint) is told once a
+request's prompt names it (``learn``), so a router never scores tokens it was not given.
+
+Host-side and deterministic, like the index; ``sink`` gets each event (a ``msgspec`` struct)
+on the thread that changed the index (``jaxkv.manager.publisher`` sends them).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+import msgspec
+import numpy as np
+
+from jaxkv.manager.index import Key, Tier
+
+MEDIA = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}
+
+
+class BlockStored(msgspec.Struct, tag=True):
+  block_hashes: list[int]
+  parent_block_hash: int | None
+  token_ids: list[int]
+  block_size: int
+  lora_id: int | None
+  medium: str | None
+
+
+class BlockRemoved(msgspec.Struct, tag=True):
+  block_hashes: list[int]
+  medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+  pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+  """One message's payload: ``[ts, events, data_parallel_rank]``."""
+  ts: float
+  events: list[Event]
+  data_parallel_rank: int | None = None
+
+
+def block_hash(key: Key) -> int:
+  """The 64-bit hash a router sees for block ``key``."""
+  return int.from_bytes(key[:8], "big")
+
+
+class BlockEvents:
+  """Turns the index's changes into events (``PrefixIndex.observer``).
+
+  ``parent_of``: the index's chain link of a key. ``recent``: how many blocks' tokens are
+  kept after their last copy left (a copy down is published after its device copy was
+  evicted) or before their first copy came (``learn`` runs at admission)."""
+
+  def __init__(self, sink: Callable[[Event], None], *, page_size: int,
+               parent_of: Callable[[Key], Key | None], tokens: bool = True,
+               recent: int = 1 << 16):
+    self.sink, self.page_size, self.parent_of = sink, page_size, parent_of
+    self.send_tokens, self._recent_cap = tokens, recent
+    self._copies: collections.Counter = collections.Counter()  # (key, tier) -> copies
+    self._held: collections.Counter = collections.Counter()  # key -> copies in any medium
+    self._told: dict[tuple[Key, Tier], None] = {}  # (key, tier) whose BlockStored went out
+    self._tokens: dict[Key, bytes] = {}  # tokens of the blocks held
+    self._recent: collections.OrderedDict[Key, bytes] = collections.OrderedDict()
+    self.untold = 0  # copies stored whose tokens were unknown (told later, if learned)
+
+  # ---- the index's changes -------------------------------------------------------------------
+  def stored(self, key: Key, tier: Tier) -> None:
+    if tier not in MEDIA:
+      return
+    self._copies[key, tier] += 1
+    self._held[key] += 1
+    if self._copies[key, tier] > 1:
+      return
+    tokens = self._tokens.get(key)
+    if tokens is None:
+      tokens = self._recent.pop(key, None)
+      if tokens is None:
+        self.untold += 1
+        return
+      self._tokens[key] = tokens
+    self._tell(key, tier, tokens)
+
+  def forgotten(self, key: Key, tier: Tier) -> None:
+    if tier not in MEDIA:
+      return
+    self._copies[key, tier] -= 1
+    self._held[key] -= 1
+    if self._copies[key, tier] == 0:
+      del self._copies[key, tier]
+      if (key, tier) in self._told:
+        del self._told[key, tier]
+        self.sink(BlockRemoved(block_hashes=[block_hash(key)], medium=MEDIA[tier]))
+    if self._held[key] == 0:
+      del self._held[key]
+      tokens = self._tokens.pop(key, None)
+      if tokens is not None:
+        self._remember(key, tokens)
+
+  # ---- tokens ------------------------------------------------------------------------------------
+  def learn(self, keys: Sequence[Key], tokens) -> None:
+    """A prompt's (or an answer's) full blocks: ``keys[j]`` holds ``tokens``' block ``j``.
+    Blocks held but never told (their tokens were unknown) are told now, front first."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    page = self.page_size
+    for j, key in enumerate(keys):
+      if key in self._tokens:
+        continue
+      block = toks[j * page:(j + 1) * page].tobytes()
+      if not self._held.get(key):
+        self._remember(key, block)
+        continue
+      self._tokens[key] = block
+      for tier in MEDIA:
+        if (key, tier) in self._copies and (key, tier) not in self._told:
+          self.untold -= 1
+          self._tell(key, tier, block)
+
+  def _remember(self, key: Key, tokens: bytes) -> None:
+    self._recent[key] = tokens
+    self._recent.move_to_end(key)
+    while len(self._recent) > self._recent_cap:
+      self._recent.popitem(last=False)
+
+  def _tell(self, key: Key, tier: Tier, tokens: bytes) -> None:
+    self._told[key, tier] = None
+    parent = self.parent_of(key)
+    ids = np.frombuffer(tokens, np.int32).tolist() if self.send_tokens else []
+    self.sink(BlockStored(block_hashes=[block_hash(key)],
+                          parent_block_hash=None if parent is None else block_hash(parent),
+                          token_ids=ids, block_size=self.page_size, lora_id=None,
+                          medium=MEDIA[tier]))
+
+  def held(self) -> int:
+    """How many (block, medium) copies were told and not yet removed."""
+    return len(self._told)
