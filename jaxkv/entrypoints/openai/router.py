@@ -1,0 +1,306 @@
+"""An OpenAI-compatible router in front of replicas, sending each request where its prefix is.
+
+The replicas are ``launch/server.py`` processes (or jobs, whose process 0 serves HTTP) that
+publish KV events (``--kv_events``); a KV indexer we did not write (Dynamo's standalone
+indexer, ``python -m dynamo.indexer``) reads the events and answers, for a request's token
+ids, how much of its prefix each replica holds on device, in host memory and on disk. The
+decision is the indexer's answer and the replicas' load, nothing of the router's own:
+
+    cost(replica) = prompt tokens - held(replica) + load_tokens * requests in flight there
+
+where ``held`` counts device tokens whole and tokens only in host memory or on disk at
+``host_weight`` and ``disk_weight`` (a fetch is cheaper than a prefill, dearer than a hit).
+The cheapest healthy replica takes the request; ties go to the less loaded, then in turn.
+With ``policy="round_robin"`` the indexer is not asked (the baseline).
+
+Failures: a replica whose ``/health`` is not 200, or that does not answer a request, is
+taken out until ``/health`` answers 200 again, and the request goes to the next replica in
+cost order (before any byte of an answer was passed on: a stream that broke midway ends as
+the replica ended it). A 429 tries the next replica; the last one's 429 is the answer. An
+indexer that does not answer within ``indexer_timeout_s`` leaves the choice to load alone
+(counted). Streams pass through as they come; the Authorization header goes to the replica,
+which checks it (tenants stay isolated on every replica: their blocks' keys differ, though
+the indexer, which matches by tokens, does not know tenants).
+
+Token ids: a ``/v1/completions`` prompt given as token ids is used as is; text and chat
+need ``tokenizer`` (the replicas' own, ``launch/router.py --model_dir``), without which such
+requests are placed by load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+
+import httpx
+from absl import logging
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxkv.errors import InputError
+from jaxkv.entrypoints.openai.protocol import _chat_messages
+from jaxkv.tools.bench.indexer import parse_query
+
+POLICIES = ("prefix", "round_robin")
+REPLICA_HEADER = "x-jaxkv-replica"
+
+
+@dataclasses.dataclass
+class Replica:
+  url: str  # base, e.g. http://127.0.0.1:8001
+  worker: int  # its id at the indexer
+  healthy: bool = False
+  inflight: int = 0
+  routed: int = 0
+  failures: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+  policy: str = "prefix"
+  indexer: str | None = None
+  indexer_model: str = "default"
+  indexer_timeout_s: float = 0.5
+  load_tokens: float = 256.0
+  host_weight: float = 0.9
+  disk_weight: float = 0.6
+  health_interval_s: float = 1.0
+  timeout_s: float = 600.0
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise InputError(f"policy={self.policy!r} must be one of {POLICIES}.")
+    if self.policy == "prefix" and not self.indexer:
+      raise InputError("policy='prefix' needs the KV indexer's URL (--indexer=http://HOST:PORT)"
+                       "; or route with --policy=round_robin.")
+    for name in ("host_weight", "disk_weight"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise InputError(f"{name}={getattr(self, name)!r} must be in [0, 1].")
+    for name in ("indexer_timeout_s", "health_interval_s", "timeout_s"):
+      if not getattr(self, name) > 0:
+        raise InputError(f"{name}={getattr(self, name)!r} must be > 0 seconds.")
+    if not self.load_tokens >= 0:
+      raise InputError(f"load_tokens={self.load_tokens!r} must be >= 0.")
+
+
+class Router:
+  """The routing state and decision; ``make_app`` serves it over HTTP."""
+
+  def __init__(self, replicas: list[tuple[str, int]], config: RouterConfig, tokenizer=None):
+    if not replicas:
+      raise InputError("give at least one replica (--replicas=http://HOST:PORT,...).")
+    for url, _ in replicas:
+      if not url.startswith(("http://", "https://")):
+        raise InputError(f"replica {url!r} is not an http://HOST:PORT URL.")
+    self.replicas = [Replica(url.rstrip("/"), worker) for url, worker in replicas]
+    self.config, self.tokenizer = config, tokenizer
+    self._turn = itertools.count()
+    self.stats = {"requests": 0, "routed_by_prefix": 0, "indexer_errors": 0,
+                  "retries": 0, "replica_failures": 0, "rejected_429": 0, "no_tokens": 0}
+    self.client: httpx.AsyncClient | None = None
+
+  # ---- the decision ----------------------------------------------------------------------------
+  def tokens_of(self, path: str, body: dict) -> list[int] | None:
+    """The request's prompt token ids, as the replica will see them (None: unknown here)."""
+    try:
+      if path.endswith("/chat/completions"):
+        if self.tokenizer is None:
+          return None
+        return list(self.tokenizer.encode_chat(_chat_messages(body.get("messages"))))
+      prompt = body.get("prompt")
+      if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+      if isinstance(prompt, list) and prompt and all(
+          isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+      if isinstance(prompt, str) and self.tokenizer is not None:
+        return list(self.tokenizer.encode(prompt))
+    except Exception:  # pylint: disable=broad-except  (the replica names what is wrong)
+      return None
+    return None
+
+  async def held(self, tokens: list[int]) -> dict[int, dict[str, int]] | None:
+    """The indexer's answer for ``tokens`` (None: it did not answer in time)."""
+    try:
+      r = await self.client.post(f"{self.config.indexer}/query", json={
+          "token_ids": tokens, "model_name": self.config.indexer_model},
+                                 timeout=self.config.indexer_timeout_s)
+      r.raise_for_status()
+      return parse_query(r.json())
+    except (httpx.HTTPError, ValueError) as e:
+      self.stats["indexer_errors"] += 1
+      logging.warning("the KV indexer did not answer (%s); placing by load", e)
+      return None
+
+  def ranked(self, n_tokens: int, held: dict[int, dict[str, int]] | None) -> list[Replica]:
+    """Healthy replicas, cheapest first (every replica when none is healthy: one may be
+    back before its next health check)."""
+    c = self.config
+    pool = [r for r in self.replicas if r.healthy] or list(self.replicas)
+    turn = next(self._turn)
+    order = {id(r): (i - turn) % len(pool) for i, r in enumerate(pool)}
+    if c.policy == "round_robin":
+      return sorted(pool, key=lambda r: order[id(r)])
+
+    def cost(r: Replica) -> tuple:
+      h = (held or {}).get(r.worker, {})
+      dev, host, disk = h.get("device", 0), h.get("host", 0), h.get("disk", 0)
+      reuse = dev + c.host_weight * (host - dev) + c.disk_weight * (disk - host)
+      return (n_tokens - reuse + c.load_tokens * r.inflight, r.inflight, order[id(r)])
+    return sorted(pool, key=cost)
+
+  # ---- health ------------------------------------------------------------------------------------
+  async def check_health(self) -> None:
+    async def one(r: Replica):
+      try:
+        ok = (await self.client.get(f"{r.url}/health", timeout=2.0)).status_code == 200
+      except httpx.HTTPError:
+        ok = False
+      if r.healthy and not ok:
+        logging.warning("replica %s failed /health; its requests go elsewhere", r.url)
+      elif ok and not r.healthy:
+        logging.info("replica %s is healthy", r.url)
+      r.healthy = ok
+    await asyncio.gather(*(one(r) for r in self.replicas))
+
+  async def health_loop(self) -> None:
+    while True:
+      await self.check_health()
+      await asyncio.sleep(self.config.health_interval_s)
+
+
+def make_app(router: Router) -> FastAPI:
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    router.client = httpx.AsyncClient(timeout=router.config.timeout_s,
+                                      limits=httpx.Limits(max_connections=1024))
+    await router.check_health()
+    task = asyncio.create_task(router.health_loop())
+    try:
+      yield
+    finally:
+      task.cancel()
+      await router.client.aclose()
+
+  api = FastAPI(title="jaxkv router", docs_url=None, redoc_url=None, openapi_url=None,
+                lifespan=lifespan)
+
+  def error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": None}}, status_code=status)
+
+  def headers(request: Request) -> dict:
+    out = {"content-type": "application/json"}
+    auth = request.headers.get("authorization")
+    if auth:
+      out["authorization"] = auth
+    return out
+
+  async def relay(request: Request, path: str):
+    raw = await request.body()
+    try:
+      body = json.loads(raw)
+    except ValueError:
+      return error(400, "the body is not JSON; send a JSON object.", "invalid_request_error")
+    if not isinstance(body, dict):
+      return error(400, "send a JSON object.", "invalid_request_error")
+    router.stats["requests"] += 1
+    tokens = router.tokens_of(path, body)
+    held = None
+    if router.config.policy == "prefix":
+      if tokens is None:
+        router.stats["no_tokens"] += 1
+      else:
+        held = await router.held(tokens)
+    candidates = router.ranked(len(tokens or ()), held)
+    if held and candidates and held.get(candidates[0].worker, {}).get("disk", 0) > 0:
+      router.stats["routed_by_prefix"] += 1
+    last = None
+    for i, r in enumerate(candidates):
+      if i:
+        router.stats["retries"] += 1
+      req = router.client.build_request("POST", f"{r.url}{path}", content=raw,
+                                        headers=headers(request))
+      r.inflight += 1
+      try:
+        resp = await router.client.send(req, stream=True)
+      except httpx.HTTPError as e:
+        r.inflight -= 1
+        r.failures += 1
+        r.healthy = False
+        router.stats["replica_failures"] += 1
+        logging.warning("replica %s did not answer (%s); trying the next", r.url, e)
+        last = error(502, f"replica {r.url} did not answer: {e}")
+        continue
+      if resp.status_code == 429 and i + 1 < len(candidates):
+        router.stats["rejected_429"] += 1
+        await resp.aclose()
+        r.inflight -= 1
+        continue
+      r.routed += 1
+      kind = resp.headers.get("content-type", "application/json")
+      if "text/event-stream" not in kind:
+        try:
+          content = await resp.aread()
+        except httpx.HTTPError as e:  # it died while answering: nothing was passed on yet
+          r.inflight -= 1
+          r.failures += 1
+          r.healthy = False
+          router.stats["replica_failures"] += 1
+          last = error(502, f"replica {r.url} broke off its answer: {e}")
+          continue
+        finally:
+          await resp.aclose()
+        r.inflight -= 1
+        return Response(content, status_code=resp.status_code, media_type=kind,
+                        headers={REPLICA_HEADER: r.url})
+
+      async def passthrough(resp=resp, r=r):
+        try:
+          async for chunk in resp.aiter_raw():
+            yield chunk
+        except httpx.HTTPError as e:
+          r.failures += 1
+          logging.warning("replica %s broke off a stream: %s", r.url, e)
+        finally:
+          r.inflight -= 1
+          await resp.aclose()
+
+      return StreamingResponse(passthrough(), status_code=resp.status_code, media_type=kind,
+                               headers={REPLICA_HEADER: r.url})
+    return last or error(503, "no replica answered.")
+
+  @api.post("/v1/completions")
+  async def completions(request: Request):
+    return await relay(request, "/v1/completions")
+
+  @api.post("/v1/chat/completions")
+  async def chat(request: Request):
+    return await relay(request, "/v1/chat/completions")
+
+  @api.get("/v1/models")
+  async def models(request: Request):
+    for r in router.ranked(0, None):
+      try:
+        resp = await router.client.get(f"{r.url}/v1/models", headers=headers(request))
+      except httpx.HTTPError:
+        continue
+      return Response(resp.content, status_code=resp.status_code,
+                      media_type=resp.headers.get("content-type"))
+    return error(503, "no replica answered.")
+
+  @api.get("/health")
+  async def health():
+    up = [r.url for r in router.replicas if r.healthy]
+    if not up:
+      return error(503, "no replica is healthy.")
+    return {"status": "ok", "healthy": up}
+
+  @api.get("/router/stats")
+  async def stats():
+    return {**router.stats, "replicas": [dataclasses.asdict(r) for r in router.replicas]}
+
+  return api
