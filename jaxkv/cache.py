@@ -96,7 +96,7 @@ class KVCache:
       self.events_publisher = EventPublisher(
           tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
       self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
-                                parent_of=self.index.parent_of, tokens=tiers.kv_events_tokens)
+                                tokens=tiers.kv_events_tokens)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it).
     # The host-side half: index, pins, allocation (the scheduler and admission see this).
     self.manager = CacheManager(

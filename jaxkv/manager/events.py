@@ -74,21 +74,21 @@ def block_hash(key: Key) -> int:
 class BlockEvents:
   """Turns the index's changes into events (``PrefixIndex.observer``).
 
-  ``parent_of``: the index's chain link of a key. ``recent``: how many blocks' tokens are
+  A block's tokens and chain link are noted where its key is made (``learn``). ``recent``: how many blocks' tokens are
   kept after their last copy left (a copy down is published after its device copy was
   evicted) or before their first copy came (``learn`` runs at admission)."""
 
-  def __init__(self, sink: Callable[[Event], None], *, page_size: int,
-               parent_of: Callable[[Key], Key | None], tokens: bool = True,
+  def __init__(self, sink: Callable[[Event], None], *, page_size: int, tokens: bool = True,
                recent: int = 1 << 16):
-    self.sink, self.page_size, self.parent_of = sink, page_size, parent_of
+    self.sink, self.page_size = sink, page_size
     self.send_tokens, self._recent_cap = tokens, recent
     self._copies: collections.Counter = collections.Counter()  # (key, tier) -> copies
     self._held: collections.Counter = collections.Counter()  # key -> copies in any medium
     self._told: dict[tuple[Key, Tier], None] = {}  # (key, tier) whose BlockStored went out
-    self._tokens: dict[Key, bytes] = {}  # tokens of the blocks held
-    self._recent: collections.OrderedDict[Key, bytes] = collections.OrderedDict()
-    self.untold = 0  # copies stored whose tokens were unknown (told later, if learned)
+    # (tokens, parent) of the blocks held, and of some recently held or keyed
+    self._tokens: dict[Key, tuple[bytes, Key | None]] = {}
+    self._recent: collections.OrderedDict[Key, tuple] = collections.OrderedDict()
+    self.untold = 0  # (block, medium) copies held whose tokens are unknown: not told yet
 
   # ---- the index's changes -------------------------------------------------------------------
   def stored(self, key: Key, tier: Tier) -> None:
@@ -114,7 +114,9 @@ class BlockEvents:
     self._held[key] -= 1
     if self._copies[key, tier] == 0:
       del self._copies[key, tier]
-      if (key, tier) in self._told:
+      if (key, tier) not in self._told:
+        self.untold -= 1
+      else:
         del self._told[key, tier]
         self.sink(BlockRemoved(block_hashes=[block_hash(key)], medium=MEDIA[tier]))
     if self._held[key] == 0:
@@ -132,7 +134,7 @@ class BlockEvents:
     for j, key in enumerate(keys):
       if key in self._tokens:
         continue
-      block = toks[j * page:(j + 1) * page].tobytes()
+      block = (toks[j * page:(j + 1) * page].tobytes(), keys[j - 1] if j else None)
       if not self._held.get(key):
         self._remember(key, block)
         continue
@@ -142,15 +144,16 @@ class BlockEvents:
           self.untold -= 1
           self._tell(key, tier, block)
 
-  def _remember(self, key: Key, tokens: bytes) -> None:
+  def _remember(self, key: Key, tokens: tuple) -> None:
     self._recent[key] = tokens
     self._recent.move_to_end(key)
     while len(self._recent) > self._recent_cap:
       self._recent.popitem(last=False)
 
-  def _tell(self, key: Key, tier: Tier, tokens: bytes) -> None:
+  def _tell(self, key: Key, tier: Tier, block: tuple) -> None:
+    """``block``: the block's (tokens, parent), as its prompt named them."""
     self._told[key, tier] = None
-    parent = self.parent_of(key)
+    tokens, parent = block
     ids = np.frombuffer(tokens, np.int32).tolist() if self.send_tokens else []
     self.sink(BlockStored(block_hashes=[block_hash(key)],
                           parent_block_hash=None if parent is None else block_hash(parent),
