@@ -57,7 +57,8 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/models/test_gguf.py": 85,
          "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
          "tests/worker/test_tiers.py": 65, "tests/launch/test_pool_launch.py": 70,
-         "tests/worker/test_pool.py": 50, "tests/launch/test_pd.py": 40}
+         "tests/worker/test_pool.py": 50, "tests/launch/test_replicas.py": 45,
+         "tests/launch/test_pd.py": 40}
 
 
 def pytest_itemcollected(item):

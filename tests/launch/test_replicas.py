@@ -1,0 +1,208 @@
+"""Replicas a router can see: two real launch/server.py replicas publish KV events, Dynamo's
+standalone KV indexer (a reader we did not write) reads them, and launch/router.py sends
+each request where the indexer says its prefix is. The indexer's scores equal what the
+replica itself reports reusing, follow evictions down to host memory, and are rebuilt
+after a restart; a replica killed mid-run has its requests answered by the other, exactly.
+Tenants (API keys) stay isolated on every replica behind the router."""
+
+import concurrent.futures
+import json
+import os
+import runpy
+import signal
+import time
+
+import httpx
+import pytest
+
+import helpers
+import jaxkv
+from jaxkv.entrypoints.openai.router import REPLICA_HEADER
+from jaxkv.tools.bench.http import ROOT, ServerProcess
+from jaxkv.tools.bench.indexer import DynamoIndexer
+from jaxkv.worker.tiers.pool.master import free_port
+
+MODEL = "llama-tiny-random"
+KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789ab": "bob"}
+OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
+PAGE = 16
+
+
+def events_flags(ports):
+  return [f"--kv_events=tcp://127.0.0.1:{ports[0]}",
+          f"--kv_events_replay=tcp://127.0.0.1:{ports[1]}"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+  work = tmp_path_factory.mktemp("replicas")
+  keys = work / "keys.json"
+  keys.write_text(json.dumps(KEYS))
+  os.chmod(keys, 0o600)
+  ports = {"a": (free_port(), free_port()), "b": (free_port(), free_port())}
+  # A: a small device budget over a host tier, so its blocks move down while it serves.
+  a_args = [*OVERRIDES, f"--api_keys_file={keys}", "--device_pages=20", "--host_pages=96",
+            *events_flags(ports["a"])]
+  b_args = [*OVERRIDES, f"--api_keys_file={keys}", *events_flags(ports["b"])]
+  box = {"work": work, "a_args": a_args}
+  with DynamoIndexer(log_dir=str(work)) as idx, \
+       ServerProcess(a_args, workdir=str(work)) as a, \
+       ServerProcess(b_args, workdir=str(work)) as b:
+    box.update(idx=idx, a=a, b=b)
+    a.wait_ready(600)
+    b.wait_ready(600)
+    spec = ",".join(f"tcp://127.0.0.1:{p[0]}@tcp://127.0.0.1:{p[1]}" for p in ports.values())
+    with ServerProcess([f"--replicas={a.base},{b.base}", f"--indexer={idx.url}",
+                        f"--replica_events={spec}", f"--block_size={PAGE}"],
+                       script=os.path.join("launch", "router.py"), workdir=str(work)) as router:
+      router.wait_ready(120)
+      box["router"] = router
+      yield box
+      if box.get("a2") is not None:
+        box["a2"].close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+  from jaxkv.tools import builder
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+  cfg.cache.max_pages_per_seq = 16
+  return builder.build_engine(cfg, policy="nocache")
+
+
+def complete(url, prompt, *, key="key-alice-0123456789", max_tokens=6, stream=False, timeout=120):
+  body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+          "return_token_ids": True, "stream": stream, "temperature": 0}
+  headers = {"authorization": f"Bearer {key}"} if key else {}
+  if not stream:
+    r = httpx.post(f"{url}/completions", json=body, headers=headers, timeout=timeout)
+    return r
+  ids, replica = [], None
+  with httpx.stream("POST", f"{url}/completions", json=body, headers=headers,
+                    timeout=timeout) as r:
+    assert r.status_code == 200, r.read()
+    replica = r.headers.get(REPLICA_HEADER)
+    for line in r.iter_lines():
+      if line.startswith("data: ") and line != "data: [DONE]":
+        ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+  return ids, replica
+
+
+def words(seed, n):
+  return [(seed * 37 + i * 11) % 250 + 1 for i in range(n)]
+
+
+def settle(read, timeout_s=10.0):
+  """``read()`` once two reads 0.3 s apart agree (events have reached the indexer)."""
+  deadline = time.monotonic() + timeout_s
+  last = read()
+  while time.monotonic() < deadline:
+    time.sleep(0.3)
+    now = read()
+    if now == last:
+      return now
+    last = now
+  return last
+
+
+def test_the_indexer_scores_what_the_replica_reuses_and_follows_its_evictions(fleet):
+  a, idx = fleet["a"], fleet["idx"]
+  history = []
+  for turn in range(3):
+    prompt = history + words(turn + 1, 23)
+    held = settle(lambda: idx.query(prompt))
+    r = complete(a.url, prompt)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # The indexer's score for A is what A reused for this prompt; B holds none of it.
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert held.get(1, {}).get("device", 0) == cached
+    assert held.get(2, {}).get("disk", 0) == 0
+    if turn:
+      assert cached >= PAGE * (len(history) // PAGE) - PAGE and cached > 0
+    history = prompt + body["choices"][0]["token_ids"]
+  before = settle(lambda: idx.query(history + [1]))[1]
+  assert before["device"] >= PAGE * 4
+  # Other traffic through A's 20 device pages pushes the chat down to host memory: the
+  # indexer's device score falls and its host score keeps the whole prefix.
+  for seed in range(40, 46):
+    assert complete(a.url, words(seed, 120), max_tokens=2).status_code == 200
+  after = settle(lambda: idx.query(history + [1]))[1]
+  assert after["device"] < before["device"] and after["host"] == before["device"]
+
+
+def test_the_router_sends_each_chat_where_its_prefix_is_and_answers_exactly(fleet, reference):
+  router, idx = fleet["router"], fleet["idx"]
+  chats = {s: [] for s in (101, 102, 103)}
+  replicas = {s: set() for s in chats}
+  for turn in range(3):
+    for seed, history in chats.items():
+      prompt = history + words(seed + turn, 21)
+      stream = turn == 2 and seed == 101
+      want = reference.generate([prompt], 6)[0]
+      if stream:
+        ids, replica = complete(router.url, prompt, stream=True)
+      else:
+        r = complete(router.url, prompt)
+        assert r.status_code == 200, r.text
+        ids, replica = r.json()["choices"][0]["token_ids"], r.headers[REPLICA_HEADER]
+        if turn:
+          assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= PAGE
+      assert ids == want  # through the router, streamed or not: the recomputed tokens
+      replicas[seed].add(replica)
+      chats[seed] = prompt + ids
+      settle(lambda p=chats[seed]: idx.query(p))
+  assert all(len(r) == 1 for r in replicas.values()), replicas  # every turn where turn 1 was
+  stats = httpx.get(f"{router.base}/router/stats").json()
+  assert stats["routed_by_prefix"] >= 6 and stats["indexer_errors"] == 0
+
+
+def test_keys_pass_through_the_router_and_tenants_stay_apart_on_a_replica(fleet):
+  router = fleet["router"]
+  assert complete(router.url, words(7, 20), key=None).status_code == 401
+  prompt = words(8, 40)
+  first = complete(router.url, prompt, key="key-alice-0123456789")
+  again = complete(router.url, prompt, key="key-alice-0123456789")
+  other = complete(router.url, prompt, key="key-bob-0123456789ab")
+  assert first.headers[REPLICA_HEADER] == again.headers[REPLICA_HEADER] == \
+      other.headers[REPLICA_HEADER]  # the indexer knows no tenants: same replica
+  assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+  assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # bob's own
+  assert other.json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+
+
+def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly(
+    fleet, reference):
+  router, a = fleet["router"], fleet["a"]
+  # Prompts whose prefix A holds (the first test's traffic), so the router sends them to A.
+  prompts = [words(40 + i, 120)[:100] + words(200 + i, 10) for i in range(6)]
+  want = reference.generate(prompts, 40)
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    futures = [pool.submit(complete, router.url, p, max_tokens=40) for p in prompts]
+    helpers.wait_for(lambda: any(r["inflight"] and r["url"] == a.base for r in httpx.get(
+        f"{router.base}/router/stats").json()["replicas"]), 60, "requests in flight on A")
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    answers = [f.result() for f in futures]
+  assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+  assert [r.json()["choices"][0]["token_ids"] for r in answers] == want
+  stats = httpx.get(f"{router.base}/router/stats").json()
+  assert stats["replica_failures"] >= 1 and stats["retries"] >= 1
+  state = {r["url"]: r for r in stats["replicas"]}
+  assert not state[a.base]["healthy"] and state[fleet["b"].base]["healthy"]
+  assert any(r.headers[REPLICA_HEADER] == fleet["b"].base for r in answers)
+
+
+def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(fleet):
+  idx, work = fleet["idx"], fleet["work"]
+  prompt = words(40, 120)[:100]
+  assert settle(lambda: idx.query(prompt)).get(1, {}).get("disk", 0) > 0  # the killed A's
+  a2 = fleet["a2"] = ServerProcess(fleet["a_args"], workdir=str(work))  # same event ports
+  a2.wait_ready(600)
+  # The restarted publisher continues above the old seqs: the indexer asks its replay
+  # socket, whose answer starts with AllBlocksCleared.
+  helpers.wait_for(lambda: idx.query(prompt).get(1, {}).get("disk", 0) == 0, 30,
+                   "the indexer to clear the restarted replica's blocks")
+  r = complete(a2.url, prompt)
+  assert r.status_code == 200
+  helpers.wait_for(lambda: idx.query(prompt).get(1, {}).get("device", 0) == 96, 30,
+                   "the indexer to learn the restarted replica's new blocks")
