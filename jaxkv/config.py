@@ -12,6 +12,7 @@ import collections.abc
 import dataclasses
 import hashlib
 import json
+import re
 import types
 
 import jax.numpy as jnp
@@ -298,6 +299,19 @@ POOL_PROTOCOLS = ("tcp", "rdma")
 ENCRYPTION = ("auto", "on", "off")
 
 
+_ENDPOINT = re.compile(r"^(tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)"
+                       r"|ipc://.+)$")
+
+
+def check_endpoint(value: str, flag: str) -> str:
+  """``value`` if it is a ZeroMQ endpoint a publisher can bind (``tcp://HOST:PORT``,
+  ``tcp://*:PORT``, ``ipc://PATH``), else an ``InputError`` naming ``flag``."""
+  if not isinstance(value, str) or not _ENDPOINT.match(value):
+    raise InputError(f"{flag}={value!r} is not an endpoint to publish on; give "
+                     "tcp://HOST:PORT (tcp://*:5557 listens on every interface) or ipc://PATH.")
+  return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TierConfig:
   """The tiers below device memory.
@@ -359,10 +373,9 @@ class TierConfig:
   kv_events_tokens: bool = True
 
   def __post_init__(self):
-    from jaxkv.manager import publisher  # pylint: disable=import-outside-toplevel
     for name in ("kv_events", "kv_events_replay"):
       if getattr(self, name):
-        publisher.check_endpoint(getattr(self, name), f"TierConfig.{name}")
+        check_endpoint(getattr(self, name), f"TierConfig.{name}")
     _require(not self.kv_events_replay or self.kv_events,
              f"TierConfig.kv_events_replay={self.kv_events_replay!r} needs kv_events (the "
              "endpoint whose messages it replays).")

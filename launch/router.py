@@ -75,11 +75,10 @@ def main(argv):
                            f"{len(_REPLICAS.value)} --replicas; give one per replica, in order.")
     if not _INDEXER.value:
       raise app.UsageError("--replica_events registers at the indexer: give --indexer too.")
-    from jaxkv.tools.bench.indexer import register
     for i, spec in enumerate(_REPLICA_EVENTS.value):
       events, _, replay = spec.partition("@")
       try:
-        register(_INDEXER.value.rstrip("/"), i + 1, events, replay=replay or None,
+        router_lib.register(_INDEXER.value.rstrip("/"), i + 1, events, replay=replay or None,
                  block_size=_BLOCK_SIZE.value, model_name=_INDEXER_MODEL.value)
       except (InputError, OSError) as e:
         raise app.UsageError(f"--replica_events: {e}") from None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import re
 import threading
 import time
 
@@ -36,24 +35,14 @@ import msgspec
 import zmq
 from absl import logging
 
+from jaxkv.config import check_endpoint
 from jaxkv.errors import InputError
 from jaxkv.manager.events import (AllBlocksCleared, BlockRemoved, BlockStored, Event,
                                   EventBatch)
 
 MAX_EVENTS = 1024  # per message
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_ENDPOINT = re.compile(r"^(tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)"
-                       r"|ipc://.+)$")
 _POLL_MS = 20
-
-
-def check_endpoint(value: str, flag: str) -> str:
-  """``value`` if it is a ZeroMQ endpoint this publisher can bind (``tcp://HOST:PORT``,
-  ``tcp://*:PORT``, ``ipc://PATH``), else an ``InputError`` naming ``flag``."""
-  if not isinstance(value, str) or not _ENDPOINT.match(value):
-    raise InputError(f"{flag}={value!r} is not an endpoint to publish on; give "
-                     "tcp://HOST:PORT (tcp://*:5557 listens on every interface) or ipc://PATH.")
-  return value
 
 
 class EventPublisher:

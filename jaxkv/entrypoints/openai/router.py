@@ -42,10 +42,36 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.errors import InputError
 from jaxkv.entrypoints.openai.protocol import _chat_messages
-from jaxkv.tools.bench.indexer import parse_query
 
 POLICIES = ("prefix", "round_robin")
 REPLICA_HEADER = "x-jaxkv-replica"
+
+
+def parse_query(answer: dict) -> dict[int, dict[str, int]]:
+  """``/query``'s answer as ``{worker id: {"device": tokens, "host": tokens, "disk": tokens}}``,
+  each the longest prefix held in that medium or a faster one (workers holding none are
+  left out)."""
+  out = {}
+  for worker, m in (answer.get("instances") or {}).items():
+    out[int(worker)] = {"device": int(m.get("gpu", 0)), "host": int(m.get("cpu", 0)),
+                        "disk": int(m.get("disk", m.get("longest_matched", 0)))}
+  return out
+
+
+def register(url: str, worker: int, endpoint: str, *, replay: str | None = None,
+             block_size: int, model_name: str = "default") -> None:
+  """Subscribes the indexer at ``url`` to a replica's events as worker ``worker``."""
+  body = {"instance_id": worker, "endpoint": endpoint, "model_name": model_name,
+          "block_size": block_size}
+  if replay:
+    body["replay_endpoint"] = replay
+  try:
+    r = httpx.post(f"{url}/register", json=body, timeout=10.0)
+  except httpx.HTTPError as e:
+    raise InputError(f"the indexer at {url} did not answer /register ({e}).") from None
+  if r.status_code not in (200, 201):
+    raise InputError(f"the indexer at {url} refused to register worker {worker} at "
+                     f"{endpoint}: {r.status_code} {r.text}")
 
 
 @dataclasses.dataclass
@@ -171,6 +197,90 @@ class Router:
       await self.check_health()
       await asyncio.sleep(self.config.health_interval_s)
 
+  # ---- forwarding --------------------------------------------------------------------------------
+  async def relay(self, raw: bytes, path: str, auth: str | None) -> Response:
+    """One API request: placed, sent, and retried on the next replica where it may be."""
+    try:
+      body = json.loads(raw)
+    except ValueError:
+      return _error(400, "the body is not JSON; send a JSON object.", "invalid_request_error")
+    if not isinstance(body, dict):
+      return _error(400, "send a JSON object.", "invalid_request_error")
+    self.stats["requests"] += 1
+    tokens = self.tokens_of(path, body)
+    held = None
+    if self.config.policy == "prefix":
+      if tokens is None:
+        self.stats["no_tokens"] += 1
+      else:
+        held = await self.held(tokens)
+    candidates = self.ranked(len(tokens or ()), held)
+    if held and held.get(candidates[0].worker, {}).get("disk", 0) > 0:
+      self.stats["routed_by_prefix"] += 1
+    headers = {"content-type": "application/json", **({"authorization": auth} if auth else {})}
+    last = None
+    for i, r in enumerate(candidates):
+      if i:
+        self.stats["retries"] += 1
+      answer, last = await self._try(r, path, raw, headers, more=i + 1 < len(candidates))
+      if answer is not None:
+        return answer
+    return last or _error(503, "no replica answered.")
+
+  def _failed(self, r: Replica, why: str) -> Response:
+    r.inflight -= 1
+    r.failures += 1
+    r.healthy = False  # until its /health answers 200 again
+    self.stats["replica_failures"] += 1
+    logging.warning("replica %s failed a request (%s); trying the next", r.url, why)
+    return _error(502, f"replica {r.url} did not answer: {why}")
+
+  async def _try(self, r: Replica, path: str, raw: bytes, headers: dict, *, more: bool):
+    """``(answer, None)`` once ``r`` answered, else ``(None, the error to give if no other
+    replica answers)``: it did not answer, broke off a whole answer, or said 429."""
+    r.inflight += 1
+    req = self.client.build_request("POST", f"{r.url}{path}", content=raw, headers=headers)
+    try:
+      resp = await self.client.send(req, stream=True)
+    except httpx.HTTPError as e:
+      return None, self._failed(r, str(e) or type(e).__name__)
+    if resp.status_code == 429 and more:
+      self.stats["rejected_429"] += 1
+      r.inflight -= 1
+      await resp.aclose()
+      return None, None
+    r.routed += 1
+    kind = resp.headers.get("content-type", "application/json")
+    if "text/event-stream" not in kind:
+      try:
+        content = await resp.aread()
+      except httpx.HTTPError as e:  # it died while answering: nothing was passed on yet
+        return None, self._failed(r, f"broke off its answer: {e}")
+      finally:
+        await resp.aclose()
+      r.inflight -= 1
+      return Response(content, status_code=resp.status_code, media_type=kind,
+                      headers={REPLICA_HEADER: r.url}), None
+
+    async def passthrough():
+      try:
+        async for chunk in resp.aiter_raw():
+          yield chunk
+      except httpx.HTTPError as e:  # passed on as far as it came; the client sees it end
+        r.failures += 1
+        logging.warning("replica %s broke off a stream: %s", r.url, e)
+      finally:
+        r.inflight -= 1
+        await resp.aclose()
+
+    return StreamingResponse(passthrough(), status_code=resp.status_code, media_type=kind,
+                             headers={REPLICA_HEADER: r.url}), None
+
+
+def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+  return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                 "code": None}}, status_code=status)
+
 
 def make_app(router: Router) -> FastAPI:
   @contextlib.asynccontextmanager
@@ -188,115 +298,34 @@ def make_app(router: Router) -> FastAPI:
   api = FastAPI(title="jaxkv router", docs_url=None, redoc_url=None, openapi_url=None,
                 lifespan=lifespan)
 
-  def error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": None}}, status_code=status)
-
-  def headers(request: Request) -> dict:
-    out = {"content-type": "application/json"}
-    auth = request.headers.get("authorization")
-    if auth:
-      out["authorization"] = auth
-    return out
-
-  async def relay(request: Request, path: str):
-    raw = await request.body()
-    try:
-      body = json.loads(raw)
-    except ValueError:
-      return error(400, "the body is not JSON; send a JSON object.", "invalid_request_error")
-    if not isinstance(body, dict):
-      return error(400, "send a JSON object.", "invalid_request_error")
-    router.stats["requests"] += 1
-    tokens = router.tokens_of(path, body)
-    held = None
-    if router.config.policy == "prefix":
-      if tokens is None:
-        router.stats["no_tokens"] += 1
-      else:
-        held = await router.held(tokens)
-    candidates = router.ranked(len(tokens or ()), held)
-    if held and candidates and held.get(candidates[0].worker, {}).get("disk", 0) > 0:
-      router.stats["routed_by_prefix"] += 1
-    last = None
-    for i, r in enumerate(candidates):
-      if i:
-        router.stats["retries"] += 1
-      req = router.client.build_request("POST", f"{r.url}{path}", content=raw,
-                                        headers=headers(request))
-      r.inflight += 1
-      try:
-        resp = await router.client.send(req, stream=True)
-      except httpx.HTTPError as e:
-        r.inflight -= 1
-        r.failures += 1
-        r.healthy = False
-        router.stats["replica_failures"] += 1
-        logging.warning("replica %s did not answer (%s); trying the next", r.url, e)
-        last = error(502, f"replica {r.url} did not answer: {e}")
-        continue
-      if resp.status_code == 429 and i + 1 < len(candidates):
-        router.stats["rejected_429"] += 1
-        await resp.aclose()
-        r.inflight -= 1
-        continue
-      r.routed += 1
-      kind = resp.headers.get("content-type", "application/json")
-      if "text/event-stream" not in kind:
-        try:
-          content = await resp.aread()
-        except httpx.HTTPError as e:  # it died while answering: nothing was passed on yet
-          r.inflight -= 1
-          r.failures += 1
-          r.healthy = False
-          router.stats["replica_failures"] += 1
-          last = error(502, f"replica {r.url} broke off its answer: {e}")
-          continue
-        finally:
-          await resp.aclose()
-        r.inflight -= 1
-        return Response(content, status_code=resp.status_code, media_type=kind,
-                        headers={REPLICA_HEADER: r.url})
-
-      async def passthrough(resp=resp, r=r):
-        try:
-          async for chunk in resp.aiter_raw():
-            yield chunk
-        except httpx.HTTPError as e:
-          r.failures += 1
-          logging.warning("replica %s broke off a stream: %s", r.url, e)
-        finally:
-          r.inflight -= 1
-          await resp.aclose()
-
-      return StreamingResponse(passthrough(), status_code=resp.status_code, media_type=kind,
-                               headers={REPLICA_HEADER: r.url})
-    return last or error(503, "no replica answered.")
-
   @api.post("/v1/completions")
   async def completions(request: Request):
-    return await relay(request, "/v1/completions")
+    return await router.relay(await request.body(), "/v1/completions",
+                              request.headers.get("authorization"))
 
   @api.post("/v1/chat/completions")
   async def chat(request: Request):
-    return await relay(request, "/v1/chat/completions")
+    return await router.relay(await request.body(), "/v1/chat/completions",
+                              request.headers.get("authorization"))
 
   @api.get("/v1/models")
   async def models(request: Request):
+    auth = request.headers.get("authorization")
     for r in router.ranked(0, None):
       try:
-        resp = await router.client.get(f"{r.url}/v1/models", headers=headers(request))
+        resp = await router.client.get(f"{r.url}/v1/models",
+                                       headers={"authorization": auth} if auth else {})
       except httpx.HTTPError:
         continue
       return Response(resp.content, status_code=resp.status_code,
                       media_type=resp.headers.get("content-type"))
-    return error(503, "no replica answered.")
+    return _error(503, "no replica answered.")
 
   @api.get("/health")
   async def health():
     up = [r.url for r in router.replicas if r.healthy]
     if not up:
-      return error(503, "no replica is healthy.")
+      return _error(503, "no replica is healthy.")
     return {"status": "ok", "healthy": up}
 
   @api.get("/router/stats")

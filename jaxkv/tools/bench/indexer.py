@@ -24,35 +24,8 @@ import time
 
 import httpx
 
-from jaxkv.errors import InputError
+from jaxkv.entrypoints.openai.router import parse_query, register
 from jaxkv.worker.tiers.pool.master import free_port
-
-
-def parse_query(answer: dict) -> dict[int, dict[str, int]]:
-  """``/query``'s answer as ``{worker id: {"device": tokens, "host": tokens, "disk": tokens}}``,
-  each the longest prefix held in that medium or a faster one (workers holding none are
-  left out)."""
-  out = {}
-  for worker, m in (answer.get("instances") or {}).items():
-    out[int(worker)] = {"device": int(m.get("gpu", 0)), "host": int(m.get("cpu", 0)),
-                        "disk": int(m.get("disk", m.get("longest_matched", 0)))}
-  return out
-
-
-def register(url: str, worker: int, endpoint: str, *, replay: str | None = None,
-             block_size: int, model_name: str = "default") -> None:
-  """Subscribes the indexer at ``url`` to a replica's events as worker ``worker``."""
-  body = {"instance_id": worker, "endpoint": endpoint, "model_name": model_name,
-          "block_size": block_size}
-  if replay:
-    body["replay_endpoint"] = replay
-  try:
-    r = httpx.post(f"{url}/register", json=body, timeout=10.0)
-  except httpx.HTTPError as e:
-    raise InputError(f"the indexer at {url} did not answer /register ({e}).") from None
-  if r.status_code not in (200, 201):
-    raise InputError(f"the indexer at {url} refused to register worker {worker} at "
-                     f"{endpoint}: {r.status_code} {r.text}")
 
 
 class DynamoIndexer:
