@@ -143,6 +143,11 @@ def main(argv):
   for e in engines.values():
     e.cache.close()  # the pool's queued puts finished, its segment unmounted
   stats = engines[main_policy].stats()
+  main_cache = engines[main_policy].cache
+  kv_events = None  # published by process 0 alone
+  if main_cache.events_publisher is not None:
+    kv_events = {"messages": main_cache.events_publisher.sent,
+                 "held": main_cache.events.held(), "untold": main_cache.events.untold}
   result = {
       "config": cfg.name,
       "policy": main_policy,
@@ -152,6 +157,7 @@ def main(argv):
       "verify_failures": stats["verify_failures"],
       "output_digest": _common.token_digest(outputs[main_policy]),
       "index_digest": index_digest,
+      "kv_events": kv_events,
       "process": {"index": jax.process_index(), "count": jax.process_count()},
       # what ran, after the platform's defaults for a checkpoint (builder.platform_defaults)
       "dtype": cfg.model.dtype,

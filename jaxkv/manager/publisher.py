@@ -190,13 +190,13 @@ class EventPublisher:
 
   def _drain(self, pub) -> None:
     events = []
-    while len(events) < MAX_EVENTS:
+    while True:
       try:
         events.append(self._queue.get_nowait())
       except queue.Empty:
         break
     if events:
-      self._send(pub, events)
+      self._send(pub, events)  # MAX_EVENTS to a message
 
   def _send(self, pub, events: list) -> None:
     for i in range(0, len(events), MAX_EVENTS):

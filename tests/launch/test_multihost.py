@@ -72,6 +72,40 @@ def test_a_failing_process_fails_the_job(tmp_path):
   assert proc.returncode != 0 and "failed with exit status" in proc.stderr
 
 
+class EventReader:
+  """A SUB socket read on a thread until ``stop``: the held (hash, medium) pairs."""
+
+  def __init__(self, endpoint):
+    import threading
+    import zmq
+    self.sock = zmq.Context.instance().socket(zmq.SUB)
+    self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+    self.sock.setsockopt(zmq.LINGER, 0)
+    self.sock.connect(endpoint)
+    self.held, self.done = set(), threading.Event()
+    self.thread = threading.Thread(target=self._run, daemon=True)
+    self.thread.start()
+
+  def _run(self):
+    import msgspec
+    while not self.done.is_set():
+      if not self.sock.poll(100):
+        continue
+      _, _, payload = self.sock.recv_multipart()
+      for ev in msgspec.msgpack.decode(payload)[1]:
+        if ev["type"] == "AllBlocksCleared":
+          self.held.clear()
+        elif ev["type"] == "BlockStored":
+          self.held.add((ev["block_hashes"][0], ev["medium"]))
+        else:
+          self.held.discard((ev["block_hashes"][0], ev["medium"]))
+
+  def stop(self):
+    self.done.set()
+    self.thread.join(10)
+    self.sock.close(0)
+
+
 def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   """One shared disk store for the job: each block written once (the processes take
   turns), the same index everywhere, outputs equal to one process with the same tiers;
@@ -83,8 +117,13 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
       [sys.executable, "launch/multihost.py", "--num_processes=2", "--", "launch/serve.py",
        *SMALL, *tiers(tmp_path), *extra, f"--json_out={tmp_path / out}"], cwd=ROOT, env=env(),
       capture_output=True, text=True, timeout=900)
-  first = job(out="m.json")
+  # The job publishes KV events once (process 0; a second publisher could not bind the
+  # endpoint), and a reader's view of the stream is what the job's index held at the end.
+  endpoint = f"ipc://{tmp_path / 'events'}"
+  reader = EventReader(endpoint)
+  first = job(f"--kv_events={endpoint}", out="m.json")
   assert first.returncode == 0, first.stderr[-3000:]
+  reader.stop()
   single = subprocess.run([sys.executable, "launch/serve.py", *SMALL, *tiers(tmp_path / "one"),
                            f"--json_out={tmp_path / 's.json'}"], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
@@ -100,6 +139,9 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   written = [p["stats"]["disk_writes"] for p in (p0, p1)]
   assert min(written) > 0 and sum(written) == len(records)  # each block once, both wrote
   assert p0["stats"]["demoted_disk"] == len(records)
+  assert p1["kv_events"] is None and p0["kv_events"]["messages"] >= 2
+  assert len(reader.held) == p0["kv_events"]["held"] > 0 and p0["kv_events"]["untold"] == 0
+  assert {m for _, m in reader.held} == {"GPU", "CPU", "DISK"}
   again = job("--restore", "--require_restore", out="r.json")
   assert again.returncode == 0, again.stderr[-3000:]
   assert "restored step" in again.stdout

@@ -7,7 +7,7 @@ hashes-only, and blocks whose tokens are learned after they were adopted."""
 import collections
 import time
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -37,7 +37,7 @@ class Reader:
     while self.sock.poll(int(quiet_s * 1000)):
       topic, seq, payload = self.sock.recv_multipart()
       assert len(seq) == 8
-      batch = msgpack.unpackb(payload)
+      batch = msgspec.msgpack.decode(payload)
       self.messages.append((topic, int.from_bytes(seq, "big", signed=True), batch))
       for ev in batch[1]:
         if ev["type"] == "AllBlocksCleared":
@@ -159,7 +159,7 @@ def test_replay_answers_from_a_seq_and_a_late_reader_gets_a_snapshot(engine_with
       if seq == -1:
         assert payload == b""
         break
-      got.append((seq, msgpack.unpackb(payload)))
+      got.append((seq, msgspec.msgpack.decode(payload)))
     else:
       pytest.fail("the replay did not end with seq -1")
     dealer.close(0)
