@@ -21,7 +21,9 @@ http (launch/server.py over HTTP and SSE against the same engine in process, sam
 smollm2 (a real model from its GGUF file: load, compile per step bucket with the layers
 scanned and looped, server start cold and warm, decode and prefill against transformers);
 pool (a Mooncake Store pool on loopback: another process's blocks against loopback TCP, the
-BlockServer and recompute; how much of the lent memory holds blocks when it overflows).
+BlockServer and recompute; how much of the lent memory holds blocks when it overflows);
+replicas (four replicas behind launch/router.py: routing by the KV indexer's prefix scores
+against round-robin and against one replica serving everything; event lag, router overhead).
 """
 
 import time
@@ -31,7 +33,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels", "http", "smollm2", "pool")
+          "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -112,6 +114,9 @@ def main(argv):
   elif _SUITE.value == "pool":
     from jaxkv.tools.bench import pool
     result = pool.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
+  elif _SUITE.value == "replicas":
+    from jaxkv.tools.bench import replicas
+    result = replicas.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -206,3 +206,33 @@ def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(f
   assert r.status_code == 200
   helpers.wait_for(lambda: idx.query(prompt).get(1, {}).get("device", 0) == 96, 30,
                    "the indexer to learn the restarted replica's new blocks")
+
+
+def test_a_429_from_a_full_replica_is_tried_on_the_next(fleet, reference):
+  work, b = fleet["work"], fleet["b"]
+  # C: one batch row and no waiting room, so a second request while one runs is a 429.
+  c_args = [*OVERRIDES, "--config.mesh.data=1", "--config.mesh.model=1",
+            "--config.engine.max_seqs_per_shard=1", "--max_waiting=0"]
+  with ServerProcess(c_args, workdir=str(work)) as c:
+    c.wait_ready(600)
+    with ServerProcess([f"--replicas={c.base},{c.base},{b.base}", "--policy=round_robin"],
+                       script=os.path.join("launch", "router.py"), workdir=str(work)) as rr:
+      rr.wait_ready(120)
+      prompts = [words(300 + i, 30) for i in range(4)]
+      want = reference.generate(prompts, 48)
+      with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: complete(rr.url, p, max_tokens=48), prompts))
+      assert [r.status_code for r in answers] == [200] * 4
+      assert [r.json()["choices"][0]["token_ids"] for r in answers] == want
+      stats = httpx.get(f"{rr.base}/router/stats").json()
+      assert stats["rejected_429"] >= 1 and stats["replica_failures"] == 0
+
+
+def test_router_flags_that_cannot_work_are_refused_naming_the_fix():
+  code, _, err = helpers.run_script(["launch/router.py", "--replicas=http://127.0.0.1:1"],
+                                    timeout_s=120)
+  assert code == 2 and "--indexer=http://HOST:PORT" in err
+  code, _, err = helpers.run_script(
+      ["launch/router.py", "--replicas=http://127.0.0.1:1,http://127.0.0.1:2",
+       "--indexer=http://127.0.0.1:1", "--replica_events=tcp://127.0.0.1:5"], timeout_s=120)
+  assert code == 2 and "one per replica" in err
