@@ -89,14 +89,6 @@ class KVCache:
                              host_pages_per_shard=tiers.host_pages_per_shard,
                              disk_slots=tiers.disk_pages, secret=self._deployment_key)
     self.stats = Stats()
-    # KV events for routers: process 0 publishes for the job (every process holds the same
-    # index, so one stream tells it whole).
-    self.events_publisher = self.events = None
-    if tiers.kv_events and jax.process_index() == 0:
-      self.events_publisher = EventPublisher(
-          tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
-      self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
-                                tokens=tiers.kv_events_tokens)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it).
     # The host-side half: index, pins, allocation (the scheduler and admission see this).
     self.manager = CacheManager(
@@ -105,7 +97,7 @@ class KVCache:
         disk_attached=lambda: self.worker.disk_available(),
         # A job: process 0 asks the peers and broadcasts their answers to every process.
         share_answers=distributed.broadcast_bytes if jax.process_count() > 1 else None,
-        asks_peers=jax.process_index() == 0, events=self.events)
+        asks_peers=jax.process_index() == 0)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it);
     # what its copies do it reports to the manager.
     self.worker = CacheWorker(config, tiers, mesh, manager=self.manager, stats=self.stats,
@@ -117,8 +109,21 @@ class KVCache:
         f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.host else "",
         f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "",
         f"; deployment key {self.key_id}" if self._deployment_key else "")
+    # KV events for routers: process 0 publishes for the job (every process holds the same
+    # index, so one stream tells it whole). Started last, and closed if what follows fails.
+    self.events_publisher = self.events = None
+    if tiers.kv_events and jax.process_index() == 0:
+      self.events_publisher = EventPublisher(
+          tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
+      self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
+                                tokens=tiers.kv_events_tokens)
+      self.manager.set_events(self.events)
     if config.weights_digest:  # the model is known: open what depends on its identity now
-      self.open_tiers()
+      try:
+        self.open_tiers()
+      except BaseException:
+        self.close()
+        raise
 
   def open_tiers(self) -> None:
     """Opens what depends on the cache's fingerprint, so on the model's weights: blocks a

@@ -64,11 +64,10 @@ class CacheManager:
                write_through: bool, has_disk: bool,
                disk_attached: Callable[[], bool] = lambda: True, remote=None,
                share_answers: Callable[[bytes], bytes] | None = None,
-               asks_peers: bool = True, events: BlockEvents | None = None):
+               asks_peers: bool = True):
     self.index, self.stats = index, stats
     # What the index holds, told to routers (``jaxkv.manager.events``; None: not published).
-    self.events = events
-    index.observer = events
+    self.events: BlockEvents | None = None
     self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
                                                         page_bytes)
     self.write_through, self.has_disk = write_through, has_disk
@@ -86,6 +85,11 @@ class CacheManager:
     """The remote tier whose ``longest_prefix`` lookups admission asks (opened with the
     cache's tiers, once the model is known)."""
     self.remote = remote
+
+  def set_events(self, events: BlockEvents) -> None:
+    """Tells ``events`` every change of the index from now on (before anything is cached)."""
+    self.events = events
+    self.index.observer = events
 
   def block_keys(self, tokens, tenant: str) -> list[bytes]:
     """Keys of every full block of ``tokens`` for ``tenant`` (``PrefixIndex.block_keys``);
