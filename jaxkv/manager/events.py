@@ -45,6 +45,7 @@ class BlockStored(msgspec.Struct, tag=True):
   block_size: int
   lora_id: int | None
   medium: str | None
+  lora_name: str | None = None  # newer vLLM readers require the field; Dynamo ignores it
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -158,7 +159,7 @@ class BlockEvents:
     self.sink(BlockStored(block_hashes=[block_hash(key)],
                           parent_block_hash=None if parent is None else block_hash(parent),
                           token_ids=ids, block_size=self.page_size, lora_id=None,
-                          medium=MEDIA[tier]))
+                          medium=MEDIA[tier], lora_name=None))
 
   def held(self) -> int:
     """How many (block, medium) copies were told and not yet removed."""

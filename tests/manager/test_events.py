@@ -19,7 +19,7 @@ from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers.pool.master import free_port
 
 STORED_FIELDS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                 "lora_id", "medium"}
+                 "lora_id", "medium", "lora_name"}
 
 
 class Reader:
