@@ -187,9 +187,11 @@ def read_step(steps_dir: str, name: str) -> dict | None:
 
 
 def merge(out_dir: str, *, dry_run: bool, install_s: float | None, config_path: str,
-          wall_s: float | None = None) -> dict:
+          wall_s: float | None = None, installed: bool = True) -> dict:
+  """``installed``: False where no install step ran (``--no_install``: the machine's own
+  Python and JAX)."""
   steps_dir = os.path.join(out_dir, "steps")
-  names = [s for s in STEPS if not (dry_run and s == "install")]
+  names = [s for s in STEPS if not ((dry_run or not installed) and s == "install")]
   steps = {}
   for name in names:
     steps[name] = read_step(steps_dir, name) or {"rc": None, "result": None,
@@ -279,6 +281,8 @@ def main(argv=None) -> int:
   m.add_argument("--install_s", type=float, default=None)
   m.add_argument("--wall_s", type=float, default=None)
   m.add_argument("--dry_run", action="store_true")
+  m.add_argument("--no_install", action="store_true",
+                 help="no install step ran (the machine's own Python and JAX)")
   m.add_argument("--config", default=os.path.relpath(os.path.join(
       os.path.dirname(os.path.abspath(__file__)), "..", "configs", "llama3_2_1b_gpu.py")),
                  help="the config whose hardware.host_link_gb_per_s is the nominal rate")
@@ -287,7 +291,8 @@ def main(argv=None) -> int:
     probe(args.json_out)
     return 0
   result = merge(args.out_dir, dry_run=args.dry_run, install_s=args.install_s,
-                 config_path=os.path.normpath(args.config), wall_s=args.wall_s)
+                 config_path=os.path.normpath(args.config), wall_s=args.wall_s,
+                 installed=not args.no_install)
   path = os.path.join(args.out_dir, "device_check.json")
   with open(path + ".tmp", "w") as f:
     json.dump(result, f, indent=2)  # in the order written: steps in the order they ran

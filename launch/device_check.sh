@@ -8,6 +8,9 @@
 #   bash launch/device_check.sh              # venv .venv-gpu + pip install -e ".[cuda12]"
 #   bash launch/device_check.sh --dry_run    # no install: ${PYTHON:-python3}, --quick steps on
 #                                            # whatever backend is present (CPU in CI)
+#   bash launch/device_check.sh --no_install # the full steps with ${PYTHON:-python3} as it is
+#                                            # (an offline machine whose image has JAX for
+#                                            # the GPU; carry the missing wheels)
 # Every step runs under its own time limit (the whole process group is killed at the limit);
 # a failing step is recorded (rc, the end of its stderr) and the next one runs. Exit status:
 # 0 when every step passed, 1 otherwise. Offline machines: PIP_NO_INDEX=1
@@ -15,10 +18,12 @@
 set -uo pipefail
 
 dry_run=0
+no_install=0
 for arg in "$@"; do
   case "$arg" in
     --dry_run) dry_run=1 ;;
-    *) echo "error: unknown argument $arg; use --dry_run or nothing." >&2; exit 2 ;;
+    --no_install) no_install=1 ;;
+    *) echo "error: unknown argument $arg; use --dry_run, --no_install or nothing." >&2; exit 2 ;;
   esac
 done
 
@@ -96,10 +101,14 @@ if (( dry_run )); then
           "--config.workload.chat.user_tokens=(16, 32)"
           --config.workload.chat.max_new_tokens=4 --json_out="$steps/engine.json")
 else
-  venv=.venv-gpu
-  step install bash -c "'$python' -m venv '$venv' && '$venv/bin/pip' install -q -e '.[cuda12]'"
-  install_s=$(awk 'NR == 2' "$steps/install.meta")
-  py="$venv/bin/python"
+  if (( no_install )); then
+    py="$python"
+  else
+    venv=.venv-gpu
+    step install bash -c "'$python' -m venv '$venv' && '$venv/bin/pip' install -q -e '.[cuda12]'"
+    install_s=$(awk 'NR == 2' "$steps/install.meta")
+    py="$venv/bin/python"
+  fi
   quick=(--reps=5)
   # Llama-3.2-1B shapes, random bf16 weights, host tier in pinned host memory. Up to 4
   # sequences at once and at most 512 tokens each (3 x 3 shape buckets to compile); 16
@@ -125,6 +134,7 @@ merge_py="$py"
 wall=$(awk -v a="$t_start" -v b="$(now)" 'BEGIN { printf "%.3f", b - a }')
 args=(launch/device_check.py merge --out_dir="$out" --wall_s="$wall")
 (( dry_run )) && args+=(--dry_run)
+(( no_install )) && args+=(--no_install)
 [[ -n "$install_s" ]] && args+=(--install_s="$install_s")
 "$merge_py" "${args[@]}"
 merge_rc=$?
