@@ -55,7 +55,9 @@ def start_jax(cfg) -> None:
     logging.get_absl_handler().addFilter(_jaxkv_info_only)
   if "jax" not in sys.modules:
     platform = cfg.get("platform", None)
-    if platform:
+    # 'gpu' is left to JAX (it picks the GPU where there is one; JAX 0.11 takes only
+    # 'cuda' or 'rocm' in JAX_PLATFORMS); check_platform refuses a machine without one.
+    if platform and platform != "gpu":
       os.environ.setdefault("JAX_PLATFORMS", platform)
     count = cfg.get("host_device_count", None)
     xla_flags = os.environ.get("XLA_FLAGS", "")

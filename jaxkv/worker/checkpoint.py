@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import buckets
 from jaxkv.worker import pages as pages_lib
+from jaxkv.worker.tiers.host import on_host
 from jaxkv import security
 from jaxkv.config import LAYOUT_VERSION
 from jaxkv.distributed import to_host
@@ -463,8 +463,7 @@ def _host_take(mesh, config):
   take = jax.shard_map(local, mesh=mesh, in_specs=(full, ids), out_specs=stacked)
 
   def run(saved, rows):
-    with compute_on("device_host"):
-      part = take(saved, rows)
+    part = on_host(take)(saved, rows)
     return jax.device_put(part, NamedSharding(mesh, stacked))
 
   return jax.jit(run)

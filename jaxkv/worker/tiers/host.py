@@ -20,6 +20,7 @@ back, so a page that changed in host memory is never used.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,19 @@ from jaxkv.worker.tiers.base import Failure, Fetch, FetchOutcome, Landing
 
 
 @functools.lru_cache(maxsize=None)
+def on_host(fn):
+  """``fn`` run as a host computation (``compute_on('device_host')``), its outputs in host
+  memory. JAX up to 0.10 gives ``compute_on`` as a context manager; from 0.11 it wraps a
+  function and names its outputs' memory space."""
+  if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+    return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+
+  def run(*args):
+    with compute_on("device_host"):  # pylint: disable=not-context-manager
+      return fn(*args)
+  return run
+
+
 def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
   """The jitted ``(store, load, read)`` of a host pool in ``memory_kind``: device stack ->
   host slots, host slots -> device stack, host slots -> host stack (``HostTier`` runs
@@ -59,19 +73,16 @@ def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
   def store(pool, ids, values):
     values = jax.device_put(values, host)  # the device -> host transfer
     ids = jax.device_put(ids, host_ids)
-    with compute_on("device_host"):
-      return scatter(pool, ids, values)
+    return on_host(scatter)(pool, ids, values)
 
   def load(pool, ids):
     ids = jax.device_put(ids, host_ids)
-    with compute_on("device_host"):
-      part = gather(pool, ids)
+    part = on_host(gather)(pool, ids)
     return jax.device_put(part, device)  # the host -> device transfer
 
   def read(pool, ids):
     ids = jax.device_put(ids, host_ids)
-    with compute_on("device_host"):
-      return gather(pool, ids)
+    return on_host(gather)(pool, ids)
 
   return (jax.jit(store, donate_argnums=(0,), out_shardings=host),
           jax.jit(load, out_shardings=device), jax.jit(read, out_shardings=host))
