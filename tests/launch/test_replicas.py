@@ -44,13 +44,17 @@ def fleet(tmp_path_factory):
   a_args = [*OVERRIDES, f"--api_keys_file={keys}", "--device_pages=20", "--host_pages=96",
             *events_flags(ports["a"])]
   b_args = [*OVERRIDES, f"--api_keys_file={keys}", *events_flags(ports["b"])]
+  # C: one batch row and no waiting room, so a second request while one runs is a 429.
+  c_args = [*OVERRIDES, "--config.mesh.data=1", "--config.mesh.model=1",
+            "--config.engine.max_seqs_per_shard=1", "--max_waiting=0"]
   box = {"work": work, "a_args": a_args}
   with DynamoIndexer(log_dir=str(work)) as idx, \
        ServerProcess(a_args, workdir=str(work)) as a, \
-       ServerProcess(b_args, workdir=str(work)) as b:
-    box.update(idx=idx, a=a, b=b)
-    a.wait_ready(600)
-    b.wait_ready(600)
+       ServerProcess(b_args, workdir=str(work)) as b, \
+       ServerProcess(c_args, workdir=str(work)) as c:  # all three compile at once
+    box.update(idx=idx, a=a, b=b, c=c)
+    for server in (a, b, c):
+      server.wait_ready(600)
     spec = ",".join(f"tcp://127.0.0.1:{p[0]}@tcp://127.0.0.1:{p[1]}" for p in ports.values())
     with ServerProcess([f"--replicas={a.base},{b.base}", f"--indexer={idx.url}",
                         f"--replica_events={spec}", f"--block_size={PAGE}"],
@@ -209,23 +213,18 @@ def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(f
 
 
 def test_a_429_from_a_full_replica_is_tried_on_the_next(fleet, reference):
-  work, b = fleet["work"], fleet["b"]
-  # C: one batch row and no waiting room, so a second request while one runs is a 429.
-  c_args = [*OVERRIDES, "--config.mesh.data=1", "--config.mesh.model=1",
-            "--config.engine.max_seqs_per_shard=1", "--max_waiting=0"]
-  with ServerProcess(c_args, workdir=str(work)) as c:
-    c.wait_ready(600)
-    with ServerProcess([f"--replicas={c.base},{c.base},{b.base}", "--policy=round_robin"],
-                       script=os.path.join("launch", "router.py"), workdir=str(work)) as rr:
-      rr.wait_ready(120)
-      prompts = [words(300 + i, 30) for i in range(4)]
-      want = reference.generate(prompts, 48)
-      with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda p: complete(rr.url, p, max_tokens=48), prompts))
-      assert [r.status_code for r in answers] == [200] * 4
-      assert [r.json()["choices"][0]["token_ids"] for r in answers] == want
-      stats = httpx.get(f"{rr.base}/router/stats").json()
-      assert stats["rejected_429"] >= 1 and stats["replica_failures"] == 0
+  work, b, c = fleet["work"], fleet["b"], fleet["c"]
+  with ServerProcess([f"--replicas={c.base},{c.base},{b.base}", "--policy=round_robin"],
+                     script=os.path.join("launch", "router.py"), workdir=str(work)) as rr:
+    rr.wait_ready(120)
+    prompts = [words(300 + i, 30) for i in range(4)]
+    want = reference.generate(prompts, 48)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      answers = list(pool.map(lambda p: complete(rr.url, p, max_tokens=48), prompts))
+    assert [r.status_code for r in answers] == [200] * 4
+    assert [r.json()["choices"][0]["token_ids"] for r in answers] == want
+    stats = httpx.get(f"{rr.base}/router/stats").json()
+    assert stats["rejected_429"] >= 1 and stats["replica_failures"] == 0
 
 
 def test_router_flags_that_cannot_work_are_refused_naming_the_fix():
