@@ -42,7 +42,7 @@ from jaxkv.manager.events import (AllBlocksCleared, BlockRemoved, BlockStored, E
 
 MAX_EVENTS = 1024  # per message
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_POLL_MS = 20
+_POLL_MS = 5  # an event waits at most this long in the queue
 
 
 class EventPublisher:
@@ -77,8 +77,10 @@ class EventPublisher:
     self.put(AllBlocksCleared())
 
   def put(self, event: Event) -> None:
-    """Queues one event (any thread); it goes out in the next message."""
-    self._queue.put(event)
+    """Queues one event (any thread); it goes out in the next message. Once the thread
+    has stopped (closed, or broken: logged), events are dropped, not kept."""
+    if self._thread.is_alive():
+      self._queue.put(event)
 
   def close(self, timeout_s: float = 5.0) -> None:
     """Sends what is queued, then stops the thread and closes the sockets."""
