@@ -173,6 +173,29 @@ def write_json(path: str, obj: dict) -> None:
     f.write("\n")
 
 
+def serve_app(app_, *, host: str, port: int, ready_file: str | None, banner: str) -> None:
+  """Listens on ``host:port`` (0: any free port), prints ``banner`` with the URL, writes
+  ``{"port": P}`` to ``ready_file`` (whole or absent: written aside, then renamed) and
+  serves the ASGI ``app_`` until stopped. A port that cannot be had is a usage error."""
+  import socket
+  import uvicorn
+  from absl import app
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    raise app.UsageError(f"--host={host} --port={port}: cannot listen there "
+                         f"({e.strerror}); pick a free port.") from None
+  port = sock.getsockname()[1]
+  print(f"{banner} on http://{host}:{port}/v1", flush=True)
+  if ready_file:
+    write_json(ready_file + ".tmp", {"port": port})
+    os.replace(ready_file + ".tmp", ready_file)
+  uvicorn.Server(uvicorn.Config(app_, log_level="warning", access_log=False)).run(
+      sockets=[sock])
+
+
 def parse_flags(argv):
   """``flags.FLAGS(argv)`` where a flag that does not parse or validate is a one-line
   refusal (``refuse``): the flags parser ``run`` gives ``app.run``."""

@@ -13,7 +13,6 @@ The servers are ``launch/server.py --role=prefill`` and ``--role=decode`` on one
 """
 
 import json
-import os
 
 from absl import app, flags
 
@@ -113,24 +112,9 @@ def main(argv):
     if not url.startswith(("http://", "https://")):
       raise app.UsageError(f"--{name}={url!r} is not an http://HOST:PORT URL.")
   _common.check_output(_READY_FILE.value, "ready_file")
-  import socket
-  import uvicorn
   api = make_app(_PREFILL.value.rstrip("/"), _DECODE.value.rstrip("/"), _TIMEOUT.value)
-  sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  try:
-    sock.bind((_HOST.value, _PORT.value))
-  except OSError as e:
-    raise app.UsageError(f"--host={_HOST.value} --port={_PORT.value}: cannot listen there "
-                         f"({e.strerror}); pick a free port.") from None
-  port = sock.getsockname()[1]
-  print(f"pd proxy on http://{_HOST.value}:{port}/v1", flush=True)
-  if _READY_FILE.value:  # whole or absent: written aside, then renamed
-    _common.write_json(_READY_FILE.value + ".tmp", {"port": port})
-    os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
-  server = uvicorn.Server(uvicorn.Config(api, log_level="warning", access_log=False))
-  server.run(sockets=[sock])
-
+  _common.serve_app(api, host=_HOST.value, port=_PORT.value, ready_file=_READY_FILE.value,
+                    banner="pd proxy")
 
 if __name__ == "__main__":
   _common.run(main)

@@ -16,9 +16,6 @@ routes in turn without asking the indexer. GET /router/stats counts the decision
 answer carries the replica that gave it in the x-jaxkv-replica header.
 """
 
-import os
-import socket
-
 from absl import app, flags
 
 import _common
@@ -82,24 +79,9 @@ def main(argv):
                  block_size=_BLOCK_SIZE.value, model_name=_INDEXER_MODEL.value)
       except (InputError, OSError) as e:
         raise app.UsageError(f"--replica_events: {e}") from None
-  import uvicorn
-  sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  try:
-    sock.bind((_HOST.value, _PORT.value))
-  except OSError as e:
-    raise app.UsageError(f"--host={_HOST.value} --port={_PORT.value}: cannot listen there "
-                         f"({e.strerror}); pick a free port.") from None
-  port = sock.getsockname()[1]
-  print(f"router on http://{_HOST.value}:{port}/v1 over {len(_REPLICAS.value)} replicas "
-        f"({_POLICY.value})", flush=True)
-  if _READY_FILE.value:  # whole or absent: written aside, then renamed
-    _common.write_json(_READY_FILE.value + ".tmp", {"port": port})
-    os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
-  server = uvicorn.Server(uvicorn.Config(router_lib.make_app(router), log_level="warning",
-                                         access_log=False))
-  server.run(sockets=[sock])
-
+  _common.serve_app(router_lib.make_app(router), host=_HOST.value, port=_PORT.value,
+                    ready_file=_READY_FILE.value,
+                    banner=f"router over {len(_REPLICAS.value)} replicas ({_POLICY.value})")
 
 if __name__ == "__main__":
   _common.run(main)

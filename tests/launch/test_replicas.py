@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 import helpers
-import jaxkv
 from jaxkv.entrypoints.openai.router import REPLICA_HEADER
 from jaxkv.tools.bench.http import ROOT, ServerProcess
 from jaxkv.tools.bench.indexer import DynamoIndexer
