@@ -75,9 +75,10 @@ def block_hash(key: Key) -> int:
 class BlockEvents:
   """Turns the index's changes into events (``PrefixIndex.observer``).
 
-  A block's tokens and chain link are noted where its key is made (``learn``). ``recent``: how many blocks' tokens are
-  kept after their last copy left (a copy down is published after its device copy was
-  evicted) or before their first copy came (``learn`` runs at admission)."""
+  A block's tokens and chain link are noted where its key is made (``learn``).
+  ``recent``: how many blocks' tokens are kept after their last copy left (a copy down is
+  published after its device copy was evicted) or before their first copy came (``learn``
+  runs at admission)."""
 
   def __init__(self, sink: Callable[[Event], None], *, page_size: int, tokens: bool = True,
                recent: int = 1 << 16):
