@@ -1,4 +1,4 @@
-"""Route OpenAI API requests to the replica that holds their prefix (jaxkv.entrypoints.openai.router).
+"""Route each API request to the replica holding its prefix (jaxkv/entrypoints/openai/router.py).
 
   python -m dynamo.indexer --port 8090 &                       # Dynamo's standalone KV indexer
   python launch/server.py --port=8001 --kv_events=tcp://127.0.0.1:5557 \
@@ -7,7 +7,8 @@
       --kv_events_replay=tcp://127.0.0.1:5568 &
   python launch/router.py --port=8000 --indexer=http://127.0.0.1:8090 \
       --replicas=http://127.0.0.1:8001,http://127.0.0.1:8002 \
-      --replica_events=tcp://127.0.0.1:5557@tcp://127.0.0.1:5558,tcp://127.0.0.1:5567@tcp://127.0.0.1:5568
+      --replica_events=tcp://127.0.0.1:5557@tcp://127.0.0.1:5558,\
+tcp://127.0.0.1:5567@tcp://127.0.0.1:5568
 
 The indexer knows replica i (0-based) as worker i+1. With --replica_events the router
 registers each replica's event stream (and replay socket, after '@') at the indexer when it
