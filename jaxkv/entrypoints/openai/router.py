@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.errors import InputError
-from jaxkv.entrypoints.openai.protocol import _chat_messages
+from jaxkv.entrypoints.openai.protocol import ApiError, _chat_messages
 
 POLICIES = ("prefix", "round_robin")
 REPLICA_HEADER = "x-jaxkv-replica"
@@ -144,7 +144,7 @@ class Router:
         return prompt
       if isinstance(prompt, str) and self.tokenizer is not None:
         return list(self.tokenizer.encode(prompt))
-    except Exception:  # pylint: disable=broad-except  (the replica names what is wrong)
+    except (ApiError, InputError):  # bad messages or text: the replica names what is wrong
       return None
     return None
 
