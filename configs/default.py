@@ -38,7 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
   # --config.tiers.* turn them on.
   c.tiers = ml_collections.ConfigDict(dict(
       host_pages_per_shard=0, host_memory_kind="pinned_host", disk_kvstore="", disk_pages=0,
-      write_policy="write_back", read_deadline_s=10.0, encryption="auto"))
+      write_policy="write_back", read_deadline_s=10.0, encryption="auto",
+      # KV events for a router (--kv_events, --kv_events_replay; '' publishes none).
+      kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True))
   # How lower-tier hits come back: "cost" plans fetch / recompute / split from costs
   # calibrated at start-up (see jaxkv.SchedulerConfig for the other policies).
   c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
