@@ -270,6 +270,8 @@ class _Answer:
     self.sent_chars = 0
     self.sent_tokens = 0
     self.hold = max((len(s) for s in job.stops), default=1) - 1
+    # The text of every token so far, each delta decoding only a window of tokens.
+    self._decoder = tokenizer.decoder() if tokenizer is not None else None
 
   def take(self, delta: Delta) -> bool:
     """Adds a delta; True when the answer is complete."""
@@ -279,8 +281,8 @@ class _Answer:
     if delta.finish_reason is not None:
       self.done_by_engine = True
     self.tokens.extend(delta.tokens)
-    if self.tokenizer is not None:
-      self.text = self.tokenizer.decode(self.tokens)
+    if self._decoder is not None:
+      self.text = self._decoder.extend(delta.tokens)
       # A character whose bytes have not all arrived decodes as U+FFFD for now: stop
       # strings are matched only on text that is complete (all of it at the end).
       whole = self.text if delta.finish_reason is not None else self.text.rstrip("\ufffd")

@@ -32,7 +32,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jinja2
 
@@ -223,6 +223,11 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def decoder(self) -> IncrementalDecoder:
+    """A decoder of a growing answer (``IncrementalDecoder``): the text ``decode`` gives,
+    at a cost per delta that does not grow with the answer."""
+    return IncrementalDecoder(self.decode)
+
   def render_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True
                   ) -> str:
     """The prompt text the chat template makes of ``messages`` (``role``/``content``),
@@ -295,3 +300,44 @@ class Tokenizer:
                            "special_tokens_in_content='parse' or fix the template.")
     return self.encode(piece, add_special_tokens=False) if piece else []
 
+
+class IncrementalDecoder:
+  """``decode(ids)`` of ids that arrive a few at a time, without decoding them all again.
+
+  It keeps the text of the ids read so far and, for each delta, decodes a window: the ids
+  from where the last delta began to the end, and the same ids without the delta. The new
+  text is what the second lacks of the first, so what a decoder does at the window's start
+  (a first token's leading space dropped, a character cut in half) cancels out; the window
+  reaches further back while the ids before the delta decode to nothing. The text
+  stops moving forward while it ends inside a character (U+FFFD): the next delta decodes
+  it whole. Where the window's text does not extend its shorter self (a decoder that
+  rewrites across tokens), the ids are decoded whole once. ``text`` is always what
+  ``decode`` of every id gives (tests/entrypoints/test_detokenize.py checks it id by id on
+  byte-level and SentencePiece-style tokenizers)."""
+
+  def __init__(self, decode: Callable[[Sequence[int]], str]):
+    self._decode = decode
+    self.ids: list[int] = []
+    self.text = ""
+    self._done = ""  # the text of ids[:self._read]
+    self._start = self._read = 0  # the window: ids[start:]; ids[start:read] decoded before
+    self.whole_decodes = 0
+
+  def extend(self, ids: Sequence[int]) -> str:
+    """Adds ``ids``; returns the text of every id so far."""
+    self.ids.extend(int(i) for i in ids)
+    start = self._start
+    before = self._decode(self.ids[start:self._read]) if self._read > start else ""
+    while not before and start > 0:  # else the window's first text would be the delta's, and
+      start = max(0, start - 8)  # what the decoder does at an edge (a space dropped) hits it
+      before = self._decode(self.ids[start:self._read])
+    window = self._decode(self.ids[start:])
+    if window.startswith(before):
+      self.text = self._done + window[len(before):]
+    else:  # this decoder rewrites across the window's edge: the whole, once
+      self.whole_decodes += 1
+      self.text = self._decode(self.ids)
+    if not self.text.endswith("\ufffd"):
+      self._done = self.text
+      self._start, self._read = self._read, len(self.ids)
+    return self.text
