@@ -85,7 +85,7 @@ class BlockEvents:
     self.sink, self.page_size = sink, page_size
     self.send_tokens, self._recent_cap = tokens, recent
     self._copies: collections.Counter = collections.Counter()  # (key, tier) -> copies
-    self._held: collections.Counter = collections.Counter()  # key -> copies in any medium
+    self._anywhere: collections.Counter = collections.Counter()  # key -> its copies in every medium
     self._told: dict[tuple[Key, Tier], None] = {}  # (key, tier) whose BlockStored went out
     # (tokens, parent) of the blocks held, and of some recently held or keyed
     self._tokens: dict[Key, tuple[bytes, Key | None]] = {}
@@ -97,7 +97,7 @@ class BlockEvents:
     if tier not in MEDIA:
       return
     self._copies[key, tier] += 1
-    self._held[key] += 1
+    self._anywhere[key] += 1
     if self._copies[key, tier] > 1:
       return
     tokens = self._tokens.get(key)
@@ -113,7 +113,7 @@ class BlockEvents:
     if tier not in MEDIA:
       return
     self._copies[key, tier] -= 1
-    self._held[key] -= 1
+    self._anywhere[key] -= 1
     if self._copies[key, tier] == 0:
       del self._copies[key, tier]
       if (key, tier) not in self._told:
@@ -121,8 +121,8 @@ class BlockEvents:
       else:
         del self._told[key, tier]
         self.sink(BlockRemoved(block_hashes=[block_hash(key)], medium=MEDIA[tier]))
-    if self._held[key] == 0:
-      del self._held[key]
+    if self._anywhere[key] == 0:
+      del self._anywhere[key]
       tokens = self._tokens.pop(key, None)
       if tokens is not None:
         self._remember(key, tokens)
@@ -137,7 +137,7 @@ class BlockEvents:
       if key in self._tokens:
         continue
       block = (toks[j * page:(j + 1) * page].tobytes(), keys[j - 1] if j else None)
-      if not self._held.get(key):
+      if not self._anywhere.get(key):
         self._remember(key, block)
         continue
       self._tokens[key] = block

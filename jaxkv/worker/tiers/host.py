@@ -36,12 +36,15 @@ from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchOutcome, Landing
 
 
-@functools.lru_cache(maxsize=None)
+# JAX up to 0.10 gives ``compute_on`` as a context manager; from 0.11 it wraps a function
+# and names its outputs' memory space.
+_COMPUTE_ON_WRAPS = "out_memory_spaces" in inspect.signature(compute_on).parameters
+
+
 def on_host(fn):
   """``fn`` run as a host computation (``compute_on('device_host')``), its outputs in host
-  memory. JAX up to 0.10 gives ``compute_on`` as a context manager; from 0.11 it wraps a
-  function and names its outputs' memory space."""
-  if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+  memory."""
+  if _COMPUTE_ON_WRAPS:
     return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
   def run(*args):
@@ -50,6 +53,7 @@ def on_host(fn):
   return run
 
 
+@functools.lru_cache(maxsize=None)
 def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
   """The jitted ``(store, load, read)`` of a host pool in ``memory_kind``: device stack ->
   host slots, host slots -> device stack, host slots -> host stack (``HostTier`` runs
