@@ -254,6 +254,7 @@ class CacheConfig:
 
 
 BATCHING = ("continuous", "static")
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
 # Above this, sampling is uniform to float32 precision anyway (logits / T ~ 0).
 MAX_TEMPERATURE = 1e4
 
@@ -515,6 +516,12 @@ class SamplingParams:
   (1: all). ``seed``: sampling is reproducible per request (the same seed gives the same
   tokens, alone or batched, with or without cache hits). ``stop_token_ids``: generation
   ends after any of these tokens (it is the last token returned), e.g. the model's EOS.
+
+  ``logprobs``: each generated token's log-probability under the model (log-softmax of its
+  logits before temperature, top-k and top-p), with the ``logprobs`` most likely tokens'
+  (0..20; None: none). ``prompt_logprobs``: the same for every prompt token after the
+  first, given the tokens before it; the prompt is then computed whole (a cached prefix
+  has no logits), so such a request reuses no cached block.
   """
 
   max_new_tokens: int = 16
@@ -523,6 +530,8 @@ class SamplingParams:
   top_p: float = 1.0
   seed: int = 0
   stop_token_ids: tuple = ()
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     # Every value here ends up in a step's int32/float32/uint32 arrays: a value outside
@@ -552,3 +561,10 @@ class SamplingParams:
              f"SamplingParams.stop_token_ids={stops!r} must be a tuple of token ids in "
              "[0, 2**31).")
     object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in stops))
+    for name in ("logprobs", "prompt_logprobs"):
+      k = getattr(self, name)
+      _require(k is None or (isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+                             and 0 <= k <= MAX_LOGPROBS),
+               f"SamplingParams.{name}={k!r} must be None or an integer in [0, "
+               f"{MAX_LOGPROBS}] (how many most likely tokens to report with each token's "
+               "log-probability).")

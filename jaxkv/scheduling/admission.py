@@ -115,6 +115,12 @@ class Admission:
       streamed = total > c.max_seq_len
       if streamed:
         self._check_streamable(i, len(tokens), sp.max_new_tokens, total)
+        if sp.prompt_logprobs is not None:
+          raise InputError(
+              f"prompt {i}: prompt_logprobs need every prompt token's logits, which a "
+              f"sequence streamed from host memory ({total} tokens, more than a device "
+              f"pool's {c.max_seq_len}) does not compute together; ask for the prompt's "
+              "log-probabilities on a prompt that fits (or score it in parts).")
       if sp.top_k > self.vocab_size:
         raise InputError(f"prompt {i}: top_k={sp.top_k} is more than the vocabulary's "
                          f"{self.vocab_size} tokens; pass top_k <= {self.vocab_size} (0: "
@@ -224,6 +230,8 @@ class Admission:
     at least one prompt token to compute (its logits give the first token); ``PENDING``
     while a remote peer's answer about a longer one has not come."""
     index, num_shards = self.manager.index, self.manager.num_shards
+    if req.sampling.prompt_logprobs is not None:  # every prompt token's logits: no reuse
+      return [[] for _ in range(num_shards)]
     usable = (len(req.tokens) - 1) // self.config.page_size
     keys = list(req.keys[:usable])
     tiers = self.manager.lookup_tiers()

@@ -88,6 +88,12 @@ class RequestHandle:
     self.id = request.id
     self.tokens: list[int] = []
     self.logits: list | None = [] if want_logits else None
+    # With ``SamplingParams.logprobs`` / ``prompt_logprobs``: per generated token, and per
+    # prompt token after the first, ``(logprob, ((id, logprob), ...))`` with the most
+    # likely tokens asked for.
+    sp = request.sampling
+    self.logprobs: list | None = [] if sp.logprobs is not None else None
+    self.prompt_logprobs: list | None = [] if sp.prompt_logprobs is not None else None
     self.finished = False
     self.finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     self.ttft_s: float | None = None
@@ -95,13 +101,17 @@ class RequestHandle:
     self.t_submit = time.perf_counter()
     self._wait, self._on_token = wait, on_token
 
-  def deliver(self, tokens, logits=None, finish_reason: str | None = None) -> None:
-    """The scheduler's: a step's tokens (and their logits) for this request; with
+  def deliver(self, tokens, logits=None, finish_reason: str | None = None,
+              logprobs=None) -> None:
+    """The scheduler's: a step's tokens (and their logits, and log-probabilities as
+    ``(logprobs [n], top ids [n, K], top logprobs [n, K])``) for this request; with
     ``finish_reason``, its end."""
     for i, token in enumerate(tokens):
       self.tokens.append(int(token))
       if self.logits is not None and logits is not None:
         self.logits.append(logits[i])
+    if self.logprobs is not None and logprobs is not None:
+      self.logprobs += _scored(logprobs, self.request.sampling.logprobs)
     if finish_reason is not None:
       self.finished, self.finish_reason = True, finish_reason
 
@@ -239,7 +249,8 @@ class Scheduler:
       request = self.waiting.popleft()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
                       orders=self._take_orders(), block_bytes=self.manager.page_bytes,
-                      want_logits=self.handles[request.id].logits is not None)
+                      want_logits=(self.handles[request.id].logits is not None
+                                   or self.handles[request.id].logprobs is not None))
     admitted, fetch, evicted = self._admit()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = [self._next_chunk(s) for s in self.running.values()
@@ -261,7 +272,8 @@ class Scheduler:
         # step's token, nobody joins): the runner may dispatch that step now. A stop token
         # is seen only after the readback; its row of the early step is then dropped.
         decode_again=bool(decoding) and not first and not finishing,
-        want_logits=any(s.handle.logits is not None for s in self.running.values()))
+        want_logits=any(s.handle.logits is not None for s in self.running.values()),
+        want_logprobs=any(s.handle.logprobs is not None for s in self.running.values()))
 
   def _next_chunk(self, s: _Seq) -> PrefillChunk:
     a, b = s.spans[0]
@@ -272,7 +284,9 @@ class Scheduler:
     else:
       s.spans[0] = (end, b)
     return PrefillChunk(seq=s.rows, tokens=prompt[a:end], start=a, last=end == len(prompt),
-                        recompute=end <= s.recompute_end)
+                        recompute=end <= s.recompute_end,
+                        targets=prompt[a + 1:end + 1] if s.handle.prompt_logprobs is not None
+                        else None)
 
   def _free_rows(self) -> list[list[int]]:
     return [[s * self.rows_per_shard + i for i in range(self.max_seqs_per_shard)
@@ -364,6 +378,8 @@ class Scheduler:
     room = [len(f) for f in free]  # requests that can still join each shard
     index, held = self.index, set()
     for req in queue:
+      if req.sampling.prompt_logprobs is not None:  # computes its whole prompt anyway
+        continue
       shared = 0
       while shared < len(req.keys) and req.keys[shared] in computing:
         shared += 1
@@ -393,15 +409,20 @@ class Scheduler:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.id]
       self._first_token(handle, t_first)
+      scores = None if result.logprobs is None else result.logprobs[plan.streamed.id]
       # The streamer ran it to a stop token or its length.
-      handle.deliver(tokens, logits, _finish_reason(tokens[-1], len(tokens), plan.streamed)
-                      or "length")
+      handle.deliver(tokens, logits if handle.logits is not None else None,
+                     _finish_reason(tokens[-1], len(tokens), plan.streamed) or "length",
+                     scores)
       self._complete(handle, result.t_tokens)
       out = StepOutput(handle, tuple(tokens), True)
       self._notify(out)
       return aborted + [out]
     by_id = {s.handle.id: s for s in self.running.values()}
     self._publish_chunks(plan.prefill, by_id)
+    for request, scores in (result.prompt_logprobs or {}).items():
+      handle = by_id[request].handle
+      handle.prompt_logprobs += _scored(scores, handle.request.sampling.prompt_logprobs)
     for group, report in result.fetched:
       self._settle(self.groups.pop(group)[0], report)
     if plan.decode or plan.prefill:
@@ -416,9 +437,11 @@ class Scheduler:
         s.pos += 1
       done = _finish_reason(token, len(s.handle.tokens) + 1, s.placement.request)
       logits = None if result.logits is None else [result.logits[request]]
+      scores = (None if result.logprobs is None or s.handle.logprobs is None
+                else tuple(a[None] for a in result.logprobs[request]))
       if done is not None:
         self._leave(s)
-      s.handle.deliver([token], logits, done)
+      s.handle.deliver([token], logits, done, scores)
       if done is not None:
         self._complete(s.handle, result.t_tokens)
       outputs.append(StepOutput(s.handle, (token,), done is not None))
@@ -551,6 +574,14 @@ class Scheduler:
       if not handle.finished:
         handle.deliver([], None, "error")
     return unsettled
+
+
+def _scored(scores, k: int) -> list:
+  """``(logprobs [n], top ids [n, K], top logprobs [n, K])`` as ``n`` entries
+  ``(logprob, ((id, logprob), ...))`` with the ``k`` most likely tokens."""
+  lp, ids, top = scores
+  return [(float(lp[i]), tuple(zip(ids[i, :k].tolist(), top[i, :k].tolist())))
+          for i in range(len(lp))]
 
 
 def _finish_reason(token: int, count: int, request: Request) -> str | None:

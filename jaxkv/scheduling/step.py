@@ -74,6 +74,9 @@ class PrefillChunk:
   start: int  # position of its first token
   last: bool  # it reaches the prompt's end: its last logits give the first token
   recompute: bool  # part of the plan's recompute [hot, s) (else the rest of the prompt)
+  # Prompt log-probabilities: the token after each of the chunk's positions (one fewer at
+  # the prompt's end, whose next token is generated), scored against that position's logits.
+  targets: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,7 @@ class StepPlan:
   finishing: tuple = ()  # request ids that reach max_new_tokens with this step's token
   streamed: object | None = None  # a long sequence (a Request) that is this whole step
   want_logits: bool = False
+  want_logprobs: bool = False  # a row's tokens come with their log-probabilities
   block_bytes: int = 0  # bytes of one block (every layer's K and V), for ``summary``
 
   @property
@@ -157,3 +161,9 @@ class StepResult:
   t_tokens: float  # perf_counter when the tokens were on the host
   fetched: tuple = ()  # (group, FetchReport), one per settled group (the scheduler settles it)
   streamed: tuple | None = None  # (tokens, logits or None, t_first_token)
+  # Request id -> (logprob, top ids [K], top logprobs [K]) of the token it produced (when
+  # the plan wants log-probabilities).
+  logprobs: Mapping | None = None
+  # Request id -> (logprobs [n], top ids [n, K], top logprobs [n, K]) of its prompt chunk's
+  # targets (``PrefillChunk.targets``).
+  prompt_logprobs: Mapping | None = None

@@ -62,6 +62,11 @@ class Delta:
   prompt_tokens: int = 0
   cached_tokens: int = 0  # prompt tokens reused from the cache
   error: str | None = None
+  # With ``SamplingParams.logprobs``: one ``(logprob, ((id, logprob), ...))`` per token;
+  # with ``prompt_logprobs``, on the delta of the first token: one per prompt token after
+  # the first.
+  logprobs: tuple | None = None
+  prompt_logprobs: tuple | None = None
 
 
 class Overloaded(Exception):
@@ -404,8 +409,14 @@ class EngineService:
 
   @staticmethod
   def _delta(handle, tokens) -> Delta:
+    n = len(tokens)
+    first = n and len(handle.tokens) == n
     return Delta(tokens=tuple(tokens), finish_reason=handle.finish_reason,
-                 prompt_tokens=len(handle.request.tokens), cached_tokens=handle.cached_tokens)
+                 prompt_tokens=len(handle.request.tokens), cached_tokens=handle.cached_tokens,
+                 logprobs=(tuple(handle.logprobs[len(handle.logprobs) - n:])
+                           if handle.logprobs is not None and n else None),
+                 prompt_logprobs=(tuple(handle.prompt_logprobs)
+                                  if handle.prompt_logprobs is not None and first else None))
 
   def _send(self, ticket: int, delta: Delta) -> None:
     sink = self._sinks.get(ticket)

@@ -55,6 +55,7 @@ class Steps:
     self.trace_counts: collections.Counter = collections.Counter()
     self.prefill = jax.jit(self._prefill_impl, donate_argnums=(0,))
     self.decode = jax.jit(self._decode_impl, donate_argnums=(0,))
+    self.prefill_scored = jax.jit(self._prefill_scored_impl, donate_argnums=(0,))
 
   def _forward(self, pools, weights, tokens, page_table, positions, kv_lens, stream=None,
                logits_at=None):
@@ -79,6 +80,19 @@ class Steps:
     where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
     next_tokens = sampling_lib.next_tokens(selected, sampling, where)
     return pages, jnp.where(select_mask, next_tokens, carry), selected
+
+  def _prefill_scored_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
+                           select_idx, select_mask, sampling, targets):
+    """A prefill step that also scores every position's logits against ``targets [B, T]``
+    (the prompt's next tokens): for prompt log-probabilities, which need every token's
+    logits, not only the one that picks the next token."""
+    self.trace_counts[("prefill_scored", tokens.shape, page_table.shape, None)] += 1
+    logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens)
+    selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]
+    where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
+    next_tokens = sampling_lib.next_tokens(selected, sampling, where)
+    return (pages, jnp.where(select_mask, next_tokens, carry), selected,
+            sampling_lib.logprobs_of(logits, targets))
 
   def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, sampling,
                    stream=None):
@@ -273,13 +287,20 @@ class ModelRunner:
       self._pending[plan.fetch.group] = pending
     ahead, self._ahead = self._ahead, None
     dispatched = []  # (request ids, row of each, tokens out, selected logits)
+    prompt_scores = None  # (scored chunks, row of each, their scores on device)
     if plan.decode:
       dispatched.append(self._decode_rows(plan.decode, ahead))
     if plan.prefill:
       num_rows, row, table, sampling = self._layout([c.seq for c in plan.prefill])
       batch = self.prefill_batch([(row[c.seq.request], c.tokens, c.start, c.last)
                                   for c in plan.prefill], num_rows, sampling)
-      out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
+      scored = [c for c in plan.prefill if c.targets is not None]
+      if scored:  # every position's logits are scored (prompt log-probabilities)
+        out, sel, scores = self._prefill_scored(batch, table, num_rows, [
+            (row[c.seq.request], c.targets) for c in scored])
+        prompt_scores = (scored, row, scores)
+      else:
+        out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
       dispatched.append(([c.seq.request for c in plan.prefill if c.last], row, out, sel))
     key = tuple(r.seq.request for r in plan.decode)
     if plan.decode_again and self._resident is not None and self._resident[0] == key:
@@ -293,6 +314,7 @@ class ModelRunner:
           pools, pending, time.monotonic() + cache.tiers.read_deadline_s))
       fetched.append((group, report))
     tokens, logits, t_tokens = {}, ({} if plan.want_logits else None), None
+    logprobs = {} if plan.want_logprobs else None
     for requests, row, out, sel in dispatched:
       if not requests:
         continue
@@ -300,12 +322,43 @@ class ModelRunner:
       if t_tokens is None:
         t_tokens = time.perf_counter()
       lg = to_host(sel) if logits is not None else None
+      lp = ([to_host(a) for a in sampling_lib.logprobs_step(sel, out)]
+            if logprobs is not None else None)
       for r in requests:
         tokens[r] = int(got[row[r]])
         if lg is not None:
           logits[r] = lg[row[r]]
+        if lp is not None:
+          logprobs[r] = tuple(a[row[r]] for a in lp)
     return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
-                      t_tokens=time.perf_counter() if t_tokens is None else t_tokens)
+                      t_tokens=time.perf_counter() if t_tokens is None else t_tokens,
+                      logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores))
+
+  def _prefill_scored(self, batch: StepBatch, table, num_rows: int, targets) -> tuple:
+    """A prefill step whose rows in ``targets`` (``(row, next tokens)``) are scored."""
+    width = batch.tokens.shape[1]
+    host = np.full((num_rows, width), -1, np.int32)
+    for r, t in targets:
+      host[r, :len(t)] = t
+    carry, selected, scores = self.cache.update_pools(lambda pools: self.steps.prefill_scored(
+        pools, self.weights, batch.tokens, self.zero_carry(num_rows), table, batch.positions,
+        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling,
+        self.cache.put_rows(host)))
+    self.cache.stats.add("prefill_steps")
+    return carry, selected, scores
+
+  @staticmethod
+  def _prompt_scores(prompt_scores) -> dict | None:
+    """Each scored chunk's (logprobs [n], top ids [n, K], top logprobs [n, K]) on the host."""
+    if prompt_scores is None:
+      return None
+    chunks, row, scores = prompt_scores
+    lp, ids, top = (to_host(a) for a in scores)
+    out = {}
+    for c in chunks:
+      r, n = row[c.seq.request], len(c.targets)
+      out[c.seq.request] = (lp[r, :n], ids[r, :n], top[r, :n])
+    return out
 
   def _layout(self, seqs) -> tuple:
     """Compact batch rows for ``seqs`` (``SeqRows``; rows per shard bucketed to what they

@@ -68,3 +68,32 @@ def next_tokens(logits, rows: RowSampling | None, positions) -> jax.Array:
     return greedy()
   return jax.lax.cond(jnp.any(rows.temperature > 0), lambda: _sample(logits, rows, positions),
                       greedy)
+
+
+# ---- log-probabilities ------------------------------------------------------------------------
+TOP_LOGPROBS = 20  # the most likely tokens computed per position (``MAX_LOGPROBS``)
+
+
+def logprobs_of(logits, targets):
+  """Log-softmax scores, before any sampling transform: ``logits [..., V]``, ``targets
+  [...]`` int32 (a token id; < 0: none). Returns ``(logprob of each target [...], the
+  TOP_LOGPROBS most likely ids [..., K], their logprobs [..., K])``, float32, highest first
+  (a target < 0 reads token 0's: the caller ignores it)."""
+  lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(lsm, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+  top_lp, top_ids = jax.lax.top_k(lsm, min(TOP_LOGPROBS, lsm.shape[-1]))
+  return picked, top_ids.astype(jnp.int32), top_lp
+
+
+logprobs_step = jax.jit(logprobs_of)  # over a step's selected logits and its tokens out
+
+
+def logprobs_host(logits: np.ndarray, targets: np.ndarray) -> tuple:
+  """``logprobs_of`` in NumPy, for logits already on the host (a streamed sequence's)."""
+  x = np.asarray(logits, np.float32)
+  m = x.max(axis=-1, keepdims=True)
+  lsm = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+  picked = np.take_along_axis(lsm, np.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+  k = min(TOP_LOGPROBS, lsm.shape[-1])
+  ids = np.argsort(-lsm, axis=-1, kind="stable")[..., :k].astype(np.int32)
+  return picked, ids, np.take_along_axis(lsm, ids, axis=-1)

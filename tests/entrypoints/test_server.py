@@ -33,9 +33,14 @@ DEPLOYMENT_KEY = bytes(range(7, 39))  # the module's server: encrypted disk, tag
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  path, *_ = hf.text_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "model"))
-  return path
+def parts(tmp_path_factory):
+  """The module's checkpoint: (path, hf config, weights, special token ids)."""
+  return hf.text_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "model"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(parts):
+  return parts[0]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +158,119 @@ def test_a_repeated_prefix_reports_cached_tokens(state, checkpoint):
   assert run == run2 and len(run) == 12 and int(b) > int(a) >= 0
 
 
+def log_softmax(parts, tokens) -> np.ndarray:
+  """[T, vocab] float64 log-probabilities of the token after each position, from a NumPy
+  forward of the checkpoint's weights (independent of jaxkv's model and attention)."""
+  x = hf.reference_logits(parts[1], parts[2], tokens)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_logprobs_and_echo_equal_an_independent_forward(state, reference, parts):
+  """Completions' logprobs (echo: the prompt's too, the first null) and chat's, streamed
+  or not, equal a float64 NumPy forward's log-softmax; the top alternatives are its most
+  likely tokens. Asking for the prompt's logprobs computes the whole prompt (0 cached)."""
+  c, name, tok = client(state), model_name(parts[0]), reference[1]
+  p = prompt_ids(41, 37)
+  c.completions.create(model=name, prompt=p, max_tokens=2, temperature=0)  # now cached
+  r = c.completions.create(model=name, prompt=p, max_tokens=4, temperature=0, logprobs=3,
+                           echo=True, extra_body={"return_token_ids": True})
+  out, ch = extra(r.choices[0], "token_ids"), r.choices[0]
+  assert out == want(reference, p, max_new_tokens=4)
+  assert r.usage.prompt_tokens_details.cached_tokens == 0  # logits of every prompt token
+  seq = p + out
+  lsm = log_softmax(parts, seq[:-1])
+  lp = ch.logprobs
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert len(lp.token_logprobs) == len(seq) and lp.tokens == [tok.token_text(t) for t in seq]
+  got = np.asarray(lp.token_logprobs[1:])
+  expect = lsm[np.arange(len(seq) - 1), seq[1:]]
+  worst = float(np.abs(got - expect).max())
+  assert worst < 1e-4, worst
+  for i, top in enumerate(lp.top_logprobs[1:]):
+    best = np.argsort(-lsm[i], kind="stable")[:3]
+    assert {tok.token_text(b) for b in best} <= set(top)  # (and the token itself)
+    assert max(top.values()) == pytest.approx(lsm[i, best[0]], abs=1e-4)
+  assert ch.text == tok.decode(p) + tok.decode(out)
+  assert lp.text_offset[0] == 0 and all(
+      b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+  again = c.completions.create(model=name, prompt=p, max_tokens=1, temperature=0)
+  assert again.usage.prompt_tokens_details.cached_tokens > 0  # its blocks were published
+  # Streamed: the same values, the prompt's in the first chunk.
+  values = []
+  for chunk in c.completions.create(model=name, prompt=p, max_tokens=4, temperature=0,
+                                    logprobs=3, echo=True, stream=True):
+    if chunk.choices and chunk.choices[0].logprobs is not None:
+      values += chunk.choices[0].logprobs.token_logprobs
+  assert values == lp.token_logprobs
+  # Chat: generated tokens' logprobs with top_logprobs alternatives.
+  messages = [{"role": "user", "content": "the quick brown fox"}]
+  r = c.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
+                                logprobs=True, top_logprobs=2)
+  prompt = tok.encode_chat(messages)
+  out = want(reference, prompt, max_new_tokens=3)
+  lsm = log_softmax(parts, prompt + out[:-1])[len(prompt) - 1:]
+  content = r.choices[0].logprobs.content
+  assert [x.token for x in content] == [tok.token_text(t) for t in out]
+  assert max(abs(x.logprob - lsm[i, t]) for i, (x, t) in enumerate(zip(content, out))) < 1e-4
+  assert [[a.token for a in x.top_logprobs] for x in content] == [
+      [tok.token_text(b) for b in np.argsort(-row, kind="stable")[:2]] for row in lsm]
+
+
+def test_n_samples_each_equal_their_seed_alone_and_prompt_batches_keep_their_order(
+    state, reference, checkpoint):
+  c, name = client(state), model_name(checkpoint)
+  p, q = prompt_ids(51, 30), prompt_ids(52, 21)
+  sp = dict(max_new_tokens=6, temperature=0.9, top_p=0.95)
+  alone = [want(reference, p, seed=11 + j, **sp) for j in range(3)]
+  r = c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0.9, top_p=0.95,
+                           seed=11, n=3, extra_body={"return_token_ids": True})
+  assert [extra(ch, "token_ids") for ch in sorted(r.choices, key=lambda x: x.index)] == alone
+  made = sum(map(len, alone))  # (a sample may end early, at an EOS token)
+  assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == made
+  streamed = {}
+  for chunk in c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0.9,
+                                    top_p=0.95, seed=11, n=3, stream=True,
+                                    stream_options={"include_usage": True},
+                                    extra_body={"return_token_ids": True}):
+    for ch in chunk.choices:
+      streamed.setdefault(ch.index, []).extend(extra(ch, "token_ids") or [])
+    if chunk.usage is not None:
+      assert chunk.usage.completion_tokens == made
+  assert [streamed[j] for j in range(3)] == alone
+  # A batch of prompts: choices prompt by prompt, n each.
+  r = c.completions.create(model=name, prompt=[p, q], max_tokens=6, temperature=0.9,
+                           top_p=0.95, seed=11, n=2, extra_body={"return_token_ids": True})
+  got = {ch.index: extra(ch, "token_ids") for ch in r.choices}
+  assert [got[i] for i in range(4)] == alone[:2] + [
+      want(reference, q, seed=11 + j, **sp) for j in range(2)]
+  assert r.usage.prompt_tokens == len(p) + len(q)
+
+
+def test_the_tokenizer_routes_answer_as_vllms_do(state, reference, checkpoint):
+  base, tok = state["server"].base, reference[1]
+  auth = {"Authorization": f"Bearer {KEY_A}"}
+  assert httpx.get(base + "/tokenizer_info", timeout=30).status_code == 401
+  info = httpx.get(base + "/tokenizer_info", headers=auth, timeout=30).json()
+  assert (info["eos_token"], info["bos_token"]) == ("</s>", "<s>")
+  assert info["chat_template"] == tok.chat_template
+  r = httpx.post(base + "/tokenize", headers=auth, timeout=30, json={
+      "prompt": "hello world", "add_special_tokens": False, "return_token_strs": True}).json()
+  assert r["tokens"] == tok.encode("hello world", add_special_tokens=False)
+  assert r["count"] == len(r["tokens"]) and "".join(r["token_strs"]) == "hello world"
+  messages = [{"role": "user", "content": "hi there"}]
+  r = httpx.post(base + "/tokenize", headers=auth, timeout=30,
+                 json={"messages": messages}).json()
+  chat = client(state).chat.completions.create(model=model_name(checkpoint), max_tokens=1,
+                                               messages=messages)
+  assert r["tokens"] == tok.encode_chat(messages) and r["count"] == chat.usage.prompt_tokens
+  r = httpx.post(base + "/detokenize", headers=auth, timeout=30,
+                 json={"tokens": tok.encode("the lazy dog")}).json()
+  assert r == {"prompt": "the lazy dog"}
+  bad = httpx.post(base + "/detokenize", headers=auth, timeout=30, json={"tokens": [10**6]})
+  assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
 def test_stop_strings_end_the_text_before_the_match(state, reference, checkpoint):
   c, name, tok = client(state), model_name(checkpoint), reference[1]
   p = prompt_ids(3, 30)
@@ -223,7 +341,11 @@ def test_an_api_key_is_required(state, checkpoint):
     ({"model": None, "prompt": [1]}, 400, "model=None"),
     ({"prompt": [1], "max_tokens": -3}, 400, "max_tokens=-3"),
     ({"prompt": [1], "max_tokens": "ten"}, 400, "max_tokens='ten'"),
-    ({"prompt": [1], "n": 3}, 400, "n=3"),
+    ({"prompt": [1], "n": 65}, 400, "n=65 must be in [1, 64]"),
+    ({"prompt": [[1], [2]], "n": 40}, 400, "make 80 choices"),
+    ({"prompt": [1], "logprobs": 21}, 400, "logprobs=21 must be in [0, 20]"),
+    ({"prompt": [1], "echo": "yes"}, 400, "echo='yes'"),
+    ({"prompt": [1], "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"prompt": [1], "temperature": 9}, 400, "temperature=9"),
     ({"prompt": [1], "stop": ["x"] * 100}, 400, "stop has 100 strings"),
     ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),

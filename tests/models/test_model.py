@@ -58,6 +58,47 @@ def test_engine_logits_equal_dense_forward(mesh, chunk_pages):
     assert out == np.argmax(want, axis=-1).tolist()
 
 
+def log_softmax(x):
+  x = np.asarray(x, np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_logprobs_of_prompt_and_answer_equal_the_dense_forwards_log_softmax(mesh):
+  """Prompt and generated log-probabilities (and the top-k alternatives) equal a log-softmax
+  over the dense forward's logits; a prompt asking for them reuses no block (its logits
+  are computed), and its tokens equal the same request's without them."""
+  mc = helpers.tiny_model_config()
+  engine = helpers.make_engine(mesh, mc, prefill_chunk_pages=1, max_seqs_per_shard=2)
+  reference = jaxkv.models.Llama(dataclasses.replace(mc, scan_layers=False), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  shared = rng.integers(0, mc.vocab_size, 12).tolist()
+  prompts = [shared + rng.integers(0, mc.vocab_size, n).tolist() for n in (5, 9)]
+  plain = engine.generate(prompts, 4)  # caches the shared blocks
+  sp = [jaxkv.SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=k) for k in (0, 5)]
+  handles = [engine.submit(p, s) for p, s in zip(prompts, sp)]
+  for h in handles:
+    h.result()
+  assert [h.tokens for h in handles] == plain
+  assert all(h.cached_tokens == 0 for h in handles)  # computed whole, cached blocks or not
+  worst = 0.0
+  for h, p, s in zip(handles, prompts, sp):
+    seq = p + h.tokens[:-1]
+    want = log_softmax(dense_logits(reference, seq))  # [row t: the token after t]
+    assert len(h.prompt_logprobs) == len(p) - 1 and len(h.logprobs) == len(h.tokens)
+    for t, (lp, top) in enumerate(h.prompt_logprobs + h.logprobs):
+      target = seq[t + 1] if t + 1 < len(seq) else h.tokens[-1]
+      worst = max(worst, abs(lp - want[t, target]))
+      k = s.prompt_logprobs if t < len(p) - 1 else s.logprobs
+      assert [i for i, _ in top] == np.argsort(-want[t], kind="stable")[:k].tolist()
+      np.testing.assert_allclose([v for _, v in top], want[t][[i for i, _ in top]], atol=2e-4)
+    assert [top[0][0] for _, top in h.logprobs] == h.tokens  # greedy: the most likely
+  assert worst < 2e-4, worst
+  # The blocks those prompts published are the same bits: a later plain request reuses them.
+  again = engine.submit(prompts[1], 4)
+  assert again.result() == plain[1] and again.cached_tokens > 0
+
+
 def test_model_rejects_use_before_pages_exist():
   mc = helpers.tiny_model_config()
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(0))

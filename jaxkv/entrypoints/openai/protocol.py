@@ -12,6 +12,7 @@ tokenizer, the vocabulary and context sizes) it passes in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import secrets
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
-from jaxkv.config import SamplingParams
+from jaxkv.config import MAX_LOGPROBS, SamplingParams
 from jaxkv.errors import InputError, check_text
 
 if TYPE_CHECKING:
@@ -137,19 +138,29 @@ def _token_ids(value, name: str, vocab_size: int) -> list[int]:
   return value
 
 
-_UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
-                "suffix": "", "tools": ()}
+_UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": ()}
+MAX_CHOICES = 64  # prompts x n of one request: each choice is a request of the engine's
 
 
 def _check_supported(body: dict) -> None:
-  """One choice per request, and none of the fields this server does not implement."""
-  n = _int(body, "n", default=1)
-  if n != 1:
-    raise _bad(f"n={_clip(str(n))}: this server returns one choice per request; send n=1 (or several "
-               "requests).", "n")
+  """None of the fields this server does not implement."""
   for name, default in _UNSUPPORTED.items():
     if body.get(name) not in (None, default, []):
-      raise _bad(f"{name}={body[name]!r} is not supported by this server; leave it out.", name)
+      raise _bad(f"{name}={_clip(repr(body[name]))} is not supported by this server; leave it "
+                 "out.", name)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+  """``(top alternatives per generated token, or None for no log-probabilities, echo)``:
+  completions' ``logprobs: k`` and ``echo``; chat's ``logprobs: true`` with
+  ``top_logprobs: k``."""
+  if chat:
+    want = _bool(body, "logprobs")
+    k = _int(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
+    if k and not want:
+      raise _bad(f"top_logprobs={k} needs logprobs=true.", "top_logprobs")
+    return (k or 0) if want else None, False
+  return _int(body, "logprobs", low=0, high=MAX_LOGPROBS), _bool(body, "echo")
 
 
 def _chat_messages(messages) -> list[dict]:
@@ -215,10 +226,24 @@ class _Job:
   stream: bool
   include_usage: bool
   return_ids: bool
+  n: int = 1  # samples of this prompt, each its own engine request
+  logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
+  echo: bool = False  # the prompt leads the text (and its log-probabilities, with logprobs)
+  prompt_text: str | None = None  # the prompt as the client sent it, when it was text
+  index: int = 0  # the prompt's place in a batch of prompts
+
+  def sample(self, j: int) -> SamplingParams:
+    """The sampling of sample ``j``: seed + j (so each sample is reproducible alone: a
+    request with that seed and n=1 gives it), the prompt's log-probabilities only once."""
+    if j == 0:
+      return self.sampling
+    return dataclasses.replace(self.sampling, seed=(self.sampling.seed + j) % 2**32,
+                               prompt_logprobs=None)
 
 
 def _job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: list[str],
-         stop_ids: list[int], tenant: str, vocab_size: int, ids_only: bool) -> _Job:
+         stop_ids: list[int], tenant: str, vocab_size: int, ids_only: bool, n: int = 1,
+         logprobs: int | None = None, echo: bool = False) -> _Job:
   """The request's last fields (sampling, ``cache_salt``, streaming), read after its
   prompt, length and stops, with those: the validated job. ``ids_only``: the server has no
   tokenizer, so every choice carries its token ids."""
@@ -241,22 +266,27 @@ def _job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: l
   try:
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                               top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                              stop_token_ids=tuple(stop_ids))
+                              stop_token_ids=tuple(stop_ids), logprobs=logprobs,
+                              prompt_logprobs=logprobs if echo else None)
   except InputError as e:
     raise _bad(str(e)) from None
   return _Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
               tenant=tenant if salt is None else f"{tenant}{TENANT_SEPARATOR}{salt}",
               stream=stream, include_usage=_bool(options, "include_usage"),
-              return_ids=_bool(body, "return_token_ids") or ids_only)
+              return_ids=_bool(body, "return_token_ids") or ids_only, n=n,
+              logprobs=logprobs, echo=echo)
 
 
 # ---- the answer -------------------------------------------------------------------------------
 class _Answer:
-  """One request's answer as it arrives: tokens, the text so far (stop strings cut it),
-  what has been streamed, usage."""
+  """One choice's answer as it arrives: tokens, the text so far (stop strings cut it),
+  what has been streamed, log-probabilities, usage."""
 
-  def __init__(self, job: _Job, tokenizer, request_id: str):
-    self.job, self.tokenizer = job, tokenizer
+  def __init__(self, job: _Job, tokenizer, request_id: str, index: int = 0,
+               sample: int = 0):
+    """``index``: the choice's place in the response; ``sample``: which of its prompt's
+    ``n`` samples it is."""
+    self.job, self.tokenizer, self.index, self.sample = job, tokenizer, index, sample
     # ``<this server's run>-<the engine's request id>``: the id the engine's log lines
     # carry, unique across the server's restarts and replicas.
     self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
@@ -269,9 +299,17 @@ class _Answer:
     self.cached_tokens = 0
     self.sent_chars = 0
     self.sent_tokens = 0
+    self.sent_prompt = False  # the echoed prompt went out (streaming)
     self.hold = max((len(s) for s in job.stops), default=1) - 1
     # The text of every token so far, each delta decoding only a window of tokens.
     self._decoder = tokenizer.decoder() if tokenizer is not None else None
+    self.logprobs: list = []  # per generated token: (logprob, ((id, logprob), ...))
+    self.prompt_logprobs: tuple | None = None  # per prompt token after the first
+    self._starts = [0]  # each generated token's first character in the generated text
+    self.prompt_text = ""
+    if job.echo:
+      self.prompt_text = (job.prompt_text if job.prompt_text is not None
+                          else tokenizer.decode(job.prompt) if tokenizer is not None else "")
 
   def take(self, delta: Delta) -> bool:
     """Adds a delta; True when the answer is complete."""
@@ -281,6 +319,10 @@ class _Answer:
     if delta.finish_reason is not None:
       self.done_by_engine = True
     self.tokens.extend(delta.tokens)
+    if delta.logprobs is not None:
+      self.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+      self.prompt_logprobs = delta.prompt_logprobs
     if self._decoder is not None:
       self.text = self._decoder.extend(delta.tokens)
       # A character whose bytes have not all arrived decodes as U+FFFD for now: stop
@@ -311,32 +353,111 @@ class _Answer:
     return text, ids
 
   def usage(self) -> dict:
-    n = len(self.tokens)
-    return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-            "total_tokens": self.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+    return _usage([self])
 
-  def body(self, model: str, chat: bool) -> dict:
-    choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
-    if chat:
+  # ---- log-probabilities in OpenAI's layouts ---------------------------------------------------
+  def _token_text(self, token: int) -> str:
+    if self.tokenizer is None:
+      return f"token_id:{token}"
+    return self.tokenizer.token_text(token)
+
+  def _completion_logprobs(self, start: int, stop: int, *, with_prompt: bool,
+                           offset: int = 0) -> dict:
+    """Completions' ``logprobs`` of generated tokens ``[start, stop)`` (led by every prompt
+    token's with ``with_prompt``: the first one's ``null``): ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (the most likely tokens asked for, and the token
+    itself) and ``text_offset`` (each token's start in the choice's text, from
+    ``offset``)."""
+    entries = []
+    if with_prompt:
+      prompt = self.prompt_logprobs or ()
+      entries += [(self.job.prompt[0], None)] + list(zip(self.job.prompt[1:], prompt))
+    entries += list(zip(self.tokens[start:stop], self.logprobs[start:stop]))
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in entries:
+      text = self._token_text(token)
+      out["tokens"].append(text)
+      out["text_offset"].append(offset)
+      offset += len(text)
+      if entry is None:
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
+        continue
+      lp, top = entry
+      alternatives = {}
+      for i, v in top:  # highest first: a text two ids share keeps the higher
+        alternatives.setdefault(self._token_text(i), v)
+      alternatives.setdefault(text, lp)
+      out["token_logprobs"].append(lp)
+      out["top_logprobs"].append(alternatives)
+    return out
+
+  def _chat_logprobs(self, start: int, stop: int) -> dict:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def item(token, lp):
+      text = self._token_text(token)
+      return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    content = []
+    for token, (lp, top) in zip(self.tokens[start:stop], self.logprobs[start:stop]):
+      content.append({**item(token, lp), "top_logprobs": [item(i, v) for i, v in top]})
+    return {"content": content}
+
+  @functools.cached_property
+  def _prompt_chars(self) -> int:
+    """Characters the echoed prompt's tokens take (offsets count each token's own text,
+    special tokens included, as ``tokens`` lists them)."""
+    if not self.job.echo:
+      return 0
+    return sum(len(self._token_text(t)) for t in self.job.prompt)
+
+  def _logprobs_of(self, start: int, stop: int, *, with_prompt: bool) -> dict | None:
+    if self.job.logprobs is None:
+      return None
+    if self.job.chat:
+      return self._chat_logprobs(start, stop)
+    if with_prompt:
+      offset = 0
+    else:  # where token ``start`` begins in the choice's text
+      while len(self._starts) <= start:
+        self._starts.append(self._starts[-1] + len(self._token_text(
+            self.tokens[len(self._starts) - 1])))
+      offset = self._prompt_chars + self._starts[start]
+    return self._completion_logprobs(start, stop, with_prompt=with_prompt, offset=offset)
+
+  # ---- the answer's JSON -----------------------------------------------------------------------
+  def choice(self) -> dict:
+    """This choice of a (not streamed) answer's ``choices``."""
+    choice = {"index": self.index, "finish_reason": self.finish_reason,
+              "logprobs": self._logprobs_of(0, len(self.tokens), with_prompt=self.job.echo)}
+    if self.job.chat:
       choice["message"] = {"role": "assistant", "content": self.text}
-      kind = "chat.completion"
     else:
-      choice["text"] = self.text
-      kind = "text_completion"
+      choice["text"] = self.prompt_text + self.text
     if self.job.return_ids:
       choice["token_ids"] = list(self.tokens)
-    return {"id": self.id, "object": kind, "created": self.created, "model": model,
-            "choices": [choice], "usage": self.usage()}
+      if self.job.echo:
+        choice["prompt_token_ids"] = list(self.job.prompt)
+    return choice
+
+  def body(self, model: str, chat: bool) -> dict:
+    return _body([self], model)
 
   def chunk(self, model: str, content, ids, finish_reason: str | None = None) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    """A streamed chunk of this choice: ``content`` (text, or chat's opening delta dict)
+    and the token ids it covers (their log-probabilities go with them; the first chunk
+    of an echoed completion leads with the prompt)."""
+    with_prompt = self.job.echo and not self.sent_prompt
+    choice = {"index": self.index, "finish_reason": finish_reason, "logprobs": None}
+    if ids is not None:
+      stop = self.sent_tokens
+      choice["logprobs"] = self._logprobs_of(stop - len(ids), stop, with_prompt=with_prompt)
     if self.job.chat:
       choice["delta"] = content if isinstance(content, dict) else (
           {"content": content} if content or finish_reason is None else {})
       kind = "chat.completion.chunk"
     else:
-      choice["text"] = content
+      choice["text"] = (self.prompt_text if with_prompt else "") + content
+      self.sent_prompt = True
       kind = "text_completion"
     if self.job.return_ids and ids is not None:
       choice["token_ids"] = list(ids)
@@ -346,10 +467,29 @@ class _Answer:
       out["usage"] = None
     return out
 
-  def usage_chunk(self, model: str) -> dict:
+  def usage_chunk(self, model: str, answers=None) -> dict:
     return {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else
             "text_completion", "created": self.created, "model": model, "choices": [],
-            "usage": self.usage()}
+            "usage": _usage(answers or [self])}
+
+
+def _usage(answers) -> dict:
+  """Usage of a request's choices: each prompt counted once (its samples share it), with
+  the prompt tokens its first sample reused; every choice's generated tokens."""
+  firsts = [a for a in answers if a.sample == 0]
+  prompt = sum(a.prompt_tokens for a in firsts)
+  completion = sum(len(a.tokens) for a in answers)
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion,
+          "prompt_tokens_details": {"cached_tokens": sum(a.cached_tokens for a in firsts)}}
+
+
+def _body(answers, model: str) -> dict:
+  """A whole (not streamed) answer over its choices."""
+  first = answers[0]
+  return {"id": first.id, "object": "chat.completion" if first.job.chat else
+          "text_completion", "created": first.created, "model": model,
+          "choices": [a.choice() for a in answers], "usage": _usage(answers)}
 
 
 def _error_event(message: str, kind: str) -> str:

@@ -27,6 +27,7 @@ each other's prefixes. A client that disconnects aborts its request at the next 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -44,9 +45,9 @@ from starlette.requests import ClientDisconnect
 
 from jaxkv.entrypoints.openai import disagg
 from jaxkv.entrypoints.openai.protocol import (
-    MAX_BODY_BYTES, MAX_JSON_DEPTH, TENANT_SEPARATOR, ApiError, _Answer, _bad, _bool,
-    _chat_messages, _check_json, _check_supported, _clip, _error_event, _Job, _job,
-    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids)
+    MAX_BODY_BYTES, MAX_CHOICES, MAX_JSON_DEPTH, TENANT_SEPARATOR, ApiError, _Answer, _bad,
+    _body, _bool, _chat_messages, _check_json, _check_supported, _clip, _error_event, _int,
+    _Job, _job, _logprobs, _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids)
 from jaxkv.errors import InputError
 from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
 
@@ -192,7 +193,72 @@ class OpenAIServer:
     async def chat(request: Request):
       return await self._serve(request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+      return await self._tokens(request, self._tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+      return await self._tokens(request, self._detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+      return await self._tokens(request, None)
+
     return app
+
+  # ---- the tokenizer's routes (vLLM's names: what lm-eval's remote tokenizer asks) ------------
+  async def _tokens(self, request: Request, handler):
+    try:
+      self._tenant(request)
+      tok = self.tokenizer
+      if tok is None:
+        raise _bad("this server has no tokenizer (started without --model_dir); send and "
+                   "read token ids.")
+      if handler is None:
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token, "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": self.max_seq_len,
+                "vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids)}
+      body = await _read_json(request, self.max_body_bytes)
+      model = body.get("model")
+      if model is not None and model != self.model_name:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves "
+                       f"{self.model_name!r}.", "not_found_error", code="model_not_found",
+                       param="model")
+      return await asyncio.to_thread(handler, tok, body)
+    except ApiError as e:
+      return e.response()
+
+  def _tokenize(self, tok, body: dict) -> dict:
+    """``{"prompt": text}`` or ``{"messages": [...]}`` -> the token ids the completions and
+    chat routes would run."""
+    if body.get("messages") is not None:
+      add = body.get("add_generation_prompt", True)
+      if not isinstance(add, bool):
+        raise _bad(f"add_generation_prompt={add!r} must be true or false.",
+                   "add_generation_prompt")
+      try:
+        ids = tok.encode_chat(_chat_messages(body["messages"]), add_generation_prompt=add)
+      except InputError as e:
+        raise _bad(str(e), "messages") from None
+    else:
+      prompt = body.get("prompt")
+      if not isinstance(prompt, str):
+        raise _bad(f"prompt={_clip(repr(prompt))} must be a string (or send messages).",
+                   "prompt")
+      special = body.get("add_special_tokens", True)
+      if not isinstance(special, bool):
+        raise _bad(f"add_special_tokens={special!r} must be true or false.",
+                   "add_special_tokens")
+      ids = tok.encode(prompt, add_special_tokens=special)
+    return {"count": len(ids), "max_model_len": self.max_seq_len, "tokens": ids,
+            "token_strs": ([tok.token_text(i) for i in ids]
+                           if _bool(body, "return_token_strs") else None)}
+
+  def _detokenize(self, tok, body: dict) -> dict:
+    ids = _token_ids(body.get("tokens"), "tokens", self.vocab_size)
+    return {"prompt": tok.decode(ids)}
 
   def _tenant(self, request: Request) -> str:
     if self.api_keys is None:
@@ -220,51 +286,65 @@ class OpenAIServer:
       if hand_off and self.service.engine.cache.pool is None:
         raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
                    "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
-      if chat or isinstance(body.get("prompt"), str):  # a template or tokenizer runs: not
-        job = await asyncio.to_thread(self._parse, body, chat, tenant)  # on the event loop
+      if chat or _has_text(body.get("prompt")):  # a template or tokenizer runs: not
+        jobs = await asyncio.to_thread(self._parse, body, chat, tenant)  # on the event loop
       else:
-        job = self._parse(body, chat, tenant)
+        jobs = self._parse(body, chat, tenant)
+      choices = [(job, j) for job in jobs for j in range(job.n)]
+      if (hand_off or transfer is not None) and len(choices) > 1:
+        raise _bad(f"kv_transfer_params go with one prompt and n=1 (this request has "
+                   f"{len(choices)} choices); send its prompts as separate requests.",
+                   "kv_transfer_params")
       queue: asyncio.Queue = asyncio.Queue()
+      box, tickets = self._mailbox(), []
       try:
-        ticket = self.service.submit(job.prompt, job.sampling, job.tenant,
-                                     functools.partial(self._mailbox().post, queue),
-                                     quota=tenant)
+        for i, (job, j) in enumerate(choices):
+          tickets.append(self.service.submit(job.prompt, job.sample(j), job.tenant,
+                                             functools.partial(box.post, queue, i),
+                                             quota=tenant))
       except Overloaded as e:
         raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
       except (Draining, EngineFailed) as e:
         raise ApiError(503, str(e), "service_unavailable") from None
+      finally:
+        if len(tickets) < len(choices):  # refused part-way: the others end too
+          for ticket in tickets:
+            self.service.abort(ticket)
     except ApiError as e:
       return e.response()
-    answer = _Answer(job, self.tokenizer, f"{self.run_id}-{ticket}")
+    job = jobs[0]
+    rid = f"{self.run_id}-{tickets[0]}"
+    answers = [_Answer(job, self.tokenizer, rid, index=i, sample=j)
+               for i, (job, j) in enumerate(choices)]
     if transfer is not None:
       disagg.received(self.service.engine.cache, transfer)
     waiter = _Waiter(queue, request, self.request_timeout_s,
-                     functools.partial(self.service.abort, ticket))
+                     functools.partial(self._abort_all, tickets))
     if job.stream:  # the headers go at once; what the engine says comes as events
-      return StreamingResponse(self._events(job, answer, ticket, waiter),
+      return StreamingResponse(self._events(job, answers, tickets, waiter),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     try:
-      while True:
-        delta = await waiter.next()
-        if delta is None:  # the client left
+      left = set(range(len(answers)))
+      while left:
+        item = await waiter.next()
+        if item is None:  # the client left
           return Response(status_code=499)
+        i, delta = item
         if delta.error is not None:
           return _bad(delta.error).response()
-        if answer.take(delta):
-          break
+        if answers[i].take(delta):
+          left.discard(i)
     except ApiError as e:
       return e.response()
     finally:
       waiter.close()
-      if not answer.done_by_engine:
-        self.service.abort(ticket)
-      _log_end(ticket, answer)
-    if answer.finish_reason == "error":
+      self._end(tickets, answers)
+    if any(a.finish_reason == "error" for a in answers):
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
-    out = answer.body(self.model_name, chat)
+    out = _body(answers, self.model_name)
     cache = self.service.engine.cache
     if hand_off:  # its blocks are in the pool before the proxy hears of them
       out["kv_transfer_params"] = await asyncio.to_thread(
@@ -273,54 +353,75 @@ class OpenAIServer:
           deadline_s=min(60.0, self.request_timeout_s))
     return JSONResponse(out)
 
+  def _abort_all(self, tickets) -> None:
+    for ticket in tickets:
+      self.service.abort(ticket)
+
+  def _end(self, tickets, answers) -> None:
+    """A response is over: choices the engine did not end (a stop string, a closed
+    stream, the deadline, another choice's error) are aborted; one log line each."""
+    for ticket, answer in zip(tickets, answers):
+      if not answer.done_by_engine:
+        self.service.abort(ticket)
+      _log_end(ticket, answer)
+
   def _mailbox(self) -> _Mailbox:
     loop = asyncio.get_running_loop()
     if self._box is None or self._box.loop is not loop:
       self._box = _Mailbox(loop)
     return self._box
 
-  async def _events(self, job, answer, ticket, waiter):
+  async def _events(self, job, answers, tickets, waiter):
     """The server-sent events of a streamed answer; a closed stream aborts the request.
-    Deltas that queued up while the client read are sent as one event."""
+    Deltas that queued up while the client read are sent as one event per choice."""
     try:
       if job.chat:
-        yield _sse(answer.chunk(self.model_name, {"role": "assistant", "content": ""}, None))
-      while True:
+        for a in answers:
+          yield _sse(a.chunk(self.model_name, {"role": "assistant", "content": ""}, None))
+      left = set(range(len(answers)))
+      while left:
         try:
-          delta = await waiter.next()
+          item = await waiter.next()
         except ApiError as e:
           yield _error_event(e.message, e.kind)
           break
-        if delta is None:
+        if item is None:
           return
+        i, delta = item
         if delta.error is not None:  # refused by the engine (a capacity it checks)
           yield _error_event(delta.error, "invalid_request_error")
           break
-        done = answer.take(delta)
-        while not done and (more := waiter.ready()) is not None:
-          done = answer.take(more)
-        text, ids = answer.flush(done)
-        if done and answer.finish_reason == "error":
+        touched = {i: answers[i].take(delta)}
+        while (more := waiter.ready()) is not None:
+          k, d = more
+          touched[k] = answers[k].take(d) or touched.get(k, False)
+        failed = False
+        for k, done in touched.items():
+          if k not in left:
+            continue
+          a = answers[k]
+          text, ids = a.flush(done)
+          if done and a.finish_reason == "error":
+            failed = True
+            break
+          if text or ids or done:
+            yield _sse(a.chunk(self.model_name, text, ids, a.finish_reason if done else None))
+          if done:
+            left.discard(k)
+        if failed:
           yield _error_event("the engine failed while generating this answer; retry the "
                              "request.", "server_error")
           break
-        if text or ids or done:
-          yield _sse(answer.chunk(self.model_name, text, ids,
-                                  answer.finish_reason if done else None))
-        if done:
-          if job.include_usage:
-            yield _sse(answer.usage_chunk(self.model_name))
-          break
+        if not left and job.include_usage:
+          yield _sse(answers[0].usage_chunk(self.model_name, answers))
       yield "data: [DONE]\n\n"
     finally:
       waiter.close()
-      if not answer.done_by_engine:  # a closed stream, a stop string or the deadline
-        self.service.abort(ticket)
-      _log_end(ticket, answer)
+      self._end(tickets, answers)
 
-  def _parse(self, body: dict, chat: bool, tenant: str) -> _Job:
+  def _parse(self, body: dict, chat: bool, tenant: str) -> list[_Job]:
     """The request's fields in the order they are checked (what needs no server state is
-    read by ``protocol``)."""
+    read by ``protocol``): one job per prompt (completions may send a list of them)."""
     model = body.get("model")
     if not isinstance(model, str):
       raise _bad(f"model={model!r}: give the model's name, {self.model_name!r} (GET /v1/models).",
@@ -330,21 +431,20 @@ class OpenAIServer:
                      f"{self.model_name!r}.", "not_found_error", code="model_not_found",
                      param="model")
     _check_supported(body)
+    if chat and body.get("echo") not in (None, False):
+      raise _bad("echo is a field of /v1/completions; leave it out of chat requests.", "echo")
     tok = self.tokenizer
     if chat:
-      prompt = self._chat_prompt(body.get("messages"))
+      prompts = [(self._chat_prompt(body.get("messages")), None)]
     else:
-      prompt = self._text_prompt(body.get("prompt"))
+      prompts = self._text_prompts(body.get("prompt"))
+    n = _int(body, "n", default=1, low=1, high=MAX_CHOICES)
+    if n * len(prompts) > MAX_CHOICES:
+      raise _bad(f"{len(prompts)} prompts x n={n} make {n * len(prompts)} choices; this "
+                 f"server answers at most {MAX_CHOICES} per request: send fewer, or several "
+                 "requests.", "n")
+    logprobs, echo = _logprobs(body, chat)
     max_tokens = _max_tokens(body)
-    if max_tokens is None:  # chat: up to the context; completions: OpenAI's 16
-      max_tokens = max(1, self.max_seq_len - len(prompt)) if chat else 16
-    total = len(prompt) + max_tokens - 1
-    if self.context_check and total > self.max_seq_len:
-      c = self.service.engine.cache.config
-      raise _bad(f"the prompt's {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
-                 f"{total} tokens, more than a sequence holds here (max_pages_per_seq="
-                 f"{c.max_pages_per_seq} x page_size={c.page_size} = {self.max_seq_len}); "
-                 "shorten the prompt or lower max_tokens.", "max_tokens")
     stops = _stop_strings(body)
     if stops and tok is None:
       raise _bad("stop strings need a tokenizer (start the server with --model_dir); send "
@@ -352,26 +452,57 @@ class OpenAIServer:
     stop_ids = _stop_token_ids(body, self.vocab_size)
     if tok is not None and not _bool(body, "ignore_eos"):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
-    return _job(body, chat=chat, prompt=prompt, max_tokens=max_tokens, stops=stops,
-                stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
-                ids_only=tok is None)
+    jobs = []
+    for index, (prompt, text) in enumerate(prompts):
+      length = max_tokens
+      if length is None:  # chat: up to the context; completions: OpenAI's 16
+        length = max(1, self.max_seq_len - len(prompt)) if chat else 16
+      self._check_length(prompt, length, index if len(prompts) > 1 else None)
+      job = _job(body, chat=chat, prompt=prompt, max_tokens=length, stops=stops,
+                 stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
+                 ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
+      jobs.append(dataclasses.replace(job, prompt_text=text, index=index))
+    if len({j.sampling.seed for j in jobs}) > 1:  # one unseeded request: one seed for all
+      jobs = [dataclasses.replace(j, sampling=dataclasses.replace(
+          j.sampling, seed=jobs[0].sampling.seed)) for j in jobs]
+    return jobs
 
-  def _text_prompt(self, prompt) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-      prompt = prompt[0]  # a batch of one
+  def _check_length(self, prompt: list[int], max_tokens: int, index: int | None) -> None:
+    total = len(prompt) + max_tokens - 1
+    if self.context_check and total > self.max_seq_len:
+      c = self.service.engine.cache.config
+      which = "prompt's" if index is None else f"prompt[{index}]'s"
+      raise _bad(f"the {which} {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
+                 f"{total} tokens, more than a sequence holds here (max_pages_per_seq="
+                 f"{c.max_pages_per_seq} x page_size={c.page_size} = {self.max_seq_len}); "
+                 "shorten the prompt or lower max_tokens.", "max_tokens")
+
+  def _text_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+    """Completions' ``prompt``: text, token ids, or a list of either (a batch of prompts,
+    each its own choices). Returns ``(token ids, the text as sent or None)`` per prompt."""
+    batch = (isinstance(prompt, list) and prompt
+             and all(isinstance(p, (str, list)) for p in prompt))
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_CHOICES:
+      raise _bad(f"prompt is a batch of {len(prompts)} prompts; this server answers at "
+                 f"most {MAX_CHOICES} per request.", "prompt")
+    return [self._text_prompt(p, f"prompt[{i}]" if batch and len(prompts) > 1 else "prompt")
+            for i, p in enumerate(prompts)]
+
+  def _text_prompt(self, prompt, name: str = "prompt") -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise _bad("this server has no tokenizer (started without --model_dir): send the "
                    "prompt as a list of token ids.", "prompt")
-      ids = self.tokenizer.encode(prompt)
+      ids, text = self.tokenizer.encode(prompt), prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      ids = _token_ids(prompt, "prompt", self.vocab_size)
+      ids, text = _token_ids(prompt, "prompt", self.vocab_size), None
     else:
-      raise _bad("prompt must be a string or a non-empty list of token ids (one prompt per "
-                 "request).", "prompt")
+      raise _bad(f"{name} must be a string or a non-empty list of token ids (or a list of "
+                 "those: a batch of prompts).", "prompt")
     if not ids:
-      raise _bad("prompt is empty; send at least one token.", "prompt")
-    return ids
+      raise _bad(f"{name} is empty; send at least one token.", "prompt")
+    return ids, text
 
   def _chat_prompt(self, messages) -> list[int]:
     if self.tokenizer is None:
@@ -384,7 +515,8 @@ class OpenAIServer:
       raise _bad(str(e), "messages") from None
 
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+           "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class _Mailbox:
@@ -396,9 +528,10 @@ class _Mailbox:
     self._items: list = []
     self._lock = threading.Lock()
 
-  def post(self, queue: asyncio.Queue, delta: Delta) -> None:
+  def post(self, queue: asyncio.Queue, index: int, delta: Delta) -> None:
+    """Puts ``(index, delta)`` in ``queue``: the delta of a response's choice ``index``."""
     with self._lock:
-      self._items.append((queue, delta))
+      self._items.append((queue, (index, delta)))
       if len(self._items) > 1:
         return  # a wake-up is on its way
     self.loop.call_soon_threadsafe(self._deliver)
@@ -440,7 +573,7 @@ class _Waiter:
   def close(self) -> None:
     self._watch.cancel()
 
-  async def next(self) -> Delta | None:
+  async def next(self) -> tuple[int, Delta] | None:
     item = self.queue.get_nowait() if not self.queue.empty() else await self.queue.get()
     if item is _GONE:
       return None
@@ -450,7 +583,7 @@ class _Waiter:
                      "timeout_error", code="request_timeout")
     return item
 
-  def ready(self) -> Delta | None:
+  def ready(self) -> tuple[int, Delta] | None:
     """A delta already queued (sent along with the one just taken), else None."""
     if self.queue.empty():
       return None
@@ -483,6 +616,12 @@ class _CountRequests:
     finally:
       path = scope.get("path", "")
       self.counter.labels(path if path in _ROUTES else "other", status[0]).inc()
+
+
+def _has_text(prompt) -> bool:
+  """Whether a completions prompt holds text (tokenized off the event loop)."""
+  return isinstance(prompt, str) or (isinstance(prompt, list)
+                                     and any(isinstance(p, str) for p in prompt))
 
 
 def _log_end(ticket: int, answer: _Answer) -> None:

@@ -223,6 +223,18 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def token_text(self, token: int) -> str:
+    """One token's text, special tokens included (a token that is part of a character
+    decodes alone to U+FFFD): what log-probabilities name a token by."""
+    text = self._texts.get(token)
+    if text is None:
+      text = self._texts[token] = self._tok.decode([int(token)], skip_special_tokens=False)
+    return text
+
+  @functools.cached_property
+  def _texts(self) -> dict:
+    return {}
+
   def decoder(self) -> IncrementalDecoder:
     """A decoder of a growing answer (``IncrementalDecoder``): the text ``decode`` gives,
     at a cost per delta that does not grow with the answer."""
