@@ -18,10 +18,10 @@ from jaxkv.tools.env import child_env  # noqa: F401  (the tests start children w
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(args, timeout_s=600):
+def run_script(args, timeout_s=600, env=None):
   """A launch/ script as a user runs it: (exit status, stdout, stderr). Its process group is
-  killed if it outlives ``timeout_s``."""
-  env = child_env()  # launchers set their own device count
+  killed if it outlives ``timeout_s``. ``env``: variables added to the child's."""
+  env = {**child_env(), **(env or {})}  # launchers set their own device count
   proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True)

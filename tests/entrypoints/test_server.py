@@ -271,6 +271,97 @@ def test_the_tokenizer_routes_answer_as_vllms_do(state, reference, checkpoint):
   assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
 
 
+LM_EVAL_MC = """task: jaxkv_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_GEN = """task: jaxkv_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["o"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_harness_scores_equal_jaxkvs_own_computation(state, reference, parts,
+                                                             tmp_path):
+  """lm-evaluation-harness's ``local-completions`` model against the server (its tokenizer
+  through /tokenizer_info, /tokenize and /detokenize): a multiple-choice task's
+  log-likelihoods equal a float64 forward's sums over each continuation's tokens (so its
+  accuracy is the one they give), and a generate_until task's answers equal greedy
+  generation cut at the stop string."""
+  tok, name = reference[1], model_name(parts[0])
+  mc = [{"question": "the cache keeps", "choices": [" keys", " pages of", " values"],
+         "answer": 0},
+        {"question": "a block is fetched back", "choices": [" or computed", " again"],
+         "answer": 1},
+        {"question": "hello world, the quick", "choices": [" brown fox", " lazy dog"],
+         "answer": 0}]
+  gen = [{"question": "pages of the cache live on", "answer": " the"},
+         {"question": "the quick brown fox", "answer": " jumps"}]
+  for file, docs in (("mc.jsonl", mc), ("gen.jsonl", gen)):
+    (tmp_path / file).write_text("".join(json.dumps(d) + "\n" for d in docs))
+  (tmp_path / "jaxkv_mc.yaml").write_text(LM_EVAL_MC.format(dir=tmp_path))
+  (tmp_path / "jaxkv_gen.yaml").write_text(LM_EVAL_GEN.format(dir=tmp_path))
+  out = tmp_path / "out"
+  env = {"OPENAI_API_KEY": KEY_A, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+         "HF_HOME": str(tmp_path / "hf")}
+  args = ["-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+          f"model={name},base_url={state['server'].base}/v1/completions,"
+          f"tokenizer_backend=auto,auth_token={KEY_A},max_retries=1,timeout=120",
+          "--tasks", "jaxkv_mc", "jaxkv_gen", "--include_path", str(tmp_path),
+          "--output_path", str(out), "--log_samples", "--batch_size", "1"]
+  code, _, err = helpers.run_script(args, timeout_s=600, env=env)
+  assert code == 0, err[-4000:]
+  assert "Using remote tokenizer" in err  # auto-detected: the server's routes
+
+  def samples(task):
+    files = list(out.rglob(f"samples_{task}_*.jsonl"))
+    assert len(files) == 1, files
+    return [json.loads(line) for line in files[0].read_text().splitlines()]
+
+  hits, worst = [], 0.0
+  for s in sorted(samples("jaxkv_mc"), key=lambda s: s["doc_id"]):
+    doc, scores = mc[s["doc_id"]], []
+    pairs = [s["arguments"][f"gen_args_{i}"] for i in range(len(doc["choices"]))]
+    for pair, (ll, _greedy) in zip(pairs, s["filtered_resps"]):
+      # (context, " " + choice): lm-eval encodes the whole and the context, as here.
+      context = tok.encode(pair["arg_0"], add_special_tokens=False)
+      whole = tok.encode(pair["arg_0"] + pair["arg_1"], add_special_tokens=False)
+      lsm = log_softmax(parts, whole)
+      own = sum(lsm[i - 1, whole[i]] for i in range(len(context), len(whole)))
+      worst = max(worst, abs(float(ll) - own))
+      scores.append(own)
+    hits.append(float(np.argmax(scores) == doc["answer"]))
+    assert s["acc"] == hits[-1]
+  assert len(hits) == len(mc) and worst < 1e-4, worst
+  results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+  assert results["jaxkv_mc"]["acc,none"] == pytest.approx(np.mean(hits))
+  for s in sorted(samples("jaxkv_gen"), key=lambda s: s["doc_id"]):
+    prompt = tok.encode(gen[s["doc_id"]]["question"], add_special_tokens=False)
+    text = tok.decode(want(reference, prompt, max_new_tokens=6))
+    assert s["resps"][0][0] == text.split("o")[0]
+
+
 def test_stop_strings_end_the_text_before_the_match(state, reference, checkpoint):
   c, name, tok = client(state), model_name(checkpoint), reference[1]
   p = prompt_ids(3, 30)
