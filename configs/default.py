@@ -41,6 +41,14 @@ def get_config() -> ml_collections.ConfigDict:
       write_policy="write_back", read_deadline_s=10.0, encryption="auto",
       # KV events for a router (--kv_events, --kv_events_replay; '' publishes none).
       kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True))
+  # Sequences longer than a device pool holds (prompt + max_tokens past max_pages_per_seq
+  # x page_size): with `enabled` (--stream_long_contexts) they are served by streaming
+  # their cold pages from the host tier through attention, `sink_pages` and the last
+  # `window_pages` staying on device, up to `max_cold_pages` host pages per sequence
+  # (needs --host_pages); off, they are refused. See jaxkv.StreamConfig.
+  c.stream = ml_collections.ConfigDict(dict(
+      enabled=False, sink_pages=1, window_pages=8, chunk_pages=4, max_cold_pages=4096,
+      source="host"))
   # How lower-tier hits come back: "cost" plans fetch / recompute / split from costs
   # calibrated at start-up (see jaxkv.SchedulerConfig for the other policies).
   c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))

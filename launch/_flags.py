@@ -53,11 +53,23 @@ KV_EVENTS = flags.DEFINE_string(
 KV_EVENTS_REPLAY = flags.DEFINE_string(
     "kv_events_replay", None, "Alias of --config.tiers.kv_events_replay: the endpoint of the "
     "replay socket a reader asks for the KV event messages it missed, e.g. tcp://*:5558.")
+STREAM = flags.DEFINE_bool(
+    "stream_long_contexts", None, "Alias of --config.stream.enabled: serve sequences longer "
+    "than a device pool holds by streaming their cold pages from the host tier (needs "
+    "--host_pages); off, they are refused.")
+STREAM_WINDOW_PAGES = flags.DEFINE_integer(
+    "stream_window_pages", None, "Alias of --config.stream.window_pages: a streamed "
+    "sequence's most recent pages kept on device.", lower_bound=1)
+STREAM_MAX_COLD_PAGES = flags.DEFINE_integer(
+    "stream_max_cold_pages", None, "Alias of --config.stream.max_cold_pages: the most host "
+    "pages one streamed sequence may hold.", lower_bound=1)
 ALIASES = ((DEVICE_PAGES, "cache.pages_per_shard"), (HOST_PAGES, "tiers.host_pages_per_shard"),
            (DISK_DIR, "tiers.disk_kvstore"), (DISK_PAGES, "tiers.disk_pages"),
            (POOL, "tiers.pool_master"), (POOL_METADATA, "tiers.pool_metadata"),
            (POOL_SEGMENT_MB, "tiers.pool_segment_mb"), (KV_EVENTS, "tiers.kv_events"),
-           (KV_EVENTS_REPLAY, "tiers.kv_events_replay"))
+           (KV_EVENTS_REPLAY, "tiers.kv_events_replay"), (STREAM, "stream.enabled"),
+           (STREAM_WINDOW_PAGES, "stream.window_pages"),
+           (STREAM_MAX_COLD_PAGES, "stream.max_cold_pages"))
 CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "Save the cache here (Orbax) when the run ends.")
 RESTORE = flags.DEFINE_bool("restore", False, "Start from the latest checkpoint in "

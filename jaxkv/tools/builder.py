@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxkv import models
 from jaxkv.cache import KVCache
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, StreamConfig, TierConfig
 from jaxkv.serving.engine import Engine
 from jaxkv.worker.pages import make_mesh
 from jaxkv.errors import InputError
@@ -270,4 +270,16 @@ def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None,
   tiers = tier_config(cfg) if policy == "jaxkv" else TierConfig()
   scheduler = SchedulerConfig(**_section(cfg, "scheduler")) if "scheduler" in cfg else None
   return Engine(model, KVCache(cache_cfg, mesh, tiers, deployment_key=deployment_key),
-                engine_cfg, scheduler=scheduler)
+                engine_cfg, scheduler=scheduler,
+                stream=stream_config(cfg) if policy == "jaxkv" else None)
+
+
+def stream_config(cfg: Mapping) -> StreamConfig | None:
+  """The config's ``stream`` section as a ``StreamConfig`` (None when not ``enabled``, or
+  a config without the section)."""
+  if "stream" not in cfg:
+    return None
+  section = _section(cfg, "stream")
+  if not section.pop("enabled", False):
+    return None
+  return StreamConfig(**section)

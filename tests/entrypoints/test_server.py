@@ -57,7 +57,8 @@ def state(tmp_path_factory, checkpoint):
           "--drain_timeout_s=1", f"--deployment_key_file={key_file}",
           "--block_address=127.0.0.1:0", "--metrics_tenants=ops", "--header_timeout_s=2",
           "--body_timeout_s=2", f"--max_connections={MAX_CONNECTIONS}",
-          "--special_tokens_in_content=split", *OVERRIDES]
+          "--special_tokens_in_content=split", "--host_pages=160",
+          "--stream_long_contexts", *OVERRIDES]
   box = {"server": start(args, work, script=paced_server(work)), "args": args,
          "work": str(work)}
   yield box
@@ -360,6 +361,41 @@ def test_lm_eval_harness_scores_equal_jaxkvs_own_computation(state, reference, p
     prompt = tok.encode(gen[s["doc_id"]]["question"], add_special_tokens=False)
     text = tok.decode(want(reference, prompt, max_new_tokens=6))
     assert s["resps"][0][0] == text.split("o")[0]
+
+
+def test_a_prompt_four_times_the_device_budget_is_streamed_beside_batched_requests(
+    state, reference, parts):
+  """Over HTTP, a 2,048-token prompt (a sequence's device budget is 512) is served from
+  host memory, its tokens a float64 forward's greedy ones, while ordinary requests run
+  exactly beside it; past what host memory holds the 400 names the limit."""
+  c, name = client(state), model_name(parts[0])
+  long_prompt = prompt_ids(61, 2048)
+  short = [prompt_ids(62 + i, 40) for i in range(3)]
+  results = {}
+
+  def ask(key, prompt, n):
+    r = c.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
+                             extra_body={"return_token_ids": True})
+    results[key] = extra(r.choices[0], "token_ids")
+
+  threads = [threading.Thread(target=ask, args=("long", long_prompt, 3))] + [
+      threading.Thread(target=ask, args=(i, p, 5)) for i, p in enumerate(short)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(300)
+  assert all(not t.is_alive() for t in threads)
+  expect, _ = hf.reference_greedy(parts[1], parts[2], long_prompt, 3)
+  assert results["long"] == expect[:len(results["long"])] and results["long"]
+  for i, p in enumerate(short):
+    assert results[i] == want(reference, p, max_new_tokens=5)
+  info = httpx.get(state["server"].base + "/tokenizer_info", timeout=30,
+                   headers={"Authorization": f"Bearer {KEY_A}"}).json()
+  limit = info["model_max_length"]  # what the host tier holds beside the device window
+  assert limit > len(long_prompt)
+  with pytest.raises(openai.BadRequestError) as e:
+    c.completions.create(model=name, prompt=prompt_ids(63, limit), max_tokens=2)
+  assert f"more than this server streams ({limit} tokens" in str(e.value)
 
 
 def test_stop_strings_end_the_text_before_the_match(state, reference, checkpoint):

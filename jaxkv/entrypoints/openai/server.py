@@ -122,9 +122,14 @@ class OpenAIServer:
     cache = service.engine.cache
     self.vocab_size = service.engine.vocab_size
     self.max_seq_len = cache.config.max_seq_len
-    # Longer sequences are refused here, before a stream starts (the engine streams them
-    # from lower tiers only with a StreamConfig).
-    self.context_check = service.engine.stream is None
+    # The longest sequence (prompt + max_tokens - 1) served: a device pool's, or with a
+    # StreamConfig what the host tier can hold beside the pages kept on device. Longer
+    # ones are refused here, before a stream starts, naming the limit.
+    stream = service.engine.stream
+    self.max_context = self.max_seq_len
+    if stream is not None:
+      cold = min(stream.max_cold_pages, cache.tiers.host_pages_per_shard)
+      self.max_context = (stream.sink_pages + stream.window_pages + cold) * cache.config.page_size
     self.registry = registry or CollectorRegistry(auto_describe=True)
     self.http_requests = Counter("jaxkv_http_requests", "HTTP requests by route and status.",
                                  ["route", "status"], registry=self.registry)
@@ -218,7 +223,7 @@ class OpenAIServer:
       if handler is None:
         return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token, "pad_token": None,
-                "chat_template": tok.chat_template, "model_max_length": self.max_seq_len,
+                "chat_template": tok.chat_template, "model_max_length": self.max_context,
                 "vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids)}
       body = await _read_json(request, self.max_body_bytes)
       model = body.get("model")
@@ -252,7 +257,7 @@ class OpenAIServer:
         raise _bad(f"add_special_tokens={special!r} must be true or false.",
                    "add_special_tokens")
       ids = tok.encode(prompt, add_special_tokens=special)
-    return {"count": len(ids), "max_model_len": self.max_seq_len, "tokens": ids,
+    return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids,
             "token_strs": ([tok.token_text(i) for i in ids]
                            if _bool(body, "return_token_strs") else None)}
 
@@ -456,7 +461,7 @@ class OpenAIServer:
     for index, (prompt, text) in enumerate(prompts):
       length = max_tokens
       if length is None:  # chat: up to the context; completions: OpenAI's 16
-        length = max(1, self.max_seq_len - len(prompt)) if chat else 16
+        length = max(1, self.max_context - len(prompt)) if chat else 16
       self._check_length(prompt, length, index if len(prompts) > 1 else None)
       job = _job(body, chat=chat, prompt=prompt, max_tokens=length, stops=stops,
                  stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
@@ -469,13 +474,24 @@ class OpenAIServer:
 
   def _check_length(self, prompt: list[int], max_tokens: int, index: int | None) -> None:
     total = len(prompt) + max_tokens - 1
-    if self.context_check and total > self.max_seq_len:
-      c = self.service.engine.cache.config
-      which = "prompt's" if index is None else f"prompt[{index}]'s"
-      raise _bad(f"the {which} {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
-                 f"{total} tokens, more than a sequence holds here (max_pages_per_seq="
-                 f"{c.max_pages_per_seq} x page_size={c.page_size} = {self.max_seq_len}); "
-                 "shorten the prompt or lower max_tokens.", "max_tokens")
+    if total <= self.max_context:
+      return
+    c, stream = self.service.engine.cache.config, self.service.engine.stream
+    which = "prompt's" if index is None else f"prompt[{index}]'s"
+    if stream is None:
+      limit = (f"more than a sequence holds here (max_pages_per_seq={c.max_pages_per_seq} x "
+               f"page_size={c.page_size} = {self.max_seq_len}); shorten the prompt or lower "
+               "max_tokens (or start the server with --stream_long_contexts and "
+               "--host_pages to stream longer ones from host memory)")
+    else:
+      tiers = self.service.engine.cache.tiers
+      limit = (f"more than this server streams ({self.max_context} tokens: sink_pages="
+               f"{stream.sink_pages} + window_pages={stream.window_pages} on device + "
+               f"min(max_cold_pages={stream.max_cold_pages}, host_pages_per_shard="
+               f"{tiers.host_pages_per_shard}) in host memory, x page_size={c.page_size}); "
+               "shorten the prompt or lower max_tokens")
+    raise _bad(f"the {which} {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
+               f"{total} tokens, {limit}.", "max_tokens")
 
   def _text_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
     """Completions' ``prompt``: text, token ids, or a list of either (a batch of prompts,
