@@ -136,6 +136,15 @@ def use_model_dir(cfg):
   for line in builder.platform_defaults(cfg, platform=jax.default_backend(),
                                         explicit=explicit, processes=jax.process_count()):
     logging.info("%s: %s", os.path.basename(os.path.normpath(model_dir)), line)
+  return load_tokenizer(cfg)
+
+
+def load_tokenizer(cfg):
+  """The tokenizer of --model_dir (or the config's model.model_dir), or None: random
+  weights, or a checkpoint without tokenizer.json. Needs no device."""
+  model_dir = MODEL_DIR.value or cfg.model.get("model_dir", "")
+  if not model_dir:
+    return None
   from jaxkv.models import gguf
   if (not os.path.exists(os.path.join(model_dir, "tokenizer.json"))
       and gguf.find(model_dir) is None):

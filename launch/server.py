@@ -89,6 +89,14 @@ _BODY_TIMEOUT = flags.DEFINE_float(
 _MAX_HEADER_BYTES = flags.DEFINE_integer(
     "max_header_bytes", 64 * 1024, "The most bytes of request line and headers read (431).",
     lower_bound=1024)
+_ENGINE_PROCESS = flags.DEFINE_bool(
+    "engine_process", True, "Run the engine core (the step loop, the cache and its tiers) "
+    "in a process of its own, started by this one, which parses, authenticates, "
+    "tokenizes, detokenizes and streams: the two do not share one Python lock. A "
+    "multi-process job, or a server with --pool, keeps the engine in this process.")
+_CORE_DIR = flags.DEFINE_string(
+    "core_dir", None, "(Set by the server for its engine core: the directory of the "
+    "sockets it answers on.)")
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "An idle keep-alive connection is "
                                  "closed after this.", lower_bound=0.001)
 
@@ -129,11 +137,16 @@ def _block_address(deployment_key) -> tuple[str | None, int]:
   return host, int(port)
 
 
-def _tenant_shares(api_keys: dict | None, engine) -> tuple[int, int]:
+def _rows(engine_config, cache) -> int:
+  """Batch rows over every data shard (``cache``: a KVCache, or a core's info dict)."""
+  shards = cache["num_shards"] if isinstance(cache, dict) else cache.num_shards
+  return engine_config.max_seqs_per_shard * shards
+
+
+def _tenant_shares(api_keys: dict | None, rows: int) -> tuple[int, int]:
   """``--max_running_per_tenant`` and ``--max_waiting_per_tenant`` with their defaults
   resolved: with two or more tenants, each may hold half the rows and half the waiting
   slots (rounded up), so that a second tenant is always served."""
-  rows = engine.config.max_seqs_per_shard * engine.cache.num_shards
   tenants = len(set(api_keys.values())) if api_keys else 1
   running, waiting = _RUNNING_PER_TENANT.value, _WAITING_PER_TENANT.value
   if running < 0:
@@ -158,6 +171,8 @@ def _check_port(host: str, port: int) -> None:
 
 def main(argv):
   del argv
+  if _CORE_DIR.value:  # the engine core of a server's front (below)
+    return _core_main()
   _flags.check_restore_flags()
   api_keys = _api_keys(_API_KEYS_FILE.value)
   unknown = set(_METRICS_TENANTS.value) - set((api_keys or {}).values())
@@ -171,20 +186,78 @@ def main(argv):
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _flags.apply_role(cfg)
+  if _engine_in_its_own_process(cfg):
+    return _front_main(cfg, api_keys)
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   _flags.check_pool(cfg)
   import jax
   from jaxkv import distributed, metrics, security
-  from jaxkv.tools import builder
   from jaxkv.serving.service import EngineService
-  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
-  block_host, block_port = _block_address(deployment_key)
   multi = distributed.initialize()
-  if api_keys is None and jax.process_index() == 0 and not security.is_loopback(_HOST.value):
+  if api_keys is None and jax.process_index() == 0:
+    _warn_if_open()
+  _common.check_platform(cfg)
+  engine, tokenizer, block_server, checkpointer, warm_up = _build(cfg, multi)
+  running_share, waiting_share = _tenant_shares(api_keys, _rows(engine.config, engine.cache))
+  service = EngineService(engine, max_waiting=_MAX_WAITING.value,
+                          between_steps=block_server.poll if block_server else None,
+                          max_running_per_tenant=running_share,
+                          max_waiting_per_tenant=waiting_share,
+                          idle_work=None if multi else engine.runner.warm_next)
+  if jax.process_index() != 0:  # the others run process 0's steps
+    # A signal to every process of the job (Ctrl-C, a cluster's stop) drains through
+    # process 0, which broadcasts the end; the others keep stepping until then.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, lambda *_: logging.info("signal received: this process stops when "
+                                                 "process 0 has drained"))
+    warm_up()
+    service.follow()
+    _finish(engine, checkpointer, multi)
+    return
+
+  registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
+  if _flags.ROLE.value == "prefill":
+    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
+  if _METRICS_PORT.value is not None:
+    metrics.serve(registry, _METRICS_PORT.value, addr="127.0.0.1")
+
+  def warm():
+    warm_up()
+    service.start()
+    return True
+
+  _serve_http(service, tokenizer, api_keys, registry, _MODEL_NAME.value or cfg.model.name,
+              warm, {"block_address": block_server.address} if block_server else {})
+  if block_server is not None:
+    block_server.close()
+  _finish(engine, checkpointer, multi)
+
+
+def _engine_in_its_own_process(cfg) -> bool:
+  """--engine_process, where the core can take it: one process (not a multi-host job:
+  there every process runs the steps), no pool (a prefill's hand-off reads the pool
+  from the HTTP handler)."""
+  if not _ENGINE_PROCESS.value:
+    return False
+  return (not os.environ.get("JAXKV_COORDINATOR") and not cfg.tiers.get("pool_master")
+          and _flags.ROLE.value == "both")
+
+
+def _warn_if_open() -> None:
+  from jaxkv import security
+  if not security.is_loopback(_HOST.value):
     security.warn_insecure(f"the HTTP server listens on {_HOST.value} without "
                            "--api_keys_file: whoever reaches it runs requests and reads "
                            "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
-  _common.check_platform(cfg)
+
+
+def _build(cfg, multi: bool):
+  """The engine and what runs beside it (a block server, a checkpointer); returns them
+  with the tokenizer and ``warm_up`` (compiles, and restores with --restore)."""
+  from jaxkv import security
+  from jaxkv.tools import builder
+  deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
+  block_host, block_port = _block_address(deployment_key)
   restore = _flags.should_restore()
   tokenizer = _flags.use_model_dir(cfg)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
@@ -197,12 +270,6 @@ def main(argv):
     block_server = BlockServer(engine.cache, block_host, block_port,
                                allow_insecure=_ALLOW_INSECURE.value)
     print(f"serving blocks on {block_server.address}", flush=True)
-  running_share, waiting_share = _tenant_shares(api_keys, engine)
-  service = EngineService(engine, max_waiting=_MAX_WAITING.value,
-                          between_steps=block_server.poll if block_server else None,
-                          max_running_per_tenant=running_share,
-                          max_waiting_per_tenant=waiting_share,
-                          idle_work=None if multi else engine.runner.warm_next)
   checkpointer = None
   if _flags.CHECKPOINT_DIR.value:
     from jaxkv.worker.checkpoint import Checkpointer
@@ -220,28 +287,104 @@ def main(argv):
                    counts["placed"], counts["failed_checksum"])
     logging.info("compiled in %.1f s", time.perf_counter() - t0)
 
-  if jax.process_index() != 0:  # the others run process 0's steps
-    # A signal to every process of the job (Ctrl-C, a cluster's stop) drains through
-    # process 0, which broadcasts the end; the others keep stepping until then.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, lambda *_: logging.info("signal received: this process stops when "
-                                                 "process 0 has drained"))
-    warm_up()
-    service.follow()
-    _finish(engine, checkpointer, multi)
-    return
+  return engine, tokenizer, block_server, checkpointer, warm_up
 
-  from jaxkv.entrypoints.openai import limits as httplimits
-  from jaxkv.entrypoints.openai.server import OpenAIServer
+
+# ---- the engine core in its own process -------------------------------------------------------
+def _front_main(cfg, api_keys) -> None:
+  """The server's process when the engine core runs in its own: HTTP, keys, tokenizer,
+  detokenizing and streaming here; the step loop (and the cache, the tiers, the
+  checkpoint) in the core, a child started with this command line and --core_dir."""
+  from absl import logging as absl_logging
+  if not flags.FLAGS["verbosity"].present:
+    absl_logging.set_verbosity(absl_logging.INFO)
+  from jaxkv.serving import core
+  process = core.CoreProcess()
+  try:
+    process.start(core.core_argv(process.directory))
+    import jax
+    jax.config.update("jax_platforms", "cpu")  # the front computes nothing on a device
+    if api_keys is None:
+      _warn_if_open()
+    tokenizer = _flags.load_tokenizer(cfg)
+    info = process.wait_info(3600)
+  except BaseException:
+    process.kill()
+    process.close()
+    raise
+  running_share, waiting_share = _tenant_shares(
+      api_keys, _rows(info["engine_config"], info))
+  service = core.CoreClient(process, info, max_waiting=_MAX_WAITING.value,
+                            max_running_per_tenant=running_share,
+                            max_waiting_per_tenant=waiting_share)
+  from prometheus_client import CollectorRegistry
+  _serve_http(service, tokenizer, api_keys, CollectorRegistry(auto_describe=True),
+              _MODEL_NAME.value or info["model_name"],
+              lambda: service.wait_ready(None),
+              {"block_address": info["block_address"]} if info["block_address"] else {},
+              core_metrics=service.metrics_text)
+
+
+def _core_main() -> None:
+  """The engine core: builds, compiles and runs the engine for the front that started it
+  (its parent), taking requests and sending answers over --core_dir's sockets. Signals
+  are the front's to handle: it drains, then stops the core, which then flushes the tiers
+  and saves the checkpoint as a server does."""
+  for sig in (signal.SIGTERM, signal.SIGINT):  # (Ctrl-C reaches the whole process group)
+    signal.signal(sig, signal.SIG_IGN)
+  cfg = _common.load_config(_flags.CONFIG)
+  _flags.apply_tier_flags(cfg)
+  _flags.apply_role(cfg)
+  _common.start_jax(cfg)
+  from prometheus_client import generate_latest
+
+  from jaxkv import metrics
+  from jaxkv.serving import core
+  from jaxkv.serving.service import EngineService
+  link = core.CoreLink(_CORE_DIR.value)
+  engine, _, block_server, checkpointer, warm_up = _build(cfg, multi=False)
+  link.send("info", {**core.engine_info(engine), "model_name": cfg.model.name,
+                     "block_address": block_server.address if block_server else None})
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
-  api = OpenAIServer(service, model_name=_MODEL_NAME.value or cfg.model.name,
-                     tokenizer=tokenizer, api_keys=api_keys, registry=registry,
-                     request_timeout_s=_TIMEOUT.value, metrics_tenants=_METRICS_TENANTS.value,
-                     role=_flags.ROLE.value)
-  if _flags.ROLE.value == "prefill":
-    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
   if _METRICS_PORT.value is not None:
     metrics.serve(registry, _METRICS_PORT.value, addr="127.0.0.1")
+  link.metrics = lambda: generate_latest(registry)
+  warm_up()
+
+  def idle_work() -> bool:  # the buckets left to compile, the front told of each
+    more = engine.runner.warm_next()
+    link.send("warm", engine.runner.warm_progress())
+    return more
+
+  # Back-pressure and tenants' shares are the front's: the core takes what it is sent.
+  service = EngineService(engine, max_waiting=2**31 - 1, lockstep=False,
+                          between_steps=block_server.poll if block_server else None,
+                          idle_work=idle_work, default_sink=link.sink).start()
+  link.serve(service)
+  link.send("ready", engine.runner.warm_progress())
+  service.wait_stopped()
+  if service.failed.is_set():
+    link.send("failed", service.failure)
+    link.close()
+    sys.exit(1)
+  if block_server is not None:
+    block_server.close()
+  _finish(engine, checkpointer, False)
+  link.close()
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+def _serve_http(service, tokenizer, api_keys, registry, model_name, warm, ready_extra,
+                core_metrics=None) -> None:
+  """Serves the API over ``service`` until a signal drains it (or the engine fails: then
+  the process exits with status 1). ``warm()`` runs while the port is already open (503
+  until it returns True); ``ready_extra``: more of the ready file's fields."""
+  from jaxkv.entrypoints.openai import limits as httplimits
+  from jaxkv.entrypoints.openai.server import OpenAIServer
+  api = OpenAIServer(service, model_name=model_name, tokenizer=tokenizer, api_keys=api_keys,
+                     registry=registry, request_timeout_s=_TIMEOUT.value,
+                     metrics_tenants=_METRICS_TENANTS.value, role=_flags.ROLE.value,
+                     core_metrics=core_metrics)
   limits = httplimits.HttpLimits(
       **({} if _MAX_CONNECTIONS.value is None else {"max_connections": _MAX_CONNECTIONS.value}),
       max_head_bytes=_MAX_HEADER_BYTES.value, head_timeout_s=_HEADER_TIMEOUT.value,
@@ -254,8 +397,9 @@ def main(argv):
 
   def start():
     try:
-      warm_up()
-      service.start()
+      if not warm():
+        server.should_exit = True
+        return
       api.ready = True
       deadline = time.monotonic() + 60
       while not server.started:  # uvicorn binds the port while the engine compiles
@@ -265,10 +409,7 @@ def main(argv):
       port = server.servers[0].sockets[0].getsockname()[1]
       print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
       if _READY_FILE.value:  # whole or absent: written aside, then renamed
-        ready = {"port": port}
-        if block_server is not None:
-          ready["block_address"] = block_server.address
-        _common.write_json(_READY_FILE.value + ".tmp", ready)
+        _common.write_json(_READY_FILE.value + ".tmp", {"port": port, **ready_extra})
         os.replace(_READY_FILE.value + ".tmp", _READY_FILE.value)
     except BaseException as e:  # the server cannot run: stop listening, fail the run
       failure.append(e)
@@ -284,16 +425,14 @@ def main(argv):
   server.run()
   starter.join(3600)  # (a failed start: the warmup thread has ended)
   if failure:
+    service.close()
     raise failure[0]
   if service.failed.is_set():
     print(f"error: the engine stopped on an internal error ({service.failure}); see the "
           "traceback above. Exiting with status 1.", file=sys.stderr, flush=True)
     sys.exit(1)
   service.close()
-  if block_server is not None:
-    block_server.close()
   print(f"stopped: requests by how they ended {dict(service.counts)}", flush=True)
-  _finish(engine, checkpointer, multi)
 
 
 def _finish(engine, checkpointer, multi) -> None:

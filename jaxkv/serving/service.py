@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -137,7 +138,9 @@ class EngineService:
   def __init__(self, engine, *, max_waiting: int = 64, idle_wait_s: float = 1.0,
                between_steps: Callable[[float], object] | None = None,
                max_running_per_tenant: int = 0, max_waiting_per_tenant: int | None = None,
-               idle_work: Callable[[], bool] | None = None):
+               idle_work: Callable[[], bool] | None = None,
+               default_sink: Callable[[int, Delta], None] | None = None,
+               lockstep: bool | None = None):
     for name, value in (("max_waiting", max_waiting),
                         ("max_running_per_tenant", max_running_per_tenant),
                         ("max_waiting_per_tenant", max_waiting_per_tenant or 0)):
@@ -158,7 +161,11 @@ class EngineService:
     # Work for the engine's thread while no request runs or waits, a piece per call (the
     # engine's step buckets left to compile): returns whether any is left. One process only.
     self.idle_work = idle_work
-    self.lockstep = jax.process_count() > 1  # commands broadcast from process 0
+    # The sink of requests that arrive as commands (``accept``: an engine core's, sent by
+    # its front), called with the ticket; None: their deltas are dropped (a follower's).
+    self.default_sink = default_sink
+    # Commands broadcast from process 0 (a front, which has no devices, says False).
+    self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
     self._inbox: collections.deque = collections.deque()
     self._wake = threading.Condition()
     self._lock = threading.Lock()
@@ -243,6 +250,13 @@ class EngineService:
     ``finish_reason="abort"`` unless it finished first."""
     self._post(_Abort(ticket))
 
+  def accept(self, commands: Sequence) -> None:
+    """Queues commands made elsewhere (an engine core's front made them with its own
+    ``submit``/``abort``/``close``): applied between steps like this service's own."""
+    with self._wake:
+      self._inbox.extend(commands)
+      self._wake.notify()
+
   def _held_back(self, ticket: int) -> bool:
     """Whether a request is still held back for its tenant's share (not in the engine)."""
     with self._lock:
@@ -279,6 +293,11 @@ class EngineService:
     deadline = time.monotonic() + max(0.0, timeout_s)
     while self._outstanding and time.monotonic() < deadline and not self._stopped.is_set():
       time.sleep(0.01)
+
+  def wait_stopped(self, timeout_s: float | None = None) -> bool:
+    """Whether the loop has ended (a stop command, or an internal error) within
+    ``timeout_s``."""
+    return self._stopped.wait(timeout_s)
 
   def wait_failed(self, timeout_s: float) -> bool:
     """Whether an internal error stopped the loop within ``timeout_s``."""
@@ -373,8 +392,9 @@ class EngineService:
           self._finish(c.ticket, Delta(finish_reason="abort"))
         continue
       with self._lock:
-        if c.ticket not in self._sinks:  # a follower's requests: counted, no sink
-          self._sinks[c.ticket] = None
+        if c.ticket not in self._sinks:  # a follower's or a front's requests: counted
+          self._sinks[c.ticket] = (None if self.default_sink is None
+                                   else functools.partial(self.default_sink, c.ticket))
           self._outstanding += 1
       try:
         handle = self.engine.submit(list(c.prompt), c.sampling, c.tenant,

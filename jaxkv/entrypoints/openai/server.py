@@ -91,8 +91,13 @@ class OpenAIServer:
   def __init__(self, service: EngineService, *, model_name: str, tokenizer=None,
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               request_timeout_s: float = 600.0, metrics_tenants=(), role: str = "both"):
+               request_timeout_s: float = 600.0, metrics_tenants=(), role: str = "both",
+               core_metrics=None):
+    """``core_metrics``: () -> bytes, the engine's Prometheus text when the engine runs in
+    a process of its own (``jaxkv.serving.core``): /metrics serves it before this
+    process's HTTP families."""
     self.service, self.model_name, self.tokenizer = service, model_name, tokenizer
+    self.core_metrics = core_metrics
     if role not in disagg.ROLES:
       raise InputError(f"role={role!r} must be one of {disagg.ROLES}.")
     if role != "both" and service.engine.cache.pool is None:
@@ -187,8 +192,10 @@ class OpenAIServer:
                           "tenant's requests); use a key of a metrics tenant "
                           "(--metrics_tenants) or the loopback --metrics_port.",
                           "permission_error").response()
-      return Response(generate_latest(self.registry),
-                      media_type="text/plain; version=0.0.4; charset=utf-8")
+      text = generate_latest(self.registry)
+      if self.core_metrics is not None:
+        text = await asyncio.to_thread(self.core_metrics) + text
+      return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -322,7 +329,7 @@ class OpenAIServer:
     rid = f"{self.run_id}-{tickets[0]}"
     answers = [_Answer(job, self.tokenizer, rid, index=i, sample=j)
                for i, (job, j) in enumerate(choices)]
-    if transfer is not None:
+    if transfer is not None and self.service.engine.cache.pool is not None:
       disagg.received(self.service.engine.cache, transfer)
     waiter = _Waiter(queue, request, self.request_timeout_s,
                      functools.partial(self._abort_all, tickets))
