@@ -56,7 +56,8 @@ _ALLOW_INSECURE = flags.DEFINE_bool(
     "KV. For isolated test networks only.")
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once the "
                                   "server takes requests (for scripts that start it; with "
-                                  "--block_address also \"block_address\").")
+                                  "--block_address also \"block_address\"; with the engine "
+                                  "in its own process, its \"core_pid\").")
 _RUNNING_PER_TENANT = flags.DEFINE_integer(
     "max_running_per_tenant", -1, "Requests one tenant (API key) may have in the engine at "
     "once; its others wait (at most --max_waiting_per_tenant), so one tenant cannot hold "
@@ -321,7 +322,8 @@ def _front_main(cfg, api_keys) -> None:
   _serve_http(service, tokenizer, api_keys, CollectorRegistry(auto_describe=True),
               _MODEL_NAME.value or info["model_name"],
               lambda: service.wait_ready(None),
-              {"block_address": info["block_address"]} if info["block_address"] else {},
+              {"core_pid": process.proc.pid, **({"block_address": info["block_address"]}
+                                                 if info["block_address"] else {})},
               core_metrics=service.metrics_text)
 
 

@@ -9,6 +9,7 @@ and restarts it from its checkpoint.
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -867,6 +868,51 @@ def test_zzz_an_internal_error_stops_the_server_and_it_exits_with_status_1(state
   log = server.log_tail(10**6)
   assert "InvariantError: injected: a page released twice" in log
   assert "the engine stopped on an internal error" in log
+
+
+def parent_of(pid: int) -> int:
+  with open(f"/proc/{pid}/stat") as f:
+    return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_core(tmp_path):
+  """The engine core runs in a child of the server's process. SIGKILL to the core: the
+  open stream ends with an error event, the waiting request gets an error status, and
+  the server exits 1. SIGKILL to the server: its core stops too (nothing is left
+  holding the devices)."""
+  server = start([*helpers.SERVE_SHAPES, "--max_waiting=4"], tmp_path)
+  try:
+    core = json.loads(open(server.ready_file).read())["core_pid"]
+    assert parent_of(core) == server.proc.pid
+    c = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
+    name = c.models.list().data[0].id
+    chunks = iter(c.completions.create(model=name, prompt=[5] * 20, max_tokens=200,
+                                       temperature=0, stream=True))
+    next(chunks)
+    got = {}
+    waiting = threading.Thread(target=lambda: got.update(r=httpx.post(
+        server.base + "/v1/completions", timeout=120,
+        json={"model": name, "prompt": [7] * 30, "max_tokens": 200})))
+    waiting.start()
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine failed"):
+      for _ in chunks:
+        pass
+    waiting.join(120)
+    assert got["r"].status_code in (500, 503), got["r"].text
+    assert server.proc.wait(120) == 1, server.log_tail()
+    assert "the engine core process exited with status -9" in server.log_tail(10**6)
+  finally:
+    server.close(0)
+  server = start([*helpers.SERVE_SHAPES], tmp_path)
+  try:
+    core = json.loads(open(server.ready_file).read())["core_pid"]
+    os.kill(server.proc.pid, signal.SIGKILL)
+    helpers.wait_for(lambda: not os.path.exists(f"/proc/{core}") or open(
+        f"/proc/{core}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30,
+                     "the engine core stopping after its server was killed")
+  finally:
+    server.close(0)
 
 
 class InProcessServer:
