@@ -299,7 +299,15 @@ def _front_main(cfg, api_keys) -> None:
   from absl import logging as absl_logging
   if not flags.FLAGS["verbosity"].present:
     absl_logging.set_verbosity(absl_logging.INFO)
+  from jaxkv import security
+  from jaxkv.errors import InputError
   from jaxkv.serving import core
+  # What can be refused without a device is refused here, before a core starts.
+  _block_address(security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value))
+  try:
+    tokenizer = _flags.load_tokenizer(cfg)
+  except InputError as e:
+    raise app.UsageError(str(e)) from None
   process = core.CoreProcess()
   try:
     process.start(core.core_argv(process.directory))
@@ -307,8 +315,14 @@ def _front_main(cfg, api_keys) -> None:
     jax.config.update("jax_platforms", "cpu")  # the front computes nothing on a device
     if api_keys is None:
       _warn_if_open()
-    tokenizer = _flags.load_tokenizer(cfg)
     info = process.wait_info(3600)
+  except core.EngineFailed:
+    status = process.proc.returncode
+    process.kill()
+    process.close()
+    if status is not None:  # the core refused (its one line is above) or failed: the same
+      sys.exit(status)
+    raise
   except BaseException:
     process.kill()
     process.close()

@@ -348,6 +348,14 @@ class CoreClient(EngineService):
 
 
 def core_argv(directory: str) -> list[str]:
-  """This program's command line as it was first run (a wrapper script stays in it) with
-  ``--core_dir``: the core parses the same flags."""
-  return [*sys.orig_argv, f"--core_dir={directory}"]
+  """This program's command line with ``--core_dir``: the core parses the same flags. As
+  it was first run when that was a script (a wrapper script that patches the engine stays
+  in it); run from code (``-c``, ``-m``: a test driving ``main``), the script's own
+  arguments."""
+  orig = sys.orig_argv
+  script = next((a for a in orig[1:] if not a.startswith("-") or a in ("-c", "-m")), "")
+  if script.endswith(".py") and os.path.isfile(script):
+    base = list(orig)
+  else:
+    base = [sys.executable, *sys.argv]
+  return [*base, f"--core_dir={directory}"]

@@ -894,6 +894,13 @@ def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_cor
         server.base + "/v1/completions", timeout=120,
         json={"model": name, "prompt": [7] * 30, "max_tokens": 200})))
     waiting.start()
+
+    def running() -> float:  # the core's own gauge, through the server's /metrics
+      text = httpx.get(server.base + "/metrics", timeout=30).text
+      return sum(float(l.split()[-1]) for l in text.splitlines()
+                 if l.startswith(("jaxkv_running_requests", "jaxkv_waiting_requests")))
+
+    helpers.wait_for(lambda: running() == 2, 60, "both requests in the engine core")
     os.kill(core, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine failed"):
       for _ in chunks:

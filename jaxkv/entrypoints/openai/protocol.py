@@ -292,7 +292,11 @@ class _Answer:
     self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
     self.created = int(time.time())
     self.tokens: list[int] = []
-    self.text = ""
+    # The text so far: ``_parts`` (sent, and past any stop string's reach) + ``_buf``, the
+    # rest from character ``_buf_at`` on. A delta touches only ``_buf``: its cost does not
+    # grow with the answer.
+    self._parts: list[str] = []
+    self._buf, self._buf_at = "", 0
     self.finish_reason: str | None = None
     self.done_by_engine = False  # the engine ended it (else it is aborted on the way out)
     self.prompt_tokens = len(job.prompt)
@@ -324,14 +328,15 @@ class _Answer:
     if delta.prompt_logprobs is not None:
       self.prompt_logprobs = delta.prompt_logprobs
     if self._decoder is not None:
-      self.text = self._decoder.extend(delta.tokens)
+      at, piece = self._decoder.extend(delta.tokens)
+      self._buf = self._buf[:at - self._buf_at] + piece
       # A character whose bytes have not all arrived decodes as U+FFFD for now: stop
       # strings are matched only on text that is complete (all of it at the end).
-      whole = self.text if delta.finish_reason is not None else self.text.rstrip("\ufffd")
+      buf = self._buf if delta.finish_reason is not None else self._buf.rstrip("\ufffd")
       for s in self.job.stops:
-        at = whole.find(s, max(0, self.sent_chars - len(s)))
-        if at >= 0:
-          self.text, self.finish_reason = self.text[:at], "stop"
+        found = buf.find(s, max(0, self.sent_chars - len(s) - self._buf_at))
+        if found >= 0:
+          self._buf, self.finish_reason = self._buf[:found], "stop"
           return True
     if delta.finish_reason is not None:
       self.finish_reason = delta.finish_reason
@@ -341,16 +346,28 @@ class _Answer:
   def flush(self, done: bool) -> tuple[str, list]:
     """The text and token ids not yet streamed (text held back while it may still turn
     into a stop string or ends inside a character)."""
-    end = len(self.text)
+    base, buf = self._buf_at, self._buf
+    end = base + len(buf)
     if not done:
       end = max(self.sent_chars, end - self.hold)
-      while end > self.sent_chars and self.text[end - 1] == "\ufffd":
+      while end > self.sent_chars and buf[end - 1 - base] == "\ufffd":
         end -= 1
-    text = self.text[self.sent_chars:end]
+    text = buf[self.sent_chars - base:end - base]
     self.sent_chars = end
+    # Text a stop string can no longer reach leaves the buffer.
+    keep = max((len(s) for s in self.job.stops), default=0)
+    cut = max(0, self.sent_chars - keep - base)
+    if cut > 256:  # (in pieces, not a character at a time)
+      self._parts.append(buf[:cut])
+      self._buf, self._buf_at = buf[cut:], base + cut
     ids = self.tokens[self.sent_tokens:]
     self.sent_tokens = len(self.tokens)
     return text, ids
+
+  @property
+  def text(self) -> str:
+    """The answer's text so far (joined: read it once, at the end)."""
+    return "".join(self._parts) + self._buf
 
   def usage(self) -> dict:
     return _usage([self])

@@ -314,29 +314,39 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-  """``decode(ids)`` of ids that arrive a few at a time, without decoding them all again.
+  """``decode(ids)`` of ids that arrive a few at a time, without decoding them all again,
+  at a cost per delta that does not grow with the text.
 
-  It keeps the text of the ids read so far and, for each delta, decodes a window: the ids
-  from where the last delta began to the end, and the same ids without the delta. The new
-  text is what the second lacks of the first, so what a decoder does at the window's start
-  (a first token's leading space dropped, a character cut in half) cancels out; the window
-  reaches further back while the ids before the delta decode to nothing. The text
-  stops moving forward while it ends inside a character (U+FFFD): the next delta decodes
-  it whole. Where the window's text does not extend its shorter self (a decoder that
-  rewrites across tokens), the ids are decoded whole once. ``text`` is always what
+  It keeps the text of the ids read so far as committed pieces (text no later delta
+  changes) and a tail. For each delta it decodes a window: the ids from where the last
+  delta began to the end, and the same ids without the delta. The new text is what the
+  second lacks of the first, so what a decoder does at the window's start (a first
+  token's leading space dropped, a character cut in half) cancels out; the window reaches
+  further back while the ids before the delta decode to nothing. While the text ends
+  inside a character (U+FFFD) it stays the tail: the next delta decodes it whole. Where
+  the window's text does not extend its shorter self (a decoder that rewrites across
+  tokens), the ids are decoded whole once. ``text`` (joined on demand) is always what
   ``decode`` of every id gives (tests/entrypoints/test_detokenize.py checks it id by id on
   byte-level and SentencePiece-style tokenizers)."""
 
   def __init__(self, decode: Callable[[Sequence[int]], str]):
     self._decode = decode
     self.ids: list[int] = []
-    self.text = ""
-    self._done = ""  # the text of ids[:self._read]
+    self._parts: list[str] = []  # the committed text, the text of ids[:self._read]
+    self.committed_chars = 0
+    self.tail = ""  # the text after the committed part (ends inside a character)
     self._start = self._read = 0  # the window: ids[start:]; ids[start:read] decoded before
     self.whole_decodes = 0
 
-  def extend(self, ids: Sequence[int]) -> str:
-    """Adds ``ids``; returns the text of every id so far."""
+  @property
+  def text(self) -> str:
+    """The text of every id so far (joined: O(text); ``extend``'s value is the news)."""
+    return "".join(self._parts) + self.tail
+
+  def extend(self, ids: Sequence[int]) -> tuple[int, str]:
+    """Adds ``ids``. Returns ``(at, piece)``: the text from character ``at`` on is now
+    ``piece`` (what came before ``at`` is as it was at the last call)."""
+    at = self.committed_chars
     self.ids.extend(int(i) for i in ids)
     start = self._start
     before = self._decode(self.ids[start:self._read]) if self._read > start else ""
@@ -345,11 +355,22 @@ class IncrementalDecoder:
       before = self._decode(self.ids[start:self._read])
     window = self._decode(self.ids[start:])
     if window.startswith(before):
-      self.text = self._done + window[len(before):]
+      piece = window[len(before):]
     else:  # this decoder rewrites across the window's edge: the whole, once
       self.whole_decodes += 1
-      self.text = self._decode(self.ids)
-    if not self.text.endswith("\ufffd"):
-      self._done = self.text
+      whole = self._decode(self.ids)
+      at = min(at, len(whole))
+      while at and "".join(self._parts)[:at] != whole[:at]:  # (rare: walk back to agree)
+        at -= 1
+      piece = whole[at:]
+      text = whole[:at]
+      self._parts, self.committed_chars = ([text] if text else []), at
+    if piece.endswith("\ufffd"):
+      self.tail = piece
+    else:
+      if piece:
+        self._parts.append(piece)
+      self.committed_chars = at + len(piece)
+      self.tail = ""
       self._start, self._read = self._read, len(self.ids)
-    return self.text
+    return at, piece

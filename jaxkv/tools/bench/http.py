@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import dataclasses
 import json
 import os
@@ -484,6 +485,7 @@ class ServerProcess:
     self.log_path = os.path.join(self._dir.name, "server.log")
     self.flags = list(flags)
     self.port = self.url = self.base = None
+    self.core_pid = None  # the engine core's process, when it runs in its own
     env = child_env()
     command = [*prefix, script, "--port=0", f"--ready_file={self.ready_file}", *self.flags]
     if sys.platform == "linux":  # dies with this process, even one killed without cleanup
@@ -507,7 +509,8 @@ class ServerProcess:
       if self.port is None:
         try:
           with open(self.ready_file) as f:
-            self.port = int(json.load(f)["port"])
+            ready = json.load(f)
+          self.port, self.core_pid = int(ready["port"]), ready.get("core_pid")
         except (OSError, ValueError, KeyError, TypeError):
           pass  # not there yet, or still being written
       if self.port is not None:
@@ -519,6 +522,11 @@ class ServerProcess:
         except httpx.HTTPError:
           pass
       time.sleep(0.2)
+
+  def cpu_s(self) -> float:
+    """CPU seconds the server has used: its process and its engine core's."""
+    pids = [self.proc.pid] + ([self.core_pid] if self.core_pid else [])
+    return sum(_process_cpu_s(p) for p in pids)
 
   def log_tail(self, chars: int = 4000) -> str:
     self._log.flush()
@@ -595,9 +603,13 @@ def _config(overrides: dict):
   return cfg
 
 
+# Long contexts: sequences past the device budget stream from the host tier, on both sides.
+_STREAM_OVERRIDES = {"tiers.host_pages_per_shard": 320, "stream.enabled": True}
+
+
 def run(*, quick: bool = False, reps: int = 5) -> dict:
   from jaxkv.tools import builder, online, workloads
-  overrides = _QUICK_OVERRIDES if quick else {}
+  overrides = {**(_QUICK_OVERRIDES if quick else {}), **_STREAM_OVERRIDES}
   cfg = _config(overrides)
   flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   rows = cfg.engine.max_seqs_per_shard * cfg.mesh.data
@@ -609,15 +621,22 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   def spec(point: dict, seed: int):
     return workloads.ChatSpec(users=point["users"], turns=point["turns"], seed=seed, **chat)
 
-  with ServerProcess(flags) as server:  # it compiles while this process does
+  # The server as it runs by default (its engine core in a process of its own) and with
+  # the engine on a thread of the server's process, as before.
+  with ServerProcess(flags) as server, ServerProcess(
+      [*flags, "--noengine_process"]) as one_process:  # they compile while this process does
     t0 = time.perf_counter()
     engine = builder.build_engine(cfg)
     engine.warmup()
     warmup_s = time.perf_counter() - t0
     server.wait_ready(600.0)
+    one_process.wait_ready(600.0)
     ready_s = time.perf_counter() - t0
-    target = Target(url=server.url, model=cfg.model.name, request_timeout_s=300.0,
-                    ignore_eos=True)
+    targets = {"http": (server, Target(url=server.url, model=cfg.model.name,
+                                       request_timeout_s=300.0, ignore_eos=True)),
+               "http_one_process": (one_process, Target(
+                   url=one_process.url, model=cfg.model.name, request_timeout_s=300.0,
+                   ignore_eos=True))}
 
     # Each side returns its figures and, per (user, turn), (arrival_s, ttft_s, tokens).
     def in_process(point, seed):
@@ -629,13 +648,14 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       fig["mean_in_flight"] = sum(r.finish_s - r.arrival_s for r in records) / makespan
       return fig, {(r.user, r.turn): (r.arrival_s, r.ttft_s, list(r.tokens)) for r in records}
 
-    def over_http(point, seed):
+    def over_http(point, seed, which="http"):
+      server, target = targets[which]
       work = TokenChat(workloads.Chat(spec(point, seed)))
-      cpu, server_cpu = time.process_time(), _process_cpu_s(server.proc.pid)
+      cpu, server_cpu = time.process_time(), server.cpu_s()
       results, makespan = run_load(target, work, rate=point["rate"], seed=seed)
       fig = summary(results, makespan, planned=work.users * work.turns)
       fig["client_cpu_s"] = time.process_time() - cpu
-      fig["server_cpu_s"] = _process_cpu_s(server.proc.pid) - server_cpu
+      fig["server_cpu_s"] = server.cpu_s() - server_cpu
       if fig["requests_ok"] != work.users * work.turns:
         raise RuntimeError(f"over HTTP, {fig['requests_failed']} requests failed and "
                            f"{fig['requests_not_sent']} were not sent ({fig['error_examples']});"
@@ -643,7 +663,8 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       return fig, {(r.user, r.turn): (r.arrival_s, r.ttft_s, list(r.token_ids))
                    for r in results}
 
-    sides = {"in_process": in_process, "http": over_http}
+    sides = {"in_process": in_process, "http": over_http,
+             "http_one_process": functools.partial(over_http, which="http_one_process")}
     for name, point in points.items():  # warm-up: connections, first-use paths, both sides
       for side in sides.values():
         side(point, 1000 + len(name))
@@ -660,23 +681,30 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
           fig, out[side] = sides[side](point, seed)
           figures[side][name].append(fig)
         a, b = out["in_process"], out["http"]
-        same_tokens &= sorted(a) == sorted(b) and all(a[k][2] == b[k][2] for k in a)
+        same_tokens &= all(sorted(a) == sorted(o) and all(a[k][2] == o[k][2] for k in a)
+                           for o in (out["http"], out["http_one_process"]))
         first = first_arrivals(point["users"], point["rate"], seed)
         same_arrivals &= all(a[u, 0][0] == b[u, 0][0] == first[u]
                              for u in range(point["users"]))
         if name == "light":
           paired_ms += [1e3 * (b[k][1] - a[k][1]) for k in sorted(a)]
         progress.advance(detail=f"{name}, repetition {rep + 1}")
+    long_context = _long_context(engine, server, cfg, reps=2 if quick else 3)
   # Figures per repetition (its two runs saw the same machine), then medians over them.
   overhead_ms = [1e3 * (h["ttft_p50_s"] - i["ttft_p50_s"]) for i, h in
                  zip(figures["in_process"]["light"], figures["http"]["light"])]
   tps_ratio = [h["tokens_per_s"] / i["tokens_per_s"] for i, h in
                zip(figures["in_process"]["saturated"], figures["http"]["saturated"])]
+  one_overhead_ms = [1e3 * (h["ttft_p50_s"] - i["ttft_p50_s"]) for i, h in zip(
+      figures["in_process"]["light"], figures["http_one_process"]["light"])]
+  one_tps_ratio = [h["tokens_per_s"] / i["tokens_per_s"] for i, h in zip(
+      figures["in_process"]["saturated"], figures["http_one_process"]["saturated"])]
   keys = {"in_process": ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tokens_per_s",
                          "requests_per_s", "makespan_s", "mean_in_flight", "cpu_s"),
           "http": ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
                    "tokens_per_s", "requests_per_s", "makespan_s", "mean_in_flight",
                    "cached_token_share", "client_cpu_s", "server_cpu_s")}
+  keys["http_one_process"] = keys["http"]
   table = {side: {name: _medians(runs, keys[side]) for name, runs in by_point.items()}
            for side, by_point in figures.items()}
   errors = collections.Counter()
@@ -696,13 +724,19 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       "http_tokens_per_s_vs_in_process": statistics.median(tps_ratio),
       "http_tokens_per_s_vs_in_process_min": min(tps_ratio),
       "http_tokens_per_s_vs_in_process_max": max(tps_ratio),
+      # The same, with the engine on a thread of the server's process (--noengine_process).
+      "http_one_process_ttft_overhead_ms_p50": statistics.median(one_overhead_ms),
+      "http_one_process_tokens_per_s_vs_in_process": statistics.median(one_tps_ratio),
+      **long_context,
       "cached_token_share": light["cached_token_share"]["median"],
       "in_process_ttft_p50_ms": 1e3 * table["in_process"]["light"]["ttft_p50_s"]["median"],
       "http_ttft_p50_ms": 1e3 * light["ttft_p50_s"]["median"],
       "in_process_tokens_per_s": table["in_process"]["saturated"]["tokens_per_s"]["median"],
       "http_tokens_per_s": sat["tokens_per_s"]["median"],
       "per_rep": {"http_ttft_overhead_ms_p50": overhead_ms,
-                  "http_tokens_per_s_vs_in_process": tps_ratio},
+                  "http_tokens_per_s_vs_in_process": tps_ratio,
+                  "http_one_process_ttft_overhead_ms_p50": one_overhead_ms,
+                  "http_one_process_tokens_per_s_vs_in_process": one_tps_ratio},
       "figures": table,
       "points": {name: {**p, "requests": p["users"] * p["turns"], "think_s": 0.0, **chat}
                  for name, p in points.items()},
@@ -715,13 +749,42 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   }
 
 
+def _long_context(engine, server: ServerProcess, cfg, *, reps: int) -> dict:
+  """A prompt 4x a sequence's device budget (max_pages_per_seq x page_size), streamed
+  from host memory: its TTFT (the answer of ``max_tokens=1``) over HTTP and in process,
+  interleaved, new prompts each repetition (a streamed sequence reuses no block)."""
+  c = engine.cache.config
+  n = 4 * c.max_seq_len
+  rng = np.random.default_rng(7)
+  ttft = {"in_process": [], "http": []}
+  for rep in range(reps + 1):  # the first: both sides' first use (compiles), not counted
+    prompt = rng.integers(1, cfg.model.vocab_size, n).tolist()
+    for side in (("in_process", "http") if rep % 2 == 0 else ("http", "in_process")):
+      t0 = time.perf_counter()
+      if side == "in_process":
+        engine.generate([prompt], 1)
+      else:
+        r = httpx.post(server.url + "/completions", timeout=600.0, json={
+            "model": cfg.model.name, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        if r.status_code != 200:
+          raise RuntimeError(f"a {n}-token prompt over HTTP got {r.status_code}: {r.text}")
+      if rep:
+        ttft[side].append(time.perf_counter() - t0)
+  ratios = [h / i for i, h in zip(ttft["in_process"], ttft["http"])]
+  return {"long_context_ttft_vs_in_process": statistics.median(ratios),
+          "long_context_prompt_tokens": n, "long_context_device_budget_tokens": c.max_seq_len,
+          "long_context_ttft_s": {k: statistics.median(v) for k, v in ttft.items()}}
+
+
 def detok_figures(reps: int = 3) -> dict:
   """Detokenizing a streamed answer one token per delta, microseconds per token, for a
-  64- and a 4,096-token answer: the incremental decoder the server uses
-  (``detok_us_per_token_at_64``, ``_at_4k``) and decoding the whole answer at every delta
-  as the server did before (``whole_decode_us_per_token_at_*``). The tokenizer is a
+  64- and a 4,096-token answer: what the server does per delta (``_Answer.take`` and
+  ``flush``: the incremental decoder, a stop string's search, the text to send;
+  ``detok_us_per_token_at_64``, ``_at_4k``) and decoding the whole answer at every delta
+  as the server once did (``whole_decode_us_per_token_at_*``). The tokenizer is a
   byte-level BPE of 1,000 tokens trained here on the bench's words; best of ``reps``."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from jaxkv.entrypoints.openai.protocol import _Answer, _Job
   from jaxkv.entrypoints.openai.tokenizer import IncrementalDecoder
   rng = np.random.default_rng(0)
   words = [" ".join(rng.choice(_WORDS, 12)) + (" café 🙂." if i % 7 == 0 else ".")
@@ -736,14 +799,24 @@ def detok_figures(reps: int = 3) -> dict:
   ids = (ids * (4096 // len(ids) + 1))[:4096]
   decode = lambda x: tok.decode(x, skip_special_tokens=True)
 
+  class Shim:  # the tokenizer as an answer asks for it
+    def decoder(self):
+      return IncrementalDecoder(decode)
+
+  from jaxkv.config import SamplingParams
+  from jaxkv.serving.service import Delta
+  job = _Job(chat=False, prompt=[1], sampling=SamplingParams(), stops=["\n\n"],
+             tenant="bench", stream=True, include_usage=False, return_ids=False)
+
   def per_token(n: int, incremental: bool) -> float:
     best = float("inf")
     for _ in range(reps):
-      dec, seen = IncrementalDecoder(decode), []
+      answer, seen = _Answer(job, Shim(), "bench"), []
       t0 = time.perf_counter()
       for t in ids[:n]:
-        if incremental:
-          dec.extend([t])
+        if incremental:  # what the server does per streamed delta: decode, stops, flush
+          answer.take(Delta(tokens=(t,)))
+          answer.flush(False)
         else:
           seen.append(t)
           decode(seen)
