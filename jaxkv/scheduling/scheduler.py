@@ -483,23 +483,8 @@ class Scheduler:
       for f, why in mine:  # verified and still part of the hit: the copy is good
         if why is None and f.block < hit:
           self._publish(p.shard, f.page, p.request.keys, f.block, [])
-      self._count_prompt(s, hit)
+      _count_prompt(s, hit, self.page, self.stats, self.manager)
       s.spans.append((max(hit, s.split) * self.page, len(p.request.tokens)))
-
-  def _count_prompt(self, s: _Seq, hit: int) -> None:
-    p, page, stats = s.placement, self.page, self.stats
-    hot, cached = p.hot_blocks, p.cached_blocks
-    reused = hot + (hit - s.split if hit > s.split else 0)
-    for j in list(range(hot)) + list(range(s.split, hit)):
-      stats.hits[TIER_NAMES[p.hit_tiers[j]]] += 1
-    self.manager.record_hits(p.request.keys[:hit])
-    n = len(p.request.tokens)
-    s.handle.cached_tokens = reused * page
-    stats.add("hit_tokens", reused * page)
-    stats.add("prompt_tokens", n)
-    stats.add("computed_tokens", n - reused * page)
-    stats.add("blocks_recomputed", n // page - reused)
-    stats.add("blocks_split", (s.split - hot) if hot < s.split < cached else 0)
 
   # ---- publishing --------------------------------------------------------------------------------
   def _publish(self, shard, page, keys, j, published: list) -> None:
@@ -574,6 +559,24 @@ class Scheduler:
       if not handle.finished:
         handle.deliver([], None, "error")
     return unsettled
+
+
+def _count_prompt(s: _Seq, hit: int, page: int, stats, manager) -> None:
+  """A placed request's prompt in the counters: hits by tier, reused and computed tokens,
+  recomputed and split blocks; its ``cached_tokens``."""
+  p = s.placement
+  hot, cached = p.hot_blocks, p.cached_blocks
+  reused = hot + (hit - s.split if hit > s.split else 0)
+  for j in list(range(hot)) + list(range(s.split, hit)):
+    stats.hits[TIER_NAMES[p.hit_tiers[j]]] += 1
+  manager.record_hits(p.request.keys[:hit])
+  n = len(p.request.tokens)
+  s.handle.cached_tokens = reused * page
+  stats.add("hit_tokens", reused * page)
+  stats.add("prompt_tokens", n)
+  stats.add("computed_tokens", n - reused * page)
+  stats.add("blocks_recomputed", n // page - reused)
+  stats.add("blocks_split", (s.split - hot) if hot < s.split < cached else 0)
 
 
 def _scored(scores, k: int) -> list:

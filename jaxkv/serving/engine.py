@@ -44,7 +44,6 @@ from jaxkv import buckets
 from jaxkv.scheduling.admission import Admission
 from jaxkv.cache import KVCache
 from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamConfig
-from jaxkv.worker import sampling as sampling_lib
 from jaxkv.worker.runner import ModelRunner
 from jaxkv.planning.costs import CostModel
 from jaxkv.planning.planner import Planner
@@ -240,13 +239,7 @@ class Engine:
     if plan.streamed is None:
       return self.runner.execute(plan)
     self.runner.carry_out(plan.orders)
-    tokens, logits, t_first = self._streamer.run(plan.streamed, plan.want_logits)
-    scores = None
-    if plan.streamed.sampling.logprobs is not None:  # the streamer's logits, on the host
-      scores = {plan.streamed.id: sampling_lib.logprobs_host(
-          logits, np.asarray(tokens, np.int32))}
-    return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
-                      streamed=(tokens, logits, t_first), logprobs=scores)
+    return self._streamer.step(plan)
 
   def abort(self, handle: RequestHandle) -> None:
     """Ends a submitted request at the next step: see ``Scheduler.abort``. Its pages are

@@ -32,6 +32,8 @@ from jaxkv.worker import pages as pages_lib
 from jaxkv.distributed import to_host
 from jaxkv.errors import CapacityError, InputError, InvariantError
 from jaxkv.manager.index import Tier
+from jaxkv.scheduling.step import StepResult
+from jaxkv.worker import sampling as sampling_lib
 
 if typing.TYPE_CHECKING:
   from jaxkv.scheduling.admission import Request  # the worker takes a request as a value
@@ -59,6 +61,16 @@ class StreamRunner:
     self.cache, self.runner, self.stream = cache, runner, stream
     self.prefill_chunk_pages = prefill_chunk_pages
     self.stats = cache.stats
+
+  def step(self, plan) -> StepResult:
+    """A plan whose step is one streamed request (``plan.streamed``), run to its end."""
+    tokens, logits, t_first = self.run(plan.streamed, plan.want_logits)
+    scores = None
+    if plan.streamed.sampling.logprobs is not None:  # from the logits, on the host
+      scores = {plan.streamed.id: sampling_lib.logprobs_host(
+          logits, np.asarray(tokens, np.int32))}
+    return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
+                      streamed=(tokens, logits, t_first), logprobs=scores)
 
   def run(self, r: Request, want_logits: bool):
     """Runs one request to its end; returns ``(tokens, logits or None, perf_counter time

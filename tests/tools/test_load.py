@@ -46,6 +46,11 @@ def test_http_suite_compares_the_same_arrivals_in_process_and_over_http(tmp_path
     per_rep = r["per_rep"][key]
     assert len(per_rep) == 2 and r[key] == statistics.median(per_rep)
     assert r[f"{key}_min"] == min(per_rep) and r[f"{key}_max"] == max(per_rep)
+  # A prompt 4x a sequence's device budget, streamed from host memory on both sides.
+  assert r["long_context_prompt_tokens"] == 4 * r["long_context_device_budget_tokens"]
+  assert math.isfinite(r["long_context_ttft_vs_in_process"])
+  assert r["long_context_ttft_vs_in_process"] > 0
+  assert 0 < r["detok_us_per_token_at_4k"] and 0 < r["detok_us_per_token_at_64"]
   sat = r["points"]["saturated"]
   assert sat["users"] == 2 * r["batch_rows"] == 2 * ROWS and sat["requests"] == 2 * sat["users"]
   for side in ("in_process", "http"):

@@ -155,9 +155,19 @@ def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path
     assert not engine.cache.index.held_slots(sh, Tier.DEVICE)
     assert not engine.cache.index.held_slots(sh, Tier.HOST)
   # The same long request again compiles nothing new: staging shapes are fixed per bucket.
+  # Its log-probabilities come from the logits that chose each token, on the host.
   before = dict(engine.trace_counts)
-  engine.generate(prompts[:1], 8)
+  handle = engine.submit(prompts[0], jaxkv.SamplingParams(max_new_tokens=8, logprobs=2))
+  assert handle.result() == want[0]
   assert dict(engine.trace_counts) == before
+  x = np.asarray(want_logits[0], np.float64)
+  lsm = x - x.max(-1, keepdims=True)
+  lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+  for i, (lp, top) in enumerate(handle.logprobs):
+    assert abs(lp - lsm[i, want[0][i]]) < 1e-4 and len(top) == 2
+    assert top[0][0] == want[0][i] and abs(top[0][1] - lsm[i].max()) < 1e-4
+  with pytest.raises(jaxkv.InputError, match="prompt_logprobs need every prompt token"):
+    engine.submit(prompts[0], jaxkv.SamplingParams(max_new_tokens=2, prompt_logprobs=1))
 
 
 def test_a_request_no_tier_can_hold_is_refused_before_any_work(mesh):

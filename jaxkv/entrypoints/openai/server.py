@@ -135,6 +135,10 @@ class OpenAIServer:
     if stream is not None:
       cold = min(stream.max_cold_pages, cache.tiers.host_pages_per_shard)
       self.max_context = (stream.sink_pages + stream.window_pages + cold) * cache.config.page_size
+    self.reader = _Reader(model_name=model_name, tokenizer=tokenizer,
+                          vocab_size=self.vocab_size, max_context=self.max_context,
+                          max_seq_len=self.max_seq_len, cache_config=cache.config,
+                          stream=stream, tiers=cache.tiers)
     self.registry = registry or CollectorRegistry(auto_describe=True)
     self.http_requests = Counter("jaxkv_http_requests", "HTTP requests by route and status.",
                                  ["route", "status"], registry=self.registry)
@@ -207,11 +211,11 @@ class OpenAIServer:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-      return await self._tokens(request, self._tokenize)
+      return await self._tokens(request, self.reader.tokenize)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-      return await self._tokens(request, self._detokenize)
+      return await self._tokens(request, self.reader.detokenize)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):
@@ -242,36 +246,6 @@ class OpenAIServer:
     except ApiError as e:
       return e.response()
 
-  def _tokenize(self, tok, body: dict) -> dict:
-    """``{"prompt": text}`` or ``{"messages": [...]}`` -> the token ids the completions and
-    chat routes would run."""
-    if body.get("messages") is not None:
-      add = body.get("add_generation_prompt", True)
-      if not isinstance(add, bool):
-        raise _bad(f"add_generation_prompt={add!r} must be true or false.",
-                   "add_generation_prompt")
-      try:
-        ids = tok.encode_chat(_chat_messages(body["messages"]), add_generation_prompt=add)
-      except InputError as e:
-        raise _bad(str(e), "messages") from None
-    else:
-      prompt = body.get("prompt")
-      if not isinstance(prompt, str):
-        raise _bad(f"prompt={_clip(repr(prompt))} must be a string (or send messages).",
-                   "prompt")
-      special = body.get("add_special_tokens", True)
-      if not isinstance(special, bool):
-        raise _bad(f"add_special_tokens={special!r} must be true or false.",
-                   "add_special_tokens")
-      ids = tok.encode(prompt, add_special_tokens=special)
-    return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids,
-            "token_strs": ([tok.token_text(i) for i in ids]
-                           if _bool(body, "return_token_strs") else None)}
-
-  def _detokenize(self, tok, body: dict) -> dict:
-    ids = _token_ids(body.get("tokens"), "tokens", self.vocab_size)
-    return {"prompt": tok.decode(ids)}
-
   def _tenant(self, request: Request) -> str:
     if self.api_keys is None:
       return "default"
@@ -299,9 +273,9 @@ class OpenAIServer:
         raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
                    "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
       if chat or _has_text(body.get("prompt")):  # a template or tokenizer runs: not
-        jobs = await asyncio.to_thread(self._parse, body, chat, tenant)  # on the event loop
+        jobs = await asyncio.to_thread(self.reader.parse, body, chat, tenant)  # on the event loop
       else:
-        jobs = self._parse(body, chat, tenant)
+        jobs = self.reader.parse(body, chat, tenant)
       choices = [(job, j) for job in jobs for j in range(job.n)]
       if (hand_off or transfer is not None) and len(choices) > 1:
         raise _bad(f"kv_transfer_params go with one prompt and n=1 (this request has "
@@ -431,7 +405,18 @@ class OpenAIServer:
       waiter.close()
       self._end(tickets, answers)
 
-  def _parse(self, body: dict, chat: bool, tenant: str) -> list[_Job]:
+class _Reader:
+  """Reads a request's fields into jobs, with what that needs of the server: the model's
+  name, the tokenizer, the vocabulary and the longest sequence served (its numbers, for
+  the refusal)."""
+
+  def __init__(self, *, model_name: str, tokenizer, vocab_size: int, max_context: int,
+               max_seq_len: int, cache_config, stream, tiers):
+    self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
+    self.max_context, self.max_seq_len = max_context, max_seq_len
+    self.cache_config, self.stream, self.tiers = cache_config, stream, tiers
+
+  def parse(self, body: dict, chat: bool, tenant: str) -> list[_Job]:
     """The request's fields in the order they are checked (what needs no server state is
     read by ``protocol``): one job per prompt (completions may send a list of them)."""
     model = body.get("model")
@@ -469,7 +454,7 @@ class OpenAIServer:
       length = max_tokens
       if length is None:  # chat: up to the context; completions: OpenAI's 16
         length = max(1, self.max_context - len(prompt)) if chat else 16
-      self._check_length(prompt, length, index if len(prompts) > 1 else None)
+      self.check_length(prompt, length, index if len(prompts) > 1 else None)
       job = _job(body, chat=chat, prompt=prompt, max_tokens=length, stops=stops,
                  stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
                  ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
@@ -479,11 +464,11 @@ class OpenAIServer:
           j.sampling, seed=jobs[0].sampling.seed)) for j in jobs]
     return jobs
 
-  def _check_length(self, prompt: list[int], max_tokens: int, index: int | None) -> None:
+  def check_length(self, prompt: list[int], max_tokens: int, index: int | None) -> None:
     total = len(prompt) + max_tokens - 1
     if total <= self.max_context:
       return
-    c, stream = self.service.engine.cache.config, self.service.engine.stream
+    c, stream = self.cache_config, self.stream
     which = "prompt's" if index is None else f"prompt[{index}]'s"
     if stream is None:
       limit = (f"more than a sequence holds here (max_pages_per_seq={c.max_pages_per_seq} x "
@@ -491,7 +476,7 @@ class OpenAIServer:
                "max_tokens (or start the server with --stream_long_contexts and "
                "--host_pages to stream longer ones from host memory)")
     else:
-      tiers = self.service.engine.cache.tiers
+      tiers = self.tiers
       limit = (f"more than this server streams ({self.max_context} tokens: sink_pages="
                f"{stream.sink_pages} + window_pages={stream.window_pages} on device + "
                f"min(max_cold_pages={stream.max_cold_pages}, host_pages_per_shard="
@@ -536,6 +521,37 @@ class OpenAIServer:
       return self.tokenizer.encode_chat(plain)
     except InputError as e:
       raise _bad(str(e), "messages") from None
+
+
+  def tokenize(self, tok, body: dict) -> dict:
+    """``{"prompt": text}`` or ``{"messages": [...]}`` -> the token ids the completions and
+    chat routes would run."""
+    if body.get("messages") is not None:
+      add = body.get("add_generation_prompt", True)
+      if not isinstance(add, bool):
+        raise _bad(f"add_generation_prompt={add!r} must be true or false.",
+                   "add_generation_prompt")
+      try:
+        ids = tok.encode_chat(_chat_messages(body["messages"]), add_generation_prompt=add)
+      except InputError as e:
+        raise _bad(str(e), "messages") from None
+    else:
+      prompt = body.get("prompt")
+      if not isinstance(prompt, str):
+        raise _bad(f"prompt={_clip(repr(prompt))} must be a string (or send messages).",
+                   "prompt")
+      special = body.get("add_special_tokens", True)
+      if not isinstance(special, bool):
+        raise _bad(f"add_special_tokens={special!r} must be true or false.",
+                   "add_special_tokens")
+      ids = tok.encode(prompt, add_special_tokens=special)
+    return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids,
+            "token_strs": ([tok.token_text(i) for i in ids]
+                           if _bool(body, "return_token_strs") else None)}
+
+  def detokenize(self, tok, body: dict) -> dict:
+    ids = _token_ids(body.get("tokens"), "tokens", self.vocab_size)
+    return {"prompt": tok.decode(ids)}
 
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",

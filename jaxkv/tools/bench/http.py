@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import runpy
@@ -621,22 +622,23 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   def spec(point: dict, seed: int):
     return workloads.ChatSpec(users=point["users"], turns=point["turns"], seed=seed, **chat)
 
-  # The server as it runs by default (its engine core in a process of its own) and with
-  # the engine on a thread of the server's process, as before.
-  with ServerProcess(flags) as server, ServerProcess(
-      [*flags, "--noengine_process"]) as one_process:  # they compile while this process does
+  # The server as it runs by default (its engine core in a process of its own) and, but
+  # in a quick run, with the engine on a thread of the server's process, as before.
+  with contextlib.ExitStack() as stack:  # the servers compile while this process does
+    servers = {"http": stack.enter_context(ServerProcess(flags))}
+    if not quick:
+      servers["http_one_process"] = stack.enter_context(
+          ServerProcess([*flags, "--noengine_process"]))
+    server = servers["http"]
     t0 = time.perf_counter()
     engine = builder.build_engine(cfg)
     engine.warmup()
     warmup_s = time.perf_counter() - t0
-    server.wait_ready(600.0)
-    one_process.wait_ready(600.0)
+    for s in servers.values():
+      s.wait_ready(600.0)
     ready_s = time.perf_counter() - t0
-    targets = {"http": (server, Target(url=server.url, model=cfg.model.name,
-                                       request_timeout_s=300.0, ignore_eos=True)),
-               "http_one_process": (one_process, Target(
-                   url=one_process.url, model=cfg.model.name, request_timeout_s=300.0,
-                   ignore_eos=True))}
+    targets = {side: (s, Target(url=s.url, model=cfg.model.name, request_timeout_s=300.0,
+                                ignore_eos=True)) for side, s in servers.items()}
 
     # Each side returns its figures and, per (user, turn), (arrival_s, ttft_s, tokens).
     def in_process(point, seed):
@@ -663,8 +665,9 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       return fig, {(r.user, r.turn): (r.arrival_s, r.ttft_s, list(r.token_ids))
                    for r in results}
 
-    sides = {"in_process": in_process, "http": over_http,
-             "http_one_process": functools.partial(over_http, which="http_one_process")}
+    sides = {"in_process": in_process, "http": over_http}
+    if "http_one_process" in servers:
+      sides["http_one_process"] = functools.partial(over_http, which="http_one_process")
     for name, point in points.items():  # warm-up: connections, first-use paths, both sides
       for side in sides.values():
         side(point, 1000 + len(name))
@@ -682,23 +685,24 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
           figures[side][name].append(fig)
         a, b = out["in_process"], out["http"]
         same_tokens &= all(sorted(a) == sorted(o) and all(a[k][2] == o[k][2] for k in a)
-                           for o in (out["http"], out["http_one_process"]))
+                           for side, o in out.items() if side != "in_process")
         first = first_arrivals(point["users"], point["rate"], seed)
         same_arrivals &= all(a[u, 0][0] == b[u, 0][0] == first[u]
                              for u in range(point["users"]))
         if name == "light":
           paired_ms += [1e3 * (b[k][1] - a[k][1]) for k in sorted(a)]
         progress.advance(detail=f"{name}, repetition {rep + 1}")
-    long_context = _long_context(engine, server, cfg, reps=2 if quick else 3)
+    long_context = _long_context(engine, server, cfg, reps=1 if quick else 3)
   # Figures per repetition (its two runs saw the same machine), then medians over them.
   overhead_ms = [1e3 * (h["ttft_p50_s"] - i["ttft_p50_s"]) for i, h in
                  zip(figures["in_process"]["light"], figures["http"]["light"])]
   tps_ratio = [h["tokens_per_s"] / i["tokens_per_s"] for i, h in
                zip(figures["in_process"]["saturated"], figures["http"]["saturated"])]
+  one = figures.get("http_one_process", {"light": [], "saturated": []})
   one_overhead_ms = [1e3 * (h["ttft_p50_s"] - i["ttft_p50_s"]) for i, h in zip(
-      figures["in_process"]["light"], figures["http_one_process"]["light"])]
+      figures["in_process"]["light"], one["light"])]
   one_tps_ratio = [h["tokens_per_s"] / i["tokens_per_s"] for i, h in zip(
-      figures["in_process"]["saturated"], figures["http_one_process"]["saturated"])]
+      figures["in_process"]["saturated"], one["saturated"])]
   keys = {"in_process": ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tokens_per_s",
                          "requests_per_s", "makespan_s", "mean_in_flight", "cpu_s"),
           "http": ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
@@ -725,8 +729,10 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       "http_tokens_per_s_vs_in_process_min": min(tps_ratio),
       "http_tokens_per_s_vs_in_process_max": max(tps_ratio),
       # The same, with the engine on a thread of the server's process (--noengine_process).
-      "http_one_process_ttft_overhead_ms_p50": statistics.median(one_overhead_ms),
-      "http_one_process_tokens_per_s_vs_in_process": statistics.median(one_tps_ratio),
+      "http_one_process_ttft_overhead_ms_p50": (statistics.median(one_overhead_ms)
+                                                if one_overhead_ms else None),
+      "http_one_process_tokens_per_s_vs_in_process": (statistics.median(one_tps_ratio)
+                                                      if one_tps_ratio else None),
       **long_context,
       "cached_token_share": light["cached_token_share"]["median"],
       "in_process_ttft_p50_ms": 1e3 * table["in_process"]["light"]["ttft_p50_s"]["median"],
