@@ -45,6 +45,9 @@ from jaxkv.serving.service import Delta, EngineFailed, EngineService, _Abort, _S
 __all__ = ["CoreClient", "CoreLink", "CoreProcess", "EngineInfo", "core_argv", "engine_info"]
 
 
+FRONT_PID_ENV = "JAXKV_FRONT_PID"  # the core's parent, as the front started it
+
+
 def _addresses(directory: str) -> tuple[str, str]:
   return f"ipc://{directory}/commands", f"ipc://{directory}/events"
 
@@ -104,11 +107,27 @@ class CoreLink:
     self._in.connect(commands)
     self._out = self._ctx.socket(zmq.PUSH)
     self._out.setsockopt(zmq.LINGER, 5000)
+    # Never block the engine's thread on a send: a slow front queues (a gone one is
+    # noticed below and the core stops).
+    self._out.setsockopt(zmq.SNDHWM, 0)
     self._out.connect(events)
     self._lock = threading.Lock()
-    self._parent = os.getppid()
+    # The front that started it (told at start: it may be gone before this line runs).
+    self._parent = int(os.environ.get(FRONT_PID_ENV, os.getppid()))
     self.service: EngineService | None = None
     self.metrics = None  # () -> bytes: the engine's exposition text
+    threading.Thread(target=self._watch_parent, name="jaxkv-core-parent", daemon=True).start()
+
+  def _watch_parent(self) -> None:
+    """Before the loop serves (building, compiling, restoring): a core whose front is gone
+    has no one to serve and nothing to save; it exits at once. (Once it serves, the
+    commands' thread stops the loop instead, so the tiers are flushed.)"""
+    while self.service is None:
+      if os.getppid() != self._parent:
+        logging.error("the server's front process is gone while the engine core started; "
+                      "it exits")
+        os._exit(1)
+      time.sleep(0.2)
 
   def send(self, *message) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -168,8 +187,8 @@ class CoreProcess:
     self.events.bind(events)
     self.proc: subprocess.Popen | None = None
 
-  def start(self, argv: list[str], env=None) -> None:
-    self.proc = subprocess.Popen(argv, env=env)
+  def start(self, argv: list[str]) -> None:
+    self.proc = subprocess.Popen(argv, env={**os.environ, FRONT_PID_ENV: str(os.getpid())})
 
   def wait_info(self, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s

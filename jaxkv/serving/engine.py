@@ -238,6 +238,7 @@ class Engine:
   def _execute(self, plan: StepPlan) -> StepResult:
     if plan.streamed is None:
       return self.runner.execute(plan)
+    self.runner.quiesce()
     self.runner.carry_out(plan.orders)
     return self._streamer.step(plan)
 

@@ -401,6 +401,14 @@ class ModelRunner:
     self._resident = (key, row, table, batch, out)
     return key, row, out, sel
 
+  def quiesce(self) -> None:
+    """Waits for every step dispatched (a decode started a step early among them) and
+    forgets the rows kept on device: before programs of another kind run (a streamed
+    sequence's), so that no two steps with collectives run at once: XLA:CPU's in-process
+    collectives deadlock when two programs' participants share its threads."""
+    jax.block_until_ready((self._ahead, self.cache.pools))
+    self._resident = self._ahead = None
+
   def recover(self, unsettled: dict) -> None:
     """After a failed step: forgets the rows kept on device, gives up the fetch groups
     whose reports the scheduler never took (``group -> fetches``: in flight, settled by the

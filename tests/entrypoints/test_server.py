@@ -364,13 +364,13 @@ def test_lm_eval_harness_scores_equal_jaxkvs_own_computation(state, reference, p
     assert s["resps"][0][0] == text.split("o")[0]
 
 
-def test_a_prompt_four_times_the_device_budget_is_streamed_beside_batched_requests(
+def test_a_prompt_past_the_device_budget_is_streamed_beside_batched_requests(
     state, reference, parts):
-  """Over HTTP, a 2,048-token prompt (a sequence's device budget is 512) is served from
+  """Over HTTP, an 1,100-token prompt (a sequence's device budget is 512) is served from
   host memory, its tokens a float64 forward's greedy ones, while ordinary requests run
   exactly beside it; past what host memory holds the 400 names the limit."""
   c, name = client(state), model_name(parts[0])
-  long_prompt = prompt_ids(61, 2048)
+  long_prompt = prompt_ids(61, 1100)  # (the budget's 4x is the bench's: http suite)
   short = [prompt_ids(62 + i, 40) for i in range(3)]
   results = {}
 
@@ -379,14 +379,14 @@ def test_a_prompt_four_times_the_device_budget_is_streamed_beside_batched_reques
                              extra_body={"return_token_ids": True})
     results[key] = extra(r.choices[0], "token_ids")
 
-  threads = [threading.Thread(target=ask, args=("long", long_prompt, 3))] + [
+  threads = [threading.Thread(target=ask, args=("long", long_prompt, 2))] + [
       threading.Thread(target=ask, args=(i, p, 5)) for i, p in enumerate(short)]
   for t in threads:
     t.start()
   for t in threads:
     t.join(300)
   assert all(not t.is_alive() for t in threads)
-  expect, _ = hf.reference_greedy(parts[1], parts[2], long_prompt, 3)
+  expect, _ = hf.reference_greedy(parts[1], parts[2], long_prompt, 2)
   assert results["long"] == expect[:len(results["long"])] and results["long"]
   for i, p in enumerate(short):
     assert results[i] == want(reference, p, max_new_tokens=5)
@@ -911,9 +911,11 @@ def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_cor
     assert "the engine core process exited with status -9" in server.log_tail(10**6)
   finally:
     server.close(0)
-  server = start([*helpers.SERVE_SHAPES], tmp_path)
-  try:
-    core = json.loads(open(server.ready_file).read())["core_pid"]
+  server = ServerProcess([*helpers.SERVE_SHAPES], workdir=str(tmp_path))
+  try:  # killed as soon as its core exists (while it compiles)
+    children = f"/proc/{server.proc.pid}/task/{server.proc.pid}/children"
+    helpers.wait_for(lambda: open(children).read().split(), 60, "the engine core starting")
+    core, = map(int, open(children).read().split())
     os.kill(server.proc.pid, signal.SIGKILL)
     helpers.wait_for(lambda: not os.path.exists(f"/proc/{core}") or open(
         f"/proc/{core}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30,
