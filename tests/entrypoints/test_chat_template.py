@@ -175,13 +175,13 @@ def test_a_template_failing_on_the_messages_is_bad_input(tmp_path):
 
 
 def test_the_server_answers_a_refused_render_with_400(tmp_path):
-  from jaxkv.entrypoints.openai.server import OpenAIServer
+  from jaxkv.entrypoints.openai.server import _Reader
   tok = tokenizer_with(tmp_path, "{% for m in messages %}{{ m['content'] * 100000 }}"
                                  "{% endfor %}")
   assert issubclass(TokenizerError, InputError)
   server = types.SimpleNamespace(tokenizer=tok)  # _chat_prompt reads only the tokenizer
   with pytest.raises(ApiError) as e:
-    OpenAIServer._chat_prompt(server, [{"role": "user", "content": "abcdefghijklmnopqrstuvwxyz"}])
+    _Reader._chat_prompt(server, [{"role": "user", "content": "abcdefghijklmnopqrstuvwxyz"}])
   assert e.value.status == 400 and e.value.param == "messages"
   assert "TemplateLimits.max_chars" in e.value.message
 
