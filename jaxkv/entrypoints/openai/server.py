@@ -6,6 +6,7 @@
   GET  /health                200 once the engine takes requests, else 503; "warm": every
                               step bucket compiled (launch/server.py --warmup)
   GET  /metrics               jaxkv's Prometheus families + HTTP requests by route and status
+  POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM names them
 
 Handlers only parse, validate and wait: a request is validated here, its fields by
 ``protocol`` (every refusal is a 4xx with OpenAI's error JSON naming the field, the value
@@ -13,8 +14,10 @@ and the fix), submitted to the service, and its answer read from its own asyncio
 fed by the engine thread.
 Parameters: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop`` (strings, matched on the detokenized text; the answer ends
-before the match), ``stop_token_ids``, ``ignore_eos``, ``n=1``, ``stream`` (server-sent
-events) with ``stream_options.include_usage``, ``cache_salt`` (sharing only with requests
+before the match), ``stop_token_ids``, ``ignore_eos``, ``n`` (each sample its own request,
+seeded ``seed + j``; a completions ``prompt`` may also be a list of prompts),
+``logprobs`` (completions: 0..20, with ``echo`` the prompt's too; chat: ``logprobs`` and
+``top_logprobs``), ``stream`` (server-sent events) with ``stream_options.include_usage``, ``cache_salt`` (sharing only with requests
 that give the same salt), ``return_token_ids`` (each choice carries ``token_ids``; always
 on without a tokenizer, where ``text`` is empty). ``usage.prompt_tokens_details
 .cached_tokens`` is the prompt's prefix-cache hit.
