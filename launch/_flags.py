@@ -120,11 +120,12 @@ def should_restore() -> bool:
   return True
 
 
-def use_model_dir(cfg):
+def use_model_dir(cfg, tokenizer: bool = True):
   """Points the config at --model_dir (or the config's model.model_dir) and fits its
   defaults to the platform (``builder.platform_defaults``: dtype, mesh and prefill chunk
   on CPU; a ``--config.*`` override always wins), logging each choice; returns the
-  tokenizer, or None (random weights, or a checkpoint without tokenizer.json)."""
+  tokenizer, or None (random weights, a checkpoint without tokenizer.json, or
+  ``tokenizer=False``: an engine core, whose front tokenizes)."""
   import jax
   from absl import logging
   from jaxkv.tools import builder
@@ -136,7 +137,7 @@ def use_model_dir(cfg):
   for line in builder.platform_defaults(cfg, platform=jax.default_backend(),
                                         explicit=explicit, processes=jax.process_count()):
     logging.info("%s: %s", os.path.basename(os.path.normpath(model_dir)), line)
-  return load_tokenizer(cfg)
+  return load_tokenizer(cfg) if tokenizer else None
 
 
 def load_tokenizer(cfg):

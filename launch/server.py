@@ -138,16 +138,11 @@ def _block_address(deployment_key) -> tuple[str | None, int]:
   return host, int(port)
 
 
-def _rows(engine_config, cache) -> int:
-  """Batch rows over every data shard (``cache``: a KVCache, or a core's info dict)."""
-  shards = cache["num_shards"] if isinstance(cache, dict) else cache.num_shards
-  return engine_config.max_seqs_per_shard * shards
-
-
 def _tenant_shares(api_keys: dict | None, rows: int) -> tuple[int, int]:
   """``--max_running_per_tenant`` and ``--max_waiting_per_tenant`` with their defaults
-  resolved: with two or more tenants, each may hold half the rows and half the waiting
-  slots (rounded up), so that a second tenant is always served."""
+  resolved: with two or more tenants, each may hold half the rows (``rows``: the batch's,
+  over every data shard) and half the waiting slots (rounded up), so that a second
+  tenant is always served."""
   tenants = len(set(api_keys.values())) if api_keys else 1
   running, waiting = _RUNNING_PER_TENANT.value, _WAITING_PER_TENANT.value
   if running < 0:
@@ -199,7 +194,8 @@ def main(argv):
     _warn_if_open()
   _common.check_platform(cfg)
   engine, tokenizer, block_server, checkpointer, warm_up = _build(cfg, multi)
-  running_share, waiting_share = _tenant_shares(api_keys, _rows(engine.config, engine.cache))
+  running_share, waiting_share = _tenant_shares(
+      api_keys, engine.config.max_seqs_per_shard * engine.cache.num_shards)
   service = EngineService(engine, max_waiting=_MAX_WAITING.value,
                           between_steps=block_server.poll if block_server else None,
                           max_running_per_tenant=running_share,
@@ -252,15 +248,16 @@ def _warn_if_open() -> None:
                            "their cache hits", "give --api_keys_file (or --host=127.0.0.1)")
 
 
-def _build(cfg, multi: bool):
+def _build(cfg, multi: bool, tokenizer: bool = True):
   """The engine and what runs beside it (a block server, a checkpointer); returns them
-  with the tokenizer and ``warm_up`` (compiles, and restores with --restore)."""
+  with the tokenizer (None without ``tokenizer``: an engine core's front has it) and
+  ``warm_up`` (compiles, and restores with --restore)."""
   from jaxkv import security
   from jaxkv.tools import builder
   deployment_key = security.load_deployment_key(_flags.DEPLOYMENT_KEY_FILE.value)
   block_host, block_port = _block_address(deployment_key)
   restore = _flags.should_restore()
-  tokenizer = _flags.use_model_dir(cfg)
+  tokenizer = _flags.use_model_dir(cfg, tokenizer=tokenizer)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
   block_server = None
   if block_host:
@@ -328,7 +325,7 @@ def _front_main(cfg, api_keys) -> None:
     process.close()
     raise
   running_share, waiting_share = _tenant_shares(
-      api_keys, _rows(info["engine_config"], info))
+      api_keys, info["engine_config"].max_seqs_per_shard * info["num_shards"])
   service = core.CoreClient(process, info, max_waiting=_MAX_WAITING.value,
                             max_running_per_tenant=running_share,
                             max_waiting_per_tenant=waiting_share)
@@ -358,7 +355,7 @@ def _core_main() -> None:
   from jaxkv.serving import core
   from jaxkv.serving.service import EngineService
   link = core.CoreLink(_CORE_DIR.value)
-  engine, _, block_server, checkpointer, warm_up = _build(cfg, multi=False)
+  engine, _, block_server, checkpointer, warm_up = _build(cfg, multi=False, tokenizer=False)
   link.send("info", {**core.engine_info(engine), "model_name": cfg.model.name,
                      "block_address": block_server.address if block_server else None})
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})

@@ -15,8 +15,10 @@ The wire: two ZeroMQ PUSH/PULL pairs over ``ipc://`` sockets in a directory only
 user can open (mode 0700), both bound by the front, messages pickled (both ends are this
 package, in processes of one user on one host; the sockets are not reachable from
 elsewhere). Front to core: ``("commands", [command, ...])``, ``("metrics", n)``. Core to
-front: ``("ready", info)`` once warm, ``("warm", done, total)``, ``("delta", ticket,
-Delta)``, ``("metrics", n, text)``, ``("failed", why)``, ``("stopped",)``.
+front: ``("info", engine_info)`` once its engine is built, ``("ready", (done, total))``
+once warm and serving, ``("warm", (done, total))`` as buckets compile, ``("delta",
+ticket, Delta)``, ``("metrics", n, text)``, ``("failed", why)``; a core that stopped as
+asked simply exits 0.
 
 Failures: an internal error in the core ends every outstanding request with
 ``finish_reason="error"`` (the core's loop does that) and tells the front ``failed``; a

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.config import MAX_LOGPROBS
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +73,16 @@ def next_tokens(logits, rows: RowSampling | None, positions) -> jax.Array:
 
 
 # ---- log-probabilities ------------------------------------------------------------------------
-TOP_LOGPROBS = 20  # the most likely tokens computed per position (``MAX_LOGPROBS``)
 
 
 def logprobs_of(logits, targets):
   """Log-softmax scores, before any sampling transform: ``logits [..., V]``, ``targets
   [...]`` int32 (a token id; < 0: none). Returns ``(logprob of each target [...], the
-  TOP_LOGPROBS most likely ids [..., K], their logprobs [..., K])``, float32, highest first
+  MAX_LOGPROBS most likely ids [..., K], their logprobs [..., K])``, float32, highest first
   (a target < 0 reads token 0's: the caller ignores it)."""
   lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(lsm, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
-  top_lp, top_ids = jax.lax.top_k(lsm, min(TOP_LOGPROBS, lsm.shape[-1]))
+  top_lp, top_ids = jax.lax.top_k(lsm, min(MAX_LOGPROBS, lsm.shape[-1]))
   return picked, top_ids.astype(jnp.int32), top_lp
 
 
@@ -94,6 +95,6 @@ def logprobs_host(logits: np.ndarray, targets: np.ndarray) -> tuple:
   m = x.max(axis=-1, keepdims=True)
   lsm = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
   picked = np.take_along_axis(lsm, np.maximum(targets, 0)[..., None], axis=-1)[..., 0]
-  k = min(TOP_LOGPROBS, lsm.shape[-1])
+  k = min(MAX_LOGPROBS, lsm.shape[-1])
   ids = np.argsort(-lsm, axis=-1, kind="stable")[..., :k].astype(np.int32)
   return picked, ids, np.take_along_axis(lsm, ids, axis=-1)

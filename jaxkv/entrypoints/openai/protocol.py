@@ -369,9 +369,6 @@ class _Answer:
     """The answer's text so far (joined: read it once, at the end)."""
     return "".join(self._parts) + self._buf
 
-  def usage(self) -> dict:
-    return _usage([self])
-
   # ---- log-probabilities in OpenAI's layouts ---------------------------------------------------
   def _token_text(self, token: int) -> str:
     if self.tokenizer is None:
@@ -456,9 +453,6 @@ class _Answer:
         choice["prompt_token_ids"] = list(self.job.prompt)
     return choice
 
-  def body(self, model: str, chat: bool) -> dict:
-    return _body([self], model)
-
   def chunk(self, model: str, content, ids, finish_reason: str | None = None) -> dict:
     """A streamed chunk of this choice: ``content`` (text, or chat's opening delta dict)
     and the token ids it covers (their log-probabilities go with them; the first chunk
@@ -484,10 +478,11 @@ class _Answer:
       out["usage"] = None
     return out
 
-  def usage_chunk(self, model: str, answers=None) -> dict:
+  def usage_chunk(self, model: str, answers) -> dict:
+    """The stream's last chunk: the usage of every choice (``answers``)."""
     return {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else
             "text_completion", "created": self.created, "model": model, "choices": [],
-            "usage": _usage(answers or [self])}
+            "usage": _usage(answers)}
 
 
 def _usage(answers) -> dict:

@@ -452,20 +452,16 @@ class _Reader:
     stop_ids = _stop_token_ids(body, self.vocab_size)
     if tok is not None and not _bool(body, "ignore_eos"):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
-    jobs = []
-    for index, (prompt, text) in enumerate(prompts):
-      length = max_tokens
-      if length is None:  # chat: up to the context; completions: OpenAI's 16
-        length = max(1, self.max_context - len(prompt)) if chat else 16
-      self.check_length(prompt, length, index if len(prompts) > 1 else None)
-      job = _job(body, chat=chat, prompt=prompt, max_tokens=length, stops=stops,
-                 stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
-                 ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
-      jobs.append(dataclasses.replace(job, prompt_text=text, index=index))
-    if len({j.sampling.seed for j in jobs}) > 1:  # one unseeded request: one seed for all
-      jobs = [dataclasses.replace(j, sampling=dataclasses.replace(
-          j.sampling, seed=jobs[0].sampling.seed)) for j in jobs]
-    return jobs
+    if max_tokens is None:  # chat (one prompt): up to the context; completions: OpenAI's 16
+      max_tokens = max(1, self.max_context - len(prompts[0][0])) if chat else 16
+    for index, (prompt, _) in enumerate(prompts):
+      self.check_length(prompt, max_tokens, index if len(prompts) > 1 else None)
+    # One job read from the body (one sampling, one seed), one per prompt from it.
+    job = _job(body, chat=chat, prompt=prompts[0][0], max_tokens=max_tokens, stops=stops,
+               stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
+               ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
+    return [dataclasses.replace(job, prompt=prompt, prompt_text=text, index=index)
+            for index, (prompt, text) in enumerate(prompts)]
 
   def check_length(self, prompt: list[int], max_tokens: int, index: int | None) -> None:
     total = len(prompt) + max_tokens - 1

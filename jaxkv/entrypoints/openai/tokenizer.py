@@ -359,9 +359,8 @@ class IncrementalDecoder:
     else:  # this decoder rewrites across the window's edge: the whole, once
       self.whole_decodes += 1
       whole = self._decode(self.ids)
-      at = min(at, len(whole))
-      while at and "".join(self._parts)[:at] != whole[:at]:  # (rare: walk back to agree)
-        at -= 1
+      # (rare) the new text starts where the committed text and the whole stop agreeing
+      at = len(os.path.commonprefix(["".join(self._parts)[:at], whole]))
       piece = whole[at:]
       text = whole[:at]
       self._parts, self.committed_chars = ([text] if text else []), at
