@@ -83,6 +83,42 @@ def pytest_collection_modifyitems(config, items):
                             "to this pytest's node ids; install pyproject.toml's test range.")
 
 
+# A worker that crashes (a segfault in a C extension) is not replaced (pyproject's addopts:
+# --max-worker-restart=0; a replaced worker hangs pytest-xdist 3.8's loadgroup scheduler
+# for good) and its test fails. Each worker writes its fault handler's dump to a file the
+# session shares, and the failure's report carries the crashing thread's Python stack, so
+# that the summary at the end of a truncated log says where it died.
+if "JAXKV_TEST_FAULTS_DIR" not in os.environ:  # the controller's (the workers inherit it)
+  os.environ["JAXKV_TEST_FAULTS_DIR"] = tempfile.mkdtemp(prefix="jaxkv-test-faults-")
+  atexit.register(shutil.rmtree, os.environ["JAXKV_TEST_FAULTS_DIR"], ignore_errors=True)
+_FAULTS_DIR = os.environ["JAXKV_TEST_FAULTS_DIR"]
+_RUNNER_FRAMES = ("/_pytest/", "/pluggy/", "/xdist/", "/execnet/", '"<string>"')
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which it replaces
+def pytest_configure(config):
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker:
+    import faulthandler
+    config._jaxkv_faults = open(os.path.join(_FAULTS_DIR, f"{worker}.txt"), "w")  # pylint: disable=protected-access
+    faulthandler.enable(file=config._jaxkv_faults, all_threads=True)  # pylint: disable=protected-access
+
+
+def pytest_handlecrashitem(crashitem, report, sched):
+  """(xdist, on the controller) Adds the crashed worker's fault dump to its test's report."""
+  del crashitem, sched
+  path = os.path.join(_FAULTS_DIR, f"{report.node.gateway.id}.txt")
+  try:
+    with open(path) as f:
+      dump = f.read()
+  except OSError:
+    return
+  current = dump.find("Current thread")
+  stack = dump[current:].split("\n\n")[0] if current >= 0 else dump[-4000:]
+  lines = [l for l in stack.splitlines() if not any(r in l for r in _RUNNER_FRAMES)]
+  report.longrepr = "\n".join([str(report.longrepr), *lines])
+
+
 @pytest.fixture(scope="session")
 def mesh():
   import jaxkv
