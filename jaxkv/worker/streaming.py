@@ -61,6 +61,12 @@ class StreamRunner:
     self.cache, self.runner, self.stream = cache, runner, stream
     self.prefill_chunk_pages = prefill_chunk_pages
     self.stats = cache.stats
+    # XLA:CPU runs a mesh's devices on one thread pool: two programs with collectives in
+    # flight at once can take every thread a rendezvous needs (ModelRunner.quiesce). A
+    # streamed step dispatches page moves between its steps and nothing else waits, so on
+    # CPU each step is waited for before the next program; accelerators keep the overlap.
+    devices = cache.mesh.devices.flat
+    self._one_at_a_time = devices[0].platform == "cpu" and cache.mesh.size > 1
 
   def step(self, plan) -> StepResult:
     """A plan whose step is one streamed request (``plan.streamed``), run to its end."""
@@ -100,6 +106,7 @@ class StreamRunner:
                                           shards, sampling)
         table, stream = self._stage_and_batch(state, width)
         carry, selected = self.runner.prefill(batch, table, carry, stream)
+        self._settle(carry)
         self._unstage(state)
       carry.block_until_ready()
       t_first = time.perf_counter()
@@ -112,6 +119,7 @@ class StreamRunner:
         table, stream = self._stage_and_batch(state, width)
         carry, selected, _ = self.runner.decode(
             self.runner.decode_batch([(shard, pos)], shards, sampling), table, carry, stream)
+        self._settle(carry)
         self._unstage(state)
         produced.append(carry)
         if want_logits:
@@ -124,6 +132,10 @@ class StreamRunner:
                     ("streamed_pages", max(len(state.cold), len(state.disk)))):
       self.stats.add(name, n)
     return tokens_out, (np.stack(logits) if want_logits else None), t_first
+
+  def _settle(self, carry: jax.Array) -> None:
+    if self._one_at_a_time:
+      jax.block_until_ready((carry, self.cache.pools))
 
   def _release(self, state: _State) -> None:
     manager = self.cache.manager
