@@ -148,6 +148,7 @@ class PoolTier:
     self.client = None
     self._store = None
     self._gets = None
+    self._calls: set = set()  # gets and lookups submitted and not yet returned from the client
     self._puts: queue.Queue = queue.Queue()
     self._queued_bytes = 0
     self._lock = threading.Lock()
@@ -212,9 +213,22 @@ class PoolTier:
     self.settle(timeout_s)
     self._closed = True
     self._puts.put(None)
+    t_end = time.monotonic() + timeout_s
     self._writer.join(timeout_s)
     self._gets.shutdown(wait=False, cancel_futures=True)
     self._asker.shutdown(wait=False, cancel_futures=True)
+    # A call a deadline gave up on may still be inside the client (a lender that stopped
+    # answering holds a get for the client's own timeout): closing the client under it
+    # would free what that call is using. Such a client is left open, and said so.
+    _, running = concurrent.futures.wait(list(self._calls),
+                                         timeout=max(0.0, t_end - time.monotonic()))
+    if running or self._writer.is_alive():
+      self.stats.add("pool_close_left_open")
+      logging.warning("the pool tier's client is left open: %d call(s) still inside it after "
+                      "%.0f s (a lender or the master stopped answering); closing it under "
+                      "them would free what they use", len(running) + self._writer.is_alive(),
+                      timeout_s)
+      return
     try:
       self.client.close()
     except Exception:  # pylint: disable=broad-except  (closing a client whose master is gone)
@@ -274,8 +288,8 @@ class PoolTier:
       if self._asking is not None and not self._asking.done():
         self.stats.add("pool_lookup_skipped")  # the last one is still stuck in the client
         return none
-      self._asking = self._asker.submit(self.client.batch_is_exist,
-                                        [self.name(k) for k in keys])
+      self._asking = self._call(self._asker, self.client.batch_is_exist,
+                                [self.name(k) for k in keys])
       asking = self._asking
     try:
       codes = asking.result(timeout=min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
@@ -302,6 +316,13 @@ class PoolTier:
     there = self.present(list(keys[local:]))
     run = next((i for i, p in enumerate(there) if not p), len(there))
     return local + run
+
+  def _call(self, threads, fn, *args) -> concurrent.futures.Future:
+    """Submits a call into the client, known to ``close`` until it returns."""
+    future = threads.submit(fn, *args)
+    self._calls.add(future)
+    future.add_done_callback(self._calls.discard)
+    return future
 
   # ---- FetchSource -----------------------------------------------------------------------------
   def _get(self, keys: list[bytes]) -> list[tuple[int, memoryview | None]]:
@@ -347,7 +368,7 @@ class PoolTier:
     pending = []
     for positions in groups.values():
       keys = [fetches[i].key for i in positions]
-      future = (self._gets.submit(self._get, keys) if self.breaker.available
+      future = (self._call(self._gets, self._get, keys) if self.breaker.available
                 else None)
       pending.append((positions, future))
     return None, (tuple(fetches), pending)
@@ -391,7 +412,7 @@ class PoolTier:
 
   def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies blocks (all in one get) within the deadline; raises on a miss."""
-    future = self._gets.submit(self._get, list(keys))
+    future = self._call(self._gets, self._get, list(keys))
     out = []
     for k, (code, value) in zip(keys, future.result(timeout=max(0.0, t_end - time.monotonic()))):
       payload, failure = self._judge(k, code, value)
