@@ -182,8 +182,7 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
     assert s["read_timeouts"] >= 1, s
     # Closed while a get is still inside the client (the lender still stopped): the client
     # is left open, not freed under the call, and the call returns into it later.
-    stuck = [f for f in b.cache.pool._calls if not f.done()]  # pylint: disable=protected-access
-    assert stuck, "the hung get should still be inside the client"
+    assert b.cache.pool._calls.running_after(0) >= 1  # pylint: disable=protected-access
     b.cache.pool.close(timeout_s=0.5)
     assert b.stats()["pool_close_left_open"] == 1
     os.killpg(proc.pid, signal.SIGCONT)

@@ -128,6 +128,37 @@ class _Put:
     self.key, self.parent, self.payload, self.pin = key, parent, payload, pin
 
 
+def _receive_buffers(client, nbytes: int) -> queue.Queue:
+  """One registered receive buffer per get thread: values land there without a copy by
+  the client, and are copied out once."""
+  slabs = queue.Queue()
+  for _ in range(GET_THREADS):
+    buf = np.empty(nbytes, np.uint8)
+    if client.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+      raise InputError(f"registering a {nbytes >> 20} MiB receive buffer with the pool client "
+                       "failed; lower --config.tiers.pool_buffer_mb.")
+    slabs.put(buf)
+  return slabs
+
+
+class _Calls:
+  """The calls submitted into the client that have not returned (``close`` waits for them:
+  a call a deadline gave up on may still be inside it, e.g. a get from a lender that stopped
+  answering, held for the client's own timeout)."""
+
+  def __init__(self):
+    self._futures: set = set()
+
+  def submit(self, threads, fn, *args) -> concurrent.futures.Future:
+    future = threads.submit(fn, *args)
+    self._futures.add(future)
+    future.add_done_callback(self._futures.discard)
+    return future
+
+  def running_after(self, timeout_s: float) -> int:
+    return len(concurrent.futures.wait(list(self._futures), timeout=timeout_s)[1])
+
+
 class PoolTier:
   """A Mooncake Store pool as a tier: lookups, fetches (``FetchSource``) and puts."""
 
@@ -148,7 +179,7 @@ class PoolTier:
     self.client = None
     self._store = None
     self._gets = None
-    self._calls: set = set()  # gets and lookups submitted and not yet returned from the client
+    self._calls = _Calls()
     self._puts: queue.Queue = queue.Queue()
     self._queued_bytes = 0
     self._lock = threading.Lock()
@@ -188,16 +219,8 @@ class PoolTier:
                                                        thread_name_prefix="jaxkv-pool-get")
     self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-pool-ask")
     self._asking = None
-    # One registered receive buffer per get thread: values land there without a copy by
-    # the client, and are copied out once.
-    slab = max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS)
-    self._slabs = queue.Queue()
-    for _ in range(GET_THREADS):
-      buf = np.empty(slab, np.uint8)
-      if client.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
-        raise InputError(f"registering a {slab >> 20} MiB receive buffer with the pool client "
-                         "failed; lower --config.tiers.pool_buffer_mb.")
-      self._slabs.put(buf)
+    self._slabs = _receive_buffers(
+        client, max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS))
     self._writer = threading.Thread(target=self._write_loop, name="jaxkv-pool-put",
                                     daemon=True)
     self._writer.start()
@@ -217,17 +240,11 @@ class PoolTier:
     self._writer.join(timeout_s)
     self._gets.shutdown(wait=False, cancel_futures=True)
     self._asker.shutdown(wait=False, cancel_futures=True)
-    # A call a deadline gave up on may still be inside the client (a lender that stopped
-    # answering holds a get for the client's own timeout): closing the client under it
-    # would free what that call is using. Such a client is left open, and said so.
-    _, running = concurrent.futures.wait(list(self._calls),
-                                         timeout=max(0.0, t_end - time.monotonic()))
-    if running or self._writer.is_alive():
+    running = self._calls.running_after(max(0.0, t_end - time.monotonic()))
+    if running or self._writer.is_alive():  # closing it under them frees what they use
       self.stats.add("pool_close_left_open")
-      logging.warning("the pool tier's client is left open: %d call(s) still inside it after "
-                      "%.0f s (a lender or the master stopped answering); closing it under "
-                      "them would free what they use", len(running) + self._writer.is_alive(),
-                      timeout_s)
+      logging.warning("the pool client is left open: %d call(s) still inside it after %.0f s",
+                      running + self._writer.is_alive(), timeout_s)
       return
     try:
       self.client.close()
@@ -288,8 +305,8 @@ class PoolTier:
       if self._asking is not None and not self._asking.done():
         self.stats.add("pool_lookup_skipped")  # the last one is still stuck in the client
         return none
-      self._asking = self._call(self._asker, self.client.batch_is_exist,
-                                [self.name(k) for k in keys])
+      self._asking = self._calls.submit(self._asker, self.client.batch_is_exist,
+                                        [self.name(k) for k in keys])
       asking = self._asking
     try:
       codes = asking.result(timeout=min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
@@ -316,13 +333,6 @@ class PoolTier:
     there = self.present(list(keys[local:]))
     run = next((i for i, p in enumerate(there) if not p), len(there))
     return local + run
-
-  def _call(self, threads, fn, *args) -> concurrent.futures.Future:
-    """Submits a call into the client, known to ``close`` until it returns."""
-    future = threads.submit(fn, *args)
-    self._calls.add(future)
-    future.add_done_callback(self._calls.discard)
-    return future
 
   # ---- FetchSource -----------------------------------------------------------------------------
   def _get(self, keys: list[bytes]) -> list[tuple[int, memoryview | None]]:
@@ -368,7 +378,7 @@ class PoolTier:
     pending = []
     for positions in groups.values():
       keys = [fetches[i].key for i in positions]
-      future = (self._call(self._gets, self._get, keys) if self.breaker.available
+      future = (self._calls.submit(self._gets, self._get, keys) if self.breaker.available
                 else None)
       pending.append((positions, future))
     return None, (tuple(fetches), pending)
@@ -412,7 +422,7 @@ class PoolTier:
 
   def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies blocks (all in one get) within the deadline; raises on a miss."""
-    future = self._call(self._gets, self._get, list(keys))
+    future = self._calls.submit(self._gets, self._get, list(keys))
     out = []
     for k, (code, value) in zip(keys, future.result(timeout=max(0.0, t_end - time.monotonic()))):
       payload, failure = self._judge(k, code, value)
