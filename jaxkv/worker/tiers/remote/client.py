@@ -291,6 +291,23 @@ class _Link:
       more = bool(flags & _MORE)
 
 
+# The process's transfer server (one per device client), kept for the process's life: a
+# pull given up at its deadline can still be running on its thread (its connection
+# poisoned, the pull not yet returned), and a server freed under it (its client's last
+# reference dropped, whenever the garbage collector gets to it) would be a use after free.
+_TRANSFER_SERVERS: dict = {}
+_TRANSFER_LOCK = threading.Lock()
+
+
+def _transfer_server(transfer, device):
+  with _TRANSFER_LOCK:
+    client = device.client
+    if id(client) not in _TRANSFER_SERVERS:  # (the client is kept: its id stays its own)
+      _TRANSFER_SERVERS[id(client)] = (client, transfer.start_transfer_server(
+          client, "127.0.0.1:0", ["127.0.0.1:0"]))
+    return _TRANSFER_SERVERS[id(client)][1]
+
+
 class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker.
 
@@ -339,7 +356,6 @@ class RemoteClient:
     self._max_frame_bytes = _MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
     self._token = _handshake_token(self._secret) if self._secret is not None else None
     self._sock: _Link | None = None
-    self._transfer_server = None
     # transfer address -> connection, least recently used first (``_MAX_TRANSFER_CONNECTIONS``)
     self._connections: collections.OrderedDict = collections.OrderedDict()
     self._busy = threading.Lock()  # a lookup or a fetch uses the connection
@@ -622,15 +638,12 @@ class RemoteClient:
     addr = self._transfer_address(offer.transfer_address)
     import jax.experimental.transfer as transfer
     device = jax.local_devices()[0]
-    if self._transfer_server is None:
-      self._transfer_server = transfer.start_transfer_server(device.client, "127.0.0.1:0",
-                                                             ["127.0.0.1:0"])
     nbytes = int(np.prod(shape)) * bits.itemsize
     pulled_shape, pulled_dtype = ((nbytes + security.Seal.OVERHEAD,), np.dtype(np.uint8)) if (
         offer.sealed) else (tuple(shape), bits)
     conn = self._connections.pop(addr, None)
     if conn is None:
-      conn = self._transfer_server.connect(addr)  # lazy: it does not wait on the network
+      conn = _transfer_server(transfer, device).connect(addr)  # lazy: no wait on the network
     self._connections[addr] = conn
     while len(self._connections) > _MAX_TRANSFER_CONNECTIONS:
       self._connections.popitem(last=False)
