@@ -65,8 +65,7 @@ class StreamRunner:
     # flight at once can take every thread a rendezvous needs (ModelRunner.quiesce). A
     # streamed step dispatches page moves between its steps and nothing else waits, so on
     # CPU each step is waited for before the next program; accelerators keep the overlap.
-    devices = cache.mesh.devices.flat
-    self._one_at_a_time = devices[0].platform == "cpu" and cache.mesh.size > 1
+    self._one_at_a_time = cache.mesh.devices.flat[0].platform == "cpu" and cache.mesh.size > 1
 
   def step(self, plan) -> StepResult:
     """A plan whose step is one streamed request (``plan.streamed``), run to its end."""

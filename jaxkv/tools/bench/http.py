@@ -672,11 +672,10 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
     sides = {"in_process": in_process, "http": over_http}
     if "http_one_process" in servers:
       sides["http_one_process"] = functools.partial(over_http, which="http_one_process")
-    # Warm-up: connections, first-use paths, both sides (not in a quick run: a smoke run's
-    # figures include them).
-    for name, point in points.items() if not quick else ():
-      for side in sides.values():
-        side(point, 1000 + len(name))
+    if not quick:  # (a smoke run's figures include first use)
+      for name, point in points.items():  # warm-up: connections, first-use paths, both sides
+        for side in sides.values():
+          side(point, 1000 + len(name))
     figures = {side: {name: [] for name in points} for side in sides}
     paired_ms = []  # light: HTTP minus in-process TTFT of the same request
     same_tokens = same_arrivals = True

@@ -299,7 +299,8 @@ _TRANSFER_SERVERS: dict = {}
 _TRANSFER_LOCK = threading.Lock()
 
 
-def _transfer_server(transfer, device):
+def _transfer_server(device):
+  import jax.experimental.transfer as transfer
   with _TRANSFER_LOCK:
     client = device.client
     if id(client) not in _TRANSFER_SERVERS:  # (the client is kept: its id stays its own)
@@ -636,14 +637,13 @@ class RemoteClient:
     if self._seal is not None and not offer.sealed and offer.data_tag is None:
       raise RemoteError("mode", "the offer carries no tag over the blocks it offers")
     addr = self._transfer_address(offer.transfer_address)
-    import jax.experimental.transfer as transfer
     device = jax.local_devices()[0]
     nbytes = int(np.prod(shape)) * bits.itemsize
     pulled_shape, pulled_dtype = ((nbytes + security.Seal.OVERHEAD,), np.dtype(np.uint8)) if (
         offer.sealed) else (tuple(shape), bits)
     conn = self._connections.pop(addr, None)
     if conn is None:
-      conn = _transfer_server(transfer, device).connect(addr)  # lazy: no wait on the network
+      conn = _transfer_server(device).connect(addr)  # lazy: no wait on the network
     self._connections[addr] = conn
     while len(self._connections) > _MAX_TRANSFER_CONNECTIONS:
       self._connections.popitem(last=False)
