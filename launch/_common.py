@@ -173,13 +173,18 @@ def write_json(path: str, obj: dict) -> None:
     f.write("\n")
 
 
-def serve_app(app_, *, host: str, port: int, ready_file: str | None, banner: str) -> None:
+def serve_app(app_, *, host: str, port: int, ready_file: str | None, banner: str,
+              limits=None) -> None:
   """Listens on ``host:port`` (0: any free port), prints ``banner`` with the URL, writes
   ``{"port": P}`` to ``ready_file`` (whole or absent: written aside, then renamed) and
-  serves the ASGI ``app_`` until stopped. A port that cannot be had is a usage error."""
+  serves the ASGI ``app_`` until stopped, under the same pre-auth bounds as the API server
+  (``limits``: a ``jaxkv.entrypoints.openai.limits.HttpLimits``, default its defaults:
+  connections, headers, URL, slow heads and bodies, idle keep-alives). A port that cannot
+  be had is a usage error."""
   import socket
   import uvicorn
   from absl import app
+  from jaxkv.entrypoints.openai import limits as httplimits
   sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   try:
@@ -192,8 +197,8 @@ def serve_app(app_, *, host: str, port: int, ready_file: str | None, banner: str
   if ready_file:
     write_json(ready_file + ".tmp", {"port": port})
     os.replace(ready_file + ".tmp", ready_file)
-  uvicorn.Server(uvicorn.Config(app_, log_level="warning", access_log=False)).run(
-      sockets=[sock])
+  uvicorn.Server(httplimits.uvicorn_config(app_, limits, log_level="warning",
+                                            access_log=False)).run(sockets=[sock])
 
 
 def parse_flags(argv):

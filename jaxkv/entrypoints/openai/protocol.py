@@ -11,6 +11,7 @@ tokenizer, the vocabulary and context sizes) it passes in.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -20,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from jaxkv.config import MAX_LOGPROBS, SamplingParams
 from jaxkv.errors import InputError, check_text
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 4 * 2**20
 MAX_JSON_DEPTH = 32  # a request's JSON nests a few levels; deeper is refused before use
+# A body up to this size is parsed on the event loop (a few milliseconds at most); a larger
+# one in a worker thread, so that one client's 4 MiB token list stalls no other client.
+PARSE_ON_LOOP_BYTES = 64 * 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 TENANT_SEPARATOR = "\x1f"  # tenant names may not hold it: (tenant, salt) pairs stay distinct
@@ -53,6 +58,48 @@ class ApiError(Exception):
 
 def _bad(message: str, param: str | None = None) -> ApiError:
   return ApiError(400, message, param=param)
+
+
+# ---- reading a request off the connection ----------------------------------------------------
+async def read_json(request, limit: int) -> dict:
+  """The request's body as a JSON object, refused (``ApiError``) before it is read whole
+  when its ``content-length`` is over ``limit`` bytes, as soon as more than ``limit`` bytes
+  arrived otherwise, and when it is not a JSON object (or nests too deep). A body over
+  ``PARSE_ON_LOOP_BYTES`` is parsed and checked in a worker thread, off the event loop.
+  Every front door (the API server, the router, the P/D proxy) reads bodies with this."""
+  length = request.headers.get("content-length")
+  if length is not None and length.isdigit() and int(length) > limit:
+    raise ApiError(413, f"the body is {int(length)} bytes, more than this server takes "
+                   f"({limit}); send a shorter prompt.", code="request_too_large")
+  chunks, size = [], 0
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise ApiError(413, f"the body is more than {limit} bytes, the most this server "
+                       "takes; send a shorter prompt.", code="request_too_large")
+      chunks.append(chunk)
+  except ClientDisconnect:  # gone (or too slow: the connection's body deadline)
+    raise ApiError(400, "the client left before its request's body arrived.") from None
+  raw = b"".join(chunks)
+  if size > PARSE_ON_LOOP_BYTES:
+    return await asyncio.to_thread(parse_json, raw)
+  return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> dict:
+  """``raw`` as a JSON object whose strings are all text, else ``ApiError`` 400."""
+  try:
+    body = json.loads(raw)
+  except RecursionError:
+    raise _bad(f"the body nests deeper than this server parses; send at most "
+               f"{MAX_JSON_DEPTH} levels.") from None
+  except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
+    raise _bad(f"the body is not valid JSON ({_clip(str(e))}); send a JSON object.") from None
+  if not isinstance(body, dict):
+    raise _bad(f"the body is a JSON {type(body).__name__}; send a JSON object.")
+  _check_json(body)
+  return body
 
 
 # ---- reading a request's fields ---------------------------------------------------------------

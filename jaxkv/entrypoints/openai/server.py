@@ -33,7 +33,6 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
-import json
 import threading
 import time
 import uuid
@@ -44,44 +43,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from jaxkv.entrypoints.openai import disagg
 from jaxkv.entrypoints.openai.protocol import (
-    MAX_BODY_BYTES, MAX_CHOICES, MAX_JSON_DEPTH, TENANT_SEPARATOR, ApiError, _Answer, _bad,
-    _body, _bool, _chat_messages, _check_json, _check_supported, _clip, _error_event, _int,
-    _Job, _job, _logprobs, _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids)
+    MAX_BODY_BYTES, MAX_CHOICES, TENANT_SEPARATOR, ApiError, _Answer, _bad, _body, _bool,
+    _chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
+    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, read_json)
 from jaxkv.errors import InputError
 from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
-
-
-# ---- reading a request off the connection ----------------------------------------------------
-async def _read_json(request: Request, limit: int) -> dict:
-  length = request.headers.get("content-length")
-  if length is not None and length.isdigit() and int(length) > limit:
-    raise ApiError(413, f"the body is {int(length)} bytes, more than this server takes "
-                   f"({limit}); send a shorter prompt.", code="request_too_large")
-  chunks, size = [], 0
-  try:
-    async for chunk in request.stream():
-      size += len(chunk)
-      if size > limit:
-        raise ApiError(413, f"the body is more than {limit} bytes, the most this server "
-                       "takes; send a shorter prompt.", code="request_too_large")
-      chunks.append(chunk)
-  except ClientDisconnect:  # gone (or too slow: the connection's body deadline)
-    raise ApiError(400, "the client left before its request's body arrived.") from None
-  try:
-    body = json.loads(b"".join(chunks))
-  except RecursionError:
-    raise _bad(f"the body nests deeper than this server parses; send at most "
-               f"{MAX_JSON_DEPTH} levels.") from None
-  except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
-    raise _bad(f"the body is not valid JSON ({_clip(str(e))}); send a JSON object.") from None
-  if not isinstance(body, dict):
-    raise _bad(f"the body is a JSON {type(body).__name__}; send a JSON object.")
-  _check_json(body)
-  return body
 
 
 def _key_digest(key: str) -> bytes:
@@ -239,7 +208,7 @@ class OpenAIServer:
                 "eos_token": tok.eos_token, "pad_token": None,
                 "chat_template": tok.chat_template, "model_max_length": self.max_context,
                 "vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids)}
-      body = await _read_json(request, self.max_body_bytes)
+      body = await read_json(request, self.max_body_bytes)
       model = body.get("model")
       if model is not None and model != self.model_name:
         raise ApiError(404, f"model {model!r} is not served here; this server serves "
@@ -267,7 +236,7 @@ class OpenAIServer:
       if not self.ready:
         raise ApiError(503, "the engine is warming up; retry when /health says ok.",
                        "service_unavailable", headers={"Retry-After": "5"})
-      body = await _read_json(request, self.max_body_bytes)
+      body = await read_json(request, self.max_body_bytes)
       try:
         hand_off, transfer = disagg.read_params(body, self.role)
       except disagg.Refused as e:
