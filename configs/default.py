@@ -39,8 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.tiers = ml_collections.ConfigDict(dict(
       host_pages_per_shard=0, host_memory_kind="pinned_host", disk_kvstore="", disk_pages=0,
       write_policy="write_back", read_deadline_s=10.0, encryption="auto",
-      # KV events for a router (--kv_events, --kv_events_replay; '' publishes none).
-      kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True))
+      # KV events for a router (--kv_events, --kv_events_replay; '' publishes none). They
+      # tell anyone who connects every tenant's blocks: bind loopback or a private address.
+      kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True,
+      kv_events_raw_tokens=False))
   # Sequences longer than a device pool holds (prompt + max_tokens past max_pages_per_seq
   # x page_size): with `enabled` (--stream_long_contexts) they are served by streaming
   # their cold pages from the host tier through attention, `sink_pages` and the last

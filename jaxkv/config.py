@@ -255,6 +255,12 @@ class CacheConfig:
 
 BATCHING = ("continuous", "static")
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
+# Log-probability entries (a token's own and each alternative: positions x (logprobs + 1))
+# one request's answer may hold, echoed prompts and every choice counted: about 40 bytes of
+# JSON each, so an answer stays under ~5 MiB however the request multiplies them (a batch of
+# prompts with echo and logprobs=20 once asked 157x its own size). lm-eval's scoring
+# (echo, logprobs=1, one prompt of up to 64k tokens) stays well under it.
+MAX_LOGPROB_ENTRIES = 1 << 17
 # Above this, sampling is uniform to float32 precision anyway (logits / T ~ 0).
 MAX_TEMPERATURE = 1e4
 
@@ -345,8 +351,11 @@ class TierConfig:
   format (``jaxkv.manager.publisher``): a router learns which blocks this replica holds in
   which medium. ``kv_events_replay``: the endpoint of the replay socket a reader asks for
   messages it missed. ``kv_events_topic``: every message's first frame.
-  ``kv_events_tokens``: send each block's token ids (as vLLM does; a router that scores
-  requests by their tokens needs them, and so sees prompts); False sends only hashes.
+  ``kv_events_tokens``: send each block's token ids (a router that scores requests by their
+  tokens needs them), each mapped under its tenant's salt so that a tenant's request matches
+  only its own tenant's blocks (``launch/router.py`` maps requests the same way); False sends
+  only hashes. ``kv_events_raw_tokens``: send the ids as vLLM does, unmapped (for a router
+  that tokenizes text itself; it then reads every tenant's prompts: one tenant only).
   In a multi-process job process 0 publishes for the job.
   """
 
@@ -372,6 +381,7 @@ class TierConfig:
   kv_events_replay: str | None = None
   kv_events_topic: str = ""
   kv_events_tokens: bool = True
+  kv_events_raw_tokens: bool = False
 
   def __post_init__(self):
     for name in ("kv_events", "kv_events_replay"):
@@ -382,8 +392,9 @@ class TierConfig:
              "endpoint whose messages it replays).")
     _require(isinstance(self.kv_events_topic, str),
              f"TierConfig.kv_events_topic={self.kv_events_topic!r} must be a string.")
-    _require(isinstance(self.kv_events_tokens, bool),
-             f"TierConfig.kv_events_tokens={self.kv_events_tokens!r} must be True or False.")
+    for name in ("kv_events_tokens", "kv_events_raw_tokens"):
+      _require(isinstance(getattr(self, name), bool),
+               f"TierConfig.{name}={getattr(self, name)!r} must be True or False.")
     _require(self.pool_master is None or (
         isinstance(self.pool_master, str) and self.pool_master.rpartition(":")[2].isdigit()
         and self.pool_master.rpartition(":")[0]),

@@ -135,6 +135,32 @@ def tenant_salt(tenant: str, key: bytes | None) -> bytes:
   return hmac.new(key, data, hashlib.sha256).digest()
 
 
+def routing_tokens(salt: bytes, tokens) -> list[int]:
+  """A tenant's token ids as its KV events tell them and its router asks for them: each id
+  mapped through AES-256 (one block per token, ECB: a keyed permutation, position-free) under
+  a key derived from the tenant's salt (``tenant_salt``), to a 32-bit id.
+
+  Why: a KV indexer matches requests to replicas by token ids, and knows no tenants. With
+  raw ids one tenant's request would be scored against every tenant's blocks, and the
+  router's choice would tell it which prompts another tenant sent. Mapped ids of two
+  tenants (or two ``cache_salt``s) share nothing, so a tenant's query can only ever match its
+  own blocks; an id still maps to the same id in every block, so the indexer's block-wise
+  matching works unchanged. With a deployment key the salt is secret and no one without the
+  key can compute another tenant's ids; without one, salts follow from tenant names
+  (BUILD.md, "Threat model")."""
+  import numpy as np
+  from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+  ids = np.asarray(tokens, dtype=np.int64)
+  if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
+    raise InputError("routing_tokens: token ids must be in [0, 2**32).")
+  key = hashlib.sha256(b"jaxkv-routing-tokens\x00" + salt).digest()
+  blocks = np.zeros((ids.size, 4), np.uint32)
+  blocks[:, 0] = ids.astype(np.uint32)
+  enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+  out = np.frombuffer(enc.update(blocks.tobytes()) + enc.finalize(), np.uint32)
+  return out.reshape(-1, 4)[:, 0].tolist()
+
+
 def challenge_mac(key: bytes, challenge: str, payload: bytes) -> str:
   """The MAC a peer sends with a request: over the server's per-connection challenge and
   the request's bytes, so it proves the key and cannot be replayed on another connection."""

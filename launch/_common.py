@@ -140,6 +140,31 @@ def check_output(path: str | None, flag: str, *, directory: bool = False) -> Non
            "choose another path.")
 
 
+def load_api_keys(path: str | None, flag: str = "api_keys_file") -> dict | None:
+  """The keys file ``--api_keys_file`` names, ``{api key: tenant}`` (None without one),
+  refused in one line when it does not load, is readable by group or others, or does not
+  map keys of 16+ characters to tenant names. The API server and the router read the same
+  file (``jaxkv.entrypoints.openai.auth``: how a request's key is checked). Imports no JAX."""
+  import stat
+  from absl import app
+  if not path:
+    return None
+  try:
+    mode = os.stat(path).st_mode
+    with open(path) as f:
+      keys = json.load(f)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--{flag}={path} did not load: {e}.") from None
+  if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    raise app.UsageError(f"--{flag}={path} is readable by group or others (mode "
+                         f"{stat.S_IMODE(mode):o}); chmod 600 {path}.")
+  if not isinstance(keys, dict) or not keys or not all(
+      isinstance(k, str) and len(k) >= 16 and isinstance(v, str) and v for k, v in keys.items()):
+    raise app.UsageError(f"--{flag}={path} must hold a JSON object mapping API keys "
+                         "(16+ characters) to tenant names, e.g. {\"sk-...\": \"team-a\"}.")
+  return keys
+
+
 def _is_bug(e: BaseException) -> bool:
   """True for ``jaxkv.errors.InvariantError``: never reported as bad input."""
   errors = sys.modules.get("jaxkv.errors")  # imported if jaxkv could have raised it

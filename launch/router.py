@@ -13,8 +13,13 @@ tcp://127.0.0.1:5567@tcp://127.0.0.1:5568
 The indexer knows replica i (0-based) as worker i+1. With --replica_events the router
 registers each replica's event stream (and replay socket, after '@') at the indexer when it
 starts; without it the indexer must already know them (its --workers). --policy=round_robin
-routes in turn without asking the indexer. GET /router/stats counts the decisions; every
-answer carries the replica that gave it in the x-jaxkv-replica header.
+routes in turn without asking the indexer.
+
+Give the router what the replicas have: --api_keys_file (a request without a valid key is
+refused here, before the indexer is asked or a replica chosen) and --deployment_key_file
+(it keys the tenants' token mapping the events use). GET /router/stats counts the decisions
+(with keys: for --metrics_tenants only); an answer a replica accepted carries the replica
+that gave it in the x-jaxkv-replica header.
 """
 
 from absl import app, flags
@@ -47,26 +52,60 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port,
 _READY_FILE = flags.DEFINE_string("ready_file", None, "Write {\"port\": P} here once it listens.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "The longest a replica may take to answer.",
                               lower_bound=0.001)
+_API_KEYS_FILE = flags.DEFINE_string(
+    "api_keys_file", None, "The replicas' keys file (JSON {\"<api key>\": \"<tenant>\"}, mode "
+    "600): the router refuses a request without a valid key before it routes it, and asks "
+    "the indexer per tenant. Without it every request is tenant 'default'.")
+_METRICS_TENANTS = flags.DEFINE_list(
+    "metrics_tenants", [], "With --api_keys_file: the tenants whose keys may read "
+    "/router/stats (it counts every tenant's requests).")
+_DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
+    "deployment_key_file", None, "The replicas' deployment key file (mode 600): the tenants' "
+    "token mapping in their KV events is keyed by it; default $JAXKV_DEPLOYMENT_KEY_FILE or "
+    "$JAXKV_DEPLOYMENT_KEY.")
+_RAW_TOKENS = flags.DEFINE_bool(
+    "raw_tokens", False, "The replicas send raw token ids in their events "
+    "(--config.tiers.kv_events_raw_tokens): ask the indexer with raw ids (one tenant only).")
+_MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 << 20, "The largest request body "
+                                       "taken; larger ones get 413 before they are read.",
+                                       lower_bound=1)
 
 
 def main(argv):
   del argv
+  api_keys = _common.load_api_keys(_API_KEYS_FILE.value)
+  from jaxkv import security
   from jaxkv.entrypoints.openai import router as router_lib
   from jaxkv.errors import InputError
   _common.check_output(_READY_FILE.value, "ready_file")
+  if _METRICS_TENANTS.value and api_keys is None:
+    raise app.UsageError("--metrics_tenants names tenants of --api_keys_file: give it too.")
   try:
     config = router_lib.RouterConfig(policy=_POLICY.value, indexer=_INDEXER.value and
                                      _INDEXER.value.rstrip("/"),
                                      indexer_model=_INDEXER_MODEL.value,
-                                     load_tokens=_LOAD_TOKENS.value, timeout_s=_TIMEOUT.value)
+                                     load_tokens=_LOAD_TOKENS.value, timeout_s=_TIMEOUT.value,
+                                     max_body_bytes=_MAX_BODY_BYTES.value,
+                                     raw_tokens=_RAW_TOKENS.value)
     tokenizer = None
     if _MODEL_DIR.value:
       from jaxkv.entrypoints.openai.tokenizer import Tokenizer
       tokenizer = Tokenizer.from_dir(_MODEL_DIR.value)
     router = router_lib.Router([(u, i + 1) for i, u in enumerate(_REPLICAS.value)], config,
-                               tokenizer)
+                               tokenizer, api_keys=api_keys,
+                               metrics_tenants=_METRICS_TENANTS.value,
+                               deployment_key=security.load_deployment_key(
+                                   _DEPLOYMENT_KEY_FILE.value))
   except InputError as e:
     raise app.UsageError(str(e)) from None
+  if api_keys is None and not security.is_loopback(_HOST.value):
+    security.warn_insecure(f"the router listens on {_HOST.value} without --api_keys_file: "
+                           "whoever reaches it runs requests and reads /router/stats",
+                           "give --api_keys_file (the replicas' keys) or --host=127.0.0.1")
+  if len(set((api_keys or {}).values())) > 1 and not router.keyed:
+    security.warn_insecure("tenants share this router without a deployment key: the token "
+                           "mapping that keeps their prefixes apart follows from tenant names",
+                           "give --deployment_key_file (the replicas' key)")
   if _REPLICA_EVENTS.value:
     if len(_REPLICA_EVENTS.value) != len(_REPLICAS.value):
       raise app.UsageError(f"--replica_events names {len(_REPLICA_EVENTS.value)} endpoints for "

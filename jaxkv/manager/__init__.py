@@ -96,7 +96,7 @@ class CacheManager:
     with KV events on, the blocks' tokens are noted for the events that name them."""
     keys = self.index.block_keys(tokens, tenant)
     if self.events is not None:
-      self.events.learn(keys, tokens)
+      self.events.learn(keys, tokens, salt=self.index.tenant_salt(tenant))
     return keys
 
   # ---- lookups ---------------------------------------------------------------------------------

@@ -15,9 +15,14 @@ remote peers and other data shards are not this replica's own and are not told.
 
 Block hashes are the first 8 bytes of jaxkv's block keys as an unsigned 64-bit integer: the
 keys chain over the whole prefix from a tenant-salted root, so two tenants' identical
-prompts are different blocks here. ``token_ids`` are the block's tokens, as vLLM sends them
-(a router that scores requests by their tokens, as Dynamo's does, needs them); with
-``tokens=False`` they are left out and the router sees only hashes. A block whose tokens this
+prompts are different blocks here. ``token_ids`` are the block's tokens *as its tenant's
+router asks for them*: each id mapped under the tenant's salt (``security.routing_tokens``),
+so a router that scores requests by their tokens (Dynamo's indexer does, and knows no
+tenants) matches a request only against its own tenant's blocks, and the stream carries no
+prompt in the clear (``jaxkv.entrypoints.openai.router`` maps a request's ids the same way).
+``raw_tokens=True`` sends the tokens as vLLM does (for a router that tokenizes text itself;
+it then learns every tenant's prompts and steers tenants by each other's prefixes: one
+tenant only). With ``tokens=False`` they are left out and the router sees only hashes. A block whose tokens this
 process never saw (adopted from disk at start, restored from a checkpoint) is told once a
 request's prompt names it (``learn``), so a router never scores tokens it was not given.
 
@@ -33,6 +38,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
+from jaxkv import security
 from jaxkv.manager.index import Key, Tier
 
 MEDIA = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}
@@ -81,9 +87,9 @@ class BlockEvents:
   runs at admission)."""
 
   def __init__(self, sink: Callable[[Event], None], *, page_size: int, tokens: bool = True,
-               recent: int = 1 << 16):
+               raw_tokens: bool = False, recent: int = 1 << 16):
     self.sink, self.page_size = sink, page_size
-    self.send_tokens, self._recent_cap = tokens, recent
+    self.send_tokens, self.raw_tokens, self._recent_cap = tokens, raw_tokens, recent
     self._copies: collections.Counter = collections.Counter()  # (key, tier) -> copies
     self._anywhere: collections.Counter = collections.Counter()  # key -> its copies in every medium
     self._told: dict[tuple[Key, Tier], None] = {}  # (key, tier) whose BlockStored went out
@@ -128,11 +134,17 @@ class BlockEvents:
         self._remember(key, tokens)
 
   # ---- tokens ------------------------------------------------------------------------------------
-  def learn(self, keys: Sequence[Key], tokens) -> None:
-    """A prompt's (or an answer's) full blocks: ``keys[j]`` holds ``tokens``' block ``j``.
+  def learn(self, keys: Sequence[Key], tokens, *, salt: bytes) -> None:
+    """A prompt's (or an answer's) full blocks: ``keys[j]`` holds ``tokens``' block ``j``;
+    ``salt``: their tenant's (``PrefixIndex.tenant_salt``), which keys the ids told.
     Blocks held but never told (their tokens were unknown) are told now, front first."""
-    toks = np.asarray(tokens, dtype=np.int32)
+    if not any(key not in self._tokens for key in keys):
+      return
     page = self.page_size
+    told = np.asarray(tokens[:len(keys) * page], dtype=np.int64)
+    if self.send_tokens and not self.raw_tokens:
+      told = np.asarray(security.routing_tokens(salt, told), dtype=np.int64)
+    toks = told.astype(np.uint32)
     for j, key in enumerate(keys):
       if key in self._tokens:
         continue
@@ -156,7 +168,7 @@ class BlockEvents:
     """``block``: the block's (tokens, parent), as its prompt named them."""
     self._told[key, tier] = None
     tokens, parent = block
-    ids = np.frombuffer(tokens, np.int32).tolist() if self.send_tokens else []
+    ids = np.frombuffer(tokens, np.uint32).tolist() if self.send_tokens else []
     self.sink(BlockStored(block_hashes=[block_hash(key)],
                           parent_block_hash=None if parent is None else block_hash(parent),
                           token_ids=ids, block_size=self.page_size, lora_id=None,

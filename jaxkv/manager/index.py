@@ -167,6 +167,11 @@ class PrefixIndex:
     return chain_keys(tenant_root_key(self.fingerprint, tenant, self._secret), tokens,
                       self.page_size)
 
+  def tenant_salt(self, tenant: str) -> bytes:
+    """The salt ``tenant``'s key chains start from (keyed by the deployment key, if any):
+    what the KV events key a tenant's token ids with (``security.routing_tokens``)."""
+    return security.tenant_salt(tenant, self._secret)
+
   # ---- queries ---------------------------------------------------------------------------
   def has_tier(self, tier: Tier) -> bool:
     return self._slots[tier][0].num_slots > 0

@@ -3,7 +3,9 @@ standalone KV indexer (a reader we did not write) reads them, and launch/router.
 each request where the indexer says its prefix is. The indexer's scores equal what the
 replica itself reports reusing, follow evictions down to host memory, and are rebuilt
 after a restart; a replica killed mid-run has its requests answered by the other, exactly.
-Tenants (API keys) stay isolated on every replica behind the router."""
+Tenants (API keys) stay isolated on every replica and in the router: it checks keys before
+it routes, and asks the indexer with each tenant's own mapped ids, so no caller learns from
+it what another tenant sent."""
 
 import concurrent.futures
 import json
@@ -16,13 +18,14 @@ import httpx
 import pytest
 
 import helpers
-from jaxkv.entrypoints.openai.router import REPLICA_HEADER
+from jaxkv.entrypoints.openai.router import REPLICA_HEADER, tenant_tokens
 from jaxkv.tools.bench.http import ROOT, ServerProcess
 from jaxkv.tools.bench.indexer import DynamoIndexer
 from jaxkv.worker.tiers.pool.master import free_port
 
 MODEL = "llama-tiny-random"
 KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789ab": "bob"}
+ALICE = {"authorization": "Bearer key-alice-0123456789"}  # a metrics tenant of the router
 OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
 PAGE = 16
 
@@ -56,7 +59,8 @@ def fleet(tmp_path_factory):
       server.wait_ready(600)
     spec = ",".join(f"tcp://127.0.0.1:{p[0]}@tcp://127.0.0.1:{p[1]}" for p in ports.values())
     with ServerProcess([f"--replicas={a.base},{b.base}", f"--indexer={idx.url}",
-                        f"--replica_events={spec}", f"--block_size={PAGE}"],
+                        f"--replica_events={spec}", f"--block_size={PAGE}",
+                        f"--api_keys_file={keys}", "--metrics_tenants=alice"],
                        script=os.path.join("launch", "router.py"), workdir=str(work)) as router:
       router.wait_ready(120)
       box["router"] = router
@@ -95,6 +99,17 @@ def words(seed, n):
   return [(seed * 37 + i * 11) % 250 + 1 for i in range(n)]
 
 
+def alice(tokens):
+  """``tokens`` as the replicas' events tell alice's blocks (and the router asks for them)."""
+  return tenant_tokens(tokens, "alice")
+
+
+def router_stats(router):
+  r = httpx.get(f"{router.base}/router/stats", headers=ALICE)
+  assert r.status_code == 200, r.text
+  return r.json()
+
+
 def settle(read, timeout_s=10.0):
   """``read()`` once two reads 0.3 s apart agree (events have reached the indexer)."""
   deadline = time.monotonic() + timeout_s
@@ -113,7 +128,7 @@ def test_the_indexer_scores_what_the_replica_reuses_and_follows_its_evictions(fl
   history = []
   for turn in range(3):
     prompt = history + words(turn + 1, 23)
-    held = settle(lambda: idx.query(prompt))
+    held = settle(lambda: idx.query(alice(prompt)))
     r = complete(a.url, prompt)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -124,13 +139,13 @@ def test_the_indexer_scores_what_the_replica_reuses_and_follows_its_evictions(fl
     if turn:
       assert cached >= PAGE * (len(history) // PAGE) - PAGE and cached > 0
     history = prompt + body["choices"][0]["token_ids"]
-  before = settle(lambda: idx.query(history + [1]))[1]
+  before = settle(lambda: idx.query(alice(history + [1])))[1]
   assert before["device"] >= PAGE * 4
   # Other traffic through A's 20 device pages pushes the chat down to host memory: the
   # indexer's device score falls and its host score keeps the whole prefix.
   for seed in range(40, 46):
     assert complete(a.url, words(seed, 120), max_tokens=2).status_code == 200
-  after = settle(lambda: idx.query(history + [1]))[1]
+  after = settle(lambda: idx.query(alice(history + [1])))[1]
   assert after["device"] < before["device"] and after["host"] == before["device"]
 
 
@@ -154,24 +169,48 @@ def test_the_router_sends_each_chat_where_its_prefix_is_and_answers_exactly(flee
       assert ids == want  # through the router, streamed or not: the recomputed tokens
       replicas[seed].add(replica)
       chats[seed] = prompt + ids
-      settle(lambda p=chats[seed]: idx.query(p))
+      settle(lambda p=chats[seed]: idx.query(alice(p)))
   assert all(len(r) == 1 for r in replicas.values()), replicas  # every turn where turn 1 was
-  stats = httpx.get(f"{router.base}/router/stats").json()
+  stats = router_stats(router)
   assert stats["routed_by_prefix"] >= 6 and stats["indexer_errors"] == 0
 
 
-def test_keys_pass_through_the_router_and_tenants_stay_apart_on_a_replica(fleet):
-  router = fleet["router"]
-  assert complete(router.url, words(7, 20), key=None).status_code == 401
-  prompt = words(8, 40)
+def test_the_router_tells_no_caller_what_another_tenant_cached(fleet):
+  """The router as a prompt oracle: a caller without a key learns nothing (401 before any
+  routing: no replica header, no counter moved, no stats), and a tenant with a key sending
+  another tenant's cached prompt is routed as for any new prompt (the indexer is asked
+  with its own mapped ids), while the owner's repeat is routed by its prefix."""
+  router, idx = fleet["router"], fleet["idx"]
+  before = router_stats(router)
+  for key in (None, "not-a-key-0123456789"):
+    r = complete(router.url, words(7, 64), key=key)
+    assert r.status_code == 401 and REPLICA_HEADER not in r.headers, r.headers
+  assert httpx.get(f"{router.base}/router/stats").status_code == 401
+  bob = {"authorization": "Bearer key-bob-0123456789ab"}
+  assert httpx.get(f"{router.base}/router/stats", headers=bob).status_code == 403
+  after = router_stats(router)
+  assert after["requests"] == before["requests"]  # refused before it was routed
+  assert after["unauthenticated"] == before["unauthenticated"] + 2
+  prompt = words(8, 64)
   first = complete(router.url, prompt, key="key-alice-0123456789")
-  again = complete(router.url, prompt, key="key-alice-0123456789")
+  assert first.status_code == 200, first.text
+  where = first.headers[REPLICA_HEADER]
+  worker = 1 if where == fleet["a"].base else 2
+  held = settle(lambda: idx.query(alice(prompt)))
+  assert held.get(worker, {}).get("device", 0) >= 48  # alice's blocks, told under her ids
+  # Bob's ids for the same prompt match none of alice's blocks at the indexer ...
+  assert all(not h.get("disk", 0) for h in idx.query(tenant_tokens(prompt, "bob")).values())
+  routed = router_stats(router)["routed_by_prefix"]
   other = complete(router.url, prompt, key="key-bob-0123456789ab")
-  assert first.headers[REPLICA_HEADER] == again.headers[REPLICA_HEADER] == \
-      other.headers[REPLICA_HEADER]  # the indexer knows no tenants: same replica
-  assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+  assert other.status_code == 200, other.text
+  # ... so the router placed his request as any new one: not by alice's prefix.
+  assert router_stats(router)["routed_by_prefix"] == routed
   assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # bob's own
   assert other.json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
+  again = complete(router.url, prompt, key="key-alice-0123456789")
+  assert router_stats(router)["routed_by_prefix"] == routed + 1  # alice's own: by prefix
+  assert again.headers[REPLICA_HEADER] == where
+  assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
 
 
 def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly(
@@ -182,13 +221,14 @@ def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly
   want = reference.generate(prompts, 40)
   with concurrent.futures.ThreadPoolExecutor(6) as pool:
     futures = [pool.submit(complete, router.url, p, max_tokens=40) for p in prompts]
-    helpers.wait_for(lambda: any(r["inflight"] and r["url"] == a.base for r in httpx.get(
-        f"{router.base}/router/stats").json()["replicas"]), 60, "requests in flight on A")
+    helpers.wait_for(lambda: any(r["inflight"] and r["url"] == a.base
+                                 for r in router_stats(router)["replicas"]), 60,
+                     "requests in flight on A")
     os.killpg(a.proc.pid, signal.SIGKILL)
     answers = [f.result() for f in futures]
   assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
   assert [r.json()["choices"][0]["token_ids"] for r in answers] == want
-  stats = httpx.get(f"{router.base}/router/stats").json()
+  stats = router_stats(router)
   assert stats["replica_failures"] >= 1 and stats["retries"] >= 1
   state = {r["url"]: r for r in stats["replicas"]}
   assert not state[a.base]["healthy"] and state[fleet["b"].base]["healthy"]
@@ -198,16 +238,16 @@ def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly
 def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(fleet):
   idx, work = fleet["idx"], fleet["work"]
   prompt = words(40, 120)[:100]
-  assert settle(lambda: idx.query(prompt)).get(1, {}).get("disk", 0) > 0  # the killed A's
+  assert settle(lambda: idx.query(alice(prompt))).get(1, {}).get("disk", 0) > 0  # killed A's
   a2 = fleet["a2"] = ServerProcess(fleet["a_args"], workdir=str(work))  # same event ports
   a2.wait_ready(600)
   # The restarted publisher continues above the old seqs: the indexer asks its replay
   # socket, whose answer starts with AllBlocksCleared.
-  helpers.wait_for(lambda: idx.query(prompt).get(1, {}).get("disk", 0) == 0, 30,
+  helpers.wait_for(lambda: idx.query(alice(prompt)).get(1, {}).get("disk", 0) == 0, 30,
                    "the indexer to clear the restarted replica's blocks")
   r = complete(a2.url, prompt)
   assert r.status_code == 200
-  helpers.wait_for(lambda: idx.query(prompt).get(1, {}).get("device", 0) == 96, 30,
+  helpers.wait_for(lambda: idx.query(alice(prompt)).get(1, {}).get("device", 0) == 96, 30,
                    "the indexer to learn the restarted replica's new blocks")
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from jaxkv.config import MAX_LOGPROBS, SamplingParams
+from jaxkv.config import MAX_LOGPROB_ENTRIES, MAX_LOGPROBS, SamplingParams
 from jaxkv.errors import InputError, check_text
 
 if TYPE_CHECKING:
@@ -38,6 +38,12 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 TENANT_SEPARATOR = "\x1f"  # tenant names may not hold it: (tenant, salt) pairs stay distinct
+
+
+def request_tenant(tenant: str, cache_salt: str | None) -> str:
+  """The tenant string a request's blocks are keyed under: its key's tenant, narrowed by its
+  ``cache_salt`` (the router maps a request's token ids under the same string)."""
+  return tenant if cache_salt is None else f"{tenant}{TENANT_SEPARATOR}{cache_salt}"
 
 
 class ApiError(Exception):
@@ -62,11 +68,23 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 # ---- reading a request off the connection ----------------------------------------------------
 async def read_json(request, limit: int) -> dict:
-  """The request's body as a JSON object, refused (``ApiError``) before it is read whole
-  when its ``content-length`` is over ``limit`` bytes, as soon as more than ``limit`` bytes
-  arrived otherwise, and when it is not a JSON object (or nests too deep). A body over
-  ``PARSE_ON_LOOP_BYTES`` is parsed and checked in a worker thread, off the event loop.
+  """The request's body as a JSON object (``read_body``, then ``parse_body``).
   Every front door (the API server, the router, the P/D proxy) reads bodies with this."""
+  return await parse_body(await read_body(request, limit))
+
+
+async def parse_body(raw: bytes) -> dict:
+  """``parse_json(raw)``, in a worker thread when ``raw`` is over ``PARSE_ON_LOOP_BYTES``
+  (off the event loop: one client's big token list stalls no other client)."""
+  if len(raw) > PARSE_ON_LOOP_BYTES:
+    return await asyncio.to_thread(parse_json, raw)
+  return parse_json(raw)
+
+
+async def read_body(request, limit: int) -> bytes:
+  """The request's body, refused (``ApiError`` 413) before it is read whole when its
+  ``content-length`` is over ``limit`` bytes, and as soon as more than ``limit`` bytes
+  arrived otherwise (a chunked body); 400 when the client left before it ended."""
   length = request.headers.get("content-length")
   if length is not None and length.isdigit() and int(length) > limit:
     raise ApiError(413, f"the body is {int(length)} bytes, more than this server takes "
@@ -81,10 +99,7 @@ async def read_json(request, limit: int) -> dict:
       chunks.append(chunk)
   except ClientDisconnect:  # gone (or too slow: the connection's body deadline)
     raise ApiError(400, "the client left before its request's body arrived.") from None
-  raw = b"".join(chunks)
-  if size > PARSE_ON_LOOP_BYTES:
-    return await asyncio.to_thread(parse_json, raw)
-  return parse_json(raw)
+  return b"".join(chunks)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -210,6 +225,28 @@ def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
   return _int(body, "logprobs", low=0, high=MAX_LOGPROBS), _bool(body, "echo")
 
 
+def check_answer_size(prompt_lengths: list[int], *, max_tokens: int, n: int,
+                      logprobs: int | None, echo: bool,
+                      limit: int = MAX_LOGPROB_ENTRIES) -> None:
+  """Refuses (400, before any work) a request whose answer would hold more than ``limit``
+  log-probability entries: per prompt, its echoed tokens once (only a prompt's first
+  sample carries them) and ``max_tokens`` per choice, each position ``logprobs + 1``
+  entries (the token and its alternatives). Without log-probabilities an answer is its
+  tokens' text, bounded by ``max_tokens`` and the choices."""
+  if logprobs is None:
+    return
+  per = logprobs + 1
+  entries = sum((length if echo else 0) + max_tokens * n for length in prompt_lengths) * per
+  if entries <= limit:
+    return
+  what = (f"{len(prompt_lengths)} prompt(s) of {sum(prompt_lengths)} tokens (echoed) and "
+          if echo else f"{len(prompt_lengths)} prompt(s) x ")
+  raise _bad(f"logprobs={logprobs} over {what}n={n} x max_tokens={max_tokens} ask for "
+             f"{entries} log-probability entries; this server answers at most {limit} per "
+             "request: send fewer prompts per request, or lower logprobs, n or max_tokens.",
+             "logprobs")
+
+
 def _chat_messages(messages) -> list[dict]:
   """``messages`` as ``{"role", "content"}`` dicts of strings (text parts joined)."""
   if not isinstance(messages, list) or not messages:
@@ -318,7 +355,7 @@ def _job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: l
   except InputError as e:
     raise _bad(str(e)) from None
   return _Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
-              tenant=tenant if salt is None else f"{tenant}{TENANT_SEPARATOR}{salt}",
+              tenant=request_tenant(tenant, salt),
               stream=stream, include_usage=_bool(options, "include_usage"),
               return_ids=_bool(body, "return_token_ids") or ids_only, n=n,
               logprobs=logprobs, echo=echo)

@@ -18,9 +18,20 @@ taken out until ``/health`` answers 200 again, and the request goes to the next 
 cost order (before any byte of an answer was passed on: a stream that broke midway ends as
 the replica ended it). A 429 tries the next replica; the last one's 429 is the answer. An
 indexer that does not answer within ``indexer_timeout_s`` leaves the choice to load alone
-(counted). Streams pass through as they come; the Authorization header goes to the replica,
-which checks it (tenants stay isolated on every replica: their blocks' keys differ, though
-the indexer, which matches by tokens, does not know tenants).
+(counted). Streams pass through as they come.
+
+Tenants: with ``api_keys`` (the replicas' own keys file) the router checks a request's key
+before it does anything for it: a caller without a valid key gets 401, and the indexer is
+not asked, no replica is chosen, no counter moves. The indexer matches token ids and knows
+no tenants, so the router asks it with the request's ids *mapped under its tenant's salt*
+(``jaxkv.security.routing_tokens``; the tenant narrowed by the request's ``cache_salt``),
+as the replicas' KV events tell their blocks: a tenant's request is scored only against its
+own tenant's blocks, and the router's choice says nothing about another tenant's prompts.
+Give the router the replicas' ``--deployment_key_file`` (the salts are keyed by it; without
+one they follow from tenant names). The Authorization header still goes to the replica,
+which checks it too. ``/router/stats`` answers only a ``metrics_tenants`` key when keys are
+on; ``x-jaxkv-replica`` (which replica answered) goes only with answers to a caller whose
+key the replica took.
 
 Token ids: a ``/v1/completions`` prompt given as token ids is used as is; text and chat
 need ``tokenizer`` (the replicas' own, ``launch/router.py --model_dir``), without which such
@@ -33,15 +44,17 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 
 import httpx
 from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxkv import security
+from jaxkv.entrypoints.openai.auth import ApiKeys
+from jaxkv.entrypoints.openai.protocol import (MAX_BODY_BYTES, ApiError, _chat_messages,
+                                               parse_body, read_body, request_tenant)
 from jaxkv.errors import InputError
-from jaxkv.entrypoints.openai.protocol import ApiError, _chat_messages
 
 POLICIES = ("prefix", "round_robin")
 REPLICA_HEADER = "x-jaxkv-replica"
@@ -56,6 +69,15 @@ def parse_query(answer: dict) -> dict[int, dict[str, int]]:
     out[int(worker)] = {"device": int(m.get("gpu", 0)), "host": int(m.get("cpu", 0)),
                         "disk": int(m.get("disk", m.get("longest_matched", 0)))}
   return out
+
+
+def tenant_tokens(tokens, tenant: str = "default", *, cache_salt: str | None = None,
+                  deployment_key: bytes | None = None) -> list[int]:
+  """``tokens`` as a replica's KV events tell ``tenant``'s blocks of them (and as the router
+  asks the indexer for them): mapped under the salt of the tenant narrowed by
+  ``cache_salt``, keyed by the deployment key (``security.routing_tokens``)."""
+  salt = security.tenant_salt(request_tenant(tenant, cache_salt), deployment_key)
+  return security.routing_tokens(salt, tokens)
 
 
 def register(url: str, worker: int, endpoint: str, *, replay: str | None = None,
@@ -95,6 +117,8 @@ class RouterConfig:
   disk_weight: float = 0.6
   health_interval_s: float = 1.0
   timeout_s: float = 600.0
+  max_body_bytes: int = MAX_BODY_BYTES
+  raw_tokens: bool = False  # the replicas send raw ids (TierConfig.kv_events_raw_tokens)
 
   def __post_init__(self):
     if self.policy not in POLICIES:
@@ -110,12 +134,19 @@ class RouterConfig:
         raise InputError(f"{name}={getattr(self, name)!r} must be > 0 seconds.")
     if not self.load_tokens >= 0:
       raise InputError(f"load_tokens={self.load_tokens!r} must be >= 0.")
+    if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+      raise InputError(f"max_body_bytes={self.max_body_bytes!r} must be an integer >= 1.")
 
 
 class Router:
   """The routing state and decision; ``make_app`` serves it over HTTP."""
 
-  def __init__(self, replicas: list[tuple[str, int]], config: RouterConfig, tokenizer=None):
+  def __init__(self, replicas: list[tuple[str, int]], config: RouterConfig, tokenizer=None, *,
+               api_keys: dict[str, str] | None = None, metrics_tenants=(),
+               deployment_key: bytes | None = None):
+    """``api_keys``: ``{key: tenant}``, the replicas' keys (None: no keys, every request is
+    tenant "default"); ``metrics_tenants``: who may read ``/router/stats`` when keys are on;
+    ``deployment_key``: the replicas' (it keys the tenants' salts)."""
     if not replicas:
       raise InputError("give at least one replica (--replicas=http://HOST:PORT,...).")
     for url, _ in replicas:
@@ -123,9 +154,14 @@ class Router:
         raise InputError(f"replica {url!r} is not an http://HOST:PORT URL.")
     self.replicas = [Replica(url.rstrip("/"), worker) for url, worker in replicas]
     self.config, self.tokenizer = config, tokenizer
+    self.keys = ApiKeys(api_keys)
+    self.metrics_tenants = self.keys.check_metrics_tenants(metrics_tenants)
+    self._deployment_key = security.check_key(deployment_key)
+    self.keyed = self._deployment_key is not None  # the tenants' salts are secret
     self._turn = itertools.count()
     self.stats = {"requests": 0, "routed_by_prefix": 0, "indexer_errors": 0,
-                  "retries": 0, "replica_failures": 0, "rejected_429": 0, "no_tokens": 0}
+                  "retries": 0, "replica_failures": 0, "rejected_429": 0, "no_tokens": 0,
+                  "unauthenticated": 0}
     self.client: httpx.AsyncClient | None = None
 
   # ---- the decision ----------------------------------------------------------------------------
@@ -147,6 +183,20 @@ class Router:
     except (ApiError, InputError):  # bad messages or text: the replica names what is wrong
       return None
     return None
+
+  def query_tokens(self, tokens: list[int] | None, tenant: str, cache_salt) -> list[int] | None:
+    """``tokens`` as the indexer knows ``tenant``'s blocks (mapped under the salt of the
+    tenant narrowed by ``cache_salt``, as the replicas' events tell them); None when they
+    cannot be scored (no tokens, ids outside 32 bits, a ``cache_salt`` the replica refuses)."""
+    if tokens is None or (cache_salt is not None and not isinstance(cache_salt, str)):
+      return None
+    if self.config.raw_tokens:
+      return tokens
+    try:
+      return tenant_tokens(tokens, tenant, cache_salt=cache_salt,
+                           deployment_key=self._deployment_key)
+    except (InputError, OverflowError, TypeError):  # the replica names what is wrong
+      return None
 
   async def held(self, tokens: list[int]) -> dict[int, dict[str, int]] | None:
     """The indexer's answer for ``tokens`` (None: it did not answer in time)."""
@@ -198,22 +248,31 @@ class Router:
       await asyncio.sleep(self.config.health_interval_s)
 
   # ---- forwarding --------------------------------------------------------------------------------
-  async def relay(self, raw: bytes, path: str, auth: str | None) -> Response:
-    """One API request: placed, sent, and retried on the next replica where it may be."""
+  async def relay(self, request: Request, path: str) -> Response:
+    """One API request: its key checked, its body read (bounded), placed, sent, and retried
+    on the next replica where it may be."""
+    auth = request.headers.get("authorization")
     try:
-      body = json.loads(raw)
-    except ValueError:
-      return _error(400, "the body is not JSON; send a JSON object.", "invalid_request_error")
-    if not isinstance(body, dict):
-      return _error(400, "send a JSON object.", "invalid_request_error")
+      tenant = self.keys.tenant(auth)  # before anything is done on the caller's behalf
+    except ApiError as e:
+      self.stats["unauthenticated"] += 1
+      return e.response()
+    try:
+      raw = await read_body(request, self.config.max_body_bytes)
+      body = await parse_body(raw)
+    except ApiError as e:
+      return e.response()
     self.stats["requests"] += 1
-    tokens = self.tokens_of(path, body)
     held = None
     if self.config.policy == "prefix":
+      # Tokenizing (a chat template, a long text) and mapping run off the event loop.
+      tokens = await asyncio.to_thread(self.tenant_tokens, path, body, tenant)
       if tokens is None:
         self.stats["no_tokens"] += 1
       else:
         held = await self.held(tokens)
+    else:
+      tokens = None
     candidates = self.ranked(len(tokens or ()), held)
     if held and held.get(candidates[0].worker, {}).get("disk", 0) > 0:
       self.stats["routed_by_prefix"] += 1
@@ -226,6 +285,10 @@ class Router:
       if answer is not None:
         return answer
     return last or _error(503, "no replica answered.")
+
+  def tenant_tokens(self, path: str, body: dict, tenant: str) -> list[int] | None:
+    """The ids the indexer is asked for this request of ``tenant`` (``query_tokens``)."""
+    return self.query_tokens(self.tokens_of(path, body), tenant, body.get("cache_salt"))
 
   def _failed(self, r: Replica, why: str) -> Response:
     r.inflight -= 1
@@ -260,7 +323,7 @@ class Router:
         await resp.aclose()
       r.inflight -= 1
       return Response(content, status_code=resp.status_code, media_type=kind,
-                      headers={REPLICA_HEADER: r.url}), None
+                      headers=_replica_header(r, resp.status_code)), None
 
     async def passthrough():
       try:
@@ -274,7 +337,13 @@ class Router:
         await resp.aclose()
 
     return StreamingResponse(passthrough(), status_code=resp.status_code, media_type=kind,
-                             headers={REPLICA_HEADER: r.url}), None
+                             headers=_replica_header(r, resp.status_code)), None
+
+
+def _replica_header(r: Replica, status: int) -> dict:
+  """Which replica answered, for a caller whose key it took (none on a 401/403: a caller
+  without a key learns nothing of where a request would have gone)."""
+  return {} if status in (401, 403) else {REPLICA_HEADER: r.url}
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
@@ -300,17 +369,19 @@ def make_app(router: Router) -> FastAPI:
 
   @api.post("/v1/completions")
   async def completions(request: Request):
-    return await router.relay(await request.body(), "/v1/completions",
-                              request.headers.get("authorization"))
+    return await router.relay(request, "/v1/completions")
 
   @api.post("/v1/chat/completions")
   async def chat(request: Request):
-    return await router.relay(await request.body(), "/v1/chat/completions",
-                              request.headers.get("authorization"))
+    return await router.relay(request, "/v1/chat/completions")
 
   @api.get("/v1/models")
   async def models(request: Request):
     auth = request.headers.get("authorization")
+    try:
+      router.keys.tenant(auth)
+    except ApiError as e:
+      return e.response()
     for r in router.ranked(0, None):
       try:
         resp = await router.client.get(f"{r.url}/v1/models",
@@ -329,7 +400,12 @@ def make_app(router: Router) -> FastAPI:
     return {"status": "ok", "healthy": up}
 
   @api.get("/router/stats")
-  async def stats():
+  async def stats(request: Request):
+    try:
+      router.keys.metrics_reader(request.headers.get("authorization"),
+                                 router.metrics_tenants, "/router/stats")
+    except ApiError as e:
+      return e.response()
     return {**router.stats, "replicas": [dataclasses.asdict(r) for r in router.replicas]}
 
   return api

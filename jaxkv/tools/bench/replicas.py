@@ -31,6 +31,7 @@ import zmq
 
 from jaxkv.metrics import percentile
 from jaxkv.progress import Progress
+from jaxkv.entrypoints.openai.router import tenant_tokens
 from jaxkv.tools.bench.http import (ServerProcess, Target, TokenChat, run_load, summary,
                                     _medians)
 from jaxkv.tools.bench.indexer import DynamoIndexer
@@ -88,7 +89,10 @@ def _events_lag_ms(replica: ServerProcess, events: str, idx: DynamoIndexer, n: i
   try:
     for _ in range(n):
       prompt = rng.integers(1, 500, 4 * PAGE + 3).tolist()
-      last = prompt[3 * PAGE:4 * PAGE]
+      # As the replica's events tell the blocks (its one tenant's mapped ids) and its
+      # router asks for them.
+      told = tenant_tokens(prompt[:4 * PAGE])
+      last = told[3 * PAGE:4 * PAGE]
       with httpx.Client() as client:
         client.post(f"{replica.url}/completions", json={
             "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}, timeout=120)
@@ -105,7 +109,7 @@ def _events_lag_ms(replica: ServerProcess, events: str, idx: DynamoIndexer, n: i
       if seen is None:
         raise RuntimeError("the replica's stream never told the prompt's last block")
       while True:
-        held = idx.query(prompt[:4 * PAGE]).get(1, {})
+        held = idx.query(told).get(1, {})
         if held.get("device", 0) >= 4 * PAGE:
           lags.append(1e3 * (time.perf_counter() - seen))
           break
