@@ -14,11 +14,9 @@ yet; the process ends as SIGTERM's default does). Under launch/multihost.py proc
 runs the same steps.
 """
 
-import json
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -103,22 +101,7 @@ _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "An idle keep-alive connec
 
 
 def _api_keys(path: str | None) -> dict | None:
-  if not path:
-    return None
-  try:
-    mode = os.stat(path).st_mode
-    with open(path) as f:
-      keys = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise app.UsageError(f"--api_keys_file={path} did not load: {e}.")
-  if mode & (stat.S_IRWXG | stat.S_IRWXO):
-    raise app.UsageError(f"--api_keys_file={path} is readable by group or others (mode "
-                         f"{stat.S_IMODE(mode):o}); chmod 600 {path}.")
-  if not isinstance(keys, dict) or not keys or not all(
-      isinstance(k, str) and len(k) >= 16 and isinstance(v, str) and v for k, v in keys.items()):
-    raise app.UsageError(f"--api_keys_file={path} must hold a JSON object mapping API keys "
-                         "(16+ characters) to tenant names, e.g. {\"sk-...\": \"team-a\"}.")
-  return keys
+  return _common.load_api_keys(path)
 
 
 def _block_address(deployment_key) -> tuple[str | None, int]:
