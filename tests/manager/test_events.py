@@ -127,14 +127,20 @@ def test_the_stream_is_vllms_format_and_says_what_the_index_holds_medium_by_medi
     # What the stream says is held is what the index holds, in every medium.
     assert set(reader.held) == index_state(e)
     assert {m for _, m in reader.held} == {"GPU", "CPU", "DISK"}
-    # Chains: a prompt's block j names block j-1 as its parent, and carries its tokens.
+    # Chains: a prompt's block j names block j-1 as its parent, and carries its tokens as
+    # its tenant's router asks for them: one id per token, the same id for the same token
+    # in every block, never the raw id (the stream carries no prompt in the clear).
     keys = e.cache.index.block_keys(ps[0], "default")
     stored = {h: ev for (h, _), ev in reader.held.items()}
+    told = {}
     for j, k in enumerate(keys):
       ev = stored.get(block_hash(k))
       if ev is not None:
-        assert ev["token_ids"] == ps[0][4 * j:4 * j + 4]
+        for raw, sent in zip(ps[0][4 * j:4 * j + 4], ev["token_ids"]):
+          assert told.setdefault(raw, sent) == sent and 0 <= sent < 2**32
         assert ev["parent_block_hash"] == (block_hash(keys[j - 1]) if j else None)
+    assert len(told) >= 4 and len(set(told.values())) == len(told)  # a function, one-to-one
+    assert all(raw != sent for raw, sent in told.items())
   finally:
     reader.close()
 
@@ -194,6 +200,42 @@ def test_tenants_identical_prompts_are_different_blocks_and_hashes_only_leaves_o
     assert all(ev["token_ids"] == [] for ev in reader.held.values())
   finally:
     reader.close()
+
+
+def told_tokens(engine, reader, prompt, tenant):
+  """The token ids the stream told for ``tenant``'s blocks of ``prompt``, block by block."""
+  stored = {h: ev for (h, _), ev in reader.held.items()}
+  return [stored[block_hash(k)]["token_ids"] for k in engine.cache.index.block_keys(
+      prompt, tenant) if block_hash(k) in stored]
+
+
+def test_each_tenant_is_told_its_own_token_ids_and_raw_ids_are_an_opt_in(engine_with_events):
+  """A router scoring by token ids (Dynamo's indexer) must never match one tenant's request
+  against another's blocks: the same prompt's blocks carry different ids per tenant (and
+  per cache_salt). kv_events_raw_tokens=True sends the prompt's own ids, as vLLM does."""
+  p = prompts(1, 17, seed=3)[0]
+  for raw in (False, True):
+    e, pub, _ = engine_with_events(kv_events_raw_tokens=raw)
+    reader = Reader(pub)
+    try:
+      time.sleep(0.3)
+      for tenant in ("alice", "bob", "alice\x1fsalt"):
+        e.submit(p, 2, tenant=tenant)
+        while e.has_unfinished():
+          e.step()
+      reader.read()
+      told = {t: told_tokens(e, reader, p, t) for t in ("alice", "bob", "alice\x1fsalt")}
+      assert all(len(blocks) == 4 for blocks in told.values()), told
+      want = [p[4 * j:4 * j + 4] for j in range(4)]
+      if raw:
+        assert all(blocks == want for blocks in told.values())
+      else:
+        flat = {t: sum(blocks, []) for t, blocks in told.items()}
+        assert not set(flat["alice"]) & set(flat["bob"])
+        assert not set(flat["alice"]) & set(flat["alice\x1fsalt"])
+        assert all(blocks != want for blocks in told.values())
+    finally:
+      reader.close()
 
 
 def test_blocks_adopted_from_disk_are_told_once_a_prompt_names_their_tokens(
