@@ -315,7 +315,9 @@ def check_endpoint(value: str, flag: str) -> str:
   ``tcp://*:PORT``, ``ipc://PATH``), else an ``InputError`` naming ``flag``."""
   if not isinstance(value, str) or not _ENDPOINT.match(value):
     raise InputError(f"{flag}={value!r} is not an endpoint to publish on; give "
-                     "tcp://HOST:PORT (tcp://*:5557 listens on every interface) or ipc://PATH.")
+                     "tcp://127.0.0.1:5557 (or a private address only the router's hosts "
+                     "reach: the stream tells every tenant's blocks and takes no key) or "
+                     "ipc://PATH.")
   return value
 
 
