@@ -171,6 +171,8 @@ def test_the_router_sends_each_chat_where_its_prefix_is_and_answers_exactly(flee
       chats[seed] = prompt + ids
       settle(lambda p=chats[seed]: idx.query(alice(p)))
   assert all(len(r) == 1 for r in replicas.values()), replicas  # every turn where turn 1 was
+  # ... and the new chats were spread (a router that sends everything to one replica fails).
+  assert set().union(*replicas.values()) == {fleet["a"].base, fleet["b"].base}, replicas
   stats = router_stats(router)
   assert stats["routed_by_prefix"] >= 6 and stats["indexer_errors"] == 0
 
@@ -215,9 +217,16 @@ def test_the_router_tells_no_caller_what_another_tenant_cached(fleet):
 
 def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly(
     fleet, reference):
-  router, a = fleet["router"], fleet["a"]
-  # Prompts whose prefix A holds (the first test's traffic), so the router sends them to A.
-  prompts = [words(40 + i, 120)[:100] + words(200 + i, 10) for i in range(6)]
+  router, a, idx = fleet["router"], fleet["a"], fleet["idx"]
+  # Prompts whose prefix A holds (put there now, whatever ran before), so the router sends
+  # them to A.
+  prefixes = [words(40 + i, 120)[:100] for i in range(6)]
+  for prefix in prefixes:
+    assert complete(a.url, prefix, max_tokens=1).status_code == 200
+  helpers.wait_for(lambda: all(idx.query(alice(p)).get(1, {}).get("disk", 0) >= 96
+                               for p in prefixes), 30, "the indexer to learn A's prefixes",
+                   interval_s=0.2)
+  prompts = [p + words(200 + i, 10) for i, p in enumerate(prefixes)]
   want = reference.generate(prompts, 40)
   with concurrent.futures.ThreadPoolExecutor(6) as pool:
     futures = [pool.submit(complete, router.url, p, max_tokens=40) for p in prompts]

@@ -129,16 +129,17 @@ def test_the_stream_is_vllms_format_and_says_what_the_index_holds_medium_by_medi
     assert {m for _, m in reader.held} == {"GPU", "CPU", "DISK"}
     # Chains: a prompt's block j names block j-1 as its parent, and carries its tokens as
     # its tenant's router asks for them: one id per token, the same id for the same token
-    # in every block, never the raw id (the stream carries no prompt in the clear).
+    # in every block, never the raw id.
     keys = e.cache.index.block_keys(ps[0], "default")
     stored = {h: ev for (h, _), ev in reader.held.items()}
     told = {}
+    # ps[0] ran twice and its blocks were flushed to disk: every one is held somewhere.
+    assert len(keys) == 5 and all(block_hash(k) in stored for k in keys)
     for j, k in enumerate(keys):
-      ev = stored.get(block_hash(k))
-      if ev is not None:
-        for raw, sent in zip(ps[0][4 * j:4 * j + 4], ev["token_ids"]):
-          assert told.setdefault(raw, sent) == sent and 0 <= sent < 2**32
-        assert ev["parent_block_hash"] == (block_hash(keys[j - 1]) if j else None)
+      ev = stored[block_hash(k)]
+      for raw, sent in zip(ps[0][4 * j:4 * j + 4], ev["token_ids"]):
+        assert told.setdefault(raw, sent) == sent and 0 <= sent < 2**32
+      assert ev["parent_block_hash"] == (block_hash(keys[j - 1]) if j else None)
     assert len(told) >= 4 and len(set(told.values())) == len(told)  # a function, one-to-one
     assert all(raw != sent for raw, sent in told.items())
   finally:
