@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import json
 import threading
 import time
 import uuid
@@ -46,9 +47,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.entrypoints.openai import disagg
 from jaxkv.entrypoints.openai.protocol import (
-    MAX_BODY_BYTES, MAX_CHOICES, TENANT_SEPARATOR, ApiError, _Answer, _bad, _body, _bool,
-    _chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
-    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, read_json)
+    MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, TENANT_SEPARATOR, ApiError, _Answer,
+    _bad, _body, _bool, _chat_messages, _check_supported, _clip, _error_event, _int, _Job,
+    _job, _logprobs, _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids,
+    check_answer_size, parse_body, read_body, read_json)
 from jaxkv.errors import InputError
 from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
 
@@ -236,7 +238,8 @@ class OpenAIServer:
       if not self.ready:
         raise ApiError(503, "the engine is warming up; retry when /health says ok.",
                        "service_unavailable", headers={"Retry-After": "5"})
-      body = await read_json(request, self.max_body_bytes)
+      raw = await read_body(request, self.max_body_bytes)
+      body = await parse_body(raw)
       try:
         hand_off, transfer = disagg.read_params(body, self.role)
       except disagg.Refused as e:
@@ -244,8 +247,10 @@ class OpenAIServer:
       if hand_off and self.service.engine.cache.pool is None:
         raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
                    "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
-      if chat or _has_text(body.get("prompt")):  # a template or tokenizer runs: not
-        jobs = await asyncio.to_thread(self.reader.parse, body, chat, tenant)  # on the event loop
+      # A template or tokenizer runs, or a large body's token ids are checked one by one:
+      # not on the event loop, which every other client's request waits for.
+      if chat or _has_text(body.get("prompt")) or len(raw) > PARSE_ON_LOOP_BYTES:
+        jobs = await asyncio.to_thread(self.reader.parse, body, chat, tenant)
       else:
         jobs = self.reader.parse(body, chat, tenant)
       choices = [(job, j) for job in jobs for j in range(job.n)]
@@ -302,14 +307,16 @@ class OpenAIServer:
     if any(a.finish_reason == "error" for a in answers):
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
-    out = _body(answers, self.model_name)
+    out = (await asyncio.to_thread(_body, answers, self.model_name) if _large(answers)
+           else _body(answers, self.model_name))
     cache = self.service.engine.cache
     if hand_off:  # its blocks are in the pool before the proxy hears of them
       out["kv_transfer_params"] = await asyncio.to_thread(
           disagg.hand_off, cache, job.prompt, job.tenant, engine_id=self.run_id,
           host=request.url.hostname, port=request.url.port,
           deadline_s=min(60.0, self.request_timeout_s))
-    return JSONResponse(out)
+    return (JSONResponse(out) if not _large(answers) else Response(
+        await asyncio.to_thread(_json_bytes, out), media_type="application/json"))
 
   def _abort_all(self, tickets) -> None:
     for ticket in tickets:
@@ -363,7 +370,13 @@ class OpenAIServer:
             failed = True
             break
           if text or ids or done:
-            yield _sse(a.chunk(self.model_name, text, ids, a.finish_reason if done else None))
+            reason = a.finish_reason if done else None
+            if a.job.echo and a.job.logprobs is not None and not a.sent_prompt:
+              # The chunk leads with the whole prompt's log-probabilities: built off the loop.
+              yield await asyncio.to_thread(
+                  lambda: _sse(a.chunk(self.model_name, text, ids, reason)))  # noqa: B023
+            else:
+              yield _sse(a.chunk(self.model_name, text, ids, reason))
           if done:
             left.discard(k)
         if failed:
@@ -425,6 +438,8 @@ class _Reader:
       max_tokens = max(1, self.max_context - len(prompts[0][0])) if chat else 16
     for index, (prompt, _) in enumerate(prompts):
       self.check_length(prompt, max_tokens, index if len(prompts) > 1 else None)
+    check_answer_size([len(p) for p, _ in prompts], max_tokens=max_tokens, n=n,
+                      logprobs=logprobs, echo=echo)
     # One job read from the body (one sampling, one seed), one per prompt from it.
     job = _job(body, chat=chat, prompt=prompts[0][0], max_tokens=max_tokens, stops=stops,
                stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
@@ -623,6 +638,26 @@ class _CountRequests:
     finally:
       path = scope.get("path", "")
       self.counter.labels(path if path in _ROUTES else "other", status[0]).inc()
+
+
+# An answer with more positions than this (with log-probabilities: entries) across its
+# choices is built and encoded in a worker thread: a few milliseconds on the loop at most.
+_BUILD_ON_LOOP_POSITIONS = 4096
+
+
+def _large(answers) -> bool:
+  """Whether building ``answers``' JSON is worth a worker thread (see above)."""
+  positions = 0
+  for a in answers:
+    n = len(a.tokens) + (a.prompt_tokens if a.job.echo else 0)
+    positions += n * (a.job.logprobs + 2 if a.job.logprobs is not None else 1)
+  return positions > _BUILD_ON_LOOP_POSITIONS
+
+
+def _json_bytes(obj: dict) -> bytes:
+  """``obj`` encoded as ``JSONResponse`` encodes it."""
+  return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None,
+                    separators=(",", ":")).encode("utf-8")
 
 
 def _has_text(prompt) -> bool:
