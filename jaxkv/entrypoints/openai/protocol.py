@@ -241,10 +241,13 @@ def check_answer_size(prompt_lengths: list[int], *, max_tokens: int, n: int,
     return
   what = (f"{len(prompt_lengths)} prompt(s) of {sum(prompt_lengths)} tokens (echoed) and "
           if echo else f"{len(prompt_lengths)} prompt(s) x ")
+  # The largest max_tokens that fits (chat's default is the whole context: name it).
+  fits = (limit // per - (sum(prompt_lengths) if echo else 0)) // (n * len(prompt_lengths))
+  hint = f" (max_tokens <= {fits} fits)" if 1 <= fits < max_tokens else ""
   raise _bad(f"logprobs={logprobs} over {what}n={n} x max_tokens={max_tokens} ask for "
              f"{entries} log-probability entries; this server answers at most {limit} per "
-             "request: send fewer prompts per request, or lower logprobs, n or max_tokens.",
-             "logprobs")
+             f"request: send fewer prompts per request, or lower logprobs, n or max_tokens"
+             f"{hint}.", "logprobs")
 
 
 def _chat_messages(messages) -> list[dict]:
