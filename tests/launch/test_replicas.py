@@ -275,7 +275,7 @@ def test_a_429_from_a_full_replica_is_tried_on_the_next(fleet, reference):
     assert stats["rejected_429"] >= 1 and stats["replica_failures"] == 0
 
 
-def test_router_flags_that_cannot_work_are_refused_naming_the_fix():
+def test_router_flags_that_cannot_work_are_refused_naming_the_fix(tmp_path):
   code, _, err = helpers.run_script(["launch/router.py", "--replicas=http://127.0.0.1:1"],
                                     timeout_s=120)
   assert code == 2 and "--indexer=http://HOST:PORT" in err
@@ -283,3 +283,16 @@ def test_router_flags_that_cannot_work_are_refused_naming_the_fix():
       ["launch/router.py", "--replicas=http://127.0.0.1:1,http://127.0.0.1:2",
        "--indexer=http://127.0.0.1:1", "--replica_events=tcp://127.0.0.1:5"], timeout_s=120)
   assert code == 2 and "one per replica" in err
+  # Off loopback (192.0.2.1, a documentation address: nothing listens, the bind fails after
+  # the warnings): without keys, and with tenants but no deployment key, it says INSECURE.
+  keys = tmp_path / "keys.json"
+  keys.write_text(json.dumps(KEYS))
+  os.chmod(keys, 0o600)
+  env = {"JAXKV_DEPLOYMENT_KEY_FILE": "", "JAXKV_DEPLOYMENT_KEY": ""}
+  for extra, needle in (([], "without --api_keys_file"),
+                        ([f"--api_keys_file={keys}"], "without a deployment key")):
+    code, _, err = helpers.run_script(
+        ["launch/router.py", "--replicas=http://127.0.0.1:1", "--policy=round_robin",
+         "--host=192.0.2.1", *extra], timeout_s=120, env=env)
+    insecure = [line for line in err.splitlines() if "INSECURE:" in line]
+    assert code == 2 and len(insecure) == 1 and needle in insecure[0], err[-2000:]
