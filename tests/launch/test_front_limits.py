@@ -180,12 +180,12 @@ def test_connections_past_the_bound_get_503(fronts, front):
   finally:
     for sock in held:
       sock.close()
-  helpers_deadline = time.monotonic() + 10
+  deadline = time.monotonic() + 10
   while True:  # the held ones closed: the front takes connections again
     try:
       if httpx.get(f"{server.base}/health", timeout=5).status_code == 200:
         break
     except httpx.HTTPError:
       pass
-    assert time.monotonic() < helpers_deadline, f"{front} takes no connection after a flood"
+    assert time.monotonic() < deadline, f"{front} takes no connection after a flood"
     time.sleep(0.1)
