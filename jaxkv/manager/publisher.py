@@ -28,9 +28,13 @@ is bounded (``PublisherLimits``; the numbers below are the defaults):
   frame's size before the frame and drops a peer that announces more, before allocating.
 - **Subscriptions.** libzmq keeps a subscription as one trie node per byte. Only prefixes of
   our topic can match our messages; every other subscription (``subscriptions_foreign``) is
-  counted in bytes, and past ``foreign_subscription_bytes`` (64 KiB, a trie of a few MiB)
-  the XPUB is closed and bound again at the same address, which frees the trie: readers
-  reconnect by themselves and get a snapshot.
+  counted in bytes, and past ``foreign_subscription_bytes`` (16 KiB) the XPUB is closed and
+  bound again at the same address, which frees the trie: readers reconnect by themselves
+  and get a snapshot. libzmq moves frames into the trie before we read them, as fast as a
+  peer sends them while this thread touches the socket: 5-16 MiB of trie per re-bind were
+  measured on loopback (``tests/manager/test_publisher_bounds.py``), against 300 MiB for
+  8 MiB sent without the re-bind. (An attacker who keeps doing this makes readers reconnect
+  and re-read a snapshot each time: it costs them time, not this process memory.)
 - **Snapshots** are sent once per new connection (seen by a socket monitor), on its first
   subscription, at most one per ``snapshot_interval_s``: a peer that re-sends subscriptions
   on one connection makes none.
@@ -74,6 +78,8 @@ MAX_EVENTS = 1024  # per message (and fewer where the message would pass message
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 5  # an event waits at most this long in the queue
 _WARN_EVERY_S = 60.0
+_SUBSCRIPTION_HWM = 4  # subscription frames queued per peer before libzmq stops reading it
+_REQUEST_HWM = 16  # replay requests queued per peer before libzmq stops reading it
 _REBIND_S = 5.0  # how long a re-bind of the XPUB may retry a port the old socket still holds
 
 
@@ -89,7 +95,7 @@ class PublisherLimits:
   replay_hwm: int = 256
   replays_per_s: float = 20.0
   snapshot_interval_s: float = 1.0
-  foreign_subscription_bytes: int = 64 * 1024
+  foreign_subscription_bytes: int = 16 * 1024
 
   def __post_init__(self):
     for name in ("frame_bytes", "sndhwm", "message_bytes", "buffer_messages", "buffer_bytes",
@@ -212,6 +218,10 @@ class EventPublisher:
       pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, also a repeated one
       pub.setsockopt(zmq.SNDHWM, self.limits.sndhwm)
       pub.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
+      # libzmq moves a peer's queued subscriptions into its trie (and its queue for us)
+      # whenever this thread touches the socket, also on each recv that takes one out: a
+      # queue of a few frames keeps what it took in close to what we have counted.
+      pub.setsockopt(zmq.RCVHWM, _SUBSCRIPTION_HWM)
       pub.setsockopt(zmq.LINGER, 0)
       pub.bind(where)
       mon = pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -240,6 +250,7 @@ class EventPublisher:
         rep.setsockopt(zmq.LINGER, 0)
         rep.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
         rep.setsockopt(zmq.SNDHWM, self.limits.replay_hwm)
+        rep.setsockopt(zmq.RCVHWM, _REQUEST_HWM)
         rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so, not drops silently
         try:
           rep.bind(self.replay_endpoint)
@@ -328,6 +339,8 @@ class EventPublisher:
       if not self.topic.startswith(frame[1:]):  # never matches what we send
         self.subscriptions_foreign += len(frame)
         self._foreign_bytes += len(frame)
+        if self._foreign_bytes > self.limits.foreign_subscription_bytes:
+          return  # re-bind now: each further read lets libzmq take more into the trie
       elif self._new_peers:  # the first subscription of a new reader: tell it everything
         self._new_peers -= 1
         self._snapshot_due = True
