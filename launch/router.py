@@ -106,6 +106,11 @@ def main(argv):
     security.warn_insecure("tenants share this router without a deployment key: the token "
                            "mapping that keeps their prefixes apart follows from tenant names",
                            "give --deployment_key_file (the replicas' key)")
+  if len(set((api_keys or {}).values())) > 1 and _RAW_TOKENS.value:
+    security.warn_insecure("--raw_tokens with several tenants: the indexer matches every "
+                           "tenant's request against every tenant's blocks, so one tenant's "
+                           "prefixes steer (and reveal themselves to) another's requests",
+                           "leave --raw_tokens off (and kv_events_raw_tokens on the replicas)")
   if _REPLICA_EVENTS.value:
     if len(_REPLICA_EVENTS.value) != len(_REPLICAS.value):
       raise app.UsageError(f"--replica_events names {len(_REPLICA_EVENTS.value)} endpoints for "

@@ -213,6 +213,10 @@ def test_the_router_tells_no_caller_what_another_tenant_cached(fleet):
   assert router_stats(router)["routed_by_prefix"] == routed + 1  # alice's own: by prefix
   assert again.headers[REPLICA_HEADER] == where
   assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+  # Ids no tokenizer makes (what a forger's would be, mapped onto another tenant's) are
+  # refused by the replica, and the refusal does not say where the router sent them.
+  forged = complete(router.url, [1_000_000 + i for i in range(32)], key="key-bob-0123456789ab")
+  assert forged.status_code == 400 and REPLICA_HEADER not in forged.headers, forged.headers
 
 
 def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly(

@@ -30,8 +30,8 @@ own tenant's blocks, and the router's choice says nothing about another tenant's
 Give the router the replicas' ``--deployment_key_file`` (the salts are keyed by it; without
 one they follow from tenant names). The Authorization header still goes to the replica,
 which checks it too. ``/router/stats`` answers only a ``metrics_tenants`` key when keys are
-on; ``x-jaxkv-replica`` (which replica answered) goes only with answers to a caller whose
-key the replica took.
+on; ``x-jaxkv-replica`` (which replica answered) goes only with answers the replica
+accepted (a refusal, 401 or 400, does not say where the request went).
 
 Token ids: a ``/v1/completions`` prompt given as token ids is used as is; text and chat
 need ``tokenizer`` (the replicas' own, ``launch/router.py --model_dir``), without which such
@@ -341,9 +341,12 @@ class Router:
 
 
 def _replica_header(r: Replica, status: int) -> dict:
-  """Which replica answered, for a caller whose key it took (none on a 401/403: a caller
-  without a key learns nothing of where a request would have gone)."""
-  return {} if status in (401, 403) else {REPLICA_HEADER: r.url}
+  """Which replica answered, on an answer it accepted (status < 400). None on a refusal: a
+  caller without a key learns nothing of where a request would have gone, nor does one
+  whose ids only a forger would send (without a deployment key, a tenant who computes ids
+  that map onto another tenant's could have them placed by that tenant's blocks; such ids
+  are out of the vocabulary, and the replica's 400 says nothing of where it went)."""
+  return {REPLICA_HEADER: r.url} if status < 400 else {}
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
