@@ -47,12 +47,17 @@ ROLE = flags.DEFINE_enum(
 KV_EVENTS = flags.DEFINE_string(
     "kv_events", None, "Alias of --config.tiers.kv_events: publish KV events (which blocks "
     "this replica holds, in which medium) on this ZeroMQ endpoint, in vLLM's format, for a "
-    "router to read, e.g. tcp://*:5557 (Dynamo's KV indexer; launch/router.py). Events carry "
-    "block token ids, so the router sees prompts (--config.tiers.kv_events_tokens=false: "
-    "hashes only). In a multi-process job process 0 publishes.")
+    "router to read (Dynamo's KV indexer; launch/router.py), e.g. tcp://127.0.0.1:5557, or "
+    "a private address only the router's hosts reach. Anyone who connects reads it with no "
+    "key: which blocks every tenant holds and their token ids (mapped per tenant; without "
+    "a deployment key anyone who knows a tenant's name maps them back; "
+    "--config.tiers.kv_events_tokens=false: hashes only); a non-loopback address logs "
+    "INSECURE. In a multi-process job process 0 publishes.")
 KV_EVENTS_REPLAY = flags.DEFINE_string(
     "kv_events_replay", None, "Alias of --config.tiers.kv_events_replay: the endpoint of the "
-    "replay socket a reader asks for the KV event messages it missed, e.g. tcp://*:5558.")
+    "replay socket a reader asks for the KV event messages it missed, e.g. "
+    "tcp://127.0.0.1:5558; it answers anyone the stream's past messages (bind it like "
+    "--kv_events).")
 STREAM = flags.DEFINE_bool(
     "stream_long_contexts", None, "Alias of --config.stream.enabled: serve sequences longer "
     "than a device pool holds by streaming their cold pages from the host tier (needs "
