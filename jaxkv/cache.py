@@ -44,7 +44,7 @@ from jaxkv.worker.worker import CacheWorker
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager import CacheManager
 from jaxkv.manager.events import BlockEvents
-from jaxkv.manager.publisher import EventPublisher
+from jaxkv.manager.publisher import EventPublisher, endpoint_host
 
 
 class KVCache:
@@ -115,6 +115,17 @@ class KVCache:
     if tiers.kv_events and jax.process_index() == 0:
       self.events_publisher = EventPublisher(
           tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
+      for flag, endpoint in (("kv_events", tiers.kv_events),
+                             ("kv_events_replay", tiers.kv_events_replay)):
+        host = endpoint_host(endpoint) if endpoint else None
+        if host is not None and not security.is_loopback(host):
+          # No key guards these sockets: whoever reaches them reads every tenant's blocks.
+          security.warn_insecure(
+              f"--{flag}={endpoint} listens beyond loopback with no authentication: whoever "
+              "reaches it learns which blocks every tenant holds and their token ids "
+              "(mapped per tenant, which without a deployment key anyone can undo)",
+              "bind it on 127.0.0.1 or a private address only the router's hosts reach "
+              "(kv_events_tokens=false sends hashes only)")
       self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
                                 tokens=tiers.kv_events_tokens)
       self.manager.set_events(self.events)
