@@ -96,12 +96,43 @@ _ENGINE_PROCESS = flags.DEFINE_bool(
 _CORE_DIR = flags.DEFINE_string(
     "core_dir", None, "(Set by the server for its engine core: the directory of the "
     "sockets it answers on.)")
+_ADVERTISE = flags.DEFINE_string(
+    "advertise_address", None, "HOST or HOST:PORT that a prefill's kv_transfer_params name "
+    "as remote_host/remote_port (--role=prefill): where a proxy reaches this server. "
+    "Default: --host and the port it listens on (this machine's host name when --host is "
+    "0.0.0.0 or ::). Never taken from a request's Host header.")
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "An idle keep-alive connection is "
                                  "closed after this.", lower_bound=0.001)
 
 
 def _api_keys(path: str | None) -> dict | None:
   return _common.load_api_keys(path)
+
+
+def _advertised() -> tuple[str | None, int | None]:
+  """``--advertise_address`` as (host, port); either None where the listening address
+  gives it."""
+  value = _ADVERTISE.value
+  if value is None:
+    return None, None
+  host, sep, port = value.rpartition(":")
+  if not sep or "]" in port or (":" in host and not host.startswith("[")):  # HOST, [V6], V6
+    host, port = value, ""
+  host = host.strip("[]")
+  if not host or any(c in host for c in "/?#@ ") or (port and (
+      not port.isdigit() or not 0 < int(port) < 65536)):
+    raise app.UsageError(f"--advertise_address={value!r} must be HOST or HOST:PORT (port "
+                         "1-65535), e.g. prefill-1.internal:8100.")
+  return host, int(port) if port else None
+
+
+def _hand_off_address(port: int) -> tuple[str, int]:
+  """(host, port) of a prefill's hand-off: --advertise_address, else --host (a wildcard:
+  this machine's host name) and ``port``, the port the server listens on."""
+  host, advertised_port = _advertised()
+  if host is None:
+    host = _HOST.value if _HOST.value not in ("0.0.0.0", "::", "") else socket.gethostname()
+  return host, advertised_port or port
 
 
 def _block_address(deployment_key) -> tuple[str | None, int]:
@@ -160,6 +191,7 @@ def main(argv):
                          f"{sorted(unknown)} hold no key in --api_keys_file (without API "
                          "keys /metrics is open; with them, name tenants of the keys file).")
   _common.check_output(_READY_FILE.value, "ready_file")
+  _advertised()  # a malformed --advertise_address is refused before anything starts
   if os.environ.get("JAXKV_PROCESS_ID", "0") == "0":
     _check_port(_HOST.value, _PORT.value)
   cfg = _common.load_config(_flags.CONFIG)
@@ -380,7 +412,8 @@ def _serve_http(service, tokenizer, api_keys, registry, model_name, warm, ready_
   api = OpenAIServer(service, model_name=model_name, tokenizer=tokenizer, api_keys=api_keys,
                      registry=registry, request_timeout_s=_TIMEOUT.value,
                      metrics_tenants=_METRICS_TENANTS.value, role=_flags.ROLE.value,
-                     core_metrics=core_metrics)
+                     core_metrics=core_metrics,
+                     hand_off_address=_hand_off_address(_PORT.value) if _PORT.value else None)
   limits = httplimits.HttpLimits(
       **({} if _MAX_CONNECTIONS.value is None else {"max_connections": _MAX_CONNECTIONS.value}),
       max_head_bytes=_MAX_HEADER_BYTES.value, head_timeout_s=_HEADER_TIMEOUT.value,
@@ -396,13 +429,14 @@ def _serve_http(service, tokenizer, api_keys, registry, model_name, warm, ready_
       if not warm():
         server.should_exit = True
         return
-      api.ready = True
       deadline = time.monotonic() + 60
       while not server.started:  # uvicorn binds the port while the engine compiles
         if server.should_exit or time.monotonic() > deadline:
           return
         time.sleep(0.01)
       port = server.servers[0].sockets[0].getsockname()[1]
+      api.hand_off_address = _hand_off_address(port)  # (--port=0: known only now)
+      api.ready = True  # (no request is served before: hand-offs name the address)
       print(f"serving {api.model_name} on http://{_HOST.value}:{port}/v1", flush=True)
       if _READY_FILE.value:  # whole or absent: written aside, then renamed
         _common.write_json(_READY_FILE.value + ".tmp", {"port": port, **ready_extra})

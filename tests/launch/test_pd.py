@@ -3,6 +3,7 @@ pool, driven by launch/pd_proxy.py as a vLLM-style proxy drives a pair. The pair
 equal one engine's (greedy and seeded), the decode node finds the prompt's blocks in the
 pool, and kv_transfer_params carry vLLM's field names; bad params are a 400 naming them."""
 
+import json
 import os
 import runpy
 
@@ -82,6 +83,26 @@ def test_a_prefill_answer_carries_vllms_kv_transfer_params(pair):
       body, max_tokens=3, kv_transfer_params=params), timeout=120).json()
   assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * len(
       params["remote_block_ids"])
+
+
+def test_a_hand_off_names_the_servers_own_address_never_the_clients_host_header(pair):
+  """remote_host/remote_port are where this server serves (--host and the port it bound),
+  not what a client's Host header says: a caller cannot point the proxy's next hop anywhere."""
+  body = {"model": MODEL, "prompt": prompt(6), "max_tokens": 1,
+          "kv_transfer_params": {"do_remote_decode": True}}
+  r = httpx.post(f"{pair['prefill'].url}/completions", json=body, timeout=120,
+                 headers={"Host": "evil.example:1"})
+  assert r.status_code == 200, r.text
+  params = r.json()["kv_transfer_params"]
+  assert "evil.example" not in json.dumps(params), params
+  assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", pair["prefill"].port)
+  assert len(params["remote_block_ids"]) == (len(body["prompt"]) - 1) // 16
+
+
+def test_a_bad_advertise_address_is_refused_before_start():
+  code, _, err = helpers.run_script(["launch/server.py", "--advertise_address=host:0",
+                                     *OVERRIDES], timeout_s=120)
+  assert code == 2 and "--advertise_address='host:0' must be HOST or HOST:PORT" in err, err
 
 
 def test_a_prefill_node_refuses_a_stream_it_would_not_hand_off(pair):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.entrypoints.openai import disagg
 from jaxkv.errors import InputError
 from jaxkv.worker.tiers.pool import check_reachable, native
 from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
@@ -198,6 +199,66 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
       os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+
+
+def test_a_lender_that_keeps_its_registration_but_stops_serving_costs_misses_never_waits(
+    mesh, tmp_path, fresh):
+  """Puts to a lender that is registered (its master forgets a silent client only after 60 s
+  here) but serves no transfer hang in the client for its own 30 s: each is given up at its
+  deadline (the read deadline, 1.5 s, here), counted, and trips the breaker, so later puts are
+  dropped at once; a prefill's hand-off answers within seconds, promising no block (it used
+  to wait for the whole put queue: up to 60 s); the decode node recomputes, exactly."""
+  with LocalMaster(log_path=str(tmp_path / "master.log"), flags=("--client_ttl=60",)) as m:
+    lender = helpers.start_process([sys.executable, "-m", "jaxkv.worker.tiers.pool.lend",
+                                    f"--pool={m.address}", f"--pool_metadata={m.metadata}",
+                                    "--segment_mb=16"], env=helpers.child_env())
+    try:
+      line = lender.stdout.readline()
+      assert line.startswith("lending"), (line, lender.stderr.read()[-2000:])
+      # Both nodes lend nothing: every value is placed on the lender, which now stops.
+      prefill = pool_engine(mesh, m, segment_mb=0, deadline_s=1.5)
+      decode = pool_engine(mesh, m, segment_mb=0, deadline_s=1.5)
+      os.killpg(lender.pid, signal.SIGSTOP)
+      ps = prompts(15, 1)
+      want = fresh.generate(ps, 3)
+      assert prefill.generate(ps, 3) == want
+      t0 = time.monotonic()
+      params = disagg.hand_off(prefill.cache, ps[0], "default", engine_id="e",
+                               host="prefill-1", port=8100, deadline_s=60.0)  # the old wait
+      waited = time.monotonic() - t0
+      print(f"the hand-off with a stopped lender answered in {waited:.2f} s")
+      assert waited < 8.0, waited
+      assert params["remote_block_ids"] == [] and params["remote_host"] == "prefill-1"
+      assert prefill.stats()["pd_prefills_not_handed_off"] == 1
+      assert decode.generate(ps, 3) == want
+      assert decode.stats()["hits"]["pool"] == 0
+      # Two put calls given up (each left inside the client), the third finds no put thread
+      # free: the breaker is open, and the next put is dropped at once.
+      pool = prefill.cache.pool
+      helpers.wait_for(lambda: not pool.breaker.available, 10, "the puts trip the breaker")
+      s = prefill.stats()
+      assert s["pool_put_timeouts"] >= 2 and s["pool_puts"] == 0, s
+      pool.put([(bytes(32), None, np.zeros(pool.payload_shape, pool.dtype), False)])
+      assert prefill.stats()["pool_put_dropped"] == s.get("pool_put_dropped", 0) + 1
+      # Closed with put calls still inside the client: it is left open, not freed under them.
+      pool.close(timeout_s=0.5)
+      assert prefill.stats()["pool_close_left_open"] == 1
+      # A hand-off's question to the master (here stopped: it stays inside the client) is
+      # asked on a thread of its own: the next tenant's lookup is asked, not skipped.
+      os.killpg(m.proc.pid, signal.SIGSTOP)
+      try:
+        keys = decode.cache.index.block_keys(prompts(16, 1)[0], "default")
+        disagg.hand_off(decode.cache, prompts(16, 1)[0], "default", engine_id="e", host="h",
+                        port=1, deadline_s=1.0)
+        assert decode.cache.pool.present(keys) == [False] * len(keys)
+      finally:
+        os.killpg(m.proc.pid, signal.SIGCONT)
+      s = decode.stats()
+      assert s.get("pool_lookup_skipped", 0) == 0 and s["pool_lookup_timeouts"] == 1, s
+      close(decode)
+    finally:
+      os.killpg(lender.pid, signal.SIGKILL)
+      lender.wait(30)
 
 
 def test_a_pool_with_no_room_refuses_puts_counted_and_answers_stay_exact(mesh, tmp_path, fresh):

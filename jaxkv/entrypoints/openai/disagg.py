@@ -11,8 +11,21 @@ it answers it waits until they are in the pool. Its answer carries
     kv_transfer_params: {"do_remote_prefill": true, "do_remote_decode": false,
                          "remote_engine_id": <this server's run id>,
                          "remote_block_ids": [<a 64-bit id per block in the pool>],
-                         "remote_host": <host the proxy reached>, "remote_port": <port>,
+                         "remote_host": <host this server serves on>, "remote_port": <port>,
                          "tp_size": 1}
+
+``remote_host``/``remote_port`` are the server's own address (``--host``/``--port``, or
+``--advertise_address``), never what a client's ``Host`` header says.
+
+The wait is the request's own and short (``HAND_OFF_DEADLINE_S``): it waits for the puts of
+its own blocks only (``PoolTier.placed_run``), never for the whole put queue, and it takes no
+lookup slot of other tenants. A pool participant can make puts fail (a lender that keeps its
+registration but stops serving transfers holds each put until the put's deadline, then trips
+the pool's breaker); it cannot make answers wait. Blocks not placed by the deadline are not
+promised: ``remote_block_ids`` lists the leading run that is in the pool (possibly none),
+and ``pd_prefills_not_handed_off`` counts the answers that promise less than the whole
+prompt. The decode node looks the prompt up in the pool itself and recomputes what is not
+there, so its answer is the same either way.
 
 The proxy sends the request on to a decode node with those params. A decode node needs
 nothing from them to find the blocks: a block's pool name follows from the prompt's tokens
@@ -24,6 +37,7 @@ other cached prefix, and its plan fetches them, or recomputes where that is chea
 from __future__ import annotations
 
 ROLES = ("both", "prefill", "decode")
+HAND_OFF_DEADLINE_S = 3.0  # the longest a prefill answer waits for its blocks' puts
 
 
 class Refused(ValueError):
@@ -71,15 +85,14 @@ def read_params(body: dict, role: str) -> tuple[bool, dict | None]:
 
 def hand_off(cache, prompt: list[int], tenant: str, *, engine_id: str, host: str | None,
              port: int | None, deadline_s: float) -> dict:
-  """Waits (up to ``deadline_s``) until the prompt's blocks are in the pool; returns the
-  ``kv_transfer_params`` of the answer. Runs off the event loop (it waits)."""
+  """Waits (up to ``deadline_s``) for the puts of the prompt's own blocks; returns the
+  ``kv_transfer_params`` of the answer, promising the leading run placed by then. ``host``
+  and ``port``: this server's own address. Runs off the event loop (it waits)."""
   pool = cache.pool
   usable = (len(prompt) - 1) // cache.config.page_size  # what a decode node can reuse
   keys = cache.index.block_keys(prompt, tenant)[:usable]
-  pool.settle(deadline_s)
-  there = pool.present(keys)
-  lead = next((i for i, p in enumerate(there) if not p), len(there))
-  pool.stats.add("pd_prefills_handed_off")
+  lead = pool.placed_run(keys, deadline_s)
+  pool.stats.add("pd_prefills_handed_off" if lead == len(keys) else "pd_prefills_not_handed_off")
   pool.stats.add("pd_blocks_handed_off", lead)
   return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
           "remote_block_ids": [int(pool.name(k)[-16:], 16) for k in keys[:lead]],

@@ -66,7 +66,7 @@ class OpenAIServer:
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                request_timeout_s: float = 600.0, metrics_tenants=(), role: str = "both",
-               core_metrics=None):
+               core_metrics=None, hand_off_address: tuple[str, int] | None = None):
     """``core_metrics``: () -> bytes, the engine's Prometheus text when the engine runs in
     a process of its own (``jaxkv.serving.core``): /metrics serves it before this
     process's HTTP families."""
@@ -78,6 +78,9 @@ class OpenAIServer:
       raise InputError(f"--role={role} hands KV over through the pool: give --pool=HOST:PORT "
                        "(a Mooncake master) too.")
     self.role = role
+    # (host, port) a prefill's kv_transfer_params name: this server's own address (a launcher
+    # that binds port 0 sets it once the port is known), never a client's Host header.
+    self.hand_off_address = hand_off_address
     # Kept by digest: a lookup then takes no time that depends on how much of a guessed
     # key matches a real one, and the keys themselves are not kept in memory.
     self.api_keys = {_key_digest(k): t for k, t in api_keys.items()} if api_keys else None
@@ -310,11 +313,12 @@ class OpenAIServer:
     out = (await asyncio.to_thread(_body, answers, self.model_name) if _large(answers)
            else _body(answers, self.model_name))
     cache = self.service.engine.cache
-    if hand_off:  # its blocks are in the pool before the proxy hears of them
+    if hand_off:  # the blocks placed within its own deadline are promised, no more
+      host, port = self.hand_off_address or (None, None)
       out["kv_transfer_params"] = await asyncio.to_thread(
           disagg.hand_off, cache, job.prompt, job.tenant, engine_id=self.run_id,
-          host=request.url.hostname, port=request.url.port,
-          deadline_s=min(60.0, self.request_timeout_s))
+          host=host, port=port,
+          deadline_s=min(disagg.HAND_OFF_DEADLINE_S, self.request_timeout_s))
     return (JSONResponse(out) if not _large(answers) else Response(
         await asyncio.to_thread(_json_bytes, out), media_type="application/json"))
 

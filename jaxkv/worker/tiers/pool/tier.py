@@ -35,6 +35,23 @@ are not put again (one ``batch_is_exist`` per batch). A put the pool refuses (fu
 value's lease is live) is counted. Blocks reused at least once when they are put
 are soft-pinned for ``pool_pin_s`` (eviction takes unpinned values first; the pin ends with
 its time-to-live).
+
+A participant can cost misses, never waits. Any node that mounts a segment (no key needed:
+the master has no authentication) may be chosen to hold a value, and one that keeps its
+registration but stops serving transfers holds a put inside the client for the client's
+own 30 s. So every client call of a put runs on one of ``PUT_THREADS`` threads and is
+waited for ``put_deadline_s`` at most (``PUT_DEADLINE_S``, no longer than a read's): a put
+not done by then is given up (``pool_put_timeouts``) and counts toward the breaker like a
+failed read; the call is left to finish in the client (the value it sends is referenced by
+the call; ``close`` leaves the client open while calls are inside it). With every put
+thread still inside the client the next put fails at once, so a stopped lender trips the
+breaker within two deadlines and later puts are dropped, counted, at once (``calls``).
+
+Each key this process queued has an outcome (queued, placed or missed, the last
+``RECENT_KEYS`` kept): a prefill's hand-off (``placed_run``) waits only for the outcomes of
+its own blocks, up to its own deadline, instead of for the whole queue, and asks the master
+about the keys it put none of on a thread of its own, never on the lookup thread that every
+tenant's admission shares.
 """
 
 from __future__ import annotations
@@ -59,11 +76,14 @@ from jaxkv.stats import Stats
 from jaxkv.worker.tiers import blocks
 from jaxkv.worker.tiers.base import Breaker, Failure, Fetch, FetchOutcome
 from jaxkv.worker.tiers.pool import native
+from jaxkv.worker.tiers.pool.calls import MISSED, PLACED, QUEUED, Asker, Calls, Outcomes, PutCalls
 
 GET_THREADS = 4
 NOT_FOUND, BUFFER_TOO_SMALL = -704, -600  # Mooncake's error codes for a get into a buffer
 RECENT_KEYS = 1 << 16  # keys queued lately that are not queued again
 LOOKUP_DEADLINE_S = 0.5  # a lookup answers nothing after this (normally ~0.3 ms on loopback)
+PUT_DEADLINE_S = 5.0  # a put's client call given up after this (the client's own is 30 s)
+PUT_THREADS = 2  # put calls that may still be inside the client before puts fail at once
 UNAVAILABLE = -900  # Mooncake's RPC failure (the master unreachable): the batch stops
 
 
@@ -141,22 +161,31 @@ def _receive_buffers(client, nbytes: int) -> queue.Queue:
   return slabs
 
 
-class _Calls:
-  """The calls submitted into the client that have not returned (``close`` waits for them:
-  a call a deadline gave up on may still be inside it, e.g. a get from a lender that stopped
-  answering, held for the client's own timeout)."""
+def _next_batch(puts: queue.Queue) -> list | None:
+  """The next puts to write (up to 64; waits for the first), or None when closing."""
+  first = puts.get()
+  if first is None:
+    return None
+  batch = [first]
+  while len(batch) < 64:
+    try:
+      nxt = puts.get_nowait()
+    except queue.Empty:
+      break
+    if nxt is None:
+      puts.put(None)  # seen again by the next call
+      break
+    batch.append(nxt)
+  return batch
 
-  def __init__(self):
-    self._futures: set = set()
 
-  def submit(self, threads, fn, *args) -> concurrent.futures.Future:
-    future = threads.submit(fn, *args)
-    self._futures.add(future)
-    future.add_done_callback(self._futures.discard)
-    return future
-
-  def running_after(self, timeout_s: float) -> int:
-    return len(concurrent.futures.wait(list(self._futures), timeout=timeout_s)[1])
+def _replicate_config(store, tiers, pin: bool):
+  config = store.ReplicateConfig()
+  config.replica_num = tiers.pool_replicas
+  if pin and tiers.pool_pin_s > 0:
+    config.soft_pin_action = store.SoftPinAction.ENABLE
+    config.soft_pin_ttl_ms = int(tiers.pool_pin_s * 1000)
+  return config
 
 
 class PoolTier:
@@ -179,11 +208,14 @@ class PoolTier:
     self.client = None
     self._store = None
     self._gets = None
-    self._calls = _Calls()
+    self._calls = Calls()
     self._puts: queue.Queue = queue.Queue()
     self._queued_bytes = 0
     self._lock = threading.Lock()
     self._writer = None
+    self._call = None  # PutCalls, once open
+    self.put_deadline_s = min(PUT_DEADLINE_S, tiers.read_deadline_s)
+    self._outcomes = Outcomes(RECENT_KEYS)
     self._closed = False
     self._idle = threading.Event()
     self._idle.set()
@@ -217,8 +249,9 @@ class PoolTier:
     self.client = client
     self._gets = concurrent.futures.ThreadPoolExecutor(GET_THREADS,
                                                        thread_name_prefix="jaxkv-pool-get")
-    self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-pool-ask")
-    self._asking = None
+    self._lookups, self._checks = (Asker(what, self._calls, self.breaker, self.stats)
+                                   for what in ("pool_lookup", "pool_hand_off_check"))
+    self._call = PutCalls(self._calls, PUT_THREADS, self.put_deadline_s)
     self._slabs = _receive_buffers(
         client, max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS))
     self._writer = threading.Thread(target=self._write_loop, name="jaxkv-pool-put",
@@ -239,7 +272,8 @@ class PoolTier:
     t_end = time.monotonic() + timeout_s
     self._writer.join(timeout_s)
     self._gets.shutdown(wait=False, cancel_futures=True)
-    self._asker.shutdown(wait=False, cancel_futures=True)
+    for calls in (self._lookups, self._checks, self._call):
+      calls.shutdown()
     running = self._calls.running_after(max(0.0, t_end - time.monotonic()))
     if running or self._writer.is_alive():  # closing it under them frees what they use
       self.stats.add("pool_close_left_open")
@@ -298,33 +332,22 @@ class PoolTier:
     answer within ``LOOKUP_DEADLINE_S`` (a client call blocks ~4 s while the master is
     down: the call is left to finish on its thread, and the next lookup does not queue
     behind it)."""
-    none = [False] * len(keys)
+    return self._ask(self._lookups, keys, min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
+
+  def _ask(self, asker: Asker, keys: list[bytes], timeout_s: float) -> list[bool]:
     if not keys or self.client is None or not self.breaker.available:
-      return none
-    with self._lock:
-      if self._asking is not None and not self._asking.done():
-        self.stats.add("pool_lookup_skipped")  # the last one is still stuck in the client
-        return none
-      self._asking = self._calls.submit(self._asker, self.client.batch_is_exist,
-                                        [self.name(k) for k in keys])
-      asking = self._asking
-    try:
-      codes = asking.result(timeout=min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
-    except concurrent.futures.TimeoutError:
-      self.breaker.record(False)
-      self.stats.add("pool_lookup_timeouts")
-      return none
-    except Exception:  # pylint: disable=broad-except  (a pool that fails is a miss)
-      logging.exception("pool lookup failed")
-      self.breaker.record(False)
-      self.stats.add("pool_lookup_errors")
-      return none
-    if any(c < 0 for c in codes):
-      self.breaker.record(False)
-      self.stats.add("pool_lookup_errors")
-      return none
-    self.breaker.record(True)
-    return [c > 0 for c in codes]
+      return [False] * len(keys)
+    return asker.ask(self.client.batch_is_exist, [self.name(k) for k in keys], timeout_s)
+
+  def placed_run(self, keys: list[bytes], timeout_s: float) -> int:
+    """How many of ``keys``, from the front, are in the pool as far as this process knows,
+    waiting (up to ``timeout_s``) only for its own puts of them still queued or running.
+    A key it placed (or found there when it put it) counts; one whose put failed ends the
+    run; keys it holds no outcome for (put by another process of a job, or long ago) are
+    asked about on the hand-off's own thread (``Outcomes.placed_run``)."""
+    return self._outcomes.placed_run(
+        keys, time.monotonic() + timeout_s,
+        lambda rest, left: self._ask(self._checks, rest, min(LOOKUP_DEADLINE_S, left)))
 
   def lookup(self, keys: list[bytes], local: int = 0) -> int:
     """Blocks of ``keys`` cached in the pool or locally, from the front: ``local`` plus the
@@ -458,12 +481,15 @@ class PoolTier:
     for key, parent, payload, pin in items:
       if self._closed or not self.breaker.available:
         self.stats.add("pool_put_dropped")
+        self._outcomes.set([key], MISSED)
         continue
       with self._lock:
         if self._queued_bytes + payload.nbytes > limit:
           self.stats.add("pool_put_dropped")
+          self._outcomes.set([key], MISSED)
           continue
         self._queued_bytes += payload.nbytes
+        self._outcomes.set([key], QUEUED)
         self._idle.clear()
       self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin or self.pin_all))
 
@@ -477,20 +503,7 @@ class PoolTier:
     return self._idle.wait(timeout_s)
 
   def _write_loop(self) -> None:
-    while True:
-      first = self._puts.get()
-      if first is None:
-        return
-      batch = [first]
-      while len(batch) < 64:
-        try:
-          nxt = self._puts.get_nowait()
-        except queue.Empty:
-          break
-        if nxt is None:
-          self._puts.put(None)
-          break
-        batch.append(nxt)
+    while (batch := _next_batch(self._puts)) is not None:
       try:
         self._write(batch)
       except Exception:  # pylint: disable=broad-except  (a put that fails is counted, not fatal)
@@ -498,57 +511,74 @@ class PoolTier:
         self.breaker.record(False)
         self.stats.add("pool_put_errors", len(batch))
       finally:
+        # every put ends with an outcome, whatever stopped it
+        self._outcomes.set([p.key for p in batch], MISSED, where=QUEUED)
         with self._lock:
           self._queued_bytes -= sum(p.payload.nbytes for p in batch)
           if self._queued_bytes == 0 and self._puts.empty():
             self._idle.set()
 
-  def _config(self, pin: bool):
-    config = self._store.ReplicateConfig()
-    config.replica_num = self.tiers.pool_replicas
-    if pin and self.tiers.pool_pin_s > 0:
-      config.soft_pin_action = self._store.SoftPinAction.ENABLE
-      config.soft_pin_ttl_ms = int(self.tiers.pool_pin_s * 1000)
-    return config
+  def _timed_out(self, keys) -> None:
+    """A put call given up: a failure toward the breaker, the keys missed (offered again)."""
+    self.breaker.record(False)
+    self.stats.add("pool_put_timeouts")
+    self._miss(keys)
+
+  def _miss(self, keys) -> None:
+    for key in keys:
+      self._forget(key)
+    self._outcomes.set(keys, MISSED)
 
   def _write(self, batch: list[_Put]) -> None:
-    """Puts a batch; when the master is unreachable (each call then blocks ~4 s) or the
-    breaker is open, the rest of the batch is dropped and counted, not tried one by one."""
+    """Puts a batch; when the master is unreachable (each call then blocks ~4 s), a call is
+    given up at its deadline, or the breaker is open, the rest of the batch is dropped and
+    counted, not tried one by one."""
     if not self.breaker.available:
       self.stats.add("pool_put_dropped", len(batch))
+      self._miss([p.key for p in batch])
       return
     names = [self.name(p.key) for p in batch]
-    there = self.client.batch_is_exist(names)
+    try:
+      there = self._call(self.client.batch_is_exist, names)
+    except TimeoutError:
+      self.stats.add("pool_put_dropped", len(batch))
+      self._timed_out([p.key for p in batch])
+      return
     if any(c == UNAVAILABLE for c in there):
       self.breaker.record(False)
       self.stats.add("pool_put_dropped", len(batch))
-      for p in batch:
-        self._forget(p.key)
+      self._miss([p.key for p in batch])
       return
     for n, (p, name, code) in enumerate(zip(batch, names, there)):
       if not self.breaker.available:
         self.stats.add("pool_put_dropped", len(batch) - n)
-        for q in batch[n:]:
-          self._forget(q.key)
+        self._miss([q.key for q in batch[n:]])
         return
       if code > 0:
         self.stats.add("pool_put_present")
+        self._outcomes.set([p.key], PLACED)
         continue
       if code < 0:
         self.breaker.record(False)
         self.stats.add("pool_put_errors")
-        self._forget(p.key)
+        self._miss([p.key])
         continue
-      rc = self.client.put(name, self.value(p.key, p.payload, p.parent), self._config(p.pin))
+      try:
+        rc = self._call(self.client.put, name, self.value(p.key, p.payload, p.parent),
+                        _replicate_config(self._store, self.tiers, p.pin))
+      except TimeoutError:  # a lender that stopped serving: the call stays in the client
+        self._timed_out([p.key])
+        continue
       if rc == 0:
         self.breaker.record(True)
         self.stats.add("pool_puts")
         self.stats.add("pool_pinned", p.pin)
+        self._outcomes.set([p.key], PLACED)
       else:
         if rc == UNAVAILABLE:
           self.breaker.record(False)
         self.stats.add("pool_put_refused")
-        self._forget(p.key)  # may be put again later
+        self._miss([p.key])  # may be put again later
 
   def _forget(self, key: bytes) -> None:
     """A put that failed may be offered again (not in a job: its processes' notes must
