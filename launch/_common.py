@@ -198,6 +198,29 @@ def write_json(path: str, obj: dict) -> None:
     f.write("\n")
 
 
+def define_http_limit_flags():
+  """Defines a front's pre-auth HTTP bound flags (``--max_connections``,
+  ``--header_timeout_s``, ``--body_timeout_s``) for the script that calls it at import;
+  returns a function building the ``HttpLimits`` they give once flags are parsed."""
+  max_connections = flags.DEFINE_integer(
+      "max_connections", None, "HTTP connections open at once; more are answered 503 and "
+      "closed (default: half the file-descriptor limit, at most 1000).", lower_bound=1)
+  header_timeout = flags.DEFINE_float(
+      "header_timeout_s", 10.0, "A request's line and headers must arrive within this (408).",
+      lower_bound=0.001)
+  body_timeout = flags.DEFINE_float(
+      "body_timeout_s", 30.0, "A request's body must arrive within this after its headers "
+      "(408).", lower_bound=0.001)
+
+  def http_limits():
+    from jaxkv.entrypoints.openai import limits
+    return limits.HttpLimits(
+        **({} if max_connections.value is None else {"max_connections": max_connections.value}),
+        head_timeout_s=header_timeout.value, body_timeout_s=body_timeout.value)
+
+  return http_limits
+
+
 def serve_app(app_, *, host: str, port: int, ready_file: str | None, banner: str,
               limits=None) -> None:
   """Listens on ``host:port`` (0: any free port), prints ``banner`` with the URL, writes

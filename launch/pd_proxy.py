@@ -24,16 +24,7 @@ _TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "The longest either node may t
 _MAX_BODY_BYTES = flags.DEFINE_integer(
     "max_body_bytes", 4 << 20, "The largest request body taken (the API server's); larger "
     "ones get 413 before they are read.", lower_bound=1)
-_MAX_CONNECTIONS = flags.DEFINE_integer(
-    "max_connections", None, "HTTP connections open at once; more are answered 503 and "
-    "closed (default: half the file-descriptor limit, at most 1000).", lower_bound=1)
-_HEADER_TIMEOUT = flags.DEFINE_float(
-    "header_timeout_s", 10.0, "A request's line and headers must arrive within this (408).",
-    lower_bound=0.001)
-_BODY_TIMEOUT = flags.DEFINE_float(
-    "body_timeout_s", 30.0, "A request's body must arrive within this after its headers "
-    "(408).", lower_bound=0.001)
-
+_HTTP_LIMITS = _common.define_http_limit_flags()
 
 def main(argv):
   del argv
@@ -41,14 +32,11 @@ def main(argv):
     if not url.startswith(("http://", "https://")):
       raise app.UsageError(f"--{name}={url!r} is not an http://HOST:PORT URL.")
   _common.check_output(_READY_FILE.value, "ready_file")
-  from jaxkv.entrypoints.openai import limits, pd_proxy
+  from jaxkv.entrypoints.openai import pd_proxy
   api = pd_proxy.make_app(_PREFILL.value.rstrip("/"), _DECODE.value.rstrip("/"),
                           timeout_s=_TIMEOUT.value, max_body_bytes=_MAX_BODY_BYTES.value)
-  bounds = limits.HttpLimits(
-      **({} if _MAX_CONNECTIONS.value is None else {"max_connections": _MAX_CONNECTIONS.value}),
-      head_timeout_s=_HEADER_TIMEOUT.value, body_timeout_s=_BODY_TIMEOUT.value)
   _common.serve_app(api, host=_HOST.value, port=_PORT.value, ready_file=_READY_FILE.value,
-                    banner="pd proxy", limits=bounds)
+                    banner="pd proxy", limits=_HTTP_LIMITS())
 
 if __name__ == "__main__":
   _common.run(main)

@@ -66,6 +66,7 @@ _DEPLOYMENT_KEY_FILE = flags.DEFINE_string(
 _RAW_TOKENS = flags.DEFINE_bool(
     "raw_tokens", False, "The replicas send raw token ids in their events "
     "(--config.tiers.kv_events_raw_tokens): ask the indexer with raw ids (one tenant only).")
+_HTTP_LIMITS = _common.define_http_limit_flags()
 _MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 << 20, "The largest request body "
                                        "taken; larger ones get 413 before they are read.",
                                        lower_bound=1)
@@ -125,7 +126,7 @@ def main(argv):
       except (InputError, OSError) as e:
         raise app.UsageError(f"--replica_events: {e}") from None
   _common.serve_app(router_lib.make_app(router), host=_HOST.value, port=_PORT.value,
-                    ready_file=_READY_FILE.value,
+                    ready_file=_READY_FILE.value, limits=_HTTP_LIMITS(),
                     banner=f"router over {len(_REPLICAS.value)} replicas ({_POLICY.value})")
 
 if __name__ == "__main__":
