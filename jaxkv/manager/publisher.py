@@ -178,7 +178,9 @@ class EventPublisher:
     self.sent = self.replays = self.snapshots = 0
     self.replays_refused = self.replays_malformed = self.subscriptions_foreign = 0
     self.rebinds = self.peers_disconnected = self.events_dropped = 0
-    self._new_peers = 0  # connections accepted whose first subscription has not come
+    # Connections (their fds) accepted and not yet subscribed, nor gone: a subscription
+    # while one is here is a new reader's first (which one, libzmq does not say).
+    self._new_peers: set[int] = set()
     self._snapshot_due = False
     self._last_snapshot = float("-inf")
     self._foreign_bytes = 0  # since the XPUB was bound
@@ -290,7 +292,12 @@ class EventPublisher:
             return
           if self._foreign_bytes > self.limits.foreign_subscription_bytes:
             break
-        pub, mon = self._rebind(ctx, pub, mon)
+        logging.warning("KV event subscribers sent %d bytes of subscriptions to topics this "
+                        "publisher never sends; re-binding %s to free them (readers "
+                        "reconnect)", self._foreign_bytes, self.bound_endpoint)
+        self._close_pub(pub, mon)
+        pub = mon = None
+        pub, mon = self._rebind(ctx)
     except Exception:  # pylint: disable=broad-except  (a bug here must not stop serving)
       logging.exception("the KV event publisher stopped; routers no longer hear this replica")
     finally:
@@ -299,14 +306,11 @@ class EventPublisher:
       if rep is not None:
         rep.close(0)
 
-  def _rebind(self, ctx, pub, mon):
-    """Closes the XPUB (and the subscription trie peers filled) and binds a new one at the
-    same address; readers reconnect by themselves and each gets a snapshot."""
-    logging.warning("KV event subscribers sent %d bytes of subscriptions to topics this "
-                    "publisher never sends; re-binding %s to free them (readers reconnect)",
-                    self._foreign_bytes, self.bound_endpoint)
-    self._close_pub(pub, mon)
-    self._foreign_bytes, self._new_peers = 0, 0
+  def _rebind(self, ctx):
+    """A new XPUB at the address of the one just closed (with the subscription trie its
+    peers filled); readers reconnect by themselves and each gets a snapshot."""
+    self._foreign_bytes = 0
+    self._new_peers.clear()
     self.rebinds += 1
     deadline = time.monotonic() + _REBIND_S
     while True:
@@ -320,13 +324,14 @@ class EventPublisher:
   def _connections(self, mon) -> None:
     while True:
       try:
-        event = zmq_monitor.recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+        event = zmq_monitor.recv_monitor_message(mon, zmq.NOBLOCK)
       except zmq.Again:
         return
-      if event == zmq.EVENT_ACCEPTED:
-        self._new_peers += 1
-      elif event == zmq.EVENT_DISCONNECTED:
+      if event["event"] == zmq.EVENT_ACCEPTED:
+        self._new_peers.add(event["value"])
+      elif event["event"] == zmq.EVENT_DISCONNECTED:
         self.peers_disconnected += 1
+        self._new_peers.discard(event["value"])  # left without subscribing: owed nothing
 
   def _subscriptions(self, pub) -> None:
     while True:
@@ -342,7 +347,7 @@ class EventPublisher:
         if self._foreign_bytes > self.limits.foreign_subscription_bytes:
           return  # re-bind now: each further read lets libzmq take more into the trie
       elif self._new_peers:  # the first subscription of a new reader: tell it everything
-        self._new_peers -= 1
+        self._new_peers.pop()
         self._snapshot_due = True
 
   def _snapshot(self, pub) -> None:
