@@ -172,8 +172,10 @@ def test_replay_answers_from_a_seq_and_a_late_reader_gets_a_snapshot(engine_with
     dealer.close(0)
     assert got[:len(first.messages) - 1] == [(s, b) for _, s, b in first.messages[1:]]
     # A reader that connects now is told everything held, after AllBlocksCleared.
+    # (The publisher sends at most one snapshot a second, so it may come up to 1 s late.)
     late = Reader(pub)
-    late.read()
+    helpers.wait_for(lambda: late.read() or late.messages, 10, "the late reader's snapshot",
+                     interval_s=0.1)
     assert late.messages and late.messages[0][2][1][0] == {"type": "AllBlocksCleared"}
     assert set(late.held) == set(first.held) == index_state(e)
     assert e.cache.events_publisher.snapshots >= 2

@@ -345,7 +345,8 @@ def _replica_header(r: Replica, status: int) -> dict:
   caller without a key learns nothing of where a request would have gone, nor does one
   whose ids only a forger would send (without a deployment key, a tenant who computes ids
   that map onto another tenant's could have them placed by that tenant's blocks; such ids
-  are out of the vocabulary, and the replica's 400 says nothing of where it went)."""
+  are almost surely out of the vocabulary, and the replica's 400 says nothing of where
+  they went)."""
   return {REPLICA_HEADER: r.url} if status < 400 else {}
 
 
