@@ -136,16 +136,19 @@ def tenant_salt(tenant: str, key: bytes | None) -> bytes:
 
 
 def routing_tokens(salt: bytes, tokens) -> list[int]:
-  """A tenant's token ids as its KV events tell them and its router asks for them: each id
-  mapped through AES-256 (one block per token, ECB: a keyed permutation, position-free) under
-  a key derived from the tenant's salt (``tenant_salt``), to a 32-bit id.
+  """A tenant's token ids as its KV events tell them and its router asks for them: each id,
+  with its position in the sequence, mapped through AES-256 (one block per token: a keyed
+  permutation of (id, position)) under a key derived from the tenant's salt
+  (``tenant_salt``), to a 32-bit id. ``tokens`` start at position 0 (a prompt's first token),
+  as both the events and the router map them.
 
   Why: a KV indexer matches requests to replicas by token ids, and knows no tenants. With
   raw ids one tenant's request would be scored against every tenant's blocks, and the
   router's choice would tell it which prompts another tenant sent. Mapped ids of two
   tenants (or two ``cache_salt``s) share nothing, so a tenant's query can only ever match its
-  own blocks; an id still maps to the same id in every block, so the indexer's block-wise
-  matching works unchanged. With a deployment key the salt is secret and no one without the
+  own blocks; the same prefix maps to the same ids, so the indexer's block-wise matching
+  works unchanged, and since the position is mapped too, a reader of the events does not see
+  which tokens repeat (no substitution table to solve). With a deployment key the salt is secret and no one without the
   key can compute another tenant's ids; without one, salts follow from tenant names
   (BUILD.md, "Threat model")."""
   import numpy as np
@@ -156,6 +159,7 @@ def routing_tokens(salt: bytes, tokens) -> list[int]:
   key = hashlib.sha256(b"jaxkv-routing-tokens\x00" + salt).digest()
   blocks = np.zeros((ids.size, 4), np.uint32)
   blocks[:, 0] = ids.astype(np.uint32)
+  blocks[:, 1] = np.arange(ids.size, dtype=np.uint32)
   enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
   out = np.frombuffer(enc.update(blocks.tobytes()) + enc.finalize(), np.uint32)
   return out.reshape(-1, 4)[:, 0].tolist()
