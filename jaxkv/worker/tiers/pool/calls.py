@@ -110,7 +110,10 @@ class PutCalls:
     self._inside = [f for f in self._inside if not f.done()]
     if len(self._inside) >= self._threads:
       raise TimeoutError(f"{self._threads} put calls are still inside the pool client")
-    future = self._calls.submit(self._pool, fn, *args)
+    try:
+      future = self._calls.submit(self._pool, fn, *args)
+    except RuntimeError:  # shut down (closing, or the interpreter exits): a put not made
+      raise TimeoutError("the pool's put threads are shut down") from None
     self._inside.append(future)
     return future.result(timeout=self.deadline_s)
 
