@@ -19,9 +19,9 @@ prompts are different blocks here. ``token_ids`` are the block's tokens *as its 
 router asks for them*: each id mapped under the tenant's salt (``security.routing_tokens``),
 so a router that scores requests by their tokens (Dynamo's indexer does, and knows no
 tenants) matches a request only against its own tenant's blocks
-(``jaxkv.entrypoints.openai.router`` maps a request's ids the same way). The map is one per
-tenant, not per position: the stream hides which raw ids a tenant sent, not which of its
-tokens repeat, so it is still kept where only the router reaches it. ``raw_tokens=True``
+(``jaxkv.entrypoints.openai.router`` maps a request's ids the same way). Each id is keyed
+by its position too: the stream hides which tokens a tenant sent and which repeat, though not
+which prompts share blocks, so it is still kept where only the router reaches it. ``raw_tokens=True``
 sends the tokens as vLLM does (for a router that tokenizes text itself; it then learns every
 tenant's prompts and steers tenants by each other's prefixes: one tenant only). With
 ``tokens=False`` they are left out and the router sees only hashes. A block whose tokens this
