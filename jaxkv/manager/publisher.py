@@ -44,10 +44,10 @@ is bounded (``PublisherLimits``; the numbers below are the defaults):
 - **The replay buffer** keeps the last ``buffer_messages`` (10,000) messages and at most
   ``buffer_bytes`` (32 MiB) of payload.
 - **A replay answer** is at most ``replay_answer_bytes`` (1 MiB) and ``replay_hwm`` - 1
-  messages, then the end marker: a reader that wants more asks again from the seq after the
-  last it got. A peer that does not read holds at most ``replay_hwm`` messages (one answer,
-  1 MiB plus the end marker); a request that finds its queue full, or over
-  ``replays_per_s``, is not answered (``replays_refused``; the reader asks again).
+  messages (31), then the end marker: a reader that wants more asks again from the seq
+  after the last it got. A peer that does not read holds at most ``replay_hwm`` messages
+  (4 MiB); a request that finds its queue full, or comes over ``replays_per_s`` (20), is
+  not answered (``replays_refused``; the reader asks again).
 - **Malformed replay requests** are counted (``replays_malformed``) and logged at most once a
   minute with the count since the last line.
 
@@ -92,7 +92,7 @@ class PublisherLimits:
   buffer_messages: int = 10_000
   buffer_bytes: int = 32 * 2**20
   replay_answer_bytes: int = 2**20
-  replay_hwm: int = 256
+  replay_hwm: int = 32
   replays_per_s: float = 20.0
   snapshot_interval_s: float = 1.0
   foreign_subscription_bytes: int = 16 * 1024
@@ -118,6 +118,11 @@ class PublisherLimits:
   def per_subscriber_bytes(self) -> int:
     """What a connected subscriber that never reads can hold (events within message_bytes)."""
     return self.sndhwm * self.message_bytes
+
+  @property
+  def per_replay_peer_bytes(self) -> int:
+    """What a replay peer that never reads its answers can hold."""
+    return self.replay_hwm * self.message_bytes
 
 
 def endpoint_host(endpoint: str) -> str | None:

@@ -31,6 +31,7 @@ MiB = 2**20
 ANSWER_BYTES = 1 * MiB  # one replay answer
 BUFFER_BYTES = 32 * MiB  # the replay buffer
 PER_SUBSCRIBER_BYTES = 32 * 128 * 1024  # what one subscriber that does not read holds
+PER_REPLAY_PEER_BYTES = 32 * 128 * 1024  # what one replay peer that does not read holds
 
 # The child: a publisher at argv[1] (replay at argv[2]) that obeys one command a line on
 # stdin and answers one JSON line: its memory, its counters, or "ok".
@@ -50,9 +51,11 @@ def stored(i, tokens=16):
 
 for line in sys.stdin:
   cmd, *args = line.split()
-  if cmd == "mem":
+  if cmd == "mem":  # now, and the peak since the last "mem" (then the peak starts again)
     status = dict(l.split(":", 1) for l in open("/proc/self/status"))
     out = {k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
   elif cmd == "stats":
     out = {k: getattr(pub, k, None) for k in COUNTERS}
     out["queued"] = pub._queue.qsize()
@@ -194,7 +197,8 @@ def joined(sock, child, timeout_s: float = 10.0):
 
 
 def grew(child, before) -> int:
-  """The child's peak resident memory above ``before`` (a ``mem`` answer), in bytes."""
+  """The child's peak resident memory since ``before`` (a ``mem`` answer) above what it
+  held then, in bytes."""
   return child.ask("mem")["VmHWM"] - before["VmRSS"]
 
 
@@ -327,6 +331,30 @@ def test_a_replay_of_everything_comes_in_bounded_answers_that_resume(child):
     dealer.close(0)
 
 
+def test_a_peer_that_asks_for_replays_and_never_reads_holds_one_answer(child):
+  child.ask("flood 1000 1024")  # ~3 MiB kept
+  child.settle(lambda s: s["queued"] == 0)
+  before = child.ask("mem")
+  greedy = zmq.Context.instance().socket(zmq.DEALER)  # takes one message, then nothing
+  for opt, value in ((zmq.LINGER, 0), (zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)):
+    greedy.setsockopt(opt, value)
+  greedy.connect(child.replay)
+  try:
+    for _ in range(100):  # everything, 100 times (old: 100 full answers queued)
+      greedy.send_multipart([b"", (0).to_bytes(8, "big")])
+      time.sleep(0.01)
+    time.sleep(0.5)
+    growth = grew(child, before)
+    stats = child.ask("stats")
+    print(f"100 replays of everything, never read: publisher grew {growth / MiB:.1f} MiB, "
+          f"{stats['replays']} answered, {stats['replays_refused']} refused")
+    assert stats["replays_refused"] > 0, stats
+    assert growth < PER_REPLAY_PEER_BYTES + 4 * MiB, (
+        f"a peer that never reads its replays cost {growth / MiB:.0f} MiB")
+  finally:
+    greedy.close(0)
+
+
 def test_big_frames_to_the_replay_socket_cost_nothing(child):
   before = child.ask("mem")
   peers, taken = [], 0
@@ -413,8 +441,9 @@ def test_a_non_loopback_endpoint_says_insecure_and_limits_are_checked(mesh, capl
   assert len(lines) == 1 and "--kv_events=tcp://0.0.0.0:" in lines[0], lines
   assert "127.0.0.1" in lines[0]  # the fix
   limits = publisher_lib.PublisherLimits()
-  assert (limits.replay_answer_bytes, limits.buffer_bytes, limits.per_subscriber_bytes) == (
-      ANSWER_BYTES, BUFFER_BYTES, PER_SUBSCRIBER_BYTES)
+  assert (limits.replay_answer_bytes, limits.buffer_bytes, limits.per_subscriber_bytes,
+          limits.per_replay_peer_bytes) == (
+              ANSWER_BYTES, BUFFER_BYTES, PER_SUBSCRIBER_BYTES, PER_REPLAY_PEER_BYTES)
   with pytest.raises(jaxkv.InputError, match=r"frame_bytes=8 must be >= 64"):
     publisher_lib.PublisherLimits(frame_bytes=8)
   with pytest.raises(jaxkv.InputError, match=r"sndhwm=0 must be a positive int"):
