@@ -255,7 +255,7 @@ def test_a_lender_that_keeps_its_registration_but_stops_serving_costs_misses_nev
         os.killpg(m.proc.pid, signal.SIGCONT)
       s = decode.stats()
       assert s.get("pool_lookup_skipped", 0) == 0 and s["pool_lookup_timeouts"] == 1, s
-      close(decode)
+      close(prefill, decode)
     finally:
       os.killpg(lender.pid, signal.SIGKILL)
       lender.wait(30)
