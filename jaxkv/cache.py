@@ -127,7 +127,8 @@ class KVCache:
               "bind it on 127.0.0.1 or a private address only the router's hosts reach "
               "(kv_events_tokens=false sends hashes only)")
       self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
-                                tokens=tiers.kv_events_tokens)
+                                tokens=tiers.kv_events_tokens,
+                                raw_tokens=tiers.kv_events_raw_tokens)
       self.manager.set_events(self.events)
     if config.weights_digest:  # the model is known: open what depends on its identity now
       try:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import json
 import threading
 import time
@@ -45,18 +44,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxkv.entrypoints.openai import disagg
+from jaxkv.entrypoints.openai import auth, disagg
 from jaxkv.entrypoints.openai.protocol import (
-    MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, TENANT_SEPARATOR, ApiError, _Answer,
-    _bad, _body, _bool, _chat_messages, _check_supported, _clip, _error_event, _int, _Job,
-    _job, _logprobs, _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids,
-    check_answer_size, parse_body, read_body, read_json)
+    MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, ApiError, _Answer, _bad, _body, _bool,
+    _chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
+    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, check_answer_size,
+    parse_body, read_body, read_json)
 from jaxkv.errors import InputError
 from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
-
-
-def _key_digest(key: str) -> bytes:
-  return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 class OpenAIServer:
@@ -81,13 +76,8 @@ class OpenAIServer:
     # (host, port) a prefill's kv_transfer_params name: this server's own address (a launcher
     # that binds port 0 sets it once the port is known), never a client's Host header.
     self.hand_off_address = hand_off_address
-    # Kept by digest: a lookup then takes no time that depends on how much of a guessed
-    # key matches a real one, and the keys themselves are not kept in memory.
-    self.api_keys = {_key_digest(k): t for k, t in api_keys.items()} if api_keys else None
-    for tenant in (self.api_keys or {}).values():
-      if not isinstance(tenant, str) or not tenant or TENANT_SEPARATOR in tenant:
-        raise InputError(f"tenant {tenant!r} in the API keys must be a non-empty string "
-                         "without control characters.")
+    self.keys = auth.ApiKeys(api_keys)  # kept by digest (``auth``)
+    self.api_keys = self.keys.digests
     # With API keys, /metrics answers only these tenants' keys: its counters are the whole
     # server's, every tenant's hits among them.
     self.metrics_tenants = frozenset(metrics_tenants)
@@ -224,15 +214,7 @@ class OpenAIServer:
       return e.response()
 
   def _tenant(self, request: Request) -> str:
-    if self.api_keys is None:
-      return "default"
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    tenant = self.api_keys.get(_key_digest(key)) if key else None
-    if tenant is None:
-      raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
-                     "authentication_error", code="invalid_api_key")
-    return tenant
+    return self.keys.tenant(request.headers.get("authorization"))
 
   # ---- a generation request ---------------------------------------------------------------------
   async def _serve(self, request: Request, *, chat: bool):
