@@ -250,7 +250,7 @@ def check_answer_size(prompt_lengths: list[int], *, max_tokens: int, n: int,
              f"{hint}.", "logprobs")
 
 
-def _chat_messages(messages) -> list[dict]:
+def chat_messages(messages) -> list[dict]:
   """``messages`` as ``{"role", "content"}`` dicts of strings (text parts joined)."""
   if not isinstance(messages, list) or not messages:
     raise _bad("messages must be a non-empty list of {'role', 'content'} objects.",

@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv import security
 from jaxkv.entrypoints.openai.auth import ApiKeys
-from jaxkv.entrypoints.openai.protocol import (MAX_BODY_BYTES, ApiError, _chat_messages,
+from jaxkv.entrypoints.openai.protocol import (MAX_BODY_BYTES, ApiError, chat_messages,
                                                parse_body, read_body, request_tenant)
 from jaxkv.errors import InputError
 
@@ -171,7 +171,7 @@ class Router:
       if path.endswith("/chat/completions"):
         if self.tokenizer is None:
           return None
-        return list(self.tokenizer.encode_chat(_chat_messages(body.get("messages"))))
+        return list(self.tokenizer.encode_chat(chat_messages(body.get("messages"))))
       prompt = body.get("prompt")
       if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]

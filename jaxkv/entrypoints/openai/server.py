@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxkv.entrypoints.openai import auth, disagg
 from jaxkv.entrypoints.openai.protocol import (
     MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, ApiError, _Answer, _bad, _body, _bool,
-    _chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
+    chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
     _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, check_answer_size,
     parse_body, read_body, read_json)
 from jaxkv.errors import InputError
@@ -485,7 +485,7 @@ class _Reader:
     if self.tokenizer is None:
       raise _bad("chat needs a tokenizer and chat template: start the server with "
                  "--model_dir, or use /v1/completions with token ids.", "messages")
-    plain = _chat_messages(messages)
+    plain = chat_messages(messages)
     try:
       return self.tokenizer.encode_chat(plain)
     except InputError as e:
@@ -501,7 +501,7 @@ class _Reader:
         raise _bad(f"add_generation_prompt={add!r} must be true or false.",
                    "add_generation_prompt")
       try:
-        ids = tok.encode_chat(_chat_messages(body["messages"]), add_generation_prompt=add)
+        ids = tok.encode_chat(chat_messages(body["messages"]), add_generation_prompt=add)
       except InputError as e:
         raise _bad(str(e), "messages") from None
     else:
