@@ -124,6 +124,8 @@ def main(argv):
             f"({counts['failed_checksum']} failed their checksum)")
   print(f"compiled in {time.perf_counter() - t0:.1f} s; workload {cfg.workload.kind}, "
         f"{work.rounds} rounds")
+  from jaxkv.compiles import COMPILES
+  warm_mark = COMPILES.mark()  # nothing may compile from here on (every engine warmed)
 
   if online:
     outputs, ttft, wall_s, occupancy, online_summary = _run_online(engines, make_work)
@@ -131,6 +133,9 @@ def main(argv):
     outputs, ttft, wall_s, occupancy = _run_rounds(engines, work)
     online_summary = None
 
+  compiled_late = COMPILES.names_since(warm_mark)
+  if compiled_late:
+    print(f"compiled after warm-up ({len(compiled_late)}): {', '.join(compiled_late)}")
   main_policy = policies[0]
   engines[main_policy].flush()
   index_digest = engines[main_policy].cache.index.digest()
@@ -164,6 +169,8 @@ def main(argv):
       "mesh": {"data": cfg.mesh.data, "model": cfg.mesh.model},
       "prefill_chunk_pages": cfg.engine.prefill_chunk_pages,
       "stats": stats,
+      "compiles_after_warmup": len(compiled_late),
+      "compiled_after_warmup": compiled_late,
       "machine": _common.machine_info(),
   }
   if len(policies) == 2:

@@ -30,7 +30,6 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import distributed
@@ -168,10 +167,11 @@ class CostModel:
       lat.append(link.latency_s if link else 0.0)
       rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
     p = self.prefill
-    return CostArrays(latency_s=jnp.asarray(lat, jnp.float32),
-                      bytes_per_s=jnp.asarray(rate, jnp.float32),
-                      prefill=jnp.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
-                                          jnp.float32))
+    # numpy: the planner places them where the plan runs (planner.plan_device)
+    return CostArrays(latency_s=np.asarray(lat, np.float32),
+                      bytes_per_s=np.asarray(rate, np.float32),
+                      prefill=np.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
+                                         np.float32))
 
 
 @jax.tree_util.register_dataclass

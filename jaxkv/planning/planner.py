@@ -36,6 +36,33 @@ if typing.TYPE_CHECKING:
   from jaxkv.worker.tiers.base import FetchReport
 
 
+def plan_device() -> jax.Device:
+  """Where the plan runs: this host's CPU backend. The plan is a few hundred bytes of
+  integer work; on an accelerator it would queue behind the model's steps and every
+  admission would wait for the device to drain before reading its answer back. Without a
+  CPU backend (``JAX_PLATFORMS`` names only an accelerator) it runs on the default device."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return jax.local_devices()[0]
+
+
+def run_on_host(inputs, arrays) -> Plan:
+  """``plan`` on ``plan_device()``: inputs and costs committed there, so it compiles and
+  runs on the host backend and its answer is read without a device round trip."""
+  inputs, arrays = jax.device_put((inputs, arrays), plan_device())
+  return plan(inputs, arrays)
+
+
+def plan_block_buckets(max_blocks: int) -> list[int]:
+  """Every chain-length bucket (``buckets.plan_rows``) of chains up to ``max_blocks``."""
+  top, m, out = buckets.plan_rows(max_blocks), buckets.MIN_PLAN_ROWS, []
+  while m <= top:
+    out.append(m)
+    m *= 2
+  return out
+
+
 class Planner:
   """Applies ``SchedulerConfig.policy``: which cached blocks of a step's requests are fetched
   and which recomputed, and which shard a request is cheapest on.
@@ -73,7 +100,7 @@ class Planner:
                           page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,
                           tail_widths=self.tail_widths,
                           inflight_blocks=self.config.inflight_blocks, devices=devices)
-    return plan(inputs, self.ensure_costs().arrays())
+    return run_on_host(inputs, self.ensure_costs().arrays())
 
   def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
                   ) -> np.ndarray | None:
@@ -130,12 +157,13 @@ class Planner:
                     end - h, decision, s - h, end - s)
     return out
 
-  def warm(self, block_counts: list[int], max_requests: int) -> None:
-    """Compiles the plan's buckets: placement (one request on every shard) and steps of up
-    to ``max_requests`` requests, for chains of ``block_counts`` blocks."""
+  def warm(self, max_blocks: int, max_requests: int) -> None:
+    """Compiles every bucket the plan can meet: placement (one request on every shard) and
+    steps of up to ``max_requests`` requests, for chains of up to ``max_blocks`` blocks
+    (every ``buckets.plan_rows`` bucket: a short chain is its own shape)."""
     arrays = self.ensure_costs().arrays()
-    ms = sorted({buckets.plan_rows(m) for m in block_counts})
-    pad = lambda r, m, d, placed: jax.block_until_ready(plan(padding_inputs(
+    ms = plan_block_buckets(max_blocks)
+    pad = lambda r, m, d, placed: jax.block_until_ready(run_on_host(padding_inputs(
         r, m, d, page_size=self.page_size, chunk_tokens=self.chunk_tokens, placed=placed,
         tail_widths=self.tail_widths), arrays))
     for m in ms:

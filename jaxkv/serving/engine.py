@@ -276,7 +276,7 @@ class Engine:
     if self.scheduler_config.policy == "cost" and cold:  # blocks on another tier or shard
       if self.planner.costs is None:
         self._calibrate()
-      self.planner.warm(widths, rows[-1] * cache.num_shards)
+      self.planner.warm(-(-max_seq_len // c.page_size), rows[-1] * cache.num_shards)
     jax.block_until_ready(self.cache.pools)
     return self.runner.warm_progress()[0]
 
