@@ -32,6 +32,18 @@ def transfer_pages(n: int) -> int:
   return max(MIN_TRANSFER_PAGES, pow2_at_least(n))
 
 
+def pieces(n: int, top: int) -> list[tuple[int, int]]:
+  """``n`` items as ``(offset, size)`` buckets, sizes powers of two of at most ``top`` (a
+  power of two), largest first: 13 -> (0, 8), (8, 4), (12, 1). A move in these buckets
+  carries exactly ``n`` items and compiles for ``log2(top) + 1`` shapes."""
+  out, offset = [], 0
+  while offset < n:
+    size = min(top, 1 << ((n - offset).bit_length() - 1))
+    out.append((offset, size))
+    offset += size
+  return out
+
+
 def plan_rows(n: int) -> int:
   """Requests (or blocks) of a plan over ``n``: a power of two, at least 8."""
   return max(MIN_PLAN_ROWS, pow2_at_least(n))

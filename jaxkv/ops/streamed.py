@@ -5,8 +5,8 @@ device pool and the rest, its *cold* pages, in the host pool. ``stream_state`` f
 cold pages into the same online-softmax state ``chunked.paged_state`` builds from the hot
 ones, ``pages_per_chunk`` host pages at a time:
 
-- each chunk's pages are sliced out of the host pool (one ``dynamic_slice`` per page, on
-  host memory) and transferred to device memory, then attended and merged;
+- each chunk's pages are sliced out of the host pool (one ``dynamic_slice`` per page and
+  array, on host memory: a contiguous region of the page-major pool) and transferred to device memory, then attended and merged;
 - double buffering: step ``c`` issues the transfer of chunk ``c + 1`` *before* it
   computes on chunk ``c``, so the copy of the next chunk overlaps the attention of this
   one; at most two chunks per layer are on device at once (the staging budget);
@@ -30,13 +30,13 @@ def stream_state(state, qg, host_pool, k_index: int, v_index: int, cold_slots, c
                  cold_count, q_positions, kv_lens, *, pages_per_chunk: int, dtype):
   """Folds every cold page of every row into ``state``.
 
-  host_pool: ``[arrays, kv_heads, host_pages, page_size, head_dim]`` raw bits in host
-  memory (shard-local inside ``shard_map``); k_index/v_index: this layer's K and V in it;
+  host_pool: ``[host_pages, arrays, kv_heads, page_size, head_dim]`` raw bits in host
+  memory (page-major, ``pages.host_spec``) (shard-local inside ``shard_map``); k_index/v_index: this layer's K and V in it;
   cold_slots: ``[B, C]`` host slots, C a multiple of ``pages_per_chunk``; cold_first,
   cold_count: ``[B]``.
   """
   batch, width = cold_slots.shape
-  _, heads, _, page_size, head_dim = host_pool.shape
+  _, _, heads, page_size, head_dim = host_pool.shape
   num_chunks = width // pages_per_chunk
   chunk_tokens = pages_per_chunk * page_size
 
@@ -46,10 +46,10 @@ def stream_state(state, qg, host_pool, k_index: int, v_index: int, cold_slots, c
       for i in range(pages_per_chunk):
         slot = jax.lax.dynamic_index_in_dim(cold_slots[b], c * pages_per_chunk + i,
                                             keepdims=False)
-        ks.append(jax.lax.dynamic_slice(host_pool, (k_index, 0, slot, 0, 0),
-                                        (1, heads, 1, page_size, head_dim)))
-        vs.append(jax.lax.dynamic_slice(host_pool, (v_index, 0, slot, 0, 0),
-                                        (1, heads, 1, page_size, head_dim)))
+        for index, out in ((k_index, ks), (v_index, vs)):  # [1, 1, H, S, D] -> [1, H, 1, S, D]
+          out.append(jax.lax.dynamic_slice(host_pool, (slot, index, 0, 0, 0),
+                                           (1, 1, heads, page_size, head_dim)).reshape(
+                                               1, heads, 1, page_size, head_dim))
     ks, vs = jax.device_put((ks, vs), jax.memory.Space.Device)  # host -> device
     shape = (heads, batch, chunk_tokens, head_dim)
     k = jnp.concatenate(ks, axis=2).reshape(shape)  # [1, H, B*ppc, S, D] -> [H, B, L, D]

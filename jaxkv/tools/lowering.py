@@ -113,6 +113,25 @@ def custom_calls(exported: export.Exported) -> set[str]:
   return pretty | generic
 
 
+def host_move_report(exported: export.Exported) -> dict:
+  """What a lowered host-tier move does with host memory, counted in its module:
+  ``to_host`` / ``to_device`` (memory-space transfers: one per block, and the host pool's
+  own placement as a result), ``placements`` (``dynamic_update_slice``), ``reads``
+  (``dynamic_slice``), ``scatters``, ``host_compute`` (regions XLA runs as host
+  computations) and ``donated`` (an argument aliased to a result: the pool in place)."""
+  text = exported.mlir_module()
+  return {
+      "to_host": text.count('_xla_buffer_placement = "pinned_host"')
+                 + text.count('_xla_buffer_placement = "unpinned_host"'),
+      "to_device": text.count('_xla_buffer_placement = "device"'),
+      "placements": text.count("stablehlo.dynamic_update_slice"),
+      "reads": text.count("stablehlo.dynamic_slice"),
+      "scatters": text.count("stablehlo.scatter") + text.count('"stablehlo.scatter"'),
+      "host_compute": text.count("_xla_compute_type"),
+      "donated": "tf.aliasing_output" in text or "jax.buffer_donor" in text,
+  }
+
+
 # ---- the engine's functions for a config -------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Lowerable:
@@ -230,13 +249,19 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   if host_pages:
     from jaxkv.worker.tiers import host as host_lib
     kind = tiers.get("host_memory_kind", "pinned_host")
-    host_pool = _sds(mesh, (num_arrays, cache_cfg.num_kv_heads, shards * host_pages,
+    host_pool = _sds(mesh, (shards * (host_pages + 1), num_arrays, cache_cfg.num_kv_heads,
                             cache_cfg.page_size, cache_cfg.head_dim), bits,
-                     pages_lib.stacked_spec(cache_cfg), memory_kind=kind)
-    store, load, read = host_lib.host_fns(mesh, cache_cfg, kind)
-    out += [Lowerable(f"host_store[pages={moved}]", store, (host_pool, ids, stack)),
-            Lowerable(f"host_load[pages={moved}]", load, (host_pool, ids)),
-            Lowerable(f"host_read[pages={moved}]", read, (host_pool, ids))]
+                     pages_lib.host_spec(cache_cfg), memory_kind=kind)
+    fns = host_lib.host_fns(mesh, cache_cfg, kind, ranks)
+    size = min(moved, host_lib.MOVE_BUCKET_MAX)
+    move_ids = row(shards, size)
+    blocks = _sds(mesh, (shards * size, num_arrays, cache_cfg.num_kv_heads,
+                         cache_cfg.page_size, cache_cfg.head_dim), bits,
+                  pages_lib.host_spec(cache_cfg))
+    out += [Lowerable(f"host_stage[pages={size}]", fns.stage, (tuple(pools), move_ids)),
+            Lowerable(f"host_store[pages={size}]", fns.place, (host_pool, blocks, move_ids)),
+            Lowerable(f"host_load[pages={size}]", fns.load, (host_pool, move_ids)),
+            Lowerable(f"host_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids))]
     chunk = StreamConfig().chunk_pages
     stream = kvnnx.StreamBatch(
         block_valid=row(shards, widths[-1], dtype=bool), host_pool=host_pool,

@@ -4,7 +4,8 @@ What is saved (one Orbax ``CheckpointManager`` step, written asynchronously and
 finalised atomically):
 - ``device``: every published device block, gathered into one raw-bits stack
   ``[2 * layers, kv_heads, rows, page_size, head_dim]`` (``rows = shards * n``, padded);
-- ``host``: the host pool as it is (the same layout), when there is a host tier;
+- ``host``: the host pool's slots in the device stack's layout (``HostTier.stacked``: its
+  scratch rows left out), when there is a host tier;
 - ``meta`` (JSON): format version, the model/layout fingerprint and the config fields
   behind it, and for every saved row its block key, parent key, old shard and a
   checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
@@ -161,7 +162,7 @@ class Checkpointer:
           key = index.key_of(s, p, Tier.HOST)
           row = s * host.pages_per_shard + p
           host_rows.append(self._row((s, key) if key else None, host_sums[row], index))
-      state["host"] = host.pool
+      state["host"] = host.stacked()  # the saved layout: [2L, H, rows, S, D]
       meta["host_rows"] = host_rows
     meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                       for k, v in state.items()}

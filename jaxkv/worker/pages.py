@@ -163,7 +163,7 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
   in_specs = [heads, heads, heads, pool, pool, rows, rows, row] + [P()] * len(layer_arg)
   args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *layer_arg]
   if stream is not None:
-    in_specs += [rows, stacked_spec(config), rows, row, row]
+    in_specs += [rows, host_spec(config), rows, row, row]
     args += [stream.block_valid, stream.host_pool, stream.cold_slots, stream.cold_first,
              stream.cold_count]
   # Varying-axis checks are off where a streamed host pool or a Pallas call would trip them.
@@ -277,48 +277,67 @@ def first_rows(pools) -> list[int]:
   return rows
 
 
+def host_spec(config: CacheConfig) -> P:
+  """Sharding of the host pool ``[data_shards * (host_pages + 1), 2 * layers, kv_heads,
+  page_size, head_dim]``: page-major, so one block of one shard is one contiguous region
+  (``jaxkv.worker.tiers.host``)."""
+  return P(config.data_axis, None, config.model_axis, None, None)
+
+
+def local_gather_stacked(pools, page_ids, ranks):
+  """Inside ``shard_map``: the pages ``page_ids[0]`` of every pool as one raw-bits stack
+  ``[2 * layers, kv_heads, n, page_size, head_dim]`` (rows in block order, see above)."""
+  rows = []
+  for group in row_groups(ranks):
+    got = [to_bits(pools[i])[..., page_ids[0], :, :] for i in group]
+    if len(group) == 1:
+      rows.append(got[0][None])
+    else:  # [L, 2, H, n, S, D] -> rows K0, V0, K1, V1, ...
+      pair = jnp.stack(got, axis=1)
+      rows.append(pair.reshape(-1, *pair.shape[2:]))
+  return jnp.concatenate(rows)
+
+
 @functools.lru_cache(maxsize=None)
 def gather_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   """The jitted function behind ``gather_stacked`` for pools of these ranks."""
-  ids, groups = P(config.data_axis, None), row_groups(ranks)
+  ids = P(config.data_axis, None)
 
   def local(pools, page_ids):
-    rows = []
-    for group in groups:
-      got = [to_bits(pools[i])[..., page_ids[0], :, :] for i in group]
-      if len(group) == 1:
-        rows.append(got[0][None])
-      else:  # [L, 2, H, n, S, D] -> rows K0, V0, K1, V1, ...
-        pair = jnp.stack(got, axis=1)
-        rows.append(pair.reshape(-1, *pair.shape[2:]))
-    return jnp.concatenate(rows)
+    return local_gather_stacked(pools, page_ids, ranks)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(_rank_specs(config, ranks), ids),
                                out_specs=stacked_spec(config)))
 
 
-@functools.lru_cache(maxsize=None)
-def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
-  """The jitted function behind ``scatter_stacked`` (pools donated)."""
-  ids, specs, groups = P(config.data_axis, None), _rank_specs(config, ranks), row_groups(ranks)
-
-  def put(p, rows, page_ids):
+def local_scatter_stacked(pools, page_ids, values, ranks) -> tuple:
+  """Inside ``shard_map``: a raw-bits stack ``values`` written into pages ``page_ids[0]``
+  of every pool (ids ``>= pages`` dropped); returns the new pools."""
+  def put(p, rows):
     return jax.lax.bitcast_convert_type(
         to_bits(p).at[..., page_ids[0], :, :].set(rows, mode="drop"), p.dtype)
 
+  out, row = list(pools), 0
+  for group in row_groups(ranks):
+    if len(group) == 1:
+      out[group[0]] = put(pools[group[0]], values[row])
+      row += 1
+    else:
+      n = pools[group[0]].shape[0]
+      pair = values[row:row + 2 * n].reshape(n, 2, *values.shape[1:])
+      for j, i in enumerate(group):
+        out[i] = put(pools[i], pair[:, j])
+      row += 2 * n
+  return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  """The jitted function behind ``scatter_stacked`` (pools donated)."""
+  ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
+
   def local(pools, page_ids, values):
-    out, row = list(pools), 0
-    for group in groups:
-      if len(group) == 1:
-        out[group[0]] = put(pools[group[0]], values[row], page_ids)
-        row += 1
-      else:
-        n = pools[group[0]].shape[0]
-        pair = values[row:row + 2 * n].reshape(n, 2, *values.shape[1:])
-        for j, i in enumerate(group):
-          out[i] = put(pools[i], pair[:, j], page_ids)
-        row += 2 * n
-    return tuple(out)
+    return local_scatter_stacked(pools, page_ids, values, ranks)
 
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, stacked_spec(config)),
                                out_specs=specs), donate_argnums=(0,))
@@ -344,27 +363,36 @@ _MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted s
 _OFFSET = np.uint32(0x9E3779B9)
 
 
+def local_page_checksums(stack, config: CacheConfig, model: int):
+  """Inside ``shard_map``: ``page_checksums`` of this shard's part of a raw-bits stack
+  ``[arrays, kv_heads/model, n, page_size, head_dim]``; returns ``[n, 1]`` uint32 (this
+  model shard's partial sums)."""
+  if stack.dtype.itemsize == 2 and stack.shape[-1] % 2 == 0:  # two uint16 per uint32
+    stack = jax.lax.bitcast_convert_type(
+        stack.reshape(*stack.shape[:-1], stack.shape[-1] // 2, 2), jnp.uint32)
+  words = stack.astype(jnp.uint32)
+  a, h, _, t, d = words.shape
+  # One weight per position in the *global* page (kv heads numbered across the model
+  # axis), broadcast over the page axis: the partial sums of the model shards add up
+  # to the same total on any mesh.
+  head = jax.lax.axis_index(config.model_axis) * h + jnp.arange(h)
+  pos = ((jnp.arange(a)[:, None, None, None] * (h * model) + head[None, :, None, None]) * t
+         + jnp.arange(t)[None, None, :, None]) * d + jnp.arange(d)[None, None, None, :]
+  weights = (pos.astype(jnp.uint32) * _MIX + _OFFSET)[:, :, None]
+  return jnp.sum(words * weights, axis=(0, 1, 3, 4), dtype=jnp.uint32)[:, None]
+
+
+def checksums_spec(config: CacheConfig) -> P:
+  """Sharding of ``page_checksums``' ``[data_shards * n, model]`` partial sums."""
+  return P(config.data_axis, config.model_axis)
+
+
 @functools.lru_cache(maxsize=None)
 def _checksum_fn(mesh: Mesh, config: CacheConfig):
   model = mesh.shape[config.model_axis]
-
-  def local(stack):  # [arrays, kv_heads/model, n/data, page_size, head_dim] raw bits
-    if stack.dtype.itemsize == 2 and stack.shape[-1] % 2 == 0:  # two uint16 per uint32
-      stack = jax.lax.bitcast_convert_type(
-          stack.reshape(*stack.shape[:-1], stack.shape[-1] // 2, 2), jnp.uint32)
-    words = stack.astype(jnp.uint32)
-    a, h, _, t, d = words.shape
-    # One weight per position in the *global* page (kv heads numbered across the model
-    # axis), broadcast over the page axis: the partial sums of the model shards add up
-    # to the same total on any mesh.
-    head = jax.lax.axis_index(config.model_axis) * h + jnp.arange(h)
-    pos = ((jnp.arange(a)[:, None, None, None] * (h * model) + head[None, :, None, None]) * t
-           + jnp.arange(t)[None, None, :, None]) * d + jnp.arange(d)[None, None, None, :]
-    weights = (pos.astype(jnp.uint32) * _MIX + _OFFSET)[:, :, None]
-    return jnp.sum(words * weights, axis=(0, 1, 3, 4), dtype=jnp.uint32)[:, None]
-
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=stacked_spec(config),
-                               out_specs=P(config.data_axis, config.model_axis)))
+  return jax.jit(jax.shard_map(lambda stack: local_page_checksums(stack, config, model),
+                               mesh=mesh, in_specs=stacked_spec(config),
+                               out_specs=checksums_spec(config)))
 
 
 def checksum_total(partials) -> np.ndarray:

@@ -165,12 +165,13 @@ class StreamRunner:
       host_ids = np.full(ids.shape, cache.host.pages_per_shard, np.int32)
       ids[state.shard] = [state.block_page[j] for j in victims]
       host_ids[state.shard] = slots
-      stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
-                                       config=cache.config)
       if st.source == "disk":
+        stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+                                         config=cache.config)
         self._to_disk(state, victims, to_host(stack), slots)
-      else:
-        cache.host.store(stack, host_ids)
+      else:  # the host tier's own buckets: nothing compiles per count of victims
+        cache.host.store_pages(cache.pools, [(state.shard, state.block_page[j], slot)
+                                             for j, slot in zip(victims, slots)])
       for j, slot in zip(victims, slots):
         if st.source == "host":
           if j != st.sink_pages + len(state.cold):

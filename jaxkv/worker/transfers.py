@@ -163,6 +163,11 @@ class TierMover:
       n *= 2
     if self.host is None and self.disk is None and self.pool is None:
       return list(pools)
+    if self.host is not None:  # its moves' buckets (1, 2, 4, ...), and their landings
+      for size in self.host.warm(pools, max_pages):
+        stack, _ = self.host.load(np.zeros((shards, size), np.int32))
+        pad = np.full((shards, size), self.config.pages_per_shard, np.int32)
+        pools = self.land(pools, Landing(pad, stack))
     n = buckets.MIN_TRANSFER_PAGES
     while True:
       pad_dev = jax.device_put(np.full((shards, n), self.config.pages_per_shard, np.int32),
@@ -170,11 +175,9 @@ class TierMover:
       stack = pages_lib.gather_stacked(pools, jax.device_put(np.zeros((shards, n), np.int32),
                                                              self.ids_sharding),
                                        mesh=self.mesh, config=self.config)
-      if self.host is not None:
+      if self.host is not None:  # restores and staged streams store whole stacks
         pad_host = np.full((shards, n), self.host.pages_per_shard, np.int32)
         self.host.store(stack, pad_host)
-        stack, _ = self.host.load(np.zeros((shards, n), np.int32))
-        self.host.read_numpy(np.zeros((shards, n), np.int32))
         self.host.expected_checksums(pad_host)
       pools = pages_lib.scatter_stacked(pools, pad_dev, stack, mesh=self.mesh,
                                         config=self.config)
@@ -272,12 +275,8 @@ class TierMover:
       self.stats.add("host_full_drops", len(overflow))
     if not placed:
       return
-    stack, per = self._gather_device(pools, placed)
-    host_ids = np.full((self.num_shards, stack.shape[2] // self.num_shards),
-                       self.host.pages_per_shard, np.int32)
-    for s, items in enumerate(per):
-      host_ids[s, :len(items)] = [it[3] for it in items]
-    self.host.store(stack, host_ids)
+    # One program per bucket: gathered on device, sent to the slots (no host computation).
+    self.host.store_pages(pools, [(shard, page, slot) for shard, page, _, slot in placed])
     for shard, _, key, slot in placed:
       self.manager.copied(shard, slot, key, Tier.HOST)
     self.stats.add("demoted_host", len(placed))
@@ -340,9 +339,10 @@ class TierMover:
         reads.append(_Reads(source, handle, positions, agreed=True))
       else:
         landing, handle = source.start_fetch(mine)
-        if landing is not None:
-          pools = self.land(pools, landing)
-          landed.append(landing.stack)
+        for part in ([] if landing is None else
+                     landing if isinstance(landing, list) else [landing]):
+          pools = self.land(pools, part)
+          landed.append(part.stack)
         reads.append(_Reads(source, handle, positions))
     shard = [f for f in fetches if f.tier == Tier.SHARD]
     if shard:  # device to device inside the job: a collective, no verification needed

@@ -179,10 +179,40 @@ def test_engine_functions_lower(path, target_name, impl):
     # The plan runs on one device; everything else over the whole mesh.
     devices = 1 if f.name.startswith("plan[") else cfg.mesh.data * cfg.mesh.model
     assert exported.nr_devices == devices, f.name
-    if f.name.startswith(("host_", "decode_streamed", "prefill_streamed")):
+    if f.name.startswith(("host_", "decode_streamed", "prefill_streamed")) and not \
+        f.name.startswith("host_stage"):  # (staging is device work alone)
       assert "annotate_device_placement" in calls, f.name  # host memory kinds kept
     if impl is not None and f.name.startswith(("decode", "prefill")):
       assert KERNEL_CALL[tgt.platform] in calls, f.name  # the kernel, not its interpreter
+
+
+@pytest.mark.parametrize("target_name", ["cuda", "tpu_v5e"])
+def test_host_moves_compute_nothing_on_the_host_and_move_one_block_per_transfer(target_name):
+  # The host tier's moves as a GPU or TPU compiles them: a store is one transfer into host
+  # memory and one placement per block (plus the pool's own placement as the result), into
+  # the donated pool; a load one read and one transfer per block; no host-compute region,
+  # no scatter into host memory (XLA runs either on a few host threads, draining the
+  # device first). Padding never pads a bucket: the buckets are the block counts.
+  cfg = _config(os.path.join(ROOT, "configs", "llama3_2_1b_gpu.py"))
+  tgt = lowering.target(target_name)
+  mesh, functions = lowering.engine_functions(cfg, tgt, num_layers=2)
+  moves = {f.name.split("[")[0]: f for f in functions if f.name.startswith("host_")}
+  assert set(moves) == {"host_stage", "host_store", "host_load", "host_store_stack"}
+  # Staging is device work alone: its own program, so a step reusing the pages waits for
+  # the gather only.
+  stage = moves.pop("host_stage")
+  report = lowering.host_move_report(lowering.lower(stage.name, stage.fn, stage.args, tgt, mesh))
+  assert report["to_host"] == report["to_device"] == report["host_compute"] == 0, report
+  for name, f in moves.items():
+    blocks = f.args[-1].shape[1]  # ids [data shards, blocks per shard]
+    report = lowering.host_move_report(lowering.lower(f.name, f.fn, f.args, tgt, mesh))
+    assert report["host_compute"] == 0 and report["scatters"] == 0, (f.name, report)
+    if name == "host_load":
+      assert (report["to_device"], report["reads"], report["to_host"]) == (blocks, blocks, 0), (
+          f.name, report)
+    else:
+      assert (report["to_host"], report["placements"]) == (blocks + 1, blocks), (f.name, report)
+      assert report["donated"], (f.name, report)
 
 
 def test_engine_functions_lower_at_full_depth():

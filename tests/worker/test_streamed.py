@@ -86,8 +86,10 @@ def test_streamed_equals_all_pages_at_once(mesh, impl, hq, hkv, page, attn_chunk
   want = np.asarray(paged_attention_reference(q, want_k, want_v, full_table, positions, lens))
 
   rows = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))))
-  stacked = NamedSharding(mesh, pages_lib.stacked_spec(c)).with_memory_kind("pinned_host")
-  host_bits = jax.device_put(host.view(np.uint32), stacked)
+  # The host tier's page-major layout [slots, arrays, kv_heads, page, head_dim].
+  paged = NamedSharding(mesh, pages_lib.host_spec(c)).with_memory_kind("pinned_host")
+  host_bits = jax.device_put(np.ascontiguousarray(np.moveaxis(host.view(np.uint32), 2, 0)),
+                             paged)
   stream = types.SimpleNamespace(block_valid=rows(valid), host_pool=host_bits,
                                  cold_slots=rows(slots), cold_first=rows(first),
                                  cold_count=rows(count), pages_per_chunk=stream_chunk,

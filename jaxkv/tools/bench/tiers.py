@@ -70,9 +70,11 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   dst = np.empty_like(src)
   state = {"pools": pools}
 
-  def to_host():
-    stack = pages_lib.gather_stacked(state["pools"], ids, mesh=mesh, config=config)
-    host.store(stack, ids_np)
+  items = [(s, int(p), int(p)) for s in range(data) for p in ids_np[s]]
+  host.warm(pools, pages_per_shard)
+
+  def to_host():  # the serving path's store: gathered on device, sent to the slots
+    host.store_pages(state["pools"], items)
     host.pool.block_until_ready()
 
   def to_device():

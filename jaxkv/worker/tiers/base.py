@@ -153,8 +153,10 @@ class FetchSource(Protocol):
 
   tier: Tier
 
-  def start_fetch(self, fetches: Sequence[Fetch]) -> tuple[Landing | None, Any]:
-    """Issues every read without waiting; returns what can land now and a handle."""
+  def start_fetch(self, fetches: Sequence[Fetch]
+                  ) -> tuple[Landing | list[Landing] | None, Any]:
+    """Issues every read without waiting; returns what can land now (one landing, or one
+    per bucket) and a handle."""
 
   def finish_fetch(self, pending: Any, t_end: float,
                    stage: Callable[[list[Staged]], Landing]) -> FetchOutcome:

@@ -1,24 +1,29 @@
 """HOST tier: a preallocated page pool in host memory, sharded like the device pool.
 
-The pool is one array ``[2 * layers, kv_heads, data_shards * host_pages, page_size,
-head_dim]`` on the ``pinned_host`` (or ``unpinned_host``) memory kind with sharding
-``P(None, model, data, None, None)``: every data shard's host pages sit beside the
-devices that use them, with shard-local ids like the device pool.
+The pool is one page-major array ``[data_shards * (host_pages + 1), 2 * layers, kv_heads,
+page_size, head_dim]`` of raw bits on the ``pinned_host`` (or ``unpinned_host``) memory
+kind with sharding ``P(data, None, model, None, None)`` (``pages.host_spec``): every data
+shard's slots sit beside the devices that use them, with shard-local ids like the device
+pool, and one block of one shard is one contiguous region. Each shard's last row
+(local id ``host_pages``) is scratch: a store's padding is written there and never read.
 
-Moves, all dispatched asynchronously from the one thread that runs the engine:
-- store (device -> host): a jitted shard-local gather of the victim pages on device, an
-  async transfer of that stack to the host memory kind, and a scatter into the host pool
-  that runs *as a host computation* (``compute_on('device_host')``) on the donated pool,
-  so the pool is updated in place and no model computation ever reads host memory.
-- load (host -> device): the mirror: a host-side gather into a small stack, a transfer to
-  device memory; the caller scatters it into the device pool (donated).
-Each stored page's checksum (``pages.page_checksums``, computed on device from the bytes
-that were sent) is kept per slot and compared with the checksum of the bytes that come
-back, so a page that changed in host memory is never used.
+No move computes on the host. Every one is one jitted program per bucket of blocks:
+- store (device -> host): the blocks' pages gathered from the device pools on device,
+  their checksums computed there from the same bytes, and each block sent to its slot by
+  ``dynamic_update_slice`` of a host-bound copy into the donated pool (on an accelerator,
+  an asynchronous copy straight into place: one transfer of exactly one block's bytes);
+- load (host -> device): the mirror: each slot's block read by ``dynamic_slice`` into
+  device memory (one transfer each), stacked on device, its checksums computed there.
+Block counts are decomposed into power-of-two buckets of at most ``MOVE_BUCKET_MAX``
+blocks per shard (``buckets.pieces``), so nothing but the blocks crosses the link; only
+shards with fewer blocks than the busiest one in a bucket pad (into the scratch row).
+Each stored page's checksum is kept per slot and compared with the checksum of the bytes
+that come back, so a page that changed in host memory is never used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -35,6 +40,8 @@ from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchOutcome, Landing
 
+# A move's bucket holds at most this many blocks per shard (its staging on the way).
+MOVE_BUCKET_MAX = 64
 
 # JAX up to 0.10 gives ``compute_on`` as a context manager; from 0.11 it wraps a function
 # and names its outputs' memory space.
@@ -43,7 +50,7 @@ _COMPUTE_ON_WRAPS = "out_memory_spaces" in inspect.signature(compute_on).paramet
 
 def on_host(fn):
   """``fn`` run as a host computation (``compute_on('device_host')``), its outputs in host
-  memory."""
+  memory. No tier move uses it; a checkpoint's save and restore (rare, whole-pool) do."""
   if _COMPUTE_ON_WRAPS:
     return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
@@ -53,43 +60,104 @@ def on_host(fn):
   return run
 
 
+def _to_space(x, space):
+  """``x`` moved to memory ``space`` inside a jitted function (a no-op where it is there:
+  JAX types an ``unpinned_host`` operand as device memory)."""
+  return x if jax.typeof(x).memory_space == space else jax.device_put(x, space)
+
+
+def _place(pool, block, slot):
+  """``block`` ``[2L, h, S, D]`` (device) into row ``slot`` of a host pool (local)."""
+  return jax.lax.dynamic_update_slice_in_dim(
+      pool, _to_space(block[None], jax.typeof(pool).memory_space), slot, axis=0)
+
+
+def _take(pool, slot):
+  """Row ``slot`` of a host pool (local), copied to device: ``[2L, h, S, D]``."""
+  return _to_space(jax.lax.dynamic_slice_in_dim(pool, slot, 1, axis=0),
+                   jax.memory.Space.Device)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFns:
+  """The jitted moves of a host pool (``HostTier`` runs them; ``jaxkv.tools.lowering``
+  lowers them for other platforms). Each is specialised on its ids' width (the bucket).
+
+  - ``stage(pools, page_ids) -> (blocks, sums)``: device pages of every pool gathered on
+    device into page-major blocks ``[n, 2L, H, S, D]`` (each contiguous) and their
+    checksums (``pages.page_checksums``' layout). Its own program: a step that reuses the
+    pages waits for this gather only, never for the link.
+  - ``place(pool, blocks, slots) -> pool``: staged blocks into host slots (pool donated),
+    one transfer per block straight into place.
+  - ``store(pool, stack, slots) -> pool``: a raw-bits device stack in the stacked layout
+    (a checkpoint's rows, a stream's staged records) into host slots.
+  - ``load(pool, slots) -> (stack, sums)``: host slots -> a device stack, one transfer per
+    block, and its checksums.
+  """
+
+  stage: object
+  place: object
+  store: object
+  load: object
+
+
 @functools.lru_cache(maxsize=None)
-def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str):
-  """The jitted ``(store, load, read)`` of a host pool in ``memory_kind``: device stack ->
-  host slots, host slots -> device stack, host slots -> host stack (``HostTier`` runs
-  them; ``jaxkv.tools.lowering`` lowers them for other platforms)."""
-  stack = pages_lib.stacked_spec(config)
-  ids_spec = P(config.data_axis, None)
-  host = NamedSharding(mesh, stack).with_memory_kind(memory_kind)
-  host_ids = NamedSharding(mesh, ids_spec).with_memory_kind(memory_kind)
-  device = NamedSharding(mesh, stack)
+def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str,
+             ranks: tuple[int, ...]) -> HostFns:
+  """The moves of a host pool in ``memory_kind`` beside device pools of ``ranks``."""
+  host_spec, stack = pages_lib.host_spec(config), pages_lib.stacked_spec(config)
+  ids, sums = P(config.data_axis, None), pages_lib.checksums_spec(config)
+  pool_specs = tuple(pages_lib.pool_spec(config) if r == 4 else pages_lib.layer_stack_spec(config)
+                     for r in ranks)
+  model = mesh.shape[config.model_axis]
+  host = NamedSharding(mesh, host_spec).with_memory_kind(memory_kind)
+  on = lambda spec: NamedSharding(mesh, spec)
 
-  def local_scatter(pool, ids, values):
-    return pool.at[:, :, ids[0]].set(values, mode="drop")
+  def local_stage(pools, page_ids):
+    got = pages_lib.local_gather_stacked(pools, page_ids, ranks)  # [2L, h, n, S, D]
+    return jnp.moveaxis(got, 2, 0), pages_lib.local_page_checksums(got, config, model)
 
-  def local_gather(pool, ids):
-    return pool[:, :, ids[0]]
+  def local_place(pool, blocks, slots):
+    for i in range(slots.shape[1]):
+      pool = _place(pool, blocks[i], slots[0, i])
+    return pool
 
-  scatter = jax.shard_map(local_scatter, mesh=mesh, in_specs=(stack, ids_spec, stack),
-                          out_specs=stack)
-  gather = jax.shard_map(local_gather, mesh=mesh, in_specs=(stack, ids_spec), out_specs=stack)
+  def local_store(pool, values, slots):
+    for i in range(slots.shape[1]):
+      pool = _place(pool, values[:, :, i], slots[0, i])
+    return pool
 
-  def store(pool, ids, values):
-    values = jax.device_put(values, host)  # the device -> host transfer
-    ids = jax.device_put(ids, host_ids)
-    return on_host(scatter)(pool, ids, values)
+  def local_load(pool, slots):
+    got = jnp.stack([_take(pool, slots[0, i]) for i in range(slots.shape[1])], axis=2)
+    return got, pages_lib.local_page_checksums(got, config, model)
 
-  def load(pool, ids):
-    ids = jax.device_put(ids, host_ids)
-    part = on_host(gather)(pool, ids)
-    return jax.device_put(part, device)  # the host -> device transfer
+  def shard(fn, in_specs, out_specs):  # device_put to a memory space trips the vma check
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
 
-  def read(pool, ids):
-    ids = jax.device_put(ids, host_ids)
-    return on_host(gather)(pool, ids)
+  return HostFns(
+      stage=jax.jit(jax.shard_map(local_stage, mesh=mesh, in_specs=(pool_specs, ids),
+                                  out_specs=(host_spec, sums)),
+                    out_shardings=(on(host_spec), on(sums))),
+      place=jax.jit(shard(local_place, (host_spec, host_spec, ids), host_spec),
+                    donate_argnums=(0,), out_shardings=host),
+      store=jax.jit(shard(local_store, (host_spec, stack, ids), host_spec),
+                    donate_argnums=(0,), out_shardings=host),
+      load=jax.jit(shard(local_load, (host_spec, ids), (stack, sums)),
+                   out_shardings=(on(stack), on(sums))))
 
-  return (jax.jit(store, donate_argnums=(0,), out_shardings=host),
-          jax.jit(load, out_shardings=device), jax.jit(read, out_shardings=host))
+
+@functools.lru_cache(maxsize=None)
+def _stacked_fn(mesh: Mesh, config: CacheConfig, memory_kind: str):
+  """A whole host pool in the stacked layout ``[2L, H, shards * host_pages, S, D]`` (host
+  memory; its scratch rows left out): the form checkpoints save."""
+  host_spec, stack = pages_lib.host_spec(config), pages_lib.stacked_spec(config)
+
+  def local(pool):
+    return jnp.moveaxis(pool[:-1], 0, 2)
+
+  return jax.jit(on_host(jax.shard_map(local, mesh=mesh, in_specs=host_spec, out_specs=stack)),
+                 out_shardings=NamedSharding(mesh, stack).with_memory_kind(memory_kind))
 
 
 class HostTier:
@@ -102,49 +170,90 @@ class HostTier:
     self.memory_kind = tiers.host_memory_kind
     self.pages_per_shard = tiers.host_pages_per_shard
     self.num_shards = pages_lib.data_shards(mesh, config)
-    shape = (num_arrays, config.num_kv_heads, self.num_shards * self.pages_per_shard,
+    shape = (self.num_shards * (self.pages_per_shard + 1), num_arrays, config.num_kv_heads,
              config.page_size, config.head_dim)
-    sharding = NamedSharding(mesh, pages_lib.stacked_spec(config)).with_memory_kind(
+    sharding = NamedSharding(mesh, pages_lib.host_spec(config)).with_memory_kind(
         self.memory_kind)
     # Raw bits (see pages.bits_dtype): a host copy never changes a NaN payload.
     self.pool = jax.jit(lambda: jnp.zeros(shape, pages_lib.bits_dtype(config.jnp_dtype)),
                         out_shardings=sharding)()
-    self._store, self._load, self._read = host_fns(mesh, config, self.memory_kind)
+    self._fns = host_fns(mesh, config, self.memory_kind, ())  # store and load
+    self._ids = NamedSharding(mesh, P(config.data_axis, None))
     # Checksum of every slot's bytes as sent (device arrays until first needed).
     model = mesh.shape[config.model_axis]
     self._checksums = np.zeros((self.num_shards, self.pages_per_shard, model), np.uint32)
     self._pending: list = []  # (slots per shard, device checksum array) not yet fetched
+    # The largest bucket a move uses (``warm`` lowers it to what it compiled).
+    self.bucket_max = MOVE_BUCKET_MAX
 
   @property
   def nbytes(self) -> int:
     return self.pool.nbytes
 
+  def _put_ids(self, ids: np.ndarray) -> jax.Array:
+    return jax.device_put(np.asarray(ids, np.int32), self._ids)
+
+  def _pieces(self, per: list[list]) -> list[tuple[int, int]]:
+    """``(offset, size)`` buckets covering the longest of ``per``'s lists."""
+    return buckets.pieces(max((len(p) for p in per), default=0), self.bucket_max)
+
+  # ---- device -> host ------------------------------------------------------------------------
+  def store_pages(self, pools, items: list[tuple[int, int, int]]) -> None:
+    """Copies device pages into host slots: ``items`` ``(shard, device page, host slot)``.
+    Dispatched, not waited for: later reads of the slots are ordered after it."""
+    stage = host_fns(self.mesh, self.config, self.memory_kind,
+                     pages_lib.pool_ranks(pools)).stage
+    per: list[list] = [[] for _ in range(self.num_shards)]
+    for shard, page, slot in items:
+      per[shard].append((page, slot))
+    for offset, size in self._pieces(per):
+      page_ids = np.zeros((self.num_shards, size), np.int32)
+      slots = np.full((self.num_shards, size), self.pages_per_shard, np.int32)  # scratch
+      for s, its in enumerate(per):
+        for i, (page, slot) in enumerate(its[offset:offset + size]):
+          page_ids[s, i], slots[s, i] = page, slot
+      blocks, sums = stage(tuple(pools), self._put_ids(page_ids))
+      self.pool = self._fns.place(self.pool, blocks, self._put_ids(slots))
+      self._pending.append((slots, sums))
+
   def store(self, stack: jax.Array, host_ids: np.ndarray) -> None:
     """Writes a device stack of raw bits (``pages.gather_stacked``) into host slots.
 
     ``host_ids``: ``[data_shards, n]`` shard-local host slots; ids ``>= host pages``
-    (padding) are dropped.
+    (padding) go to the scratch row.
     """
-    ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
-        self.mesh, P(self.config.data_axis, None)))
+    host_ids = np.minimum(np.asarray(host_ids, np.int32), self.pages_per_shard)
     self._pending.append((host_ids, self.checksums(stack)))
-    self.pool = self._store(self.pool, ids, stack)
+    self.pool = self._fns.store(self.pool, stack, self._put_ids(host_ids))
 
+  # ---- host -> device ------------------------------------------------------------------------
   def load(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """Starts copying host slots to device. Returns ``(bits stack, checksums)`` (async)."""
-    ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
-        self.mesh, P(self.config.data_axis, None)))
-    stack = self._load(self.pool, ids)
-    return stack, self.checksums(stack)
+    """Starts copying host slots ``[data_shards, n]`` to device. Returns ``(bits stack,
+    checksums)`` (async)."""
+    return self._fns.load(self.pool, self._put_ids(np.minimum(host_ids, self.pages_per_shard)))
 
   def checksums(self, stack: jax.Array) -> jax.Array:
     return pages_lib.page_checksums(stack, mesh=self.mesh, config=self.config)
 
   def read_numpy(self, host_ids: np.ndarray) -> np.ndarray:
-    """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied)."""
-    ids = jax.device_put(host_ids.astype(np.int32), NamedSharding(
-        self.mesh, P(self.config.data_axis, None)))
-    return to_host(self._read(self.pool, ids))
+    """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied):
+    through device memory, in buckets (no computation runs on host memory)."""
+    shards, n = host_ids.shape
+    parts = [(offset, size, self.load(host_ids[:, offset:offset + size])[0])
+             for offset, size in buckets.pieces(n, self.bucket_max)]
+    out = None
+    for offset, size, part in parts:
+      got = to_host(part)
+      if out is None:
+        out = np.empty((*got.shape[:2], shards * n, *got.shape[3:]), got.dtype)
+      for s in range(shards):
+        out[:, :, s * n + offset:s * n + offset + size] = got[:, :, s * size:(s + 1) * size]
+    return out
+
+  def stacked(self) -> jax.Array:
+    """The whole pool as ``[2L, H, shards * host_pages, S, D]`` raw bits in host memory
+    (what a checkpoint saves; a host computation: not for the serving path)."""
+    return _stacked_fn(self.mesh, self.config, self.memory_kind)(self.pool)
 
   def expected_checksums(self, host_ids: np.ndarray) -> np.ndarray:
     """Checksums recorded for ``host_ids`` ``[data_shards, n]`` when they were stored:
@@ -156,32 +265,55 @@ class HostTier:
       out[s, valid] = self._checksums[s, host_ids[s, valid]]
     return out
 
+  def warm(self, pools, max_pages: int) -> list[int]:
+    """Compiles every move bucket up to ``max_pages`` blocks per shard (moves of more go in
+    several), all padding (the scratch row is written, slot 0 read): nothing a block lives
+    in changes. Returns the bucket sizes (what a fetch lands in)."""
+    shards, size, sizes = self.num_shards, 1, []
+    top = self.bucket_max = min(buckets.pow2_at_least(max_pages), MOVE_BUCKET_MAX)
+    while size <= top:
+      self.store_pages(pools, [(s, 0, self.pages_per_shard) for s in range(shards)
+                               for _ in range(size)])
+      jax.block_until_ready(self.load(np.zeros((shards, size), np.int32)))
+      sizes.append(size)
+      size *= 2
+    return sizes
+
   # ---- FetchSource -------------------------------------------------------------------------
-  def start_fetch(self, fetches: list[Fetch]) -> tuple[Landing, tuple]:
-    """Dispatches the copy of every fetched slot to device (async) and the checksums of
-    what arrives; the pages can be scattered now, they are verified in ``finish_fetch``."""
-    host_ids, per = buckets.shard_ids(list(enumerate(fetches)), self.num_shards,
-                                      self.pages_per_shard, lambda p: p[1].slot,
-                                      shard_of=lambda p: p[1].shard)
-    dest = np.full(host_ids.shape, self.config.pages_per_shard, np.int32)  # padding: dropped
-    for s, items in enumerate(per):
-      dest[s, :len(items)] = [f.page for _, f in items]
-    stack, sums = self.load(host_ids)
-    return Landing(dest, stack), (len(fetches), host_ids, per, sums)
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[list[Landing], tuple]:
+    """Dispatches the copy of every fetched slot to device (async, in buckets) and the
+    checksums of what arrives; the pages can be scattered now, they are verified in
+    ``finish_fetch``."""
+    per: list[list] = [[] for _ in range(self.num_shards)]
+    for position, f in enumerate(fetches):
+      per[f.shard].append((position, f))
+    landings, loads = [], []
+    for offset, size in self._pieces(per):
+      slots = np.zeros((self.num_shards, size), np.int32)  # padding reads slot 0
+      dest = np.full((self.num_shards, size), self.config.pages_per_shard, np.int32)  # dropped
+      where = [its[offset:offset + size] for its in per]
+      for s, its in enumerate(where):
+        slots[s, :len(its)] = [f.slot for _, f in its]
+        dest[s, :len(its)] = [f.page for _, f in its]
+      stack, sums = self.load(slots)
+      landings.append(Landing(dest, stack))
+      loads.append((slots, where, sums))
+    return landings, (len(fetches), loads)
 
   def finish_fetch(self, pending: tuple, t_end: float, stage=None) -> FetchOutcome:
     """Compares the checksums of the bytes that arrived with those recorded at store time
     (``t_end`` is unused: the device copy was dispatched already and cannot be late). The
     blocks landed in ``start_fetch``; one that fails here is in its page but never used."""
     del t_end, stage
-    n, host_ids, per, sums = pending
-    expected = self.expected_checksums(host_ids)
-    got = to_host(sums).reshape(expected.shape)
+    n, loads = pending
     failures: list[Failure | None] = [None] * n
-    for s, items in enumerate(per):
-      for i, (position, _) in enumerate(items):
-        if not (got[s, i] == expected[s, i]).all():
-          failures[position] = Failure.CHECKSUM
+    for slots, where, sums in loads:
+      expected = self.expected_checksums(slots)
+      got = to_host(sums).reshape(expected.shape)
+      for s, its in enumerate(where):
+        for i, (position, _) in enumerate(its):
+          if not (got[s, i] == expected[s, i]).all():
+            failures[position] = Failure.CHECKSUM
     return FetchOutcome(None, tuple(failures))
 
   def _settle(self) -> None:
