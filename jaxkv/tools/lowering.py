@@ -25,6 +25,7 @@ guarantee, so ``lower`` lifts export's check for it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 
 import jax
@@ -113,19 +114,32 @@ def custom_calls(exported: export.Exported) -> set[str]:
   return pretty | generic
 
 
+def loop_trip_counts(text: str) -> list[int]:
+  """The trip count of every ``stablehlo.while`` of a module whose condition compares its
+  counter with a constant (a loop of static length), in order; -1 where it does not."""
+  counts = []
+  for m in re.finditer(r"stablehlo\.while\(", text):
+    cond = text[m.end():text.find("} do {", m.end())]
+    bound = re.search(r"compare\s+LT,\s*%[\w#]+,\s*(%[\w#]+)", cond)
+    defs = list(re.finditer(re.escape(bound.group(1)) + r" = stablehlo\.constant dense<(\d+)>",
+                            text[:m.start()])) if bound else []
+    counts.append(int(defs[-1].group(1)) if defs else -1)
+  return counts
+
+
 def host_move_report(exported: export.Exported) -> dict:
   """What a lowered host-tier move does with host memory, counted in its module:
-  ``to_host`` / ``to_device`` (memory-space transfers: one per block, and the host pool's
-  own placement as a result), ``placements`` (``dynamic_update_slice``), ``reads``
-  (``dynamic_slice``), ``scatters``, ``host_compute`` (regions XLA runs as host
-  computations) and ``donated`` (an argument aliased to a result: the pool in place)."""
+  ``to_host`` / ``to_device`` (memory-space transfers, and the host pool's own placement
+  as a result), ``placements`` (``dynamic_update_slice``), ``scatters``, ``host_compute``
+  (regions XLA runs as host computations), ``donated`` (an argument aliased to a result:
+  the pool in place) and ``loops`` (``loop_trip_counts``: one transfer per iteration)."""
   text = exported.mlir_module()
   return {
+      "loops": loop_trip_counts(text),
       "to_host": text.count('_xla_buffer_placement = "pinned_host"')
                  + text.count('_xla_buffer_placement = "unpinned_host"'),
       "to_device": text.count('_xla_buffer_placement = "device"'),
       "placements": text.count("stablehlo.dynamic_update_slice"),
-      "reads": text.count("stablehlo.dynamic_slice"),
       "scatters": text.count("stablehlo.scatter") + text.count('"stablehlo.scatter"'),
       "host_compute": text.count("_xla_compute_type"),
       "donated": "tf.aliasing_output" in text or "jax.buffer_donor" in text,

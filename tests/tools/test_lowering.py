@@ -188,11 +188,11 @@ def test_engine_functions_lower(path, target_name, impl):
 
 @pytest.mark.parametrize("target_name", ["cuda", "tpu_v5e"])
 def test_host_moves_compute_nothing_on_the_host_and_move_one_block_per_transfer(target_name):
-  # The host tier's moves as a GPU or TPU compiles them: a store is one transfer into host
-  # memory and one placement per block (plus the pool's own placement as the result), into
-  # the donated pool; a load one read and one transfer per block; no host-compute region,
-  # no scatter into host memory (XLA runs either on a few host threads, draining the
-  # device first). Padding never pads a bucket: the buckets are the block counts.
+  # The host tier's moves as a GPU or TPU compiles them: a store is a loop of one
+  # iteration per block, each one transfer into host memory placed into the donated pool
+  # (plus the pool's own placement as the result); a load the same loop reading; no
+  # host-compute region, no scatter into host memory (XLA runs either on a few host
+  # threads, draining the device first). The buckets are the block counts: no padding.
   cfg = _config(os.path.join(ROOT, "configs", "llama3_2_1b_gpu.py"))
   tgt = lowering.target(target_name)
   mesh, functions = lowering.engine_functions(cfg, tgt, num_layers=2)
@@ -203,15 +203,16 @@ def test_host_moves_compute_nothing_on_the_host_and_move_one_block_per_transfer(
   stage = moves.pop("host_stage")
   report = lowering.host_move_report(lowering.lower(stage.name, stage.fn, stage.args, tgt, mesh))
   assert report["to_host"] == report["to_device"] == report["host_compute"] == 0, report
+  assert report["loops"] == [], report
   for name, f in moves.items():
     blocks = f.args[-1].shape[1]  # ids [data shards, blocks per shard]
     report = lowering.host_move_report(lowering.lower(f.name, f.fn, f.args, tgt, mesh))
     assert report["host_compute"] == 0 and report["scatters"] == 0, (f.name, report)
+    assert report["loops"] == [blocks], (f.name, report)
     if name == "host_load":
-      assert (report["to_device"], report["reads"], report["to_host"]) == (blocks, blocks, 0), (
-          f.name, report)
+      assert (report["to_device"], report["to_host"]) == (1, 0), (f.name, report)
     else:
-      assert (report["to_host"], report["placements"]) == (blocks + 1, blocks), (f.name, report)
+      assert (report["to_host"], report["placements"]) == (2, 1), (f.name, report)
       assert report["donated"], (f.name, report)
 
 

@@ -117,18 +117,22 @@ def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str,
     got = pages_lib.local_gather_stacked(pools, page_ids, ranks)  # [2L, h, n, S, D]
     return jnp.moveaxis(got, 2, 0), pages_lib.local_page_checksums(got, config, model)
 
+  # One block per iteration of a loop of static trip count (the bucket): the pattern XLA
+  # offloads activations with, so each iteration is one asynchronous copy; unrolled, the
+  # program would compile in time linear in the bucket.
   def local_place(pool, blocks, slots):
-    for i in range(slots.shape[1]):
-      pool = _place(pool, blocks[i], slots[0, i])
-    return pool
+    return jax.lax.fori_loop(0, slots.shape[1], lambda i, pool: _place(
+        pool, jax.lax.dynamic_index_in_dim(blocks, i, keepdims=False), slots[0, i]), pool)
 
   def local_store(pool, values, slots):
-    for i in range(slots.shape[1]):
-      pool = _place(pool, values[:, :, i], slots[0, i])
-    return pool
+    return local_place(pool, jnp.moveaxis(values, 2, 0), slots)
 
   def local_load(pool, slots):
-    got = jnp.stack([_take(pool, slots[0, i]) for i in range(slots.shape[1])], axis=2)
+    n = slots.shape[1]
+    out = jnp.zeros((n, *pool.shape[1:]), pool.dtype)
+    got = jax.lax.fori_loop(0, n, lambda i, out: jax.lax.dynamic_update_index_in_dim(
+        out, _take(pool, slots[0, i]), i, axis=0), out)
+    got = jnp.moveaxis(got, 0, 2)
     return got, pages_lib.local_page_checksums(got, config, model)
 
   def shard(fn, in_specs, out_specs):  # device_put to a memory space trips the vma check
