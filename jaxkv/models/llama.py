@@ -260,8 +260,14 @@ class Llama(nnx.Module):
     if batch.logits_at is not None:  # only the tokens whose logits the step reads
       x = jnp.take_along_axis(x, batch.logits_at[:, None, None], axis=1)
     x = self.norm(x)
-    logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.lm_head(x)
-    return logits.astype(jnp.float32)
+    # The head accumulates and returns float32 whatever the weights' dtype: bfloat16
+    # logits (8 bits of mantissa) tie and flip greedy choices between runs whose
+    # activations differ in the last bit (a cached prefix vs a recomputed one).
+    if self.cfg.tie_embeddings:
+      return jnp.einsum("btd,vd->btv", x, self.embed.embedding[...],
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x, self.lm_head.kernel[...],
+                      preferred_element_type=jnp.float32)
 
   def _scan_layers(self, x, batch):
     """One compiled layer scanned over the stacked weights; the pages ride in the carry,
