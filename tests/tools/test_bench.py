@@ -79,6 +79,21 @@ def test_tiers_suite_reports_ratios_and_the_figures_behind_them(device_check_dry
       ("disk_write_vs_pwrite", disk["jaxkv_write"], disk["pwrite"])):
     assert 0 < r[key] < 100, key
     check_speedup(r[key], a, b)
+  sweep = r["host_sweep"]  # move sizes, pool-size sensitivity, the compiled moves
+  assert sorted(sweep["sizes"]) == ["1mib", "4mib"], sweep["sizes"].keys()
+  for fig in sweep["sizes"].values():
+    for name in ("store", "load", "device_put_to_host", "device_put_to_device"):
+      check_timed(fig[name], 2, fig["bytes"])
+    check_speedup(fig["store_vs_device_put"], fig["store"], fig["device_put_to_host"])
+    check_speedup(fig["load_vs_device_put"], fig["load"], fig["device_put_to_device"])
+  assert len(sweep["pool_store_ms"]) == 2 and all(
+      positive(ms) for ms in sweep["pool_store_ms"].values()), sweep["pool_store_ms"]
+  # The compiled moves loop over their blocks and compute nothing on the host (XLA:CPU
+  # here; the device check reads the same keys on a GPU).
+  for name in ("place", "load"):
+    assert sweep["hlo"][name]["while"] == 1, sweep["hlo"]
+    assert sweep["hlo"][name]["host-execute"] == sweep["hlo"][name]["_xla_compute_type"] == 0
+  assert sweep["hlo"]["stage"]["while"] == 0, sweep["hlo"]
   layout = r["chunk_layout"]
   assert layout["gather_1_per_chunk"]["reps"] == 2
   for kind in ("gather", "write"):

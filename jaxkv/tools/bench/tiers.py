@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -32,6 +33,7 @@ from jaxkv.tools.bench import common
 from jaxkv.config import CacheConfig, TierConfig
 from jaxkv.worker.pages import make_mesh
 from jaxkv.worker.tiers.disk import DiskTier
+from jaxkv.worker.tiers import host as host_lib
 from jaxkv.worker.tiers.host import HostTier
 
 
@@ -229,6 +231,97 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
       "chunk_layout": layout,
       "mesh": {"data": data, "model": model},
   }
+  # Move sizes, pool-size sensitivity and the compiled moves (the device check reads them).
+  out["host_sweep"] = host_sweep(
+      mesh, config, sizes_mib=(1, 4) if quick else (4, 16, 64),
+      pool_pages=(pages_per_shard, 4 * pages_per_shard) if quick else (64, 4096),
+      reps=reps)
+  return out
+
+
+# Op names of compiled HLO that say how a move runs (on a GPU: ``copy-start`` /
+# ``copy-done`` are asynchronous copies; a host computation shows as a host-execute pair or
+# an op tagged ``_xla_compute_type="host"``).
+HLO_MARKERS = ("copy-start", "copy-done", "dynamic-update-slice", "dynamic-slice", "while",
+               "scatter", "host-execute", "_xla_compute_type", "custom-call")
+
+
+def hlo_markers(text: str) -> dict:
+  """How often each of ``HLO_MARKERS`` occurs in a compiled module's text."""
+  return {m: text.count(m + ("(" if m in ("dynamic-update-slice", "dynamic-slice", "while",
+                                          "scatter", "custom-call", "copy-start", "copy-done")
+                             else "")) for m in HLO_MARKERS}
+
+
+def host_sweep(mesh, config, *, sizes_mib=(4, 16, 64), pool_pages=(64, 4096), reps: int = 5
+               ) -> dict:
+  """The host tier's store and load at several move sizes, each beside a bare
+  ``device_put`` of the same bytes (``{size}mib``: GB/s and ratios); the store's time into a
+  small and a large pool (``pool_store_ms``: a move that copied the pool would scale with
+  it); and the compiled moves' HLO markers (``hlo``)."""
+  data = pages_lib.data_shards(mesh, config)
+  n_arrays = 2 * config.num_layers
+  per_mib = data * config.page_bytes / 2**20
+  # A device pool that holds the largest move.
+  pages = max(1, int(round(max(sizes_mib) / per_mib)))
+  config = dataclasses.replace(config, pages_per_shard=pages, max_pages_per_seq=pages,
+                               attention_chunk_pages=1)
+  pools = [jax.device_put(jnp.zeros(pages_lib.pool_shape(mesh, config), config.jnp_dtype),
+                          pages_lib.pool_sharding(mesh, config)) for _ in range(n_arrays)]
+  ids_sharding = NamedSharding(mesh, P(config.data_axis, None))
+  out: dict = {"sizes": {}, "pool_store_ms": {}}
+  top = config.pages_per_shard
+  for mib in sizes_mib:
+    n = max(1, min(top, int(round(mib / per_mib))))
+    host = HostTier(mesh, config, TierConfig(host_pages_per_shard=max(n, min(pool_pages))),
+                    n_arrays)
+    host.warm(pools, n)
+    items = [(s, p, p) for s in range(data) for p in range(n)]
+    ids_np = np.tile(np.arange(n, dtype=np.int32), (data, 1))
+    ids = jax.device_put(ids_np, ids_sharding)
+    stack = pages_lib.gather_stacked(pools, ids, mesh=mesh, config=config)
+    on_host = stack.sharding.with_memory_kind(host.memory_kind)
+    stack_host = jax.device_put(stack, on_host)
+
+    def store(host=host, items=items):
+      host.store_pages(pools, items)
+      host.pool.block_until_ready()
+
+    res = common.interleaved({
+        "store": store,
+        "load": lambda host=host, ids_np=ids_np: jax.block_until_ready(host.load(ids_np)),
+        "device_put_to_host": lambda: jax.device_put(stack, on_host).block_until_ready(),
+        "device_put_to_device": lambda: jax.device_put(stack_host,
+                                                       stack.sharding).block_until_ready(),
+    }, reps=reps)
+    nbytes = n * data * config.page_bytes
+    out["sizes"][f"{mib}mib"] = {
+        "bytes": nbytes, **{k: common.throughput(nbytes, v) for k, v in res.items()},
+        "store_vs_device_put": common.ratio(res["store"], res["device_put_to_host"]),
+        "load_vs_device_put": common.ratio(res["load"], res["device_put_to_device"])}
+    if mib == sizes_mib[-1]:
+      fns = host_lib.host_fns(mesh, config, host.memory_kind, pages_lib.pool_ranks(pools))
+      page_ids = jax.device_put(ids_np, ids_sharding)
+      blocks, _ = fns.stage(tuple(pools), page_ids)
+      out["hlo"] = {
+          "stage": hlo_markers(fns.stage.lower(tuple(pools), page_ids).compile().as_text()),
+          "place": hlo_markers(fns.place.lower(host.pool, blocks, page_ids).compile().as_text()),
+          "load": hlo_markers(fns.load.lower(host.pool, page_ids).compile().as_text())}
+    del host
+  n = max(1, min(top, int(round(sizes_mib[0] / per_mib))))
+  items = [(s, p, p) for s in range(data) for p in range(n)]
+  stores = {}
+  for slots in pool_pages:
+    host = HostTier(mesh, config, TierConfig(host_pages_per_shard=max(slots, n)), n_arrays)
+    host.warm(pools, n)
+
+    def store(host=host):
+      host.store_pages(pools, items)
+      host.pool.block_until_ready()
+    stores[f"{slots}_pages"] = store
+  res = common.interleaved(stores, reps=reps)
+  out["pool_store_ms"] = {k: 1e3 * v["median_s"] for k, v in res.items()}
+  out["pool_store_bytes"] = n * data * config.page_bytes
   return out
 
 
