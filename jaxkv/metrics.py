@@ -15,6 +15,10 @@ Families (every sample labelled with ``policy`` and the given labels):
   tokens; blocks fetched, recomputed and split; bytes moved between tiers; verification
   failures by ``reason``; disk records not adopted when the store was opened by ``reason``
   (``jaxkv_disk_discarded_at_open_total``); read timeouts; disk write failures; evictions;
+  ``jaxkv_compiles_after_warmup_total``: XLA compiles since the engine was warm
+  (``Engine.compiles_after_warmup``: counted for the whole process, any engine's compile
+  included; no sample before warm-up; 0 is the goal: a step that compiles is no steady-state
+  step);
 - gauges: ``jaxkv_cached_blocks`` and ``jaxkv_capacity_blocks`` by ``tier``,
   ``jaxkv_waiting_requests``, ``jaxkv_running_requests``, ``jaxkv_referenced_pages``.
 """
@@ -81,6 +85,8 @@ class EngineCollector:
                                        labels=names) for k in _COUNTED}
     evictions = CounterMetricFamily("jaxkv_evictions", "Blocks evicted from any tier.",
                                     labels=names)
+    late = CounterMetricFamily("jaxkv_compiles_after_warmup", "XLA compiles in this process "
+                               "since the engine was warm (0 is the goal).", labels=names)
     cached = GaugeMetricFamily("jaxkv_cached_blocks", "Blocks held now, by tier.",
                                labels=names + ["tier"])
     capacity = GaugeMetricFamily("jaxkv_capacity_blocks", "Blocks each tier can hold.",
@@ -108,6 +114,8 @@ class EngineCollector:
       for k, family in counters.items():
         family.add_metric(values, stats.get(k, 0))
       evictions.add_metric(values, stats.get("evictions", 0))
+      if stats.get("compiles_after_warmup", -1) >= 0:  # (-1: not warm yet)
+        late.add_metric(values, stats["compiles_after_warmup"])
       for tier, n in sorted(occ["cached_blocks"].items()):
         cached.add_metric(values + [tier], n)
       for tier, n in sorted(occ["capacity_blocks"].items()):
@@ -121,6 +129,7 @@ class EngineCollector:
     yield discarded
     yield from counters.values()
     yield evictions
+    yield late
     yield from (cached, capacity, waiting, running, referenced)
 
 

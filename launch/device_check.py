@@ -15,6 +15,9 @@ NAME.stderr and the JSON the step wrote (NAME.json). ``merge`` writes DIR/device
   lines of its stderr;
 - ``host_link``: the tiers step's HBM<->host GB/s (jaxkv's tier and a bare device_put, each
   direction) beside the link's nominal rate from the config's hardware section;
+- ``engine``: the engine step's headline figures (launch/serve.py, both policies warmed and
+  taking turns to run first), with ``compiles_after_warmup`` (0: nothing compiled while
+  serving);
 - ``verdict``: ``kernel_compiled`` (the Pallas kernel for this platform ran compiled, not in
   the interpreter), ``kernel_exact`` (its largest difference from the reference within the
   dtype's tolerance, decode and prefill), ``kernel_faster`` (its decode and prefill tokens/s
@@ -51,7 +54,8 @@ STEP_KEYS = {
     "kernels": ("backend", "shapes", "decode_jnp", "prefill_jnp", "machine"),
     "tiers": ("host", "host_to_device_vs_device_put", "device_to_host_vs_device_put", "bytes",
               "machine"),
-    "engine": ("config", "ttft_s", "hits", "stats", "summary", "output_digest", "machine"),
+    "engine": ("config", "ttft_s", "hits", "stats", "summary", "output_digest",
+               "compiles_after_warmup", "machine"),
 }
 
 
@@ -230,7 +234,9 @@ def engine_summary(engine: dict | None) -> dict | None:
           "outputs_match": engine.get("outputs_match"),
           "ttft_speedup_later_turns": engine.get("ttft_speedup_later_turns"),
           "ttft_p50_s": summary.get("ttft_p50_s"), "tokens_per_s": summary.get("tokens_per_s"),
-          "bytes_moved": summary.get("bytes_moved")}
+          "bytes_moved": summary.get("bytes_moved"),
+          # XLA compiles while serving (0: the figures are steady-state figures)
+          "compiles_after_warmup": engine.get("compiles_after_warmup")}
 
 
 def report(result: dict) -> str:

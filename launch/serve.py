@@ -107,8 +107,10 @@ def main(argv):
     raise app.UsageError("--request_rate runs on one process (arrivals follow one clock); "
                          "drop it or run without launch/multihost.py.")
   t0 = time.perf_counter()
-  # Engines over the same model structure share compiled steps: warming one warms all.
-  engines[policies[0]].warmup(max_seq_len=work.max_seq_len())
+  # Every side of the comparison is warmed (engines over one model structure share the
+  # compiled steps; each has its own tier transfers, calibration and plan).
+  for e in engines.values():
+    e.warmup(max_seq_len=work.max_seq_len())
   if multi:  # one job plans from one set of costs: process 0's
     for e in engines.values():
       if e.costs is not None:
@@ -125,7 +127,9 @@ def main(argv):
   print(f"compiled in {time.perf_counter() - t0:.1f} s; workload {cfg.workload.kind}, "
         f"{work.rounds} rounds")
   from jaxkv.compiles import COMPILES
-  warm_mark = COMPILES.mark()  # nothing may compile from here on (every engine warmed)
+  for e in engines.values():  # warm from here: every engine warmed, the checkpoint restored
+    e.mark_warm()
+  warm_mark = COMPILES.mark()  # nothing may compile from here on
 
   if online:
     outputs, ttft, wall_s, occupancy, online_summary = _run_online(engines, make_work)
@@ -209,7 +213,9 @@ def main(argv):
 
 
 def _run_rounds(engines: dict, work):
-  """Every round's requests together, each policy in turn on the same prompts."""
+  """Every round's requests together, each policy in turn on the same prompts; which runs
+  first alternates by round (round 0 the main policy), so neither always runs on a machine
+  the other just warmed (caches, clocks). Each policy's outputs stay in request order."""
   policies = list(engines)
   outputs = {p: [] for p in policies}
   ttft = {p: [] for p in policies}
@@ -218,7 +224,8 @@ def _run_rounds(engines: dict, work):
   print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
   for turn in range(work.rounds):
     prompts = work.prompts(turn)
-    for p, engine in engines.items():
+    for p in policies if turn % 2 == 0 else policies[::-1]:
+      engine = engines[p]
       before = len(engine.stats()["ttft_s"])
       t0 = time.perf_counter()
       answers = engine.generate(prompts, work.sampling(turn))

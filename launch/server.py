@@ -215,7 +215,7 @@ def main(argv):
                           between_steps=block_server.poll if block_server else None,
                           max_running_per_tenant=running_share,
                           max_waiting_per_tenant=waiting_share,
-                          idle_work=None if multi else engine.runner.warm_next)
+                          idle_work=None if multi else engine.warm_next)
   if jax.process_index() != 0:  # the others run process 0's steps
     # A signal to every process of the job (Ctrl-C, a cluster's stop) drains through
     # process 0, which broadcasts the end; the others keep stepping until then.
@@ -298,6 +298,7 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
       counts = checkpointer.restore()
       logging.info("restored step %d: %d blocks (%d failed their checksum)", counts["step"],
                    counts["placed"], counts["failed_checksum"])
+    engine.mark_warm()  # agreeing costs and a restore are one-off work, not a step's compile
     logging.info("compiled in %.1f s", time.perf_counter() - t0)
 
   return engine, tokenizer, block_server, checkpointer, warm_up
@@ -380,7 +381,7 @@ def _core_main() -> None:
   warm_up()
 
   def idle_work() -> bool:  # the buckets left to compile, the front told of each
-    more = engine.runner.warm_next()
+    more = engine.warm_next()
     link.send("warm", engine.runner.warm_progress())
     return more
 

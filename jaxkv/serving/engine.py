@@ -41,6 +41,7 @@ from absl import logging
 from flax import nnx
 
 from jaxkv import buckets
+from jaxkv.compiles import COMPILES
 from jaxkv.scheduling.admission import Admission
 from jaxkv.cache import KVCache
 from jaxkv.config import EngineConfig, SamplingParams, SchedulerConfig, StreamConfig
@@ -86,10 +87,10 @@ class Engine:
                           cache_decode_blocks=config.cache_decode_blocks,
                           chunk_tokens=self.runner.chunk_tokens,
                           policy="waves" if config.batching == "static" else "continuous")
-    self._stream, self._streamer = None, None
-    self.stream = stream
+    self.stream = stream  # (sets _stream and _streamer)
     self._next_id = 0  # request ids: one space for every request, from any thread
     self._id_lock = threading.Lock()
+    self._warm_mark: int | None = None  # COMPILES' position when warm-up was complete
 
   @property
   def stream(self) -> StreamConfig | None:
@@ -109,8 +110,7 @@ class Engine:
 
   @property
   def scheduler(self) -> SchedulerConfig:
-    """The ``SchedulerConfig`` under its former name (it configures the planner, not the
-    step loop, which is ``Engine.loop``): use ``scheduler_config``."""
+    """``scheduler_config`` under its former name (the step loop is ``Engine.loop``)."""
     return self.scheduler_config
 
   @property
@@ -127,13 +127,11 @@ class Engine:
     """Traces per (step, shape bucket), shared by engines over the same model structure."""
     return self.runner.trace_counts
 
-  def _needs_costs(self) -> bool:
-    """Whether the ``cost`` policy may have to decide (blocks may come from a lower tier
-    or another shard) without costs yet: then they are measured first."""
-    cache = self.cache
-    cold = (cache.host or cache.disk or cache.remote
-            or (cache.num_shards > 1 and self.config.prefix_reuse))
-    return bool(cold) and self.scheduler_config.policy == "cost" and self.planner.costs is None
+  def _plans_cold(self) -> bool:
+    """Whether the ``cost`` policy decides about blocks on a lower tier or another shard."""
+    c = self.cache
+    return self.scheduler_config.policy == "cost" and bool(
+        c.host or c.disk or c.remote or (c.num_shards > 1 and self.config.prefix_reuse))
 
   def _calibrate(self) -> None:
     from jaxkv.planning import calibration
@@ -153,16 +151,13 @@ class Engine:
     tokens; a stop token is the last token returned). With ``return_logits=True`` returns
     ``(tokens, logits)`` where ``logits[i]`` is a ``[len(tokens[i]), vocab]`` float32
     array: the logits each token was chosen from. Runs steps until every prompt is done
-    (other submitted requests advance meanwhile).
-    """
+    (other submitted requests advance meanwhile)."""
     requests = self._validate(prompts, max_new_tokens, tenant)
     handles = [self._add(r, want_logits=return_logits) for r in requests]
     while not all(h.finished for h in handles):
       self.step()
     outputs = [list(h.tokens) for h in handles]
-    if return_logits:
-      return outputs, [np.stack(h.logits) for h in handles]
-    return outputs
+    return (outputs, [np.stack(h.logits) for h in handles]) if return_logits else outputs
 
   def new_request_id(self) -> int:
     """A request id no other request of this engine has or will get (safe from any
@@ -179,21 +174,14 @@ class Engine:
       raise InputError(f"request_id={request_id!r} must be an integer >= 0 that no running "
                        "or waiting request has (take one from Engine.new_request_id()).")
     requests = self.admission.validate(prompts, sampling, tenant, first_id=0, shard=shard)
-    with self._id_lock:
-      if request_id is None:
-        first = self._next_id
-        self._next_id += len(requests)
-      else:  # the caller's (``new_request_id``, or a job's leader's)
-        first = request_id
-        self._next_id = max(self._next_id, request_id + 1)
+    with self._id_lock:  # the next ids, or the caller's (``new_request_id``, a job leader's)
+      first = self._next_id if request_id is None else request_id
+      self._next_id = max(self._next_id, first + len(requests))
     return [dataclasses.replace(r, id=first + i) for i, r in enumerate(requests)]
 
   def _add(self, request, *, on_token=None, want_logits: bool = False) -> RequestHandle:
-    return self.loop.add(RequestHandle(request, self._wait, on_token, want_logits))
-
-  def _wait(self) -> None:
-    """What a handle does to wait for its next token: run a step."""
-    self.step()
+    # A handle waits for its next token by running a step.
+    return self.loop.add(RequestHandle(request, self.step, on_token, want_logits))
 
   # ---- the online API --------------------------------------------------------------------------
   def submit(self, prompt: Sequence[int], sampling: SamplingParams | int = 16,
@@ -212,7 +200,7 @@ class Engine:
   def step(self) -> list[StepOutput]:
     """One iteration over every running request: admits waiting ones that fit, advances
     each by one prefill chunk or one decoded token. Returns what each request produced."""
-    if self._needs_costs() and self.loop.has_work():
+    if self._plans_cold() and self.planner.costs is None and self.loop.has_work():
       self._calibrate()
     try:
       outputs = self._run_plan()
@@ -261,7 +249,8 @@ class Engine:
     blocks may come from a lower tier or another shard, measures the costs (``cost``
     policy) and compiles the plan. Runs all-padding steps, which change no page. Returns
     the (prefill, decode) bucket pairs compiled. ``shapes``: that many now, the smallest
-    first; ``runner.warm_next`` compiles the rest (a step needing one first compiles it)."""
+    first; ``warm_next`` compiles the rest (a step needing one first compiles it)."""
+    self._warm_mark = None
     c = self.cache.config
     max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
     if rows_per_shard is None:
@@ -270,15 +259,31 @@ class Engine:
     widths = self.runner.warmup(max_seq_len, rows, shapes)
     self.cache.update_pools(lambda pools: (self.cache.mover.warmup(pools,
                                                                    rows[-1] * max(widths)),))
-    cache = self.cache
-    cold = (cache.host or cache.disk or cache.remote
-            or (cache.num_shards > 1 and self.config.prefix_reuse))
-    if self.scheduler_config.policy == "cost" and cold:  # blocks on another tier or shard
+    if self._plans_cold():  # blocks on another tier or shard
       if self.planner.costs is None:
         self._calibrate()
-      self.planner.warm(-(-max_seq_len // c.page_size), rows[-1] * cache.num_shards)
+      self.planner.warm(-(-max_seq_len // c.page_size), rows[-1] * self.cache.num_shards)
     jax.block_until_ready(self.cache.pools)
+    self.mark_warm()
     return self.runner.warm_progress()[0]
+
+  def warm_next(self) -> bool:
+    """Compiles the next bucket ``warmup`` left; the last makes the engine warm. Returns
+    whether any is left (all-padding steps: safe between any two steps)."""
+    if not self.runner.warm_next() and self._warm_mark is None:
+      self.mark_warm()
+    return bool(self.runner.warm_later)
+
+  def mark_warm(self) -> None:
+    """Restarts ``compiles_after_warmup`` after one-off work (a restore); no-op while warming."""
+    if not self.runner.warm_later:
+      self._warm_mark = COMPILES.mark()
+
+  @property
+  def compiles_after_warmup(self) -> int | None:
+    """XLA compiles in this process (any engine's: ``jaxkv.compiles``) since this engine
+    was warm; None before. 0 is the goal."""
+    return None if self._warm_mark is None else COMPILES.since(self._warm_mark)
 
   # ---- the cache -------------------------------------------------------------------------------
   def pin(self, tokens: Sequence[int], tenant: str = "default") -> int:
@@ -286,24 +291,20 @@ class Engine:
 
     Computes its full blocks on every data shard that lacks them, then holds a reference
     on them, so no eviction touches them and requests on any shard reuse them, until
-    ``unpin`` with the same arguments. Returns the number of blocks pinned per shard.
-    """
+    ``unpin`` with the same arguments. Returns the number of blocks pinned per shard."""
     index = self.cache.index
     keys = index.block_keys(np.asarray(tokens, np.int32), tenant)
     if not keys:
       raise InputError(f"pin needs at least one full block ({self.cache.config.page_size} "
                        f"tokens); got {len(tokens)} tokens.")
-    # Each shard lacking the prefix computes it through the loop (other requests advance
-    # meanwhile and may evict a shard's copy before the last shard is done: those shards
-    # compute it again, a bounded number of times).
+    # Each shard lacking the prefix computes it through the loop; other requests may evict a
+    # shard's copy meanwhile: that shard computes it again (a bounded number of times).
     for _ in range(4):
       lacking = [s for s in range(self.cache.num_shards) if len(index.match(s, keys)) < len(keys)]
       if not lacking:
         return self.cache.hold(tokens, tenant)
-      handles = []
-      for s in lacking:
-        request, = self._validate([list(tokens)], 1, tenant, shard=s)
-        handles.append(self._add(request))
+      handles = [self._add(self._validate([list(tokens)], 1, tenant, shard=s)[0])
+                 for s in lacking]
       while not all(h.finished for h in handles):
         self.step()
     return self.cache.hold(tokens, tenant)  # raises CapacityError naming the shard
@@ -325,14 +326,15 @@ class Engine:
     self.cache.stats.reset()
 
   def stats(self) -> dict:
-    """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request."""
-    return self.cache.stats.as_dict(evictions=self.cache.index.counters.evictions)
+    """Counters since construction (or ``reset_stats``); ``ttft_s`` lists every request;
+    ``compiles_after_warmup``: as the property (which ``reset_stats`` leaves), -1 before."""
+    return {**self.cache.stats.as_dict(evictions=self.cache.index.counters.evictions),
+            "compiles_after_warmup": -1 if self._warm_mark is None else self.compiles_after_warmup}
 
   def occupancy(self) -> dict:
-    """What is held now: ``cached_blocks`` and ``capacity_blocks`` by tier (device and host
-    summed over data shards; disk is one store), ``referenced_pages`` (device page
-    references held by running requests, transfers and pins: 0 when idle and unpinned),
-    ``waiting_requests`` (queued, not yet admitted) and ``running_requests``."""
+    """What is held now: ``cached_blocks``, ``capacity_blocks`` by tier (device and host summed
+    over shards; disk is one store), ``referenced_pages`` (held by requests, transfers and pins:
+    0 when idle and unpinned), ``waiting_requests`` (not yet admitted), ``running_requests``."""
     return {**self.cache.occupancy(), "waiting_requests": len(self.loop.waiting),
             "running_requests": len(self.loop.running)}
 
@@ -340,8 +342,7 @@ class Engine:
 def _check_context(model, cache: KVCache) -> None:
   """A model that computes only up to ``max_context`` tokens as its checkpoint does (a
   sliding window jaxkv's attention does not apply) gets no cache for longer sequences."""
-  limit = getattr(model, "max_context", None)
-  c = cache.config
+  limit, c = getattr(model, "max_context", None), cache.config
   if limit and c.max_pages_per_seq * c.page_size > limit:
     raise InputError(
         f"the model attends over at most {limit} tokens (its sliding window) but "
