@@ -70,6 +70,10 @@ _WARMUP = flags.DEFINE_enum(
     "smallest step bucket is compiled; the others compile while the engine is idle (a "
     "request that needs one first compiles it), and /health's 'warm' turns true when all "
     "are. all: every bucket before /health is 200. A multi-process job compiles all first.")
+_WARMUP_STREAM_TOKENS = flags.DEFINE_integer(
+    "warmup_stream_tokens", 0, "With --stream_long_contexts: also compile, before "
+    "serving, the streamed steps of sequences up to this many tokens (their shapes grow "
+    "with the length); longer ones compile when they first come. 0: none.", lower_bound=0)
 _METRICS_TENANTS = flags.DEFINE_list(
     "metrics_tenants", [], "With --api_keys_file: the tenants whose keys may read /metrics "
     "(its counters are every tenant's). Others get 403.")
@@ -290,7 +294,8 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
 
   def warm_up():  # every process, in the same order (calibration agrees across them)
     t0 = time.perf_counter()
-    engine.warmup(shapes=1 if _WARMUP.value == "background" and not multi else None)
+    engine.warmup(shapes=1 if _WARMUP.value == "background" and not multi else None,
+                  stream_tokens=_WARMUP_STREAM_TOKENS.value)
     if multi and engine.costs is not None:
       from jaxkv.planning.costs import agree_costs
       engine.costs = agree_costs(engine.costs)

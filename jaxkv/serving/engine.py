@@ -240,7 +240,7 @@ class Engine:
     return self.loop.has_work()
 
   def warmup(self, max_seq_len: int | None = None, rows_per_shard: Sequence[int] | None = None,
-             *, shapes: int | None = None) -> int:
+             *, shapes: int | None = None, stream_tokens: int = 0) -> int:
     """Compiles the prefill and decode steps for every shape bucket a workload can use.
 
     ``max_seq_len`` bounds prompt + generated tokens (default: the config's maximum);
@@ -249,7 +249,9 @@ class Engine:
     blocks may come from a lower tier or another shard, measures the costs (``cost``
     policy) and compiles the plan. Runs all-padding steps, which change no page. Returns
     the (prefill, decode) bucket pairs compiled. ``shapes``: that many now, the smallest
-    first; ``warm_next`` compiles the rest (a step needing one first compiles it)."""
+    first; ``warm_next`` compiles the rest (a step needing one first compiles it). With a
+    ``StreamConfig``, ``stream_tokens`` warms the streamed steps of sequences up to that
+    many tokens (their shapes grow with the length: warm the lengths served)."""
     self._warm_mark = None
     c = self.cache.config
     max_seq_len = c.max_seq_len if max_seq_len is None else min(int(max_seq_len), c.max_seq_len)
@@ -263,6 +265,8 @@ class Engine:
       if self.planner.costs is None:
         self._calibrate()
       self.planner.warm(-(-max_seq_len // c.page_size), rows[-1] * self.cache.num_shards)
+    if self._streamer is not None and stream_tokens > c.max_seq_len:
+      self._streamer.warm(stream_tokens)
     jax.block_until_ready(self.cache.pools)
     self.mark_warm()
     return self.runner.warm_progress()[0]

@@ -194,6 +194,29 @@ def _abstract_model(cfg: Mapping, cache_cfg: CacheConfig, mesh: AbstractMesh, nu
   return graphdef, pools, pool_def, weights, weight_def
 
 
+def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
+                host_pages: int, moved: int) -> tuple:
+  """The host pool (abstract) and the host tier's moves at a transfer of ``moved`` pages
+  per shard: staging, the per-block store, the load, and the store of a whole stack."""
+  from jaxkv.worker.tiers import host as host_lib
+  bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
+  block = (sum(pages_lib.pool_layers(p) for p in pools), cache_cfg.num_kv_heads, cache_cfg.page_size,
+           cache_cfg.head_dim)
+  host_pool = _sds(mesh, (shards * (host_pages + 1), *block), bits,
+                   pages_lib.host_spec(cache_cfg), memory_kind=kind)
+  fns = host_lib.host_fns(mesh, cache_cfg, kind, pages_lib.pool_ranks(pools))
+  size = min(moved, host_lib.MOVE_BUCKET_MAX)
+  ids = lambda n: _sds(mesh, (shards, n), jnp.int32, P(cache_cfg.data_axis, None))
+  blocks = _sds(mesh, (shards * size, *block), bits, pages_lib.host_spec(cache_cfg))
+  stack = _sds(mesh, (block[0], block[1], shards * moved, *block[2:]), bits,
+               pages_lib.stacked_spec(cache_cfg))
+  return host_pool, [
+      Lowerable(f"host_stage[pages={size}]", fns.stage, (tuple(pools), ids(size))),
+      Lowerable(f"host_store[pages={size}]", fns.place, (host_pool, blocks, ids(size))),
+      Lowerable(f"host_load[pages={size}]", fns.load, (host_pool, ids(size))),
+      Lowerable(f"host_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids(moved)))]
+
+
 def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
                      num_layers: int | None = None) -> tuple[AbstractMesh, list[Lowerable]]:
   """Every function the engine compiles for ``cfg`` on its mesh of ``tgt`` devices.
@@ -261,21 +284,9 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
                        pages_lib.scatter_stacked_fn(mesh, cache_cfg, ranks),
                        (tuple(pools), ids, stack)))
   if host_pages:
-    from jaxkv.worker.tiers import host as host_lib
     kind = tiers.get("host_memory_kind", "pinned_host")
-    host_pool = _sds(mesh, (shards * (host_pages + 1), num_arrays, cache_cfg.num_kv_heads,
-                            cache_cfg.page_size, cache_cfg.head_dim), bits,
-                     pages_lib.host_spec(cache_cfg), memory_kind=kind)
-    fns = host_lib.host_fns(mesh, cache_cfg, kind, ranks)
-    size = min(moved, host_lib.MOVE_BUCKET_MAX)
-    move_ids = row(shards, size)
-    blocks = _sds(mesh, (shards * size, num_arrays, cache_cfg.num_kv_heads,
-                         cache_cfg.page_size, cache_cfg.head_dim), bits,
-                  pages_lib.host_spec(cache_cfg))
-    out += [Lowerable(f"host_stage[pages={size}]", fns.stage, (tuple(pools), move_ids)),
-            Lowerable(f"host_store[pages={size}]", fns.place, (host_pool, blocks, move_ids)),
-            Lowerable(f"host_load[pages={size}]", fns.load, (host_pool, move_ids)),
-            Lowerable(f"host_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids))]
+    host_pool, moves = _host_moves(mesh, cache_cfg, kind, pools, shards, host_pages, moved)
+    out += moves
     chunk = StreamConfig().chunk_pages
     stream = kvnnx.StreamBatch(
         block_valid=row(shards, widths[-1], dtype=bool), host_pool=host_pool,

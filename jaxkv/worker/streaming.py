@@ -132,6 +132,50 @@ class StreamRunner:
       self.stats.add(name, n)
     return tokens_out, (np.stack(logits) if want_logits else None), t_first
 
+  # ---- compiling ahead -----------------------------------------------------------------------
+  def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
+    """Every ``(table width, cold width)`` a streamed sequence of up to ``max_tokens``
+    tokens passes through (its table is as wide as its whole length; its cold slots grow
+    chunk by chunk up to that width)."""
+    c = self.cache.config
+    pages = -(-int(max_tokens) // c.page_size)
+    out = set()
+    for width in sorted({buckets.pow2_at_least(n)
+                         for n in range(c.max_pages_per_seq + 1, pages + 1)}):
+      cold = 0
+      while True:
+        out.add((width, self._cold_width(cold)))
+        if cold >= min(width, pages):
+          break
+        cold = max(1, 2 * cold)
+    return sorted(out)
+
+  def _cold_width(self, cold: int) -> int:
+    chunk = self.stream.chunk_pages
+    return -(-max(chunk, buckets.pow2_at_least(cold)) // chunk) * chunk
+
+  def warm(self, max_tokens: int) -> int:
+    """Compiles the streamed steps (every prefill width, and decode) of each of
+    ``shapes(max_tokens)`` with all-padding steps on the host pool (no page, no slot is
+    read into or written). Returns how many shapes."""
+    shards, put = self.cache.num_shards, self.cache.put_rows
+    shapes = self.shapes(max_tokens)
+    for width, cold in shapes:
+      table = put(np.zeros((shards, width), np.int32))
+      stream = kvnnx.StreamBatch(
+          block_valid=put(np.zeros((shards, width), bool)), host_pool=self.cache.host.pool,
+          cold_slots=put(np.zeros((shards, cold), np.int32)),
+          cold_first=put(np.zeros((shards,), np.int32)),
+          cold_count=put(np.zeros((shards,), np.int32)), pages_per_chunk=self.stream.chunk_pages)
+      carry = put(np.zeros((shards,), np.int32))
+      for step_width in self.runner.prefill_widths:
+        carry, _ = self.runner.prefill(self.runner.prefill_batch([], shards, width=step_width),
+                                       table, carry, stream, count=False)
+      carry, _, _ = self.runner.decode(self.runner.decode_batch([], shards), table, carry,
+                                       stream, count=False)
+      self._settle(carry)
+    return len(shapes)
+
   def _settle(self, carry: jax.Array) -> None:
     if self._one_at_a_time:
       jax.block_until_ready((carry, self.cache.pools))
@@ -241,8 +285,7 @@ class StreamRunner:
     valid = np.zeros((shards, width), bool)
     for j, p in state.block_page.items():
       table[state.shard, j], valid[state.shard, j] = p, True
-    cold_width = max(st.chunk_pages, buckets.pow2_at_least(len(state.cold)))
-    cold_width = -(-cold_width // st.chunk_pages) * st.chunk_pages
+    cold_width = self._cold_width(len(state.cold))
     slots = np.zeros((shards, cold_width), np.int32)
     slots[state.shard, :len(state.cold)] = state.cold
     first = np.full((shards,), st.sink_pages, np.int32)
