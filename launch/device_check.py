@@ -148,6 +148,12 @@ def host_link(tiers: dict | None, nominal_gb_per_s: float | None, source: str) -
       fig["jaxkv_vs_nominal"] = a / nominal_gb_per_s if a else None
       fig["device_put_vs_nominal"] = b / nominal_gb_per_s if b else None
     out[direction] = fig
+  sweep = tiers.get("host_sweep")
+  if isinstance(sweep, dict):  # by move size; the store into a small vs a large pool; HLO
+    out["by_size"] = {size: {k: fig.get(k) for k in ("store_vs_device_put", "load_vs_device_put")}
+                      for size, fig in (sweep.get("sizes") or {}).items()}
+    out["pool_store_ms"] = sweep.get("pool_store_ms")
+    out["hlo"] = sweep.get("hlo")
   return out
 
 
@@ -236,7 +242,11 @@ def engine_summary(engine: dict | None) -> dict | None:
           "ttft_p50_s": summary.get("ttft_p50_s"), "tokens_per_s": summary.get("tokens_per_s"),
           "bytes_moved": summary.get("bytes_moved"),
           # XLA compiles while serving (0: the figures are steady-state figures)
-          "compiles_after_warmup": engine.get("compiles_after_warmup")}
+          "compiles_after_warmup": engine.get("compiles_after_warmup"),
+          # bf16 reuse vs recompute, token by token (1.0: every token equal)
+          "bf16_match_rate": engine.get("greedy_match_rate") if engine.get("dtype") == "bfloat16"
+          else None, "greedy_match_rate": engine.get("greedy_match_rate"),
+          "first_divergence": engine.get("first_divergence")}
 
 
 def report(result: dict) -> str:

@@ -186,9 +186,11 @@ def main(argv):
     result["baseline"] = {"policy": other, "ttft_s": [t for turn in ttft[other] for t in turn],
                           "output_digest": _common.token_digest(outputs[other])}
     result["outputs_match"] = outputs[reuse] == outputs[nocache]
+    result.update(_agreement(outputs[reuse], outputs[nocache]))
     result["ttft_speedup_later_turns"] = speedup
     print(f"later turns (1..{rounds - 1}): mean TTFT nocache / jaxkv = {speedup:.2f}x; "
-          f"outputs identical: {result['outputs_match']}")
+          f"outputs identical: {result['outputs_match']} (greedy match rate "
+          f"{result['greedy_match_rate']:.4f})")
   result["summary"] = _summary({p: e.stats() for p, e in engines.items()}, wall_s)
   if online_summary is not None:
     for p, fig in online_summary.items():  # TTFT from arrival, TPOT, end-to-end
@@ -260,6 +262,21 @@ def _run_online(engines: dict, make_work):
           f"{1e3 * f['ttft_p50_s']:.0f}/{1e3 * f['ttft_p90_s']:.0f} ms, TPOT p50 "
           f"{1e3 * f['tpot_p50_s']:.1f} ms, {f['tokens_per_s']:.1f} tok/s")
   return outputs, ttft, wall_s, occupancy, figures
+
+
+def _agreement(reused: list, fresh: list) -> dict:
+  """How far answers with reuse agree with recomputing, position by position:
+  ``greedy_match_rate`` (the share of generated tokens equal to the no-cache run's at the
+  same position of the same request; 1.0 where exact) and ``first_divergence`` (per
+  request, the first position that differs, or None)."""
+  same = total = 0
+  first = []
+  for a, b in zip(reused, fresh):
+    n = max(len(a), len(b))
+    same += sum(x == y for x, y in zip(a, b))
+    total += n
+    first.append(next((i for i in range(n) if i >= min(len(a), len(b)) or a[i] != b[i]), None))
+  return {"greedy_match_rate": same / total if total else 1.0, "first_divergence": first}
 
 
 def _occupancy(engine) -> dict:

@@ -30,6 +30,8 @@ def test_serve_default_and_nocache_give_the_same_output_digest(tmp_path):
   assert both["policy"] == "jaxkv" and alone["policy"] == "nocache"
   assert both["output_digest"] == alone["output_digest"] == both["baseline"]["output_digest"]
   assert both["outputs_match"] is True
+  assert both["greedy_match_rate"] == 1.0 and both["first_divergence"] == [None] * 12
+  assert both["compiles_after_warmup"] == 0, both["compiled_after_warmup"]
   assert len(both["ttft_s"]) == 4 * 3 and all(t > 0 for t in both["ttft_s"])
   assert both["hits"]["device"] > 0 and alone["hits"]["device"] == 0
   assert both["machine"]["devices"] and len(both["machine"]["devices"]) == 8

@@ -81,6 +81,11 @@ def test_each_step_json_holds_what_the_step_promises(dry_run):
   assert engine["config"] == "cpu_tiny"  # the embedded default on a dry run
   assert engine["stats"]["demoted_host"] > 0  # the host tier was on and took blocks
   assert engine["outputs_match"] is True  # reuse (device and host) answered as recompute did
+  assert r["engine"]["greedy_match_rate"] == 1.0 and r["engine"]["bf16_match_rate"] is None
+  assert r["engine"]["compiles_after_warmup"] == 0
+  sweep = r["host_link"]  # the tier sweep's figures reach the device JSON
+  assert set(sweep["by_size"]) == {"1mib", "4mib"} and len(sweep["pool_store_ms"]) == 2
+  assert sweep["hlo"]["place"]["host-execute"] == 0
   assert r["engine"]["hits"] == engine["hits"]
   for name in ("devices", "kernels", "tiers", "engine"):
     assert set(device_check.STEP_KEYS[name]) <= set(res[name]), name
