@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from jaxkv import buckets
-from jaxkv.worker import pages as pages_lib
+from jaxkv.worker.tiers.base import Landing
 from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
 
 
@@ -51,13 +51,11 @@ def _host_link(cache, reps: int) -> LinkCost:
   points = []
   for n in (buckets.transfer_pages(1), 8 * buckets.transfer_pages(1)):
     ids = np.zeros((cache.num_shards, n), np.int32)  # reads slot 0 n times: same bytes moved
-    dest = jax.device_put(np.full((cache.num_shards, n), c.pages_per_shard, np.int32),
-                          mover.ids_sharding)
+    dest = np.full((cache.num_shards, n), c.pages_per_shard, np.int32)  # dropped
 
-    def move():
-      stack, _ = host.load(ids)
-      cache.update_pools(lambda pools: (pages_lib.scatter_stacked(
-          pools, dest, stack, mesh=cache.mesh, config=c),))
+    def move():  # a fetch's path: page-major blocks loaded, then landed (all padding)
+      blocks, _ = host.load_blocks(ids)
+      cache.update_pools(lambda pools: (mover.land(pools, Landing(dest, blocks, blocks=True)),))
       jax.block_until_ready(cache.pools)
 
     points.append((n * cache.num_shards * c.page_bytes, _median_time(move, reps)))

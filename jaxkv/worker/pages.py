@@ -298,6 +298,20 @@ def local_gather_stacked(pools, page_ids, ranks):
   return jnp.concatenate(rows)
 
 
+def local_gather_blocks(pools, page_ids, ranks):
+  """``local_gather_stacked`` page-major: ``[n, 2 * layers, kv_heads, page_size,
+  head_dim]``, each block contiguous (what a host slot holds)."""
+  rows = []
+  for group in row_groups(ranks):
+    got = [jnp.moveaxis(to_bits(pools[i])[..., page_ids[0], :, :], -3, 0) for i in group]
+    if len(group) == 1:  # [n, H, S, D]
+      rows.append(got[0][:, None])
+    else:  # [n, L, H, S, D] x 2 -> rows K0, V0, K1, V1, ...
+      pair = jnp.stack(got, axis=2)
+      rows.append(pair.reshape(pair.shape[0], -1, *pair.shape[3:]))
+  return jnp.concatenate(rows, axis=1)
+
+
 @functools.lru_cache(maxsize=None)
 def gather_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
   """The jitted function behind ``gather_stacked`` for pools of these ranks."""
@@ -329,6 +343,24 @@ def local_scatter_stacked(pools, page_ids, values, ranks) -> tuple:
         out[i] = put(pools[i], pair[:, j])
       row += 2 * n
   return tuple(out)
+
+
+def local_scatter_blocks(pools, page_ids, blocks, ranks) -> tuple:
+  """``local_scatter_stacked`` of page-major ``blocks`` ``[n, 2 * layers, kv_heads,
+  page_size, head_dim]``."""
+  return local_scatter_stacked(pools, page_ids, jnp.moveaxis(blocks, 0, 2), ranks)
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_blocks_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  """``scatter_stacked_fn`` for page-major blocks (``host_spec`` sharding; pools donated)."""
+  ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
+
+  def local(pools, page_ids, blocks):
+    return local_scatter_blocks(pools, page_ids, blocks, ranks)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, host_spec(config)),
+                               out_specs=specs), donate_argnums=(0,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,23 +395,41 @@ _MIX = np.uint32(2654435761)  # odd: a flipped bit always changes the weighted s
 _OFFSET = np.uint32(0x9E3779B9)
 
 
+def _words(bits):
+  """Raw bits as uint32 words (two uint16 per word where the last axis allows)."""
+  if bits.dtype.itemsize == 2 and bits.shape[-1] % 2 == 0:
+    bits = jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], bits.shape[-1] // 2, 2),
+                                        jnp.uint32)
+  return bits.astype(jnp.uint32)
+
+
+def _weights(a: int, h: int, t: int, d: int, config: CacheConfig, model: int):
+  """One weight per word of a page ``[a, h, t, d]`` (inside ``shard_map``): from the word's
+  position in the *global* page (kv heads numbered across the model axis), so the partial
+  sums of the model shards add up to the same total on any mesh."""
+  head = jax.lax.axis_index(config.model_axis) * h + jnp.arange(h)
+  pos = ((jnp.arange(a)[:, None, None, None] * (h * model) + head[None, :, None, None]) * t
+         + jnp.arange(t)[None, None, :, None]) * d + jnp.arange(d)[None, None, None, :]
+  return pos.astype(jnp.uint32) * _MIX + _OFFSET
+
+
 def local_page_checksums(stack, config: CacheConfig, model: int):
   """Inside ``shard_map``: ``page_checksums`` of this shard's part of a raw-bits stack
   ``[arrays, kv_heads/model, n, page_size, head_dim]``; returns ``[n, 1]`` uint32 (this
   model shard's partial sums)."""
-  if stack.dtype.itemsize == 2 and stack.shape[-1] % 2 == 0:  # two uint16 per uint32
-    stack = jax.lax.bitcast_convert_type(
-        stack.reshape(*stack.shape[:-1], stack.shape[-1] // 2, 2), jnp.uint32)
-  words = stack.astype(jnp.uint32)
+  words = _words(stack)
   a, h, _, t, d = words.shape
-  # One weight per position in the *global* page (kv heads numbered across the model
-  # axis), broadcast over the page axis: the partial sums of the model shards add up
-  # to the same total on any mesh.
-  head = jax.lax.axis_index(config.model_axis) * h + jnp.arange(h)
-  pos = ((jnp.arange(a)[:, None, None, None] * (h * model) + head[None, :, None, None]) * t
-         + jnp.arange(t)[None, None, :, None]) * d + jnp.arange(d)[None, None, None, :]
-  weights = (pos.astype(jnp.uint32) * _MIX + _OFFSET)[:, :, None]
+  weights = _weights(a, h, t, d, config, model)[:, :, None]
   return jnp.sum(words * weights, axis=(0, 1, 3, 4), dtype=jnp.uint32)[:, None]
+
+
+def local_block_checksums(blocks, config: CacheConfig, model: int):
+  """``local_page_checksums`` of page-major blocks ``[n, arrays, kv_heads/model, page_size,
+  head_dim]``: the same values, each block's words reduced where they lie (contiguous)."""
+  words = _words(blocks)
+  n, a, h, t, d = words.shape
+  weighted = words * _weights(a, h, t, d, config, model)[None]
+  return jnp.sum(weighted.reshape(n, -1), axis=1, dtype=jnp.uint32)[:, None]
 
 
 def checksums_spec(config: CacheConfig) -> P:

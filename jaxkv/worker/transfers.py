@@ -146,8 +146,12 @@ class TierMover:
 
   def land(self, pools, landing: Landing):
     """Scatters a landing into the (donated) device pools; returns the new pools."""
-    return pages_lib.scatter_stacked(pools, jax.device_put(landing.dest, self.ids_sharding),
-                                     landing.stack, mesh=self.mesh, config=self.config)
+    dest = jax.device_put(landing.dest, self.ids_sharding)
+    if landing.blocks:
+      return pages_lib.scatter_blocks_fn(self.mesh, self.config, pages_lib.pool_ranks(pools))(
+          tuple(pools), dest, landing.stack)
+    return pages_lib.scatter_stacked(pools, dest, landing.stack, mesh=self.mesh,
+                                     config=self.config)
 
   def warmup(self, pools, max_pages: int) -> list:
     """Compiles every transfer for each bucket up to ``max_pages`` pages per shard, with
@@ -165,9 +169,9 @@ class TierMover:
       return list(pools)
     if self.host is not None:  # its moves' buckets (1, 2, 4, ...), and their landings
       for size in self.host.warm(pools, max_pages):
-        stack, _ = self.host.load(np.zeros((shards, size), np.int32))
+        blocks, _ = self.host.load_blocks(np.zeros((shards, size), np.int32))
         pad = np.full((shards, size), self.config.pages_per_shard, np.int32)
-        pools = self.land(pools, Landing(pad, stack))
+        pools = self.land(pools, Landing(pad, blocks, blocks=True))
     n = buckets.MIN_TRANSFER_PAGES
     while True:
       pad_dev = jax.device_put(np.full((shards, n), self.config.pages_per_shard, np.int32),

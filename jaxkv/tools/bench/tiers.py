@@ -1,7 +1,7 @@
 """Suite ``tiers``: jaxkv's tier paths against the physical path on the same bytes.
 
-- host: device->host (``gather_stacked`` + ``HostTier.store``) and host->device
-  (``HostTier.load`` + ``scatter_stacked``) against a numpy memcpy of the same bytes; a
+- host: device->host (``HostTier.store_pages``: staged on device, one transfer per block)
+  and host->device (``HostTier.load_blocks`` + the landing scatter) against a numpy memcpy of the same bytes; a
   plain ``jax.device_put`` to/from the host memory kind is reported beside them (what the
   transfer alone costs: ``*_vs_device_put``).
 - disk: jaxkv writes (one record per block, all in flight, the store at capacity so each
@@ -79,10 +79,11 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
     host.store_pages(state["pools"], items)
     host.pool.block_until_ready()
 
-  def to_device():
-    stack, _ = host.load(ids_np)
-    state["pools"] = list(pages_lib.scatter_stacked(state["pools"], ids, stack, mesh=mesh,
-                                                    config=config))
+  land = pages_lib.scatter_blocks_fn(mesh, config, pages_lib.pool_ranks(pools))
+
+  def to_device():  # a fetch's path: page-major blocks loaded, then landed
+    blocks, _ = host.load_blocks(ids_np)
+    state["pools"] = list(land(tuple(state["pools"]), ids, blocks))
     jax.block_until_ready(state["pools"])
 
   stack_dev = pages_lib.gather_stacked(pools, ids, mesh=mesh, config=config)
@@ -289,7 +290,8 @@ def host_sweep(mesh, config, *, sizes_mib=(4, 16, 64), pool_pages=(64, 4096), re
 
     res = common.interleaved({
         "store": store,
-        "load": lambda host=host, ids_np=ids_np: jax.block_until_ready(host.load(ids_np)),
+        "load": lambda host=host, ids_np=ids_np: jax.block_until_ready(
+            host.load_blocks(ids_np)),
         "device_put_to_host": lambda: jax.device_put(stack, on_host).block_until_ready(),
         "device_put_to_device": lambda: jax.device_put(stack_host,
                                                        stack.sharding).block_until_ready(),

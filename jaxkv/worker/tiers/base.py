@@ -127,10 +127,13 @@ class Fetch:
 class Landing:
   """Blocks ready to scatter into the device pool: shard-local destination pages
   ``[data_shards, n]`` (``pages_per_shard`` = padding, dropped) and their raw bits on device
-  ``[2 * layers, kv_heads, data_shards * n, page_size, head_dim]``."""
+  ``[2 * layers, kv_heads, data_shards * n, page_size, head_dim]``, or with ``blocks``
+  page-major ``[data_shards * n, 2 * layers, kv_heads, page_size, head_dim]`` (as the host
+  tier loads them)."""
 
   dest: np.ndarray
   stack: Any  # jax.Array
+  blocks: bool = False
 
 
 # (shard, destination page, raw-bits payload [2*layers, kv_heads, page_size, head_dim])

@@ -91,8 +91,8 @@ class HostFns:
     one transfer per block straight into place.
   - ``store(pool, stack, slots) -> pool``: a raw-bits device stack in the stacked layout
     (a checkpoint's rows, a stream's staged records) into host slots.
-  - ``load(pool, slots) -> (stack, sums)``: host slots -> a device stack, one transfer per
-    block, and its checksums.
+  - ``load(pool, slots) -> (blocks, sums)``: host slots -> page-major device blocks, one
+    transfer per block, and their checksums.
   """
 
   stage: object
@@ -114,8 +114,8 @@ def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str,
   on = lambda spec: NamedSharding(mesh, spec)
 
   def local_stage(pools, page_ids):
-    got = pages_lib.local_gather_stacked(pools, page_ids, ranks)  # [2L, h, n, S, D]
-    return jnp.moveaxis(got, 2, 0), pages_lib.local_page_checksums(got, config, model)
+    blocks = pages_lib.local_gather_blocks(pools, page_ids, ranks)  # [n, 2L, h, S, D]
+    return blocks, pages_lib.local_block_checksums(blocks, config, model)
 
   # One block per iteration of a loop of static trip count (the bucket): the pattern XLA
   # offloads activations with, so each iteration is one asynchronous copy; unrolled, the
@@ -127,13 +127,12 @@ def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str,
   def local_store(pool, values, slots):
     return local_place(pool, jnp.moveaxis(values, 2, 0), slots)
 
-  def local_load(pool, slots):
+  def local_load(pool, slots):  # page-major blocks on device, and their checksums
     n = slots.shape[1]
     out = jnp.zeros((n, *pool.shape[1:]), pool.dtype)
     got = jax.lax.fori_loop(0, n, lambda i, out: jax.lax.dynamic_update_index_in_dim(
         out, _take(pool, slots[0, i]), i, axis=0), out)
-    got = jnp.moveaxis(got, 0, 2)
-    return got, pages_lib.local_page_checksums(got, config, model)
+    return got, pages_lib.local_block_checksums(got, config, model)
 
   def shard(fn, in_specs, out_specs):  # device_put to a memory space trips the vma check
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -147,8 +146,20 @@ def host_fns(mesh: Mesh, config: CacheConfig, memory_kind: str,
                     donate_argnums=(0,), out_shardings=host),
       store=jax.jit(shard(local_store, (host_spec, stack, ids), host_spec),
                     donate_argnums=(0,), out_shardings=host),
-      load=jax.jit(shard(local_load, (host_spec, ids), (stack, sums)),
-                   out_shardings=(on(stack), on(sums))))
+      load=jax.jit(shard(local_load, (host_spec, ids), (host_spec, sums)),
+                   out_shardings=(on(host_spec), on(sums))))
+
+
+def _stacked_of(blocks, mesh: Mesh, config: CacheConfig):
+  """Page-major device blocks as a stack in the device layout (a device transpose)."""
+  return _to_stacked_fn(mesh, config)(blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def _to_stacked_fn(mesh: Mesh, config: CacheConfig):
+  return jax.jit(jax.shard_map(lambda b: jnp.moveaxis(b, 0, 2), mesh=mesh,
+                               in_specs=pages_lib.host_spec(config),
+                               out_specs=pages_lib.stacked_spec(config)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,10 +242,16 @@ class HostTier:
     self.pool = self._fns.store(self.pool, stack, self._put_ids(host_ids))
 
   # ---- host -> device ------------------------------------------------------------------------
-  def load(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """Starts copying host slots ``[data_shards, n]`` to device. Returns ``(bits stack,
-    checksums)`` (async)."""
+  def load_blocks(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """Starts copying host slots ``[data_shards, n]`` to device. Returns ``(page-major
+    blocks [data_shards * n, 2L, H, S, D], checksums)`` (async)."""
     return self._fns.load(self.pool, self._put_ids(np.minimum(host_ids, self.pages_per_shard)))
+
+  def load(self, host_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``load_blocks`` as a stack in the device layout ``[2L, H, data_shards * n, S, D]``
+    (``pages.gather_stacked``'s)."""
+    blocks, sums = self.load_blocks(host_ids)
+    return _stacked_of(blocks, self.mesh, self.config), sums
 
   def checksums(self, stack: jax.Array) -> jax.Array:
     return pages_lib.page_checksums(stack, mesh=self.mesh, config=self.config)
@@ -243,15 +260,16 @@ class HostTier:
     """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied):
     through device memory, in buckets (no computation runs on host memory)."""
     shards, n = host_ids.shape
-    parts = [(offset, size, self.load(host_ids[:, offset:offset + size])[0])
+    parts = [(offset, size, self.load_blocks(host_ids[:, offset:offset + size])[0])
              for offset, size in buckets.pieces(n, self.bucket_max)]
     out = None
     for offset, size, part in parts:
-      got = to_host(part)
+      got = to_host(part)  # [shards * size, 2L, H, S, D]
       if out is None:
-        out = np.empty((*got.shape[:2], shards * n, *got.shape[3:]), got.dtype)
+        out = np.empty((got.shape[1], got.shape[2], shards * n, *got.shape[3:]), got.dtype)
       for s in range(shards):
-        out[:, :, s * n + offset:s * n + offset + size] = got[:, :, s * size:(s + 1) * size]
+        out[:, :, s * n + offset:s * n + offset + size] = np.moveaxis(
+            got[s * size:(s + 1) * size], 0, 2)
     return out
 
   def stacked(self) -> jax.Array:
@@ -299,8 +317,8 @@ class HostTier:
       for s, its in enumerate(where):
         slots[s, :len(its)] = [f.slot for _, f in its]
         dest[s, :len(its)] = [f.page for _, f in its]
-      stack, sums = self.load(slots)
-      landings.append(Landing(dest, stack))
+      blocks, sums = self.load_blocks(slots)
+      landings.append(Landing(dest, blocks, blocks=True))
       loads.append((slots, where, sums))
     return landings, (len(fetches), loads)
 
