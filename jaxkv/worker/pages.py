@@ -345,34 +345,27 @@ def local_scatter_stacked(pools, page_ids, values, ranks) -> tuple:
   return tuple(out)
 
 
-def local_scatter_blocks(pools, page_ids, blocks, ranks) -> tuple:
-  """``local_scatter_stacked`` of page-major ``blocks`` ``[n, 2 * layers, kv_heads,
-  page_size, head_dim]``."""
-  return local_scatter_stacked(pools, page_ids, jnp.moveaxis(blocks, 0, 2), ranks)
-
-
 @functools.lru_cache(maxsize=None)
-def scatter_blocks_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
-  """``scatter_stacked_fn`` for page-major blocks (``host_spec`` sharding; pools donated)."""
-  ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
-
-  def local(pools, page_ids, blocks):
-    return local_scatter_blocks(pools, page_ids, blocks, ranks)
-
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, host_spec(config)),
-                               out_specs=specs), donate_argnums=(0,))
-
-
-@functools.lru_cache(maxsize=None)
-def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
-  """The jitted function behind ``scatter_stacked`` (pools donated)."""
+def scatter_stacked_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...],
+                       blocks: bool = False):
+  """The jitted function behind ``scatter_stacked`` (pools donated); with ``blocks``, of
+  page-major values ``[n, 2 * layers, kv_heads, page_size, head_dim]`` (``host_spec``
+  sharding: what the host tier loads)."""
   ids, specs = P(config.data_axis, None), _rank_specs(config, ranks)
 
   def local(pools, page_ids, values):
+    if blocks:
+      values = jnp.moveaxis(values, 0, 2)
     return local_scatter_stacked(pools, page_ids, values, ranks)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, stacked_spec(config)),
+  values_spec = host_spec(config) if blocks else stacked_spec(config)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, values_spec),
                                out_specs=specs), donate_argnums=(0,))
+
+
+def scatter_blocks_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  """``scatter_stacked_fn`` for page-major blocks."""
+  return scatter_stacked_fn(mesh, config, ranks, True)
 
 
 def gather_stacked(pools, page_ids, *, mesh: Mesh, config: CacheConfig) -> jax.Array:
