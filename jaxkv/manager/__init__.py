@@ -30,12 +30,11 @@ from absl import logging
 from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager.events import BlockEvents
 from jaxkv.manager.index import LOCAL_TIERS, PrefixIndex, Tier
-from jaxkv.scheduling.step import Block
-from jaxkv.worker.tiers.base import Failure
+from jaxkv.scheduling.step import Block, Failure
 
 if typing.TYPE_CHECKING:
   from jaxkv.stats import Stats
-  from jaxkv.worker.tiers.base import Fetch
+  from jaxkv.scheduling.step import Fetch
 
 
 class _Pending:

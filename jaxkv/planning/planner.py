@@ -33,7 +33,7 @@ from jaxkv.manager.index import Tier
 from jaxkv.planning.plan import Plan, build_inputs, padding_inputs, plan
 
 if typing.TYPE_CHECKING:
-  from jaxkv.worker.tiers.base import FetchReport
+  from jaxkv.scheduling.step import FetchReport
 
 
 def plan_device() -> jax.Device:

@@ -31,7 +31,7 @@ from jaxkv.config import SamplingParams
 from jaxkv.errors import CapacityError, InputError, check_text
 from jaxkv.manager.index import LOCAL_TIERS, Tier
 from jaxkv.manager import PENDING, POOL_PEER
-from jaxkv.worker.tiers.base import Fetch
+from jaxkv.scheduling.step import Fetch
 
 
 @dataclasses.dataclass(frozen=True)

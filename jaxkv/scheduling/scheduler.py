@@ -63,9 +63,8 @@ from absl import logging
 from jaxkv import buckets
 from jaxkv.scheduling.admission import Placement, Request
 from jaxkv.manager.index import TIER_NAMES, Tier
-from jaxkv.scheduling.step import (DecodeRow, FetchGroup, PrefillChunk, SeqRows, StepPlan, StepResult,
-                        TierOrders)
-from jaxkv.worker.tiers.base import FetchReport
+from jaxkv.scheduling.step import (DecodeRow, FetchGroup, FetchReport, PrefillChunk, SeqRows,
+                                   StepPlan, StepResult, TierOrders)
 
 __all__ = ["DecodeRow", "FetchGroup", "POLICIES", "PrefillChunk", "RequestHandle", "Scheduler",
            "SeqRows", "StepOutput", "StepPlan", "StepResult", "TierOrders"]

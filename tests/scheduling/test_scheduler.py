@@ -31,7 +31,7 @@ from jaxkv.planning.planner import Planner
 from jaxkv.scheduling.scheduler import RequestHandle, Scheduler
 from jaxkv.stats import Stats
 from jaxkv.scheduling.step import StepResult
-from jaxkv.worker.tiers.base import Failure, FetchReport
+from jaxkv.scheduling.step import Failure, FetchReport
 
 PAGE = 4
 VOCAB = 97

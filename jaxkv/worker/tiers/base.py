@@ -23,13 +23,14 @@ recomputes from that block on. ``Failure.corrupt`` separates a bad copy (counted
 verification failure; the copy and its chain are dropped) from one that was merely
 unavailable (late, unreachable: a miss).
 
-Backends import nothing above them (index, pages, buckets and config only).
+Backends import nothing above them (index, pages, buckets and config only; the value types
+``Fetch``, ``FetchReport`` and ``Failure`` come from ``jaxkv.scheduling.step``, the one module
+the scheduler, the manager and the worker share).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -37,53 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxkv.manager.index import Tier
-
-
-class Failure(str, enum.Enum):
-  """Why a fetched block was not used (the value is the name stats report)."""
-
-  # The bytes are wrong: a verification failure.
-  SIZE = "size"  # record of the wrong length
-  MAGIC = "magic"  # not a jaxkv record (missing, truncated, foreign)
-  VERSION = "version"  # another record format
-  FINGERPRINT = "fingerprint"  # another model, dtype or layout
-  KEY = "key"  # another block (swapped, stale, another tenant's)
-  SHAPE = "shape"  # wrong dtype or shape
-  CHECKSUM = "checksum"  # the bytes changed
-  MAC = "mac"  # the keyed tag does not verify: forged, damaged, or another key's
-  MODE = "mode"  # keyless record for a keyed reader (forgeable), or keyed one for a keyless
-  TOKEN = "token"  # a remote offer answering another request
-  READ_ERROR = "read_error"  # the store raised while reading, again: given up on
-  REMOTE = "remote"  # a remote fetch failed in an unclassified way
-  MALFORMED = "malformed"  # a remote answer breaks the protocol (schema, frames, sizes)
-  NOT_A_FILE = "not_a_file"  # a link, FIFO, socket, device or directory under a record's name
-  # The bytes never came: a miss, not a corruption.
-  DEADLINE = "deadline"  # not there before the deadline
-  BREAKER = "breaker"  # the peer's circuit breaker is open
-  IO = "io"  # the connection to the peer failed
-  REFUSED = "refused"  # the peer answered with an error
-  CLOSED = "closed"  # the peer closed the connection
-  PULL = "pull"  # the transfer itself failed
-  READ_RETRY = "read_retry"  # the store raised while reading; the record is kept to retry
-  GONE = "gone"  # the record is not in the store (another process sharing it evicted it)
-
-  @property
-  def corrupt(self) -> bool:
-    """True when the copy was read and is wrong (as opposed to late or unreachable)."""
-    return self not in _UNAVAILABLE
-
-  @classmethod
-  def of(cls, error: BaseException, default: "Failure") -> "Failure":
-    """The failure an exception names through its ``reason``, else ``default``."""
-    try:
-      return cls(getattr(error, "reason", default))
-    except ValueError:
-      return default
-
-
-_UNAVAILABLE = frozenset({Failure.DEADLINE, Failure.BREAKER, Failure.IO, Failure.REFUSED,
-                          Failure.CLOSED, Failure.PULL, Failure.READ_RETRY,
-                          Failure.GONE})
+# The outcome types cross into the scheduler and the manager: they live in the step module.
+from jaxkv.scheduling.step import Failure, Fetch, FetchReport  # noqa: F401  (re-exported)
 
 
 class Breaker:
@@ -107,20 +63,6 @@ class Breaker:
     if self.failures >= self.trip_after:
       self.open_until = time.monotonic() + self.cool_down_s
       self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
-
-
-@dataclasses.dataclass(frozen=True)
-class Fetch:
-  """One lower-tier block to copy into a request's device page. What to bring where, and
-  nothing else: its outcome comes back as a value (``FetchOutcome``, ``FetchReport``)."""
-
-  request: int  # the requesting sequence (groups a request's remote blocks in one pull)
-  block: int  # index of the block in the request's chain
-  shard: int  # data shard of the destination page
-  tier: Tier
-  slot: Any  # where the block is: a slot (host, disk), a peer (remote), (shard, page) (shard)
-  key: bytes
-  page: int  # destination device page (shard-local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,30 +107,3 @@ class FetchSource(Protocol):
                    stage: Callable[[list[Staged]], Landing]) -> FetchOutcome:
     """Waits (until ``t_end`` at the latest) and verifies; returns the blocks still to land
     and each fetch's failure (``None``: verified), in ``start_fetch``'s order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FetchReport:
-  """One finished promotion (``TierMover.finish_promote``), as its caller and the planner
-  read it.
-
-  ``failures[i]`` is ``None`` when ``fetches[i]`` was verified and is in its device page
-  now, else why it was not (the mover dropped that copy already; the caller recomputes
-  that request from its first failed block on). ``blocks`` and ``bytes``
-  count the verified blocks, ``seconds`` runs from issuing the reads to the last block's
-  bytes arriving on the device (0: not timed, a copy across shards only), and ``tiers``
-  lists the tiers fetched from (sorted ``int(Tier)`` values): what the planner learns a
-  link's speed from.
-  """
-
-  fetches: tuple[Fetch, ...]
-  failures: tuple[Failure | None, ...]
-  blocks: int
-  bytes: int
-  seconds: float
-  tiers: tuple[int, ...]
-
-  def __post_init__(self):
-    if len(self.failures) != len(self.fetches):
-      raise ValueError(f"FetchReport has {len(self.fetches)} fetches but "
-                       f"{len(self.failures)} failures; give one (None: verified) per fetch.")
