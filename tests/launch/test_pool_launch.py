@@ -8,6 +8,7 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import helpers
 from jaxkv.tools.bench.http import ServerProcess
@@ -76,35 +77,60 @@ def test_a_second_serve_run_hits_the_pool_the_first_filled_with_the_same_outputs
   assert second["hits"]["pool"] >= 3 * (40 // 16)
 
 
+def master_count(master, name: str) -> float:
+  """One of the Mooncake master's own counters (its metrics port): a count jaxkv did not keep."""
+  text = httpx.get(f"http://127.0.0.1:{master.metrics_port}/metrics", timeout=10).text
+  return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == name)
+
+
+def server_counts(server) -> dict:
+  """The server's block hits by tier and its computed tokens, from its /metrics."""
+  text = httpx.get(server.base + "/metrics", timeout=30).text
+  counts = {}
+  for family in text_string_to_metric_families(text):
+    for s in family.samples:
+      if s.name == "jaxkv_block_hits_total":
+        counts[s.labels["tier"]] = counts.get(s.labels["tier"], 0) + s.value
+      elif s.name == "jaxkv_computed_tokens_total":
+        counts["computed"] = counts.get("computed", 0) + s.value
+  return counts
+
+
 def test_two_servers_on_one_pool_the_second_answers_from_the_firsts_blocks(
     tmp_path, master, key_file):
+  """b is asked only once a's blocks are in the pool (the master's own key count says so), so
+  b's one answer must come from them: b's metrics show pool hits for every full block of the
+  prompt, no device hits, and only the partial last block computed; its tokens are a's, which
+  a computed with nothing cached."""
   flags = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
            "--pool_segment_mb=32", "--config.tiers.write_policy=write_through",
            f"--deployment_key_file={key_file}", "--config.cache.max_pages_per_seq=16",
            "--config.scheduler.policy=fetch"]  # hits fetched whatever the machine's load
   prompt = [(i * 13 + 5) % 250 + 1 for i in range(100)]
+  full_blocks = len(prompt) // 16  # (page_size 16: the last 4 tokens are no full block)
   body = {"model": "llama-tiny-random", "prompt": prompt, "max_tokens": 5, "temperature": 0,
           "return_token_ids": True}
   with ServerProcess(flags, workdir=str(tmp_path)) as a, \
        ServerProcess(flags, workdir=str(tmp_path)) as b:
     a.wait_ready(600)
     b.wait_ready(600)
+    keys_before = master_count(master, "master_key_count")
     first = httpx.post(f"{a.url}/completions", json=body, timeout=120).json()
     assert "usage" in first, first
-    # a's blocks reach the pool behind the answer: ask until b finds them (each ask is
-    # exact whatever it finds).
-    answers = []
-
-    def cached():
-      r = httpx.post(f"{b.url}/completions", json=body, timeout=120).json()
-      answers.append(r)
-      return r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-
-    helpers.wait_for(cached, 60, "the second server hits the first's blocks", interval_s=0.5)
+    # a's blocks reach the pool behind the answer.
+    helpers.wait_for(lambda: master_count(master, "master_key_count") >= keys_before + full_blocks,
+                     60, f"a's {full_blocks} blocks in the pool", interval_s=0.2)
+    assert server_counts(b).get("pool", 0) == 0
+    second = httpx.post(f"{b.url}/completions", json=body, timeout=120).json()
+    counts = server_counts(b)
   assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+  assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * full_blocks, second
+  assert counts.get("pool", 0) == full_blocks and counts.get("device", 0) == 0, counts
+  assert counts["computed"] == len(prompt) - 16 * full_blocks, counts
   ids = first["choices"][0]["token_ids"]
   assert len(ids) == 5
-  assert all(r["choices"][0]["token_ids"] == ids for r in answers)
+  assert second["choices"][0]["token_ids"] == ids
 
 
 def test_a_pool_nobody_answers_is_one_line_and_exit_2():
