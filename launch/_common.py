@@ -4,7 +4,9 @@ Kept out of the library on purpose: this is the only place that touches the proc
 environment, and it must run before JAX is imported.
 """
 
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -116,8 +118,24 @@ def check_platform(cfg) -> None:
 def _jaxkv_info_only(record) -> bool:
   if record.levelno >= 30:  # warnings and errors from anyone
     return True
-  path = record.pathname.replace(os.sep, "/")
-  return "/jaxkv/" in path or "/launch/" in path
+  return _is_ours(record.pathname)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_ours(pathname: str) -> bool:
+  """Whether a log line's file is in the jaxkv package or beside this module (launch/).
+  Decided by those directories, not by a name in the path: a user's virtual environment in
+  a clone named ``jaxkv`` puts every library under ``.../jaxkv/.venv/``, and JAX's backend
+  probe (``Unable to initialize backend 'tpu'``) would then print ahead of a refusal."""
+  path = os.path.realpath(pathname)
+  return any(os.path.commonpath([path, mine]) == mine for mine in _our_dirs())
+
+
+@functools.lru_cache(maxsize=1)
+def _our_dirs() -> tuple:
+  spec = importlib.util.find_spec("jaxkv")  # finds the package without importing it
+  package = list(spec.submodule_search_locations or []) if spec else []
+  return tuple(os.path.realpath(d) for d in [os.path.dirname(__file__), *package])
 
 
 def check_output(path: str | None, flag: str, *, directory: bool = False) -> None:

@@ -35,6 +35,25 @@ def clean_env():
   return helpers.child_env(drop=("JAX_PLATFORMS",))
 
 
+def cloned_env(tmp):
+  """``clean_env`` with JAX imported from under a directory named ``jaxkv``, as it is for a
+  user whose virtual environment lives in a clone (``~/jaxkv/.venv``): JAX's backend probe
+  logs at INFO from there (``Unable to initialize backend 'tpu'`` where no libtpu is), and
+  a filter that takes any path with ``/jaxkv/`` in it for jaxkv's own lets that line
+  through, ahead of the refusal (issue #50: two lines on another machine, one here)."""
+  import jax
+  site = tmp / "jaxkv" / "site"
+  site.parent.mkdir()
+  site.symlink_to(os.path.dirname(os.path.dirname(os.path.realpath(jax.__file__))))
+  env = clean_env()
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+  found = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                          "print(u.find_spec('jax').origin)"], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+  assert f"{os.sep}jaxkv{os.sep}site{os.sep}jax{os.sep}" in found, found  # the condition holds
+  return env
+
+
 def launch(script, *args, timeout=600):
   """``launch/SCRIPT ARGS`` as a user's shell runs it (its process group is killed if it
   runs over ``timeout``)."""
@@ -209,12 +228,13 @@ def refused(tmp_path_factory):
   env = helpers.child_env(device_count=8, JAX_PLATFORMS="cpu")  # as cpu_tiny starts JAX
   driver = helpers.start_process([sys.executable, "-c", DRIVER, str(work / "cases.json"),
                                   str(work / "results.json")], env=env)
+  user_env = cloned_env(tmp_path_factory.mktemp("clone"))
   real = {}
   try:
     for i, (r, (script, args)) in enumerate(zip(REFUSALS, cases)):
       if r.real:
         real[i] = helpers.start_process([sys.executable, f"launch/{script}", *args],
-                                        env=clean_env())
+                                        env=user_env)
     done = {i: helpers.finish_process(proc, 300, cases[i]) for i, proc in real.items()}
     code, _, err = helpers.finish_process(driver, 600, "the refusal driver")
   finally:  # none is left running, whatever failed
