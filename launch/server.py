@@ -96,7 +96,7 @@ _ENGINE_PROCESS = flags.DEFINE_bool(
     "engine_process", True, "Run the engine core (the step loop, the cache and its tiers) "
     "in a process of its own, started by this one, which parses, authenticates, "
     "tokenizes, detokenizes and streams: the two do not share one Python lock. A "
-    "multi-process job, or a server with --pool, keeps the engine in this process.")
+    "multi-process job keeps the engine in this process.")
 _CORE_DIR = flags.DEFINE_string(
     "core_dir", None, "(Set by the server for its engine core: the directory of the "
     "sockets it answers on.)")
@@ -201,7 +201,7 @@ def main(argv):
   cfg = _common.load_config(_flags.CONFIG)
   _flags.apply_tier_flags(cfg)
   _flags.apply_role(cfg)
-  if _engine_in_its_own_process(cfg):
+  if _engine_in_its_own_process():
     return _front_main(cfg, api_keys)
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   _flags.check_pool(cfg)
@@ -232,8 +232,6 @@ def main(argv):
     return
 
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
-  if _flags.ROLE.value == "prefill":
-    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
   if _METRICS_PORT.value is not None:
     metrics.serve(registry, _METRICS_PORT.value, addr="127.0.0.1")
 
@@ -249,14 +247,11 @@ def main(argv):
   _finish(engine, checkpointer, multi)
 
 
-def _engine_in_its_own_process(cfg) -> bool:
+def _engine_in_its_own_process() -> bool:
   """--engine_process, where the core can take it: one process (not a multi-host job:
-  there every process runs the steps), no pool (a prefill's hand-off reads the pool
-  from the HTTP handler)."""
-  if not _ENGINE_PROCESS.value:
-    return False
-  return (not os.environ.get("JAXKV_COORDINATOR") and not cfg.tiers.get("pool_master")
-          and _flags.ROLE.value == "both")
+  there every process runs the steps). A pool and a P/D role go with either: the
+  hand-off is an engine command, run where the engine runs."""
+  return _ENGINE_PROCESS.value and not os.environ.get("JAXKV_COORDINATOR")
 
 
 def _warn_if_open() -> None:
@@ -278,6 +273,8 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
   restore = _flags.should_restore()
   tokenizer = _flags.use_model_dir(cfg, tokenizer=tokenizer)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
+  if _flags.ROLE.value == "prefill":
+    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
   block_server = None
   if block_host:
     if multi:
@@ -345,9 +342,8 @@ def _front_main(cfg, api_keys) -> None:
     process.kill()
     process.close()
     raise
-  running_share, waiting_share = _tenant_shares(
-      api_keys, info["engine_config"].max_seqs_per_shard * info["num_shards"])
-  service = core.CoreClient(process, info, max_waiting=_MAX_WAITING.value,
+  running_share, waiting_share = _tenant_shares(api_keys, info["engine"].rows)
+  service = core.CoreClient(process, info["engine"], max_waiting=_MAX_WAITING.value,
                             max_running_per_tenant=running_share,
                             max_waiting_per_tenant=waiting_share)
   from prometheus_client import CollectorRegistry
@@ -370,14 +366,14 @@ def _core_main() -> None:
   _flags.apply_tier_flags(cfg)
   _flags.apply_role(cfg)
   _common.start_jax(cfg)
+  _flags.check_pool(cfg)
   from prometheus_client import generate_latest
 
   from jaxkv import metrics
-  from jaxkv.serving import core
-  from jaxkv.serving.service import EngineService
+  from jaxkv.serving import EngineInfo, EngineLoop, core
   link = core.CoreLink(_CORE_DIR.value)
   engine, _, block_server, checkpointer, warm_up = _build(cfg, multi=False, tokenizer=False)
-  link.send("info", {**core.engine_info(engine), "model_name": cfg.model.name,
+  link.send("info", {"engine": EngineInfo.of(engine), "model_name": cfg.model.name,
                      "block_address": block_server.address if block_server else None})
   registry = metrics.registry({"jaxkv": engine}, labels={"config": cfg.name})
   if _METRICS_PORT.value is not None:
@@ -390,15 +386,14 @@ def _core_main() -> None:
     link.send("warm", engine.runner.warm_progress())
     return more
 
-  # Back-pressure and tenants' shares are the front's: the core takes what it is sent.
-  service = EngineService(engine, max_waiting=2**31 - 1, lockstep=False,
-                          between_steps=block_server.poll if block_server else None,
-                          idle_work=idle_work, default_sink=link.sink).start()
-  link.serve(service)
+  # Back-pressure and tenants' shares are the front's: the core's loop takes what it is sent.
+  loop = EngineLoop(engine, deliver=link.deliver, lockstep=False, idle_work=idle_work,
+                    between_steps=block_server.poll if block_server else None).start()
+  link.serve(loop)
   link.send("ready", engine.runner.warm_progress())
-  service.wait_stopped()
-  if service.failed.is_set():
-    link.send("failed", service.failure)
+  loop.wait_stopped()
+  if loop.failed.is_set():
+    link.send("failed", loop.failure)
     link.close()
     sys.exit(1)
   if block_server is not None:

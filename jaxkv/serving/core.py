@@ -2,35 +2,36 @@
 parses, authenticates, tokenizes, detokenizes and streams; the core runs the step loop.
 Neither waits on the other's GIL.
 
-The front is a ``CoreClient``: an ``EngineService`` without an engine. What is decided
-when a request arrives stays in the front, unchanged: tickets (the engine's request ids),
-back-pressure (``Overloaded``), tenants' shares (requests held back), ``Draining``. What
-it lets through goes to the core as the same commands a multi-host job broadcasts
-(``_Submit``, ``_Abort``, ``_Stop``); the core's ``EngineService`` applies them between
+The front's ``CoreClient`` is an ``EngineClient`` (``jaxkv.serving.client``), as the
+in-process ``EngineService`` is: what is decided when a request arrives stays in the
+front (request ids, ``BackPressure``, tenants' shares, ``Draining``); what it lets through
+goes to the core as the commands an ``EngineLoop`` takes (``Submit``, ``Abort``,
+``Stop``), and engine commands (``EngineClient.call``: the P/D hand-off) as calls the
+core's process carries out and answers. The core's ``EngineLoop`` applies them between
 steps and sends each request's ``Delta`` back, which the front hands to the request's
-sink. A request held back for its tenant's share never reaches the core, and is aborted
-in the front.
+sink. A request held back for its tenant's share never reaches the core.
 
 The wire: two ZeroMQ PUSH/PULL pairs over ``ipc://`` sockets in a directory only this
 user can open (mode 0700), both bound by the front, messages pickled (both ends are this
 package, in processes of one user on one host; the sockets are not reachable from
-elsewhere). Front to core: ``("commands", [command, ...])``, ``("metrics", n)``. Core to
-front: ``("info", engine_info)`` once its engine is built, ``("ready", (done, total))``
-once warm and serving, ``("warm", (done, total))`` as buckets compile, ``("delta",
-ticket, Delta)``, ``("metrics", n, text)``, ``("failed", why)``; a core that stopped as
-asked simply exits 0.
+elsewhere). Front to core: ``("commands", [command, ...])``, ``("call", call_id,
+command)``, ``("metrics", n)``. Core to front: ``("info", {"engine": EngineInfo, ...})``
+once its engine is built, ``("ready", (done, total))`` once warm and serving, ``("warm",
+(done, total))`` as buckets compile, ``("delta", request_id, Delta)``, ``("result",
+call_id, ok, value)``, ``("metrics", n, text)``, ``("failed", why)``; a core that stopped
+as asked simply exits 0.
 
-Failures: an internal error in the core ends every outstanding request with
-``finish_reason="error"`` (the core's loop does that) and tells the front ``failed``; a
+Failures: an internal error in the core stops its loop and tells the front ``failed``; a
 core that dies (a signal, the OOM killer) is seen by the front's watch of its process
-within 0.1 s: the front then ends every outstanding request with ``"error"`` itself, and
-``failed`` is set either way, so the server answers 503 and its launcher exits non-zero.
-A core whose front is gone (its parent process changed) stops.
+within 0.1 s. Either way the front ends every outstanding request with
+``finish_reason="error"`` and every call waiting with ``EngineFailed``, ``failed`` is set,
+so the server answers 503 and its launcher exits non-zero. A core whose front is gone
+(its parent process changed) stops.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import os
 import pickle
 import subprocess
@@ -38,13 +39,15 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 
 import zmq
 from absl import logging
 
-from jaxkv.serving.service import Delta, EngineFailed, EngineService, _Abort, _Stop
+from jaxkv.serving.client import Delta, EngineClient, EngineCommand, EngineFailed, EngineInfo
+from jaxkv.serving.service import Call, EngineLoop, Stop
 
-__all__ = ["CoreClient", "CoreLink", "CoreProcess", "EngineInfo", "core_argv", "engine_info"]
+__all__ = ["CoreClient", "CoreLink", "CoreProcess", "core_argv"]
 
 
 FRONT_PID_ENV = "JAXKV_FRONT_PID"  # the core's parent, as the front started it
@@ -54,53 +57,22 @@ def _addresses(directory: str) -> tuple[str, str]:
   return f"ipc://{directory}/commands", f"ipc://{directory}/events"
 
 
-# ---- the front's view of the engine ------------------------------------------------------------
-@dataclasses.dataclass
-class _CacheInfo:
-  config: object  # CacheConfig
-  tiers: object  # TierConfig
-  num_shards: int
-  pool: None = None  # (a server with a pool keeps its engine in its own process)
-
-
-class _Warm:
-  def __init__(self):
-    self.done, self.total = 0, 1
-
-  def warm_progress(self) -> tuple[int, int]:
-    return self.done, self.total
-
-
-class EngineInfo:
-  """What the front reads of the core's engine: its configs and sizes (sent once, when it
-  is ready), its warm-up progress (sent as it changes), and the request ids it hands out."""
-
-  def __init__(self, info: dict):
-    self.config = info["engine_config"]
-    self.cache = _CacheInfo(info["cache_config"], info["tiers"], info["num_shards"])
-    self.vocab_size = info["vocab_size"]
-    self.stream = info["stream"]
-    self.runner = _Warm()
-    self._next_id = 0
-    self._lock = threading.Lock()
-
-  def new_request_id(self) -> int:
-    with self._lock:
-      self._next_id += 1
-      return self._next_id - 1
-
-
-def engine_info(engine) -> dict:
-  """The core's half of ``EngineInfo``."""
-  return {"engine_config": engine.config, "cache_config": engine.cache.config,
-          "tiers": engine.cache.tiers, "num_shards": engine.cache.num_shards,
-          "vocab_size": engine.vocab_size, "stream": engine.stream}
+def _outcome(future: Future) -> tuple[bool, object]:
+  """``(ok, value or exception)`` of a finished call, as the wire carries it."""
+  error = future.exception()
+  if error is None:
+    return True, future.result()
+  try:
+    pickle.dumps(error)
+  except Exception:  # an exception that does not cross: its words do
+    error = RuntimeError(f"{type(error).__name__}: {error}")
+  return False, error
 
 
 # ---- the core's end ------------------------------------------------------------------------------
 class CoreLink:
   """The core process's end of the wire: commands in (a thread of their own feeds them to
-  the service), deltas and news out. ``send`` may be called from any thread."""
+  the loop), deltas, call results and news out. ``send`` may be called from any thread."""
 
   def __init__(self, directory: str):
     commands, events = _addresses(directory)
@@ -116,7 +88,7 @@ class CoreLink:
     self._lock = threading.Lock()
     # The front that started it (told at start: it may be gone before this line runs).
     self._parent = int(os.environ.get(FRONT_PID_ENV, os.getppid()))
-    self.service: EngineService | None = None
+    self.loop: EngineLoop | None = None
     self.metrics = None  # () -> bytes: the engine's exposition text
     threading.Thread(target=self._watch_parent, name="jaxkv-core-parent", daemon=True).start()
 
@@ -124,7 +96,7 @@ class CoreLink:
     """Before the loop serves (building, compiling, restoring): a core whose front is gone
     has no one to serve and nothing to save; it exits at once. (Once it serves, the
     commands' thread stops the loop instead, so the tiers are flushed.)"""
-    while self.service is None:
+    while self.loop is None:
       if os.getppid() != self._parent:
         logging.error("the server's front process is gone while the engine core started; "
                       "it exits")
@@ -136,14 +108,14 @@ class CoreLink:
     with self._lock:
       self._out.send(data)
 
-  def sink(self, ticket: int, delta: Delta) -> None:
-    """The sink of every request the core runs (``EngineService(default_sink=...)``)."""
-    self.send("delta", ticket, delta)
+  def deliver(self, request_id: int, delta: Delta) -> None:
+    """The deliver of the core's loop (``EngineLoop(deliver=...)``)."""
+    self.send("delta", request_id, delta)
 
-  def serve(self, service: EngineService) -> threading.Thread:
-    """Feeds the front's commands to ``service`` on a thread of its own, until a stop
-    command, or until the front is gone (then the service is stopped)."""
-    self.service = service
+  def serve(self, loop: EngineLoop) -> threading.Thread:
+    """Feeds the front's commands to ``loop`` on a thread of its own, until a stop
+    command, or until the front is gone (then the loop is stopped)."""
+    self.loop = loop
     thread = threading.Thread(target=self._receive, name="jaxkv-core-commands", daemon=True)
     thread.start()
     return thread
@@ -155,14 +127,20 @@ class CoreLink:
       if not poller.poll(100):
         if os.getppid() != self._parent:  # the front died: nothing will ask for answers
           logging.error("the server's front process is gone; the engine core stops")
-          self.service.accept([_Stop()])
+          self.loop.post(Stop())
           return
         continue
       kind, *rest = pickle.loads(self._in.recv())
       if kind == "commands":
-        self.service.accept(rest[0])
-        if any(isinstance(c, _Stop) for c in rest[0]):
+        self.loop.post(*rest[0])
+        if any(isinstance(c, Stop) for c in rest[0]):
           return
+      elif kind == "call":
+        call_id, command = rest
+        future: Future = Future()
+        future.add_done_callback(
+            lambda f, call_id=call_id: self.send("result", call_id, *_outcome(f)))
+        self.loop.post(Call(command, future))
       elif kind == "metrics":
         self.send("metrics", rest[0], self.metrics() if self.metrics else b"")
 
@@ -174,9 +152,9 @@ class CoreLink:
 
 # ---- the front's end -----------------------------------------------------------------------------
 class CoreProcess:
-  """The front's end of the wire before the service exists: the sockets (bound in a
+  """The front's end of the wire before its client exists: the sockets (bound in a
   directory of its own) and the core's process. ``start(argv)``, then ``wait_info`` for
-  the core's ``EngineInfo`` (sent once its engine is built, before it compiles)."""
+  what the core says of its engine (sent once its engine is built, before it compiles)."""
 
   def __init__(self):
     self.directory = tempfile.mkdtemp(prefix="jaxkv-core-")  # 0700: this user's alone
@@ -193,6 +171,7 @@ class CoreProcess:
     self.proc = subprocess.Popen(argv, env={**os.environ, FRONT_PID_ENV: str(os.getpid())})
 
   def wait_info(self, timeout_s: float) -> dict:
+    """``{"engine": EngineInfo, ...}`` (the launcher's fields beside it)."""
     deadline = time.monotonic() + timeout_s
     while True:
       if self.events.poll(100):
@@ -224,18 +203,23 @@ class CoreProcess:
     os.rmdir(self.directory)
 
 
-class CoreClient(EngineService):
-  """The front's ``EngineService``: the same ``submit``/``abort``/``drain``/``close`` and
-  failure semantics, over the engine core of ``process`` (started, its info received)."""
+class CoreClient(EngineClient):
+  """The ``EngineClient`` over the engine core of ``process`` (started, its info
+  received): the same ``submit``/``abort``/``call``/``drain``/``close`` and failure
+  semantics as the in-process ``EngineService``."""
 
-  def __init__(self, process: CoreProcess, info: dict, *, max_waiting: int = 64,
+  def __init__(self, process: CoreProcess, info: EngineInfo, *, max_waiting: int = 64,
                max_running_per_tenant: int = 0, max_waiting_per_tenant: int | None = None):
-    super().__init__(EngineInfo(info), max_waiting=max_waiting,
+    super().__init__(info, max_waiting=max_waiting,
                      max_running_per_tenant=max_running_per_tenant,
-                     max_waiting_per_tenant=max_waiting_per_tenant, lockstep=False)
+                     max_waiting_per_tenant=max_waiting_per_tenant)
     self.process = process
     self._send_lock = threading.Lock()
     self._ready = threading.Event()
+    self._progress = (0, 1)
+    self._ids = itertools.count()  # request ids (the core's engine takes them as given)
+    self._calls: dict[int, Future] = {}  # call id -> its caller's future
+    self._call_ids = itertools.count()
     self._metrics: dict[int, list] = {}
     self._metrics_id = 0
     self.exit_status: int | None = None
@@ -255,8 +239,14 @@ class CoreClient(EngineService):
   def start(self) -> CoreClient:
     return self  # the loop runs in the core's process
 
+  def warm_progress(self) -> tuple[int, int]:
+    return self._progress
+
+  def _new_request_id(self) -> int:
+    return next(self._ids)
+
   # ---- commands out ----------------------------------------------------------------------------
-  def _post(self, command) -> None:
+  def _send(self, command) -> None:
     self._command("commands", [command])
 
   def _command(self, *message) -> None:
@@ -264,13 +254,17 @@ class CoreClient(EngineService):
     with self._send_lock:
       self.process.out.send(data)
 
-  def abort(self, ticket: int) -> None:
+  def call(self, command: EngineCommand) -> Future:
+    future: Future = Future()
     with self._lock:
-      held = ticket in self._sinks and ticket not in self._entered
-    if held:  # held back for its tenant's share, never sent: it ends here
-      self._finish(ticket, Delta(finish_reason="abort"))
-    else:
-      self._post(_Abort(ticket))
+      if self._stopped.is_set():
+        future.set_exception(EngineFailed(f"the engine core has stopped "
+                                          f"({self.failure or 'closed'})."))
+        return future
+      call_id = next(self._call_ids)
+      self._calls[call_id] = future
+    self._command("call", call_id, command)
+    return future
 
   def metrics_text(self, timeout_s: float = 5.0) -> bytes:
     """The core's Prometheus exposition (its engine's families); b"" past the deadline."""
@@ -292,10 +286,7 @@ class CoreClient(EngineService):
       self._receive_until_exit()
     except BaseException as e:  # a bug here would leave every request waiting: fail loudly
       logging.exception("the front's reader of the engine core failed")
-      with self._lock:
-        self.failure = f"the front's reader of the engine core failed ({e!r})"[:300]
-        self._accepting = False
-      self.failed.set()
+      self._fail(f"the front's reader of the engine core failed ({e!r})"[:300])
       self.process.kill()
       self._core_exited(-1)
 
@@ -309,44 +300,42 @@ class CoreClient(EngineService):
         continue
       kind, *rest = pickle.loads(events.recv())
       if kind == "delta":
-        ticket, delta = rest
-        if delta.finish_reason is not None:
-          self._finish(ticket, delta)
-        else:
-          self._send(ticket, delta)
-      elif kind == "ready":
-        self.engine.runner.done, self.engine.runner.total = rest[0]
-        self._ready.set()
-      elif kind == "warm":
-        self.engine.runner.done, self.engine.runner.total = rest[0]
+        self._deliver(*rest)
+      elif kind == "result":
+        call_id, ok, value = rest
+        with self._lock:
+          future = self._calls.pop(call_id, None)
+        if future is not None and future.set_running_or_notify_cancel():
+          future.set_result(value) if ok else future.set_exception(value)
+      elif kind in ("ready", "warm"):
+        self._progress = tuple(rest[0])
+        if kind == "ready":
+          self._ready.set()
       elif kind == "metrics":
         with self._lock:
           box = self._metrics.get(rest[0])
         if box is not None:
           box.append(rest[1])
       elif kind == "failed":
-        with self._lock:
-          self.failure = rest[0]
-          self._accepting = False
-        self.failed.set()
+        self._fail(rest[0])
+        self._end_all()
 
   def _core_exited(self, status: int) -> None:
     """The core process ended: every request still outstanding ends here ("error" unless
-    the core stopped as asked)."""
+    the core stopped as asked), every call waiting fails."""
     self.exit_status = status
     if status != 0 and not self.failed.is_set():
-      with self._lock:
-        self.failure = f"the engine core process exited with status {status}"
-        self._accepting = False
+      self._fail(f"the engine core process exited with status {status}")
       logging.error("%s; every outstanding request ends with finish_reason='error'",
                     self.failure)
-      self.failed.set()
-    self._stopped.set()
     with self._lock:
-      left = list(self._sinks)
-    why = "error" if self.failed.is_set() else "abort"
-    for ticket in left:
-      self._finish(ticket, Delta(finish_reason=why))
+      self._stopped.set()
+      calls, self._calls = list(self._calls.values()), {}
+    why = f"the engine core stopped ({self.failure or 'closed'}) before it answered."
+    for future in calls:
+      if future.set_running_or_notify_cancel():
+        future.set_exception(EngineFailed(why))
+    self._end_all()
 
   # ---- the end ---------------------------------------------------------------------------------
   def close(self, timeout_s: float = 600.0) -> None:
@@ -357,7 +346,7 @@ class CoreClient(EngineService):
       self._accepting = False
     proc = self.process.proc
     if proc.poll() is None:
-      self._post(_Stop())
+      self._send(Stop())
       try:
         proc.wait(timeout_s)
       except subprocess.TimeoutExpired:

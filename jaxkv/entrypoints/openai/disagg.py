@@ -32,9 +32,18 @@ nothing from them to find the blocks: a block's pool name follows from the promp
 (and the tenant and deployment key), so its admission finds them in the pool like any
 other cached prefix, and its plan fetches them, or recomputes where that is cheaper.
 ``remote_block_ids`` say how many blocks the prefill node left there (counted, compared).
+
+The pool belongs to the engine: the HTTP side never touches it. The hand-off and the
+decode side's count are engine commands (``HandOff``, ``Received``) that the server asks
+its ``EngineClient`` to run (``call``), so they run in the engine's process — on a thread
+beside its loop for ``HandOff``, which waits for puts, and between steps for ``Received`` —
+whether the engine runs in the server's process or in a process of its own.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
 
 ROLES = ("both", "prefill", "decode")
 HAND_OFF_DEADLINE_S = 3.0  # the longest a prefill answer waits for its blocks' puts
@@ -99,7 +108,33 @@ def hand_off(cache, prompt: list[int], tenant: str, *, engine_id: str, host: str
           "remote_host": host, "remote_port": port, "tp_size": 1}
 
 
-def received(cache, params: dict) -> None:
-  """Counts a decode request's hand-off (what it was promised)."""
-  cache.stats.add("pd_decodes_received")
-  cache.stats.add("pd_blocks_promised", len(params.get("remote_block_ids", [])))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HandOff:
+  """The engine command of a prefill's hand-off (``hand_off`` with the engine's cache):
+  its value is the answer's ``kv_transfer_params``. It waits for puts, so it runs beside
+  the engine's loop (which goes on stepping, and so carries out the write-through)."""
+
+  on_engine_thread: ClassVar[bool] = False
+  prompt: tuple
+  tenant: str
+  engine_id: str
+  host: str | None
+  port: int | None
+  deadline_s: float
+
+  def __call__(self, engine) -> dict:
+    return hand_off(engine.cache, list(self.prompt), self.tenant, engine_id=self.engine_id,
+                    host=self.host, port=self.port, deadline_s=self.deadline_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+  """The engine command that counts a decode request's hand-off: what it was promised
+  (``len(kv_transfer_params["remote_block_ids"])``)."""
+
+  on_engine_thread: ClassVar[bool] = True
+  promised_blocks: int
+
+  def __call__(self, engine) -> None:
+    engine.cache.stats.add("pd_decodes_received")
+    engine.cache.stats.add("pd_blocks_promised", self.promised_blocks)

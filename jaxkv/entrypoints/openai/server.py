@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over an ``EngineService`` (FastAPI; run it with uvicorn).
+"""An OpenAI-compatible HTTP API over an ``EngineClient`` (FastAPI; run it with uvicorn).
 
   POST /v1/completions        prompt as text (with a tokenizer) or token ids
   POST /v1/chat/completions   messages through the checkpoint's chat template
@@ -10,8 +10,9 @@
 
 Handlers only parse, validate and wait: a request is validated here, its fields by
 ``protocol`` (every refusal is a 4xx with OpenAI's error JSON naming the field, the value
-and the fix), submitted to the service, and its answer read from its own asyncio queue,
-fed by the engine thread.
+and the fix), submitted to the engine's client (``jaxkv.serving.EngineClient``: the engine
+on a thread here or in a process of its own; the server cannot tell), and its answer read
+from its own asyncio queue, fed by the client's delivering thread.
 Parameters: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop`` (strings, matched on the detokenized text; the answer ends
 before the match), ``stop_token_ids``, ``ignore_eos``, ``n`` (each sample its own request,
@@ -51,13 +52,13 @@ from jaxkv.entrypoints.openai.protocol import (
     _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, check_answer_size,
     parse_body, read_body, read_json)
 from jaxkv.errors import InputError
-from jaxkv.serving.service import Delta, Draining, EngineFailed, EngineService, Overloaded
+from jaxkv.serving.client import Delta, Draining, EngineClient, EngineFailed, Overloaded
 
 
 class OpenAIServer:
-  """The routes' logic over one service (the FastAPI app is ``app``)."""
+  """The routes' logic over one engine client, ``service`` (the FastAPI app is ``app``)."""
 
-  def __init__(self, service: EngineService, *, model_name: str, tokenizer=None,
+  def __init__(self, service: EngineClient, *, model_name: str, tokenizer=None,
                api_keys: Mapping[str, str] | None = None, registry: CollectorRegistry
                | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                request_timeout_s: float = 600.0, metrics_tenants=(), role: str = "both",
@@ -69,7 +70,7 @@ class OpenAIServer:
     self.core_metrics = core_metrics
     if role not in disagg.ROLES:
       raise InputError(f"role={role!r} must be one of {disagg.ROLES}.")
-    if role != "both" and service.engine.cache.pool is None:
+    if role != "both" and not service.info.has_pool:
       raise InputError(f"--role={role} hands KV over through the pool: give --pool=HOST:PORT "
                        "(a Mooncake master) too.")
     self.role = role
@@ -91,21 +92,22 @@ class OpenAIServer:
     self.ready = False  # set once the engine is warm and its thread runs
     self.created = int(time.time())
     self.run_id = uuid.uuid4().hex[:12]  # this server's run: the first part of response ids
-    cache = service.engine.cache
-    self.vocab_size = service.engine.vocab_size
-    self.max_seq_len = cache.config.max_seq_len
+    info = service.info
+    self.vocab_size = info.vocab_size
+    self.max_seq_len = info.cache_config.max_seq_len
     # The longest sequence (prompt + max_tokens - 1) served: a device pool's, or with a
     # StreamConfig what the host tier can hold beside the pages kept on device. Longer
     # ones are refused here, before a stream starts, naming the limit.
-    stream = service.engine.stream
+    stream = info.stream
     self.max_context = self.max_seq_len
     if stream is not None:
-      cold = min(stream.max_cold_pages, cache.tiers.host_pages_per_shard)
-      self.max_context = (stream.sink_pages + stream.window_pages + cold) * cache.config.page_size
+      cold = min(stream.max_cold_pages, info.tiers.host_pages_per_shard)
+      self.max_context = (stream.sink_pages + stream.window_pages + cold) * (
+          info.cache_config.page_size)
     self.reader = _Reader(model_name=model_name, tokenizer=tokenizer,
                           vocab_size=self.vocab_size, max_context=self.max_context,
-                          max_seq_len=self.max_seq_len, cache_config=cache.config,
-                          stream=stream, tiers=cache.tiers)
+                          max_seq_len=self.max_seq_len, cache_config=info.cache_config,
+                          stream=stream, tiers=info.tiers)
     self.registry = registry or CollectorRegistry(auto_describe=True)
     self.http_requests = Counter("jaxkv_http_requests", "HTTP requests by route and status.",
                                  ["route", "status"], registry=self.registry)
@@ -138,7 +140,7 @@ class OpenAIServer:
       if not self.service.accepting:
         return ApiError(503, "the server is shutting down.", "service_unavailable").response()
       # Step buckets compiled (the rest compile while the engine is idle).
-      done, total = self.service.engine.runner.warm_progress()
+      done, total = self.service.warm_progress()
       return {"status": "ok", "warm": done == total, "compiled_buckets": done,
               "buckets": total}
 
@@ -229,7 +231,7 @@ class OpenAIServer:
         hand_off, transfer = disagg.read_params(body, self.role)
       except disagg.Refused as e:
         raise _bad(str(e), e.param) from None
-      if hand_off and self.service.engine.cache.pool is None:
+      if hand_off and not self.service.info.has_pool:
         raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
                    "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
       # A template or tokenizer runs, or a large body's token ids are checked one by one:
@@ -244,10 +246,10 @@ class OpenAIServer:
                    f"{len(choices)} choices); send its prompts as separate requests.",
                    "kv_transfer_params")
       queue: asyncio.Queue = asyncio.Queue()
-      box, tickets = self._mailbox(), []
+      box, request_ids = self._mailbox(), []
       try:
         for i, (job, j) in enumerate(choices):
-          tickets.append(self.service.submit(job.prompt, job.sample(j), job.tenant,
+          request_ids.append(self.service.submit(job.prompt, job.sample(j), job.tenant,
                                              functools.partial(box.post, queue, i),
                                              quota=tenant))
       except Overloaded as e:
@@ -256,21 +258,21 @@ class OpenAIServer:
       except (Draining, EngineFailed) as e:
         raise ApiError(503, str(e), "service_unavailable") from None
       finally:
-        if len(tickets) < len(choices):  # refused part-way: the others end too
-          for ticket in tickets:
-            self.service.abort(ticket)
+        if len(request_ids) < len(choices):  # refused part-way: the others end too
+          for request_id in request_ids:
+            self.service.abort(request_id)
     except ApiError as e:
       return e.response()
     job = jobs[0]
-    rid = f"{self.run_id}-{tickets[0]}"
+    rid = f"{self.run_id}-{request_ids[0]}"
     answers = [_Answer(job, self.tokenizer, rid, index=i, sample=j)
                for i, (job, j) in enumerate(choices)]
-    if transfer is not None and self.service.engine.cache.pool is not None:
-      disagg.received(self.service.engine.cache, transfer)
+    if transfer is not None and self.service.info.has_pool:  # counted by the engine
+      self.service.call(disagg.Received(len(transfer.get("remote_block_ids", []))))
     waiter = _Waiter(queue, request, self.request_timeout_s,
-                     functools.partial(self._abort_all, tickets))
+                     functools.partial(self._abort_all, request_ids))
     if job.stream:  # the headers go at once; what the engine says comes as events
-      return StreamingResponse(self._events(job, answers, tickets, waiter),
+      return StreamingResponse(self._events(job, answers, request_ids, waiter),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     try:
@@ -288,33 +290,48 @@ class OpenAIServer:
       return e.response()
     finally:
       waiter.close()
-      self._end(tickets, answers)
+      self._end(request_ids, answers)
     if any(a.finish_reason == "error" for a in answers):
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
     out = (await asyncio.to_thread(_body, answers, self.model_name) if _large(answers)
            else _body(answers, self.model_name))
-    cache = self.service.engine.cache
     if hand_off:  # the blocks placed within its own deadline are promised, no more
-      host, port = self.hand_off_address or (None, None)
-      out["kv_transfer_params"] = await asyncio.to_thread(
-          disagg.hand_off, cache, job.prompt, job.tenant, engine_id=self.run_id,
-          host=host, port=port,
-          deadline_s=min(disagg.HAND_OFF_DEADLINE_S, self.request_timeout_s))
+      try:
+        out["kv_transfer_params"] = await self._hand_off(job)
+      except ApiError as e:
+        return e.response()
     return (JSONResponse(out) if not _large(answers) else Response(
         await asyncio.to_thread(_json_bytes, out), media_type="application/json"))
 
-  def _abort_all(self, tickets) -> None:
-    for ticket in tickets:
-      self.service.abort(ticket)
+  async def _hand_off(self, job) -> dict:
+    """The prefill's ``kv_transfer_params``: the engine runs the hand-off (it alone holds
+    the pool), in its own process if it has one."""
+    host, port = self.hand_off_address or (None, None)
+    deadline_s = min(disagg.HAND_OFF_DEADLINE_S, self.request_timeout_s)
+    command = disagg.HandOff(prompt=tuple(job.prompt), tenant=job.tenant,
+                             engine_id=self.run_id, host=host, port=port, deadline_s=deadline_s)
+    try:  # (the command keeps its own deadline; this one bounds a stuck engine)
+      return await asyncio.wait_for(asyncio.wrap_future(self.service.call(command)),
+                                    deadline_s + 30.0)
+    except EngineFailed as e:
+      raise ApiError(503, str(e), "service_unavailable") from None
+    except TimeoutError:
+      raise ApiError(503, "the engine did not hand the prompt's KV over within "
+                     f"{deadline_s + 30.0:g} s; retry the request.",
+                     "service_unavailable") from None
 
-  def _end(self, tickets, answers) -> None:
+  def _abort_all(self, request_ids) -> None:
+    for request_id in request_ids:
+      self.service.abort(request_id)
+
+  def _end(self, request_ids, answers) -> None:
     """A response is over: choices the engine did not end (a stop string, a closed
     stream, the deadline, another choice's error) are aborted; one log line each."""
-    for ticket, answer in zip(tickets, answers):
+    for request_id, answer in zip(request_ids, answers):
       if not answer.done_by_engine:
-        self.service.abort(ticket)
-      _log_end(ticket, answer)
+        self.service.abort(request_id)
+      _log_end(request_id, answer)
 
   def _mailbox(self) -> _Mailbox:
     loop = asyncio.get_running_loop()
@@ -322,7 +339,7 @@ class OpenAIServer:
       self._box = _Mailbox(loop)
     return self._box
 
-  async def _events(self, job, answers, tickets, waiter):
+  async def _events(self, job, answers, request_ids, waiter):
     """The server-sent events of a streamed answer; a closed stream aborts the request.
     Deltas that queued up while the client read are sent as one event per choice."""
     try:
@@ -374,7 +391,8 @@ class OpenAIServer:
       yield "data: [DONE]\n\n"
     finally:
       waiter.close()
-      self._end(tickets, answers)
+      self._end(request_ids, answers)
+
 
 class _Reader:
   """Reads a request's fields into jobs, with what that needs of the server: the model's
@@ -652,10 +670,10 @@ def _has_text(prompt) -> bool:
                                      and any(isinstance(p, str) for p in prompt))
 
 
-def _log_end(ticket: int, answer: _Answer) -> None:
+def _log_end(request_id: int, answer: _Answer) -> None:
   """One line per request (``--verbosity=1``), with the engine's request id: the id of the
   engine's own lines about it (``request N``) and the response's ``id``."""
-  logging.debug("request %d (%s): %s, %d prompt tokens (%d cached), %d generated", ticket,
+  logging.debug("request %d (%s): %s, %d prompt tokens (%d cached), %d generated", request_id,
                 answer.id, answer.finish_reason or "abort", answer.prompt_tokens,
                 answer.cached_tokens, len(answer.tokens))
 
