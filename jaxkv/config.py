@@ -13,15 +13,20 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 import types
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxkv.errors import InputError
 
 # The dtypes a page pool may hold. Names, not objects, so configs stay JSON-friendly.
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+# Each name's NumPy dtype, the object JAX uses for it (bfloat16 is ml_dtypes'), known
+# without importing JAX: host-only modules read configs too.
+_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+           "float32": np.dtype(np.float32)}
 
 # Version of the page layout written into every fingerprint. Bump it when the meaning
 # of a page's bytes changes, so caches written by an older layout are never reused.
@@ -78,13 +83,27 @@ def model_shapes(model_or_config) -> dict:
     src = next((c for c in (getattr(src, "config", None), getattr(src, "cfg", None))
                 if _declares_shapes(c)), None)
   if src is None:
-    return _layer_shapes(model_or_config)
+    # An NNX model: its PagedKV layers say (``jaxkv.nnx.layer_shapes``). jaxkv.nnx imports
+    # this module, so it is looked up here, never imported: a model can hold PagedKV layers
+    # only once jaxkv.nnx has been imported.
+    kvnnx = sys.modules.get("jaxkv.nnx")
+    _require(kvnnx is not None, no_shapes(model_or_config))
+    return {**kvnnx.layer_shapes(model_or_config),
+            "model_name": _model_name(model_or_config, model_or_config)}
   out = {name: getattr(src, name) for name in MODEL_SHAPES}
   dtype = getattr(src, "dtype", None)
   if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
     out["dtype"] = dtype
   out["model_name"] = _model_name(src, model_or_config)
   return out
+
+
+def no_shapes(model) -> str:
+  """Why ``model`` has no shapes to read, and what to give instead."""
+  return (f"the model {type(model).__name__} has no jaxkv.nnx.PagedKV layers (its attention "
+          "must keep K/V in one) and no config attribute (config or cfg) with num_layers, "
+          "num_kv_heads and head_dim: give a model config (e.g. jaxkv.models.LlamaConfig) or "
+          "an NNX model whose attention layers hold jaxkv.nnx.PagedKV.")
 
 
 def _model_name(src, model) -> str:
@@ -95,27 +114,6 @@ def _model_name(src, model) -> str:
         return name
   name = type(src).__name__
   return name[:-len("Config")] if name.endswith("Config") and name != "Config" else name
-
-
-def _layer_shapes(model) -> dict:
-  """The shapes of an NNX model's ``PagedKV`` layers (imported here: ``jaxkv.nnx`` imports
-  this module, and a config needs no model code until a model is read)."""
-  from flax import nnx
-  from jaxkv import nnx as kvnnx
-  _require(isinstance(model, nnx.Module),
-           f"cannot read a model's shapes from {type(model).__name__}: give a model config "
-           "(with num_layers, num_kv_heads, head_dim, e.g. jaxkv.models.LlamaConfig) or an NNX "
-           "model whose attention layers hold jaxkv.nnx.PagedKV.")
-  layers = kvnnx.paged_layers(model)
-  _require(bool(layers), f"the model {type(model).__name__} has no jaxkv.nnx.PagedKV layers "
-           "(its attention must keep K/V in one) and no config attribute (config or cfg) with "
-           "num_layers, num_kv_heads and head_dim: there is no cache to build for it.")
-  kinds = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
-  _require(len(kinds) == 1,
-           f"the model's PagedKV layers have different (num_kv_heads, head_dim): {kinds}; "
-           "one cache holds layers of one shape.")
-  return {"num_layers": sum(layer.layers for layer in layers), "num_kv_heads": kinds[0][0], "head_dim": kinds[0][1],
-          "model_name": _model_name(model, model)}
 
 
 def check_fits_model(config: CacheConfig, model) -> None:
@@ -216,8 +214,9 @@ class CacheConfig:
 
   # ---- derived -------------------------------------------------------------------------
   @property
-  def jnp_dtype(self):
-    return jnp.dtype(self.dtype)
+  def jnp_dtype(self) -> np.dtype:
+    """The pool's dtype as JAX takes it (``jnp.dtype(self.dtype)``, the same object)."""
+    return _DTYPES[self.dtype]
 
   @property
   def max_seq_len(self) -> int:

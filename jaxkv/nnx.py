@@ -42,6 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxkv.worker import pages as pages_lib
+from jaxkv import config as config_lib
 from jaxkv.config import CacheConfig
 from jaxkv.errors import InputError
 
@@ -145,6 +146,21 @@ class PagedKV(nnx.Module):
 def paged_layers(model: nnx.Module) -> list[PagedKV]:
   """The model's ``PagedKV`` modules in graph order (a stack counts for its ``layers``)."""
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, PagedKV)]
+
+
+def layer_shapes(model: nnx.Module) -> dict:
+  """``num_layers``, ``num_kv_heads`` and ``head_dim`` of an NNX model's ``PagedKV`` layers
+  (their count, and the kv heads and head_dim every one must share): what
+  ``jaxkv.config.model_shapes`` reads from a model without a config attribute."""
+  layers = paged_layers(model) if isinstance(model, nnx.Module) else []
+  if not layers:
+    raise InputError(config_lib.no_shapes(model))
+  kinds = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
+  if len(kinds) != 1:
+    raise InputError(f"the model's PagedKV layers have different (num_kv_heads, head_dim): "
+                     f"{kinds}; one cache holds layers of one shape.")
+  return {"num_layers": sum(layer.layers for layer in layers), "num_kv_heads": kinds[0][0],
+          "head_dim": kinds[0][1]}
 
 
 def num_paged_layers(model: nnx.Module) -> int:
