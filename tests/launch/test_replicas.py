@@ -12,10 +12,10 @@ import json
 import os
 import runpy
 import signal
-import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import helpers
 from jaxkv.entrypoints.openai.router import REPLICA_HEADER, tenant_tokens
@@ -44,7 +44,7 @@ def fleet(tmp_path_factory):
   ports = {"a": (free_port(), free_port()), "b": (free_port(), free_port())}
   # A: a small device budget over a host tier, so its blocks move down while it serves.
   a_args = [*OVERRIDES, f"--api_keys_file={keys}", "--device_pages=20", "--host_pages=96",
-            *events_flags(ports["a"])]
+            "--metrics_tenants=alice", *events_flags(ports["a"])]
   b_args = [*OVERRIDES, f"--api_keys_file={keys}", *events_flags(ports["b"])]
   # C: one batch row and no waiting room, so a second request while one runs is a 429.
   c_args = [*OVERRIDES, "--config.mesh.data=1", "--config.mesh.model=1",
@@ -110,43 +110,74 @@ def router_stats(router):
   return r.json()
 
 
-def settle(read, timeout_s=10.0):
-  """``read()`` once two reads 0.3 s apart agree (events have reached the indexer)."""
-  deadline = time.monotonic() + timeout_s
-  last = read()
-  while time.monotonic() < deadline:
-    time.sleep(0.3)
-    now = read()
-    if now == last:
-      return now
-    last = now
-  return last
+def held(idx, tokens, worker: int, tier: str = "device") -> int:
+  """Tokens of alice's ``tokens`` the indexer says ``worker`` holds on ``tier``."""
+  return idx.query(alice(tokens)).get(worker, {}).get(tier, 0)
+
+
+def await_scores(idx, tokens, worker: int, want, what: str, timeout_s: float = 30.0) -> dict:
+  """The indexer's scores for ``worker`` (``{"device": n, "host": n, "disk": n}``) once
+  ``want(scores)`` holds: events reach it asynchronously. Past the deadline the test fails
+  with the last scores seen."""
+  seen = []
+  try:
+    helpers.wait_for(lambda: want(seen.append(idx.query(alice(tokens)).get(worker, {}))
+                                  or seen[-1]), timeout_s, what, interval_s=0.1)
+  except BaseException:
+    print(f"the indexer's last scores for worker {worker}: {seen[-1:]}")
+    raise
+  return seen[-1]
+
+
+def await_held(idx, tokens, worker: int, want, what: str, tier: str = "device") -> int:
+  """``await_scores`` for one tier's score: ``want(score)``; returns the score."""
+  return await_scores(idx, tokens, worker, lambda s: want(s.get(tier, 0)), what).get(tier, 0)
+
+
+def device_blocks(server) -> int:
+  """Blocks the replica itself says it holds on device (its /metrics, a metrics tenant's key)."""
+  text = httpx.get(f"{server.base}/metrics", headers=ALICE, timeout=30).text
+  return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "jaxkv_cached_blocks" and s.labels.get("tier") == "device"))
 
 
 def test_the_indexer_scores_what_the_replica_reuses_and_follows_its_evictions(fleet):
+  """What A reused for each turn is what the indexer comes to score for the part of the
+  prompt A had seen (the earlier turns: the new words were never sent); after all turns the
+  indexer's device score is every block A itself counts on device (its /metrics)."""
   a, idx = fleet["a"], fleet["idx"]
   history = []
   for turn in range(3):
     prompt = history + words(turn + 1, 23)
-    held = settle(lambda: idx.query(alice(prompt)))
     r = complete(a.url, prompt)
     assert r.status_code == 200, r.text
     body = r.json()
-    # The indexer's score for A is what A reused for this prompt; B holds none of it.
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert held.get(1, {}).get("device", 0) == cached
-    assert held.get(2, {}).get("disk", 0) == 0
     if turn:
       assert cached >= PAGE * (len(history) // PAGE) - PAGE and cached > 0
+      # The indexer's score for A over the earlier turns is what A reused (the blocks this
+      # turn added all hold new words, so they do not count for that prefix).
+      await_held(idx, history, 1, lambda n, c=cached: n == c, f"A's score of {cached} tokens")
+    else:
+      assert cached == 0
+    # Its prompt blocks reach the indexer as A's; B holds none of it.
+    await_held(idx, prompt, 1, lambda n, p=prompt: n >= PAGE * (len(p) // PAGE),
+               "A's prompt blocks in the indexer")
+    assert held(idx, prompt, 2, "disk") == 0
     history = prompt + body["choices"][0]["token_ids"]
-  before = settle(lambda: idx.query(alice(history + [1])))[1]
-  assert before["device"] >= PAGE * 4
+  # Nothing but this chat ran on A: every block A counts on device is one of its blocks.
+  on_device = PAGE * device_blocks(a)
+  assert on_device >= PAGE * 4
+  before = await_held(idx, history + [1], 1, lambda n: n == on_device,
+                      f"the indexer to score A's {on_device} device tokens")
   # Other traffic through A's 20 device pages pushes the chat down to host memory: the
   # indexer's device score falls and its host score keeps the whole prefix.
   for seed in range(40, 46):
     assert complete(a.url, words(seed, 120), max_tokens=2).status_code == 200
-  after = settle(lambda: idx.query(alice(history + [1])))[1]
-  assert after["device"] < before["device"] and after["host"] == before["device"]
+  # (the indexer's host score counts device or host)
+  await_scores(idx, history + [1], 1,
+               lambda n: n.get("device", 0) < before and n.get("host", 0) == before,
+               f"the chat's device score below {before}, its host score {before}")
 
 
 def test_the_router_sends_each_chat_where_its_prefix_is_and_answers_exactly(fleet, reference):
@@ -169,7 +200,9 @@ def test_the_router_sends_each_chat_where_its_prefix_is_and_answers_exactly(flee
       assert ids == want  # through the router, streamed or not: the recomputed tokens
       replicas[seed].add(replica)
       chats[seed] = prompt + ids
-      settle(lambda p=chats[seed]: idx.query(alice(p)))
+      worker = 1 if replica == fleet["a"].base else 2
+      await_held(idx, prompt, worker, lambda n, p=prompt: n >= PAGE * (len(p) // PAGE),
+                 "the chat's prompt blocks in the indexer, where they were computed")
   assert all(len(r) == 1 for r in replicas.values()), replicas  # every turn where turn 1 was
   # ... and the new chats were spread (a router that sends everything to one replica fails).
   assert set().union(*replicas.values()) == {fleet["a"].base, fleet["b"].base}, replicas
@@ -198,8 +231,7 @@ def test_the_router_tells_no_caller_what_another_tenant_cached(fleet):
   assert first.status_code == 200, first.text
   where = first.headers[REPLICA_HEADER]
   worker = 1 if where == fleet["a"].base else 2
-  held = settle(lambda: idx.query(alice(prompt)))
-  assert held.get(worker, {}).get("device", 0) >= 48  # alice's blocks, told under her ids
+  await_held(idx, prompt, worker, lambda n: n >= 48, "alice's blocks, told under her ids")
   # Bob's ids for the same prompt match none of alice's blocks at the indexer ...
   assert all(not h.get("disk", 0) for h in idx.query(tenant_tokens(prompt, "bob")).values())
   routed = router_stats(router)["routed_by_prefix"]
@@ -251,7 +283,7 @@ def test_a_replica_killed_mid_run_has_its_requests_answered_by_the_other_exactly
 def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(fleet):
   idx, work = fleet["idx"], fleet["work"]
   prompt = words(40, 120)[:100]
-  assert settle(lambda: idx.query(alice(prompt))).get(1, {}).get("disk", 0) > 0  # killed A's
+  await_held(idx, prompt, 1, lambda n: n > 0, "killed A's blocks", tier="disk")
   a2 = fleet["a2"] = ServerProcess(fleet["a_args"], workdir=str(work))  # same event ports
   a2.wait_ready(600)
   # The restarted publisher continues above the old seqs: the indexer asks its replay
