@@ -1,7 +1,9 @@
 """Prefill here, decode there: launch/server.py --role=prefill and --role=decode on one
-pool, driven by launch/pd_proxy.py as a vLLM-style proxy drives a pair. The pair's tokens
-equal one engine's (greedy and seeded), the decode node finds the prompt's blocks in the
-pool, and kv_transfer_params carry vLLM's field names; bad params are a 400 naming them."""
+pool, driven by launch/pd_proxy.py as a vLLM-style proxy drives a pair. Each node runs its
+engine in a process of its own (the default --engine_process, pool or not): the hand-off is
+an engine command its core carries out, the front holds no cache. The pair's tokens equal
+one engine's (greedy and seeded), the decode node finds the prompt's blocks in the pool,
+and kv_transfer_params carry vLLM's field names; bad params are a 400 naming them."""
 
 import json
 import os
@@ -49,6 +51,16 @@ def reference():
 
 def prompt(seed, n=90):
   return [(seed * 31 + i * 7) % 250 + 1 for i in range(n)]
+
+
+def test_both_nodes_run_their_engine_in_a_process_of_its_own_with_the_pool(pair):
+  """A server with --pool no longer keeps its engine in the HTTP process: each node's ready
+  file names its engine core, a live process other than the server's."""
+  for node in ("prefill", "decode"):
+    server = pair[node]
+    assert server.core_pid is not None, f"the {node} node runs its engine in its HTTP process"
+    assert server.core_pid != server.proc.pid
+    os.kill(server.core_pid, 0)  # (raises if no such process)
 
 
 def test_the_pairs_tokens_equal_one_engines_and_the_decode_node_reads_the_pool(pair, reference):
