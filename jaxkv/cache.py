@@ -27,6 +27,8 @@ the one way they change.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+
 import jax
 import numpy as np
 from absl import logging
@@ -45,6 +47,17 @@ from jaxkv.errors import CapacityError, InputError
 from jaxkv.manager import CacheManager
 from jaxkv.manager.events import BlockEvents
 from jaxkv.manager.publisher import EventPublisher, endpoint_host
+from jaxkv.scheduling.step import TierOrders
+
+
+def _worker_member(name: str, what: str) -> property:
+  """A deprecated facade attribute: the worker's ``name``, with a warning."""
+  def get(self):
+    warnings.warn(f"KVCache.{name} is deprecated: {what} belongs to the cache's worker "
+                  f"(cache.worker.{name}); the facade's verbs (offload, flush, "
+                  "occupancy, ...) cover what serving needs.", DeprecationWarning, stacklevel=2)
+    return getattr(self.worker, name)
+  return property(get, doc=f"Deprecated: ``cache.worker.{name}`` ({what}).")
 
 
 class KVCache:
@@ -94,6 +107,7 @@ class KVCache:
     self.manager = CacheManager(
         self.index, stats=self.stats, page_bytes=config.page_bytes,
         write_through=tiers.write_policy == "write_through", has_disk=tiers.disk_enabled,
+        has_pool=tiers.pool_enabled,
         disk_attached=lambda: self.worker.disk_available(),
         # A job: process 0 asks the peers and broadcasts their answers to every process.
         share_answers=distributed.broadcast_bytes if jax.process_count() > 1 else None,
@@ -106,8 +120,8 @@ class KVCache:
         "KVCache %s: %d data shard(s) x %d pages of %d tokens (%.1f MiB per device)%s%s%s",
         config.model_name, self.num_shards, config.pages_per_shard, config.page_size,
         self.pool_bytes_per_device / 2**20,
-        f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.host else "",
-        f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.disk else "",
+        f"; host tier {tiers.host_pages_per_shard} pages per shard" if self.worker.host else "",
+        f"; disk tier {tiers.disk_pages} blocks at {tiers.disk_kvstore}" if self.worker.disk else "",
         f"; deployment key {self.key_id}" if self._deployment_key else "")
     # KV events for routers: process 0 publishes for the job (every process holds the same
     # index, so one stream tells it whole). Started last, and closed if what follows fails.
@@ -172,14 +186,17 @@ class KVCache:
     the parts that seal or authenticate in its name: checkpoints, the block server."""
     return self._deployment_key
 
-  # What the worker owns, read through the facade (the worker is the one that changes it).
-  host = property(lambda self: self.worker.host, doc="The host tier, or None.")
-  disk = property(lambda self: self.worker.disk, doc="The disk tier, or None.")
-  remote = property(lambda self: self.worker.remote, doc="The remote tier, or None.")
-  remotes = property(lambda self: self.worker.remotes, doc="The remote peers' clients.")
-  pool = property(lambda self: self.worker.pool, doc="The pool tier, or None.")
-  mover = property(lambda self: self.worker.mover,
-                   doc="The TierMover over every tier (None until the tiers are open).")
+  # What the worker owns is the worker's: the facade offers verbs, not its members. The old
+  # spellings still answer, with a DeprecationWarning naming the replacement.
+  host = _worker_member("host", "the host tier")
+  disk = _worker_member("disk", "the disk tier")
+  remote = _worker_member("remote", "the remote tier")
+  remotes = _worker_member("remotes", "the remote peers' clients")
+  pool = _worker_member("pool", "the pool tier")
+  mover = _worker_member("mover", "the TierMover")
+  pool_def = _worker_member("pool_def", "the pools' tree structure")
+  page_state = _worker_member("page_state", "the pools as the model's nnx.State")
+  pools = _worker_member("pools", "the device pools")
   disk_recovered = property(lambda self: self.worker.disk_recovered,
                             doc="What opening the disk store adopted, deleted and cleaned.")
   num_arrays = property(lambda self: self.worker.num_arrays,
@@ -187,11 +204,6 @@ class KVCache:
   payload_shape = property(lambda self: self.worker.payload_shape,
                            doc="One block outside device memory: [2 * layers, kv_heads, "
                                "page_size, head_dim].")
-  pool_def = property(lambda self: self.worker.pool_def, doc="The pools' tree structure.")
-  page_state = property(lambda self: self.worker.page_state,
-                        doc="The pools as the nnx.State of the model's KVPages.")
-  pools = property(lambda self: self.worker.pools,
-                   doc="The device pools, K and V of every layer (flat).")
 
   @property
   def pool_bytes_per_device(self) -> int:
@@ -215,7 +227,11 @@ class KVCache:
     return graphdef, rest
 
   def update_pools(self, fn) -> tuple:
-    """``CacheWorker.update_pools``: the one way the pools change."""
+    """Deprecated: the pools change through the worker's verbs (``cache.worker.run``,
+    ``land``, ``carry_out``)."""
+    warnings.warn("KVCache.update_pools is deprecated: change the pools through the "
+                  "worker's verbs (cache.worker.run / land / carry_out).", DeprecationWarning,
+                  stacklevel=2)
     return self.worker.update_pools(fn)
 
   def pools_alive(self) -> bool:
@@ -250,7 +266,7 @@ class KVCache:
     """Moves every unreferenced cached block out of device memory (copying it down first
     under write-back) and frees its page. Returns the number of blocks moved out."""
     victims = self.manager.unreferenced_device_blocks()
-    self.worker.demote(victims)
+    self.worker.carry_out(self.manager.resolve(TierOrders(demote=tuple(victims))))
     self.manager.forget_device_blocks()
     return len(victims)
 
@@ -274,7 +290,7 @@ class KVCache:
     cached["disk"] = index.num_cached(0, Tier.DISK)
     capacity = {"device": self.config.pages_per_shard * self.num_shards,
                 "host": self.tiers.host_pages_per_shard * self.num_shards,
-                "disk": self.tiers.disk_pages if self.disk is not None else 0}
+                "disk": self.tiers.disk_pages if self.worker.disk is not None else 0}
     return {"cached_blocks": cached, "capacity_blocks": capacity,
             "referenced_pages": sum(sum(index.held_slots(s).values()) for s in shards)}
 

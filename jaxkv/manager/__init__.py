@@ -28,9 +28,10 @@ import numpy as np
 from absl import logging
 
 from jaxkv.errors import CapacityError, InputError
+from jaxkv.manager.copies import CopyPlanner
 from jaxkv.manager.events import BlockEvents
 from jaxkv.manager.index import LOCAL_TIERS, PrefixIndex, Tier
-from jaxkv.scheduling.step import Block, Failure
+from jaxkv.scheduling.step import Block, Failure, TierOrders
 
 if typing.TYPE_CHECKING:
   from jaxkv.stats import Stats
@@ -60,7 +61,7 @@ class CacheManager:
   """
 
   def __init__(self, index: PrefixIndex, *, stats: Stats, page_bytes: int,
-               write_through: bool, has_disk: bool,
+               write_through: bool, has_disk: bool, has_pool: bool = False,
                disk_attached: Callable[[], bool] = lambda: True, remote=None,
                share_answers: Callable[[bytes], bytes] | None = None,
                asks_peers: bool = True):
@@ -79,6 +80,10 @@ class CacheManager:
     self._agreed: dict[int, tuple[int, int] | None] = {}  # a job's answers, not yet taken
     self._lookups: concurrent.futures.ThreadPoolExecutor | None = None
     self._answered = threading.Event()  # set when any lookup finishes
+    # Where every copy down goes (``resolve``): host and disk slots chosen here, not by the
+    # worker that copies.
+    self.copies = CopyPlanner(self, has_host=index.host_pages_per_shard > 0,
+                              has_disk=has_disk, has_pool=has_pool, disk_attached=disk_attached)
 
   def set_remote(self, remote) -> None:
     """The remote tier whose ``longest_prefix`` lookups admission asks (opened with the
@@ -213,7 +218,31 @@ class CacheManager:
     parent = self.index.parent_of(key) if parent is None else parent
     published = self.index.publish(shard, slot, key, tier, parent=parent)
     self.index.release(shard, [slot], tier)
+    if tier == Tier.DISK:
+      self.copies.settled(key)
     return published
+
+  def copy_failed(self, shard: int, slot: int, key: bytes, tier: Tier) -> None:
+    """The worker's report of a copy down that did not happen: the slot ``resolve`` took for
+    ``key`` is released, holding nothing."""
+    self.index.release(shard, [slot], tier)
+    if tier == Tier.DISK:
+      self.copies.settled(key)
+
+  # ---- where copies go: every move's destination is chosen here -----------------------------
+  def resolve(self, orders: TierOrders) -> TierOrders:
+    """``orders`` with every copy's destination slot chosen, the cascade included
+    (``jaxkv.manager.copies``): what the worker carries out."""
+    return self.copies.resolve(orders)
+
+  def place(self, shard: int, n: int, tier: Tier) -> tuple[list[int] | None, TierOrders]:
+    """``n`` referenced slots of ``tier`` for a writer outside a plan (a streamed sequence,
+    a restore) and the resolved orders that keep what they evicted (carried out before the
+    slots are written). ``(None, no orders)`` when the tier cannot give them now."""
+    slots, evicted = self.allocate(shard if tier != Tier.DISK else 0, n, tier)
+    if slots is None:
+      return None, TierOrders(resolved=True)
+    return slots, self.copies.evicted_from(shard, tier, evicted)
 
   def fetched(self, fetches: Sequence[Fetch], failures: Sequence[Failure | None]
               ) -> tuple[bytes, ...]:

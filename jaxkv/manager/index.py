@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import hashlib
 from collections.abc import Sequence
 
@@ -46,26 +45,10 @@ import numpy as np
 
 from jaxkv import security
 from jaxkv.errors import InputError, InvariantError, check_text
+# The tier numbering is a value every side shares: it lives in the step module.
+from jaxkv.scheduling.step import LOCAL_TIERS, TIER_NAMES, Tier  # noqa: F401
 
 Key = bytes  # a 32-byte SHA-256 digest
-
-
-class Tier(enum.IntEnum):
-  """Where a block's copy lives. The one tier numbering of jaxkv: the index, the scheduler,
-  stats and the plan's inputs (``jaxkv.planning.plan``) all use these values."""
-
-  DEVICE = 0
-  HOST = 1
-  DISK = 2
-  REMOTE = 3
-  SHARD = 4  # on another data shard's device pool of the same job
-  ABSENT = 5  # cached nowhere (plan inputs only: such a block can only be recomputed)
-  POOL = 6  # in the memory pool other nodes lend (Mooncake Store), not kept in the index
-
-
-TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
-              Tier.REMOTE: "remote", Tier.SHARD: "shard", Tier.POOL: "pool"}
-LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
 def tenant_root_key(fingerprint: bytes, tenant: str, secret: bytes | None = None) -> Key:
@@ -137,6 +120,7 @@ class PrefixIndex:
         raise InputError(f"PrefixIndex {name}={v!r} must be an integer >= {low}.")
     self.num_shards = num_shards
     self.pages_per_shard = pages_per_shard
+    self.host_pages_per_shard = host_pages_per_shard
     self.page_size = page_size
     self.fingerprint = fingerprint
     self._secret = security.check_key(secret)  # the deployment key (never shown)

@@ -47,16 +47,16 @@ def _line(points: list[tuple[float, float]]) -> LinkCost:
 
 
 def _host_link(cache, reps: int) -> LinkCost:
-  host, c, mover = cache.host, cache.config, cache.mover
+  worker, c = cache.worker, cache.config
   points = []
   for n in (buckets.transfer_pages(1), 8 * buckets.transfer_pages(1)):
     ids = np.zeros((cache.num_shards, n), np.int32)  # reads slot 0 n times: same bytes moved
     dest = np.full((cache.num_shards, n), c.pages_per_shard, np.int32)  # dropped
 
     def move():  # a fetch's path: page-major blocks loaded, then landed (all padding)
-      blocks, _ = host.load_blocks(ids)
-      cache.update_pools(lambda pools: (mover.land(pools, Landing(dest, blocks, blocks=True)),))
-      jax.block_until_ready(cache.pools)
+      blocks, _ = worker.host.load_blocks(ids)
+      worker.land(Landing(dest, blocks, blocks=True))
+      jax.block_until_ready(worker.pools)
 
     points.append((n * cache.num_shards * c.page_bytes, _median_time(move, reps)))
   return _line(points)
@@ -65,7 +65,7 @@ def _host_link(cache, reps: int) -> LinkCost:
 def _disk_link(cache, reps: int) -> LinkCost:
   """Verified reads of records written for the purpose, under a fingerprint of their own
   (random: processes sharing the store never see or touch each other's), deleted after."""
-  disk = cache.disk
+  disk = cache.worker.disk
   n = 16
   scratch = disk.scratch(b"calibration" + secrets.token_bytes(21), n)  # same key, same cost
   rng = np.random.default_rng(0)
@@ -98,7 +98,7 @@ def _disk_link(cache, reps: int) -> LinkCost:
 def _pool_link(cache, reps: int) -> LinkCost:
   """Verified gets of values put for the purpose under a fingerprint of their own (random:
   no other process reads or evicts them on purpose), removed after."""
-  live = cache.pool
+  live = cache.worker.pool
   scratch = live.scratch(b"calibration" + secrets.token_bytes(21))
   rng = np.random.default_rng(0)
   payload = rng.standard_normal(live.payload_shape).astype(np.float32).astype(live.dtype)
@@ -140,12 +140,12 @@ def calibrate(cache, runner, *, max_seqs_per_shard: int, reps: int = 3) -> CostM
   """A CostModel measured for ``cache`` (its config, tiers and machine) and the model
   ``runner`` runs, batching up to ``max_seqs_per_shard`` sequences per shard."""
   links = {}
-  if cache.host is not None:
+  if cache.worker.host is not None:
     links["host_to_device"] = _host_link(cache, reps)
-  if cache.disk is not None:
+  if cache.worker.disk is not None:
     links["disk_to_host"] = _disk_link(cache, reps)
     links.setdefault("host_to_device", links["disk_to_host"])  # disk blocks land via host
-  if cache.pool is not None:
+  if cache.worker.pool is not None:
     try:
       links["pool_to_host"] = _pool_link(cache, reps)
       links.setdefault("host_to_device", links["pool_to_host"])  # pool blocks land via host

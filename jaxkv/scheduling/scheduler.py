@@ -30,8 +30,10 @@ What ``schedule`` does
   dispatched the step's compute, so the wait overlaps the device work.
 - Orders (``TierOrders``). The disk records of chains the last update forgot, the blocks
   this step's admissions evicted (their write-back copies), the write-through copies of
-  what the last update published, and the disk journal's pump once a request completed:
-  carried out by the cache worker before the step writes any page. A step with no request
+  what the last update published, and the disk journal's pump once a request completed.
+  The manager chooses every copy's destination as the plan is made (``resolve``: host and
+  disk slots, the host blocks those evict read out to the disk and the pool); the cache
+  worker carries them out before the step writes any page and chooses nothing. A step with no request
   left to carry them is a plan of orders alone (``has_orders``; the engine runs it).
 
 What ``update`` does (the only place each of these happens)
@@ -203,9 +205,11 @@ class Scheduler:
     return not self._orders.empty
 
   def _take_orders(self, *more: TierOrders) -> TierOrders:
+    """The orders decided since the last plan (and ``more``), with every copy's
+    destination chosen by the manager: what this plan's worker carries out."""
     orders = sum(more, self._orders)
     self._orders = TierOrders()
-    return orders
+    return self.manager.resolve(orders)
 
   def abort(self, request_id: int, reason: str = "abort") -> None:
     """Ends a request (its caller went away) at the start of the next step that can: a

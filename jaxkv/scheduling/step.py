@@ -36,12 +36,29 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.manager.index import TIER_NAMES, Tier
 
 if typing.TYPE_CHECKING:  # this module imports no JAX: the scheduler's side is host only
   from jaxkv.config import SamplingParams
 
 Block = tuple  # (shard, device page, key)
+
+
+class Tier(enum.IntEnum):
+  """Where a block's copy lives. The one tier numbering of jaxkv: the index, the scheduler,
+  stats and the plan's inputs (``jaxkv.planning.plan``) all use these values."""
+
+  DEVICE = 0
+  HOST = 1
+  DISK = 2
+  REMOTE = 3
+  SHARD = 4  # on another data shard's device pool of the same job
+  ABSENT = 5  # cached nowhere (plan inputs only: such a block can only be recomputed)
+  POOL = 6  # in the memory pool other nodes lend (Mooncake Store), not kept in the index
+
+
+TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk",
+              Tier.REMOTE: "remote", Tier.SHARD: "shard", Tier.POOL: "pool"}
+LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
 class Failure(str, enum.Enum):
@@ -133,19 +150,50 @@ class FetchReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class TierOrders:
-  """The tier work of one step, carried out by the cache worker before the step's compute."""
+class Copy:
+  """One block copied down to a slot the manager chose: ``key`` from ``src`` (a device page
+  or a host slot of data shard ``shard``) to ``dst`` (a host slot of the same shard, or a
+  disk slot of the shared store)."""
 
-  drop: tuple = ()  # bytes, ...: disk records of blocks the manager forgot (failed copies)
+  shard: int
+  src: int
+  key: bytes
+  dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOrders:
+  """The tier work of one step, carried out by the cache worker before the step's compute.
+
+  Two halves. What was decided (``drop``, ``write_through``, ``demote``, ``pump``), and where
+  every copy goes, which only the manager decides (``CacheManager.resolve``; ``resolved``):
+  device blocks into host slots (``to_host``); the host blocks those slots held, read out
+  before they are overwritten (``host_out``), and device blocks that go below the host
+  directly (``device_out``, where there is no host tier or it is full), each written to the
+  disk slot ``to_disk`` names and put in the pool when ``to_pool`` names it. The disk
+  records of blocks evicted from the slots ``to_disk`` took are in ``drop``. The worker
+  copies and reports; it chooses nothing.
+  """
+
+  drop: tuple = ()  # bytes, ...: disk records of blocks the manager forgot or evicted
   write_through: tuple = ()  # Block, ...: published device blocks copied to every lower tier
   demote: tuple = ()  # Block, ...: evicted device blocks copied to the first lower tier
   pump: bool = False  # publish the disk writes that committed (a request completed)
+  resolved: bool = False  # the copies below are chosen (the worker carries out only these)
+  to_host: tuple = ()  # Copy, ...: device page -> host slot
+  host_out: tuple = ()  # Block, ...: (shard, host slot, key) read before the slot is reused
+  device_out: tuple = ()  # Block, ...: (shard, device page, key) to the disk and the pool
+  to_disk: tuple = ()  # (key, disk slot), ...: which of host_out/device_out go to disk
+  to_pool: tuple = ()  # bytes, ...: which of host_out/device_out go to the pool
 
   @property
   def empty(self) -> bool:
-    return not (self.drop or self.write_through or self.demote or self.pump)
+    return not (self.drop or self.write_through or self.demote or self.pump or self.to_host
+                or self.host_out or self.device_out)
 
   def __add__(self, other: "TierOrders") -> "TierOrders":
+    if self.resolved or other.resolved:
+      raise ValueError("resolved TierOrders are carried out as they are, not added to.")
     return TierOrders(drop=self.drop + other.drop,
                       write_through=self.write_through + other.write_through,
                       demote=self.demote + other.demote, pump=self.pump or other.pump)
@@ -214,13 +262,17 @@ class StepPlan:
                 or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:
-    """Blocks this step moves between tiers, by route: ``write_through``, ``demote`` and
-    ``fetch_<tier>`` (the tier a fetch reads)."""
+    """Blocks this step moves between tiers, by route: what was decided (``write_through``,
+    ``demote``), where the copies go (``to_host``, ``host_out``, ``device_out``, ``to_disk``,
+    ``to_pool``) and ``fetch_<tier>`` (the tier a fetch reads)."""
     out = collections.Counter()
-    if self.orders.write_through:
-      out["write_through"] = len(self.orders.write_through)
-    if self.orders.demote:
-      out["demote"] = len(self.orders.demote)
+    orders = self.orders
+    for route, n in (("write_through", len(orders.write_through)),
+                     ("demote", len(orders.demote)), ("to_host", len(orders.to_host)),
+                     ("host_out", len(orders.host_out)), ("device_out", len(orders.device_out)),
+                     ("to_disk", len(orders.to_disk)), ("to_pool", len(orders.to_pool))):
+      if n:
+        out[route] = n
     for f in (self.fetch.fetches if self.fetch else ()):
       out["fetch_" + TIER_NAMES[f.tier]] += 1
     return dict(out)

@@ -129,9 +129,9 @@ class Engine:
 
   def _plans_cold(self) -> bool:
     """Whether the ``cost`` policy decides about blocks on a lower tier or another shard."""
-    c = self.cache
+    w = self.cache.worker
     return self.scheduler_config.policy == "cost" and bool(
-        c.host or c.disk or c.remote or (c.num_shards > 1 and self.config.prefix_reuse))
+        w.host or w.disk or w.remote or (self.cache.num_shards > 1 and self.config.prefix_reuse))
 
   def _calibrate(self) -> None:
     from jaxkv.planning import calibration
@@ -259,15 +259,14 @@ class Engine:
       rows_per_shard = buckets.row_buckets(self.config.max_seqs_per_shard)
     rows = sorted({buckets.pow2_at_least(r) for r in rows_per_shard})
     widths = self.runner.warmup(max_seq_len, rows, shapes)
-    self.cache.update_pools(lambda pools: (self.cache.mover.warmup(pools,
-                                                                   rows[-1] * max(widths)),))
+    self.cache.worker.warm_moves(rows[-1] * max(widths))
     if self._plans_cold():  # blocks on another tier or shard
       if self.planner.costs is None:
         self._calibrate()
       self.planner.warm(-(-max_seq_len // c.page_size), rows[-1] * self.cache.num_shards)
     if self._streamer is not None and stream_tokens > c.max_seq_len:
       self._streamer.warm(stream_tokens)
-    jax.block_until_ready(self.cache.pools)
+    jax.block_until_ready(self.cache.worker.pools)
     self.mark_warm()
     return self.runner.warm_progress()[0]
 

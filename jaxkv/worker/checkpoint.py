@@ -54,6 +54,7 @@ from jaxkv import security
 from jaxkv.config import LAYOUT_VERSION
 from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
+from jaxkv.worker.tiers.base import Landing
 from jaxkv.errors import InputError
 
 FORMAT = 1
@@ -140,16 +141,16 @@ class Checkpointer:
     rows = []
     for items in per:
       rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
-    stack = pages_lib.gather_stacked(e.pools, e.put_rows(ids), mesh=e.mesh, config=c)
+    stack = pages_lib.gather_stacked(e.worker.pools, e.put_rows(ids), mesh=e.mesh, config=c)
     sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
     state = {"device": stack}
     meta = {
         "format": FORMAT, "fingerprint": c.fingerprint().hex(), "config": _config_fields(c),
         "device_rows": [self._row(r, sums[i], index) for i, r in enumerate(rows)],
-        "disk": e.disk.kvstore if e.disk is not None else None,
+        "disk": e.worker.disk.kvstore if e.worker.disk is not None else None,
     }
-    if e.host is not None:
-      host = e.host
+    if e.worker.host is not None:
+      host = e.worker.host
       # The checksums recorded when each slot was stored (the host pool lives in host
       # memory, where device computations cannot read it); restore checks the saved bytes
       # against them, so a slot corrupted in host memory since is caught there.
@@ -231,7 +232,7 @@ class Checkpointer:
     """Loads a checkpoint into the (empty or not) cache. Returns counts of what came back."""
     if into not in ("device", "host"):
       raise InputError(f"into={into!r} must be 'device' or 'host'.")
-    if into == "host" and self.cache.host is None:
+    if into == "host" and self.cache.worker.host is None:
       raise InputError("restore(into='host') needs a host tier (TierConfig.host_pages_per_shard"
                        " > 0).")
     if not os.path.isdir(self.directory):
@@ -359,7 +360,7 @@ class Checkpointer:
     stack = _host_take(e.mesh, c)(saved, jax.device_put(
         src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
     got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
-    limit = c.pages_per_shard if tier == Tier.DEVICE else e.host.pages_per_shard
+    limit = c.pages_per_shard if tier == Tier.DEVICE else e.worker.host.pages_per_shard
     dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
     publish = []
     for s, items in enumerate(chosen):
@@ -367,18 +368,17 @@ class Checkpointer:
         if checksum is not None and int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
           continue
-        slot, _ = e.manager.allocate(s, 1, tier)
+        slot, evicted = e.manager.place(s, 1, tier)
         if slot is None:
           counts["skipped_no_room"] += 1
           continue
+        e.worker.carry_out(evicted)  # what the slot held goes down before it is written
         dest[s, j] = slot[0]
         publish.append((s, slot[0], key, parent))
     if tier == Tier.DEVICE:
-      dest = jax.device_put(dest, NamedSharding(e.mesh, P(c.data_axis, None)))
-      e.update_pools(lambda pools: (pages_lib.scatter_stacked(pools, dest, stack, mesh=e.mesh,
-                                                              config=c),))
+      e.worker.land(Landing(dest, stack))
     else:
-      e.host.store(stack, dest)
+      e.worker.host.store(stack, dest)
     for s, slot, key, parent in publish:
       e.manager.copied(s, slot, key, tier, parent=parent)
     counts["placed"] += len(publish)

@@ -1,20 +1,21 @@
 """DiskJournal: the disk writes in flight of one cache, and when each block is published.
 
 A block goes to disk in three moves, and the journal is where it waits between them:
-1. ``write``: a disk slot is taken from the manager (``allocate``; the records of blocks
-   evicted to make room are deleted), the record's write is issued, and the slot stays
-   referenced, so no eviction can take it while the bytes are on their way.
+1. ``write``: the record's write is issued into the disk slot the manager chose for it
+   (``CacheManager.resolve``, which also ordered the records evicted from that slot
+   deleted), and the slot stays referenced, so no eviction can take it while the bytes are
+   on their way.
 2. ``pump`` (called often, never blocking): writes whose futures finished are settled.
    The committed ones are made durable together (one ``DiskTier.sync`` for the batch),
    then reported to the manager (``copied``: published in its index); a failed one is
-   counted, its slot released and its
-   record (if any) deleted. It is never published.
+   counted, its slot given back (``copy_failed``) and its record (if any) deleted. It is
+   never published.
 3. ``flush``: waits (with a deadline) for every write in flight, then pumps.
 
 Invariants: a block is published in the DISK pool only after its record committed and
-was synced; every slot the journal took is released exactly once (published or not); a
-key is written at most once at a time (``writing``), so two shards' copies of one block
-take one slot.
+was synced; every slot the journal was given is reported exactly once (published or
+failed); a key is written at most once at a time (the manager gives a key being written no
+second slot), so two shards' copies of one block take one slot.
 
 A multi-process job shares one store: its processes take turns writing blocks (each
 written once, by one process), and every process journals every write, the others' too,
@@ -68,7 +69,6 @@ class DiskJournal:
     self.page_bytes, self.dtype = page_bytes, dtype
     self.processes, self.process = jax.process_count(), jax.process_index()
     self._writes: list[_Write] = []
-    self.writing: set[bytes] = set()  # keys of the writes in flight
     self._next_writer = 0  # a job's processes take turns, in issue order
     self.breaker = Breaker() if self.processes == 1 else None
 
@@ -89,36 +89,25 @@ class DiskJournal:
       logging.warning("disk tier %s keeps failing: detached for %.0f s (requests recompute "
                       "what it holds meanwhile)", self.disk.kvstore, self.breaker.cool_down_s)
 
-  # ---- slots -------------------------------------------------------------------------------
-  def allocate(self, n: int) -> list[int] | None:
-    """``n`` disk slots (referenced), or None when every slot is held. The records of the
-    blocks evicted from them are deleted: the index forgot them, so nothing names them."""
-    slots, evicted = self.manager.allocate(0, n, Tier.DISK)
-    for key, _ in evicted:
-      self.disk.delete(key)
-    return slots
-
   # ---- writes ------------------------------------------------------------------------------
   @property
   def writes_in_flight(self) -> int:
     return len(self._writes)
 
-  def write(self, stack: np.ndarray, per: list[list], n: int) -> None:
-    """Writes blocks to disk that are not there yet. ``stack``: their raw bits ``[arrays,
-    kv_heads, data_shards * n, page_size, head_dim]``; ``per[s][i]``: the block
-    ``(shard, _, key)`` at row ``s * n + i``. Blocks on disk already, or on their way
-    (another shard's copy of one), are skipped."""
-    if not self.available:
-      self.stats.add("disk_detached_drops", sum(len(items) for items in per))
-      return
+  def write(self, stack: np.ndarray, per: list[list], n: int, slots: dict) -> None:
+    """Writes the blocks ``slots`` names (key -> the disk slot the manager took for it) and
+    takes those entries out of ``slots``. ``stack``: raw bits ``[arrays, kv_heads,
+    data_shards * n, page_size, head_dim]``; ``per[s][i]``: the block ``(shard, _, key)`` at
+    row ``s * n + i``. A detached store writes nothing: the slots go back empty."""
     for s, items in enumerate(per):
       for i, b in enumerate(items):
         key = b[2]
-        if self.index.slot_of(0, key, Tier.DISK) is not None or key in self.writing:
-          continue
-        slot = self.allocate(1)
+        slot = slots.pop(key, None)
         if slot is None:
-          self.stats.add("disk_full_drops")
+          continue
+        if not self.available:
+          self.stats.add("disk_detached_drops")
+          self.manager.copy_failed(0, slot, key, Tier.DISK)
           continue
         parent = self.index.parent_of(key)
         writer = self._next_writer % self.processes
@@ -128,8 +117,7 @@ class DiskJournal:
           payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.dtype)
           future = self.disk.write(key, payload, parent)
           self.stats.add("disk_writes")
-        self._writes.append(_Write(slot[0], key, parent, future))
-        self.writing.add(key)
+        self._writes.append(_Write(slot, key, parent, future))
         self.stats.add("bytes_moved", self.page_bytes)
     self.pump()
 
@@ -145,7 +133,6 @@ class DiskJournal:
       if code == 0:  # not finished yet
         still.append(w)
         continue
-      self.writing.discard(w.key)
       if code == WRITE_OK:
         self.manager.copied(0, w.slot, w.key, Tier.DISK, parent=w.parent)
         published += 1
@@ -153,7 +140,7 @@ class DiskJournal:
       failed += 1
       self.stats.add("disk_write_failures")
       self.disk.delete(w.key)  # whatever reached the store is never read: remove it
-      self.manager.release(0, [w.slot], Tier.DISK)
+      self.manager.copy_failed(0, w.slot, w.key, Tier.DISK)
     self._writes = still
     self.stats.add("demoted_disk", published)
     if published or failed:

@@ -152,11 +152,11 @@ class ModelRunner:
     # Weights already on this mesh keep their placement (e.g. split over the model axis
     # by from_pretrained); any other is replicated over it. Flat from here on.
     self.weights, weight_def = jax.tree.flatten(jax.tree.map(self._on_mesh, rest))
-    self.steps = _compiled_steps(graphdef, cache.pool_def, weight_def, self.mesh, self.config)
+    self.steps = _compiled_steps(graphdef, cache.worker.pool_def, weight_def, self.mesh, self.config)
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
     # A chunk's width, and narrower steps for a prompt's last, partial chunk.
     self.prefill_widths = buckets.prefill_widths(self.chunk_tokens, self.config.page_size)
-    self.vocab_size = self.steps.vocab_size(cache.pools, self.weights, cache.num_shards)
+    self.vocab_size = self.steps.vocab_size(cache.worker.pools, self.weights, cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
     self.warm_later: collections.deque = collections.deque()  # buckets warmup left to do
@@ -239,9 +239,9 @@ class ModelRunner:
     """One prefill step. Returns ``(carry, selected logits)``: the carry's rows whose
     prompt ended here hold their first generated token. ``count=False``: not served work
     (warm-up, calibration), not counted in stats."""
-    carry, selected = self.cache.update_pools(lambda pools: self.steps.prefill(
-        pools, self.weights, batch.tokens, carry, table, batch.positions,
-        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream))
+    carry, selected = self.cache.worker.run(
+        self.steps.prefill, self.weights, batch.tokens, carry, table, batch.positions,
+        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling, stream)
     self.cache.stats.add("prefill_steps", int(count))
     return carry, selected
 
@@ -250,29 +250,18 @@ class ModelRunner:
     """One decode step: feeds ``carry`` (each row's last token). Returns ``(next tokens,
     selected logits, the next step's batch)``: the same rows one position further, on
     device (a batch whose rows do not change needs nothing from the host)."""
-    carry, selected, (positions, kv_lens) = self.cache.update_pools(
-        lambda pools: self.steps.decode(pools, self.weights, carry, table, batch.positions,
-                                        batch.kv_lens, batch.sampling, stream))
+    carry, selected, (positions, kv_lens) = self.cache.worker.run(
+        self.steps.decode, self.weights, carry, table, batch.positions, batch.kv_lens,
+        batch.sampling, stream)
     self.cache.stats.add("decode_steps", int(count))
     return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
 
   # ---- executing a step plan ------------------------------------------------------------------
   def carry_out(self, orders: TierOrders) -> None:
-    """Has the cache's worker (the mover, over the pools and tiers) carry out a plan's tier
-    orders: the disk records of dropped chains deleted (before any copy that could write a
-    record of the same name again), write-through copies, then write-back copies of evicted
-    blocks (a block both copied and evicted is copied once), then the disk journal's pump.
-    Before anything of the step writes a page: the bytes they copy are still in their
-    pages."""
-    mover = self.cache.mover
-    if orders.drop:
-      mover.delete_records(list(orders.drop))
-    if orders.write_through:
-      mover.copy_down(self.cache.pools, list(orders.write_through))
-    if orders.demote:
-      mover.demote(self.cache.pools, list(orders.demote))
-    if orders.pump:
-      mover.pump()
+    """Has the cache's worker carry out a plan's tier orders, every destination chosen by
+    the manager when the plan was made (``CacheManager.resolve``): before anything of the
+    step writes a page, so the bytes they copy are still in their pages."""
+    self.cache.worker.carry_out(orders)
 
   def execute(self, plan: StepPlan) -> StepResult:
     """Runs one ``StepPlan``: carries out its tier orders, issues its fetches, dispatches
@@ -282,9 +271,7 @@ class ModelRunner:
     cache = self.cache
     self.carry_out(plan.orders)
     if plan.fetch is not None:
-      pending, = cache.update_pools(
-          lambda pools: cache.mover.start_promote(pools, list(plan.fetch.fetches)))
-      self._pending[plan.fetch.group] = pending
+      self._pending[plan.fetch.group] = cache.worker.start_promote(list(plan.fetch.fetches))
     ahead, self._ahead = self._ahead, None
     dispatched = []  # (request ids, row of each, tokens out, selected logits)
     prompt_scores = None  # (scored chunks, row of each, their scores on device)
@@ -310,8 +297,8 @@ class ModelRunner:
     fetched = []
     for group in plan.settle:
       pending = self._pending.pop(group)
-      report, = cache.update_pools(lambda pools: cache.mover.finish_promote(
-          pools, pending, time.monotonic() + cache.tiers.read_deadline_s))
+      report = cache.worker.finish_promote(pending,
+                                           time.monotonic() + cache.tiers.read_deadline_s)
       fetched.append((group, report))
     tokens, logits, t_tokens = {}, ({} if plan.want_logits else None), None
     logprobs = {} if plan.want_logprobs else None
@@ -340,10 +327,10 @@ class ModelRunner:
     host = np.full((num_rows, width), -1, np.int32)
     for r, t in targets:
       host[r, :len(t)] = t
-    carry, selected, scores = self.cache.update_pools(lambda pools: self.steps.prefill_scored(
-        pools, self.weights, batch.tokens, self.zero_carry(num_rows), table, batch.positions,
-        batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling,
-        self.cache.put_rows(host)))
+    carry, selected, scores = self.cache.worker.run(
+        self.steps.prefill_scored, self.weights, batch.tokens, self.zero_carry(num_rows), table,
+        batch.positions, batch.kv_lens, batch.select_idx, batch.select_mask, batch.sampling,
+        self.cache.put_rows(host))
     self.cache.stats.add("prefill_steps")
     return carry, selected, scores
 
@@ -406,7 +393,7 @@ class ModelRunner:
     forgets the rows kept on device: before programs of another kind run (a streamed
     sequence's), so that no two steps with collectives run at once: XLA:CPU's in-process
     collectives deadlock when two programs' participants share its threads."""
-    jax.block_until_ready((self._ahead, self.cache.pools))
+    jax.block_until_ready((self._ahead, self.cache.worker.pools))
     self._resident = self._ahead = None
 
   def recover(self, unsettled: dict) -> None:
@@ -420,7 +407,7 @@ class ModelRunner:
       for f in fetches:
         self.cache.manager.release_pin(f)
     for pending in self._pending.values():
-      self.cache.mover.abandon(pending)
+      self.cache.worker.abandon(pending)
     self._pending.clear()
     if not self.cache.pools_alive():
       self.cache.reset_pools()

@@ -8,7 +8,10 @@ chunk and decode step attends over the hot pages and streams the cold ones from 
 memory (``jaxkv.ops.streamed``: sliced page by page, double-buffered, merged into the same
 online softmax). With ``source="disk"`` the cold records are read back and verified into
 host slots before each step and released after it. All tier I/O and every wait go through
-the cache's ``TierMover`` with the read deadline.
+the cache's ``TierMover`` with the read deadline. Every slot it takes (device pages, host slots, disk records) comes
+from the manager with the orders that keep what the slot held (``CacheManager.place``),
+carried out by the worker before the slot is written: a streamed sequence evicts like a
+step does.
 
 Staging shapes are fixed per bucket, so a repeated long request compiles nothing. The
 sequence's blocks are not published for reuse; every page, host slot and disk record it
@@ -84,7 +87,7 @@ class StreamRunner:
     shards, page = self.cache.num_shards, c.page_size
     shard = max(range(shards), key=lambda s: (index.num_available(s, Tier.HOST), -s))
     n_dev = st.sink_pages + st.window_pages + self.prefill_chunk_pages
-    dev, _ = self.cache.manager.allocate(shard, n_dev)
+    dev, evicted = self.cache.manager.place(shard, n_dev, Tier.DEVICE)
     if dev is None:
       raise CapacityError(f"shard {shard} cannot give {n_dev} device pages to a streamed "
                           "sequence now; pages are held elsewhere.")
@@ -96,6 +99,7 @@ class StreamRunner:
     sampling = self.runner.row_sampling({shard: sp} if sp.temperature > 0 else {}, shards)
     stops = set(sp.stop_token_ids)
     try:
+      self.cache.worker.carry_out(evicted)  # what the pages held goes down first
       carry = put(np.zeros((shards,), np.int32))
       chunk = self.runner.chunk_tokens
       for a in range(0, len(r.tokens), chunk):  # one row per shard: this shard's is ours
@@ -163,7 +167,7 @@ class StreamRunner:
     for width, cold in shapes:
       table = put(np.zeros((shards, width), np.int32))
       stream = kvnnx.StreamBatch(
-          block_valid=put(np.zeros((shards, width), bool)), host_pool=self.cache.host.pool,
+          block_valid=put(np.zeros((shards, width), bool)), host_pool=self.cache.worker.host.pool,
           cold_slots=put(np.zeros((shards, cold), np.int32)),
           cold_first=put(np.zeros((shards,), np.int32)),
           cold_count=put(np.zeros((shards,), np.int32)), pages_per_chunk=self.stream.chunk_pages)
@@ -178,7 +182,7 @@ class StreamRunner:
 
   def _settle(self, carry: jax.Array) -> None:
     if self._one_at_a_time:
-      jax.block_until_ready((carry, self.cache.pools))
+      jax.block_until_ready((carry, self.cache.worker.pools))
 
   def _release(self, state: _State) -> None:
     manager = self.cache.manager
@@ -186,12 +190,13 @@ class StreamRunner:
     manager.release(state.shard, state.cold, Tier.HOST)
     if state.disk:  # the records name no block anyone can ask for: remove them
       manager.release(0, state.disk, Tier.DISK)
-      self.cache.mover.delete_records([self._record_key(state, self.stream.sink_pages + i)
+      self.cache.worker.mover.delete_records([self._record_key(state, self.stream.sink_pages + i)
                                        for i in range(len(state.disk))])
 
   def _make_room(self, state: _State, lo: int, hi: int) -> None:
     """Gives blocks ``[lo, hi)`` device pages, moving the oldest window pages down."""
     st, cache = self.stream, self.cache
+    worker = cache.worker
     need = [j for j in range(lo, hi) if j not in state.block_page]
     short = len(need) - len(state.free)
     if short > 0:
@@ -201,20 +206,21 @@ class StreamRunner:
         raise CapacityError("a streamed sequence ran out of device pages for its window.")
       slots = []
       for _ in victims:
-        slot = cache.mover.allocate_host(state.shard, 1)
+        slot, evicted = cache.manager.place(state.shard, 1, Tier.HOST)
         if slot is None:
           raise CapacityError("the host tier has no room left for a streamed sequence.")
+        worker.carry_out(evicted)  # the host block it held goes on down first
         slots.append(slot[0])
       ids = np.zeros((cache.num_shards, len(victims)), np.int32)
-      host_ids = np.full(ids.shape, cache.host.pages_per_shard, np.int32)
+      host_ids = np.full(ids.shape, worker.host.pages_per_shard, np.int32)
       ids[state.shard] = [state.block_page[j] for j in victims]
       host_ids[state.shard] = slots
       if st.source == "disk":
-        stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+        stack = pages_lib.gather_stacked(worker.pools, cache.put_rows(ids), mesh=cache.mesh,
                                          config=cache.config)
         self._to_disk(state, victims, to_host(stack), slots)
       else:  # the host tier's own buckets: nothing compiles per count of victims
-        cache.host.store_pages(cache.pools, [(state.shard, state.block_page[j], slot)
+        worker.host.store_pages(worker.pools, [(state.shard, state.block_page[j], slot)
                                              for j, slot in zip(victims, slots)])
       for j, slot in zip(victims, slots):
         if st.source == "host":
@@ -239,35 +245,38 @@ class StreamRunner:
     for i, j in enumerate(victims):
       if j != st.sink_pages + len(state.disk):
         raise InvariantError("a streamed sequence's cold pages must stay contiguous")
-      slot = self.cache.mover.allocate_disk(1)  # this sequence's quota of the store
+      slot, evicted = self.cache.manager.place(0, 1, Tier.DISK)  # its quota of the store
       if slot is None:
         raise CapacityError("the disk tier has no room left for a streamed sequence.")
+      self.cache.worker.carry_out(evicted)  # the records evicted from it are deleted
       state.disk.append(slot[0])
       payloads.append(np.ascontiguousarray(stack[:, :, state.shard * n + i]).view(
           self.cache.config.jnp_dtype))
       keys.append(self._record_key(state, j))
-    self.cache.mover.write_records(payloads, keys, self.cache.tiers.read_deadline_s)
+    self.cache.worker.mover.write_records(payloads, keys, self.cache.tiers.read_deadline_s)
 
   def _stage(self, state: _State) -> None:
     """source='disk': reads every cold record into host slots for the coming step."""
     cache, st = self.cache, self.stream
+    worker = cache.worker
     if len(state.cold) == len(state.disk):
       return
     self._unstage(state)
-    slots, _ = cache.manager.allocate(state.shard, len(state.disk), Tier.HOST)
+    slots, evicted = cache.manager.place(state.shard, len(state.disk), Tier.HOST)
     if slots is None:
       raise CapacityError("the host tier has no room to stage a streamed sequence's pages.")
+    worker.carry_out(evicted)  # what the slots held goes on down first
     keys = [self._record_key(state, st.sink_pages + i) for i in range(len(state.disk))]
-    payloads = cache.mover.read_records(keys, cache.tiers.read_deadline_s)
+    payloads = worker.mover.read_records(keys, cache.tiers.read_deadline_s)
     n = len(slots)
     bits = pages_lib.bits_dtype(cache.config.jnp_dtype)
     shape = cache.payload_shape
     stack = np.zeros((*shape[:2], cache.num_shards * n, *shape[2:]), bits)
     for i, payload in enumerate(payloads):
       stack[:, :, state.shard * n + i] = payload.view(bits)
-    host_ids = np.full((cache.num_shards, n), cache.host.pages_per_shard, np.int32)
+    host_ids = np.full((cache.num_shards, n), worker.host.pages_per_shard, np.int32)
     host_ids[state.shard] = slots
-    cache.host.store(jax.device_put(stack, cache.mover.stack_sharding), host_ids)
+    worker.host.store(jax.device_put(stack, worker.mover.stack_sharding), host_ids)
     state.cold = list(slots)
     self.stats.add("stream_disk_reads", len(slots))
 
@@ -292,7 +301,7 @@ class StreamRunner:
     count = np.zeros((shards,), np.int32)
     count[state.shard] = len(state.cold)
     stream = kvnnx.StreamBatch(
-        block_valid=put(valid), host_pool=self.cache.host.pool, cold_slots=put(slots),
+        block_valid=put(valid), host_pool=self.cache.worker.host.pool, cold_slots=put(slots),
         cold_first=put(first), cold_count=put(count), pages_per_chunk=st.chunk_pages)
     return put(table), stream
 
@@ -307,9 +316,9 @@ def check_stream_config(stream, cache, config) -> None:
         f"StreamConfig keeps sink_pages={stream.sink_pages} + window_pages="
         f"{stream.window_pages} + a prefill chunk of {config.prefill_chunk_pages} "
         f"pages on device, more than pages_per_shard={cache.config.pages_per_shard}.")
-  if cache.host is None:
+  if cache.worker.host is None:
     raise InputError("StreamConfig needs a host tier to stream from: set "
                      "TierConfig(host_pages_per_shard=...).")
-  if stream.source == "disk" and cache.disk is None:
+  if stream.source == "disk" and cache.worker.disk is None:
     raise InputError("StreamConfig(source='disk') needs a disk tier: set "
                      "TierConfig(disk_kvstore=..., disk_pages=...).")

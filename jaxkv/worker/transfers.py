@@ -7,11 +7,12 @@ reads a device page is dispatched before any step that overwrites it. Disk I/O r
 TensorStore futures. Every wait on a tier happens through this module, with a deadline.
 
 Moves
-- ``demote``: blocks evicted from the device pool are copied down before their pages are
-  reused (write-back): to the first lower tier (host memory if there is one, else the pool
-  and the disk). Blocks the host pool evicts to make room go on to the pool and the disk
-  the same way (one read for both; the pool's puts are written behind by its own thread).
-- ``copy_down``: write-through of freshly published device blocks to every lower tier.
+- ``carry_out``: copies down, every destination chosen by the manager
+  (``CacheManager.resolve``, ``jaxkv.manager.copies``): evicted or freshly published device
+  blocks into the host slots it took; the host blocks those slots held read out first to the
+  disk slots it took and to the pool (one read for both; the pool's puts are written behind
+  by its own thread); device blocks that go below the host directly the same way. The mover
+  takes no slot and evicts nothing: it copies and reports (``copied``, ``copy_failed``).
 - ``start_promote`` / ``finish_promote``: lower-tier hits are copied into the device pages
   a request was given, through each tier's ``FetchSource`` (issue everything, let the
   caller compute, then wait, verify and land). Blocks that another data shard holds on
@@ -25,8 +26,8 @@ Moves
   disk records, and the records of dropped chains.
 Blocks are published in a lower tier only when their bytes are there: host slots when
 the copy is dispatched (later reads are ordered after it), disk slots when the write has
-committed (``jaxkv.worker.journal``). A slot in flight holds a reference, so eviction cannot reuse
-it meanwhile. In a multi-process job each process reads the disk records (and pulls the
+committed (``jaxkv.worker.journal``). A slot in flight holds the reference the manager took
+when it chose it, so eviction cannot reuse it meanwhile. In a multi-process job each process reads the disk records (and pulls the
 remote blocks) its own devices need, and the outcomes are agreed
 (``distributed.agree_reads``) before anything lands.
 """
@@ -48,6 +49,7 @@ from jaxkv.distributed import local_data_shards, put_global, to_host
 from jaxkv.errors import InvariantError
 from jaxkv.manager.index import Tier
 from jaxkv.worker.journal import DiskJournal
+from jaxkv.scheduling.step import TierOrders
 from jaxkv.stats import Stats
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchReport, FetchSource, Landing, Staged
 
@@ -190,50 +192,65 @@ class TierMover:
         return list(pools)
       n *= 2
 
-  # ---- downwards ---------------------------------------------------------------------------
-  def _missing(self, blocks: list[Block], tier: Tier) -> list[Block]:
-    """The blocks that have no copy in ``tier`` yet (disk slots are shared: shard 0)."""
-    return [b for b in blocks
-            if self.index.slot_of(0 if tier == Tier.DISK else b[0], b[2], tier) is None]
+  # ---- downwards: resolved orders only ------------------------------------------------------
+  def carry_out(self, pools, orders: TierOrders) -> None:
+    """Carries out orders whose every destination the manager chose
+    (``CacheManager.resolve``), in the order their bytes need: disk records deleted; host
+    blocks about to be overwritten read out to the disk and the pool; device blocks written
+    below the host; device blocks stored into their host slots (published once the copy is
+    dispatched: later reads are ordered after it); the disk journal pumped. Every slot the
+    orders took is reported to the manager, copied or failed, on every path."""
+    if not orders.resolved:
+      raise InvariantError("TierOrders reached the worker without destinations: the "
+                           "manager resolves them (CacheManager.resolve) when the plan is made.")
+    if orders.drop:
+      self.delete_records(list(orders.drop))
+    disk_slots = dict(orders.to_disk)  # the journal takes each slot it writes
+    to_host = list(orders.to_host)
+    try:
+      if orders.host_out:
+        ids, per = buckets.shard_ids(list(orders.host_out), self.num_shards, 0, lambda b: b[1])
+        self._write_down(lambda: self.host.read_numpy(ids), per, ids.shape[1], disk_slots,
+                         set(orders.to_pool))
+      if orders.device_out:
+        self._device_down(pools, list(orders.device_out), disk_slots, set(orders.to_pool))
+      if to_host:
+        # One program per bucket: gathered on device, sent to the slots (no host computation).
+        self.host.store_pages(pools, [(c.shard, c.src, c.dst) for c in to_host])
+        for c in to_host:
+          self.manager.copied(c.shard, c.dst, c.key, Tier.HOST)
+        self.stats.add("demoted_host", len(to_host))
+        self.stats.add("bytes_moved", self._bytes(len(to_host)))
+        to_host = []
+    finally:
+      for c in to_host:  # never copied (a move raised): the slots go back empty
+        self.manager.copy_failed(c.shard, c.dst, c.key, Tier.HOST)
+      for key, slot in disk_slots.items():  # never written
+        self.manager.copy_failed(0, slot, key, Tier.DISK)
+    if orders.pump:
+      self.pump()
 
-  def demote(self, pools, evicted: list[Block]) -> None:
-    """Write-back of blocks just evicted from device pages (before the pages are reused):
-    to the first lower tier (host memory; without it the pool and the disk)."""
-    if self.host is not None:
-      self._device_to_host(pools, self._missing(evicted, Tier.HOST))
-    else:
-      self._device_down(pools, evicted)
+  def _device_down(self, pools, blocks: list[Block], disk_slots: dict, pool_keys: set) -> None:
+    """Device blocks to the disk and the pool (one gather for both)."""
+    stack, per = self._gather_device(pools, blocks)
+    self._write_down(lambda: to_host(stack), per, stack.shape[2] // self.num_shards,
+                     disk_slots, pool_keys)
 
-  def copy_down(self, pools, published: list[Block]) -> None:
-    """Write-through: copies freshly published device blocks to every lower tier."""
-    if self.host is not None:
-      self._device_to_host(pools, self._missing(published, Tier.HOST))
-    self._device_down(pools, published)
-
-  def _device_down(self, pools, blocks: list[Block]) -> None:
-    """Device blocks to the pool and the disk (one gather for both)."""
-    to_disk = self._missing(blocks, Tier.DISK) if self.disk is not None else []
-    to_pool = self._not_in_pool(blocks)
-    both = list({b[2]: b for b in to_disk + to_pool}.values())
-    if not both:
-      return
-    stack, per = self._gather_device(pools, both)
-    self._write_down(to_host(stack), per, stack.shape[2] // self.num_shards,
-                     {b[2] for b in to_disk}, {b[2] for b in to_pool})
-
-  def _not_in_pool(self, blocks: list[Block]) -> list[Block]:
-    if self.pool is None:
-      return []
-    return [b for b in blocks if not self.pool.recently_put(b[2])]
-
-  def _write_down(self, stack: np.ndarray, per: list[list], n: int, disk_keys: set,
+  def _write_down(self, read, per: list[list], n: int, disk_slots: dict,
                   pool_keys: set) -> None:
-    """Raw bits ``stack`` of blocks ``per[s][i]`` (row ``s * n + i``) to the disk journal
-    (those in ``disk_keys``) and the pool (those in ``pool_keys``; in a job each block is put
-    by one process)."""
-    if self.journal is not None and disk_keys:  # it skips blocks already on disk (the rest)
-      self.journal.write(stack, per, n)
-    if self.pool is None or not pool_keys:
+    """The raw bits ``read()`` of blocks ``per[s][i]`` (row ``s * n + i``) to the disk
+    journal (those ``disk_slots`` names: it takes their slots) and the pool (those in
+    ``pool_keys`` it has not been given lately; in a job each block is put by one
+    process). Nothing is read when neither wants a block."""
+    keys = [b[2] for blocks in per for b in blocks]
+    pool_keys = ({k for k in keys if k in pool_keys and not self.pool.recently_put(k)}
+                 if self.pool is not None else set())
+    if not pool_keys and not any(k in disk_slots for k in keys):
+      return
+    stack = read()
+    if self.journal is not None:
+      self.journal.write(stack, per, n, disk_slots)
+    if not pool_keys:
       return
     self.pool.note(sorted(pool_keys))  # every process notes every key, in one order
     items = []
@@ -247,56 +264,6 @@ class TierMover:
         payload = np.ascontiguousarray(stack[:, :, s * n + i]).view(self.config.jnp_dtype)
         items.append((key, self.index.parent_of(key), payload, self.index.reuses(key) >= 1))
     self.pool.put(items)
-
-  def allocate_host(self, shard: int, n: int) -> list[int] | None:
-    """``n`` host slots on ``shard`` (referenced); cached blocks evicted to make room go on
-    to the disk and the pool first. None when every slot is held."""
-    slots, evicted = self.manager.allocate(shard, n, Tier.HOST)
-    if evicted:  # read them out before they are overwritten
-      self.host_down([(shard, p, k) for k, p in evicted])
-    return slots
-
-  def allocate_disk(self, n: int) -> list[int] | None:
-    """``n`` disk slots (referenced) for private records; the records of cached blocks
-    evicted to make room are deleted. None when every slot is held."""
-    return self.journal.allocate(n)
-
-  def _device_to_host(self, pools, blocks: list[Block]) -> None:
-    if not blocks:
-      return
-    placed, host_victims, overflow = [], [], []
-    for b in blocks:
-      slot, evicted = self.manager.allocate(b[0], 1, Tier.HOST)
-      if slot is None:  # every host slot of this shard is taken by blocks in flight
-        overflow.append(b)
-        continue
-      host_victims.extend((b[0], p, k) for k, p in evicted)
-      placed.append((b[0], b[1], b[2], slot[0]))
-    self.host_down(host_victims)
-    if self.disk is not None or self.pool is not None:
-      self._device_down(pools, overflow)
-    else:
-      self.stats.add("host_full_drops", len(overflow))
-    if not placed:
-      return
-    # One program per bucket: gathered on device, sent to the slots (no host computation).
-    self.host.store_pages(pools, [(shard, page, slot) for shard, page, _, slot in placed])
-    for shard, _, key, slot in placed:
-      self.manager.copied(shard, slot, key, Tier.HOST)
-    self.stats.add("demoted_host", len(placed))
-    self.stats.add("bytes_moved", self._bytes(len(placed)))
-
-  def host_down(self, blocks: list[Block]) -> None:
-    """``blocks``: (shard, host slot, key) of host slots about to be overwritten: to the
-    disk and the pool (one read of the host slots for both)."""
-    to_disk = self._missing(blocks, Tier.DISK) if self.disk is not None else []
-    to_pool = self._not_in_pool(blocks)
-    both = list({b[2]: b for b in to_disk + to_pool}.values())
-    if not both:
-      return
-    ids, per = buckets.shard_ids(both, self.num_shards, 0, lambda b: b[1])
-    self._write_down(self.host.read_numpy(ids), per, ids.shape[1], {b[2] for b in to_disk},
-                     {b[2] for b in to_pool})
 
   # ---- the disk journal (``jaxkv.worker.journal``) ------------------------------------------------
   @property

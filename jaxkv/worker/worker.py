@@ -2,9 +2,12 @@
 
 It holds the device page pools, the lower tiers (host pool, disk store, remote peers) and
 the ``TierMover`` (with its disk journal) that moves blocks between them. Every writer of a
-page goes through ``update_pools``; tier work arrives as a step plan's orders (the runner
-carries them out through the mover before the step's compute) or as the few whole-cache
-operations ``KVCache`` offers (offload, flush). It never writes the index: the blocks a
+page goes through one of its verbs (``run`` a model step, ``start_promote`` /
+``finish_promote`` a fetch group, ``land`` staged blocks, ``warm_moves``), the only callers
+of ``update_pools``. Tier work arrives as resolved ``TierOrders`` (``carry_out``): every
+destination slot chosen by the manager, from a step plan or from a writer outside one
+(offload, a streamed sequence, a restore), so the worker copies and reports and decides
+nothing. It never writes the index: the blocks a
 store holds at open come back as values, a copy down that filled a slot is reported to the
 host-side ``CacheManager`` (which publishes), and a fetch that failed verification comes
 back in the step's result, which the scheduler settles through the manager.
@@ -189,8 +192,9 @@ class CacheWorker:
   def update_pools(self, fn) -> tuple:
     """The one way the pools change: ``fn(pools)`` takes them (a jitted step donates them)
     and returns ``(new pools, *rest)``; the new pools replace the old and ``rest`` is
-    returned. Every writer of a page (steps, fetches, restores, calibration) goes
-    through here."""
+    returned. Called only by this class's verbs (``run``, ``start_promote``,
+    ``finish_promote``, ``land``, ``warm_moves``): every writer of a page (steps, fetches,
+    restores, calibration) goes through one of them."""
     self._check_attached()
     pools, *rest = fn(self._pools)
     self._pools = list(pools)
@@ -219,10 +223,41 @@ class CacheWorker:
     """``put_rows`` of several arrays in one transfer call (a step's inputs)."""
     return jax.device_put(list(xs), [self._row_sharding(x.ndim) for x in xs])
 
-  # ---- tier work ------------------------------------------------------------------------------
-  def demote(self, blocks) -> None:
-    """Copies ``blocks`` (the manager's victims) down the tiers before their pages go."""
-    self.mover.demote(self.pools, blocks)
+  # ---- what changes the pools: every caller goes through these verbs --------------------------
+  def run(self, step, *args):
+    """Runs a jitted model step ``step(pools, *args) -> (new pools, *rest)`` over the pools
+    (donated); returns ``rest``."""
+    return self.update_pools(lambda pools: step(pools, *args))
+
+  def carry_out(self, orders) -> None:
+    """Carries out resolved ``TierOrders`` (the manager chose every destination): copies
+    down, records deleted, the journal pumped (``TierMover.carry_out``). Copies read the
+    pools; none writes them."""
+    self.mover.carry_out(self.pools, orders)
+
+  def start_promote(self, fetches):
+    """Issues a fetch group (``TierMover.start_promote``); returns its ``PendingFetch``."""
+    pending, = self.update_pools(lambda pools: self.mover.start_promote(pools, fetches))
+    return pending
+
+  def finish_promote(self, pending, t_end: float):
+    """Waits for, verifies and lands a fetch group; returns its ``FetchReport``."""
+    report, = self.update_pools(lambda pools: self.mover.finish_promote(pools, pending, t_end))
+    return report
+
+  def abandon(self, pending) -> None:
+    """A fetch group that will never be finished: its pins are released."""
+    self.mover.abandon(pending)
+
+  def land(self, landing) -> None:
+    """Scatters a ``Landing`` (device stack and destination pages) into the pools."""
+    self.update_pools(lambda pools: (self.mover.land(pools, landing),))
+
+  def warm_moves(self, max_pages: int) -> None:
+    """Compiles every tier move's bucket up to ``max_pages`` pages per shard (all padding:
+    no page is read into or written over) and waits for them."""
+    self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
+    jax.block_until_ready(self.pools)
 
   def flush(self, timeout_s: float) -> int:
     """Waits for lower-tier writes in flight (disk writes, the pool's queued puts); returns

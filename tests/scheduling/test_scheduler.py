@@ -92,6 +92,12 @@ class Loop:
     """One step: the scheduler's plan, this test's result for it, the scheduler's update."""
     plan = self.scheduler.schedule()
     self.plans.append(plan)
+    # As the worker does: every copy goes where the manager chose, and is reported.
+    assert plan.orders.resolved
+    for c in plan.orders.to_host:
+      self.manager.copied(c.shard, c.dst, c.key, Tier.HOST)
+    for key, slot in plan.orders.to_disk:
+      self.manager.copied(0, slot, key, Tier.DISK)
     if plan.empty:
       return plan, self.scheduler.update(plan, None)
     tokens = {c.seq.request: self.token(c.seq.request, c.start + len(c.tokens))
@@ -313,13 +319,15 @@ def test_a_failed_or_late_fetch_recomputes_from_that_block_on(loop_factory, fail
   h = loop.submit(tokens, max_new_tokens=2)
   plan, _ = loop.step()
   assert len(plan.fetch.fetches) == 4 and plan.settle == (plan.fetch.group,)
+  # The failed block and the chain after it are gone from the host tier, block 0 stays.
+  assert [loop.index.slot_of(0, k, Tier.HOST) is not None for k in keys] == [1, 0, 0, 0]
   plan, _ = loop.step()  # the rest of the prompt: from the failed block on
   assert [(c.start, c.recompute) for c in plan.prefill] == [(1 * PAGE, False)]
   loop.run([h])
   assert loop.stats.hits["host"] == 1 and h.cached_tokens == PAGE  # block 0 only
   assert loop.stats["blocks_recomputed"] == 21 // PAGE - 1
-  # The failed block and the chain after it are gone from the host tier, block 0 stays.
-  assert [loop.index.slot_of(0, k, Tier.HOST) is not None for k in keys] == [1, 0, 0, 0]
+  # Recomputed, the chain is written through to host slots the manager chose again.
+  assert [loop.index.slot_of(0, k, Tier.HOST) is not None for k in keys] == [1, 1, 1, 1]
   assert h.tokens == expected(loop, h, 2)
 
 

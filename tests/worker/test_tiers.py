@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 import jaxkv
 from jaxkv.worker import pages as pages_lib
 from jaxkv.tools import workloads
+from jaxkv.scheduling.step import TierOrders
 from jaxkv.worker.tiers.base import Fetch
 from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers import blocks, localdir
@@ -150,8 +151,11 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     index.release(1, pages)
     # Two fit on host; then the host evicts those to disk to take the next two, and the
     # last one goes straight to disk (both host slots are in flight).
-    mover.demote(engine.cache.pools, [(1, p, k) for p, k in zip(pages[:2], keys[:2])])
-    mover.demote(engine.cache.pools, [(1, p, k) for p, k in zip(pages[2:], keys[2:])])
+    # Every destination is the manager's choice; the worker copies what it is told.
+    for part in (slice(0, 2), slice(2, 5)):
+      orders = engine.cache.manager.resolve(TierOrders(demote=tuple(
+          (1, p, k) for p, k in zip(pages[part], keys[part]))))
+      engine.cache.worker.carry_out(orders)
     assert mover.flush(30) == 0
     assert [index.slot_of(1, k, Tier.HOST) is not None for k in keys] == [0, 0, 1, 1, 0]
     assert index.num_cached(1, Tier.HOST) == 2 and index.num_cached(0, Tier.DISK) == 3

@@ -116,7 +116,7 @@ def _capacity(probe: Engine, quick: bool) -> dict:
       tiers = TierConfig(pool_master=m.address, pool_metadata=m.metadata, pool_segment_mb=0,
                          pool_queue_mb=64)
       from jaxkv.worker.tiers.pool import PoolTier  # pylint: disable=import-outside-toplevel
-      live = probe.cache.pool
+      live = probe.cache.worker.pool
       tier = PoolTier(tiers, payload_shape=live.payload_shape, dtype=live.dtype,
                       fingerprint=b"capacity" + secrets.token_bytes(24), key=None).open()
       try:
@@ -226,7 +226,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       probe = mk(True, (addr,))
       probe.warmup(max_seq_len=len(request) + 8)
       keys = probe.cache.index.block_keys(p, "default")
-      pool, client = probe.cache.pool, probe.cache.remotes[0]
+      pool, client = probe.cache.worker.pool, probe.cache.worker.remotes[0]
       if not all(pool.present(keys)):
         raise RuntimeError(f"the serving job put {puts} blocks but the pool lacks some of the "
                            f"prefix's {len(keys)}")

@@ -134,7 +134,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
     probe = mk((addr,))
     probe.warmup(max_seq_len=len(request) + 8)
     keys = probe.cache.index.block_keys(p, "default")
-    client = probe.cache.remotes[0]
+    client = probe.cache.worker.remotes[0]
     nbytes = len(keys) * probe.cache.config.page_bytes
     fetch = lambda: client.fetch(keys, probe.cache.payload_shape, probe.cache.config.jnp_dtype,
                                  time.monotonic() + 60)

@@ -55,7 +55,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
 
   def restore():
     Checkpointer(engines["restore"].cache, directory).restore()
-    jax.block_until_ready(engines["restore"].cache.pools)
+    jax.block_until_ready(engines["restore"].cache.worker.pools)
 
   def recompute():
     engines["recompute"].generate(histories, 1)

@@ -48,7 +48,7 @@ class EmulatedLink:
   after it started (the wait overlaps whatever compute was dispatched meanwhile)."""
 
   def __init__(self, cache: KVCache, bytes_per_s: float, latency_s: float):
-    mover = cache.mover
+    mover = cache.worker.mover
     real = mover.finish_promote
     page_bytes = cache.config.page_bytes
 

@@ -69,7 +69,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
   # The transfer alone: one step's cold pages, host -> device, for every layer.
   e = engines["stream_host"]
   cold_pages = context_pages - stream.sink_pages - stream.window_pages
-  host = e.cache.host
+  host = e.cache.worker.host
   ids = np.zeros((e.cache.num_shards, cold_pages), np.int32)
   ids[0] = np.arange(cold_pages)
   transfer = common.interleaved({"transfer": lambda: host.load(ids)[0].block_until_ready()},

@@ -659,10 +659,10 @@ class BlockServer:
                                    shard_of=lambda p: p[1])
       n = ids.shape[1]
       if tier == Tier.DEVICE:
-        stack = pages_lib.gather_stacked(cache.pools, cache.put_rows(ids), mesh=cache.mesh,
+        stack = pages_lib.gather_stacked(cache.worker.pools, cache.put_rows(ids), mesh=cache.mesh,
                                          config=cache.config)
       else:
-        stack = cache.host.read_numpy(ids)
+        stack = cache.worker.host.read_numpy(ids)
       for s, items in enumerate(per):
         if not items:
           continue
