@@ -4,12 +4,15 @@ Kept out of the library on purpose: this is the only place that touches the proc
 environment, and it must run before JAX is imported.
 """
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import sys
+import warnings
 
 from absl import flags
 
@@ -98,21 +101,81 @@ def use_compilation_cache() -> str | None:
 def check_platform(cfg) -> None:
   """Starts JAX's backend and refuses, in one line, a config made for a platform this
   machine does not have. In a multi-process job, call it after ``distributed.initialize``
-  (which must come before the backend starts)."""
+  (which must come before the backend starts).
+
+  What JAX says while it starts its backends (a plugin that fails, a GPU it cannot use, the
+  TPU probe) is held back: a refusal folds the part that explains it into its one line; a
+  run that goes on logs it as it would have."""
   import jax
   want = cfg.get("platform", None)
   name = cfg.get("name", None)
   what = f"config {name} is" if name else "this run is"
-  try:
-    backend = jax.default_backend()
-  except RuntimeError:
-    backend = None
+  with _held_backend_messages() as held:
+    try:
+      backend = jax.default_backend()
+    except RuntimeError as e:
+      backend = None
+      held.failure = str(e)
   if want and backend != want:
     has = f"runs {backend!r}" if backend else f"cannot start JAX's {want!r} backend"
+    said = held.explaining(want)
     refuse(f"{what} for platform {want!r} but this machine {has} (JAX_PLATFORMS="
            f"{os.environ.get('JAX_PLATFORMS', '')!r}); run it where that platform is"
            + (", or size it with launch/plan.py --config=... on any machine." if name else
-              ", or choose --platform=cpu."))
+              ", or choose --platform=cpu.")
+           + (f" JAX said: {' | '.join(said)}" if said else ""))
+  held.replay()
+
+
+# The names a platform's backends go by in JAX's messages.
+_BACKEND_NAMES = {"gpu": ("gpu", "cuda", "rocm", "nvidia"), "tpu": ("tpu",)}
+
+
+class _HeldMessages(logging.Handler):
+  """JAX's backend log records and Python warnings from one backend start, kept."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.records, self.warnings, self.failure = [], [], None
+
+  def emit(self, record):
+    self.records.append(record)
+
+  def explaining(self, platform: str) -> list:
+    """Each warning, error and failure's first line, and what was said about ``platform``."""
+    names = _BACKEND_NAMES.get(platform, (platform,))
+    lines = [r.getMessage() for r in self.records
+             if r.levelno >= logging.WARNING or any(n in r.getMessage().lower() for n in names)]
+    lines += [str(w.message) for w in self.warnings]
+    lines += [self.failure] if self.failure else []
+    return [line.strip().splitlines()[0] for line in lines if line.strip()]
+
+  def replay(self):
+    for record in self.records:
+      logger = logging.getLogger(record.name)
+      if logger.isEnabledFor(record.levelno):
+        logger.handle(record)
+    for w in self.warnings:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+@contextlib.contextmanager
+def _held_backend_messages():
+  logger = logging.getLogger("jax._src.xla_bridge")
+  held = _HeldMessages()
+  level, propagate = logger.level, logger.propagate
+  logger.addHandler(held)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      yield held
+  finally:
+    held.warnings = list(caught)
+    logger.removeHandler(held)
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 def _jaxkv_info_only(record) -> bool:

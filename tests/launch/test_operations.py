@@ -35,22 +35,35 @@ def clean_env():
   return helpers.child_env(drop=("JAX_PLATFORMS",))
 
 
+BROKEN_PLUGIN = "jaxkv_test_broken"
+
+
 def cloned_env(tmp):
-  """``clean_env`` with JAX imported from under a directory named ``jaxkv``, as it is for a
-  user whose virtual environment lives in a clone (``~/jaxkv/.venv``): JAX's backend probe
-  logs at INFO from there (``Unable to initialize backend 'tpu'`` where no libtpu is), and
-  a filter that takes any path with ``/jaxkv/`` in it for jaxkv's own lets that line
-  through, ahead of the refusal (issue #50: two lines on another machine, one here)."""
+  """``clean_env`` as some users' machines have it, made here: JAX imported from under a
+  directory named ``jaxkv`` (a virtual environment in a clone, ``~/jaxkv/.venv``) and a JAX
+  plugin that fails to start (``jax_plugins.BROKEN_PLUGIN``). From there JAX's backend probe
+  logs ``Unable to initialize backend 'tpu'`` at INFO (where no libtpu is), which a filter
+  that took any path with ``/jaxkv/`` in it for jaxkv's own let through ahead of the refusal
+  (issue #50: two lines on another machine, one here), and the plugin's error and traceback
+  (an ERROR, shown whatever the filter) came before it too."""
   import jax
   site = tmp / "jaxkv" / "site"
   site.parent.mkdir()
   site.symlink_to(os.path.dirname(os.path.dirname(os.path.realpath(jax.__file__))))
+  plugins = tmp / "plugins" / "jax_plugins"  # a namespace package beside JAX's own
+  plugins.mkdir(parents=True)
+  (plugins / f"{BROKEN_PLUGIN}.py").write_text(
+      "def initialize():\n  raise RuntimeError('this plugin cannot start')\n")
   env = clean_env()
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-  found = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
-                          "print(u.find_spec('jax').origin)"], env=env, capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-  assert f"{os.sep}jaxkv{os.sep}site{os.sep}jax{os.sep}" in found, found  # the condition holds
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(plugins.parent),
+                                                    env.get("PYTHONPATH")]))
+  where = ("import importlib.util as u; "
+           f"print(u.find_spec('jax').origin, u.find_spec('jax_plugins.{BROKEN_PLUGIN}').origin)")
+  _, found, _ = helpers.finish_process(
+      helpers.start_process([sys.executable, "-c", where], env=env), 60, "finding JAX")
+  # the conditions hold: JAX is found under jaxkv/, the broken plugin where JAX looks
+  assert f"{os.sep}jaxkv{os.sep}site{os.sep}jax{os.sep}" in found, found
+  assert str(plugins) in found, found
   return env
 
 
@@ -270,11 +283,44 @@ def test_every_refusal_is_one_line_exit_2_before_any_work(refused, i):
   if case.real:
     code, _, err = real[i]
     check_refusal(case, code, err)
+    if "platform '" in case.needle:  # what JAX said when its backends started is in the line
+      assert f"JAX said: Jax plugin configuration error: Exception when calling jax_plugins." \
+             f"{BROKEN_PLUGIN}.initialize()" in err, err
 
 
 def test_refusals_write_nothing(refused):
   _, _, before, after = refused
   assert after == before  # nothing written, no .tmp left
+
+
+# Starts JAX's backend as a launch script does, then asks the log filter of launch scripts
+# whether an INFO line from JAX's file, jaxkv's and launch/'s would show.
+GOES_ON = """
+import json, logging, sys
+sys.path.insert(0, "launch")
+import _common
+_common.check_platform({"platform": "cpu"})
+import jax._src.xla_bridge, jaxkv.config
+files = [jax._src.xla_bridge.__file__, jaxkv.config.__file__, _common.__file__]
+shown = [_common._jaxkv_info_only(logging.LogRecord("x", logging.INFO, f, 1, "m", None, None))
+         for f in files]
+print(json.dumps([files[0], shown]))
+"""
+
+
+def test_jaxs_start_messages_show_when_the_run_goes_on_and_its_info_lines_never(tmp_path):
+  """``check_platform`` holds JAX's backend messages only to fold them into a refusal: a
+  run on the platform it asked for logs them as JAX would have (the plugin's error and its
+  traceback). Launch scripts show INFO lines from jaxkv and launch/ only, decided by those
+  directories: JAX's, imported from under a directory named jaxkv, stay hidden."""
+  code, out, err = helpers.finish_process(
+      helpers.start_process([sys.executable, "-c", GOES_ON], env=cloned_env(tmp_path)), 120,
+      "check_platform")
+  assert code == 0, err[-3000:]
+  jax_file, shown = json.loads(out.strip().splitlines()[-1])
+  assert f"{os.sep}jaxkv{os.sep}site{os.sep}" in jax_file and shown == [False, True, True], out
+  assert f"Exception when calling jax_plugins.{BROKEN_PLUGIN}.initialize()" in err, err
+  assert "RuntimeError: this plugin cannot start" in err, err
 
 
 BUGGY = """
