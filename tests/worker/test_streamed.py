@@ -191,3 +191,26 @@ def test_stream_config_is_validated(mesh):
   with pytest.raises(ValueError, match="needs a host tier"):
     helpers.make_engine(mesh, mc, cache=helpers.cache_config_for(mc),
                         stream=jaxkv.StreamConfig())
+
+
+def test_a_streamed_sequence_keeps_the_cached_blocks_its_pages_evict(mesh):
+  """The device pages a streamed sequence takes held other requests' cached blocks: they
+  are copied down to host slots the manager chose (write-back, as a step's evictions are),
+  not lost, so the same prompts hit afterwards."""
+  engine = stream_engine(mesh)
+  rng = np.random.default_rng(7)
+  short = [rng.integers(1, 128, 41).tolist() for _ in range(4)]  # 10 full blocks each
+  first = engine.generate(short, 2)
+  cached = {sh: engine.cache.index.num_cached(sh, Tier.DEVICE) for sh in range(4)}
+  assert sum(cached.values()) >= 4 * 10 and engine.stats()["demoted_host"] == 0
+  engine.generate([LONG_PROMPTS[0]], 2)  # 7 of a shard's 12 pages: cached blocks evicted
+  assert engine.stats()["streamed_requests"] == 1
+  demoted = engine.stats()["demoted_host"]
+  assert demoted > 0  # before: the stream's allocation dropped what it evicted
+  hits_before = engine.stats()["hits"]["host"]
+  again = engine.generate(short, 2)
+  assert again == first
+  # Every block the stream demoted is served again from its host slot (shards the stream
+  # did not touch still hold theirs on device).
+  assert engine.stats()["hits"]["host"] - hits_before >= demoted
+  engine.cache.index.check_invariants()
