@@ -230,7 +230,7 @@ def test_n_samples_each_equal_their_seed_alone_and_prompt_batches_keep_their_ord
   assert [extra(ch, "token_ids") for ch in sorted(r.choices, key=lambda x: x.index)] == alone
   made = sum(map(len, alone))  # (a sample may end early, at an EOS token)
   assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == made
-  streamed = {}
+  streamed, usage = {}, []
   for chunk in c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0.9,
                                     top_p=0.95, seed=11, n=3, stream=True,
                                     stream_options={"include_usage": True},
@@ -238,8 +238,12 @@ def test_n_samples_each_equal_their_seed_alone_and_prompt_batches_keep_their_ord
     for ch in chunk.choices:
       streamed.setdefault(ch.index, []).extend(extra(ch, "token_ids") or [])
     if chunk.usage is not None:
-      assert chunk.usage.completion_tokens == made
+      usage.append((chunk.usage, len(chunk.choices)))
   assert [streamed[j] for j in range(3)] == alone
+  # include_usage: exactly one usage chunk, with no choices, counting all three samples.
+  assert len(usage) == 1, usage
+  assert usage[0][1] == 0 and usage[0][0].completion_tokens == made
+  assert usage[0][0].prompt_tokens == len(p)
   # A batch of prompts: choices prompt by prompt, n each.
   r = c.completions.create(model=name, prompt=[p, q], max_tokens=6, temperature=0.9,
                            top_p=0.95, seed=11, n=2, extra_body={"return_token_ids": True})
@@ -378,6 +382,7 @@ def test_a_prompt_past_the_device_budget_is_streamed_beside_batched_requests(
     r = c.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0,
                              extra_body={"return_token_ids": True})
     results[key] = extra(r.choices[0], "token_ids")
+    results[key, "finish"] = r.choices[0].finish_reason
 
   threads = [threading.Thread(target=ask, args=("long", long_prompt, 2))] + [
       threading.Thread(target=ask, args=(i, p, 5)) for i, p in enumerate(short)]
@@ -387,7 +392,8 @@ def test_a_prompt_past_the_device_budget_is_streamed_beside_batched_requests(
     t.join(300)
   assert all(not t.is_alive() for t in threads)
   expect, _ = hf.reference_greedy(parts[1], parts[2], long_prompt, 2)
-  assert results["long"] == expect[:len(results["long"])] and results["long"]
+  # The whole answer (ended by max_tokens), not a prefix of it.
+  assert results["long"] == expect and results["long", "finish"] == "length", results
   for i, p in enumerate(short):
     assert results[i] == want(reference, p, max_new_tokens=5)
   info = httpx.get(state["server"].base + "/tokenizer_info", timeout=30,
