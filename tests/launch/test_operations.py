@@ -91,7 +91,7 @@ class Refusal:
 
 REFUSALS = [
     Refusal("serve.py", ("--config=configs/llama3_8b_h200.py",), "platform 'gpu'", real=True),
-    Refusal("serve.py", ("--config=configs/tpu_v5e_8.py",), "platform 'tpu'"),
+    Refusal("serve.py", ("--config=configs/tpu_v5e_8.py",), "platform 'tpu'", real=True),
     Refusal("serve.py", ("--json_out={a_dir}",), "is a directory"),
     Refusal("serve.py", ("--metrics_out={a_dir}",), "is a directory"),
     Refusal("serve.py", ("--json_out={a_file}/x.json",), "not a writable directory"),
