@@ -33,19 +33,40 @@ class Reader:
     self.messages = []  # (topic, seq, payload as plain msgpack)
     self.held = {}  # (hash, medium) -> the BlockStored map
 
-  def read(self, quiet_s: float = 0.3) -> None:
-    while self.sock.poll(int(quiet_s * 1000)):
-      topic, seq, payload = self.sock.recv_multipart()
-      assert len(seq) == 8
-      batch = msgspec.msgpack.decode(payload)
-      self.messages.append((topic, int.from_bytes(seq, "big", signed=True), batch))
-      for ev in batch[1]:
-        if ev["type"] == "AllBlocksCleared":
-          self.held.clear()
-        elif ev["type"] == "BlockStored":
-          self.held[ev["block_hashes"][0], ev["medium"]] = ev
-        else:
-          del self.held[ev["block_hashes"][0], ev["medium"]]
+  def read_until(self, condition, what: str, timeout_s: float = 10.0) -> None:
+    """Takes messages until ``condition()`` holds; past ``timeout_s`` the test fails."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+      left = deadline - time.monotonic()
+      if left <= 0:
+        pytest.fail(f"{what}: not so after {timeout_s} s ({len(self.messages)} messages read)")
+      if self.sock.poll(max(1, int(min(left, 0.1) * 1000))):
+        self.take()
+
+  def connected(self) -> None:
+    """Waits for the snapshot the publisher sends each new subscriber: from then on the
+    reader misses nothing (a SUB socket drops what is sent before it has subscribed)."""
+    self.read_until(lambda: self.messages, "the new reader's snapshot")
+    assert self.messages[0][2][1][0] == {"type": "AllBlocksCleared"}
+
+  def take(self) -> None:
+    topic, seq, payload = self.sock.recv_multipart()
+    assert len(seq) == 8
+    batch = msgspec.msgpack.decode(payload)
+    self.messages.append((topic, int.from_bytes(seq, "big", signed=True), batch))
+    for ev in batch[1]:
+      if ev["type"] == "AllBlocksCleared":
+        self.held.clear()
+      elif ev["type"] == "BlockStored":
+        self.held[ev["block_hashes"][0], ev["medium"]] = ev
+      else:
+        del self.held[ev["block_hashes"][0], ev["medium"]]
+
+  def caught_up(self, engine) -> None:
+    """Reads until the stream says the engine's index holds what it holds (an idle engine's
+    events are all sent); past the deadline the test fails."""
+    self.read_until(lambda: set(self.held) == index_state(engine),
+                    "the stream to tell what the index holds")
 
   def close(self):
     self.sock.close(0)
@@ -97,14 +118,13 @@ def test_the_stream_is_vllms_format_and_says_what_the_index_holds_medium_by_medi
   e, pub, _ = engine_with_events()
   reader = Reader(pub)
   try:
-    time.sleep(0.3)
+    reader.connected()
     ps = prompts(10, 22)
     e.generate(ps, 4)
     e.generate(ps[:3], 4)  # hits, and more evictions down the tiers
     e.flush()
     e.generate(ps[3:4], 1)  # publishes the disk writes that committed
-    reader.read()
-    assert reader.messages, "no KV event arrived"
+    reader.caught_up(e)  # (what the stream says is held is what the index holds)
     seqs = [s for _, s, _ in reader.messages]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps
     kinds = collections.Counter()
@@ -124,8 +144,7 @@ def test_the_stream_is_vllms_format_and_says_what_the_index_holds_medium_by_medi
         else:
           assert ev == {"type": "AllBlocksCleared"}
     assert kinds["BlockStored"] and kinds["BlockRemoved"] and kinds["AllBlocksCleared"] >= 1
-    # What the stream says is held is what the index holds, in every medium.
-    assert set(reader.held) == index_state(e)
+    # ... in every medium.
     assert {m for _, m in reader.held} == {"GPU", "CPU", "DISK"}
     # Chains: a prompt's block j names block j-1 as its parent, and carries its tokens as
     # its tenant's router asks for them: one 32-bit id per token, keyed by the token and its
@@ -152,9 +171,10 @@ def test_replay_answers_from_a_seq_and_a_late_reader_gets_a_snapshot(engine_with
   e, pub, replay = engine_with_events()
   first = Reader(pub)
   try:
-    time.sleep(0.3)
+    first.connected()
     e.generate(prompts(4, 18, seed=1), 3)
-    first.read()
+    first.caught_up(e)
+    assert len(first.messages) >= 3
     # Replay from the second message on: the same payloads, in order, then seq -1.
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -176,10 +196,9 @@ def test_replay_answers_from_a_seq_and_a_late_reader_gets_a_snapshot(engine_with
     # A reader that connects now is told everything held, after AllBlocksCleared.
     # (The publisher sends at most one snapshot a second, so it may come up to 1 s late.)
     late = Reader(pub)
-    helpers.wait_for(lambda: late.read() or late.messages, 10, "the late reader's snapshot",
-                     interval_s=0.1)
-    assert late.messages and late.messages[0][2][1][0] == {"type": "AllBlocksCleared"}
-    assert set(late.held) == set(first.held) == index_state(e)
+    late.connected()
+    late.caught_up(e)
+    assert set(late.held) == set(first.held)
     assert e.cache.events_publisher.snapshots >= 2
     late.close()
   finally:
@@ -191,13 +210,13 @@ def test_tenants_identical_prompts_are_different_blocks_and_hashes_only_leaves_o
   e, pub, _ = engine_with_events(kv_events_tokens=False)
   reader = Reader(pub)
   try:
-    time.sleep(0.3)
+    reader.connected()
     p = prompts(1, 17, seed=2)[0]
     for tenant in ("alice", "bob"):
       e.submit(p, 2, tenant=tenant)
       while e.has_unfinished():
         e.step()
-    reader.read()
+    reader.caught_up(e)
     gpu = {h for h, m in reader.held if m == "GPU"}
     a = {block_hash(k) for k in e.cache.index.block_keys(p, "alice")}
     b = {block_hash(k) for k in e.cache.index.block_keys(p, "bob")}
@@ -223,12 +242,12 @@ def test_each_tenant_is_told_its_own_token_ids_and_raw_ids_are_an_opt_in(engine_
     e, pub, _ = engine_with_events(kv_events_raw_tokens=raw)
     reader = Reader(pub)
     try:
-      time.sleep(0.3)
+      reader.connected()
       for tenant in ("alice", "bob", "alice\x1fsalt"):
         e.submit(p, 2, tenant=tenant)
         while e.has_unfinished():
           e.step()
-      reader.read()
+      reader.caught_up(e)
       told = {t: told_tokens(e, reader, p, t) for t in ("alice", "bob", "alice\x1fsalt")}
       assert all(len(blocks) == 4 for blocks in told.values()), told
       want = [p[4 * j:4 * j + 4] for j in range(4)]
@@ -256,15 +275,16 @@ def test_blocks_adopted_from_disk_are_told_once_a_prompt_names_their_tokens(
   e, pub, _ = engine_with_events(tiers)
   reader = Reader(pub)
   try:
-    reader.read()
+    reader.connected()  # the snapshot: everything held that can be told
     adopted = e.cache.disk_recovered["adopted"]
     assert adopted >= 5 and e.cache.events.untold == adopted
     assert not any(m == "DISK" for _, m in reader.held)  # no tokens: not told yet
     e.generate([p], 2)
-    reader.read()
     keys = e.cache.index.block_keys(p, "default")
-    assert {(block_hash(k), "DISK") for k in keys} <= set(reader.held)
     state = index_state(e)
+    reader.read_until(lambda: {(block_hash(k), "DISK") for k in keys} | {
+        x for x in state if x[1] != "DISK"} <= set(reader.held),
+                      "the stream to tell p's disk blocks and every block of another medium")
     assert set(reader.held) <= state
     assert {x for x in state if x[1] != "DISK"} <= set(reader.held)
     untold = {x for x in state if x[1] == "DISK"} - set(reader.held)
