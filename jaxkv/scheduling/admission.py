@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -53,7 +54,9 @@ class Request:
 
   @property
   def index(self) -> int:
-    """The request's id under its former name (it was never a position)."""
+    """Deprecated: the request's id under its former name (it was never a position)."""
+    warnings.warn("Request.index is deprecated: it is Request.id.", DeprecationWarning,
+                  stacklevel=2)
     return self.id
 
 

@@ -18,7 +18,7 @@ What ``schedule`` does
   prefix makes them cheapest, each into a free row of ``max_seqs_per_shard``; the planner
   picks each one's split point ``s`` (blocks ``[hot, s)`` recomputed, ``[s, cached)``
   fetched) and the fetches of the step's admissions form one *fetch group*, issued by the
-  runner at the start of the step. ``policy="waves"`` (``EngineConfig(batching="static")``)
+  runner at the start of the step. ``batching="waves"`` (``EngineConfig(batching="static")``)
   admits only into an empty batch: the same loop, run as static batches.
 - Prefill. Every prefilling request gets one chunk per step: first its planned recompute
   ``[hot, s)``, then, once its fetch group is verified, the rest of its prompt. Chunks are
@@ -57,7 +57,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 from absl import logging
@@ -68,10 +69,11 @@ from jaxkv.manager.index import TIER_NAMES, Tier
 from jaxkv.scheduling.step import (DecodeRow, FetchGroup, FetchReport, PrefillChunk, SeqRows,
                                    StepPlan, StepResult, TierOrders)
 
-__all__ = ["DecodeRow", "FetchGroup", "POLICIES", "PrefillChunk", "RequestHandle", "Scheduler",
+__all__ = ["BATCHING", "DecodeRow", "FetchGroup", "POLICIES", "PrefillChunk", "RequestHandle", "Scheduler",
            "SeqRows", "StepOutput", "StepPlan", "StepResult", "TierOrders"]
 
-POLICIES = ("continuous", "waves")
+BATCHING = ("continuous", "waves")
+POLICIES = BATCHING  # its former name
 
 
 class RequestHandle:
@@ -164,20 +166,61 @@ class _Seq:
   pos: int = 0  # position of the next token fed to decode
 
 
+def waiting_for_prefix(queue, free: list[list[int]], running, index, num_shards: int
+                       ) -> set[int]:
+  """The ids of the requests in ``queue`` that wait this step because blocks of their
+  prompt are being computed, cached nowhere yet, on the shard they would run on: by a
+  running sequence on a shard with a free row (as many as it has free rows), or, with one
+  data shard, by a request ahead of them in the queue. Once the blocks are published they
+  reuse them there instead of computing them a second time on the same device. (On another
+  shard, computing them costs no wait: they run in parallel.) Block keys are chained, so
+  sharing block ``j`` means sharing the whole prefix up to it."""
+  computing: dict = {}  # key -> shard computing it (None: a request ahead in the queue)
+  for s in running:
+    if not s.decoding and free[s.placement.shard]:
+      computing.update(dict.fromkeys(s.placement.request.keys, s.placement.shard))
+  one_shard = num_shards == 1
+  room = [len(f) for f in free]  # requests that can still join each shard
+  held = set()
+  for req in queue:
+    if req.sampling.prompt_logprobs is not None:  # computes its whole prompt anyway
+      continue
+    shared = 0
+    while shared < len(req.keys) and req.keys[shared] in computing:
+      shared += 1
+    last = req.keys[shared - 1] if shared else None
+    there = None if last is None else computing[last]
+    if last is not None and (one_shard or (there is not None and room[there] > 0)) and all(
+        index.slot_of(s, last, t) is None for s in range(num_shards)
+        for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
+      held.add(req.id)
+      if there is not None:
+        room[there] -= 1
+    else:  # it computes its own blocks: on one shard, requests behind it may wait
+      computing.update(dict.fromkeys(req.keys[shared:], None))
+  return held
+
+
 class Scheduler:
   """Runs submitted requests step by step over one cache."""
 
   def __init__(self, manager, planner, admission, *, max_seqs_per_shard: int,
                prefix_reuse: bool, cache_decode_blocks: bool, chunk_tokens: int,
-               policy: str = "continuous"):
+               batching: str = "continuous", policy: str | None = None):
     """``manager``: the cache's host side (``jaxkv.manager.CacheManager``); the scheduler
-    touches no pool and no tier, and asks for tier work only through its plans' orders."""
-    if policy not in POLICIES:
-      raise ValueError(f"policy={policy!r} must be one of {POLICIES}.")
+    touches no pool and no tier, and asks for tier work only through its plans' orders.
+    ``batching``: ``continuous`` or ``waves`` (``policy`` is its former name: "policy" is
+    ``SchedulerConfig.policy``, the fetch-or-recompute decision)."""
+    if policy is not None:
+      warnings.warn("Scheduler(policy=) is deprecated: it is Scheduler(batching=) "
+                    "('continuous' or 'waves').", DeprecationWarning, stacklevel=2)
+      batching = policy
+    if batching not in BATCHING:
+      raise ValueError(f"batching={batching!r} must be one of {BATCHING}.")
     self.manager, self.planner, self.admission = manager, planner, admission
     self.index, self.stats, self.page = manager.index, manager.stats, manager.page_size
     self.prefix_reuse, self.cache_decode_blocks = prefix_reuse, cache_decode_blocks
-    self.policy, self.chunk_tokens = policy, chunk_tokens
+    self.batching, self.chunk_tokens = batching, chunk_tokens
     self.rows_per_shard = buckets.pow2_at_least(max_seqs_per_shard)  # slots per shard
     self.max_seqs_per_shard = max_seqs_per_shard
     self.waiting: collections.deque = collections.deque()  # Requests not yet placed
@@ -299,7 +342,7 @@ class Scheduler:
   def _admit(self) -> tuple[tuple, FetchGroup | None, tuple]:
     """Places what fits. Returns ``(admitted ids, fetch group, evicted blocks)``: the
     blocks whose device pages the placements took, for this step's demote orders."""
-    if self.policy == "waves" and self.running:
+    if self.batching == "waves" and self.running:
       return (), None, ()
     ordinary = collections.deque()
     while self.waiting and not self.waiting[0].streamed:
@@ -310,11 +353,11 @@ class Scheduler:
     running = [self.max_seqs_per_shard - len(f) for f in free]
     # Nothing is admitted without a free row: then nobody needs to be held back either.
     held = (self._held_for_shared_prefix(ordinary, free)
-            if any(free) and self.policy == "continuous" else set())
+            if any(free) and self.batching == "continuous" else set())
     candidates = collections.deque(r for r in ordinary if r.id not in held)
     try:
       placed = (self.admission.admit(candidates, running=running,
-                                     wait_for_own_shard=self.policy == "continuous")
+                                     wait_for_own_shard=self.batching == "continuous")
                 if any(free) else [])
     except BaseException:
       self.waiting.extendleft(reversed(ordinary))  # still queued: fail_all ends them
@@ -326,7 +369,7 @@ class Scheduler:
     # Evicted blocks are gone from the index already: their write-back copies are ordered
     # whatever happens to the placements (their pages are reused only by a later step).
     evicted = tuple(b for p in placed for b in p.evicted)
-    if self.policy == "waves":
+    if self.batching == "waves":
       self.stats.add("waves")
     try:
       splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
@@ -363,42 +406,14 @@ class Scheduler:
             FetchGroup(group, tuple(fetches)) if fetches else None, evicted)
 
   def _held_for_shared_prefix(self, queue, free: list[list[int]]) -> set[int]:
-    """Requests that wait this step because blocks of their prompt are being computed,
-    cached nowhere yet, on the shard they would run on: by a running sequence on a shard
-    with a free row (as many as it has free rows), or, with one data shard, by a request
-    ahead of them in the queue.
-    Once the blocks are published they reuse them there instead of computing them a second
-    time on the same device. (On another shard, computing them costs no wait: they run in
-    parallel.) Block keys are chained, so sharing block ``j`` means sharing the whole
-    prefix up to it."""
+    """Requests that wait this step for a prefix being computed (``waiting_for_prefix``);
+    each is counted once."""
     if not self.prefix_reuse:
       return set()
-    computing: dict = {}  # key -> shard computing it (None: a request ahead in the queue)
-    for s in self.running.values():
-      if not s.decoding and free[s.placement.shard]:
-        computing.update(dict.fromkeys(s.placement.request.keys, s.placement.shard))
-    one_shard = self.manager.num_shards == 1
-    room = [len(f) for f in free]  # requests that can still join each shard
-    index, held = self.index, set()
-    for req in queue:
-      if req.sampling.prompt_logprobs is not None:  # computes its whole prompt anyway
-        continue
-      shared = 0
-      while shared < len(req.keys) and req.keys[shared] in computing:
-        shared += 1
-      last = req.keys[shared - 1] if shared else None
-      there = None if last is None else computing[last]
-      if last is not None and (one_shard or (there is not None and room[there] > 0)) and all(
-          index.slot_of(s, last, t) is None for s in range(self.manager.num_shards)
-          for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if index.has_tier(t)):
-        held.add(req.id)
-        if there is not None:
-          room[there] -= 1
-        if req.id not in self._held_once:
-          self._held_once.add(req.id)
-          self.stats.add("shared_prefix_waits")
-      else:  # it computes its own blocks: on one shard, requests behind it may wait
-        computing.update(dict.fromkeys(req.keys[shared:], None))
+    held = waiting_for_prefix(queue, free, self.running.values(), self.index,
+                              self.manager.num_shards)
+    self.stats.add("shared_prefix_waits", len(held - self._held_once))
+    self._held_once |= held
     return held
 
   # ---- learning from a step ----------------------------------------------------------------------

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -86,7 +87,7 @@ class Engine:
                           prefix_reuse=config.prefix_reuse,
                           cache_decode_blocks=config.cache_decode_blocks,
                           chunk_tokens=self.runner.chunk_tokens,
-                          policy="waves" if config.batching == "static" else "continuous")
+                          batching="waves" if config.batching == "static" else "continuous")
     self.stream = stream  # (sets _stream and _streamer)
     self._next_id = 0  # request ids: one space for every request, from any thread
     self._id_lock = threading.Lock()
@@ -110,7 +111,11 @@ class Engine:
 
   @property
   def scheduler(self) -> SchedulerConfig:
-    """``scheduler_config`` under its former name (the step loop is ``Engine.loop``)."""
+    """Deprecated: ``scheduler_config`` under its former name (the step loop's scheduler
+    is ``Engine.loop``)."""
+    warnings.warn("Engine.scheduler is deprecated: the SchedulerConfig is "
+                  "Engine.scheduler_config (the step loop is Engine.loop).",
+                  DeprecationWarning, stacklevel=2)
     return self.scheduler_config
 
   @property

@@ -70,7 +70,7 @@ class Loop:
     self.scheduler = Scheduler(self.manager, self.planner, self.admission,
                                max_seqs_per_shard=seqs, prefix_reuse=prefix_reuse,
                                cache_decode_blocks=cache_decode_blocks, chunk_tokens=chunk,
-                               policy=batching)
+                               batching=batching)
     self.next_id = 0
     self.failures = {}  # block key -> the Failure its fetch reports
     self.plans = []
