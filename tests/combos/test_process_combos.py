@@ -14,6 +14,7 @@ launch/router.py in front of the pair and the decode node.
 Every process is started with its own process group and killed with it on every path
 (``ServerProcess``, ``LocalMaster``). The last test kills the proxy: it runs last."""
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import helpers
 import jaxkv
 from jaxkv.entrypoints.openai.router import REPLICA_HEADER
 from jaxkv.tools.bench.http import ROOT, ServerProcess
-from jaxkv.worker.tiers.pool.master import LocalMaster
+from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
 
 MODEL = "llama-tiny-random"
 PAGE = 16
@@ -59,40 +60,50 @@ def _secret(path, text):
   return str(path)
 
 
+def reference_engine():
+  """One engine recomputing every prompt, in this process: what the pair must answer."""
+  from jaxkv.tools import builder
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
+  cfg.cache.max_pages_per_seq = 16
+  return builder.build_engine(cfg, policy="nocache")
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
+  """Every process started at once (ports chosen here, so that the proxy and the router
+  need not wait for the nodes to name theirs), the reference built while they start."""
   work = tmp_path_factory.mktemp("combos")
   keys = _secret(work / "keys.json", json.dumps(KEYS))
   key = _secret(work / "deployment.key", DEPLOYMENT_KEY.hex())
   config = work / "pinned.py"
   config.write_text(CONFIG.format(path=os.path.join(ROOT, "configs", "cpu_tiny.py"),
                                   pin_s=PIN_S))
+  url = {name: f"http://127.0.0.1:{free_port()}" for name in ("prefill", "decode", "proxy")}
+  port = lambda name: f"--port={url[name].rsplit(':', 1)[1]}"  # (after ServerProcess's 0)
   # Leases end fast, so that only the pin keeps a block from eviction.
-  with LocalMaster(log_path=str(work / "master.log"), lease_ms=300) as master:
+  with LocalMaster(log_path=str(work / "master.log"), lease_ms=300) as master, \
+       contextlib.ExitStack() as stack:
     common = [f"--config={config}", f"--pool={master.address}",
               f"--pool_metadata={master.metadata}", f"--api_keys_file={keys}",
               f"--deployment_key_file={key}", "--metrics_tenants=alice", *OVERRIDES]
-    with ServerProcess([*common, "--role=prefill", f"--pool_segment_mb={SEGMENT_MB}"],
-                       workdir=str(work)) as prefill, \
-         ServerProcess([*common, "--role=decode", "--pool_segment_mb=0"],
-                       workdir=str(work)) as decode:
-      prefill.wait_ready(600)
-      decode.wait_ready(600)
-      with ServerProcess([f"--prefill={prefill.base}", f"--decode={decode.base}"],
-                         script=os.path.join("launch", "pd_proxy.py"),
-                         workdir=str(work)) as proxy:
-        proxy.wait_ready(120)
-        yield {"master": master, "prefill": prefill, "decode": decode, "proxy": proxy,
-               "work": work}
-
-
-@pytest.fixture(scope="module")
-def reference():
-  """One engine recomputing every prompt, in this process: what the pair must answer."""
-  from jaxkv.tools import builder
-  cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
-  cfg.cache.max_pages_per_seq = 16
-  return builder.build_engine(cfg, policy="nocache")
+    start = lambda flags, script="server.py": stack.enter_context(ServerProcess(
+        flags, script=os.path.join("launch", script), workdir=str(work)))
+    box = {"master": master, "work": work,
+           "prefill": start([*common, "--role=prefill", f"--pool_segment_mb={SEGMENT_MB}",
+                             port("prefill")]),
+           "decode": start([*common, "--role=decode", "--pool_segment_mb=0", port("decode")]),
+           "proxy": start([f"--prefill={url['prefill']}", f"--decode={url['decode']}",
+                           port("proxy")], "pd_proxy.py"),
+           "router": start([f"--replicas={url['proxy']},{url['decode']}",
+                            "--policy=round_robin"], "router.py")}
+    try:
+      box["reference"] = reference_engine()
+      for name in ("prefill", "decode", "proxy", "router"):
+        box[name].wait_ready(600)
+      yield box
+    finally:  # killed, not drained: nothing of theirs is read after the tests
+      for name in ("router", "proxy", "decode", "prefill"):
+        box[name].close(timeout_s=1)
 
 
 def prompt(seed, n):
@@ -117,13 +128,13 @@ def log_softmax(logits):
   return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def test_the_pair_answers_each_tenant_with_one_engines_tokens_and_logprobs(pd, reference):
+def test_the_pair_answers_each_tenant_with_one_engines_tokens_and_logprobs(pd):
   """Sampled, with logprobs=2, a tenant's key and the deployment key: each tenant's answer
   through the proxy is the engine's (tokens, their log-probabilities, the two likeliest),
   and the decode node took the prompt's blocks from the pool."""
   p = prompt(1, 90)
   sampling = jaxkv.SamplingParams(max_new_tokens=5, temperature=0.7, seed=5)
-  (want,), (logits,) = reference.generate([p], sampling, return_logits=True)
+  (want,), (logits,) = pd["reference"].generate([p], sampling, return_logits=True)
   want_lp = log_softmax(logits)
   for headers in (ALICE, BOB):
     hits = pool_hits(pd["decode"])
@@ -146,13 +157,14 @@ def test_the_pair_answers_each_tenant_with_one_engines_tokens_and_logprobs(pd, r
     assert pool_hits(pd["decode"]) - hits == (len(p) - 1) // PAGE
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="P/D refuses n > 1: pd_proxy.py sends the request's "
-                   "n to the prefill node, and server.py refuses kv_transfer_params with more "
-                   "than one choice on either node (400 'go with one prompt and n=1')")
-def test_the_pair_answers_n_samples_as_one_engine_does(pd, reference):
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "P/D refuses n > 1: pd_proxy.py sends the request's n to the prefill node, and server.py "
+    "refuses kv_transfer_params with more than one choice on either node (400 'go with one "
+    "prompt and n=1')"))
+def test_the_pair_answers_n_samples_as_one_engine_does(pd):
   p = prompt(2, 70)
-  want = [reference.generate([p], jaxkv.SamplingParams(max_new_tokens=4, temperature=0.9,
-                                                       seed=11 + j))[0] for j in range(2)]
+  want = [pd["reference"].generate([p], jaxkv.SamplingParams(
+      max_new_tokens=4, temperature=0.9, seed=11 + j))[0] for j in range(2)]
   r = complete(pd["proxy"].url, {"prompt": p, "max_tokens": 4, "temperature": 0.9,
                                  "seed": 11, "n": 2})
   assert r.status_code == 200, r.text
@@ -160,9 +172,9 @@ def test_the_pair_answers_n_samples_as_one_engine_does(pd, reference):
   assert [c["token_ids"] for c in got] == want
 
 
-def test_a_wrong_key_is_refused_and_one_tenants_hand_off_is_no_hit_for_another(pd, reference):
+def test_a_wrong_key_is_refused_and_one_tenants_hand_off_is_no_hit_for_another(pd):
   p = prompt(3, 70)
-  want = reference.generate([p], 4)[0]
+  want = pd["reference"].generate([p], 4)[0]
   before = pool_hits(pd["decode"])
   bad = complete(pd["proxy"].url, {"prompt": p, "max_tokens": 4, "temperature": 0},
                  {"authorization": "Bearer key-mallory-000000000"})
@@ -208,9 +220,9 @@ def fill_pool(master, n_values):
 
 
 def test_a_hand_off_nobody_collects_is_evicted_after_its_pin_and_a_late_collect_recomputes(
-    pd, reference):
+    pd):
   p = prompt(4, 97)
-  want = reference.generate([p], 4)[0]
+  want = pd["reference"].generate([p], 4)[0]
   first = complete(pd["prefill"].url, {"prompt": p, "max_tokens": 1, "temperature": 0,
                                        "kv_transfer_params": {"do_remote_decode": True}})
   assert first.status_code == 200, first.text
@@ -231,6 +243,28 @@ def test_a_hand_off_nobody_collects_is_evicted_after_its_pin_and_a_late_collect_
   assert pool_hits(pd["decode"]) == hits
 
 
+def test_after_the_pools_master_crashes_the_pair_answers_exactly_and_its_hits_resume(pd):
+  """The master killed (SIGKILL) and restarted on its ports: it lost its contents and the
+  prefill node's segment, the pool's only memory. Every answer through the pair stays
+  exact, and hand-offs hit the pool again once the node has remounted its segment (each
+  try a new prompt, so that no device copy answers for the pool)."""
+  old = pd["master"].proc.pid
+  pd["master"].restart()
+  assert pd["master"].proc.pid != old
+  tries = iter(range(100, 200))
+
+  def hand_off_hits():
+    p = prompt(next(tries), 50)
+    hits = pool_hits(pd["decode"])
+    r = complete(pd["proxy"].url, {"prompt": p, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == pd["reference"].generate([p], 3)[0]
+    return pool_hits(pd["decode"]) - hits == (len(p) - 1) // PAGE
+
+  helpers.wait_for(hand_off_hits, 90, "hand-offs through a restarted master hit the pool",
+                   interval_s=0.5)
+
+
 def stream_ids(response, on_first):
   """Token ids of a streamed completion as they come, and whether it ended with [DONE];
   ``on_first()`` runs once the first token has arrived."""
@@ -246,30 +280,32 @@ def stream_ids(response, on_first):
   return ids, done
 
 
-def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live_one(
-    pd, reference):
+def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live_one(pd):
   """Runs last: it kills the proxy (the router's first replica, a P/D pair behind it)."""
-  proxy, decode = pd["proxy"], pd["decode"]
+  proxy, decode, router = pd["proxy"], pd["decode"], pd["router"]
   p = prompt(5, 40)
-  want = reference.generate([p], 150)[0]
-  with ServerProcess([f"--replicas={proxy.base},{decode.base}", "--policy=round_robin"],
-                     script=os.path.join("launch", "router.py"),
-                     workdir=str(pd["work"])) as router:
-    router.wait_ready(120)
-    body = {"model": MODEL, "prompt": p, "max_tokens": 150, "temperature": 0,
-            "return_token_ids": True, "stream": True}
-    # A read that waits 30 s for a byte fails the test: a hang is an error here.
-    with httpx.stream("POST", f"{router.url}/completions", json=body, headers=ALICE,
-                      timeout=httpx.Timeout(30.0)) as r:
-      assert r.status_code == 200 and r.headers[REPLICA_HEADER] == proxy.base, r.headers
-      ids, done = stream_ids(r, lambda: os.killpg(proxy.proc.pid, signal.SIGKILL))
-    assert not done and len(ids) < len(want), (done, len(ids))  # broken off, and said so
-    assert ids == want[:len(ids)]
-    for _ in range(2):  # one of them is the dead replica's turn
-      r = complete(router.url, {"prompt": p, "max_tokens": 6, "temperature": 0})
-      assert r.status_code == 200, r.text
-      assert r.headers[REPLICA_HEADER] == decode.base
-      assert r.json()["choices"][0]["token_ids"] == want[:6]
+  want = pd["reference"].generate([p], 64)[0]
+
+  def replicas():
     stats = httpx.get(f"{router.base}/router/stats", timeout=30).json()
-    state = {s["url"]: s for s in stats["replicas"]}
-    assert not state[proxy.base]["healthy"] and state[decode.base]["healthy"], state
+    return {s["url"]: s for s in stats["replicas"]}
+
+  # Round robin's first turn is the first replica's, once both are seen healthy.
+  helpers.wait_for(lambda: all(s["healthy"] for s in replicas().values()), 30,
+                   "the router to see both replicas healthy", interval_s=0.2)
+  body = {"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0,
+          "return_token_ids": True, "stream": True}
+  # A read that waits 30 s for a byte fails the test: a hang is an error here.
+  with httpx.stream("POST", f"{router.url}/completions", json=body, headers=ALICE,
+                    timeout=httpx.Timeout(30.0)) as r:
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == proxy.base, r.headers
+    ids, done = stream_ids(r, lambda: os.killpg(proxy.proc.pid, signal.SIGKILL))
+  assert not done and len(ids) < len(want), (done, len(ids))  # broken off, and said so
+  assert ids == want[:len(ids)]
+  for _ in range(2):  # one of them is the dead replica's turn
+    r = complete(router.url, {"prompt": p, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers[REPLICA_HEADER] == decode.base
+    assert r.json()["choices"][0]["token_ids"] == want[:6]
+  state = replicas()
+  assert not state[proxy.base]["healthy"] and state[decode.base]["healthy"], state
