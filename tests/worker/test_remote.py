@@ -70,7 +70,7 @@ def test_without_the_deployment_key_a_peer_is_refused_and_counted(mesh, want, ow
     bare._call(lookup, time.monotonic() + 10)
   sock = zmq.Context.instance().socket(zmq.DEALER)  # the token, right keys, no MAC
   sock.setsockopt(zmq.LINGER, 0)
-  sock.plain_username, sock.plain_password = remote._HANDSHAKE_USER, remote._handshake_token(KEY)
+  sock.plain_username, sock.plain_password = remote.HANDSHAKE_USER, remote.handshake_token(KEY)
   sock.connect(f"tcp://{addr}")
   sock.send_multipart([b"probe", lookup.encode(), b""])
   assert sock.poll(10_000)
@@ -190,7 +190,7 @@ def test_malformed_requests_get_answers_and_the_server_keeps_serving(mesh):
     gone = huge.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     huge.connect(f"tcp://{server.address}")
     oversized = server.counts["oversized"]
-    huge.send_multipart([b"n3", b"x" * (remote._MAX_REQUEST_BYTES + 1), b""])
+    huge.send_multipart([b"n3", b"x" * (remote.MAX_REQUEST_BYTES + 1), b""])
     # The server hangs up on it, counted: once the client has seen the hang-up, whatever the
     # server sent before it has arrived. Nothing had.
     helpers.wait_for(lambda: gone.poll(0), 30, "the server hung up on the oversized request")

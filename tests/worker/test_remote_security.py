@@ -105,8 +105,8 @@ def _raw(address, key=None):
   sock = zmq.Context.instance().socket(zmq.DEALER)
   sock.setsockopt(zmq.LINGER, 0)
   if key is not None:
-    sock.plain_username = remote._HANDSHAKE_USER
-    sock.plain_password = remote._handshake_token(key)
+    sock.plain_username = remote.HANDSHAKE_USER
+    sock.plain_password = remote.handshake_token(key)
   sock.connect(f"tcp://{address}")
   return sock
 
@@ -139,8 +139,8 @@ def _watched(address, key=None):
   sock = zmq.Context.instance().socket(zmq.DEALER)
   sock.setsockopt(zmq.LINGER, 0)
   if key is not None:
-    sock.plain_username = remote._HANDSHAKE_USER
-    sock.plain_password = remote._handshake_token(key)
+    sock.plain_username = remote.HANDSHAKE_USER
+    sock.plain_password = remote.handshake_token(key)
   handshakes = _Handshakes(sock)
   sock.connect(f"tcp://{address}")
   return sock, handshakes
@@ -179,13 +179,13 @@ class Proxy:
       sock.setsockopt(zmq.LINGER, 0)
     self._authenticator = None
     if key is not None:  # ZeroMQ's own handler of the front's PLAIN handshake (a test's)
-      token = remote._handshake_token(key)
+      token = remote.handshake_token(key)
       self._authenticator = ThreadAuthenticator(self._ctx)
       self._authenticator.start()
       self._authenticator.configure_plain(domain="*", passwords={
-          remote._HANDSHAKE_USER.decode(): token.decode()})
+          remote.HANDSHAKE_USER.decode(): token.decode()})
       self.front.plain_server = True
-      self.back.plain_username, self.back.plain_password = remote._HANDSHAKE_USER, token
+      self.back.plain_username, self.back.plain_password = remote.HANDSHAKE_USER, token
     self.address = f"127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
     self.back.connect(f"tcp://{server_address}")
     self.forge, self.forged, self.data_frames = forge, 0, []
@@ -370,7 +370,7 @@ def test_a_forged_payload_with_a_fixed_up_crc_is_rejected(mesh, owner, want, enc
   tagged or sealed in many pieces.)"""
   _, server = owner
   if piece_bytes:
-    monkeypatch.setattr(remote_wire, "_CHUNK_BYTES", piece_bytes)
+    monkeypatch.setattr(remote_wire, "CHUNK_BYTES", piece_bytes)
   proxy = Proxy(server.address, forge=True, key=KEY)
   try:
     engine = _reader(mesh, proxy.address, encryption=encryption)
@@ -570,7 +570,7 @@ def test_malformed_answers_are_counted_misses_never_exceptions():
       "[]": lambda n, _: [n.encode(), b"[]", b""],
       "not json": lambda n, _: [n.encode(), b"{not json", b""],
       "nested": lambda n, _: [n.encode(), b"[" * 50_000, b""],
-      "header over the cap": lambda n, _: [n.encode(), b" " * (remote._MAX_HEADER_BYTES + 1),
+      "header over the cap": lambda n, _: [n.encode(), b" " * (remote.MAX_HEADER_BYTES + 1),
                                            b""],
       "two frames": lambda n, _: [n.encode(), _json(op="have", nonce=n, have=1)],
       "five frames": lambda n, _: [n.encode(), _json(op="have", nonce=n, have=1), b"", b"x",
@@ -614,7 +614,7 @@ def test_transfer_offers_send_a_client_only_to_its_peers_host():
   """A transfer offer names where to pull from: another host than the peer's is refused
   (malformed) before any connection is made; the peer's own host (or the unspecified
   address its transfer server listens on) is pulled from, and the client keeps at most
-  ``_MAX_TRANSFER_CONNECTIONS`` connections however many addresses it is offered."""
+  ``MAX_TRANSFER_CONNECTIONS`` connections however many addresses it is offered."""
   import jax
   import jax.experimental.transfer as transfer
   keys = [bytes([i]) * 32 for i in range(2)]
@@ -622,7 +622,7 @@ def test_transfer_offers_send_a_client_only_to_its_peers_host():
   stack = np.arange(2 * 2 * 2 * 4 * 8, dtype=np.uint16).reshape(2, *shape)
   device = jax.local_devices()[0]
   servers = [transfer.start_transfer_server(device.client, f"{host}:0", ["127.0.0.1:0"])
-             for host in ["0.0.0.0"] + ["127.0.0.1"] * remote._MAX_TRANSFER_CONNECTIONS]
+             for host in ["0.0.0.0"] + ["127.0.0.1"] * remote.MAX_TRANSFER_CONNECTIONS]
 
   def offer(address):
     def answer(n, req):
@@ -632,7 +632,7 @@ def test_transfer_offers_send_a_client_only_to_its_peers_host():
       where = address if address.startswith("10.") else servers[int(address)].address()
       return [n.encode(), remote.Offer(
           nonce=n, keys=tuple(bytes.fromhex(k) for k in req["keys"]), dtype="uint16",
-          shape=stack.shape, token=req["token"], crc32c=remote._digest(stack),
+          shape=stack.shape, token=req["token"], crc32c=remote.stack_digest(stack),
           expires_ms=5000, transfer_id=transfer_id, transfer_address=where).encode(), b""]
     return answer
 
@@ -645,7 +645,7 @@ def test_transfer_offers_send_a_client_only_to_its_peers_host():
     for _ in servers:
       got = client.fetch(keys, shape, dtype, time.monotonic() + 10)
       assert np.array_equal(got, stack)
-    assert len(client._connections) == remote._MAX_TRANSFER_CONNECTIONS
+    assert len(client._connections) == remote.MAX_TRANSFER_CONNECTIONS
     assert all(a.startswith("127.0.0.1:") for a in client._connections)
     assert client.failures_by_reason == {"malformed": 1}
   finally:
@@ -660,7 +660,7 @@ def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_byt
   the plaintext (the control). ``piece_bytes``: sealed in many pieces, a frame each."""
   engine, server = owner
   if piece_bytes:
-    monkeypatch.setattr(remote_wire, "_CHUNK_BYTES", piece_bytes)
+    monkeypatch.setattr(remote_wire, "CHUNK_BYTES", piece_bytes)
   fp, shape = engine.cache.config.fingerprint(), engine.cache.payload_shape
   dtype = engine.cache.config.jnp_dtype
   proxy = Proxy(server.address, key=KEY)
@@ -672,7 +672,7 @@ def test_sealed_blocks_cross_the_wire_as_ciphertext(mesh, owner, want, piece_byt
     assert reader.cache.encrypt and reader.generate([PROMPT], 5) == want
     assert reader.stats()["hits"]["remote"] == 10
     sealed = proxy.data_frames[1]
-    pieces = -(-len(plain) // remote_wire._CHUNK_BYTES)
+    pieces = -(-len(plain) // remote_wire.CHUNK_BYTES)
     assert len(proxy.data_frames) == 2 and (pieces > 1) == bool(piece_bytes)
     assert len(sealed) == len(plain) + pieces * security.Seal.OVERHEAD
     block = len(plain) // 10
@@ -690,7 +690,7 @@ def test_transfer_offers_are_bounded_and_expire(owner):
   client = RemoteClient(server.address, engine.cache.config.fingerprint(), secret=KEY,
                         transport="transfer")
   ask = lambda wait_ms: client._call(remote.FetchBlocks(
-      nonce=remote._nonce(), fingerprint=client.fingerprint, keys=tuple(_keys(engine)),
+      nonce=remote.new_nonce(), fingerprint=client.fingerprint, keys=tuple(_keys(engine)),
       token="t", transport="transfer", sealed=False, wait_ms=wait_ms), time.monotonic() + 30)
   limits = server.limits  # the shared server's: put back after
   server.limits = dataclasses.replace(limits, max_offers=1)
@@ -763,15 +763,15 @@ def _frame(data=b"", *, more=False, command=False, size=None) -> bytes:
   return head + bytes(data)
 
 
-def _command(name: bytes, body: bytes = b"") -> bytes:
+def command_frame(name: bytes, body: bytes = b"") -> bytes:
   return _frame(bytes([len(name)]) + name + body, command=True)
 
 
-def _socket_type(kind: bytes) -> bytes:
+def socket_type(kind: bytes) -> bytes:
   return bytes([11]) + b"Socket-Type" + len(kind).to_bytes(4, "big") + kind
 
 
-def _greeting(mechanism: bytes) -> bytes:
+def greeting_bytes(mechanism: bytes) -> bytes:
   return b"\xff" + bytes(7) + b"\x01\x7f\x03\x01" + mechanism.ljust(20, b"\0") + bytes(32)
 
 
@@ -833,23 +833,23 @@ class Wire:
 
 def _handshake(wire: Wire, *, server: bool, key=None) -> None:
   """NULL, or PLAIN with ``key``'s token (as a server: any user and password pass)."""
-  wire.sock.sendall(_greeting(b"PLAIN" if key is not None else b"NULL"))
+  wire.sock.sendall(greeting_bytes(b"PLAIN" if key is not None else b"NULL"))
   theirs = wire.read(64)
   assert theirs[0] == 0xFF and theirs[10] == 3, theirs
   kind = b"ROUTER" if server else b"DEALER"
   if key is None:
-    wire.sock.sendall(_command(b"READY", _socket_type(kind)))
+    wire.sock.sendall(command_frame(b"READY", socket_type(kind)))
     assert wire.frame()[1].startswith(b"\x05READY")
   elif server:
     assert wire.frame()[1].startswith(b"\x05HELLO")
-    wire.sock.sendall(_command(b"WELCOME"))
+    wire.sock.sendall(command_frame(b"WELCOME"))
     assert wire.frame()[1].startswith(b"\x08INITIATE")
-    wire.sock.sendall(_command(b"READY", _socket_type(kind)))
+    wire.sock.sendall(command_frame(b"READY", socket_type(kind)))
   else:
-    user, token = remote._HANDSHAKE_USER, remote._handshake_token(key)
-    wire.sock.sendall(_command(b"HELLO", bytes([len(user)]) + user + bytes([len(token)]) + token))
+    user, token = remote.HANDSHAKE_USER, remote.handshake_token(key)
+    wire.sock.sendall(command_frame(b"HELLO", bytes([len(user)]) + user + bytes([len(token)]) + token))
     assert wire.frame()[1] == b"\x07WELCOME"
-    wire.sock.sendall(_command(b"INITIATE", _socket_type(kind)))
+    wire.sock.sendall(command_frame(b"INITIATE", socket_type(kind)))
     assert wire.frame()[1].startswith(b"\x05READY")
 
 
@@ -951,7 +951,7 @@ class FakeWirePeer:
   def answer(self, nonce: str, message) -> bytes:
     """An answer's frames, tagged as a peer with the key would."""
     header = message.encode()
-    tag = self._seal.tag(remote._head_aad(nonce, header)) if self._seal is not None else b""
+    tag = self._seal.tag(remote.head_aad(nonce, header)) if self._seal is not None else b""
     return _frame(nonce.encode(), more=True) + _frame(header, more=True) + _frame(tag)
 
   def _run(self):
@@ -1002,12 +1002,12 @@ def _flood(shape, dtype, how: str, sealed: bool, seal=None):
     want = len(keys) * int(np.prod(shape)) * bits.itemsize
     offer = remote.Offer(nonce=n, keys=keys, dtype=bits.name, shape=(len(keys), *shape),
                          token=request["token"], sealed=sealed).encode()
-    tag = seal.tag(remote._head_aad(n, offer)) if seal is not None else bytes(28)
+    tag = seal.tag(remote.head_aad(n, offer)) if seal is not None else bytes(28)
     yield _frame(n.encode(), more=True) + _frame(offer, more=True) + _frame(tag, more=True)
     if how == "too_many":
-      pieces = -(-want // remote_wire._CHUNK_BYTES) if sealed else 1
+      pieces = -(-want // remote_wire.CHUNK_BYTES) if sealed else 1
       for i in range(pieces):
-        size = (min(remote_wire._CHUNK_BYTES, want - i * remote_wire._CHUNK_BYTES)
+        size = (min(remote_wire.CHUNK_BYTES, want - i * remote_wire.CHUNK_BYTES)
                 + security.Seal.OVERHEAD if sealed else want)
         yield _frame(bytes(size), more=True)
     yield from _frames_of(64 << 10, 4096, more_after=False)

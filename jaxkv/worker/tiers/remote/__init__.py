@@ -8,19 +8,23 @@ job's peers behind the tier protocol. Both sides speak the messages and frames o
 <- ``server``, ``client`` <- ``tier``; none imports this package's names from here.
 
 The names below are re-exported from those modules. A constant is read in the module that
-uses it: patch it there (``wire._CHUNK_BYTES``), not here.
+uses it: patch it there (``wire.CHUNK_BYTES``), not here.
 """
 
-from jaxkv.worker.tiers.remote.wire import (_CHUNK_BYTES, _MAX_HEADER_BYTES,
-                                            _MAX_REQUEST_BYTES, ANSWERS, PROTOCOL, REQUESTS,
+from jaxkv.worker.tiers.remote.wire import (CHUNK_BYTES, MAX_HEADER_BYTES,
+                                            MAX_REQUEST_BYTES, ANSWERS, PROTOCOL, REQUESTS,
                                             FetchBlocks, Have, Hello, Lookup, Offer, Refusal,
-                                            RemoteError, Welcome, WireError, _digest,
-                                            _head_aad, _nonce, decode)
-from jaxkv.worker.tiers.remote.auth import _HANDSHAKE_USER, _handshake_token
+                                            RemoteError, Welcome, WireError, stack_digest,
+                                            head_aad, new_nonce, decode)
+from jaxkv.worker.tiers.remote.auth import HANDSHAKE_USER, handshake_token
 from jaxkv.worker.tiers.remote.server import BlockServer, BlockServerLimits
-from jaxkv.worker.tiers.remote.client import _MAX_TRANSFER_CONNECTIONS, RemoteClient
+from jaxkv.worker.tiers.remote.client import MAX_TRANSFER_CONNECTIONS, RemoteClient
 from jaxkv.worker.tiers.remote.tier import RemoteTier
 
 __all__ = ["ANSWERS", "PROTOCOL", "REQUESTS", "BlockServer", "BlockServerLimits",
            "FetchBlocks", "Have", "Hello", "Lookup", "Offer", "Refusal", "RemoteClient",
-           "RemoteError", "RemoteTier", "Welcome", "WireError", "decode"]
+           "RemoteError", "RemoteTier", "Welcome", "WireError", "decode",
+           # the wire's limits and helpers, for the tests and tools that build frames
+           "CHUNK_BYTES", "HANDSHAKE_USER", "MAX_HEADER_BYTES", "MAX_REQUEST_BYTES",
+           "MAX_TRANSFER_CONNECTIONS", "handshake_token", "head_aad", "new_nonce",
+           "stack_digest"]

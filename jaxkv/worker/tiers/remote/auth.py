@@ -2,9 +2,9 @@
 
 Authentication (``jaxkv.security``), when the serving cache has a deployment key:
 - **Connections.** The server takes a connection only after a ZMTP PLAIN handshake whose
-  password is a token derived from the key (``_handshake_token``), compared in constant
+  password is a token derived from the key (``handshake_token``), compared in constant
   time; until it passes, it reads nothing of the connection but the handshake (a greeting
-  of 64 bytes, commands of ``_MAX_COMMAND_BYTES`` at most; one not done in
+  of 64 bytes, commands of ``MAX_COMMAND_BYTES`` at most; one not done in
   ``handshake_timeout_s`` is closed). What it stops: a client off the path without the key
   can no longer open a connection whose requests are read (a wrong token is refused in the
   handshake and counted, ``BlockServer.handshakes_refused``; the client sees the refusal
@@ -21,7 +21,7 @@ Authentication (``jaxkv.security``), when the serving cache has a deployment key
   Others get an "unauthenticated" refusal (counted in ``BlockServer.refused``) and no
   answer to what they asked: not which blocks the server holds, nor anything of them.
   (They do learn that it holds a key: the handshake asks for a token, a ``Welcome``
-  carries a tag, and the refusal says why.) The challenge is *stateless* (``_Challenges``):
+  carries a tag, and the refusal says why.) The challenge is *stateless* (``Challenges``):
   ``<epoch>-<salt>-HMAC(server secret, connection id, epoch, salt)``, a server-local random
   secret and a random salt per hello, so the server keeps nothing per connection before a
   request is authenticated and no flood of hellos can push a peer's challenge out. A
@@ -64,26 +64,26 @@ import time
 from jaxkv import security
 from jaxkv.worker.tiers.remote.wire import RemoteError
 
-_KEYLESS_FIX = ("set a deployment key on every job (--deployment_key_file or "
+KEYLESS_FIX = ("set a deployment key on every job (--deployment_key_file or "
                 "$JAXKV_DEPLOYMENT_KEY_FILE)")
-_HANDSHAKE_USER = b"jaxkv"  # the PLAIN user name of a keyed connection; the token is its password
-_HANDSHAKE_FIX = ("the two jobs do not hold the same deployment key, or only one of them "
+HANDSHAKE_USER = b"jaxkv"  # the PLAIN user name of a keyed connection; the token is its password
+HANDSHAKE_FIX = ("the two jobs do not hold the same deployment key, or only one of them "
                   "has one")
-_UNAUTHENTICATED = "unauthenticated"  # how such a refusal starts: the client says hello again
+UNAUTHENTICATED = "unauthenticated"  # how such a refusal starts: the client says hello again
 
 
-class _Unauthenticated(RemoteError):
+class Unauthenticated(RemoteError):
   """The peer did not accept this connection's challenge (expired, or the connection was
   re-made under another routing id): a fresh hello may fix it."""
 
 
-def _handshake_token(key: bytes) -> bytes:
+def handshake_token(key: bytes) -> bytes:
   """The PLAIN password of a keyed connection. It crosses the network in clear, so it is a
   derivation of the key made for this use alone: knowing it proves nothing else."""
   return hmac.new(key, b"jaxkv-zmq-handshake", hashlib.sha256).hexdigest().encode()
 
 
-def _plain_credentials(body: bytes) -> tuple[bytes, bytes] | None:
+def plain_credentials(body: bytes) -> tuple[bytes, bytes] | None:
   """``(user, password)`` of a PLAIN HELLO's body; None when it is not one."""
   if not body or len(body) < 1 + body[0] + 1:
     return None
@@ -93,7 +93,7 @@ def _plain_credentials(body: bytes) -> tuple[bytes, bytes] | None:
   return user, rest[1:]
 
 
-class _Challenges:
+class Challenges:
   """A ``BlockServer``'s challenges, recomputed from a secret of this process (no state per
   connection), and the highest request number answered under each challenge in use (what
   refuses replays). Its settings are ``server.limits``' (``challenge_epoch_s``,

@@ -9,7 +9,7 @@ library has a direct path; on CPU it is slower than the inline frame).
 
 It reads its one TCP connection itself (``_Link``): before reading a frame of an answer it
 compares the frame's size with what the answer to its request can hold (a nonce of 64 B,
-a header of ``_MAX_HEADER_BYTES``, its tags, then exactly the blocks it asked for: one
+a header of ``MAX_HEADER_BYTES``, its tags, then exactly the blocks it asked for: one
 frame of ``blocks x block bytes``, or when sealed one frame per sealed piece), and stops
 at the first frame that cannot belong (a miss, the connection closed): it holds at most
 ``RemoteClient.answer_bytes_most(blocks)``, before any tag is checked.
@@ -25,7 +25,7 @@ its cool-down has passed.
 
 What the client never owes: a transfer offer only ever makes it connect to the peer's own
 host (the offer names the port; another host is refused as malformed), it keeps at most
-``_MAX_TRANSFER_CONNECTIONS`` of those connections, and a pull not done by the deadline
+``MAX_TRANSFER_CONNECTIONS`` of those connections, and a pull not done by the deadline
 is abandoned and its connection broken, so the thread that waited on it ends.
 """
 
@@ -49,22 +49,22 @@ from jaxkv import security
 from jaxkv.config import REMOTE_TRANSPORTS as TRANSPORTS
 from jaxkv.worker.tiers.base import Breaker, Failure
 from jaxkv.errors import InputError, InvariantError
-from jaxkv.worker.tiers.remote.auth import (_HANDSHAKE_FIX, _HANDSHAKE_USER, _KEYLESS_FIX,
-                                            _UNAUTHENTICATED, _Unauthenticated, _handshake_token)
+from jaxkv.worker.tiers.remote.auth import (HANDSHAKE_FIX, HANDSHAKE_USER, KEYLESS_FIX,
+                                            UNAUTHENTICATED, Unauthenticated, handshake_token)
 from jaxkv.worker.tiers.remote.wire import (
-    _ANSWER_TO, _CHUNK_BYTES, _COMMAND, _GREETING_BYTES, _LONG, _MAX_COMMAND_BYTES,
-    _MAX_FETCH_BLOCKS, _MAX_HEADER_BYTES, _MAX_KEYS, _MAX_NONCE_BYTES, _MORE, ANSWERS,
-    FetchBlocks, Hello, Lookup, Offer, Refusal, RemoteError, WireError, _bytes_of, _chunk_aads,
-    _chunks, _command, _command_parts, _digest, _greeting, _greeting_mechanism, _head,
-    _head_aad, _nonce, _piece_sizes, _pull_aad, _socket_type, decode)
+    ANSWER_TO, CHUNK_BYTES, COMMAND, GREETING_BYTES, LONG, MAX_COMMAND_BYTES,
+    MAX_FETCH_BLOCKS, MAX_HEADER_BYTES, MAX_KEYS, MAX_NONCE_BYTES, MORE, ANSWERS,
+    FetchBlocks, Hello, Lookup, Offer, Refusal, RemoteError, WireError, bytes_of, chunk_aads,
+    split_chunks, command_frame, command_parts, stack_digest, greeting_bytes, greeting_mechanism, frame_head,
+    head_aad, new_nonce, piece_sizes, pull_aad, socket_type, decode)
 
-_MAX_TRANSFER_CONNECTIONS = 4  # a client's transfer connections (to its one peer's host)
+MAX_TRANSFER_CONNECTIONS = 4  # a client's transfer connections (to its one peer's host)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """What an answer to one request may hold, frame by frame: a nonce (``_MAX_NONCE_BYTES``),
-  a header (``_MAX_HEADER_BYTES``), tags (``tag_bytes``), then exactly the blocks frames
+  """What an answer to one request may hold, frame by frame: a nonce (``MAX_NONCE_BYTES``),
+  a header (``MAX_HEADER_BYTES``), tags (``tag_bytes``), then exactly the blocks frames
   ``data`` (their sizes), or none. An answer to another request is read past, if its
   frames stay within ``other_frames`` frames of ``other_frame_bytes`` each."""
 
@@ -136,7 +136,7 @@ class _Link:
       self._buf += view[:n]
 
   def _read(self, n: int, deadline: float) -> bytes:
-    """``n`` bytes (a small frame: at most ``_MAX_HEADER_BYTES``)."""
+    """``n`` bytes (a small frame: at most ``MAX_HEADER_BYTES``)."""
     while len(self._buf) < n:
       self._fill(deadline)
     out = bytes(self._buf[:n])
@@ -167,46 +167,46 @@ class _Link:
 
   def _frame_head(self, deadline: float) -> tuple[int, int]:
     flags, size = self._read(2, deadline)
-    if flags & ~(_MORE | _LONG | _COMMAND):
+    if flags & ~(MORE | LONG | COMMAND):
       raise RemoteError("malformed", f"a frame with flags {flags:#x}")
-    if flags & _LONG:
+    if flags & LONG:
       size = int.from_bytes(bytes([size]) + self._read(7, deadline), "big")
     return flags, size
 
   # ---- the handshake ------------------------------------------------------------------------
   def _handshake(self, token: bytes | None, deadline: float) -> None:
     mine = b"PLAIN" if token is not None else b"NULL"
-    self._write(_greeting(mine, as_server=False), deadline)
+    self._write(greeting_bytes(mine, as_server=False), deadline)
     try:
-      theirs = _greeting_mechanism(self._read(_GREETING_BYTES, deadline))
+      theirs = greeting_mechanism(self._read(GREETING_BYTES, deadline))
       if theirs != mine:
         raise RemoteError("refused", f"peer {self.address} refused this connection's "
                           f"handshake (it speaks {theirs or b'no ZMTP 3'!r}, this client "
-                          f"{mine!r}): {_HANDSHAKE_FIX}")
+                          f"{mine!r}): {HANDSHAKE_FIX}")
       if token is not None:
-        self._write(_command(b"HELLO", bytes([len(_HANDSHAKE_USER)]) + _HANDSHAKE_USER
+        self._write(command_frame(b"HELLO", bytes([len(HANDSHAKE_USER)]) + HANDSHAKE_USER
                              + bytes([len(token)]) + token), deadline)
         self._expect(b"WELCOME", deadline)
-        self._write(_command(b"INITIATE", _socket_type(b"DEALER")), deadline)
+        self._write(command_frame(b"INITIATE", socket_type(b"DEALER")), deadline)
       else:
-        self._write(_command(b"READY", _socket_type(b"DEALER")), deadline)
+        self._write(command_frame(b"READY", socket_type(b"DEALER")), deadline)
       self._expect(b"READY", deadline)
     except RemoteError as e:
       if e.reason not in (Failure.CLOSED, Failure.IO):
         raise
       raise RemoteError("refused", f"peer {self.address} closed the connection in this "
-                        f"connection's handshake ({e}): {_HANDSHAKE_FIX}") from None
+                        f"connection's handshake ({e}): {HANDSHAKE_FIX}") from None
 
   def _expect(self, name: bytes, deadline: float) -> None:
     flags, size = self._frame_head(deadline)
-    if not flags & _COMMAND or size > _MAX_COMMAND_BYTES:
+    if not flags & COMMAND or size > MAX_COMMAND_BYTES:
       raise RemoteError("malformed", f"a frame of {size} bytes in the handshake, where a "
                         f"{name.decode()} command belongs")
-    got, body = _command_parts(self._read(size, deadline))
+    got, body = command_parts(self._read(size, deadline))
     if got == b"ERROR":
       reason = body[1:1 + body[0]].decode("ascii", "replace") if body else ""
       raise RemoteError("refused", f"peer {self.address} refused this connection's "
-                        f"handshake ({reason or 'no reason'}): {_HANDSHAKE_FIX}")
+                        f"handshake ({reason or 'no reason'}): {HANDSHAKE_FIX}")
     if got != name:
       raise RemoteError("malformed", f"a {got[:20]!r} command in the handshake, where "
                         f"{name.decode()} belongs")
@@ -214,7 +214,7 @@ class _Link:
   # ---- messages ------------------------------------------------------------------------------
   def send_multipart(self, frames, deadline: float | None = None) -> None:
     """Sends one message (by ``deadline``; by default within 5 s)."""
-    data = b"".join(_head(len(f), _MORE if i < len(frames) - 1 else 0) + bytes(f)
+    data = b"".join(frame_head(len(f), MORE if i < len(frames) - 1 else 0) + bytes(f)
                     for i, f in enumerate(frames))
     self._write(data, time.monotonic() + 5.0 if deadline is None else deadline)
 
@@ -235,23 +235,23 @@ class _Link:
     most = 3 + len(layout.data)
     while True:
       flags, size = self._frame_head(deadline)
-      if flags & _COMMAND:  # a ping, between messages
-        if frames or size > _MAX_COMMAND_BYTES:
+      if flags & COMMAND:  # a ping, between messages
+        if frames or size > MAX_COMMAND_BYTES:
           raise RemoteError("malformed", f"a command of {size} bytes in an answer")
         self._skip(size, deadline)
         continue
-      more = bool(flags & _MORE)
+      more = bool(flags & MORE)
       i = len(frames)
       if i == 0:
-        if size > _MAX_NONCE_BYTES:
+        if size > MAX_NONCE_BYTES:
           raise RemoteError("malformed", f"an answer's nonce of {size} bytes (at most "
-                            f"{_MAX_NONCE_BYTES})")
+                            f"{MAX_NONCE_BYTES})")
         if self._read(size, deadline) != nonce:  # to an earlier request: read past it
           self._read_past(more, layout, deadline)
           return None
         frames.append(nonce)
       elif i < 3:
-        cap = _MAX_HEADER_BYTES if i == 1 else layout.tag_bytes
+        cap = MAX_HEADER_BYTES if i == 1 else layout.tag_bytes
         if size > cap:
           raise RemoteError("malformed", f"an answer {('header', 'tags')[i - 1]} of {size} "
                             f"bytes (at most {cap})")
@@ -284,11 +284,11 @@ class _Link:
     while more:
       flags, size = self._frame_head(deadline)
       count += 1
-      if flags & _COMMAND or size > layout.other_frame_bytes or count > layout.other_frames:
+      if flags & COMMAND or size > layout.other_frame_bytes or count > layout.other_frames:
         raise RemoteError("malformed", f"an answer to another request, past {count} frames "
                           f"or {layout.other_frame_bytes} bytes a frame")
       self._skip(size, deadline)
-      more = bool(flags & _MORE)
+      more = bool(flags & MORE)
 
 
 # The process's transfer server (one per device client), kept for the process's life: a
@@ -314,7 +314,7 @@ class RemoteClient:
 
   ``secret``: the deployment key (the peer must have the same); ``encrypt``: ask for
   sealed blocks and refuse plaintext ones (needs the key). With a key, each connection
-  opens with the handshake's token (``_handshake_token``); a peer that refuses the
+  opens with the handshake's token (``handshake_token``); a peer that refuses the
   handshake (another key, or none) is a "refused" miss as soon as it says so. Its one
   connection (``_Link``) reads answers frame by frame, each checked against what the
   request can get (``_layout``), so an answer costs it at most ``answer_bytes_most``. Whatever
@@ -343,7 +343,7 @@ class RemoteClient:
       security.warn_insecure("remote peers are asked without a deployment key: their "
                              "answers are not authenticated (a CRC-32C catches damage, not "
                              "forgery) and blocks cross the network in plaintext",
-                             _KEYLESS_FIX)
+                             KEYLESS_FIX)
     self.encrypt = encrypt
     self._seal = (security.Seal(self._secret, "remote-answer")
                   if self._secret is not None else None)
@@ -354,10 +354,10 @@ class RemoteClient:
     self._challenge_until = 0.0
     self._number = 0  # of the last request sent: a request's number only grows
     self._block_bytes = 0  # one block's bits, as ``expect`` sized them
-    self._max_frame_bytes = _MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
-    self._token = _handshake_token(self._secret) if self._secret is not None else None
+    self._max_frame_bytes = MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
+    self._token = handshake_token(self._secret) if self._secret is not None else None
     self._sock: _Link | None = None
-    # transfer address -> connection, least recently used first (``_MAX_TRANSFER_CONNECTIONS``)
+    # transfer address -> connection, least recently used first (``MAX_TRANSFER_CONNECTIONS``)
     self._connections: collections.OrderedDict = collections.OrderedDict()
     self._busy = threading.Lock()  # a lookup or a fetch uses the connection
 
@@ -371,25 +371,25 @@ class RemoteClient:
     one fetch's blocks inline, else an answer header. Set before the first fetch
     (``RemoteTier`` does); a change re-makes the connection."""
     block = int(np.prod(payload_shape)) * np.dtype(pages_lib.bits_dtype(dtype)).itemsize
-    most = _MAX_HEADER_BYTES
+    most = MAX_HEADER_BYTES
     if self.transport == "inline":
-      most = max(most, _MAX_FETCH_BLOCKS * block + security.Seal.OVERHEAD)
+      most = max(most, MAX_FETCH_BLOCKS * block + security.Seal.OVERHEAD)
     if (most, block) != (self._max_frame_bytes, self._block_bytes):
       self._max_frame_bytes, self._block_bytes = most, block
       self._close()
 
   def _layout(self, request) -> _Layout:
     """What an answer to ``request`` may hold: inline blocks as one frame of exactly the
-    blocks asked for (its tags one a ``_CHUNK_BYTES`` piece, and the header's), or sealed
+    blocks asked for (its tags one a ``CHUNK_BYTES`` piece, and the header's), or sealed
     as one frame a piece, each exactly its piece and its seal; no blocks frame otherwise."""
     tag, data = security.Seal.TAG_BYTES, ()
     if isinstance(request, FetchBlocks) and request.transport == "inline":
-      pieces = _piece_sizes(len(request.keys) * self._block_bytes)
+      pieces = piece_sizes(len(request.keys) * self._block_bytes)
       if request.sealed:
         data = tuple(p + security.Seal.OVERHEAD for p in pieces)
       else:
         data, tag = (sum(pieces),), tag * (1 + len(pieces))
-    most_pieces = len(_piece_sizes(_MAX_FETCH_BLOCKS * self._block_bytes))
+    most_pieces = len(piece_sizes(MAX_FETCH_BLOCKS * self._block_bytes))
     return _Layout(tag_bytes=tag, data=data, other_frame_bytes=self._max_frame_bytes,
                    other_frames=3 + most_pieces)
 
@@ -402,7 +402,7 @@ class RemoteClient:
         nonce="n", fingerprint="", keys=(bytes(32),) * blocks, token="t",
         transport=self.transport, sealed=self.encrypt, wait_ms=0))
     opened = blocks * self._block_bytes if self.encrypt else 0
-    return (_MAX_NONCE_BYTES + _MAX_HEADER_BYTES + layout.tag_bytes + sum(layout.data)
+    return (MAX_NONCE_BYTES + MAX_HEADER_BYTES + layout.tag_bytes + sum(layout.data)
             + 2 * _Link.READ_AHEAD_BYTES + opened)
 
   def _failed(self, reason: Failure, close: bool = True) -> Failure:
@@ -450,9 +450,9 @@ class RemoteClient:
       if answer.nonce != request.nonce:
         raise RemoteError("malformed", "the answer's nonce is not its frame's")
       if isinstance(answer, Refusal):
-        kind = _Unauthenticated if answer.error.startswith(_UNAUTHENTICATED) else RemoteError
+        kind = Unauthenticated if answer.error.startswith(UNAUTHENTICATED) else RemoteError
         raise kind("refused", answer.error[:200])
-      if not isinstance(answer, _ANSWER_TO[type(request)]):
+      if not isinstance(answer, ANSWER_TO[type(request)]):
         raise RemoteError("malformed", f"a {type(answer).__name__} answering a "
                           f"{type(request).__name__}")
       if data and not (isinstance(answer, Offer) and request.transport == "inline"):
@@ -466,7 +466,7 @@ class RemoteClient:
       raise RemoteError("mode", "the peer's answer is not signed: it has no deployment key")
     size = security.Seal.TAG_BYTES
     try:
-      self._seal.check(_head_aad(nonce, header), b"", tag[:size])
+      self._seal.check(head_aad(nonce, header), b"", tag[:size])
       if not data:
         if len(tag) != size:
           raise security.SealError("tags of blocks that are not there")
@@ -474,7 +474,7 @@ class RemoteClient:
       if sealed:
         if any(len(d) < security.Seal.OVERHEAD for d in data):
           raise security.SealError("a sealed piece shorter than its nonce and tag")
-        aads = _chunk_aads(nonce, header, len(data))
+        aads = chunk_aads(nonce, header, len(data))
         out = np.empty(sum(len(d) for d in data) - len(data) * security.Seal.OVERHEAD, np.uint8)
         at = 0
         for aad, piece in zip(aads, data):
@@ -482,11 +482,11 @@ class RemoteClient:
           out[at:at + len(plain)] = np.frombuffer(plain, np.uint8)
           at += len(plain)
         return [memoryview(out)]
-      chunks = _chunks(data[0]) if len(data) == 1 else []
+      chunks = split_chunks(data[0]) if len(data) == 1 else []
       if not chunks or len(tag) != size * (1 + len(chunks)):
         raise RemoteError("malformed", f"{len(data)} data frames and {len(tag)} bytes of "
-                          f"tags: expected 1 frame and {size} bytes a {_CHUNK_BYTES}-byte piece")
-      for i, (aad, chunk) in enumerate(zip(_chunk_aads(nonce, header, len(chunks)), chunks)):
+                          f"tags: expected 1 frame and {size} bytes a {CHUNK_BYTES}-byte piece")
+      for i, (aad, chunk) in enumerate(zip(chunk_aads(nonce, header, len(chunks)), chunks)):
         self._seal.check(aad, chunk, tag[size * (i + 1):size * (i + 2)])
       return data
     except security.SealError as e:
@@ -496,7 +496,7 @@ class RemoteClient:
   def _connect(self, deadline: float) -> None:
     if self._sock is None or self._sock.closed:
       self._sock = _Link(self.address, self.host, self.port, self._token, deadline)
-    welcome, _ = self._exchange(Hello(nonce=_nonce()), deadline)
+    welcome, _ = self._exchange(Hello(nonce=new_nonce()), deadline)
     self.hellos += 1
     self._challenge = welcome.challenge
     self._challenge_until = time.monotonic() + welcome.valid_ms / 1000
@@ -510,7 +510,7 @@ class RemoteClient:
         self._connect(deadline)
       try:
         return self._exchange(request, deadline)
-      except _Unauthenticated:
+      except Unauthenticated:
         if attempt or self._secret is None:
           raise
         self._challenge = ""
@@ -531,14 +531,14 @@ class RemoteClient:
       self._busy.release()
 
   def _lookup(self, keys: list[bytes], deadline: float) -> int:
-    keys = list(keys[:_MAX_KEYS])  # a prefix of a prefix: still the question asked
+    keys = list(keys[:MAX_KEYS])  # a prefix of a prefix: still the question asked
     if not keys:
       return 0
     if not self.available:
       self._failed(Failure.BREAKER, close=False)
       return 0
     try:
-      have, _ = self._call(Lookup(nonce=_nonce(), fingerprint=self.fingerprint,
+      have, _ = self._call(Lookup(nonce=new_nonce(), fingerprint=self.fingerprint,
                                   keys=tuple(keys)), deadline)
       if have.have > len(keys):
         raise RemoteError("malformed", f"holds {have.have} of the {len(keys)} keys asked about")
@@ -551,7 +551,7 @@ class RemoteClient:
       return 0
 
   def fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
-    """The blocks' raw bits ``[blocks, *payload_shape]`` (at most ``_MAX_FETCH_BLOCKS``),
+    """The blocks' raw bits ``[blocks, *payload_shape]`` (at most ``MAX_FETCH_BLOCKS``),
     verified; raises ``RemoteError`` (counted in ``failures_by_reason``), nothing else."""
     if not self._busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
       self._failed(Failure.DEADLINE, close=False)  # a lookup held the connection past it
@@ -562,8 +562,8 @@ class RemoteClient:
       self._busy.release()
 
   def _fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
-    if len(keys) > _MAX_FETCH_BLOCKS:
-      raise InputError(f"fetch of {len(keys)} blocks: at most {_MAX_FETCH_BLOCKS} a fetch; "
+    if len(keys) > MAX_FETCH_BLOCKS:
+      raise InputError(f"fetch of {len(keys)} blocks: at most {MAX_FETCH_BLOCKS} a fetch; "
                        "split them (RemoteTier does).")
     if not self.available:
       self._failed(Failure.BREAKER, close=False)
@@ -571,8 +571,8 @@ class RemoteClient:
     try:
       self.expect(payload_shape, dtype)
       bits = np.dtype(pages_lib.bits_dtype(dtype))
-      request = FetchBlocks(nonce=_nonce(), fingerprint=self.fingerprint, keys=tuple(keys),
-                            token=_nonce(), transport=self.transport, sealed=self.encrypt,
+      request = FetchBlocks(nonce=new_nonce(), fingerprint=self.fingerprint, keys=tuple(keys),
+                            token=new_nonce(), transport=self.transport, sealed=self.encrypt,
                             wait_ms=max(0, int((deadline - time.monotonic()) * 1000)))
       offer, data = self._call(request, deadline)
       want_shape = (len(keys), *payload_shape)
@@ -592,7 +592,7 @@ class RemoteClient:
         stack = self._inline(data, want_shape, bits)
       else:
         stack = self._pull(offer, want_shape, bits, deadline)
-      if self._seal is None and _digest(stack) != offer.crc32c:
+      if self._seal is None and stack_digest(stack) != offer.crc32c:
         raise RemoteError("checksum", "the blocks do not match their CRC-32C")
       self.breaker.record(True)
       return stack
@@ -645,7 +645,7 @@ class RemoteClient:
     if conn is None:
       conn = _transfer_server(device).connect(addr)  # lazy: no wait on the network
     self._connections[addr] = conn
-    while len(self._connections) > _MAX_TRANSFER_CONNECTIONS:
+    while len(self._connections) > MAX_TRANSFER_CONNECTIONS:
       self._connections.popitem(last=False)
     wait_s = max(0.0, deadline - time.monotonic())
     expires = datetime.datetime.now() + datetime.timedelta(seconds=wait_s)
@@ -678,9 +678,9 @@ class RemoteClient:
       return value
     try:
       if offer.sealed:
-        plain = self._seal.open(_pull_aad(offer.nonce), _bytes_of(value))
+        plain = self._seal.open(pull_aad(offer.nonce), bytes_of(value))
         return np.frombuffer(plain, dtype=bits).reshape(shape)
-      self._seal.check(_pull_aad(offer.nonce), _bytes_of(value), bytes.fromhex(offer.data_tag))
+      self._seal.check(pull_aad(offer.nonce), bytes_of(value), bytes.fromhex(offer.data_tag))
       return value
     except security.SealError as e:
       raise RemoteError("mac", f"the pulled blocks do not verify ({e})") from None

@@ -9,10 +9,10 @@ What it may spend is its ``BlockServerLimits`` (the names below are its fields).
 What a connection costs it: it reads raw bytes off its STREAM socket, which queues at
 most ``_RCVHWM_CHUNKS`` chunks of ``_IN_BATCH_BYTES`` a connection between polls
 (``BlockServer.queued_bytes_most``, (64 + 1) x 8 KiB = 520 KiB), then TCP holds the
-sender back. A request is three frames, each capped (``_REQUEST_FRAME_BYTES``: 64 B,
-``_MAX_REQUEST_BYTES`` = 1.07 MiB, 160 B); a frame over its cap or past the third is
+sender back. A request is three frames, each capped (``REQUEST_FRAME_BYTES``: 64 B,
+``MAX_REQUEST_BYTES`` = 1.07 MiB, 160 B); a frame over its cap or past the third is
 dropped as its bytes arrive (counted, ``counts["frames_dropped"]``; its message is refused
-once it ends), one over ``_MAX_REQUEST_BYTES`` closes the connection. Requests read but
+once it ends), one over ``MAX_REQUEST_BYTES`` closes the connection. Requests read but
 not yet answered are held up to ``max_pending_bytes_per_peer`` (2.13 MiB) a connection,
 more are shed. So a connection costs the server at most ``queued_bytes_most`` +
 ``held_bytes_most`` (pending + the caps of one request being read + two chunks and a
@@ -23,7 +23,7 @@ What the server never owes: a ``poll`` answers at most ``max_messages_per_poll``
 requests, no connection more than ``max_messages_per_peer`` of them (its others wait for
 the next poll), stops reading ``poll_overrun_s`` after its timeout, and stops once the
 blocks it answered with pass ``max_answer_bytes_per_poll`` (a fetch is answered whole, so
-a poll overruns that by at most one fetch: up to ``_MAX_FETCH_BLOCKS`` blocks); answers
+a poll overruns that by at most one fetch: up to ``MAX_FETCH_BLOCKS`` blocks); answers
 queue for a connection up to its send high-water mark (``4 x max_messages_per_peer``
 largest answers), beyond which the connection is closed; transfer offers are bounded in
 number and bytes and expire (``offer_ttl_s``, or the client's own wait, whichever is
@@ -50,14 +50,14 @@ from jaxkv import security
 from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.errors import InputError, InvariantError
-from jaxkv.worker.tiers.remote.auth import (_HANDSHAKE_USER, _KEYLESS_FIX, _UNAUTHENTICATED,
-                                            _Challenges, _handshake_token, _plain_credentials)
+from jaxkv.worker.tiers.remote.auth import (HANDSHAKE_USER, KEYLESS_FIX, UNAUTHENTICATED,
+                                            Challenges, handshake_token, plain_credentials)
 from jaxkv.worker.tiers.remote.wire import (
-    _COMMAND, _GREETING_BYTES, _LONG, _MAX_COMMAND_BYTES, _MAX_FETCH_BLOCKS, _MAX_HELLO_BYTES,
-    _MAX_REQUEST_BYTES, _MORE, _REQUEST_FRAME_BYTES, REQUESTS, FetchBlocks, Have, Hello, Lookup,
-    Offer, Refusal, Welcome, WireError, _bytes_of, _chunk_aads, _chunks, _command,
-    _command_parts, _digest, _encoded, _greeting, _greeting_mechanism, _head_aad, _parse_head,
-    _piece_sizes, _pull_aad, _readable_nonce, _socket_type, decode)
+    COMMAND, GREETING_BYTES, LONG, MAX_COMMAND_BYTES, MAX_FETCH_BLOCKS, MAX_HELLO_BYTES,
+    MAX_REQUEST_BYTES, MORE, REQUEST_FRAME_BYTES, REQUESTS, FetchBlocks, Have, Hello, Lookup,
+    Offer, Refusal, Welcome, WireError, bytes_of, chunk_aads, split_chunks, command_frame,
+    command_parts, stack_digest, encoded, greeting_bytes, greeting_mechanism, head_aad, parse_head,
+    piece_sizes, pull_aad, readable_nonce, socket_type, decode)
 
 _IN_BATCH_BYTES = 8192  # libzmq reads a STREAM connection in chunks of at most this
 _RCVHWM_CHUNKS = 64  # chunks a STREAM connection's queue holds before TCP holds the sender
@@ -72,10 +72,10 @@ class _Inbound:
   (``feed``): its handshake (ZMTP NULL without a key; PLAIN with the key's token, compared
   in constant time), then its requests, frame by frame.
 
-  A request's frames are kept up to their caps (``_REQUEST_FRAME_BYTES``), each written
+  A request's frames are kept up to their caps (``REQUEST_FRAME_BYTES``), each written
   into a buffer of its size as its bytes arrive; a frame over its cap, or past the third,
   is dropped as its bytes arrive (counted in ``counts["frames_dropped"]``), and its
-  message is refused once it ends; a frame over ``_MAX_REQUEST_BYTES`` closes the
+  message is refused once it ends; a frame over ``MAX_REQUEST_BYTES`` closes the
   connection (``counts["oversized"]``). Complete requests wait in ``ready`` for a poll, at
   most ``pending_bytes_most`` of them (each charged ``_REQUEST_OVERHEAD_BYTES`` for its
   objects; more are shed, ``counts["shed"]``). So a connection holds at most that, one
@@ -127,37 +127,37 @@ class _Inbound:
           self._frame_done()
           continue
         if self.state == "greeting":
-          if len(raw) - at < _GREETING_BYTES:
+          if len(raw) - at < GREETING_BYTES:
             break
           mechanism = b"PLAIN" if self.token is not None else b"NULL"
-          if _greeting_mechanism(raw[at:at + _GREETING_BYTES]) != mechanism:
+          if greeting_mechanism(raw[at:at + GREETING_BYTES]) != mechanism:
             raise _Hangup("another mechanism")  # the client sees it too: not counted
-          at += _GREETING_BYTES
+          at += GREETING_BYTES
           self.state = "hello" if self.token is not None else "ready"
           continue
-        head = _parse_head(raw, at)
+        head = parse_head(raw, at)
         if head is None:
           break
         flags, size, head_bytes = head
-        if flags & ~(_MORE | _LONG | _COMMAND):
+        if flags & ~(MORE | LONG | COMMAND):
           raise _Hangup(f"frame flags {flags:#x}")
-        if flags & _COMMAND or self.state != "open":
-          if not flags & _COMMAND or flags & _MORE or self._count or size > _MAX_COMMAND_BYTES:
+        if flags & COMMAND or self.state != "open":
+          if not flags & COMMAND or flags & MORE or self._count or size > MAX_COMMAND_BYTES:
             raise _Hangup("not a command where one belongs")
           if len(raw) - at < head_bytes + size:
             break
-          replies += self._command(bytes(raw[at + head_bytes:at + head_bytes + size]))
+          replies += self.command_frame(bytes(raw[at + head_bytes:at + head_bytes + size]))
           at += head_bytes + size
           if self.state == "closed":
             return replies
           continue
-        if size > _MAX_REQUEST_BYTES:
+        if size > MAX_REQUEST_BYTES:
           self.counts["oversized"] += 1
           raise _Hangup(f"a frame of {size} bytes")
         at += head_bytes
         self._count += 1
-        self._left, self._more, self._into = size, bool(flags & _MORE), None
-        cap = _REQUEST_FRAME_BYTES[self._count - 1] if self._count <= 3 else -1
+        self._left, self._more, self._into = size, bool(flags & MORE), None
+        cap = REQUEST_FRAME_BYTES[self._count - 1] if self._count <= 3 else -1
         if size <= cap:
           self._into = bytearray(size)
         else:
@@ -188,20 +188,20 @@ class _Inbound:
     self.ready.append((frames, problem, charge))
     self.pending_bytes += charge
 
-  def _command(self, command: bytes) -> list[bytes]:
+  def command_frame(self, command: bytes) -> list[bytes]:
     """The answer to one handshake command (a command after it, a ping, needs none)."""
-    name, body = _command_parts(command)
+    name, body = command_parts(command)
     if self.state == "hello" and name == b"HELLO":
-      credentials = _plain_credentials(body)
-      if (credentials is not None and credentials[0] == _HANDSHAKE_USER
+      credentials = plain_credentials(body)
+      if (credentials is not None and credentials[0] == HANDSHAKE_USER
           and hmac.compare_digest(credentials[1], self.token)):
         self.state = "initiate"
-        return [_command(b"WELCOME")]
+        return [command_frame(b"WELCOME")]
       self.state, self.refused = "closed", True
-      return [_command(b"ERROR", b"\x03400")]  # 400: ZAP's "not these credentials"
+      return [command_frame(b"ERROR", b"\x03400")]  # 400: ZAP's "not these credentials"
     if (self.state, name) in (("initiate", b"INITIATE"), ("ready", b"READY")):
       self.state = "open"
-      return [_command(b"READY", _socket_type(b"ROUTER"))]
+      return [command_frame(b"READY", socket_type(b"ROUTER"))]
     if self.state == "open":
       return []
     raise _Hangup(f"a {name[:20]!r} command in the handshake")
@@ -219,11 +219,11 @@ def _answer_frames(seal: security.Seal | None, answer, data: list, sealed: bool)
   nonce = answer.nonce.encode()  # an answer is about the request it names
   if seal is None:
     return [nonce, header, b"", *data]
-  tag = seal.tag(_head_aad(answer.nonce, header))
+  tag = seal.tag(head_aad(answer.nonce, header))
   if not data:
     return [nonce, header, tag]
-  chunks = _chunks(data[0])
-  aads = _chunk_aads(answer.nonce, header, len(chunks))
+  chunks = split_chunks(data[0])
+  aads = chunk_aads(answer.nonce, header, len(chunks))
   if sealed:
     return [nonce, header, tag, *map(seal.seal, aads, chunks)]
   return [nonce, header, b"".join([tag, *map(seal.tag, aads, chunks)]), data[0]]
@@ -239,7 +239,7 @@ class BlockServerLimits:
 
   max_messages_per_poll: int = 64  # requests one ``poll`` answers
   max_messages_per_peer: int = 16  # of them for one connection; its others wait for the next poll
-  max_pending_bytes_per_peer: int = 2 * _MAX_REQUEST_BYTES  # requests read, not yet answered
+  max_pending_bytes_per_peer: int = 2 * MAX_REQUEST_BYTES  # requests read, not yet answered
   poll_overrun_s: float = 0.005  # reading stops this long after ``poll``'s timeout
   max_answer_bytes_per_poll: int = 64 << 20  # ... or once its answers' blocks pass this
   challenge_epoch_s: float = 60.0  # a challenge holds for its epoch and the next one
@@ -268,7 +268,7 @@ _LIMIT_FLOORS = {
     "max_messages_per_poll": (1, False, "a poll that may answer nothing never serves"),
     "max_messages_per_peer": (1, False, "a connection that may get no answer is never served"),
     "max_pending_bytes_per_peer": (
-        sum(_REQUEST_FRAME_BYTES) + _REQUEST_OVERHEAD_BYTES, False,
+        sum(REQUEST_FRAME_BYTES) + _REQUEST_OVERHEAD_BYTES, False,
         "one request at its frames' caps: below it the largest lookups are always shed"),
     "poll_overrun_s": (0, False, "how long past its timeout a poll may read"),
     "max_answer_bytes_per_poll": (0, False, "bytes of blocks; at 0 a poll answers one fetch"),
@@ -315,16 +315,16 @@ class BlockServer:
       if not security.is_loopback(host) and not allow_insecure:
         raise InputError(f"BlockServer on {host}:{port} has no deployment key: anyone who "
                          "reaches it could test which prompts were served and pull their KV. "
-                         f"Fix: {_KEYLESS_FIX}; or pass allow_insecure=True "
+                         f"Fix: {KEYLESS_FIX}; or pass allow_insecure=True "
                          "(--allow_insecure) on an isolated network.")
       security.warn_insecure("the block server answers anyone, without a deployment key "
-                             "(its answers carry a CRC-32C only)", _KEYLESS_FIX)
+                             "(its answers carry a CRC-32C only)", KEYLESS_FIX)
     self._seal = security.Seal(self._key, "remote-answer") if self._key is not None else None
-    self._token = _handshake_token(self._key) if self._key is not None else None
+    self._token = handshake_token(self._key) if self._key is not None else None
     self.counts: collections.Counter = collections.Counter()
     self._handshakes_refused = 0
     self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
-    self._challenges = _Challenges(self, self._key)
+    self._challenges = Challenges(self, self._key)
     self._peers: dict[bytes, _Inbound] = {}  # connection id -> its inbound side
     self._turns: collections.OrderedDict = collections.OrderedDict()  # ids with requests ready
     self._closing: set[bytes] = set()  # connections to close (their queue was full)
@@ -341,7 +341,7 @@ class BlockServer:
       # a piece; beyond, the connection is closed (it does not read).
       block = int(np.prod(cache.payload_shape)) * np.dtype(
           pages_lib.bits_dtype(cache.config.jnp_dtype)).itemsize
-      sends = 1 + 2 * len(_piece_sizes(_MAX_FETCH_BLOCKS * block))
+      sends = 1 + 2 * len(piece_sizes(MAX_FETCH_BLOCKS * block))
       self._socket.setsockopt(zmq.SNDHWM, 4 * self.limits.max_messages_per_peer * sends)
       if port:
         self._socket.bind(f"tcp://{host}:{port}")
@@ -376,8 +376,8 @@ class BlockServer:
     """The most bytes of one connection's requests this server holds: those read and
     waiting (``max_pending_bytes_per_peer``), the one being read (its three frames at their
     caps), a chunk as read and as not parsed yet, and a command."""
-    return (self.limits.max_pending_bytes_per_peer + sum(_REQUEST_FRAME_BYTES)
-            + 2 * _IN_BATCH_BYTES + _MAX_COMMAND_BYTES)
+    return (self.limits.max_pending_bytes_per_peer + sum(REQUEST_FRAME_BYTES)
+            + 2 * _IN_BATCH_BYTES + MAX_COMMAND_BYTES)
 
   def poll(self, timeout_s: float = 0.0) -> int:
     """Reads what arrives within ``timeout_s`` and answers requests, at most
@@ -400,7 +400,7 @@ class BlockServer:
         peer, frames, problem = turn
         per_peer[peer] += 1
         reply, blocks_bytes = self._handle(peer, frames, problem)
-        self._send(peer, _encoded(reply))
+        self._send(peer, encoded(reply))
         answered += 1
         answered_bytes += blocks_bytes
         continue
@@ -440,7 +440,7 @@ class BlockServer:
       else:  # made (or a notice of one already closed here: its greeting finds no one)
         self._peers[peer] = _Inbound(self._token, self.counts,
                                      self.limits.max_pending_bytes_per_peer, time.monotonic())
-        self._progressed |= self._send(peer, [_greeting(
+        self._progressed |= self._send(peer, [greeting_bytes(
             b"PLAIN" if self._token is not None else b"NULL", self._token is not None)])
       return
     if inbound is None:  # bytes of a connection being closed
@@ -521,13 +521,13 @@ class BlockServer:
     nonce = ""
     sealed = False
     try:
-      nonce = _readable_nonce(bytes(frames[0][:65]).decode("ascii", "replace") if frames else "")
+      nonce = readable_nonce(bytes(frames[0][:65]).decode("ascii", "replace") if frames else "")
       if problem:
         raise WireError(problem)
       body, auth = frames[1], frames[2]
       signed = (self._challenges.authentic(peer, body, auth) if self._key is not None and auth
                 else None)
-      if self._key is not None and (auth or len(body) > _MAX_HELLO_BYTES) and signed is None:
+      if self._key is not None and (auth or len(body) > MAX_HELLO_BYTES) and signed is None:
         answer, data = self._refuse_unauthenticated(nonce), []
       else:
         request = decode(body, REQUESTS)
@@ -567,7 +567,7 @@ class BlockServer:
 
   def _refuse_unauthenticated(self, nonce: str) -> Refusal:
     self.counts["unauthenticated"] += 1
-    return Refusal(nonce=nonce, error=f"{_UNAUTHENTICATED}: a wrong or missing deployment "
+    return Refusal(nonce=nonce, error=f"{UNAUTHENTICATED}: a wrong or missing deployment "
                    "key, or a challenge this server did not make for this connection or that "
                    "expired (say hello again)")
 
@@ -588,7 +588,7 @@ class BlockServer:
     transfer = request.transport == "transfer"
     offer = Offer(nonce=request.nonce, keys=request.keys, dtype=np.dtype(stack.dtype).name,
                   shape=tuple(stack.shape), token=request.token, sealed=request.sealed,
-                  crc32c=_digest(stack) if self._key is None else None,
+                  crc32c=stack_digest(stack) if self._key is None else None,
                   expires_ms=(min(request.wait_ms, int(self.limits.offer_ttl_s * 1000))
                               if transfer else None))
     return self.ship(offer, stack, request.transport)
@@ -604,14 +604,14 @@ class BlockServer:
     when a pull happened); beyond the bound a fetch is refused (counted,
     ``counts["offers_refused"]``) and the client recomputes."""
     if transport == "inline":
-      return offer, [_bytes_of(stack)]
+      return offer, [bytes_of(stack)]
     payload = stack
     if self._seal is not None and offer.sealed:
-      payload = np.frombuffer(self._seal.seal(_pull_aad(offer.nonce), _bytes_of(stack)),
+      payload = np.frombuffer(self._seal.seal(pull_aad(offer.nonce), bytes_of(stack)),
                               np.uint8)
     elif self._seal is not None:
       offer = dataclasses.replace(
-          offer, data_tag=self._seal.tag(_pull_aad(offer.nonce), _bytes_of(stack)).hex())
+          offer, data_tag=self._seal.tag(pull_aad(offer.nonce), bytes_of(stack)).hex())
     now = time.monotonic()
     self._offers = [(t, n) for t, n in self._offers if t > now]
     held = sum(n for _, n in self._offers)

@@ -10,12 +10,12 @@ from __future__ import annotations
 from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchOutcome
 from jaxkv.worker.tiers.remote.client import RemoteClient
-from jaxkv.worker.tiers.remote.wire import _MAX_FETCH_BLOCKS
+from jaxkv.worker.tiers.remote.wire import MAX_FETCH_BLOCKS
 
 
 class RemoteTier:
   """The peers of ``TierConfig.remote_peers`` as one ``FetchSource``: each request's
-  blocks from one peer come in one ``fetch`` per ``_MAX_FETCH_BLOCKS`` blocks."""
+  blocks from one peer come in one ``fetch`` per ``MAX_FETCH_BLOCKS`` blocks."""
 
   tier = Tier.REMOTE
 
@@ -39,7 +39,7 @@ class RemoteTier:
     return None, tuple(fetches)  # a fetch waits: it runs in finish_fetch, after the recompute
 
   def finish_fetch(self, fetches: tuple[Fetch, ...], t_end: float, stage) -> FetchOutcome:
-    """Per request and peer, its blocks in chain order, ``_MAX_FETCH_BLOCKS`` a ``fetch``;
+    """Per request and peer, its blocks in chain order, ``MAX_FETCH_BLOCKS`` a ``fetch``;
     a fetch that fails fails every block of it and of the request's later fetches (the
     request recomputes from its first failed block anyway)."""
     groups: dict = {}
@@ -49,8 +49,8 @@ class RemoteTier:
     for (_, peer), positions in groups.items():
       positions.sort(key=lambda i: fetches[i].block)
       failure = None
-      for lo in range(0, len(positions), _MAX_FETCH_BLOCKS):
-        part = positions[lo:lo + _MAX_FETCH_BLOCKS]
+      for lo in range(0, len(positions), MAX_FETCH_BLOCKS):
+        part = positions[lo:lo + MAX_FETCH_BLOCKS]
         if failure is None:
           try:
             stack = self.clients[peer].fetch([fetches[i].key for i in part],

@@ -15,9 +15,9 @@ reader sees the first. Instead each side reads a frame's header before its bytes
 keeps only frames that can belong to what it waits for, within the caps here (the server:
 ``server._Inbound``; the client: ``client._Link``).
 
-Also here: what an answer's tags and seals are bound to (``_head_aad``, ``_chunk_aads``,
-``_pull_aad``), the ``_CHUNK_BYTES`` pieces blocks are tagged or sealed in, and
-``RemoteError`` (a fetch that cannot be used; ``auth._Unauthenticated`` is one).
+Also here: what an answer's tags and seals are bound to (``head_aad``, ``chunk_aads``,
+``pull_aad``), the ``CHUNK_BYTES`` pieces blocks are tagged or sealed in, and
+``RemoteError`` (a fetch that cannot be used; ``auth.Unauthenticated`` is one).
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from jaxkv.config import REMOTE_TRANSPORTS as TRANSPORTS
 from jaxkv.worker.tiers.base import Failure
 
 PROTOCOL = 6  # 6: requests numbered (replays refused by number); frames read by hand
-_MAX_KEYS = 16384  # block keys one lookup asks about (256k tokens at 16 a page)
-_MAX_FETCH_BLOCKS = 512  # blocks one fetch brings (``RemoteTier`` splits longer runs)
+MAX_KEYS = 16384  # block keys one lookup asks about (256k tokens at 16 a page)
+MAX_FETCH_BLOCKS = 512  # blocks one fetch brings (``RemoteTier`` splits longer runs)
 # A request is block keys only: 64 hex digits, quotes and a comma each, and a few fields.
-_MAX_REQUEST_BYTES = _MAX_KEYS * 68 + 4096
-_MAX_HELLO_BYTES = 1024  # the one request read without the key is small
-_MAX_NONCE_BYTES = 64  # a nonce frame (``_NONCE``'s rule)
+MAX_REQUEST_BYTES = MAX_KEYS * 68 + 4096
+MAX_HELLO_BYTES = 1024  # the one request read without the key is small
+MAX_NONCE_BYTES = 64  # a nonce frame (``_NONCE``'s rule)
 # "<epoch>-<8 hex>-<32 hex> <number> <64 hex>": a challenge, a request's number, its MAC.
 _MAX_AUTH_BYTES = 160
-_REQUEST_FRAME_BYTES = (_MAX_NONCE_BYTES, _MAX_REQUEST_BYTES, _MAX_AUTH_BYTES)
+REQUEST_FRAME_BYTES = (MAX_NONCE_BYTES, MAX_REQUEST_BYTES, _MAX_AUTH_BYTES)
 # An answer's header names at most one fetch's keys (an offer repeats them).
-_MAX_HEADER_BYTES = 64 << 10
+MAX_HEADER_BYTES = 64 << 10
 
 
 class RemoteError(RuntimeError):
@@ -60,47 +60,47 @@ class RemoteError(RuntimeError):
 
 
 
-def _digest(stack) -> int:
+def stack_digest(stack) -> int:
   return google_crc32c.value(np.ascontiguousarray(stack).reshape(-1).view(np.uint8))
 
 
-def _bytes_of(stack: np.ndarray) -> memoryview:
+def bytes_of(stack: np.ndarray) -> memoryview:
   return memoryview(np.ascontiguousarray(stack)).cast("B")
 
 
-def _nonce() -> str:
+def new_nonce() -> str:
   return secrets.token_hex(16)
 
 
 # What an answer's tags and seals are bound to: each starts with its role and carries the
-# request's nonce. The blocks frame is tagged (or sealed) in ``_CHUNK_BYTES`` pieces, each
+# request's nonce. The blocks frame is tagged (or sealed) in ``CHUNK_BYTES`` pieces, each
 # bound to the header (its digest), its index and the count: ``Seal`` joins what it proves
 # into one buffer, and a whole answer's join is a fresh multi-MiB buffer (page faults) on
 # every fetch, while a piece's stays in cache.
-_CHUNK_BYTES = 256 << 10
+CHUNK_BYTES = 256 << 10
 
 
-def _head_aad(nonce: str, header: bytes) -> bytes:
+def head_aad(nonce: str, header: bytes) -> bytes:
   return b"head\x00" + nonce.encode() + b"\x00" + header
 
 
-def _chunk_aads(nonce: str, header: bytes, count: int) -> list[bytes]:
+def chunk_aads(nonce: str, header: bytes, count: int) -> list[bytes]:
   base = b"data\x00" + nonce.encode() + b"\x00" + hashlib.sha256(header).digest()
   return [base + i.to_bytes(4, "big") + count.to_bytes(4, "big") for i in range(count)]
 
 
-def _chunks(data) -> list[memoryview]:
+def split_chunks(data) -> list[memoryview]:
   data = memoryview(data).cast("B")
-  return [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)] or [data]
+  return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [data]
 
 
-def _piece_sizes(nbytes: int) -> list[int]:
-  """The sizes of the ``_CHUNK_BYTES`` pieces ``nbytes`` of blocks are tagged or sealed in
-  (``_chunks``'s)."""
-  return [min(_CHUNK_BYTES, nbytes - at) for at in range(0, nbytes, _CHUNK_BYTES)] or [0]
+def piece_sizes(nbytes: int) -> list[int]:
+  """The sizes of the ``CHUNK_BYTES`` pieces ``nbytes`` of blocks are tagged or sealed in
+  (``split_chunks``'s)."""
+  return [min(CHUNK_BYTES, nbytes - at) for at in range(0, nbytes, CHUNK_BYTES)] or [0]
 
 
-def _pull_aad(nonce: str) -> bytes:
+def pull_aad(nonce: str) -> bytes:
   return b"pull\x00" + nonce.encode()
 
 
@@ -108,8 +108,8 @@ def _pull_aad(nonce: str) -> bytes:
 # ---- ZMTP: the framing under the wire, read by hand ---------------------------------------------
 # ZMTP 3.1 (ZeroMQ RFC 23) with its NULL and PLAIN mechanisms (RFC 23, RFC 24): a greeting
 # of 64 bytes each way (signature, version, mechanism, role), handshake commands, then
-# frames: a flags byte (``_MORE``: another frame of the message follows; ``_LONG``: an
-# 8-byte size follows, else a 1-byte one; ``_COMMAND``), the size, the bytes.
+# frames: a flags byte (``MORE``: another frame of the message follows; ``LONG``: an
+# 8-byte size follows, else a 1-byte one; ``COMMAND``), the size, the bytes.
 #
 #   client (DEALER)                              server (ROUTER)
 #   greeting("PLAIN")                       <->  greeting("PLAIN", as server)
@@ -117,71 +117,71 @@ def _pull_aad(nonce: str) -> bytes:
 #   INITIATE(Socket-Type)                   ->   READY(Socket-Type)
 #   (NULL, without a key: READY each way)
 #   [nonce, message, auth]                  ->   [nonce, message, tags, *blocks]
-_MORE, _LONG, _COMMAND = 1, 2, 4
-_GREETING_BYTES = 64
-_MAX_COMMAND_BYTES = 4096  # a handshake's command (or a peer's ping) is small
+MORE, LONG, COMMAND = 1, 2, 4
+GREETING_BYTES = 64
+MAX_COMMAND_BYTES = 4096  # a handshake's command (or a peer's ping) is small
 _ZERO_COPY_BYTES = 64 << 10  # frames this large are sent from their own buffer, not copied
 
 
-def _greeting(mechanism: bytes, as_server: bool) -> bytes:
+def greeting_bytes(mechanism: bytes, as_server: bool) -> bytes:
   """This side's greeting: signature, version 3.1, mechanism, role, filler."""
   return (b"\xff" + (1).to_bytes(8, "big") + b"\x7f\x03\x01" + mechanism.ljust(20, b"\x00")
           + bytes([as_server]) + bytes(31))
 
 
-def _greeting_mechanism(greeting) -> bytes | None:
+def greeting_mechanism(greeting) -> bytes | None:
   """The mechanism a peer's greeting names; None when it is no ZMTP 3 greeting."""
   if greeting[0] != 0xFF or not greeting[9] & 1 or greeting[10] < 3:
     return None
   return bytes(greeting[12:32]).rstrip(b"\x00")
 
 
-def _head(size: int, flags: int = 0) -> bytes:
+def frame_head(size: int, flags: int = 0) -> bytes:
   """A frame's header: its flags and its size (one byte, or eight for a long frame)."""
   if size > 255:
-    return bytes([flags | _LONG]) + size.to_bytes(8, "big")
+    return bytes([flags | LONG]) + size.to_bytes(8, "big")
   return bytes([flags, size])
 
 
-def _parse_head(buf, at: int) -> tuple[int, int, int] | None:
+def parse_head(buf, at: int) -> tuple[int, int, int] | None:
   """``(flags, size, header bytes)`` of the frame that starts at ``buf[at]``; None until
   all of its header is there."""
   if len(buf) - at < 2:
     return None
   flags = buf[at]
-  if not flags & _LONG:
+  if not flags & LONG:
     return flags, buf[at + 1], 2
   if len(buf) - at < 9:
     return None
   return flags, int.from_bytes(buf[at + 1:at + 9], "big"), 9
 
 
-def _command(name: bytes, body: bytes = b"") -> bytes:
+def command_frame(name: bytes, body: bytes = b"") -> bytes:
   """A command frame, header and all."""
   data = bytes([len(name)]) + name + body
-  return _head(len(data), _COMMAND) + data
+  return frame_head(len(data), COMMAND) + data
 
 
-def _command_parts(command) -> tuple[bytes, bytes]:
+def command_parts(command) -> tuple[bytes, bytes]:
   """``(name, body)`` of a command frame's bytes."""
   n = command[0] if command else 0
   return bytes(command[1:1 + n]), bytes(command[1 + n:])
 
 
-def _socket_type(kind: bytes) -> bytes:
+def socket_type(kind: bytes) -> bytes:
   """The metadata of a READY or INITIATE: the socket type this side plays."""
   return bytes([11]) + b"Socket-Type" + len(kind).to_bytes(4, "big") + kind
 
 
 
-def _encoded(frames) -> list:
+def encoded(frames) -> list:
   """``frames``, one message, as ZMTP bytes in as few pieces as a zero-copy send allows:
   the headers and small frames joined, each large frame a piece of its own (not copied).
   No piece is empty (an empty send closes a STREAM connection)."""
   out, small = [], bytearray()
   for i, frame in enumerate(frames):
     frame = memoryview(frame).cast("B")
-    small += _head(len(frame), _MORE if i < len(frames) - 1 else 0)
+    small += frame_head(len(frame), MORE if i < len(frames) - 1 else 0)
     if len(frame) < _ZERO_COPY_BYTES:
       small += frame
     else:
@@ -198,7 +198,7 @@ def _encoded(frames) -> list:
 # ``{"op": <kind>, "protocol": PROTOCOL, <fields>}``) and its authentication
 # (``"<challenge> <number> <HMAC hex>"``, empty for a hello or without a key). An answer travels as
 # its nonce, the message, its tags (``Seal`` tags: the header's, then one per
-# ``_CHUNK_BYTES`` piece of the blocks; empty without a key) and, for an inline ``Offer``,
+# ``CHUNK_BYTES`` piece of the blocks; empty without a key) and, for an inline ``Offer``,
 # the block bits: one frame, or when sealed one frame per sealed piece. The nonce frames
 # let either side refuse or drop a message without parsing it. Client and server build and
 # read messages only through these classes: a value that breaks a field's rule raises
@@ -282,7 +282,7 @@ class _Message:
       if not f.metadata["rule"].holds(value):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise WireError(f"{type(self).__name__}.{f.name}={shown} must be "
-                        f"{f.metadata['rule'].what}.", nonce=_readable_nonce(self.nonce))
+                        f"{f.metadata['rule'].what}.", nonce=readable_nonce(self.nonce))
 
   def encode(self) -> bytes:
     """The message as it travels (JSON, UTF-8)."""
@@ -291,7 +291,7 @@ class _Message:
     return json.dumps({"op": self.OP, "protocol": PROTOCOL, **body}).encode()
 
 
-def _readable_nonce(nonce) -> str:
+def readable_nonce(nonce) -> str:
   return nonce if _NONCE.holds(nonce) else ""
 
 
@@ -310,7 +310,7 @@ class Lookup(_Message):
   OP: ClassVar[str] = "lookup"
   nonce: str = _field(_NONCE)
   fingerprint: str = _field(_TEXT)  # hex of the cache's model/layout fingerprint
-  keys: tuple[bytes, ...] = _field(_keys_rule(_MAX_KEYS))
+  keys: tuple[bytes, ...] = _field(_keys_rule(MAX_KEYS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -322,7 +322,7 @@ class FetchBlocks(_Message):
   OP: ClassVar[str] = "fetch"
   nonce: str = _field(_NONCE)
   fingerprint: str = _field(_TEXT)
-  keys: tuple[bytes, ...] = _field(_keys_rule(_MAX_FETCH_BLOCKS))
+  keys: tuple[bytes, ...] = _field(_keys_rule(MAX_FETCH_BLOCKS))
   token: str = _field(_NONCE)  # repeated in the offer: binds it to this request
   transport: str = _field(_TRANSPORT)
   sealed: bool = _field(_BOOL)
@@ -360,7 +360,7 @@ class Offer(_Message):
 
   OP: ClassVar[str] = "offer"
   nonce: str = _field(_NONCE)
-  keys: tuple[bytes, ...] = _field(_keys_rule(_MAX_FETCH_BLOCKS))
+  keys: tuple[bytes, ...] = _field(_keys_rule(MAX_FETCH_BLOCKS))
   dtype: str = _field(_TEXT)
   shape: tuple[int, ...] = _field(_SHAPE)
   token: str = _field(_NONCE)
@@ -383,7 +383,7 @@ class Refusal(_Message):
 
 REQUESTS = (Hello, Lookup, FetchBlocks)
 ANSWERS = (Welcome, Have, Offer, Refusal)
-_ANSWER_TO = {Hello: Welcome, Lookup: Have, FetchBlocks: Offer}
+ANSWER_TO = {Hello: Welcome, Lookup: Have, FetchBlocks: Offer}
 
 
 def decode(data: bytes, kinds: tuple[type, ...]):
@@ -396,7 +396,7 @@ def decode(data: bytes, kinds: tuple[type, ...]):
                     f"({type(e).__name__}: {str(e)[:80]})") from None
   if not isinstance(msg, dict):
     raise WireError(f"a message must be a JSON object, not {type(msg).__name__}")
-  nonce = _readable_nonce(msg.get("nonce"))
+  nonce = readable_nonce(msg.get("nonce"))
   if msg.get("protocol") != PROTOCOL:
     raise WireError(f"protocol {str(msg.get('protocol'))[:20]!r} is not {PROTOCOL} (this "
                     "side's); run the same jaxkv version on both", nonce)
