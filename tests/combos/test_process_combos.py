@@ -8,6 +8,8 @@ launch/router.py in front of the pair and the decode node.
   is refused before either node works, and one tenant's hand-off is no hit for another.
 - A hand-off nobody collects: once its pin has ended, the pool evicts its blocks under
   another deployment's puts; a late collect is a miss (recomputed), the answer exact.
+- The pool's master killed and restarted under the pair: answers stay exact, and
+  hand-offs hit the pool again once the prefill node has remounted its segment.
 - A replica (the proxy) killed mid-stream: the client's stream ends (no hang, no [DONE]),
   and the next requests go to the live replica, exactly.
 
