@@ -77,9 +77,10 @@ def test_logprobs_of_prompt_and_answer_equal_the_dense_forwards_log_softmax(mesh
 
 # llama.cpp's logits for token ids, in a process of its own (a crash in the native library
 # fails the test instead of the test worker). Weight repacking ("extra buffer types") is off:
-# on a CPU that advertises AMX, a pip-built llama.cpp repacks quantized weights for AMX and
-# dies evaluating them where the kernel does not allow AMX (float32 weights are not repacked;
-# the setting only keeps a quantized file usable here). KV cache in float32, as jaxkv's.
+# on a CPU that advertises AMX, a pip-built llama.cpp repacks quantized weights for it and
+# dies evaluating them (SIGSEGV or SIGILL, on the developers' machine) unless this is off.
+# Float32 weights are not repacked: the setting only keeps a quantized file usable.
+# KV cache in float32, as jaxkv's.
 LLAMA_CPP_LOGITS = r"""
 import json, sys
 import numpy as np
