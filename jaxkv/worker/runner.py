@@ -257,43 +257,26 @@ class ModelRunner:
     return carry, selected, dataclasses.replace(batch, positions=positions, kv_lens=kv_lens)
 
   # ---- executing a step plan ------------------------------------------------------------------
-  def carry_out(self, orders: TierOrders) -> None:
+  def carry_out(self, orders: TierOrders, *, later: bool = False):
     """Has the cache's worker carry out a plan's tier orders, every destination chosen by
-    the manager when the plan was made (``CacheManager.resolve``): before anything of the
-    step writes a page, so the bytes they copy are still in their pages."""
-    self.cache.worker.carry_out(orders)
+    the manager when the plan was made (``CacheManager.resolve``): issued before anything
+    of the step writes a page, so the bytes they copy are still in their pages. ``later``:
+    returns the function that waits for the writes below the host (``TierMover.carry_out``)."""
+    return self.cache.worker.carry_out(orders, later=later)
 
   def execute(self, plan: StepPlan) -> StepResult:
-    """Runs one ``StepPlan``: carries out its tier orders, issues its fetches, dispatches
-    its decode and prefill rows (compact rows per shard, bucketed), verifies the fetch
-    groups it settles while the device computes, and reads back the tokens. Returns a
-    ``StepResult``."""
+    """Runs one ``StepPlan``: issues its tier orders' copies, issues its fetches, dispatches
+    its decode and prefill rows (compact rows per shard, bucketed), finishes the copies
+    below the host while the device computes, verifies the fetch groups it settles, and
+    reads back the tokens. Returns a ``StepResult``."""
     cache = self.cache
-    self.carry_out(plan.orders)
-    if plan.fetch is not None:
-      self._pending[plan.fetch.group] = cache.worker.start_promote(list(plan.fetch.fetches))
-    ahead, self._ahead = self._ahead, None
-    dispatched = []  # (request ids, row of each, tokens out, selected logits)
-    prompt_scores = None  # (scored chunks, row of each, their scores on device)
-    if plan.decode:
-      dispatched.append(self._decode_rows(plan.decode, ahead))
-    if plan.prefill:
-      num_rows, row, table, sampling = self._layout([c.seq for c in plan.prefill])
-      batch = self.prefill_batch([(row[c.seq.request], c.tokens, c.start, c.last)
-                                  for c in plan.prefill], num_rows, sampling)
-      scored = [c for c in plan.prefill if c.targets is not None]
-      if scored:  # every position's logits are scored (prompt log-probabilities)
-        out, sel, scores = self._prefill_scored(batch, table, num_rows, [
-            (row[c.seq.request], c.targets) for c in scored])
-        prompt_scores = (scored, row, scores)
-      else:
-        out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
-      dispatched.append(([c.seq.request for c in plan.prefill if c.last], row, out, sel))
-    key = tuple(r.seq.request for r in plan.decode)
-    if plan.decode_again and self._resident is not None and self._resident[0] == key:
-      # The next step's decode, dispatched now from this one's outputs on device: the
-      # device runs it while the host reads this step's tokens and plans the next.
-      self._ahead = (key, *self._decode_rows(plan.decode, None)[1:])
+    finish_copies = self.carry_out(plan.orders, later=True)
+    try:
+      if plan.fetch is not None:
+        self._pending[plan.fetch.group] = cache.worker.start_promote(list(plan.fetch.fetches))
+      dispatched, prompt_scores = self._dispatch(plan)
+    finally:
+      finish_copies()  # the evicted bytes leave the device while the step computes
     fetched = []
     for group in plan.settle:
       pending = self._pending.pop(group)
@@ -320,6 +303,34 @@ class ModelRunner:
     return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
                       t_tokens=time.perf_counter() if t_tokens is None else t_tokens,
                       logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores))
+
+  def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
+    """Dispatches a plan's decode and prefill rows (and the next decode, when it is known
+    to repeat). Returns ``(dispatched, prompt_scores)``: per group of rows, its request
+    ids, row of each, tokens out and selected logits; the scored prompt chunks or None."""
+    ahead, self._ahead = self._ahead, None
+    dispatched = []  # (request ids, row of each, tokens out, selected logits)
+    prompt_scores = None  # (scored chunks, row of each, their scores on device)
+    if plan.decode:
+      dispatched.append(self._decode_rows(plan.decode, ahead))
+    if plan.prefill:
+      num_rows, row, table, sampling = self._layout([c.seq for c in plan.prefill])
+      batch = self.prefill_batch([(row[c.seq.request], c.tokens, c.start, c.last)
+                                  for c in plan.prefill], num_rows, sampling)
+      scored = [c for c in plan.prefill if c.targets is not None]
+      if scored:  # every position's logits are scored (prompt log-probabilities)
+        out, sel, scores = self._prefill_scored(batch, table, num_rows, [
+            (row[c.seq.request], c.targets) for c in scored])
+        prompt_scores = (scored, row, scores)
+      else:
+        out, sel = self.prefill(batch, table, self.zero_carry(num_rows))
+      dispatched.append(([c.seq.request for c in plan.prefill if c.last], row, out, sel))
+    key = tuple(r.seq.request for r in plan.decode)
+    if plan.decode_again and self._resident is not None and self._resident[0] == key:
+      # The next step's decode, dispatched now from this one's outputs on device: the
+      # device runs it while the host reads this step's tokens and plans the next.
+      self._ahead = (key, *self._decode_rows(plan.decode, None)[1:])
+    return dispatched, prompt_scores
 
   def _prefill_scored(self, batch: StepBatch, table, num_rows: int, targets) -> tuple:
     """A prefill step whose rows in ``targets`` (``(row, next tokens)``) are scored."""

@@ -193,48 +193,75 @@ class TierMover:
       n *= 2
 
   # ---- downwards: resolved orders only ------------------------------------------------------
-  def carry_out(self, pools, orders: TierOrders) -> None:
+  def carry_out(self, pools, orders: TierOrders, *, later: bool = False):
     """Carries out orders whose every destination the manager chose
     (``CacheManager.resolve``), in the order their bytes need: disk records deleted; host
-    blocks about to be overwritten read out to the disk and the pool; device blocks written
-    below the host; device blocks stored into their host slots (published once the copy is
-    dispatched: later reads are ordered after it); the disk journal pumped. Every slot the
-    orders took is reported to the manager, copied or failed, on every path."""
+    blocks about to be overwritten and device blocks going below the host gathered (the
+    copies issued, not waited for); device blocks stored into their host slots (published
+    once the copy is dispatched: later reads are ordered after it); then the gathered bytes
+    written to the disk slots and the pool, and the disk journal pumped. Every slot the
+    orders took is reported to the manager, copied or failed, on every path.
+
+    ``later``: the writes below the host are not waited for here: the returned function
+    does them (call it exactly once, after dispatching the step whose pages these were, so
+    the step runs while the bytes come off the device). Otherwise None."""
     if not orders.resolved:
       raise InvariantError("TierOrders reached the worker without destinations: the "
                            "manager resolves them (CacheManager.resolve) when the plan is made.")
     if orders.drop:
       self.delete_records(list(orders.drop))
     disk_slots = dict(orders.to_disk)  # the journal takes each slot it writes
-    to_host = list(orders.to_host)
+    pool_keys = set(orders.to_pool)
+    host_copies, writes = list(orders.to_host), []
     try:
-      if orders.host_out:
+      if orders.host_out:  # read before the stores below overwrite their slots
         ids, per = buckets.shard_ids(list(orders.host_out), self.num_shards, 0, lambda b: b[1])
-        self._write_down(lambda: self.host.read_numpy(ids), per, ids.shape[1], disk_slots,
-                         set(orders.to_pool))
+        if self._wanted(per, disk_slots, pool_keys):
+          writes.append((self.host.read_later(ids), per, ids.shape[1]))
       if orders.device_out:
-        self._device_down(pools, list(orders.device_out), disk_slots, set(orders.to_pool))
-      if to_host:
+        blocks = list(orders.device_out)
+        ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
+        if self._wanted(per, disk_slots, pool_keys):
+          stack, per = self._gather_device(pools, blocks)
+          writes.append((lambda stack=stack: to_host(stack), per,
+                         stack.shape[2] // self.num_shards))
+      if host_copies:
         # One program per bucket: gathered on device, sent to the slots (no host computation).
-        self.host.store_pages(pools, [(c.shard, c.src, c.dst) for c in to_host])
-        for c in to_host:
+        self.host.store_pages(pools, [(c.shard, c.src, c.dst) for c in host_copies])
+        for c in host_copies:
           self.manager.copied(c.shard, c.dst, c.key, Tier.HOST)
-        self.stats.add("demoted_host", len(to_host))
-        self.stats.add("bytes_moved", self._bytes(len(to_host)))
-        to_host = []
-    finally:
-      for c in to_host:  # never copied (a move raised): the slots go back empty
-        self.manager.copy_failed(c.shard, c.dst, c.key, Tier.HOST)
-      for key, slot in disk_slots.items():  # never written
-        self.manager.copy_failed(0, slot, key, Tier.DISK)
-    if orders.pump:
-      self.pump()
+        self.stats.add("demoted_host", len(host_copies))
+        self.stats.add("bytes_moved", self._bytes(len(host_copies)))
+        host_copies = []
+    except BaseException:
+      self._give_back(host_copies, disk_slots)
+      raise
 
-  def _device_down(self, pools, blocks: list[Block], disk_slots: dict, pool_keys: set) -> None:
-    """Device blocks to the disk and the pool (one gather for both)."""
-    stack, per = self._gather_device(pools, blocks)
-    self._write_down(lambda: to_host(stack), per, stack.shape[2] // self.num_shards,
-                     disk_slots, pool_keys)
+    def finish() -> None:
+      try:
+        for read, per, n in writes:
+          self._write_down(read, per, n, disk_slots, pool_keys)
+      finally:
+        self._give_back([], disk_slots)
+      if orders.pump:
+        self.pump()
+
+    if later:
+      return finish
+    finish()
+    return None
+
+  def _give_back(self, host_copies: list, disk_slots: dict) -> None:
+    """Slots the orders took and no copy filled go back empty."""
+    for c in host_copies:
+      self.manager.copy_failed(c.shard, c.dst, c.key, Tier.HOST)
+    for key, slot in disk_slots.items():
+      self.manager.copy_failed(0, slot, key, Tier.DISK)
+    disk_slots.clear()
+
+  def _wanted(self, per: list[list], disk_slots: dict, pool_keys: set) -> bool:
+    """Whether any of these blocks goes to disk or the pool (else nothing is read)."""
+    return any(b[2] in disk_slots or b[2] in pool_keys for blocks in per for b in blocks)
 
   def _write_down(self, read, per: list[list], n: int, disk_slots: dict,
                   pool_keys: set) -> None:

@@ -229,11 +229,12 @@ class CacheWorker:
     (donated); returns ``rest``."""
     return self.update_pools(lambda pools: step(pools, *args))
 
-  def carry_out(self, orders) -> None:
+  def carry_out(self, orders, *, later: bool = False):
     """Carries out resolved ``TierOrders`` (the manager chose every destination): copies
     down, records deleted, the journal pumped (``TierMover.carry_out``). Copies read the
-    pools; none writes them."""
-    self.mover.carry_out(self.pools, orders)
+    pools; none writes them. ``later``: returns the function that finishes the writes
+    below the host (the runner calls it once the step is dispatched)."""
+    return self.mover.carry_out(self.pools, orders, later=later)
 
   def start_promote(self, fetches):
     """Issues a fetch group (``TierMover.start_promote``); returns its ``PendingFetch``."""

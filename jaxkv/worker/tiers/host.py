@@ -259,18 +259,27 @@ class HostTier:
   def read_numpy(self, host_ids: np.ndarray) -> np.ndarray:
     """Host slots ``[data_shards, n]`` as a numpy raw-bits stack (blocks until copied):
     through device memory, in buckets (no computation runs on host memory)."""
+    return self.read_later(host_ids)()
+
+  def read_later(self, host_ids: np.ndarray):
+    """``read_numpy`` in two halves: the copies out of the slots are issued now (ordered
+    before any later store into them), and the returned function waits for them and
+    assembles the numpy stack."""
     shards, n = host_ids.shape
     parts = [(offset, size, self.load_blocks(host_ids[:, offset:offset + size])[0])
              for offset, size in buckets.pieces(n, self.bucket_max)]
-    out = None
-    for offset, size, part in parts:
-      got = to_host(part)  # [shards * size, 2L, H, S, D]
-      if out is None:
-        out = np.empty((got.shape[1], got.shape[2], shards * n, *got.shape[3:]), got.dtype)
-      for s in range(shards):
-        out[:, :, s * n + offset:s * n + offset + size] = np.moveaxis(
-            got[s * size:(s + 1) * size], 0, 2)
-    return out
+
+    def assemble() -> np.ndarray:
+      out = None
+      for offset, size, part in parts:
+        got = to_host(part)  # [shards * size, 2L, H, S, D]
+        if out is None:
+          out = np.empty((got.shape[1], got.shape[2], shards * n, *got.shape[3:]), got.dtype)
+        for s in range(shards):
+          out[:, :, s * n + offset:s * n + offset + size] = np.moveaxis(
+              got[s * size:(s + 1) * size], 0, 2)
+      return out
+    return assemble
 
   def stacked(self) -> jax.Array:
     """The whole pool as ``[2L, H, shards * host_pages, S, D]`` raw bits in host memory
