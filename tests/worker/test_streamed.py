@@ -105,6 +105,7 @@ def test_streamed_equals_all_pages_at_once(mesh, impl, hq, hkv, page, attn_chunk
 
 # ---- the engine: contexts several times the device budget ------------------------------------
 import helpers  # noqa: E402
+from numpy_llama import NumpyLlama  # noqa: E402
 
 
 def stream_engine(mesh, host_pages=64, source="host", disk_dir=None, impl="jnp"):
@@ -162,9 +163,8 @@ def test_long_context_streams_to_the_same_tokens_as_all_on_device(mesh, tmp_path
   handle = engine.submit(prompts[0], jaxkv.SamplingParams(max_new_tokens=8, logprobs=2))
   assert handle.result() == want[0]
   assert dict(engine.trace_counts) == before
-  x = np.asarray(want_logits[0], np.float64)
-  lsm = x - x.max(-1, keepdims=True)
-  lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+  # The reference: a NumPy forward of the model's weights (shares no code with jaxkv).
+  lsm = NumpyLlama(engine.model).log_softmax(prompts[0] + want[0][:-1])[len(prompts[0]) - 1:]
   for i, (lp, top) in enumerate(handle.logprobs):
     assert abs(lp - lsm[i, want[0][i]]) < 1e-4 and len(top) == 2
     assert top[0][0] == want[0][i] and abs(top[0][1] - lsm[i].max()) < 1e-4
