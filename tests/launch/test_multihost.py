@@ -148,7 +148,6 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   assert p0["kv_events"]["untold"] == 0
   told = collections.Counter(m for _, m in reader.held)
   held = p0["tier_occupancy_blocks"][-1]
-  print("told", dict(told), "held", held)
   assert told["DISK"] == len(records) == held["disk"], (told, held)
   assert 0 < told["GPU"] <= held["device"] and 0 < told["CPU"] <= held["host"], (told, held)
   assert sum(told.values()) == p0["kv_events"]["held"]

@@ -116,7 +116,8 @@ def test_the_service_runs_the_loop_on_its_thread_with_the_same_answers(pair):
     for t in threads:
       t.start()
     for t in threads:
-      t.join()
+      t.join(120)  # (submit waits while the waiting room is full)
+    assert not any(t.is_alive() for t in threads), "a submit still waits after 120 s"
     for (got, done, _), w in zip(runs, want):
       assert done.wait(120)
       assert [t for d in got for t in d.tokens] == w
@@ -250,8 +251,7 @@ def test_an_internal_error_in_a_step_stops_the_service_and_says_why(mesh):
   try:
     long = collect()
     service.submit([5, 6, 7, 8], jaxkv.SamplingParams(max_new_tokens=200), "a", long[2])
-    while not long[0]:
-      time.sleep(0.01)  # the first request decodes
+    helpers.wait_for(lambda: long[0], 60, "the first request decodes")
     bad = collect()
     service.submit([9, 9, 9, 1, 2], jaxkv.SamplingParams(max_new_tokens=4), "b", bad[2])
     assert service.wait_failed(120)

@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -407,7 +408,8 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   engine.cache.disk.read = failing
   engine.cache.disk.write = faults.FailingWrites(engine.cache.disk,
                                                  OSError(5, "Input/output error"))
-  engine.cache.mover.journal.breaker.cool_down_s = 1.0
+  breaker = engine.cache.mover.journal.breaker
+  breaker.cool_down_s = 1.0
   for _ in range(3):  # every read and write raises: recomputed; 3 failed batches detach it
     helpers.forget_device_copies(engine)
     assert engine.generate([prompt], 3) == want
@@ -420,7 +422,7 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   s = engine.stats()
   assert sum(failing.failed.values()) == reads  # detached: nothing was read from it
   assert s["hits"]["disk"] == 0 and s["disk_detached_drops"] > 0  # nor written to it
-  time.sleep(1.1)  # the cool-down passes and the store is back
+  helpers.wait_for(lambda: breaker.available, 10, "the disk's breaker closes after its cool-down")
   del engine.cache.disk.read, engine.cache.disk.write  # the real ones again
   for _ in range(2):  # attached again: written through, then read back
     helpers.forget_device_copies(engine)
@@ -511,7 +513,7 @@ disk = DiskTier(sys.argv[1], num_slots=64, payload_shape=(4, 2, 16, 256), dtype=
                 fingerprint=b"f" * 32)
 rng = np.random.default_rng(0)
 i = 0
-print("READY", flush=True)
+print("WROTE 0", flush=True)
 while True:
   ws = [disk.write(((i + j) % 64).to_bytes(32, "little"),
                    rng.standard_normal((4, 2, 16, 256)).astype(np.float32), None)
@@ -519,17 +521,35 @@ while True:
   for w in ws:
     w.result()
   i += 8
+  print("WROTE", i, flush=True)
 """
+
+
+def written(proc, at_least: int, timeout_s: float) -> int:
+  """Reads the writer's progress lines until it has written ``at_least`` blocks (it keeps
+  writing); past ``timeout_s``, or if it exits, the test fails."""
+  deadline, wrote = time.monotonic() + timeout_s, -1
+  while wrote < at_least:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+      pytest.fail(f"the writer wrote {wrote} blocks in {timeout_s} s, not {at_least}")
+    line = proc.stdout.readline()
+    if not line.startswith("WROTE"):
+      pytest.fail(f"the writer stopped: {line!r}")
+    wrote = int(line.split()[1])
+  return wrote
 
 
 def test_writer_killed_mid_write_reopens_with_only_verified_blocks(tmp_path):
   path = str(tmp_path / "d")
   proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, path], stdout=subprocess.PIPE,
                           text=True)
-  assert proc.stdout.readline().strip() == "READY"
-  time.sleep(2.0)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait(timeout=30)
+  try:
+    written(proc, 24, 120)  # killed while it writes its fourth batch or a later one
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
   # Leave a torn temporary behind as a crash would, and a chunk cut short; and a
   # temporary that a live writer holds locked, as TensorStore's file driver does while it
   # writes (an open-file-description lock).
