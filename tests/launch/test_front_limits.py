@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+import helpers
 from jaxkv.tools.bench.http import ServerProcess
 
 HUGE = 192 << 20  # the content-length sent; only its head and a few MiB are
@@ -166,6 +167,30 @@ def test_a_half_sent_request_gets_408(fronts):
     assert status_of(sock) == 408
 
 
+def accepted(server) -> int:
+  """Connections the front's process holds on its port, as the kernel counts them: its
+  open sockets that are established TCP connections with the front's port as their own
+  (a connection gets a descriptor only once the process has accepted it)."""
+  inodes = set()
+  fd_dir = f"/proc/{server.proc.pid}/fd"
+  for fd in os.listdir(fd_dir):
+    try:
+      link = os.readlink(os.path.join(fd_dir, fd))
+    except FileNotFoundError:  # closed meanwhile
+      continue
+    if link.startswith("socket:["):
+      inodes.add(link[len("socket:["):-1])
+  count = 0
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+      next(f)  # the header
+      for line in f:
+        fields = line.split()
+        port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+        count += port == server.port and state == "01" and inode in inodes  # 01: ESTABLISHED
+  return count
+
+
 @pytest.mark.parametrize("front", ["router", "proxy"])
 def test_connections_past_the_bound_get_503(fronts, front):
   server = fronts[front]
@@ -174,7 +199,8 @@ def test_connections_past_the_bound_get_503(fronts, front):
   try:
     for _ in range(bound):
       held.append(connect(server))
-    time.sleep(0.2)  # every held connection has been accepted
+    helpers.wait_for(lambda: accepted(server) >= bound, 10,
+                     f"{front} accepted the {bound} held connections", interval_s=0.01)
     with connect(server) as extra:
       assert status_of(extra) == 503
   finally:
