@@ -270,6 +270,26 @@ class KVCache:
     self.manager.forget_device_blocks()
     return len(victims)
 
+  # ---- the pool, for a prefill node's hand-off ------------------------------------------------
+  def placed_in_pool(self, keys, deadline_s: float) -> list[int]:
+    """Waits (up to ``deadline_s``) for this process's pool puts of ``keys``; returns the
+    pool ids (64 bits of each value's name) of the leading run placed by then. Needs a pool
+    tier."""
+    pool = self._pool_tier()
+    lead = pool.placed_run(list(keys), deadline_s)
+    return [int(pool.name(k)[-16:], 16) for k in keys[:lead]]
+
+  def pin_pool_puts(self) -> None:
+    """Every block this cache puts in the pool from now on is soft-pinned (a prefill
+    node's: kept until the decode node has it, or the pin's time ends)."""
+    self._pool_tier().pin_all = True
+
+  def _pool_tier(self):
+    if self.worker.pool is None:
+      raise InputError("this cache has no pool tier (TierConfig.pool_master); the "
+                       "prefill -> decode hand-off needs one on both nodes.")
+    return self.worker.pool
+
   def flush(self, timeout_s: float = 60.0) -> int:
     """Waits for lower-tier writes in flight; returns how many did not finish in time."""
     return self.worker.flush(timeout_s)

@@ -274,7 +274,7 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
   tokenizer = _flags.use_model_dir(cfg, tokenizer=tokenizer)
   engine = builder.build_engine(cfg, deployment_key=deployment_key)
   if _flags.ROLE.value == "prefill":
-    engine.cache.pool.pin_all = True  # kept until the decode node has them, or the pin ends
+    engine.cache.pin_pool_puts()  # kept until the decode node has them, or the pin ends
   block_server = None
   if block_host:
     if multi:

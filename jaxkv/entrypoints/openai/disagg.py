@@ -97,14 +97,14 @@ def hand_off(cache, prompt: list[int], tenant: str, *, engine_id: str, host: str
   """Waits (up to ``deadline_s``) for the puts of the prompt's own blocks; returns the
   ``kv_transfer_params`` of the answer, promising the leading run placed by then. ``host``
   and ``port``: this server's own address. Runs off the event loop (it waits)."""
-  pool = cache.pool
   usable = (len(prompt) - 1) // cache.config.page_size  # what a decode node can reuse
   keys = cache.index.block_keys(prompt, tenant)[:usable]
-  lead = pool.placed_run(keys, deadline_s)
-  pool.stats.add("pd_prefills_handed_off" if lead == len(keys) else "pd_prefills_not_handed_off")
-  pool.stats.add("pd_blocks_handed_off", lead)
+  ids = cache.placed_in_pool(keys, deadline_s)
+  cache.stats.add("pd_prefills_handed_off" if len(ids) == len(keys)
+                  else "pd_prefills_not_handed_off")
+  cache.stats.add("pd_blocks_handed_off", len(ids))
   return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-          "remote_block_ids": [int(pool.name(k)[-16:], 16) for k in keys[:lead]],
+          "remote_block_ids": ids,
           "remote_host": host, "remote_port": port, "tp_size": 1}
 
 
