@@ -173,4 +173,8 @@ def test_kernels_suite_times_every_impl_on_the_same_steps_and_labels_the_interpr
       check_speedup(r[f"{step}_{impl}_vs_jnp"], fig, r[f"{step}_jnp"])
       tokens = s["batch"] * (1 if step == "decode" else s["prefill_tokens"])
       assert abs(fig["tokens_per_s"] * fig["median_s"] - tokens) < 1e-6 * tokens
-    assert r[f"{step}_jnp_vs_jnp"] == 1.0
+    # (The self-ratio jnp_vs_jnp is 1.0 by construction: not checked.) Both kernels' ratios
+    # are over the same jnp timing, so their quotient is how the two kernels compare and must
+    # lie within what those two kernels' own ranges allow.
+    gpu, tpu = r[f"{step}_pallas_gpu"], r[f"{step}_pallas_tpu"]
+    check_speedup(r[f"{step}_pallas_gpu_vs_jnp"] / r[f"{step}_pallas_tpu_vs_jnp"], gpu, tpu)
