@@ -1012,19 +1012,19 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
 def test_a_stop_string_never_matches_a_character_still_arriving(checkpoint):
   """Byte-level tokens can end inside a character, which decodes as U+FFFD until its
   last byte arrives: a stop string matches only text that is complete."""
-  from jaxkv.entrypoints.openai.protocol import _Answer, _Job
+  from jaxkv.entrypoints.openai.protocol import Answer, Job
   from jaxkv.serving.service import Delta
   tok = jaxkv.Tokenizer.from_dir(checkpoint)
   ids = tok.encode("ok \U0001F600 done", add_special_tokens=False)
   cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
-  job = _Job(chat=False, prompt=[1], sampling=jaxkv.SamplingParams(), stops=["\ufffd"],
-             tenant="t", stream=True, include_usage=False, return_ids=False)
-  answer = _Answer(job, tok, "test-0")
+  job = Job(chat=False, prompt=[1], sampling=jaxkv.SamplingParams(), stops=["\ufffd"],
+            tenant="t", stream=True, include_usage=False, return_ids=False)
+  answer = Answer(job, tok, "test-0")
   assert not answer.take(Delta(tokens=tuple(ids[:cut])))  # mid-character: no match
   assert answer.take(Delta(tokens=tuple(ids[cut:]), finish_reason="length"))
   assert answer.finish_reason == "length" and answer.text == "ok \U0001F600 done"
   # A real U+FFFD in the text still stops it.
   real = tok.encode("a \ufffd b", add_special_tokens=False)
-  answer = _Answer(job, tok, "test-0")
+  answer = Answer(job, tok, "test-0")
   assert answer.take(Delta(tokens=tuple(real), finish_reason="length"))
   assert answer.finish_reason == "stop" and answer.text == "a "

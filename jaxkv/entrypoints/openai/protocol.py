@@ -1,5 +1,5 @@
 """The OpenAI API's wire format as this server speaks it: what a request body may hold and
-how it becomes a validated ``_Job``, what an answer looks like (``_Answer``: the JSON body,
+how it becomes a validated ``Job``, what an answer looks like (``Answer``: the JSON body,
 the streamed chunks, usage), and the errors (``ApiError``: a status and OpenAI's error JSON
 naming the field, the value and the fix).
 
@@ -62,7 +62,7 @@ class ApiError(Exception):
                   "param": self.param}})
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None) -> ApiError:
   return ApiError(400, message, param=param)
 
 
@@ -107,18 +107,19 @@ def parse_json(raw: bytes) -> dict:
   try:
     body = json.loads(raw)
   except RecursionError:
-    raise _bad(f"the body nests deeper than this server parses; send at most "
-               f"{MAX_JSON_DEPTH} levels.") from None
+    raise bad_request(f"the body nests deeper than this server parses; send at most "
+                      f"{MAX_JSON_DEPTH} levels.") from None
   except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
-    raise _bad(f"the body is not valid JSON ({_clip(str(e))}); send a JSON object.") from None
+    raise bad_request(f"the body is not valid JSON ({clip_text(str(e))}); send a JSON "
+                      "object.") from None
   if not isinstance(body, dict):
-    raise _bad(f"the body is a JSON {type(body).__name__}; send a JSON object.")
+    raise bad_request(f"the body is a JSON {type(body).__name__}; send a JSON object.")
   _check_json(body)
   return body
 
 
 # ---- reading a request's fields ---------------------------------------------------------------
-def _clip(text: str, n: int = 200) -> str:
+def clip_text(text: str, n: int = 200) -> str:
   return text if len(text) <= n else text[:n] + "..."
 
 
@@ -131,8 +132,8 @@ def _check_json(body: dict) -> None:
   while stack:
     value, path, field, depth = stack.pop()
     if depth > MAX_JSON_DEPTH:
-      raise _bad(f"{_clip(path.encode('utf-8', 'backslashreplace').decode(), 80)} nests deeper than {MAX_JSON_DEPTH} levels; send a "
-                 "flatter body.", field)
+      raise bad_request(f"{clip_text(path.encode('utf-8', 'backslashreplace').decode(), 80)} nests deeper than {MAX_JSON_DEPTH} levels; send a "
+                        "flatter body.", field)
     pairs = value.items() if isinstance(value, dict) else enumerate(value)
     for key, item in pairs:
       where = f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]"
@@ -143,23 +144,24 @@ def _check_json(body: dict) -> None:
             text.encode("utf-8")
           except UnicodeEncodeError as e:
             shown = where.encode("utf-8", "backslashreplace").decode()
-            raise _bad(f"{_clip(shown, 80)} holds {text[e.start]!r} at character {e.start}, "
-                       "a lone surrogate (not a Unicode character); send valid UTF-8 text.",
-                       top) from None
+            raise bad_request(f"{clip_text(shown, 80)} holds {text[e.start]!r} at character "
+                              f"{e.start}, a lone surrogate (not a Unicode character); send "
+                              "valid UTF-8 text.",
+                              top) from None
       if isinstance(item, (dict, list)):
         stack.append((item, where, top, depth + 1))
 
 
-def _int(body, name, *, default=None, low=None, high=None):
+def int_field(body, name, *, default=None, low=None, high=None):
   value = body.get(name, default)
   if value is None:
     return default
   if not isinstance(value, int) or isinstance(value, bool):
-    raise _bad(f"{name}={_clip(repr(value))} must be an integer.", name)
+    raise bad_request(f"{name}={clip_text(repr(value))} must be an integer.", name)
   if (low is not None and value < low) or (high is not None and value > high):
     rule = (f">= {low}" if high is None else f"<= {high}" if low is None
             else f"in [{low}, {high}]")
-    raise _bad(f"{name}={_clip(str(value))} must be {rule}.", name)
+    raise bad_request(f"{name}={clip_text(str(value))} must be {rule}.", name)
   return value
 
 
@@ -168,35 +170,35 @@ def _number(body, name, *, default, low, high, low_open=False):
   if value is None:
     return default
   if not isinstance(value, (int, float)) or isinstance(value, bool):
-    raise _bad(f"{name}={_clip(repr(value))} must be a number.", name)
+    raise bad_request(f"{name}={clip_text(repr(value))} must be a number.", name)
   try:
     finite = math.isfinite(value)
   except OverflowError:  # an integer beyond any float
     finite = False
   if not finite:
-    raise _bad(f"{name}={_clip(repr(value))} must be a finite number.", name)
+    raise bad_request(f"{name}={clip_text(repr(value))} must be a finite number.", name)
   if value > high or value < low or (low_open and value == low):
-    raise _bad(f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}].", name)
+    raise bad_request(f"{name}={value} must be in {'(' if low_open else '['}{low}, {high}].", name)
   return float(value)
 
 
-def _bool(body, name) -> bool:
+def bool_field(body, name) -> bool:
   value = body.get(name, False)
   if value is None:
     return False
   if not isinstance(value, bool):
-    raise _bad(f"{name}={value!r} must be true or false.", name)
+    raise bad_request(f"{name}={value!r} must be true or false.", name)
   return value
 
 
-def _token_ids(value, name: str, vocab_size: int) -> list[int]:
+def token_ids_field(value, name: str, vocab_size: int) -> list[int]:
   if not isinstance(value, list) or not all(
       isinstance(t, int) and not isinstance(t, bool) for t in value):
-    raise _bad(f"{name} must be a list of integer token ids.", name)
+    raise bad_request(f"{name} must be a list of integer token ids.", name)
   bad = [t for t in value if not 0 <= t < vocab_size]
   if bad:
-    raise _bad(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size}).",
-               name)
+    raise bad_request(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size}).",
+                      name)
   return value
 
 
@@ -204,25 +206,25 @@ _UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": ()}
 MAX_CHOICES = 64  # prompts x n of one request: each choice is a request of the engine's
 
 
-def _check_supported(body: dict) -> None:
+def check_supported(body: dict) -> None:
   """None of the fields this server does not implement."""
   for name, default in _UNSUPPORTED.items():
     if body.get(name) not in (None, default, []):
-      raise _bad(f"{name}={_clip(repr(body[name]))} is not supported by this server; leave it "
-                 "out.", name)
+      raise bad_request(f"{name}={clip_text(repr(body[name]))} is not supported by this "
+                        "server; leave it out.", name)
 
 
-def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+def logprobs_fields(body: dict, chat: bool) -> tuple[int | None, bool]:
   """``(top alternatives per generated token, or None for no log-probabilities, echo)``:
   completions' ``logprobs: k`` and ``echo``; chat's ``logprobs: true`` with
   ``top_logprobs: k``."""
   if chat:
-    want = _bool(body, "logprobs")
-    k = _int(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
+    want = bool_field(body, "logprobs")
+    k = int_field(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
     if k and not want:
-      raise _bad(f"top_logprobs={k} needs logprobs=true.", "top_logprobs")
+      raise bad_request(f"top_logprobs={k} needs logprobs=true.", "top_logprobs")
     return (k or 0) if want else None, False
-  return _int(body, "logprobs", low=0, high=MAX_LOGPROBS), _bool(body, "echo")
+  return int_field(body, "logprobs", low=0, high=MAX_LOGPROBS), bool_field(body, "echo")
 
 
 def check_answer_size(prompt_lengths: list[int], *, max_tokens: int, n: int,
@@ -244,65 +246,65 @@ def check_answer_size(prompt_lengths: list[int], *, max_tokens: int, n: int,
   # The largest max_tokens that fits (chat's default is the whole context: name it).
   fits = (limit // per - (sum(prompt_lengths) if echo else 0)) // (n * len(prompt_lengths))
   hint = f" (max_tokens <= {fits} fits)" if 1 <= fits < max_tokens else ""
-  raise _bad(f"logprobs={logprobs} over {what}n={n} x max_tokens={max_tokens} ask for "
-             f"{entries} log-probability entries; this server answers at most {limit} per "
-             f"request: send fewer prompts per request, or lower logprobs, n or max_tokens"
-             f"{hint}.", "logprobs")
+  raise bad_request(f"logprobs={logprobs} over {what}n={n} x max_tokens={max_tokens} ask for "
+                    f"{entries} log-probability entries; this server answers at most {limit} per "
+                    f"request: send fewer prompts per request, or lower logprobs, n or max_tokens"
+                    f"{hint}.", "logprobs")
 
 
 def chat_messages(messages) -> list[dict]:
   """``messages`` as ``{"role", "content"}`` dicts of strings (text parts joined)."""
   if not isinstance(messages, list) or not messages:
-    raise _bad("messages must be a non-empty list of {'role', 'content'} objects.",
-               "messages")
+    raise bad_request("messages must be a non-empty list of {'role', 'content'} objects.",
+                      "messages")
   plain = []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-      raise _bad(f"messages[{i}] must be an object with a string 'role'.", "messages")
+      raise bad_request(f"messages[{i}] must be an object with a string 'role'.", "messages")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
       if not all(isinstance(p, dict) and p.get("type") == "text"
                  and isinstance(p.get("text"), str) for p in content):
-        raise _bad(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
-                   "...}}) are supported.", "messages")
+        raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
+                          "...}}) are supported.", "messages")
       content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-      raise _bad(f"messages[{i}].content must be a string or a list of text parts.",
-                 "messages")
+      raise bad_request(f"messages[{i}].content must be a string or a list of text parts.",
+                        "messages")
     plain.append({"role": m["role"], "content": content})
   return plain
 
 
-def _max_tokens(body: dict) -> int | None:
+def max_tokens_field(body: dict) -> int | None:
   """``max_completion_tokens``, else ``max_tokens``; None when neither is given."""
-  max_tokens = _int(body, "max_completion_tokens", low=1, high=2**31 - 1)
+  max_tokens = int_field(body, "max_completion_tokens", low=1, high=2**31 - 1)
   if max_tokens is None:
-    max_tokens = _int(body, "max_tokens", low=1, high=2**31 - 1)
+    max_tokens = int_field(body, "max_tokens", low=1, high=2**31 - 1)
   return max_tokens
 
 
-def _stop_strings(body: dict) -> list[str]:
+def stop_strings_field(body: dict) -> list[str]:
   stop = body.get("stop")
   stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
   if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-    raise _bad(f"stop={stop!r} must be a non-empty string or a list of them.", "stop")
+    raise bad_request(f"stop={stop!r} must be a non-empty string or a list of them.", "stop")
   if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-    raise _bad(f"stop has {len(stops)} strings (longest {max(map(len, stops))} characters); "
-               f"this server takes at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} "
-               "characters.", "stop")
+    raise bad_request(f"stop has {len(stops)} strings (longest {max(map(len, stops))} characters); "
+                      f"this server takes at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} "
+                      "characters.", "stop")
   return stops
 
 
-def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
-  stop_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", vocab_size)
+def stop_token_ids_field(body: dict, vocab_size: int) -> list[int]:
+  stop_ids = token_ids_field(body.get("stop_token_ids") or [], "stop_token_ids", vocab_size)
   if len(stop_ids) > 1024:
-    raise _bad(f"stop_token_ids has {len(stop_ids)} ids; at most 1024.", "stop_token_ids")
+    raise bad_request(f"stop_token_ids has {len(stop_ids)} ids; at most 1024.", "stop_token_ids")
   return stop_ids
 
 
 # ---- the validated request ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Job:
+class Job:
   """A validated request."""
 
   chat: bool
@@ -328,16 +330,16 @@ class _Job:
                                prompt_logprobs=None)
 
 
-def _job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: list[str],
-         stop_ids: list[int], tenant: str, vocab_size: int, ids_only: bool, n: int = 1,
-         logprobs: int | None = None, echo: bool = False) -> _Job:
+def make_job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: list[str],
+             stop_ids: list[int], tenant: str, vocab_size: int, ids_only: bool, n: int = 1,
+             logprobs: int | None = None, echo: bool = False) -> Job:
   """The request's last fields (sampling, ``cache_salt``, streaming), read after its
   prompt, length and stops, with those: the validated job. ``ids_only``: the server has no
   tokenizer, so every choice carries its token ids."""
   temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)
   top_p = _number(body, "top_p", default=1.0, low=0.0, high=1.0, low_open=True)
-  top_k = _int(body, "top_k", default=0, low=-1, high=vocab_size)
-  seed = _int(body, "seed", low=0, high=2**32 - 1)
+  top_k = int_field(body, "top_k", default=0, low=-1, high=vocab_size)
+  seed = int_field(body, "seed", low=0, high=2**32 - 1)
   if seed is None:
     seed = secrets.randbelow(2**32)
   salt = body.get("cache_salt")
@@ -345,31 +347,31 @@ def _job(body: dict, *, chat: bool, prompt: list[int], max_tokens: int, stops: l
     try:
       check_text(salt, "cache_salt", max_chars=256)
     except InputError as e:
-      raise _bad(str(e), "cache_salt") from None
-  stream = _bool(body, "stream")
+      raise bad_request(str(e), "cache_salt") from None
+  stream = bool_field(body, "stream")
   options = body.get("stream_options") or {}
   if not isinstance(options, dict):
-    raise _bad(f"stream_options={options!r} must be an object.", "stream_options")
+    raise bad_request(f"stream_options={options!r} must be an object.", "stream_options")
   try:
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                               top_k=max(top_k, 0), top_p=top_p, seed=seed,
                               stop_token_ids=tuple(stop_ids), logprobs=logprobs,
                               prompt_logprobs=logprobs if echo else None)
   except InputError as e:
-    raise _bad(str(e)) from None
-  return _Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
-              tenant=request_tenant(tenant, salt),
-              stream=stream, include_usage=_bool(options, "include_usage"),
-              return_ids=_bool(body, "return_token_ids") or ids_only, n=n,
-              logprobs=logprobs, echo=echo)
+    raise bad_request(str(e)) from None
+  return Job(chat=chat, prompt=prompt, sampling=sampling, stops=stops,
+             tenant=request_tenant(tenant, salt),
+             stream=stream, include_usage=bool_field(options, "include_usage"),
+             return_ids=bool_field(body, "return_token_ids") or ids_only, n=n,
+             logprobs=logprobs, echo=echo)
 
 
 # ---- the answer -------------------------------------------------------------------------------
-class _Answer:
+class Answer:
   """One choice's answer as it arrives: tokens, the text so far (stop strings cut it),
   what has been streamed, log-probabilities, usage."""
 
-  def __init__(self, job: _Job, tokenizer, request_id: str, index: int = 0,
+  def __init__(self, job: Job, tokenizer, request_id: str, index: int = 0,
                sample: int = 0):
     """``index``: the choice's place in the response; ``sample``: which of its prompt's
     ``n`` samples it is."""
@@ -583,7 +585,7 @@ def _usage(answers) -> dict:
           "prompt_tokens_details": {"cached_tokens": sum(a.cached_tokens for a in firsts)}}
 
 
-def _body(answers, model: str) -> dict:
+def answer_body(answers, model: str) -> dict:
   """A whole (not streamed) answer over its choices."""
   first = answers[0]
   return {"id": first.id, "object": "chat.completion" if first.job.chat else
@@ -591,9 +593,9 @@ def _body(answers, model: str) -> dict:
           "choices": [a.choice() for a in answers], "usage": _usage(answers)}
 
 
-def _error_event(message: str, kind: str) -> str:
-  return _sse({"error": {"message": message, "type": kind, "code": None, "param": None}})
+def error_event(message: str, kind: str) -> str:
+  return sse_event({"error": {"message": message, "type": kind, "code": None, "param": None}})
 
 
-def _sse(obj: dict) -> str:
+def sse_event(obj: dict) -> str:
   return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

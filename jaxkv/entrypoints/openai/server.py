@@ -47,10 +47,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.entrypoints.openai import auth, disagg
 from jaxkv.entrypoints.openai.protocol import (
-    MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, ApiError, _Answer, _bad, _body, _bool,
-    chat_messages, _check_supported, _clip, _error_event, _int, _Job, _job, _logprobs,
-    _max_tokens, _sse, _stop_strings, _stop_token_ids, _token_ids, check_answer_size,
-    parse_body, read_body, read_json)
+    MAX_BODY_BYTES, MAX_CHOICES, PARSE_ON_LOOP_BYTES, Answer, ApiError, Job, answer_body,
+    bad_request, bool_field, chat_messages, check_answer_size, check_supported, clip_text,
+    error_event, int_field, logprobs_fields, make_job, max_tokens_field, parse_body, read_body,
+    read_json, sse_event, stop_strings_field, stop_token_ids_field, token_ids_field)
 from jaxkv.errors import InputError
 from jaxkv.serving.client import Delta, Draining, EngineClient, EngineFailed, Overloaded
 
@@ -198,8 +198,8 @@ class OpenAIServer:
       self._tenant(request)
       tok = self.tokenizer
       if tok is None:
-        raise _bad("this server has no tokenizer (started without --model_dir); send and "
-                   "read token ids.")
+        raise bad_request("this server has no tokenizer (started without --model_dir); send and "
+                          "read token ids.")
       if handler is None:
         return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token, "pad_token": None,
@@ -230,10 +230,11 @@ class OpenAIServer:
       try:
         hand_off, transfer = disagg.read_params(body, self.role)
       except disagg.Refused as e:
-        raise _bad(str(e), e.param) from None
+        raise bad_request(str(e), e.param) from None
       if hand_off and not self.service.info.has_pool:
-        raise _bad("kv_transfer_params.do_remote_decode: this server has no pool to hand the "
-                   "prompt's KV over (start it with --pool=HOST:PORT).", "kv_transfer_params")
+        raise bad_request("kv_transfer_params.do_remote_decode: this server has no pool to "
+                          "hand the prompt's KV over (start it with --pool=HOST:PORT).",
+                          "kv_transfer_params")
       # A template or tokenizer runs, or a large body's token ids are checked one by one:
       # not on the event loop, which every other client's request waits for.
       if chat or _has_text(body.get("prompt")) or len(raw) > PARSE_ON_LOOP_BYTES:
@@ -242,9 +243,9 @@ class OpenAIServer:
         jobs = self.reader.parse(body, chat, tenant)
       choices = [(job, j) for job in jobs for j in range(job.n)]
       if (hand_off or transfer is not None) and len(choices) > 1:
-        raise _bad(f"kv_transfer_params go with one prompt and n=1 (this request has "
-                   f"{len(choices)} choices); send its prompts as separate requests.",
-                   "kv_transfer_params")
+        raise bad_request(f"kv_transfer_params go with one prompt and n=1 (this request has "
+                          f"{len(choices)} choices); send its prompts as separate requests.",
+                          "kv_transfer_params")
       queue: asyncio.Queue = asyncio.Queue()
       box, request_ids = self._mailbox(), []
       try:
@@ -265,7 +266,7 @@ class OpenAIServer:
       return e.response()
     job = jobs[0]
     rid = f"{self.run_id}-{request_ids[0]}"
-    answers = [_Answer(job, self.tokenizer, rid, index=i, sample=j)
+    answers = [Answer(job, self.tokenizer, rid, index=i, sample=j)
                for i, (job, j) in enumerate(choices)]
     if transfer is not None and self.service.info.has_pool:  # counted by the engine
       self.service.call(disagg.Received(len(transfer.get("remote_block_ids", []))))
@@ -283,7 +284,7 @@ class OpenAIServer:
           return Response(status_code=499)
         i, delta = item
         if delta.error is not None:
-          return _bad(delta.error).response()
+          return bad_request(delta.error).response()
         if answers[i].take(delta):
           left.discard(i)
     except ApiError as e:
@@ -294,8 +295,8 @@ class OpenAIServer:
     if any(a.finish_reason == "error" for a in answers):
       return ApiError(500, "the engine failed while generating this answer (see the server "
                       "log); retry the request.", "server_error").response()
-    out = (await asyncio.to_thread(_body, answers, self.model_name) if _large(answers)
-           else _body(answers, self.model_name))
+    out = (await asyncio.to_thread(answer_body, answers, self.model_name) if _large(answers)
+           else answer_body(answers, self.model_name))
     if hand_off:  # the blocks placed within its own deadline are promised, no more
       try:
         out["kv_transfer_params"] = await self._hand_off(job)
@@ -345,19 +346,19 @@ class OpenAIServer:
     try:
       if job.chat:
         for a in answers:
-          yield _sse(a.chunk(self.model_name, {"role": "assistant", "content": ""}, None))
+          yield sse_event(a.chunk(self.model_name, {"role": "assistant", "content": ""}, None))
       left = set(range(len(answers)))
       while left:
         try:
           item = await waiter.next()
         except ApiError as e:
-          yield _error_event(e.message, e.kind)
+          yield error_event(e.message, e.kind)
           break
         if item is None:
           return
         i, delta = item
         if delta.error is not None:  # refused by the engine (a capacity it checks)
-          yield _error_event(delta.error, "invalid_request_error")
+          yield error_event(delta.error, "invalid_request_error")
           break
         touched = {i: answers[i].take(delta)}
         while (more := waiter.ready()) is not None:
@@ -377,17 +378,17 @@ class OpenAIServer:
             if a.job.echo and a.job.logprobs is not None and not a.sent_prompt:
               # The chunk leads with the whole prompt's log-probabilities: built off the loop.
               yield await asyncio.to_thread(
-                  lambda: _sse(a.chunk(self.model_name, text, ids, reason)))  # noqa: B023
+                  lambda: sse_event(a.chunk(self.model_name, text, ids, reason)))  # noqa: B023
             else:
-              yield _sse(a.chunk(self.model_name, text, ids, reason))
+              yield sse_event(a.chunk(self.model_name, text, ids, reason))
           if done:
             left.discard(k)
         if failed:
-          yield _error_event("the engine failed while generating this answer; retry the "
-                             "request.", "server_error")
+          yield error_event("the engine failed while generating this answer; retry the "
+                            "request.", "server_error")
           break
         if not left and job.include_usage:
-          yield _sse(answers[0].usage_chunk(self.model_name, answers))
+          yield sse_event(answers[0].usage_chunk(self.model_name, answers))
       yield "data: [DONE]\n\n"
     finally:
       waiter.close()
@@ -405,38 +406,39 @@ class _Reader:
     self.max_context, self.max_seq_len = max_context, max_seq_len
     self.cache_config, self.stream, self.tiers = cache_config, stream, tiers
 
-  def parse(self, body: dict, chat: bool, tenant: str) -> list[_Job]:
+  def parse(self, body: dict, chat: bool, tenant: str) -> list[Job]:
     """The request's fields in the order they are checked (what needs no server state is
     read by ``protocol``): one job per prompt (completions may send a list of them)."""
     model = body.get("model")
     if not isinstance(model, str):
-      raise _bad(f"model={model!r}: give the model's name, {self.model_name!r} (GET /v1/models).",
-                 "model")
+      raise bad_request(f"model={model!r}: give the model's name, {self.model_name!r} "
+                        "(GET /v1/models).", "model")
     if model != self.model_name:
       raise ApiError(404, f"model {model!r} is not served here; this server serves "
                      f"{self.model_name!r}.", "not_found_error", code="model_not_found",
                      param="model")
-    _check_supported(body)
+    check_supported(body)
     if chat and body.get("echo") not in (None, False):
-      raise _bad("echo is a field of /v1/completions; leave it out of chat requests.", "echo")
+      raise bad_request("echo is a field of /v1/completions; leave it out of chat requests.",
+                        "echo")
     tok = self.tokenizer
     if chat:
       prompts = [(self._chat_prompt(body.get("messages")), None)]
     else:
       prompts = self._text_prompts(body.get("prompt"))
-    n = _int(body, "n", default=1, low=1, high=MAX_CHOICES)
+    n = int_field(body, "n", default=1, low=1, high=MAX_CHOICES)
     if n * len(prompts) > MAX_CHOICES:
-      raise _bad(f"{len(prompts)} prompts x n={n} make {n * len(prompts)} choices; this "
-                 f"server answers at most {MAX_CHOICES} per request: send fewer, or several "
-                 "requests.", "n")
-    logprobs, echo = _logprobs(body, chat)
-    max_tokens = _max_tokens(body)
-    stops = _stop_strings(body)
+      raise bad_request(f"{len(prompts)} prompts x n={n} make {n * len(prompts)} choices; this "
+                        f"server answers at most {MAX_CHOICES} per request: send fewer, or several "
+                        "requests.", "n")
+    logprobs, echo = logprobs_fields(body, chat)
+    max_tokens = max_tokens_field(body)
+    stops = stop_strings_field(body)
     if stops and tok is None:
-      raise _bad("stop strings need a tokenizer (start the server with --model_dir); send "
-                 "stop_token_ids instead.", "stop")
-    stop_ids = _stop_token_ids(body, self.vocab_size)
-    if tok is not None and not _bool(body, "ignore_eos"):
+      raise bad_request("stop strings need a tokenizer (start the server with --model_dir); send "
+                        "stop_token_ids instead.", "stop")
+    stop_ids = stop_token_ids_field(body, self.vocab_size)
+    if tok is not None and not bool_field(body, "ignore_eos"):
       stop_ids = stop_ids + [t for t in tok.eos_token_ids if t not in stop_ids]
     if max_tokens is None:  # chat (one prompt): up to the context; completions: OpenAI's 16
       max_tokens = max(1, self.max_context - len(prompts[0][0])) if chat else 16
@@ -445,9 +447,9 @@ class _Reader:
     check_answer_size([len(p) for p, _ in prompts], max_tokens=max_tokens, n=n,
                       logprobs=logprobs, echo=echo)
     # One job read from the body (one sampling, one seed), one per prompt from it.
-    job = _job(body, chat=chat, prompt=prompts[0][0], max_tokens=max_tokens, stops=stops,
-               stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
-               ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
+    job = make_job(body, chat=chat, prompt=prompts[0][0], max_tokens=max_tokens, stops=stops,
+                   stop_ids=stop_ids, tenant=tenant, vocab_size=self.vocab_size,
+                   ids_only=tok is None, n=n, logprobs=logprobs, echo=echo)
     return [dataclasses.replace(job, prompt=prompt, prompt_text=text, index=index)
             for index, (prompt, text) in enumerate(prompts)]
 
@@ -469,8 +471,8 @@ class _Reader:
                f"min(max_cold_pages={stream.max_cold_pages}, host_pages_per_shard="
                f"{tiers.host_pages_per_shard}) in host memory, x page_size={c.page_size}); "
                "shorten the prompt or lower max_tokens")
-    raise _bad(f"the {which} {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
-               f"{total} tokens, {limit}.", "max_tokens")
+    raise bad_request(f"the {which} {len(prompt)} tokens + max_tokens={max_tokens} need KV for "
+                      f"{total} tokens, {limit}.", "max_tokens")
 
   def _text_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
     """Completions' ``prompt``: text, token ids, or a list of either (a batch of prompts,
@@ -479,35 +481,35 @@ class _Reader:
              and all(isinstance(p, (str, list)) for p in prompt))
     prompts = prompt if batch else [prompt]
     if len(prompts) > MAX_CHOICES:
-      raise _bad(f"prompt is a batch of {len(prompts)} prompts; this server answers at "
-                 f"most {MAX_CHOICES} per request.", "prompt")
+      raise bad_request(f"prompt is a batch of {len(prompts)} prompts; this server answers at "
+                        f"most {MAX_CHOICES} per request.", "prompt")
     return [self._text_prompt(p, f"prompt[{i}]" if batch and len(prompts) > 1 else "prompt")
             for i, p in enumerate(prompts)]
 
   def _text_prompt(self, prompt, name: str = "prompt") -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
       if self.tokenizer is None:
-        raise _bad("this server has no tokenizer (started without --model_dir): send the "
-                   "prompt as a list of token ids.", "prompt")
+        raise bad_request("this server has no tokenizer (started without --model_dir): send the "
+                          "prompt as a list of token ids.", "prompt")
       ids, text = self.tokenizer.encode(prompt), prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      ids, text = _token_ids(prompt, "prompt", self.vocab_size), None
+      ids, text = token_ids_field(prompt, "prompt", self.vocab_size), None
     else:
-      raise _bad(f"{name} must be a string or a non-empty list of token ids (or a list of "
-                 "those: a batch of prompts).", "prompt")
+      raise bad_request(f"{name} must be a string or a non-empty list of token ids (or a list of "
+                        "those: a batch of prompts).", "prompt")
     if not ids:
-      raise _bad(f"{name} is empty; send at least one token.", "prompt")
+      raise bad_request(f"{name} is empty; send at least one token.", "prompt")
     return ids, text
 
   def _chat_prompt(self, messages) -> list[int]:
     if self.tokenizer is None:
-      raise _bad("chat needs a tokenizer and chat template: start the server with "
-                 "--model_dir, or use /v1/completions with token ids.", "messages")
+      raise bad_request("chat needs a tokenizer and chat template: start the server with "
+                        "--model_dir, or use /v1/completions with token ids.", "messages")
     plain = chat_messages(messages)
     try:
       return self.tokenizer.encode_chat(plain)
     except InputError as e:
-      raise _bad(str(e), "messages") from None
+      raise bad_request(str(e), "messages") from None
 
 
   def tokenize(self, tok, body: dict) -> dict:
@@ -516,28 +518,28 @@ class _Reader:
     if body.get("messages") is not None:
       add = body.get("add_generation_prompt", True)
       if not isinstance(add, bool):
-        raise _bad(f"add_generation_prompt={add!r} must be true or false.",
-                   "add_generation_prompt")
+        raise bad_request(f"add_generation_prompt={add!r} must be true or false.",
+                          "add_generation_prompt")
       try:
         ids = tok.encode_chat(chat_messages(body["messages"]), add_generation_prompt=add)
       except InputError as e:
-        raise _bad(str(e), "messages") from None
+        raise bad_request(str(e), "messages") from None
     else:
       prompt = body.get("prompt")
       if not isinstance(prompt, str):
-        raise _bad(f"prompt={_clip(repr(prompt))} must be a string (or send messages).",
-                   "prompt")
+        raise bad_request(f"prompt={clip_text(repr(prompt))} must be a string (or send messages).",
+                          "prompt")
       special = body.get("add_special_tokens", True)
       if not isinstance(special, bool):
-        raise _bad(f"add_special_tokens={special!r} must be true or false.",
-                   "add_special_tokens")
+        raise bad_request(f"add_special_tokens={special!r} must be true or false.",
+                          "add_special_tokens")
       ids = tok.encode(prompt, add_special_tokens=special)
     return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids,
             "token_strs": ([tok.token_text(i) for i in ids]
-                           if _bool(body, "return_token_strs") else None)}
+                           if bool_field(body, "return_token_strs") else None)}
 
   def detokenize(self, tok, body: dict) -> dict:
-    ids = _token_ids(body.get("tokens"), "tokens", self.vocab_size)
+    ids = token_ids_field(body.get("tokens"), "tokens", self.vocab_size)
     return {"prompt": tok.decode(ids)}
 
 
@@ -670,7 +672,7 @@ def _has_text(prompt) -> bool:
                                      and any(isinstance(p, str) for p in prompt))
 
 
-def _log_end(request_id: int, answer: _Answer) -> None:
+def _log_end(request_id: int, answer: Answer) -> None:
   """One line per request (``--verbosity=1``), with the engine's request id: the id of the
   engine's own lines about it (``request N``) and the response's ``id``."""
   logging.debug("request %d (%s): %s, %d prompt tokens (%d cached), %d generated", request_id,

@@ -788,13 +788,13 @@ def _long_context(engine, server: ServerProcess, cfg, *, reps: int) -> dict:
 
 def detok_figures(reps: int = 3) -> dict:
   """Detokenizing a streamed answer one token per delta, microseconds per token, for a
-  64- and a 4,096-token answer: what the server does per delta (``_Answer.take`` and
+  64- and a 4,096-token answer: what the server does per delta (``Answer.take`` and
   ``flush``: the incremental decoder, a stop string's search, the text to send;
   ``detok_us_per_token_at_64``, ``_at_4k``) and decoding the whole answer at every delta
   as the server once did (``whole_decode_us_per_token_at_*``). The tokenizer is a
   byte-level BPE of 1,000 tokens trained here on the bench's words; best of ``reps``."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from jaxkv.entrypoints.openai.protocol import _Answer, _Job
+  from jaxkv.entrypoints.openai.protocol import Answer, Job
   from jaxkv.entrypoints.openai.tokenizer import IncrementalDecoder
   rng = np.random.default_rng(0)
   words = [" ".join(rng.choice(_WORDS, 12)) + (" café 🙂." if i % 7 == 0 else ".")
@@ -815,13 +815,13 @@ def detok_figures(reps: int = 3) -> dict:
 
   from jaxkv.config import SamplingParams
   from jaxkv.serving.service import Delta
-  job = _Job(chat=False, prompt=[1], sampling=SamplingParams(), stops=["\n\n"],
-             tenant="bench", stream=True, include_usage=False, return_ids=False)
+  job = Job(chat=False, prompt=[1], sampling=SamplingParams(), stops=["\n\n"],
+            tenant="bench", stream=True, include_usage=False, return_ids=False)
 
   def per_token(n: int, incremental: bool) -> float:
     best = float("inf")
     for _ in range(reps):
-      answer, seen = _Answer(job, Shim(), "bench"), []
+      answer, seen = Answer(job, Shim(), "bench"), []
       t0 = time.perf_counter()
       for t in ids[:n]:
         if incremental:  # what the server does per streamed delta: decode, stops, flush
