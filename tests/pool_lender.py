@@ -26,7 +26,7 @@ def main():
                            write_policy="write_through")
   engine = helpers.make_engine(mesh, tiers=tiers)
   engine.generate(prompts, 3)
-  engine.cache.pool.settle(60)
+  engine.cache.worker.pool.settle(60)
   print("READY", engine.stats()["pool_puts"], flush=True)
   while True:
     time.sleep(60)

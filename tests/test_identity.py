@@ -50,8 +50,8 @@ def test_a_store_or_checkpoint_of_other_weights_is_never_used(mesh, tmp_path):
   assert tuned.cache.disk_recovered["adopted"] == 0
   # The first model's records are another fingerprint's: neither read nor deleted.
   assert tuned.cache.disk_recovered["deleted"] == 0
-  assert tuned.cache.disk.prefix_path != first.cache.disk.prefix_path
-  assert len(os.listdir(first.cache.disk.prefix_path)) >= 7
+  assert tuned.cache.worker.disk.prefix_path != first.cache.worker.disk.prefix_path
+  assert len(os.listdir(first.cache.worker.disk.prefix_path)) >= 7
   fresh = helpers.make_engine(mesh, helpers.tiny_model_config(), seed=1, prefix_reuse=False)
   assert tuned.generate([PROMPT], 3) == fresh.generate([PROMPT], 3)
   assert tuned.stats()["hits"]["disk"] == 0

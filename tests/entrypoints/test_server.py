@@ -454,7 +454,7 @@ def test_another_job_pulls_the_servers_blocks_with_the_key_and_nothing_without(
     engine = builder.build_engine(cfg, deployment_key=key)
     sp = jaxkv.SamplingParams(max_new_tokens=4, stop_token_ids=reference[1].eos_token_ids)
     assert engine.generate([p], sp, tenant="team-a")[0] == want_tokens
-    peer = engine.cache.remotes[0]
+    peer = engine.cache.worker.remotes[0]
     assert (engine.stats()["hits"]["remote"] >= len(p) // 16) == pulled, (
         engine.stats()["hits"], peer.failures_by_reason)
 

@@ -221,9 +221,9 @@ def test_each_step_compiles_once_per_bucket(mesh):
 def test_pages_and_weights_live_in_device_memory(mesh):
   engine = helpers.make_engine(mesh)
   engine.generate([[1, 2, 3, 4, 5]], 2)
-  for leaf in engine.cache.pools + jax.tree.leaves(engine.runner.weights):
+  for leaf in engine.cache.worker.pools + jax.tree.leaves(engine.runner.weights):
     assert leaf.sharding.memory_kind == "device"
-  for leaf in engine.cache.pools:
+  for leaf in engine.cache.worker.pools:
     assert leaf.sharding.spec == jaxkv.worker.pages.layer_stack_spec(engine.cache.config)
 
 
@@ -270,7 +270,7 @@ def test_a_prefix_on_a_busy_shard_is_copied_across_shards_not_recomputed(mesh):
   # The copy is a collective (that is the point); page writes and attention stay local.
   import jax
   text = jaxkv.worker.pages._copy_fn(
-      mesh, engine.cache.config, jaxkv.worker.pages.pool_ranks(engine.cache.pools)).lower(
-      tuple(engine.cache.pools), jax.numpy.zeros(4, jax.numpy.int32),
+      mesh, engine.cache.config, jaxkv.worker.pages.pool_ranks(engine.cache.worker.pools)).lower(
+      tuple(engine.cache.worker.pools), jax.numpy.zeros(4, jax.numpy.int32),
       jax.numpy.zeros(4, jax.numpy.int32)).compile().as_text()
   assert any(op in text for op in jaxkv.worker.pages.COLLECTIVE_OPS)

@@ -243,7 +243,7 @@ def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, t
   prompt = list(range(1, 40))
   engine.generate([prompt], 2)
   engine.offload()  # the prefix now comes back from host memory: a fetch group
-  mover = engine.cache.mover
+  mover = engine.cache.worker.mover
   real = mover.finish_promote
 
   def settles_then_fails(*args, **kw):

@@ -129,7 +129,7 @@ def _live_kv_pieces(engine) -> set[bytes]:
   pages = [s * per + p for s in range(shards) for p in range(per)
            if cache.index.key_of(s, p) is not None]
   assert pages  # the engine cached its prompts' blocks
-  for pool in cache.pools:
+  for pool in cache.worker.pools:
     # [kv_heads, pages, page_size, head_dim], or a stack of layers' [layers, kv_heads, ...]
     host = np.asarray(jax.device_get(pool)).reshape(-1, *pool.shape[-3:])
     for page in pages:

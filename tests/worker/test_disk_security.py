@@ -41,13 +41,13 @@ def disk_engine(mesh, store, *, key=None, encryption="auto"):
 
 
 def read_object(engine, key: bytes) -> bytes:
-  disk = engine.cache.disk
+  disk = engine.cache.worker.disk
   return disk.kv.read(disk.name(key)).result().value
 
 
 def write_object(engine, key: bytes, data: bytes) -> None:
   """Writes a record's bytes as whoever can write the store would (a file, an object)."""
-  disk = engine.cache.disk
+  disk = engine.cache.worker.disk
   disk.kv.write(disk.name(key), data).result()
 
 
@@ -118,8 +118,8 @@ def test_a_tampered_record_is_refused_when_read_and_when_the_store_is_opened(
   s = other.stats()
   assert s["disk_discarded_at_open_by_reason"] == {"mac": 1} and s["disk_discarded_at_open"] == 1
   assert other.cache.disk_recovered["deleted"] == 1
-  other.cache.disk.settle()
-  assert other.cache.disk.kv.read(other.cache.disk.name(keys[2])).result().state == "missing"
+  other.cache.worker.disk.settle()
+  assert other.cache.worker.disk.kv.read(other.cache.worker.disk.name(keys[2])).result().state == "missing"
   samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
              for family in metrics.EngineCollector({"jaxkv": other}).collect()
              for smp in family.samples}
@@ -182,7 +182,7 @@ def test_an_encrypted_store_holds_no_plaintext_kv_a_vocabulary_table_could_read(
 
   assert found(str(tmp_path / "plain")) >= len(set(secret))  # the test finds what is there
   assert found(str(tmp_path / "sealed")) == 0
-  assert len(os.listdir(sealed.cache.disk.prefix_path)) >= 10
+  assert len(os.listdir(sealed.cache.worker.disk.prefix_path)) >= 10
   # And the encrypted records are the cache's KV all the same: read back, bit-exact output.
   want = plain.generate([secret], 3)
   helpers.forget_device_copies(sealed)
@@ -413,7 +413,7 @@ def test_a_keyed_cache_refuses_a_store_whose_prefix_directory_is_a_link(mesh, tm
   prompt = list(range(1, 4 * PAGE + 2))
   engine.generate([prompt], 2)
   assert engine.flush(30) == 0
-  prefix = engine.cache.disk.prefix_path.rstrip("/")
+  prefix = engine.cache.worker.disk.prefix_path.rstrip("/")
   owner = tmp_path / "owner"
   owner.mkdir()
   (owner / "thesis.tex").write_bytes(b"years of work")

@@ -61,7 +61,7 @@ def test_a_block_one_cache_put_is_a_hit_in_another_exact_and_named_by_key_only(
   ps = prompts(1 + keyed)
   want = fresh.generate(ps, 3)
   assert a.generate(ps, 3) == want
-  assert a.cache.pool.settle(30)
+  assert a.cache.worker.pool.settle(30)
   assert a.stats()["pool_puts"] >= blocks_of(2)
   assert b.generate(ps, 3) == want
   s = b.stats()
@@ -69,7 +69,7 @@ def test_a_block_one_cache_put_is_a_hit_in_another_exact_and_named_by_key_only(
   assert s["pool_failures"] == 0 and s["verify_failures"] == 0
   # What the pool sees: with a key, names that are keyed hashes (no block key in them) and
   # sealed values; without one, the block key in the name.
-  pool, keys = b.cache.pool, b.cache.index.block_keys(ps[0], "default")[:3]
+  pool, keys = b.cache.worker.pool, b.cache.index.block_keys(ps[0], "default")[:3]
   names = [pool.name(k) for k in keys]
   assert any(k.hex() in n for k, n in zip(keys, names)) != keyed
   value = pool.client.get(names[0])
@@ -84,8 +84,8 @@ def test_a_value_moved_tampered_or_written_without_the_key_is_rejected_counted_a
   ps = prompts(3, 1)
   want = fresh.generate(ps, 3)
   a.generate(ps, 3)
-  assert a.cache.pool.settle(30)
-  pool = a.cache.pool
+  assert a.cache.worker.pool.settle(30)
+  pool = a.cache.worker.pool
   keys = a.cache.index.block_keys(ps[0], "default")
   client = pool.client
   # Block 1's value put under block 0's name; block 2's flipped; block 3's replaced by a
@@ -107,7 +107,7 @@ def test_a_value_moved_tampered_or_written_without_the_key_is_rejected_counted_a
   # The rejected values were removed, and put again by the reader, which recomputed them:
   # every value verifies now, and the next cache hits them all.
   assert s["pool_removed"] == 3
-  assert b.cache.pool.settle(30)
+  assert b.cache.worker.pool.settle(30)
   for k in keys[:4]:
     pool.decode(k, client.get(pool.name(k)))
   c = pool_engine(mesh, master, key=KEY)
@@ -123,7 +123,7 @@ def test_the_master_killed_mid_run_is_a_counted_miss_and_the_pool_comes_back(
     ps = prompts(4, 1)
     want = {tuple(p): fresh.generate([p], 3)[0] for p in ps}
     assert a.generate(ps, 3)[0] == want[tuple(ps[0])]
-    assert a.cache.pool.settle(30)
+    assert a.cache.worker.pool.settle(30)
     m.stop()
     helpers.forget_device_copies(a)
     a.reset_stats()
@@ -142,7 +142,7 @@ def test_the_master_killed_mid_run_is_a_counted_miss_and_the_pool_comes_back(
       later = prompts(100 + len(tried), 1)
       tried.append(later)
       a.generate(later, 3)
-      a.cache.pool.settle(10)
+      a.cache.worker.pool.settle(10)
       return a.stats()["pool_puts"] > 0
 
     helpers.wait_for(put_one, 60, "puts succeed after the master came back", interval_s=0.5)
@@ -186,8 +186,8 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
     assert s["read_timeouts"] >= 1, s
     # Closed while a get is still inside the client (the lender still stopped): the client
     # is left open, not freed under the call, and the call returns into it later.
-    assert b.cache.pool._calls.running_after(0) >= 1  # pylint: disable=protected-access
-    b.cache.pool.close(timeout_s=0.5)
+    assert b.cache.worker.pool._calls.running_after(0) >= 1  # pylint: disable=protected-access
+    b.cache.worker.pool.close(timeout_s=0.5)
     assert b.stats()["pool_close_left_open"] == 1
     os.killpg(proc.pid, signal.SIGCONT)
     # The lender killed: its blocks vanish (a miss each, recomputed exactly).
@@ -237,7 +237,7 @@ def test_a_lender_that_keeps_its_registration_but_stops_serving_costs_misses_nev
       assert decode.stats()["hits"]["pool"] == 0
       # Two put calls given up (each left inside the client), the third finds no put thread
       # free: the breaker is open, and the next put is dropped at once.
-      pool = prefill.cache.pool
+      pool = prefill.cache.worker.pool
       helpers.wait_for(lambda: not pool.breaker.available, 10, "the puts trip the breaker")
       s = prefill.stats()
       assert s["pool_put_timeouts"] >= 2 and s["pool_puts"] == 0, s
@@ -253,7 +253,7 @@ def test_a_lender_that_keeps_its_registration_but_stops_serving_costs_misses_nev
         keys = decode.cache.index.block_keys(prompts(16, 1)[0], "default")
         disagg.hand_off(decode.cache, prompts(16, 1)[0], "default", engine_id="e", host="h",
                         port=1, deadline_s=1.0)
-        assert decode.cache.pool.present(keys) == [False] * len(keys)
+        assert decode.cache.worker.pool.present(keys) == [False] * len(keys)
       finally:
         os.killpg(m.proc.pid, signal.SIGCONT)
       s = decode.stats()
@@ -270,7 +270,7 @@ def test_a_pool_with_no_room_refuses_puts_counted_and_answers_stay_exact(mesh, t
     ps = prompts(7, 2)
     want = fresh.generate(ps, 3)
     assert a.generate(ps, 3) == want
-    assert a.cache.pool.settle(30)
+    assert a.cache.worker.pool.settle(30)
     s = a.stats()
     assert s["pool_puts"] == 0 and s["pool_put_refused"] >= blocks_of(2)
     b = pool_engine(mesh, m, segment_mb=0)
@@ -288,7 +288,7 @@ def test_pool_between_host_and_disk_takes_what_the_host_evicts(mesh, master, fre
   ps = [p for seed in range(8, 14) for p in prompts(seed, 2)]
   want = fresh.generate(ps, 3)
   assert a.generate(ps, 3) == want
-  assert a.cache.pool.settle(30)
+  assert a.cache.worker.pool.settle(30)
   s = a.stats()
   assert s["pool_puts"] > 0 and s["demoted_host"] > 0 and s["disk_writes"] > 0
   b = pool_engine(mesh, master, key=KEY)

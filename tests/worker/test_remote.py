@@ -109,7 +109,7 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want, owners, spare
     engine = reader(mesh, [owners.address["hang"]], deadline=1.0, transport=transport)
     keys = engine.cache.index.block_keys(PREFIX, "default")
     assert engine.generate([PREFIX + [50, 51, 52]], 5) == want  # the blocks never come
-    s, client = engine.stats(), engine.cache.remotes[0]
+    s, client = engine.stats(), engine.cache.worker.remotes[0]
     # The wait ended at its deadline, counted; the prompt was recomputed, not taken.
     assert s["read_timeouts"] >= 1 and s["hits"]["remote"] == 0, (transport, s)
     assert s["blocks_recomputed"] >= 10, (transport, s)
@@ -121,7 +121,7 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want, owners, spare
     engine.generate([[9, 9, 9, 9, 9]], 2)  # the peer is alive and answering
   finally:
     spare_owner.kill()  # kill -9: its sockets vanish with it
-  client = engine.cache.remotes[0]
+  client = engine.cache.worker.remotes[0]
   for _ in range(4):  # every request still finishes, with the right tokens
     assert engine.generate([PREFIX + [50, 51, 52]], 5) == want
     engine.cache.index.evict_all_unreferenced(0)

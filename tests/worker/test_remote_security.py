@@ -378,7 +378,7 @@ def test_a_forged_payload_with_a_fixed_up_crc_is_rejected(mesh, owner, want, enc
     s = engine.stats()
     assert proxy.forged == 1 and s["hits"]["remote"] == 0
     assert s["verify_failures_by_reason"] == {"mac": 10}
-    assert engine.cache.remotes[0].failures_by_reason == {"mac": 1}
+    assert engine.cache.worker.remotes[0].failures_by_reason == {"mac": 1}
   finally:
     proxy.close()
 
@@ -1062,7 +1062,7 @@ def test_a_fetch_answered_without_end_is_a_miss_and_the_request_recomputes(mesh,
                         True, security.Seal(KEY, "remote-answer"))
     assert engine.cache.encrypt and engine.generate([PROMPT], 5) == want
     assert engine.stats()["hits"]["remote"] == 0
-    assert engine.cache.remotes[0].failures_by_reason == {"malformed": 1}
+    assert engine.cache.worker.remotes[0].failures_by_reason == {"malformed": 1}
   finally:
     peer.close()
   assert peer.fetches == 1 and peer.taken < (64 << 20)

@@ -74,7 +74,7 @@ def test_a_record_another_cache_evicted_is_a_miss_not_an_error(mesh, tmp_path, f
   for p in prompts(5, 4):  # a's small quota evicts (and deletes) its old records
     a.generate([p], 2)
   a.flush(30)
-  a.cache.disk.settle()
+  a.cache.worker.disk.settle()
   helpers.forget_device_copies(b)
   b.reset_stats()
   assert b.generate(old, 3) == want
@@ -82,7 +82,7 @@ def test_a_record_another_cache_evicted_is_a_miss_not_an_error(mesh, tmp_path, f
   assert s["verify_failures"] == 0 and s["verify_failures_by_reason"].get("gone", 0) >= 1
   assert s["hits"]["disk"] < 5
   # The store never holds more than the quotas: a's 8, plus b's write-through of old.
-  assert len(os.listdir(a.cache.disk.prefix_path)) <= 8 + 6
+  assert len(os.listdir(a.cache.worker.disk.prefix_path)) <= 8 + 6
 
 
 def test_without_the_deployment_key_names_and_lookups_reveal_nothing(mesh, tmp_path, fresh):
@@ -92,7 +92,7 @@ def test_without_the_deployment_key_names_and_lookups_reveal_nothing(mesh, tmp_p
   want = fresh.generate(secret, 3)
   assert keyed.generate(secret, 3) == want
   keyed.flush(30)
-  names = set(os.listdir(keyed.cache.disk.prefix_path))
+  names = set(os.listdir(keyed.cache.worker.disk.prefix_path))
   fp = keyed.cache.config.fingerprint()
   guess = lambda key: {k.hex() for k in PrefixIndex(
       num_shards=1, pages_per_shard=1, page_size=keyed.cache.config.page_size, fingerprint=fp,
@@ -108,7 +108,7 @@ def test_without_the_deployment_key_names_and_lookups_reveal_nothing(mesh, tmp_p
     assert other.cache.disk_recovered["adopted"] == adopted
     assert other.generate(secret, 3) == want
     assert other.stats()["hits"]["disk"] == hits
-  assert len(os.listdir(other.cache.disk.prefix_path)) == 6
+  assert len(os.listdir(other.cache.worker.disk.prefix_path)) == 6
 
 
 @pytest.mark.parametrize("where", ["dir", "s3"])

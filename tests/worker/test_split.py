@@ -61,9 +61,9 @@ def test_failed_fetch_after_the_split_point_recomputes_from_there(mesh, tmp_path
     engine.cache.index.evict_all_unreferenced(s, Tier.HOST)
   keys = engine.cache.index.block_keys(PROMPTS[0], "default")
   assert engine.cache.index.slot_of(0, keys[5], Tier.DISK) is not None
-  data = bytearray(open(engine.cache.disk.path_of(keys[5]), "rb").read())
+  data = bytearray(open(engine.cache.worker.disk.path_of(keys[5]), "rb").read())
   data[-1] ^= 1
-  open(engine.cache.disk.path_of(keys[5]), "wb").write(bytes(data))
+  open(engine.cache.worker.disk.path_of(keys[5]), "wb").write(bytes(data))
   assert engine.generate(PROMPTS[:1], 4) == want
   s = engine.stats()
   assert s["blocks_split"] == 3 and s["verify_failures"] == 1

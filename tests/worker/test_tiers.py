@@ -142,9 +142,9 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
     rng = np.random.default_rng(3)
     pools = [jax.device_put(random_bits(rng, pages_lib.pool_shape(mesh, cc), dtype),
                             pages_lib.pool_sharding(mesh, cc)) for _ in range(4)]
-    engine.cache.update_pools(lambda old: (pools,))
+    engine.cache.worker.update_pools(lambda old: (pools,))
     before = [bits(p) for p in pools]
-    index, mover = engine.cache.index, engine.cache.mover
+    index, mover = engine.cache.index, engine.cache.worker.mover
     keys = [bytes([i]) * 32 for i in range(5)]
     pages = index.allocate(1, 5)
     for p, k in zip(pages, keys):
@@ -167,7 +167,7 @@ def test_device_host_disk_and_back_through_the_mover_is_bit_exact(mesh, tmp_path
       (tier, slot), = index.locate(1, [k])
       index.acquire(1, [slot], tier)
       fetches.append(Fetch(0, 0, 1, tier, slot, k, d))
-    new, pending = mover.start_promote(engine.cache.pools, fetches)
+    new, pending = mover.start_promote(engine.cache.worker.pools, fetches)
     new, report = mover.finish_promote(new, pending, time.monotonic() + 30)
     assert report.failures == (None,) * 5 and report.blocks == 5, report.failures
     assert report.fetches == tuple(fetches) and report.tiers == (int(Tier.HOST), int(Tier.DISK))
@@ -257,7 +257,7 @@ def test_compute_never_reads_host_memory(mesh, tmp_path):
     steps.prefill, steps.decode = real_prefill, real_decode
   assert engine.stats()["hits"]["host"] > 0  # host pages were used...
   assert kinds == {"device"}  # ...but every array a model step saw was in device memory
-  assert engine.cache.host.pool.sharding.memory_kind == "pinned_host"
+  assert engine.cache.worker.host.pool.sharding.memory_kind == "pinned_host"
 
 
 # ---- faults on a real store -------------------------------------------------------------------
@@ -270,7 +270,7 @@ def disk_engine(mesh, tmp_path, **tier_kw):
 
 
 def chunk_path(engine, key):
-  return engine.cache.disk.path_of(key)
+  return engine.cache.worker.disk.path_of(key)
 
 
 
@@ -350,8 +350,8 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   want = engine.generate([prompt], 3)
   engine.flush(30)
   helpers.forget_device_copies(engine)
-  held = faults.HeldReads(engine.cache.disk)
-  engine.cache.disk.read = held
+  held = faults.HeldReads(engine.cache.worker.disk)
+  engine.cache.worker.disk.read = held
   assert engine.generate([prompt], 3) == want
   # Answered before any read result came (a reader that waited would have had them at
   # the backstop): it did not wait for the store.
@@ -376,7 +376,7 @@ def test_a_read_error_keeps_the_record_once_and_gives_up_when_it_repeats(mesh, t
   keys = engine.cache.index.block_keys(prompt, "default")
   slots = [engine.cache.index.slot_of(0, k, Tier.DISK) for k in keys]
   assert None not in slots
-  engine.cache.disk.read = faults.FailingReads(engine.cache.disk, times)
+  engine.cache.worker.disk.read = faults.FailingReads(engine.cache.worker.disk, times)
   for attempt in range(times):
     helpers.forget_device_copies(engine)
     engine.reset_stats()
@@ -404,11 +404,11 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
-  failing = faults.FailingReads(engine.cache.disk, times=10**9)  # the store is down
-  engine.cache.disk.read = failing
-  engine.cache.disk.write = faults.FailingWrites(engine.cache.disk,
+  failing = faults.FailingReads(engine.cache.worker.disk, times=10**9)  # the store is down
+  engine.cache.worker.disk.read = failing
+  engine.cache.worker.disk.write = faults.FailingWrites(engine.cache.worker.disk,
                                                  OSError(5, "Input/output error"))
-  breaker = engine.cache.mover.journal.breaker
+  breaker = engine.cache.worker.mover.journal.breaker
   breaker.cool_down_s = 1.0
   for _ in range(3):  # every read and write raises: recomputed; 3 failed batches detach it
     helpers.forget_device_copies(engine)
@@ -423,7 +423,7 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   assert sum(failing.failed.values()) == reads  # detached: nothing was read from it
   assert s["hits"]["disk"] == 0 and s["disk_detached_drops"] > 0  # nor written to it
   helpers.wait_for(lambda: breaker.available, 10, "the disk's breaker closes after its cool-down")
-  del engine.cache.disk.read, engine.cache.disk.write  # the real ones again
+  del engine.cache.worker.disk.read, engine.cache.worker.disk.write  # the real ones again
   for _ in range(2):  # attached again: written through, then read back
     helpers.forget_device_copies(engine)
     engine.reset_stats()
@@ -464,8 +464,8 @@ def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, polic
 
 def test_failed_disk_writes_are_counted_and_never_published(mesh, tmp_path):
   engine = disk_engine(mesh, tmp_path)
-  engine.cache.disk.write = faults.FailingWrites(
-      engine.cache.disk, PermissionError(13, "Permission denied"), landed=True)
+  engine.cache.worker.disk.write = faults.FailingWrites(
+      engine.cache.worker.disk, PermissionError(13, "Permission denied"), landed=True)
   prompt = list(range(1, 30))
   want = engine.generate([prompt], 3)
   engine.flush(30)
@@ -653,7 +653,7 @@ def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_pa
   tiers = jaxkv.TierConfig(host_pages_per_shard=2, disk_kvstore=str(tmp_path / policy),
                            disk_pages=12, write_policy=policy, read_deadline_s=5.0)
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=2)
-  engine.cache.disk.read = faults.SlowReads(engine.cache.disk, delay_s=0.02)
+  engine.cache.worker.disk.read = faults.SlowReads(engine.cache.worker.disk, delay_s=0.02)
   fresh = helpers.make_engine(mesh, mc, cache=cc, prefix_reuse=False, max_seqs_per_shard=2)
   rng = np.random.default_rng(11)
   prefixes = [rng.integers(1, 128, int(n)).tolist() for n in (9, 14, 21)]
@@ -668,7 +668,7 @@ def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_pa
       assert not engine.cache.index.held_slots(s, Tier.DEVICE)
       assert not engine.cache.index.held_slots(s, Tier.HOST)
     disk_refs = sum(engine.cache.index.held_slots(0, Tier.DISK).values())
-    assert disk_refs == engine.cache.mover.writes_in_flight  # ...but uncommitted disk writes
+    assert disk_refs == engine.cache.worker.mover.writes_in_flight  # ...but uncommitted disk writes
     if round_ % 2:
       assert engine.offload() > 0  # everything below device: the next round promotes
   assert engine.flush(30) == 0
