@@ -159,10 +159,6 @@ def test_the_pair_answers_each_tenant_with_one_engines_tokens_and_logprobs(pd):
     assert pool_hits(pd["decode"]) - hits == (len(p) - 1) // PAGE
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "P/D refuses n > 1: pd_proxy.py sends the request's n to the prefill node, and server.py "
-    "refuses kv_transfer_params with more than one choice on either node (400 'go with one "
-    "prompt and n=1')"))
 def test_the_pair_answers_n_samples_as_one_engine_does(pd):
   p = prompt(2, 70)
   want = [pd["reference"].generate([p], jaxkv.SamplingParams(
@@ -172,6 +168,9 @@ def test_the_pair_answers_n_samples_as_one_engine_does(pd):
   assert r.status_code == 200, r.text
   got = sorted(r.json()["choices"], key=lambda c: c["index"])
   assert [c["token_ids"] for c in got] == want
+  # The decode node's choices share the blocks the prefill node handed off (computed once).
+  cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+  assert cached >= PAGE * ((len(p) - 1) // PAGE), cached
 
 
 def test_a_wrong_key_is_refused_and_one_tenants_hand_off_is_no_hit_for_another(pd):

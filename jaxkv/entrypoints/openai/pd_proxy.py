@@ -63,7 +63,9 @@ def make_app(prefill: str, decode: str, *, timeout_s: float,
     except protocol.ApiError as e:
       return e.response()
     large = len(raw) > protocol.PARSE_ON_LOOP_BYTES  # encoded off the loop too
-    first = dict(body, max_tokens=1, stream=False,
+    # The prefill node computes the prompt once (one choice: its blocks are what the
+    # decode node's n choices share).
+    first = dict(body, max_tokens=1, n=1, stream=False,
                  kv_transfer_params={"do_remote_decode": True})
     for name in _PREFILL_DROPS:
       first.pop(name, None)

@@ -242,9 +242,16 @@ class OpenAIServer:
       else:
         jobs = self.reader.parse(body, chat, tenant)
       choices = [(job, j) for job in jobs for j in range(job.n)]
-      if (hand_off or transfer is not None) and len(choices) > 1:
-        raise bad_request(f"kv_transfer_params go with one prompt and n=1 (this request has "
-                          f"{len(choices)} choices); send its prompts as separate requests.",
+      # A hand-off is of one prompt computed once; a decode node's n choices of it share
+      # the blocks it brings.
+      if hand_off and len(choices) > 1:
+        raise bad_request(f"kv_transfer_params.do_remote_decode goes with one prompt and n=1 "
+                          f"(this request has {len(choices)} choices): the prefill node "
+                          "computes the prompt once; send n to the decode node.",
+                          "kv_transfer_params")
+      if transfer is not None and len(jobs) > 1:
+        raise bad_request(f"kv_transfer_params go with one prompt (this request has "
+                          f"{len(jobs)}); send its prompts as separate requests.",
                           "kv_transfer_params")
       queue: asyncio.Queue = asyncio.Queue()
       box, request_ids = self._mailbox(), []
