@@ -58,7 +58,9 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
          "tests/worker/test_tiers.py": 65, "tests/launch/test_pool_launch.py": 70,
          "tests/worker/test_pool.py": 50, "tests/launch/test_replicas.py": 45,
-         "tests/launch/test_pd.py": 40, "tests/serving/test_compiles.py": 45}
+         "tests/launch/test_pd.py": 40, "tests/serving/test_compiles.py": 45,
+         "tests/combos/test_process_combos.py": 75, "tests/combos/test_engine_combos.py": 45,
+         "tests/serving/test_client.py": 30}
 
 
 def pytest_itemcollected(item):
