@@ -204,7 +204,10 @@ class TierMover:
 
     ``later``: the writes below the host are not waited for here: the returned function
     does them (call it exactly once, after dispatching the step whose pages these were, so
-    the step runs while the bytes come off the device). Otherwise None."""
+    the step runs while the bytes come off the device). In a multi-process job they are
+    done here all the same (the journal agrees on its writes with a collective, which must
+    not run beside a step's), and the function returned does nothing. Without ``later``:
+    None."""
     if not orders.resolved:
       raise InvariantError("TierOrders reached the worker without destinations: the "
                            "manager resolves them (CacheManager.resolve) when the plan is made.")
@@ -246,10 +249,10 @@ class TierMover:
       if orders.pump:
         self.pump()
 
-    if later:
+    if later and self.processes == 1:
       return finish
     finish()
-    return None
+    return (lambda: None) if later else None
 
   def _give_back(self, host_copies: list, disk_slots: dict) -> None:
     """Slots the orders took and no copy filled go back empty."""
