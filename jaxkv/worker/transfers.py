@@ -217,17 +217,13 @@ class TierMover:
     pool_keys = set(orders.to_pool)
     host_copies, writes = list(orders.to_host), []
     try:
-      if orders.host_out:  # read before the stores below overwrite their slots
+      if self._wanted(orders.host_out, disk_slots, pool_keys):  # read before the stores
         ids, per = buckets.shard_ids(list(orders.host_out), self.num_shards, 0, lambda b: b[1])
-        if self._wanted(per, disk_slots, pool_keys):
-          writes.append((self.host.read_later(ids), per, ids.shape[1]))
-      if orders.device_out:
-        blocks = list(orders.device_out)
-        ids, per = buckets.shard_ids(blocks, self.num_shards, 0, lambda b: b[1])
-        if self._wanted(per, disk_slots, pool_keys):
-          stack, per = self._gather_device(pools, blocks)
-          writes.append((lambda stack=stack: to_host(stack), per,
-                         stack.shape[2] // self.num_shards))
+        writes.append((self.host.read_later(ids), per, ids.shape[1]))
+      if self._wanted(orders.device_out, disk_slots, pool_keys):
+        stack, per = self._gather_device(pools, list(orders.device_out))
+        writes.append((lambda stack=stack: to_host(stack), per,
+                       stack.shape[2] // self.num_shards))
       if host_copies:
         # One program per bucket: gathered on device, sent to the slots (no host computation).
         self.host.store_pages(pools, [(c.shard, c.src, c.dst) for c in host_copies])
@@ -262,9 +258,10 @@ class TierMover:
       self.manager.copy_failed(0, slot, key, Tier.DISK)
     disk_slots.clear()
 
-  def _wanted(self, per: list[list], disk_slots: dict, pool_keys: set) -> bool:
-    """Whether any of these blocks goes to disk or the pool (else nothing is read)."""
-    return any(b[2] in disk_slots or b[2] in pool_keys for blocks in per for b in blocks)
+  @staticmethod
+  def _wanted(blocks, disk_slots: dict, pool_keys: set) -> bool:
+    """Whether any of ``blocks`` goes to disk or the pool (else nothing is read)."""
+    return any(b[2] in disk_slots or b[2] in pool_keys for b in blocks)
 
   def _write_down(self, read, per: list[list], n: int, disk_slots: dict,
                   pool_keys: set) -> None:
