@@ -2,7 +2,7 @@
 ``tokenizers`` library, the chat template of ``tokenizer_config.json`` (or
 ``chat_template.jinja``) through the bounded jinja2 sandbox of ``chat_template``. A GGUF
 checkpoint's tokenizer (vocabulary, merges, special tokens, chat template: its metadata) is
-built into the same ``tokenizers`` form (``jaxkv.models.gguf.tokenizer_parts``).
+built into the same ``tokenizers`` form (``jaxkv.models.gguf_tokenizer.tokenizer_parts``).
 
     tok = jaxkv.Tokenizer.from_dir("/models/Meta-Llama-3-8B-Instruct")
     ids = tok.encode_chat([{"role": "user", "content": "Hello"}])
@@ -41,7 +41,7 @@ from jaxkv.entrypoints.openai.chat_template import (ChatTemplateError, TemplateL
                                                     _one_line, compile_template,
                                                     render_bounded)
 from jaxkv.errors import InputError
-from jaxkv.models import gguf
+from jaxkv.models import gguf, gguf_tokenizer
 
 
 class TokenizerError(InputError):
@@ -142,7 +142,7 @@ class Tokenizer:
     self.special_tokens_in_content = _check_mode(special_tokens_in_content)
     gguf_file = gguf.find(path)
     if gguf_file is not None:  # the vocabulary, merges and template are the file's metadata
-      parts = gguf.tokenizer_parts(gguf_file)
+      parts = gguf_tokenizer.tokenizer_parts(gguf_file)
       self._json = parts["json"]
       self._tok = _HFTokenizer.from_str(self._json)
       self.bos_token, self.eos_token = parts["bos_token"], parts["eos_token"]
