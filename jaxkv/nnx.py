@@ -108,20 +108,26 @@ class PagedKV(nnx.Module):
     return 1 if self.num_layers is None else self.num_layers
 
   def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch,
-               layer=None) -> jax.Array:
+               layer=None, *, window=None) -> jax.Array:
     """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]. Returns attention output [B, T, Hq, D].
-    ``layer``: which of a stack's layers (a stack's pages are updated in place)."""
+    ``layer``: which of a stack's layers (a stack's pages are updated in place);
+    ``window``: a sliding window (see ``attend``)."""
     out, k_pages, v_pages = self.attend(q, k, v, batch, self.k_pages.get_value(),
-                                        self.v_pages.get_value(), layer)
+                                        self.v_pages.get_value(), layer, window=window)
     self.k_pages.set_value(k_pages)
     self.v_pages.set_value(v_pages)
     return out
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, batch: PageBatch, k_pages,
-             v_pages, layer=None):
+             v_pages, layer=None, *, window=None):
     """The functional form, for a scan's body: writes ``k``/``v`` into ``k_pages``/``v_pages``
     (this module's pages as the scan carries them) at ``layer`` (a scalar, traced or not;
-    None for a one-layer ``PagedKV``), attends, and returns ``(out, k_pages, v_pages)``."""
+    None for a one-layer ``PagedKV``), attends, and returns ``(out, k_pages, v_pages)``.
+
+    ``window``: a sliding window (Gemma 3's local layers): a query at position ``t`` sees
+    keys at ``t - window < p <= t``. None or 0: every key up to ``t``. A scan over layers
+    passes each layer's as a traced int32 scalar, 0 for its global layers; None (or a
+    Python 0) adds nothing to the compiled step."""
     if (layer is None) != (self.num_layers is None):
       raise InputError(f"PagedKV(num_layers={self.num_layers}) called with layer={layer!r}: a "
                        "stack of layers needs the layer's index, one layer takes none.")
@@ -140,7 +146,7 @@ class PagedKV(nnx.Module):
           pages_per_chunk=st.pages_per_chunk, k_index=self.k_index, v_index=self.v_index)
     return pages_lib.write_and_attend(
         q, k, v, k_pages, v_pages, batch.page_table, batch.positions, batch.kv_lens,
-        mesh=batch.mesh, config=batch.config, stream=stream, layer=layer)
+        mesh=batch.mesh, config=batch.config, stream=stream, layer=layer, window=window)
 
 
 def paged_layers(model: nnx.Module) -> list[PagedKV]:

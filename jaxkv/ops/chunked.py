@@ -16,6 +16,10 @@ Why this is the path the engine runs:
   nor on how many chunks the loop ran for the other rows of its batch:
   KV computed in a short early turn and KV recomputed later in a wide batch are the
   same bits. Tests check both the tolerance against the reference and this invariance.
+- Sliding windows (``window``, see ``reference``): the mask also hides keys before each
+  query's window, and the loop starts at the first chunk any query of the batch can see,
+  so a long sequence's local layer reads about a window of keys, not the whole context.
+  The chunks skipped are wholly masked, so skipping them changes no bit.
 """
 
 from __future__ import annotations
@@ -23,18 +27,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxkv.ops.reference import check_window, first_visible, window_floor
 
-def _merge(state, qg, k, v, kpos, qpos, lens, valid=None):
+
+def merge_chunk(state, qg, k, v, kpos, qpos, lens, valid=None, window=None):
   """Folds one chunk of keys/values into the running (max, sum, weighted sum).
 
   qg: [B, T, H, G, D] scaled float32 queries; k, v: [H, B, L, D]; kpos: [B or 1, L]
-  absolute key positions; qpos: [B, T]; lens: [B]; valid: optional [B, L] bool.
+  absolute key positions; qpos: [B, T]; lens: [B]; valid: optional [B, L] bool;
+  window: ``reference.check_window``'s form (None: no window).
   A chunk whose keys are all masked leaves the state bit-for-bit unchanged.
   """
   # state: [B, H, G, T, 1], [B, H, G, T, 1], [B, H, G, T, D]
   s = jnp.einsum("bthgd,hbld->bhgtl", qg, k.astype(jnp.float32))
   kp = kpos[:, None, None, None, :]
   mask = (kp <= qpos[:, None, None, :, None]) & (kp < lens[:, None, None, None, None])
+  if window is not None:
+    mask = mask & (kp > window_floor(qpos, window)[:, None, None, :, None])
   if valid is not None:
     mask = mask & valid[:, None, None, None, :]
   v = v.astype(jnp.float32)
@@ -90,14 +99,15 @@ def layer_pages(pages, layer, table):
 
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                pages_per_chunk: int, block_valid=None, layer=None):
+                pages_per_chunk: int, block_valid=None, layer=None, window=None):
   """Folds every page of ``page_table`` into ``state``, ``pages_per_chunk`` at a time.
   ``layer``: the pools are stacks of layers and this is the one attended (see
-  ``layer_pages``).
+  ``layer_pages``); ``window``: a sliding window (``reference``'s module docstring).
 
   ``block_valid`` ([B, M] bool, optional) masks whole table entries: a sequence whose
   older pages live in a lower tier marks those entries invalid here and streams them.
   """
+  window = check_window(window)
   batch = page_table.shape[0]
   num_kv_heads, _, page_size, head_dim = k_pages.shape[-4:]
   width = page_table.shape[1]
@@ -117,11 +127,13 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
     kpos = (c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32))[None]
     valid = (None if block_valid is None
              else jnp.repeat(entries(block_valid, c), page_size, axis=1))
-    return _merge(state, qg, k, v, kpos, q_positions, kv_lens, valid)
+    return merge_chunk(state, qg, k, v, kpos, q_positions, kv_lens, valid, window)
 
   # Only the chunks below the longest sequence's length: the rest are masked for every
   # row and would leave the state unchanged, so a step costs what its sequences hold,
-  # not what the table's width could hold.
+  # not what the table's width could hold. With a window, likewise only from the first
+  # chunk a query of the batch can see.
   used = jnp.minimum(num_chunks, -(-jnp.max(kv_lens, initial=0) // chunk_tokens))
-  state = jax.lax.fori_loop(0, used, step, state)
+  start = 0 if window is None else jnp.min(first_visible(q_positions, window)) // chunk_tokens
+  state = jax.lax.fori_loop(start, used, step, state)
   return state

@@ -177,7 +177,7 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
                 pages_per_chunk: int, block_valid=None, interpret: bool = False,
-                form: str = "gpu", layer=None):
+                form: str = "gpu", layer=None, window=None):
   """``chunked.paged_state`` on the kernel: folds every page of ``page_table`` into
   ``state`` (``[B, H, G, T, 1]`` max and sum, ``[B, H, G, T, D]`` acc); ``qg``:
   ``[B, T, H, G, D]`` scaled float32 queries (``chunked.init_state``); ``form``: ``gpu``
@@ -186,6 +186,9 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   ``layer``: the pools are stacks of layers ``[layers, H, P, S, D]`` and this (a scalar,
   traced or not) is the one attended. The kernel reads the stack in place, as
   ``[layers * H, P, S, D]`` rows (a free reshape), starting at row ``layer * H``."""
+  if window is not None:
+    raise NotImplementedError("jaxkv's Pallas kernel has no sliding window yet: use "
+                              "attention_impl=jnp for windowed layers.")
   batch, q_len, heads, group, head_dim = qg.shape
   page_size = k_pages.shape[-2]
   first = jnp.zeros((1,), jnp.int32)  # the kernel's first row of this layer's heads

@@ -13,13 +13,59 @@ One function serves decode (``q_len == 1``) and chunked causal prefill (the chun
 K/V are written to the pages first; query ``t`` then sees keys at positions
 ``<= q_positions[t]``). GQA: query head ``h`` reads kv head ``h // (num_q_heads //
 kv_heads)``. Scores, softmax and the weighted sum run in float32.
+
+Sliding windows (``window``, Gemma 3's local layers): with a window ``w > 0`` query ``t``
+sees only keys at positions ``p`` with ``q_positions[t] - w < p <= q_positions[t]``, the
+``w`` most recent tokens including its own. ``None`` or ``0`` is no window (every key up to
+the query). ``w`` may be a Python int or a traced int32 scalar (a model scanning its layers
+passes each layer's, ``0`` for its global layers); a Python ``0`` or ``None`` adds nothing
+to the compiled graph (see ``check_window``).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.errors import InputError
+
+
+def check_window(window):
+  """``window`` as the ops use it: ``None`` for no window (``None`` or a Python ``0``, so
+  a layer without one compiles to exactly what it did before windows existed), a positive
+  Python int, or an int32 scalar array (traced or not; ``0`` there also means no window,
+  chosen at run time). Raises for a negative, non-integer or non-scalar value."""
+  if window is None:
+    return None
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    if window < 0:
+      raise InputError(f"attention window={window} must be >= 0 (0 or None: no window; w > 0: "
+                       "each query sees its w most recent tokens).")
+    return int(window) or None
+  if isinstance(window, (jax.Array, np.ndarray)) and window.shape == () and jnp.issubdtype(
+      window.dtype, jnp.integer):
+    return jnp.asarray(window, jnp.int32)
+  raise InputError(f"attention window={window!r} must be None, a non-negative int or an "
+                   "integer scalar array (a traced per-layer window; 0: no window).")
+
+
+def window_floor(q_positions, window):
+  """The last key position hidden from each query by ``window`` (``check_window``'s
+  form, not None): a key at ``p`` is visible when ``p > floor``. ``-1`` (nothing hidden)
+  where a traced window is 0."""
+  if isinstance(window, int):
+    return q_positions - window
+  return jnp.where(window > 0, q_positions - window, -1)
+
+
+def first_visible(q_positions, window):
+  """``[B]``: the smallest key position any query of each row sees under ``window``
+  (``check_window``'s form, not None); a row of padding alone gives int32's max, so a
+  loop starting there runs no chunk."""
+  first = jnp.maximum(window_floor(q_positions, window) + 1, 0)
+  first = jnp.where(q_positions >= 0, first, jnp.iinfo(jnp.int32).max)
+  return jnp.min(first, axis=1, initial=jnp.iinfo(jnp.int32).max).astype(jnp.int32)
 
 
 def check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens) -> None:
@@ -44,9 +90,11 @@ def check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens) -> None:
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, kv_lens, *,
-                              scale: float | None = None):
-  """Attention of ``q`` over the paged K/V of each sequence. Returns ``q``'s shape."""
+                              scale: float | None = None, window=None):
+  """Attention of ``q`` over the paged K/V of each sequence (``window``: see the module's
+  docstring). Returns ``q``'s shape."""
   check_shapes(q, k_pages, v_pages, page_table, q_positions, kv_lens)
+  window = check_window(window)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -64,6 +112,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, kv_l
   kv_pos = jnp.arange(kv_len_max, dtype=jnp.int32)
   mask = ((kv_pos[None, None, :] <= q_positions[:, :, None])
           & (kv_pos[None, None, :] < kv_lens[:, None, None]))  # [batch, q_len, tokens]
+  if window is not None:
+    mask = mask & (kv_pos[None, None, :] > window_floor(q_positions, window)[:, :, None])
   mask = mask[:, None, None]  # broadcast over kv heads and group
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)

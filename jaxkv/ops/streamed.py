@@ -23,18 +23,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.ops.chunked import _merge
+from jaxkv.ops.chunked import merge_chunk
+from jaxkv.ops.reference import check_window
 
 
 def stream_state(state, qg, host_pool, k_index: int, v_index: int, cold_slots, cold_first,
-                 cold_count, q_positions, kv_lens, *, pages_per_chunk: int, dtype):
+                 cold_count, q_positions, kv_lens, *, pages_per_chunk: int, dtype,
+                 window=None):
   """Folds every cold page of every row into ``state``.
 
   host_pool: ``[host_pages, arrays, kv_heads, page_size, head_dim]`` raw bits in host
   memory (page-major, ``pages.host_spec``) (shard-local inside ``shard_map``); k_index/v_index: this layer's K and V in it;
   cold_slots: ``[B, C]`` host slots, C a multiple of ``pages_per_chunk``; cold_first,
-  cold_count: ``[B]``.
+  cold_count: ``[B]``; window: a sliding window (``reference``'s module docstring): cold
+  keys before a query's window are masked (every chunk is still fetched: the double
+  buffer's shapes stay fixed).
   """
+  window = check_window(window)
   batch, width = cold_slots.shape
   _, _, heads, page_size, head_dim = host_pool.shape
   num_chunks = width // pages_per_chunk
@@ -66,7 +71,7 @@ def stream_state(state, qg, host_pool, k_index: int, v_index: int, cold_slots, c
     block = cold_first[:, None] + cold_index[None]  # [B, ppc] logical blocks
     kpos = (block[:, :, None] * page_size + tok_in_page[None, None]).reshape(batch, -1)
     valid = jnp.repeat(cold_index[None] < cold_count[:, None], page_size, axis=1)
-    state = _merge(state, qg, k_cur, v_cur, kpos, q_positions, kv_lens, valid)
+    state = merge_chunk(state, qg, k_cur, v_cur, kpos, q_positions, kv_lens, valid, window)
     return (state, nxt), None
 
   (state, _), _ = jax.lax.scan(step, (state, fetch(0)), jnp.arange(num_chunks, dtype=jnp.int32))

@@ -120,7 +120,7 @@ def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None, layers: 
 
 # ---- the fused write + attention used by every model layer --------------------------------
 def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *,
-                     mesh: Mesh, config: CacheConfig, stream=None, layer=None):
+                     mesh: Mesh, config: CacheConfig, stream=None, layer=None, window=None):
   """Writes this step's K/V into the pages, then attends over them. Traced inside jit.
 
   q: [B, T, Hq, D]; k_new, v_new: [B, T, Hkv, D]; pages: one layer's pool, or with
@@ -129,6 +129,9 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
   page_table: [B, M] shard-local ids; positions: [B, T] (-1 = padding); kv_lens: [B].
   ``stream``: for sequences longer than the device holds, a ``StreamArgs`` naming the
   hot entries of the table and the cold pages to stream from the host pool.
+  ``window``: a sliding window (``jaxkv.ops.reference``: None or 0 none; a positive int;
+  or a traced int32 scalar, 0 for a global layer): each query sees its ``window`` most
+  recent tokens.
   Returns (out [B, T, Hq, D], k_pages, v_pages).
   """
   heads = P(config.data_axis, None, config.model_axis, None)
@@ -139,17 +142,24 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
     raise InputError(f"pages of shape {k_pages.shape} with layer={layer!r}: one layer's pool "
                      "takes no layer; a stack of layers [layers, ...] needs one.")
   layer_arg = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+  window = reference.check_window(window)
+  # A Python window is a constant of the traced function; a traced one crosses into the
+  # shard_map as a replicated scalar, like the layer.
+  window_arg = (window,) if isinstance(window, jax.Array) else ()
+  scalars = layer_arg + window_arg
 
   def local(q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *extra):
     at = extra[0] if layer_arg else None
-    extra = extra[len(layer_arg):]
+    span = extra[len(layer_arg)] if window_arg else window
+    extra = extra[len(scalars):]
     k_pages = reference.write_pages_reference(k_pages, k_new, page_table, positions, at)
     v_pages = reference.write_pages_reference(v_pages, v_new, page_table, positions, at)
     qg, state = chunked.init_state(q, k_pages.shape[-4])
     block_valid = extra[0] if extra else None
     state = select.paged_state(state, qg, k_pages, v_pages, page_table, positions, kv_lens,
                                pages_per_chunk=config.attention_chunk_pages,
-                               block_valid=block_valid, impl=config.attention_impl, layer=at)
+                               block_valid=block_valid, impl=config.attention_impl, layer=at,
+                               window=span)
     if extra:
       _, host_pool, slots, first, count = extra
       offset = 0 if at is None else 2 * at  # a stack's layers are K, V rows layer by layer
@@ -157,11 +167,11 @@ def write_and_attend(q, k_new, v_new, k_pages, v_pages, page_table, positions, k
                                     stream.v_index + offset,
                                     slots, first, count, positions, kv_lens,
                                     pages_per_chunk=stream.pages_per_chunk,
-                                    dtype=k_pages.dtype)
+                                    dtype=k_pages.dtype, window=span)
     return chunked.finish(state, q), k_pages, v_pages
 
-  in_specs = [heads, heads, heads, pool, pool, rows, rows, row] + [P()] * len(layer_arg)
-  args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *layer_arg]
+  in_specs = [heads, heads, heads, pool, pool, rows, rows, row] + [P()] * len(scalars)
+  args = [q, k_new, v_new, k_pages, v_pages, page_table, positions, kv_lens, *scalars]
   if stream is not None:
     in_specs += [rows, host_spec(config), rows, row, row]
     args += [stream.block_valid, stream.host_pool, stream.cold_slots, stream.cold_first,
