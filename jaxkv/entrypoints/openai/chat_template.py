@@ -111,7 +111,7 @@ def render_bounded(template, messages: list, limits: TemplateLimits, where: str,
   except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
           RecursionError, MemoryError) as e:
     raise ChatTemplateError(f"{where} failed on these messages: {type(e).__name__}: "
-                            f"{_one_line(e)}") from None
+                            f"{error_line(e)}") from None
   finally:
     stream.close()  # a refused render stops here, within its budget, not when collected
     _RENDER.reset(token)
@@ -129,7 +129,9 @@ _LIMIT_NAMES = {"characters": "TemplateLimits.max_chars", "items": "TemplateLimi
 _RENDER: contextvars.ContextVar[_Render] = contextvars.ContextVar("jaxkv_chat_render")
 
 
-def _one_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+  """An error as one line for a refusal: its message's first line, or its type's name when
+  it has none (a template error's message may span lines and quote the template)."""
   text = str(e).strip()
   return text.splitlines()[0] if text else type(e).__name__
 

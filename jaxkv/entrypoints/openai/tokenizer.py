@@ -38,7 +38,7 @@ import jinja2
 
 # TemplateLimits is part of this module's API too (``Tokenizer(template_limits=...)``).
 from jaxkv.entrypoints.openai.chat_template import (ChatTemplateError, TemplateLimits,
-                                                    _one_line, compile_template,
+                                                    compile_template, error_line,
                                                     render_bounded)
 from jaxkv.errors import InputError
 from jaxkv.models import gguf, gguf_tokenizer
@@ -161,7 +161,7 @@ class Tokenizer:
       self._tok = _HFTokenizer.from_str(self._json)
     except Exception as e:  # the library raises Exception itself for a file it cannot parse
       raise TokenizerError(f"{file} could not be read by the tokenizers library "
-                           f"({_one_line(e)}); fix it or download it again.") from None
+                           f"({error_line(e)}); fix it or download it again.") from None
     self._special_text = self._special_pattern()
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     self.bos_token = _token_text(config.get("bos_token"))
@@ -255,7 +255,7 @@ class Tokenizer:
     try:
       template = compile_template(self.chat_template)
     except jinja2.TemplateError as e:
-      raise TokenizerError(f"{where} does not compile ({_one_line(e)}); fix "
+      raise TokenizerError(f"{where} does not compile ({error_line(e)}); fix "
                            "tokenizer_config.json chat_template or chat_template.jinja.") from None
     try:
       return render_bounded(template, list(messages), self.template_limits, where,

@@ -6,7 +6,9 @@ see the same machine noise, and reports the median of the repetitions with min-m
 
 from __future__ import annotations
 
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -46,6 +48,52 @@ def interleaved(candidates: dict[str, Callable[[], object]], *, reps: int = 5,
 def summary(seconds: list[float]) -> dict:
   return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
           "reps": len(seconds)}
+
+
+def medians_by_key(runs: list[dict], keys) -> dict:
+  """Each of ``keys`` over ``runs`` (one figures dict per repetition): its median, min and
+  max."""
+  return {k: {"median": statistics.median(r[k] for r in runs),
+              "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}
+
+
+def loopback_tcp_seconds(nbytes: int, timeout_s: float = 60.0) -> float:
+  """Seconds to push ``nbytes`` through a loopback TCP connection, received in full: the
+  wire's floor that a fetch over the network is compared with. Raises TimeoutError when
+  the bytes are not all through within ``timeout_s``."""
+  data = bytes(nbytes)
+  got = []
+  with socket.socket() as srv:
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(timeout_s)
+
+    def receive():
+      try:
+        conn, _ = srv.accept()
+      except OSError:
+        return
+      with conn:
+        conn.settimeout(timeout_s)
+        n = 0
+        try:
+          while n < nbytes and (chunk := conn.recv(1 << 20)):
+            n += len(chunk)
+        except OSError:
+          pass
+        got.append(n)
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    with socket.create_connection(srv.getsockname(), timeout=timeout_s) as c:
+      c.sendall(data)
+    t.join(timeout_s)
+    elapsed = time.perf_counter() - t0
+  if got != [nbytes]:
+    raise TimeoutError(f"loopback TCP: {got[0] if got else 0} of {nbytes} bytes received "
+                       f"within {timeout_s} s")
+  return elapsed
 
 
 def throughput(nbytes: int, s: dict) -> dict:

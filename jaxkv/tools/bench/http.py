@@ -63,6 +63,7 @@ import numpy as np
 from jaxkv.errors import InputError
 from jaxkv.metrics import percentile
 from jaxkv.progress import Progress
+from jaxkv.tools.bench.common import medians_by_key
 from jaxkv.tools.env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -713,7 +714,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
                    "tokens_per_s", "requests_per_s", "makespan_s", "mean_in_flight",
                    "cached_token_share", "client_cpu_s", "server_cpu_s")}
   keys["http_one_process"] = keys["http"]
-  table = {side: {name: _medians(runs, keys[side]) for name, runs in by_point.items()}
+  table = {side: {name: medians_by_key(runs, keys[side]) for name, runs in by_point.items()}
            for side, by_point in figures.items()}
   errors = collections.Counter()
   for fig in figures["http"]["light"] + figures["http"]["saturated"]:
@@ -848,8 +849,3 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
   except (OSError, ValueError, IndexError):
     return float("nan")
-
-
-def _medians(runs: list[dict], keys) -> dict:
-  return {k: {"median": statistics.median(r[k] for r in runs),
-              "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}

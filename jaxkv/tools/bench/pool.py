@@ -42,7 +42,7 @@ from jaxkv.cache import KVCache
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
 from jaxkv.serving.engine import Engine
 from jaxkv.tools.bench import common
-from jaxkv.tools.bench.remote import MODEL, _tcp_send, prompt
+from jaxkv.tools.bench.remote import MODEL, prompt
 from jaxkv.tools.env import child_env
 from jaxkv.worker.pages import make_mesh
 from jaxkv.worker.tiers.pool.master import LocalMaster
@@ -236,7 +236,8 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
       block_fetch = lambda: client.fetch(keys, shape, dtype, time.monotonic() + 60)
       same = np.stack(pool_fetch()).tobytes() == np.asarray(block_fetch()).tobytes()
       wire = common.interleaved({"pool_fetch": pool_fetch, "blockserver_fetch": block_fetch,
-                                 "tcp": lambda: _tcp_send(nbytes)}, reps=max(reps, 3))
+                                 "tcp": lambda: common.loopback_tcp_seconds(nbytes)},
+                                reps=max(reps, 3))
       # One engine each, its device copies forgotten before every round (a fresh engine per
       # round, each with a pool client of its own, made XLA:CPU's collectives stall here).
       engines = {"pool_hit": mk(True, ()), "recompute": mk(False, ())}

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -69,36 +67,6 @@ def build_engine(*, data: int, model: int, peers: tuple, devices=None) -> Engine
                 scheduler=SchedulerConfig(policy="fetch"))
 
 
-def _tcp_send(nbytes: int) -> float:
-  """Seconds to push ``nbytes`` through a loopback TCP connection, received in full."""
-  data = bytes(nbytes)
-  srv = socket.socket()
-  srv.bind(("127.0.0.1", 0))
-  srv.listen(1)
-  got = []
-
-  def receive():
-    conn, _ = srv.accept()
-    n = 0
-    while n < nbytes:
-      chunk = conn.recv(1 << 20)
-      if not chunk:
-        break
-      n += len(chunk)
-    got.append(n)
-    conn.close()
-
-  t = threading.Thread(target=receive)
-  t.start()
-  t0 = time.perf_counter()
-  with socket.create_connection(srv.getsockname()) as c:
-    c.sendall(data)
-  t.join()
-  srv.close()
-  assert got == [nbytes]
-  return time.perf_counter() - t0
-
-
 def _start_owner(tokens: int, key: bytes | None) -> tuple[subprocess.Popen, str]:
   """A serving job (keyed when ``key`` is given) and its block server's address."""
   env = child_env(device_count=4, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
@@ -138,7 +106,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
     nbytes = len(keys) * probe.cache.config.page_bytes
     fetch = lambda: client.fetch(keys, probe.cache.payload_shape, probe.cache.config.jnp_dtype,
                                  time.monotonic() + 60)
-    wire = common.interleaved({"remote_fetch": fetch, "tcp": lambda: _tcp_send(nbytes)},
+    wire = common.interleaved({"remote_fetch": fetch, "tcp": lambda: common.loopback_tcp_seconds(nbytes)},
                               reps=reps)
     fp = probe.cache.config.fingerprint()
     keyed = RemoteClient(keyed_addr, fp, secret=key, deadline_s=60)

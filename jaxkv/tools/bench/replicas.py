@@ -32,8 +32,8 @@ import zmq
 from jaxkv.metrics import percentile
 from jaxkv.progress import Progress
 from jaxkv.entrypoints.openai.router import tenant_tokens
-from jaxkv.tools.bench.http import (ServerProcess, Target, TokenChat, run_load, summary,
-                                    _medians)
+from jaxkv.tools.bench.common import medians_by_key
+from jaxkv.tools.bench.http import ServerProcess, Target, TokenChat, run_load, summary
 from jaxkv.tools.bench.indexer import DynamoIndexer
 from jaxkv.worker.tiers.pool.master import free_port
 
@@ -179,7 +179,7 @@ def run(*, quick: bool = False, reps: int = 3) -> dict:
     for s in servers:
       s.close()
   keys = ("ttft_p50_s", "ttft_p90_s", "tokens_per_s", "cached_token_share", "makespan_s")
-  table = {name: _medians(r, keys) for name, r in runs.items()}
+  table = {name: medians_by_key(r, keys) for name, r in runs.items()}
   per_rep = lambda k: [p[k] / q[k] for p, q in zip(runs["prefix"], runs["round_robin"])]
   share = [p["cached_token_share"] / s["cached_token_share"]
            for p, s in zip(runs["prefix"], runs["single"])]
