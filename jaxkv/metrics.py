@@ -18,7 +18,12 @@ Families (every sample labelled with ``policy`` and the given labels):
   ``jaxkv_compiles_after_warmup_total``: XLA compiles since the engine was warm
   (``Engine.compiles_after_warmup``: counted for the whole process, any engine's compile
   included; no sample before warm-up; 0 is the goal: a step that compiles is no steady-state
-  step);
+  step); the prefill → decode hand-off (``entrypoints/openai/disagg.py``, 0 on a server of
+  neither role): on a prefill node ``jaxkv_pd_prefills_handed_off_total`` (answers promising
+  the whole prompt), ``jaxkv_pd_prefills_not_handed_off_total`` (promising less: puts late
+  or failed) and ``jaxkv_pd_blocks_handed_off_total``; on a decode node
+  ``jaxkv_pd_decodes_received_total`` and ``jaxkv_pd_blocks_promised_total`` (what their
+  ``remote_block_ids`` promised: compare with ``jaxkv_block_hits_total{tier="pool"}``);
 - gauges: ``jaxkv_cached_blocks`` and ``jaxkv_capacity_blocks`` by ``tier``,
   ``jaxkv_waiting_requests``, ``jaxkv_running_requests``, ``jaxkv_referenced_pages``.
 """
@@ -38,6 +43,17 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 _COUNTED = ("requests", "aborted_requests", "failed_requests", "prompt_tokens", "hit_tokens",
             "computed_tokens", "generated_tokens", "blocks_fetched", "blocks_recomputed",
             "blocks_split", "bytes_moved", "read_timeouts", "disk_write_failures")
+# The hand-off's counters (``disagg.hand_off``, ``disagg.Received``), counted only by a node
+# of that role: not among ``stats.COUNTERS``, so their help text is here.
+_PD_COUNTED = {
+    "pd_prefills_handed_off": "Prefill answers whose kv_transfer_params promise every "
+                              "block of the prompt (all in the pool by the deadline).",
+    "pd_prefills_not_handed_off": "Prefill answers promising less than the whole prompt "
+                                  "(its puts late or failed: the decode node recomputes).",
+    "pd_blocks_handed_off": "Blocks promised in prefill answers' remote_block_ids.",
+    "pd_decodes_received": "Decode requests that came with a prefill's kv_transfer_params.",
+    "pd_blocks_promised": "Blocks the received kv_transfer_params promised (remote_block_ids).",
+}
 
 
 def percentile(values, q: float) -> float:
@@ -83,6 +99,8 @@ class EngineCollector:
         labels=names + ["reason"])
     counters = {k: CounterMetricFamily(f"jaxkv_{k}", COUNTERS[k].capitalize() + ".",
                                        labels=names) for k in _COUNTED}
+    counters.update({k: CounterMetricFamily(f"jaxkv_{k}", doc, labels=names)
+                     for k, doc in _PD_COUNTED.items()})
     evictions = CounterMetricFamily("jaxkv_evictions", "Blocks evicted from any tier.",
                                     labels=names)
     late = CounterMetricFamily("jaxkv_compiles_after_warmup", "XLA compiles in this process "

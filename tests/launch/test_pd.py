@@ -3,11 +3,15 @@ pool, driven by launch/pd_proxy.py as a vLLM-style proxy drives a pair. Each nod
 engine in a process of its own (the default --engine_process, pool or not): the hand-off is
 an engine command its core carries out, the front holds no cache. The pair's tokens equal
 one engine's (greedy and seeded), the decode node finds the prompt's blocks in the pool,
-and kv_transfer_params carry vLLM's field names; bad params are a 400 naming them."""
+each node's /metrics counts its side of the hand-off, and kv_transfer_params carry vLLM's
+field names; bad params are a 400 naming them. A decode node killed mid-stream (the last
+test) leaves the proxy's client an error event and [DONE], not a stream that just stops."""
 
 import json
 import os
+import re
 import runpy
+import signal
 
 import httpx
 import openai
@@ -81,20 +85,37 @@ def test_the_pairs_tokens_equal_one_engines_and_the_decode_node_reads_the_pool(p
     assert ids == want
 
 
+def pd_counters(server) -> dict[str, float]:
+  """The node's hand-off counters, as its /metrics exports them (``jaxkv_pd_*_total``)."""
+  text = httpx.get(f"{server.base}/metrics", timeout=30).text
+  found = re.findall(r"^jaxkv_(pd_\w+)_total\{[^}]*\} (\S+)$", text, re.M)
+  return {name: float(v) for name, v in found}
+
+
 def test_a_prefill_answer_carries_vllms_kv_transfer_params(pair):
   p = prompt(3)
   body = {"model": MODEL, "prompt": p, "max_tokens": 1,
           "kv_transfer_params": {"do_remote_decode": True}}
+  before = {node: pd_counters(pair[node]) for node in ("prefill", "decode")}
   r = httpx.post(f"{pair['prefill'].url}/completions", json=body, timeout=120).json()
   params = r["kv_transfer_params"]
   assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-  assert len(params["remote_block_ids"]) == (len(p) - 1) // 16
+  blocks = len(params["remote_block_ids"])
+  assert blocks == (len(p) - 1) // 16
   assert params["remote_engine_id"] and params["remote_port"] == pair["prefill"].port
   # A decode node given them hits every promised block.
   d = httpx.post(f"{pair['decode'].url}/completions", json=dict(
       body, max_tokens=3, kv_transfer_params=params), timeout=120).json()
-  assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * len(
-      params["remote_block_ids"])
+  assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * blocks
+  # Each node's /metrics counts its side of the hand-off.
+  grew = {node: {k: v - before[node][k] for k, v in pd_counters(pair[node]).items()}
+          for node in ("prefill", "decode")}
+  assert grew["prefill"] == {"pd_prefills_handed_off": 1, "pd_prefills_not_handed_off": 0,
+                             "pd_blocks_handed_off": blocks, "pd_decodes_received": 0,
+                             "pd_blocks_promised": 0}, grew
+  assert grew["decode"] == {"pd_prefills_handed_off": 0, "pd_prefills_not_handed_off": 0,
+                            "pd_blocks_handed_off": 0, "pd_decodes_received": 1,
+                            "pd_blocks_promised": blocks}, grew
 
 
 def test_a_hand_off_names_the_servers_own_address_never_the_clients_host_header(pair):
@@ -141,3 +162,27 @@ def test_a_role_without_a_pool_is_refused_before_start():
   code, _, err = helpers.run_script(["launch/server.py", "--role=decode", *OVERRIDES],
                                     timeout_s=120)
   assert code == 2 and "--role=decode hands KV over through the pool" in err
+
+
+def test_a_decode_node_killed_mid_stream_ends_the_proxys_stream_with_an_error_event(pair):
+  """Runs last: it kills the decode node (its group, engine core included) once the first
+  token has come through the proxy. The client gets the tokens that came, whole, then
+  OpenAI's error object as an event, then [DONE]."""
+  body = {"model": MODEL, "prompt": prompt(8, 40), "max_tokens": 160, "temperature": 0,
+          "return_token_ids": True, "stream": True}
+  events = []
+  # A read that waits 30 s for a byte fails the test: a hang is an error here.
+  with httpx.stream("POST", f"{pair['proxy'].url}/completions", json=body,
+                    timeout=httpx.Timeout(30.0)) as r:
+    assert r.status_code == 200, r.read()
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        events.append(line.removeprefix("data: "))
+        if len(events) == 1:
+          os.killpg(pair["decode"].proc.pid, signal.SIGKILL)
+  assert events[-1] == "[DONE]", events[-3:]
+  error = json.loads(events[-2])["error"]
+  assert error["type"] == "server_error" and error["code"] == "upstream_stream_broken", error
+  assert "the decode node broke off this stream" in error["message"], error
+  tokens = [t for e in events[:-2] for t in json.loads(e)["choices"][0]["token_ids"]]
+  assert 0 < len(tokens) < body["max_tokens"], len(tokens)  # broken off midway

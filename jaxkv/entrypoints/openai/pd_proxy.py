@@ -19,7 +19,10 @@ What a client's bytes may cost the proxy, before either node has checked its key
 - the prefill node's answer is read up to ``MAX_PREFILL_ANSWER_BYTES`` (its text is one
   token and is dropped; only its ``kv_transfer_params`` are used), so a node that answers
   without end costs the proxy a bounded buffer, and is parsed off the loop when large.
-The decode node's answer is streamed through as it comes (never buffered whole).
+The decode node's answer is streamed through as it comes (never buffered whole). A stream
+the decode node breaks before ``[DONE]`` (it died, reset the connection) ends with an error
+event (OpenAI's error object, code ``upstream_stream_broken``) and ``[DONE]``, as a
+server's own mid-stream error does (``upstream.relay_events``).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import functools
 import json
 
 import httpx
+from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.entrypoints.openai import protocol
+from jaxkv.entrypoints.openai.upstream import relay_events
 
 # A prefill answer is one token's choice and the hand-off's parameters: a few KiB. More
 # than this is a node gone wrong; the proxy answers 502 rather than buffer it.
@@ -92,15 +97,19 @@ def make_app(prefill: str, decode: str, *, timeout_s: float,
     except httpx.HTTPError as e:
       return error(502, f"the decode node did not answer: {e}")
 
+    kind = resp.headers.get("content-type") or ""
+
     async def passthrough():
+      chunks = (relay_events(resp, functools.partial(_broke, decode))
+                if "text/event-stream" in kind else resp.aiter_raw())
       try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in chunks:
           yield chunk
       finally:
         await resp.aclose()
 
     return StreamingResponse(passthrough(), status_code=resp.status_code,
-                             media_type=resp.headers.get("content-type"))
+                             media_type=kind or None)
 
   @api.post("/v1/completions")
   async def completions(request: Request):
@@ -129,6 +138,13 @@ def make_app(prefill: str, decode: str, *, timeout_s: float,
             else error(503, f"prefill /health {codes[0]}, decode /health {codes[1]}"))
 
   return api
+
+
+def _broke(decode: str, why: str) -> str:
+  """The error event's message for a stream the decode node broke (logged here)."""
+  logging.warning("the decode node %s broke off a stream (%s)", decode, why)
+  return (f"the decode node broke off this stream ({why}); the answer is incomplete: retry "
+          "the request.")
 
 
 class _TooLarge(Exception):

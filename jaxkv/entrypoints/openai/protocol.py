@@ -593,8 +593,9 @@ def answer_body(answers, model: str) -> dict:
           "choices": [a.choice() for a in answers], "usage": _usage(answers)}
 
 
-def error_event(message: str, kind: str) -> str:
-  return sse_event({"error": {"message": message, "type": kind, "code": None, "param": None}})
+def error_event(message: str, kind: str, code: str | None = None) -> str:
+  """A streamed answer's error: OpenAI's error object as one event (``[DONE]`` follows)."""
+  return sse_event({"error": {"message": message, "type": kind, "code": code, "param": None}})
 
 
 def sse_event(obj: dict) -> str:
