@@ -364,17 +364,18 @@ class Checkpointer:
     dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
     publish = []
     for s, items in enumerate(chosen):
+      good = []  # (row in the shard's part of the stack, key, parent) of rows that check
       for j, (_, _, key, parent, checksum) in enumerate(items):
         if checksum is not None and int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
-          continue
-        slot, evicted = e.manager.place(s, 1, tier)
+        else:
+          good.append((j, key, parent))
+      for (j, key, parent), slot in zip(good, self._take(s, len(good), tier)):
         if slot is None:
           counts["skipped_no_room"] += 1
           continue
-        e.worker.carry_out(evicted)  # what the slot held goes down before it is written
-        dest[s, j] = slot[0]
-        publish.append((s, slot[0], key, parent))
+        dest[s, j] = slot
+        publish.append((s, slot, key, parent))
     if tier == Tier.DEVICE:
       e.worker.land(Landing(dest, stack))
     else:
@@ -382,6 +383,26 @@ class Checkpointer:
     for s, slot, key, parent in publish:
       e.manager.copied(s, slot, key, tier, parent=parent)
     counts["placed"] += len(publish)
+
+  def _take(self, shard: int, n: int, tier: Tier) -> list[int | None]:
+    """``n`` slots of ``tier`` on ``shard`` for restored rows (None for a row without
+    room), what they held carried out first (its bytes go down before the slots are
+    written). One ``place`` and one ``carry_out`` for all of them when the shard can give
+    them all now; else one row at a time, as many as it can."""
+    e = self.cache
+    if not n:
+      return []
+    slots, evicted = e.manager.place(shard, n, tier)
+    if slots is not None:
+      e.worker.carry_out(evicted)
+      return slots
+    out = []
+    for _ in range(n):
+      slot, evicted = e.manager.place(shard, 1, tier)
+      if slot is not None:
+        e.worker.carry_out(evicted)
+      out.append(None if slot is None else slot[0])
+    return out
 
 
 def _check_meta(meta, where: str) -> None:
