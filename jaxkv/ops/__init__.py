@@ -3,7 +3,8 @@
 ``paged_attention`` is the entry point (``impl``: the chunked online-softmax jnp path,
 jittable on every backend, or jaxkv's Pallas kernel); ``paged_attention_reference`` is
 the pure-jnp definition every implementation is validated against; ``write_pages``
-scatters a step's K or V into pages.
+scatters a step's K or V into pages. Every one takes a sliding ``window`` (Gemma 3's local
+layers; ``reference``'s docstring states the rule).
 """
 
 from jaxkv.config import ATTENTION_IMPLS

@@ -28,6 +28,13 @@ Two forms of the same kernel, one per Pallas backend:
 - ``tpu``: the pools stay in HBM (``memory_space=ANY``); the page table, lengths and valid
   flags are prefetched scalars, and each chunk's pages are DMA'd into a double-buffered
   VMEM scratch, the next chunk's copies started before this chunk is computed.
+Sliding windows (``window``, ``reference``'s module docstring): the window rides in the
+small scalar array that names the layer's first head row (``[row, window]``), and each
+sequence's first chunk a query of it can see beside its length; a program masks keys before
+each row's window and starts its walk at that chunk, so a local layer of a long sequence
+reads about a window of pages. The chunks skipped are wholly masked (no bit changes). With
+no window those arrays keep their one-value shapes and the kernel its ops: a layer without
+a window compiles to what it did before windows existed.
 Off their hardware both run in Pallas' interpreters (``interpret=True``; the TPU form in
 the TPU interpreter, which simulates the DMAs and semaphores): the tests check them that
 way; interpreter timings say nothing about kernel speed. Whether a form is accepted by its
@@ -47,6 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxkv.errors import InputError
 from jaxkv.ops import chunked
+from jaxkv.ops.reference import check_window, first_visible
 
 # The Triton form's budget: shared memory one block may opt into on sm_90 (H100/H200),
 # less a tenth of headroom for Triton versions other than the one the model was fit to.
@@ -88,13 +96,16 @@ def gpu_pages_per_chunk(pages_per_chunk: int, page_size: int, head_dim: int,
   return pages
 
 
-def _fold_chunk(state, c, q, qpos, length, k, v, valid):
+def _fold_chunk(state, c, q, qpos, length, k, v, valid, floor=None):
   """Chunk ``c``'s keys and values (``[pages, page_size, D]``; ``valid``: ``[L]``, one flag
   per key) folded into the state of the rows ``q`` (``[R, D]``) at positions ``qpos``
-  (``[R]``): the arithmetic both forms share."""
+  (``[R]``; ``floor``: ``[R]``, the last key each row's window hides, or None): the
+  arithmetic both forms share."""
   chunk_tokens, head_dim = valid.shape[0], q.shape[-1]
   kpos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
   mask = (kpos[None] <= qpos[:, None]) & (kpos[None] < length) & valid[None]
+  if floor is not None:
+    mask = mask & (kpos[None] > floor[:, None])
   k = k.reshape(chunk_tokens, head_dim).astype(jnp.float32)
   v = v.reshape(chunk_tokens, head_dim).astype(jnp.float32)
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [R, L]
@@ -108,18 +119,27 @@ def _chunks_used(length, width: int, pages_per_chunk: int, page_size: int):
   return jnp.minimum(width // pages_per_chunk, (length + chunk_tokens - 1) // chunk_tokens)
 
 
-def _run(state_refs, out_refs, used, step) -> None:
-  """Folds chunks ``0 .. used-1`` into the state, then stores it."""
-  state = jax.lax.fori_loop(0, used, step, tuple(r[...] for r in state_refs))
+def _window_floor(qpos, window):
+  """In a kernel: the last key position each row's window hides (``-1``: none, where the
+  traced window is 0)."""
+  return jnp.where(window > 0, qpos - window, -1)
+
+
+def _run(state_refs, out_refs, start, used, step) -> None:
+  """Folds chunks ``start .. used-1`` into the state, then stores it."""
+  state = jax.lax.fori_loop(start, used, step, tuple(r[...] for r in state_refs))
   for ref, x in zip(out_refs, state):
     ref[...] = x
 
 
 def _kernel(head_ref, lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_ref, m_ref, l_ref,
             acc_ref, m_out, l_out, acc_out, *, pages_per_chunk: int, page_size: int,
-            num_pages: int):
+            num_pages: int, windowed: bool):
   length = lens_ref[0]
   q, qpos = q_ref[...], qpos_ref[...]  # [R, D] float32 scaled; [R]
+  # windowed: head_ref is [first row, window], lens_ref [length, first chunk to read]
+  floor = _window_floor(qpos, head_ref[1]) if windowed else None
+  start = lens_ref[1] if windowed else 0
   # The pools come as [rows * pages, S, D] (rows: the stack's layers x kv heads): this
   # program's head of its layer starts at page ``first``.
   first = (head_ref[0] + pl.program_id(1)) * num_pages
@@ -129,20 +149,24 @@ def _kernel(head_ref, lens_ref, table_ref, valid_ref, qpos_ref, q_ref, k_ref, v_
     table = table_ref[entries]
     valid = jnp.repeat(valid_ref[entries], page_size) != 0
     return _fold_chunk(state, c, q, qpos, length, k_ref[first + table], v_ref[first + table],
-                       valid)
+                       valid, floor)
 
   used = _chunks_used(length, table_ref.shape[0], pages_per_chunk, page_size)
-  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), used, step)
+  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), start, used, step)
 
 
 def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm, v_hbm, m_ref,
                 l_ref, acc_ref, m_out, l_out, acc_out, k_buf, v_buf, k_sem, v_sem, *,
-                pages_per_chunk: int, page_size: int, width: int):
+                pages_per_chunk: int, page_size: int, width: int, windowed: bool):
   b = pl.program_id(0)
   h = head_ref[0] + pl.program_id(1)  # this layer's kv head among the stack's rows
   length = lens_ref[b]
   q, qpos = q_ref[...], qpos_ref[0]  # [R, D] float32 scaled; [R]
   used = _chunks_used(length, width, pages_per_chunk, page_size)
+  # windowed: head_ref is [first row, window]; lens_ref the B lengths, then each
+  # sequence's first chunk to read
+  floor = _window_floor(qpos, head_ref[1]) if windowed else None
+  start = lens_ref[lens_ref.shape[0] // 2 + b] if windowed else 0
 
   def copies(c, slot):
     out = []
@@ -152,9 +176,9 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm
       out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i], v_sem.at[slot]))
     return out
 
-  @pl.when(used > 0)
+  @pl.when(start < used)
   def _():
-    for copy in copies(0, 0):
+    for copy in copies(start, start % 2):
       copy.start()
 
   def step(c, state):
@@ -170,9 +194,9 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm
     flags = [valid_ref[b * width + c * pages_per_chunk + i] != 0
              for i in range(pages_per_chunk)]
     valid = jnp.concatenate([jnp.full((page_size,), f) for f in flags])
-    return _fold_chunk(state, c, q, qpos, length, k_buf[slot], v_buf[slot], valid)
+    return _fold_chunk(state, c, q, qpos, length, k_buf[slot], v_buf[slot], valid, floor)
 
-  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), used, step)
+  _run((m_ref, l_ref, acc_ref), (m_out, l_out, acc_out), start, used, step)
 
 
 def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *,
@@ -185,10 +209,9 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   ``pltpu.InterpretParams`` (the TPU interpreter: simulated DMAs, race detection);
   ``layer``: the pools are stacks of layers ``[layers, H, P, S, D]`` and this (a scalar,
   traced or not) is the one attended. The kernel reads the stack in place, as
-  ``[layers * H, P, S, D]`` rows (a free reshape), starting at row ``layer * H``."""
-  if window is not None:
-    raise NotImplementedError("jaxkv's Pallas kernel has no sliding window yet: use "
-                              "attention_impl=jnp for windowed layers.")
+  ``[layers * H, P, S, D]`` rows (a free reshape), starting at row ``layer * H``;
+  ``window``: a sliding window (``reference``'s module docstring)."""
+  window = check_window(window)
   batch, q_len, heads, group, head_dim = qg.shape
   page_size = k_pages.shape[-2]
   first = jnp.zeros((1,), jnp.int32)  # the kernel's first row of this layer's heads
@@ -213,6 +236,12 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   if pad:  # padded entries point at page 0 and are masked by position
     page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
     valid = jnp.pad(valid, ((0, 0), (0, pad)))
+  lens = kv_lens.astype(jnp.int32)[:, None]  # [B, 1]: each sequence's length
+  if window is not None:  # the window beside the first row; each row's first chunk to read
+    first = jnp.concatenate([first, jnp.asarray(window, jnp.int32).reshape(1)])
+    starts = first_visible(q_positions, window) // (pages_per_chunk * page_size)
+    starts = jnp.minimum(starts, page_table.shape[1] // pages_per_chunk)
+    lens = jnp.concatenate([lens, starts[:, None]], axis=1)  # [B, 2]
   rows = group * q_len  # row g*T + t: query head g of the group at token t
   q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
   qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
@@ -224,13 +253,12 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
                                           constant_values=value)
     q, m, l, acc = pad_rows(q), pad_rows(m, -jnp.inf), pad_rows(l), pad_rows(acc)
     qpos = jnp.pad(qpos, ((0, 0), (0, extra)), constant_values=-1)  # masked: nothing read
-    out = _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first,
-                kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
-                k_pages, v_pages)
-  else:
+    out = _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, lens,
+                page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
+  else:  # prefetched scalars, flat: the lengths, then (windowed) the first chunks
     out = _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first,
-                    kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), valid, qpos, q,
-                    k_pages, v_pages)
+                    kv_lens.astype(jnp.int32) if window is None else lens.T.reshape(-1),
+                    page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
   return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
 
@@ -253,6 +281,7 @@ def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_len
           valid, qpos, q, k_pages, v_pages):
   batch, heads, rows, head_dim = q.shape
   width = page_table.shape[1]
+  windowed = first.shape[0] == 2
   seq = lambda *tail: pl.BlockSpec((None, *tail), lambda b, h, r: (b, *([0] * len(tail))))
   rows_of = lambda tail: pl.BlockSpec((None, None, block, tail), lambda b, h, r: (b, h, r, 0))
   # The whole stack stays in global memory (a pointer), its heads' pages one after another
@@ -263,11 +292,12 @@ def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_len
   pool = pl.BlockSpec(k_pages.shape, lambda b, h, r: (0, 0, 0))
   state_specs = [rows_of(1), rows_of(1), rows_of(head_dim)]
   kernel = functools.partial(_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size,
-                             num_pages=num_pages)
+                             num_pages=num_pages, windowed=windowed)
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, rows // block),
-      in_specs=[pl.BlockSpec((1,), lambda b, h, r: (0,)), seq(1), seq(width), seq(width),
+      in_specs=[pl.BlockSpec(first.shape, lambda b, h, r: (0,)), seq(kv_lens.shape[1]),
+                seq(width), seq(width),
                 pl.BlockSpec((None, block), lambda b, h, r: (b, r)),
                 rows_of(head_dim), pool, pool, *state_specs],
       out_specs=state_specs,
@@ -277,7 +307,7 @@ def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_len
                                               num_stages=GPU_NUM_STAGES),
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
-  )(first, kv_lens[:, None], page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
+  )(first, kv_lens, page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
 
 
 def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first, kv_lens, page_table, valid,
@@ -288,7 +318,7 @@ def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first, kv_lens, 
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   buf = pltpu.VMEM((2, pages_per_chunk, page_size, head_dim), k_pages.dtype)
   kernel = functools.partial(_tpu_kernel, pages_per_chunk=pages_per_chunk, page_size=page_size,
-                             width=width)
+                             width=width, windowed=first.shape[0] == 2)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(

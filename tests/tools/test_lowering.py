@@ -61,13 +61,18 @@ def _attention_args(*, rows, q_heads, kv_heads, head_dim, pages, page_size, widt
           s((rows, q_len), jnp.int32), s((rows,), jnp.int32))
 
 
-def _lower_attention(target_name, shapes, q_len):
+def _lower_attention(target_name, shapes, q_len, windowed=False):
+  """The kernel lowered for a target; ``windowed``: with a sliding window, a traced int32
+  scalar (as a model scanning its layers passes each layer's)."""
   tgt = lowering.target(target_name)
   args = _attention_args(q_len=q_len, **{k: v for k, v in shapes.items()
                                          if k not in ("chunk", "q_lens")})
-  fn = jax.jit(lambda *a: paged_attention(*a, pages_per_chunk=shapes["chunk"],
-                                          impl=tgt.kernel_impl))
-  return lowering.lower(f"paged_attention[T={q_len}]", fn, args, tgt)
+  if windowed:
+    args += (jax.ShapeDtypeStruct((), jnp.int32),)
+  fn = jax.jit(lambda *a: paged_attention(*a[:6], pages_per_chunk=shapes["chunk"],
+                                          impl=tgt.kernel_impl, window=a[6] if windowed else None))
+  return lowering.lower(f"paged_attention[T={q_len}{',window' if windowed else ''}]", fn, args,
+                        tgt)
 
 
 def _kernel_names(exported) -> set[str]:
@@ -126,6 +131,18 @@ def test_kernel_lowers_at_edge_shapes(target_name, q_heads, kv_heads, head_dim, 
   for q_len in (1, 128):
     exported = _lower_attention(target_name, shapes, q_len)
     assert KERNEL_CALL[lowering.target(target_name).platform] in lowering.custom_calls(exported)
+
+
+@pytest.mark.parametrize("target_name", ["cuda", "tpu_v5e"])
+def test_windowed_kernel_lowers_at_gemma3_shapes(target_name):
+  # Gemma 3 270M's local layers (4 query heads on one KV head of 256, bf16 pages of 16
+  # tokens): the sliding window, traced, in both kernel forms, for decode and a prefill step.
+  shapes = dict(rows=8, q_heads=4, kv_heads=1, head_dim=256, pages=4000, page_size=16,
+                width=256, chunk=8, dtype=jnp.bfloat16)
+  for q_len in (1, 128):
+    exported = _lower_attention(target_name, shapes, q_len, windowed=True)
+    assert KERNEL_CALL[lowering.target(target_name).platform] in lowering.custom_calls(exported)
+    assert exported.in_avals[-1].shape == () and exported.in_avals[-1].dtype == jnp.int32
 
 
 def test_gpu_chunk_is_bounded_by_shared_memory_not_by_the_pool():
