@@ -176,7 +176,7 @@ def _tpu_kernel(lens_ref, table_ref, valid_ref, head_ref, qpos_ref, q_ref, k_hbm
       out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i], v_sem.at[slot]))
     return out
 
-  @pl.when(start < used)
+  @pl.when(used > start)
   def _():
     for copy in copies(start, start % 2):
       copy.start()
@@ -236,12 +236,11 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
   if pad:  # padded entries point at page 0 and are masked by position
     page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
     valid = jnp.pad(valid, ((0, 0), (0, pad)))
-  lens = kv_lens.astype(jnp.int32)[:, None]  # [B, 1]: each sequence's length
-  if window is not None:  # the window beside the first row; each row's first chunk to read
+  lens = kv_lens.astype(jnp.int32)  # [B]; windowed: [B, 2], each row's first chunk beside
+  if window is not None:  # the window beside the first row
     first = jnp.concatenate([first, jnp.asarray(window, jnp.int32).reshape(1)])
     starts = first_visible(q_positions, window) // (pages_per_chunk * page_size)
-    starts = jnp.minimum(starts, page_table.shape[1] // pages_per_chunk)
-    lens = jnp.concatenate([lens, starts[:, None]], axis=1)  # [B, 2]
+    lens = jnp.stack([lens, jnp.minimum(starts, page_table.shape[1] // pages_per_chunk)], 1)
   rows = group * q_len  # row g*T + t: query head g of the group at token t
   q = jnp.moveaxis(qg, 1, 3).reshape(batch, heads, rows, head_dim)
   qpos = jnp.tile(q_positions, (1, group))  # [B, G*T], the same row order
@@ -257,7 +256,7 @@ def paged_state(state, qg, k_pages, v_pages, page_table, q_positions, kv_lens, *
                 page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
   else:  # prefetched scalars, flat: the lengths, then (windowed) the first chunks
     out = _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first,
-                    kv_lens.astype(jnp.int32) if window is None else lens.T.reshape(-1),
+                    lens.T.reshape(-1) if lens.ndim == 2 else lens,
                     page_table.astype(jnp.int32), valid, qpos, q, k_pages, v_pages)
   return tuple(x[:, :, :rows].reshape(batch, heads, group, q_len, -1) for x in out)
 
@@ -296,7 +295,7 @@ def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_len
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, rows // block),
-      in_specs=[pl.BlockSpec(first.shape, lambda b, h, r: (0,)), seq(kv_lens.shape[1]),
+      in_specs=[pl.BlockSpec(first.shape, lambda b, h, r: (0,)), seq(2 if windowed else 1),
                 seq(width), seq(width),
                 pl.BlockSpec((None, block), lambda b, h, r: (b, r)),
                 rows_of(head_dim), pool, pool, *state_specs],
@@ -307,7 +306,8 @@ def _call(pages_per_chunk, page_size, block, interpret, m, l, acc, first, kv_len
                                               num_stages=GPU_NUM_STAGES),
       interpret=interpret,
       name=f"jaxkv_paged_attention_{pages_per_chunk}x{page_size}",
-  )(first, kv_lens, page_table, valid, qpos, q, k_pages, v_pages, m, l, acc)
+  )(first, kv_lens if windowed else kv_lens[:, None], page_table, valid, qpos, q, k_pages,
+    v_pages, m, l, acc)
 
 
 def _call_tpu(pages_per_chunk, page_size, interpret, m, l, acc, first, kv_lens, page_table, valid,
