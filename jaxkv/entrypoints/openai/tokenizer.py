@@ -327,7 +327,10 @@ class IncrementalDecoder:
   the window's text does not extend its shorter self (a decoder that rewrites across
   tokens), the ids are decoded whole once. ``text`` (joined on demand) is always what
   ``decode`` of every id gives (tests/entrypoints/test_detokenize.py checks it id by id on
-  byte-level and SentencePiece-style tokenizers)."""
+  byte-level and SentencePiece-style tokenizers), but while byte tokens that continue a
+  run of them after complete characters end inside a character: ``decode`` writes that
+  whole run as U+FFFD, ``text`` keeps the complete characters (as decoding them once the
+  character is complete gives) and U+FFFD after them."""
 
   def __init__(self, decode: Callable[[Sequence[int]], str]):
     self._decode = decode
@@ -354,9 +357,15 @@ class IncrementalDecoder:
       start = max(0, start - 8)  # what the decoder does at an edge (a space dropped) hits it
       before = self._decode(self.ids[start:self._read])
     window = self._decode(self.ids[start:])
-    if window.startswith(before):
-      piece = window[len(before):]
-    else:  # this decoder rewrites across the window's edge: the whole, once
+    piece = window[len(before):] if window.startswith(before) else None
+    if piece is None and window.endswith("\ufffd"):
+      # The delta's byte tokens continue a run of them that ends inside a character, and
+      # the decoder wrote the run as U+FFFD whole (the tokenizers library's ByteFallback
+      # does), complete characters before the delta included. Those stay committed; the
+      # delta waits, as its own text, until its character is complete.
+      held = self._decode(self.ids[self._read:])
+      piece = held if held.endswith("\ufffd") else None
+    if piece is None:  # this decoder rewrites across the window's edge: the whole, once
       self.whole_decodes += 1
       whole = self._decode(self.ids)
       # (rare) the new text starts where the committed text and the whole stop agreeing
