@@ -10,8 +10,9 @@ launch/router.py in front of the pair and the decode node.
   another deployment's puts; a late collect is a miss (recomputed), the answer exact.
 - The pool's master killed and restarted under the pair: answers stay exact, and
   hand-offs hit the pool again once the prefill node has remounted its segment.
-- A replica (the proxy) killed mid-stream: the client's stream ends (no hang, no [DONE]),
-  and the next requests go to the live replica, exactly.
+- A replica (the proxy) killed mid-stream: the client's stream ends with an error event and
+  [DONE] (no hang), the router counts the break and takes the replica out at once, and the
+  next requests go to the live replica, exactly.
 
 Every process is started with its own process group and killed with it on every path
 (``ServerProcess``, ``LocalMaster``). The last test kills the proxy: it runs last."""
@@ -267,46 +268,78 @@ def test_after_the_pools_master_crashes_the_pair_answers_exactly_and_its_hits_re
 
 
 def stream_ids(response, on_first):
-  """Token ids of a streamed completion as they come, and whether it ended with [DONE];
-  ``on_first()`` runs once the first token has arrived."""
-  ids, done = [], False
+  """Token ids of a streamed completion as they come, its error events' objects, and
+  whether it ended with [DONE]; ``on_first()`` runs once the first token has arrived."""
+  ids, errors, done = [], [], False
   for line in response.iter_lines():
     if line == "data: [DONE]":
       done = True
     elif line.startswith("data: "):
+      event = json.loads(line[6:])
+      if "error" in event:
+        errors.append(event["error"])
+        continue
       first = not ids
-      ids += (json.loads(line[6:]).get("choices") or [{}])[0].get("token_ids") or []
+      ids += (event.get("choices") or [{}])[0].get("token_ids") or []
       if first and ids:
         on_first()
-  return ids, done
+  return ids, errors, done
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live_one(pd):
-  """Runs last: it kills the proxy (the router's first replica, a P/D pair behind it)."""
+  """Runs last: it kills the proxy (the router's first replica, a P/D pair behind it). The
+  client's stream ends with an error event and [DONE]; the router counts the break and
+  takes the replica out at once: the next requests go to the live one without trying it."""
   proxy, decode, router = pd["proxy"], pd["decode"], pd["router"]
   p = prompt(5, 40)
   want = pd["reference"].generate([p], 64)[0]
 
+  def router_stats():
+    return httpx.get(f"{router.base}/router/stats", timeout=30).json()
+
   def replicas():
-    stats = httpx.get(f"{router.base}/router/stats", timeout=30).json()
-    return {s["url"]: s for s in stats["replicas"]}
+    return {s["url"]: s for s in router_stats()["replicas"]}
 
   # Round robin's first turn is the first replica's, once both are seen healthy.
   helpers.wait_for(lambda: all(s["healthy"] for s in replicas().values()), 30,
                    "the router to see both replicas healthy", interval_s=0.2)
+  before, log_start = router_stats(), os.path.getsize(router.log_path)
   body = {"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0,
           "return_token_ids": True, "stream": True}
+  killed = []
+
+  def kill():
+    os.killpg(proxy.proc.pid, signal.SIGKILL)
+    killed.append(time.monotonic())
+
   # A read that waits 30 s for a byte fails the test: a hang is an error here.
   with httpx.stream("POST", f"{router.url}/completions", json=body, headers=ALICE,
                     timeout=httpx.Timeout(30.0)) as r:
     assert r.status_code == 200 and r.headers[REPLICA_HEADER] == proxy.base, r.headers
-    ids, done = stream_ids(r, lambda: os.killpg(proxy.proc.pid, signal.SIGKILL))
-  assert not done and len(ids) < len(want), (done, len(ids))  # broken off, and said so
-  assert ids == want[:len(ids)]
-  for _ in range(2):  # one of them is the dead replica's turn
+    ids, errors, done = stream_ids(r, kill)
+  assert len(ids) < len(want) and ids == want[:len(ids)], (len(ids), len(want))  # broken off
+  # ... and said so: OpenAI's error object, then [DONE].
+  assert done and len(errors) == 1, (done, errors)
+  assert errors[0]["type"] == "server_error" and errors[0]["code"] == "upstream_stream_broken"
+  assert f"replica {proxy.base} broke off this stream" in errors[0]["message"], errors
+  # Counted and taken out before the error event was sent (no health check needed).
+  after, state = router_stats(), replicas()
+  assert after["streams_broken"] - before["streams_broken"] == 1, after
+  assert after["replica_failures"] - before["replica_failures"] == 1, after
+  assert state[proxy.base]["failures"] == 1 and not state[proxy.base]["healthy"], state
+  for _ in range(2):  # neither tries the dead replica (a try would count a retry)
     r = complete(router.url, {"prompt": p, "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.headers[REPLICA_HEADER] == decode.base
     assert r.json()["choices"][0]["token_ids"] == want[:6]
-  state = replicas()
+  last, state = router_stats(), replicas()
+  assert (last["retries"], last["replica_failures"]) == (
+      after["retries"], after["replica_failures"]), (after, last)
   assert not state[proxy.base]["healthy"] and state[decode.base]["healthy"], state
+  # The health loop (every second) has looked at the dead replica since: it found it out
+  # already (a replica it takes out itself is logged "failed /health").
+  time.sleep(max(0.0, killed[0] + 1.5 - time.monotonic()))
+  with open(router.log_path, "rb") as f:
+    f.seek(log_start)
+    log = f.read().decode("utf-8", "replace")
+  assert "broke off a stream" in log and f"{proxy.base} failed /health" not in log, log

@@ -15,10 +15,16 @@ With ``policy="round_robin"`` the indexer is not asked (the baseline).
 
 Failures: a replica whose ``/health`` is not 200, or that does not answer a request, is
 taken out until ``/health`` answers 200 again, and the request goes to the next replica in
-cost order (before any byte of an answer was passed on: a stream that broke midway ends as
-the replica ended it). A 429 tries the next replica; the last one's 429 is the answer. An
+cost order (before any byte of an answer was passed on). A stream that breaks midway (the
+replica died, reset the connection, or closed it before ``[DONE]``) cannot be retried: the
+client gets the whole events that came, then an error event (OpenAI's error object, code
+``upstream_stream_broken``, as a server's own mid-stream error) and ``[DONE]``
+(``upstream.relay_events``); the replica is counted (``replica_failures``,
+``streams_broken`` and its own ``failures`` in ``/router/stats``) and taken out at once, as
+one that did not answer (a health check begun before the break does not put it back). A
+replica's own error event followed by its ``[DONE]`` is its answer: passed on, not counted. A 429 tries the next replica; the last one's 429 is the answer. An
 indexer that does not answer within ``indexer_timeout_s`` leaves the choice to load alone
-(counted). Streams pass through as they come.
+(counted). Streams pass through as they come, event by event.
 
 Tenants: with ``api_keys`` (the replicas' own keys file) the router checks a request's key
 before it does anything for it: a caller without a valid key gets 401, and the indexer is
@@ -43,7 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
+import math
+import time
 
 import httpx
 from absl import logging
@@ -54,6 +63,7 @@ from jaxkv import security
 from jaxkv.entrypoints.openai.auth import ApiKeys
 from jaxkv.entrypoints.openai.protocol import (MAX_BODY_BYTES, ApiError, chat_messages,
                                                parse_body, read_body, request_tenant)
+from jaxkv.entrypoints.openai.upstream import relay_events
 from jaxkv.errors import InputError
 
 POLICIES = ("prefix", "round_robin")
@@ -160,9 +170,12 @@ class Router:
     self.keyed = self._deployment_key is not None  # the tenants' salts are secret
     self._turn = itertools.count()
     self.stats = {"requests": 0, "routed_by_prefix": 0, "indexer_errors": 0,
-                  "retries": 0, "replica_failures": 0, "rejected_429": 0, "no_tokens": 0,
-                  "unauthenticated": 0}
+                  "retries": 0, "replica_failures": 0, "streams_broken": 0, "rejected_429": 0,
+                  "no_tokens": 0, "unauthenticated": 0}
     self.client: httpx.AsyncClient | None = None
+    # url -> time.monotonic() of its last failed request: a health check begun before it
+    # does not put the replica back.
+    self._failed_at: dict[str, float] = {}
 
   # ---- the decision ----------------------------------------------------------------------------
   def tokens_of(self, path: str, body: dict) -> list[int] | None:
@@ -231,10 +244,13 @@ class Router:
   # ---- health ------------------------------------------------------------------------------------
   async def check_health(self) -> None:
     async def one(r: Replica):
+      started = time.monotonic()
       try:
         ok = (await self.client.get(f"{r.url}/health", timeout=2.0)).status_code == 200
       except httpx.HTTPError:
         ok = False
+      if ok and self._failed_at.get(r.url, -math.inf) >= started:
+        return  # it failed a request meanwhile: the next check says whether it is back
       if r.healthy and not ok:
         logging.warning("replica %s failed /health; its requests go elsewhere", r.url)
       elif ok and not r.healthy:
@@ -294,9 +310,23 @@ class Router:
     r.inflight -= 1
     r.failures += 1
     r.healthy = False  # until its /health answers 200 again
+    self._failed_at[r.url] = time.monotonic()
     self.stats["replica_failures"] += 1
     logging.warning("replica %s failed a request (%s); trying the next", r.url, why)
     return _error(502, f"replica {r.url} did not answer: {why}")
+
+  def _broke(self, r: Replica, why: str) -> str:
+    """A stream ``r`` broke before its ``[DONE]``: counted, and ``r`` taken out at once
+    (until its /health answers 200 again), so that the next request goes elsewhere without
+    waiting for a health check. Returns what the client's error event says."""
+    r.failures += 1
+    r.healthy = False
+    self._failed_at[r.url] = time.monotonic()
+    self.stats["replica_failures"] += 1
+    self.stats["streams_broken"] += 1
+    logging.warning("replica %s broke off a stream (%s); its requests go elsewhere", r.url, why)
+    return (f"replica {r.url} broke off this stream ({why}); the answer is incomplete: "
+            "retry the request.")
 
   async def _try(self, r: Replica, path: str, raw: bytes, headers: dict, *, more: bool):
     """``(answer, None)`` once ``r`` answered, else ``(None, the error to give if no other
@@ -327,11 +357,8 @@ class Router:
 
     async def passthrough():
       try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in relay_events(resp, functools.partial(self._broke, r)):
           yield chunk
-      except httpx.HTTPError as e:  # passed on as far as it came; the client sees it end
-        r.failures += 1
-        logging.warning("replica %s broke off a stream: %s", r.url, e)
       finally:
         r.inflight -= 1
         await resp.aclose()
