@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's and Ollama's format) of the Llama family.
+"""GGUF checkpoints (llama.cpp's and Ollama's format) of the Llama family and Gemma 3.
 
     model = jaxkv.models.from_pretrained("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     tok = jaxkv.Tokenizer.from_dir("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -12,10 +12,14 @@ expects a checkpoint: ``config`` is the ``config.json`` the metadata describes (
 check of that loader applies), and its tensors are read under Hugging Face's names and
 orientation. What differs, and is undone here:
 - names: ``blk.{i}.attn_q.weight`` is ``model.layers.{i}.self_attn.q_proj.weight``, ...;
-- the Q and K projections' rows: llama.cpp's converter reorders each head's rows from the
-  rotate-half RoPE layout to interleaved pairs (row ``2j + half`` of a head was row
-  ``half * head_dim / 2 + j``); they are put back, so ``apply_rope`` reads them as it
-  reads a Hugging Face checkpoint;
+- the Q and K projections' rows (architecture ``llama`` only): llama.cpp's converter
+  reorders each head's rows from the rotate-half RoPE layout to interleaved pairs (row
+  ``2j + half`` of a head was row ``half * head_dim / 2 + j``); they are put back, so
+  ``apply_rope`` reads them as it reads a Hugging Face checkpoint. Gemma 3's are stored as
+  Hugging Face has them (llama.cpp rotates its heads in halves, as Hugging Face does);
+- Gemma 3's norms: the converter stores ``w + 1`` (llama.cpp multiplies by the weight);
+  the 1 is taken off, so every norm weight means what Hugging Face's does (``1 + w``
+  multiplies; exact in float32 for the file's values, which are bfloat16 numbers + 1);
 - quantized types: each tensor is dequantized (the ``gguf`` package's own routines) to
   float32 when it is read, then converted to the compute dtype (``SUPPORTED_TYPES``;
   any other type is refused by name before anything is read).
@@ -42,9 +46,8 @@ from jaxkv.errors import InputError
 # Tensor types read (dequantized to float32 unless stored as a float type).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama",)
-# Per layer: GGUF's name -> Hugging Face's (``model.layers.{i}.`` prefixed).
-_LAYER_NAMES = {
+# Per layer: GGUF's name -> Hugging Face's (``model.layers.{i}.`` prefixed), by architecture.
+_LLAMA_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -55,6 +58,17 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's four norms: llama.cpp's ``ffn_norm`` is the one before the MLP there.
+_GEMMA3_LAYER = {
+    **_LLAMA_LAYER,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_LAYER_NAMES = {"llama": _LLAMA_LAYER, "gemma3": _GEMMA3_LAYER}
+ARCHITECTURES = tuple(_LAYER_NAMES)
 _NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
           "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -210,7 +224,7 @@ class GGUFCheckpoint:
   def __init__(self, file: str):
     self.file = file
     self.meta = _Header(file)
-    arch = field(self.meta, "general.architecture")
+    arch = self.arch = field(self.meta, "general.architecture")
     if arch not in ARCHITECTURES:
       raise GGUFError(f"{file} holds a model of architecture {arch!r}; jaxkv loads GGUF "
                       f"architectures {', '.join(ARCHITECTURES)}.")
@@ -218,9 +232,9 @@ class GGUFCheckpoint:
     size = os.path.getsize(file)
     self._tensors = {}  # HF name -> (GGML type, numpy shape, first byte, bytes)
     for gguf_name, (kind, dims, offset) in self.meta.tensors.items():
-      name = self._hf_name(gguf_name)
+      name = self._hf_name(arch, gguf_name)
       if name is None:
-        raise GGUFError(f"tensor {gguf_name!r} of {file} is not part of a Llama model jaxkv "
+        raise GGUFError(f"tensor {gguf_name!r} of {file} is not part of a {arch} model jaxkv "
                         "knows (rope_freqs.weight: Llama 3.1's RoPE scaling is not read from "
                         "GGUF); it computes something else.")
       try:
@@ -244,27 +258,28 @@ class GGUFCheckpoint:
     self.header = {name: {"shape": list(self.shape(name))} for name in self._tensors}
 
   @staticmethod
-  def _hf_name(name: str) -> str | None:
+  def _hf_name(arch: str, name: str) -> str | None:
     if name in _NAMES:
       return _NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-      return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    parts, layer = name.split(".", 2), _LAYER_NAMES[arch]
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+      return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
 
   def _meta(self, key: str, kind, default=None):
-    value = field(self.meta, f"llama.{key}", default)
+    key = f"{self.arch}.{key}"
+    value = field(self.meta, key, default)
     if value is None:
-      raise GGUFError(f"{self.file} has no metadata 'llama.{key}'; a Llama GGUF file names "
+      raise GGUFError(f"{self.file} has no metadata '{key}'; a {self.arch} GGUF file names "
                       "it: convert the model again.")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-      raise GGUFError(f"metadata 'llama.{key}'={value!r} of {self.file} is not an integer.")
+      raise GGUFError(f"metadata '{key}'={value!r} of {self.file} is not an integer.")
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-      raise GGUFError(f"metadata 'llama.{key}'={value!r} of {self.file} is not a number.")
+      raise GGUFError(f"metadata '{key}'={value!r} of {self.file} is not a number.")
     return value
 
   def _config(self) -> dict:
-    """The ``config.json`` the metadata describes (``jaxkv.models.hf.llama_config`` checks
+    """The ``config.json`` the metadata describes (``jaxkv.models.hf.model_config`` checks
     it as it checks a Hugging Face one)."""
     heads = self._meta("attention.head_count", int)
     hidden = self._meta("embedding_length", int)
@@ -276,7 +291,7 @@ class GGUFCheckpoint:
     rope_dim = self._meta("rope.dimension_count", int, head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
       raise GGUFError(f"{self.file} has key length {head_dim}, value length {value_dim} and "
-                      f"RoPE dimension {rope_dim}; jaxkv's Llama rotates whole heads of one "
+                      f"RoPE dimension {rope_dim}; jaxkv's models rotate whole heads of one "
                       "size.")
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -292,7 +307,9 @@ class GGUFCheckpoint:
         "tie_word_embeddings": "lm_head.weight" not in self._tensors,
         "torch_dtype": self._stored_dtype(),
     }
-    scaling = field(self.meta, "llama.rope.scaling.type", "none")
+    if self.arch == "gemma3":
+      config.update(self._gemma3_config(config))
+    scaling = field(self.meta, f"{self.arch}.rope.scaling.type", "none")
     if scaling == "linear":
       config["rope_scaling"] = {"rope_type": "linear",
                                 "factor": float(self._meta("rope.scaling.factor", float))}
@@ -300,6 +317,22 @@ class GGUFCheckpoint:
       raise GGUFError(f"{self.file} scales RoPE by {scaling!r}; jaxkv reads linear scaling "
                       "from GGUF (or none).")
     return config
+
+  def _gemma3_config(self, config: dict) -> dict:
+    """What a Gemma 3 ``config.json`` adds to the common fields. The local layers' RoPE
+    base and the layer pattern are not in the file: llama.cpp (and transformers' GGUF
+    reader) take them as published, 10,000 and every 6th layer global. The attention scale
+    is llama.cpp's rule: ``head_dim ** -0.5``, but ``(hidden / heads) ** -0.5`` for the
+    62-layer (27B) model."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    scalar = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_theta": float(self._meta("rope.freq_base", float, 1_000_000.0)),
+            "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": scalar,
+            "sliding_window": self._meta("attention.sliding_window", int),
+            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                            for i in range(layers)]}
 
   def _stored_dtype(self) -> str:
     kinds = {t[0].name for t in self._tensors.values() if len(t[1]) > 1}
@@ -325,6 +358,8 @@ class GGUFCheckpoint:
       data = _gguf().quants.dequantize(raw.reshape(-1, nbytes // math.prod(shape[:-1])), qtype)
     data = data.reshape(shape)
     c = self.config
+    if self.arch == "gemma3":
+      return data - np.float32(1) if name.endswith("norm.weight") else data
     if name.endswith("self_attn.q_proj.weight"):
       data = unpermute_rows(data, c["num_attention_heads"])
     elif name.endswith("self_attn.k_proj.weight"):

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory of the Llama family into ``jaxkv.models.Llama``.
+"""Load a Hugging Face checkpoint directory of the Llama family into ``jaxkv.models.Llama``,
+or of Gemma 3 into ``jaxkv.models.Gemma3``.
 
     model = jaxkv.models.from_pretrained("/models/Meta-Llama-3-8B-Instruct", mesh=mesh)
 
@@ -8,9 +9,11 @@ A GGUF file (or a directory holding one, without config.json) loads the same way
 Reads ``config.json`` and the weights (``model.safetensors``, or the shards that
 ``model.safetensors.index.json`` lists). Architectures: ``LlamaForCausalLM`` (Llama 2, 3,
 3.1, 3.2: ``rope_scaling`` of type ``llama3``, ``head_dim``, tied or untied embeddings,
-``attention_bias``), ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases). The
-checkpoint's q/k projections are used as they are: Hugging Face stores them for the
-rotate-half RoPE that ``jaxkv.models.llama.apply_rope`` applies.
+``attention_bias``), ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases), and
+``Gemma3ForCausalLM`` (``gemma3_text``: Gemma 3's text decoder, ``gemma3_config``). The
+architecture picks the family (``FAMILIES``: its config reader, model class and tensor
+names). The checkpoint's q/k projections are used as they are: Hugging Face stores them
+for the rotate-half RoPE that ``jaxkv.models.llama.apply_rope`` applies.
 
 config.json: every field that changes what the model computes is read or refused, in
 each spelling transformers writes: ``rope_theta`` top-level or in ``rope_parameters``
@@ -52,7 +55,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +67,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.errors import InputError, InvariantError
 from jaxkv.models import gguf
+from jaxkv.models.gemma3 import LAYER_TYPES as GEMMA3_LAYER_TYPES, Gemma3, Gemma3Config
 from jaxkv.models.llama import LinearRopeScaling, Llama, LlamaConfig, RopeScaling
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 # The safetensors library's own cap (MAX_HEADER_SIZE): a real header is kilobytes to a few
@@ -261,9 +264,9 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> int:
   return window
 
 
-def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
-  """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict). Every field that
-  changes what the model computes is read or refused (``CheckpointError``)."""
+def architecture(hf: dict) -> str:
+  """The architecture a ``config.json`` (as a dict) names, refused unless jaxkv loads it
+  (``ARCHITECTURES``) and its weights are unquantized."""
   if not isinstance(hf, dict):
     raise CheckpointError(f"config.json holds {type(hf).__name__}, not an object; {_FIX}.")
   archs = hf.get("architectures")
@@ -277,19 +280,18 @@ def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
   if hf.get("quantization_config") is not None:
     _refuse("has a quantization_config: quantized weights are not supported",
             "load an unquantized checkpoint (bfloat16, float16 or float32)")
-  act = _spelled([("hidden_act", hf.get("hidden_act")),
-                  ("hidden_activation", hf.get("hidden_activation"))]) or ("hidden_act", "silu")
-  if act[1] not in _ACTIVATIONS:
-    raise CheckpointError(f"{act[0]}={_show(act[1])} is not supported ({arch} with silu "
-                          "only).")
-  if _field(hf, "mlp_bias", "bool", False):
-    raise CheckpointError("mlp_bias=true is not supported (the MLP has no biases).")
-  attention_bias = _field(hf, "attention_bias", "bool", False)
-  if attention_bias and arch != "LlamaForCausalLM":
-    _refuse(f"attention_bias=true is not part of {arch} (transformers ignores it: "
-            + ("q/k/v always have biases, the output projection none)" if
-               arch == "Qwen2ForCausalLM" else "its projections have no biases)"),
-            "remove it, or use LlamaForCausalLM if the checkpoint has those biases")
+  return arch
+
+
+def model_config(hf: dict, *, dtype: str | None = None):
+  """The model config (``LlamaConfig``, ``Gemma3Config``, ...) of a Hugging Face
+  ``config.json`` (as a dict), by its architecture (``FAMILIES``)."""
+  return FAMILIES[architecture(hf)].config(hf, dtype=dtype)
+
+
+def _shapes(hf: dict) -> dict:
+  """The sizes every family reads the same way, checked: vocab, hidden, layers, heads,
+  kv heads (dividing the heads), head_dim (even) and the MLP's width."""
   vocab = _field(hf, "vocab_size", "count")
   hidden = _field(hf, "hidden_size", "count")
   num_layers = _field(hf, "num_hidden_layers", "count")
@@ -306,17 +308,121 @@ def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
   if head_dim % 2:
     _refuse(f"head_dim={head_dim} must be even (RoPE rotates pairs)")
   _field(hf, "max_position_embeddings", "count", 1)  # checked; no supported RoPE reads it
+  return dict(vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=heads,
+              num_kv_heads=kv_heads, head_dim=head_dim,
+              mlp_dim=_field(hf, "intermediate_size", "count"))
+
+
+def llama_config(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
+  """The ``LlamaConfig`` of a Hugging Face ``config.json`` (as a dict). Every field that
+  changes what the model computes is read or refused (``CheckpointError``)."""
+  arch = architecture(hf)
+  if FAMILIES[arch].model is not Llama:
+    raise CheckpointError(f"architecture {arch!r} is not of the Llama family; "
+                          "jaxkv.models.hf.model_config reads its config.json.")
+  act = _spelled([("hidden_act", hf.get("hidden_act")),
+                  ("hidden_activation", hf.get("hidden_activation"))]) or ("hidden_act", "silu")
+  if act[1] not in _ACTIVATIONS:
+    raise CheckpointError(f"{act[0]}={_show(act[1])} is not supported ({arch} with silu "
+                          "only).")
+  if _field(hf, "mlp_bias", "bool", False):
+    raise CheckpointError("mlp_bias=true is not supported (the MLP has no biases).")
+  attention_bias = _field(hf, "attention_bias", "bool", False)
+  if attention_bias and arch != "LlamaForCausalLM":
+    _refuse(f"attention_bias=true is not part of {arch} (transformers ignores it: "
+            + ("q/k/v always have biases, the output projection none)" if
+               arch == "Qwen2ForCausalLM" else "its projections have no biases)"),
+            "remove it, or use LlamaForCausalLM if the checkpoint has those biases")
+  shapes = _shapes(hf)
   theta, scaling = _rope(hf)
   stored = checkpoint_dtype(hf)
   qwen = arch == "Qwen2ForCausalLM"
   return LlamaConfig(
-      vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=heads,
-      num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=_field(hf, "intermediate_size", "count"),
-      rope_theta=theta, norm_eps=_field(hf, "rms_norm_eps", "number", 1e-6),
+      **shapes, rope_theta=theta, norm_eps=_field(hf, "rms_norm_eps", "number", 1e-6),
       dtype=stored if dtype is None else dtype, rope_scaling=scaling,
       qkv_bias=qwen or attention_bias, out_bias=(not qwen) and attention_bias,
       tie_embeddings=_field(hf, "tie_word_embeddings", "bool", False),
-      sliding_window=_sliding_window(hf, arch, num_layers))
+      sliding_window=_sliding_window(hf, arch, shapes["num_layers"]))
+
+
+def _gemma3_rope(hf: dict) -> tuple[tuple, float]:
+  """((theta, scaling) of Gemma 3's global layers, theta of its local ones). transformers
+  < 5 writes ``rope_theta``, ``rope_scaling`` and ``rope_local_base_freq``; >= 5
+  ``rope_parameters`` per layer type (``full_attention``, ``sliding_attention``)."""
+  params = hf.get("rope_parameters")
+  if isinstance(params, dict) and set(params) & set(GEMMA3_LAYER_TYPES):
+    if set(params) - set(GEMMA3_LAYER_TYPES):
+      _refuse(f"rope_parameters={_show(params)} mixes RoPE parameters per layer type with "
+              f"others; give one set for each of {', '.join(GEMMA3_LAYER_TYPES)}")
+    glob = _rope({"rope_theta": hf.get("rope_theta"), "rope_scaling": hf.get("rope_scaling"),
+                  "rope_parameters": params.get("full_attention")})
+    local = _rope({"rope_theta": hf.get("rope_local_base_freq"),
+                   "rope_parameters": params.get("sliding_attention")})
+  else:
+    glob = _rope(hf)
+    local = (_field(hf, "rope_local_base_freq", "number", 10000.0), None)
+  if local[1] is not None:
+    _refuse(f"scales the local layers' RoPE ({local[1]}), which Gemma 3 does not",
+            "keep scaling for the full_attention layers only")
+  if glob[1] is not None and not isinstance(glob[1], LinearRopeScaling):
+    _refuse(f"scales Gemma 3's RoPE by {glob[1]}; jaxkv's Gemma 3 reads linear scaling only",
+            "use a checkpoint with linear or no RoPE scaling")
+  return glob, local[0]
+
+
+def _gemma3_layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
+  """Each layer's attention: ``layer_types``, else every ``sliding_window_pattern``-th
+  layer global (6 when unset, as published)."""
+  types = hf.get("layer_types")
+  if types is None:
+    every = _spelled([("sliding_window_pattern", hf.get("sliding_window_pattern")),
+                      ("_sliding_window_pattern", hf.get("_sliding_window_pattern"))])
+    every = _typed(*every, "count") if every else 6
+    return tuple(GEMMA3_LAYER_TYPES[(i + 1) % every == 0] for i in range(num_layers))
+  if (not isinstance(types, list) or len(types) != num_layers
+      or any(t not in GEMMA3_LAYER_TYPES for t in types)):
+    _refuse(f"layer_types={_show(types)} must list one of {', '.join(GEMMA3_LAYER_TYPES)} "
+            f"for each of the num_hidden_layers={num_layers} layers")
+  return tuple(types)
+
+
+def gemma3_config(hf: dict, *, dtype: str | None = None) -> Gemma3Config:
+  """The ``Gemma3Config`` of a Hugging Face ``config.json`` (``Gemma3ForCausalLM``, model
+  type ``gemma3_text``). Every field that changes what the model computes is read or
+  refused (``CheckpointError``): logit soft-capping and bidirectional attention (not
+  Gemma 3's text decoder), another activation, biases."""
+  arch = architecture(hf)
+  if FAMILIES[arch].model is not Gemma3:
+    raise CheckpointError(f"architecture {arch!r} is not Gemma 3; "
+                          "jaxkv.models.hf.model_config reads its config.json.")
+  act = _spelled([("hidden_activation", hf.get("hidden_activation")),
+                  ("hidden_act", hf.get("hidden_act"))]) or ("hidden_activation",
+                                                             "gelu_pytorch_tanh")
+  if act[1] != "gelu_pytorch_tanh":
+    raise CheckpointError(f"{act[0]}={_show(act[1])} is not supported ({arch} with "
+                          "gelu_pytorch_tanh only).")
+  for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+    if hf.get(name) is not None:
+      _refuse(f"{name}={_show(hf[name])} is not supported (jaxkv's Gemma 3 caps no logits)",
+              "use a checkpoint without soft-capping")
+  if _field(hf, "use_bidirectional_attention", "bool", False):
+    _refuse("use_bidirectional_attention=true is not supported (jaxkv's attention is causal)",
+            "use a decoder checkpoint")
+  for name in ("attention_bias", "mlp_bias"):
+    if _field(hf, name, "bool", False):
+      _refuse(f"{name}=true is not supported (Gemma 3's projections have no biases)")
+  shapes = _shapes(hf)
+  (theta, scaling), local = _gemma3_rope(hf)
+  stored = checkpoint_dtype(hf)
+  return Gemma3Config(
+      **shapes, rope_theta=theta, rope_local_theta=local, rope_scaling=scaling,
+      norm_eps=_field(hf, "rms_norm_eps", "number", 1e-6),
+      query_pre_attn_scalar=_field(hf, "query_pre_attn_scalar", "number",
+                                   float(shapes["head_dim"])),
+      sliding_window=_field(hf, "sliding_window", "count"),
+      layer_types=_gemma3_layer_types(hf, shapes["num_layers"]),
+      dtype=stored if dtype is None else dtype,
+      tie_embeddings=_field(hf, "tie_word_embeddings", "bool", True))
 
 
 def checkpoint_dtype(hf: dict) -> str:
@@ -351,28 +457,82 @@ def platform_dtype(stored: str, platform: str) -> tuple[str, str]:
   return stored, f"platform {platform} default: the checkpoint's own"
 
 
+def _projections(cfg, pre: str, i: int) -> Iterator[tuple]:
+  """The attention's and the MLP's matrices of layer ``i`` (and q/k/v/o biases where the
+  config has them), as ``_tensor_map`` lists them."""
+  h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  qkv_bias, out_bias = getattr(cfg, "qkv_bias", False), getattr(cfg, "out_bias", False)
+  for p, (rows, cols) in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))):
+    yield (("layers", i, "attn", f"{p}_proj", "kernel"), f"{pre}self_attn.{p}_proj.weight",
+           True, (rows, cols))
+    if (qkv_bias and p != "o") or (out_bias and p == "o"):
+      yield (("layers", i, "attn", f"{p}_proj", "bias"), f"{pre}self_attn.{p}_proj.bias",
+             False, (rows,))
+  for ours, theirs, shape in (("gate", "gate_proj", (cfg.mlp_dim, h)),
+                              ("up", "up_proj", (cfg.mlp_dim, h)),
+                              ("down", "down_proj", (h, cfg.mlp_dim))):
+    yield ("layers", i, "mlp", ours, "kernel"), f"{pre}mlp.{theirs}.weight", True, shape
+
+
+def _ends(cfg) -> tuple[list, list]:
+  """The embedding (first), and the final norm and an untied output head (last)."""
+  h = cfg.hidden_size
+  last = [(("norm", "scale"), "model.norm.weight", False, (h,))]
+  if not cfg.tie_embeddings:
+    last.append((("lm_head", "kernel"), "lm_head.weight", True, (cfg.vocab_size, h)))
+  return [(("embed", "embedding"), "model.embed_tokens.weight", False, (cfg.vocab_size, h))], last
+
+
 def _tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
   """(path in the NNX model, name in the checkpoint, transposed, shape in the checkpoint)
-  for every parameter, in checkpoint order: linear layers are stored ``[out, in]``."""
-  h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  yield ("embed", "embedding"), "model.embed_tokens.weight", False, (cfg.vocab_size, h)
+  for every parameter of a ``Llama``, in checkpoint order: linear layers are stored
+  ``[out, in]``."""
+  first, last = _ends(cfg)
+  yield from first
+  h = cfg.hidden_size
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
     yield ("layers", i, "attn_norm", "scale"), pre + "input_layernorm.weight", False, (h,)
     yield ("layers", i, "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", False, (h,)
-    for p, (rows, cols) in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))):
-      yield (("layers", i, "attn", f"{p}_proj", "kernel"), f"{pre}self_attn.{p}_proj.weight",
-             True, (rows, cols))
-      if (cfg.qkv_bias and p != "o") or (cfg.out_bias and p == "o"):
-        yield (("layers", i, "attn", f"{p}_proj", "bias"), f"{pre}self_attn.{p}_proj.bias",
-               False, (rows,))
-    for ours, theirs, shape in (("gate", "gate_proj", (cfg.mlp_dim, h)),
-                                ("up", "up_proj", (cfg.mlp_dim, h)),
-                                ("down", "down_proj", (h, cfg.mlp_dim))):
-      yield ("layers", i, "mlp", ours, "kernel"), f"{pre}mlp.{theirs}.weight", True, shape
-  yield ("norm", "scale"), "model.norm.weight", False, (h,)
-  if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", True, (cfg.vocab_size, h)
+    yield from _projections(cfg, pre, i)
+  yield from last
+
+
+_GEMMA3_NORMS = (("input_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+                 ("pre_mlp_norm", "pre_feedforward_layernorm"),
+                 ("post_mlp_norm", "post_feedforward_layernorm"))
+
+
+def _gemma3_tensor_map(cfg: Gemma3Config) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
+  """``_tensor_map`` of a ``Gemma3``: four norms per layer and the q/k heads' norms."""
+  first, last = _ends(cfg)
+  yield from first
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+    for ours, theirs in _GEMMA3_NORMS:
+      yield ("layers", i, ours, "scale"), f"{pre}{theirs}.weight", False, (cfg.hidden_size,)
+    for p in ("q", "k"):
+      yield (("layers", i, "attn", f"{p}_norm", "scale"), f"{pre}self_attn.{p}_norm.weight",
+             False, (cfg.head_dim,))
+    yield from _projections(cfg, pre, i)
+  yield from last
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family the loader builds: how its ``config.json`` is read (``config(hf,
+  dtype=...)``), its model class (``model(cfg, rngs=...)``) and its parameters' names and
+  shapes in a checkpoint (``tensors(cfg)``, as ``_tensor_map``)."""
+  config: Callable
+  model: Callable
+  tensors: Callable
+
+
+_LLAMA = Family(llama_config, Llama, _tensor_map)
+# The architecture named first in config.json picks the family.
+FAMILIES = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA,
+            "Gemma3ForCausalLM": Family(gemma3_config, Gemma3, _gemma3_tensor_map)}
+ARCHITECTURES = tuple(FAMILIES)
 
 
 # Tensors a checkpoint may hold that the model rightly does not read: RoPE's frequencies
@@ -486,14 +646,14 @@ def _weight_files(path: str, handles: dict[str, SafetensorsFile]) -> dict[str, s
   return {name: single for name in handles[single].keys()}
 
 
-def _checked_tensors(path: str, cfg: LlamaConfig, files: dict[str, str],
-                     handles: dict[str, SafetensorsFile]) -> list[tuple]:
-  """``_tensor_map(cfg)``, once every tensor it names is in the checkpoint with the shape
+def _checked_tensors(path: str, cfg, files: dict[str, str],
+                     handles: dict[str, SafetensorsFile], family: Family) -> list[tuple]:
+  """``family.tensors(cfg)``, once every tensor it names is in the checkpoint with the shape
   config.json implies and the checkpoint holds no tensor the model would not read. Checked
   before the model is built: a config.json claiming a million layers is refused at its
   first missing tensor, not after building a million layers."""
   wanted = []
-  for entry in _tensor_map(cfg):
+  for entry in family.tensors(cfg):
     _, name, _, shape = entry
     file = files.get(name)
     if file is None:
@@ -555,7 +715,7 @@ def _shard_file(path: str, roots: tuple[str, ...], index: str, name: str, file) 
 
 
 def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: int) -> P:
-  """Where a parameter of ``Llama`` lives on a mesh whose model axis has ``axis_size``
+  """Where a parameter of ``Llama`` (or ``Gemma3``: the same module names) lives on a mesh whose model axis has ``axis_size``
   devices (see the module docstring)."""
   leaf, owner = nnx_path[-1], nnx_path[-2]
   if owner in ("q_proj", "k_proj", "v_proj", "gate", "up", "lm_head"):
@@ -572,8 +732,9 @@ def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: in
 
 
 def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None,
-                    model_axis: str = "model", scan_layers: bool = True) -> Llama:
-  """A ``Llama`` holding the checkpoint in directory ``path``.
+                    model_axis: str = "model", scan_layers: bool = True) -> nnx.Module:
+  """The model holding the checkpoint in directory ``path`` (or GGUF file): a ``Llama``,
+  or a ``Gemma3``, as its architecture says (``FAMILIES``).
 
   ``dtype``: the weights' and activations' dtype (default: the checkpoint's
   ``torch_dtype``; ``"auto"``: ``platform_dtype``'s choice for the platform of ``mesh``'s
@@ -587,7 +748,8 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   if dtype == "auto":
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     dtype, _ = platform_dtype(checkpoint_dtype(hf), device.platform)
-  cfg = dataclasses.replace(llama_config(hf, dtype=dtype), scan_layers=scan_layers)
+  family = FAMILIES[architecture(hf)]
+  cfg = dataclasses.replace(family.config(hf, dtype=dtype), scan_layers=scan_layers)
   handles: dict = {}  # file -> SafetensorsFile, or the GGUFCheckpoint
   if gguf_file is not None:
     handles[gguf_file] = gguf.checkpoint(gguf_file)
@@ -597,8 +759,8 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   if mesh is not None and model_axis not in mesh.shape:
     raise CheckpointError(f"mesh axes {tuple(mesh.shape)} have no model_axis={model_axis!r}; "
                           "pass the axis the cache splits KV heads over.")
-  wanted = _checked_tensors(path, cfg, files, handles)
-  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  wanted = _checked_tensors(path, cfg, files, handles, family)
+  abstract = nnx.eval_shape(lambda: family.model(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   flat = dict(nnx.to_flat_state(params))
   # A scanned model holds layer i's tensor at index i of one stacked parameter.
@@ -615,9 +777,9 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   built = {p: tuple(v.get_value().shape) for p, v in flat.items()}
   if mapped != built:  # the model and this loader disagree on its parameters: a bug here
     raise InvariantError(
-        f"parameters of Llama and _tensor_map differ: "
-        f"{sorted(set(mapped.items()) ^ set(built.items()), key=repr)[:4]}; _tensor_map "
-        "must name every parameter of Llama with its shape.")
+        f"parameters of {type(abstract).__name__} and its tensor map differ: "
+        f"{sorted(set(mapped.items()) ^ set(built.items()), key=repr)[:4]}; the map "
+        "must name every parameter of the model with its shape.")
   dt = jnp.dtype(cfg.dtype)
   for key, entries in groups.items():
     views = [functools.partial(handles[files[name]].view, name) for name, _, _ in entries]

@@ -38,18 +38,21 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv
 
 
 def use_model_dir(cfg, model_dir: str) -> None:
-  """Points ``cfg`` (a ConfigDict) at a Hugging Face checkpoint directory: the model
-  section takes the checkpoint's shapes and name (the directory's), so the cache, the
-  workloads' vocabulary and the planner follow it; the config keeps its dtype. A
-  sliding-window checkpoint caps the cache's sequence length at its window."""
-  hf = models.llama_config(models.hf.read_config(model_dir), dtype=cfg.model.dtype)
+  """Points ``cfg`` (a ConfigDict) at a checkpoint (a Hugging Face directory or a GGUF
+  file, of any architecture ``jaxkv.models.from_pretrained`` loads): the model section
+  takes the checkpoint's shapes and name (the directory's), so the cache, the workloads'
+  vocabulary and the planner follow it; the config keeps its dtype. A Llama-family
+  checkpoint whose every layer attends through a sliding window caps the cache's
+  sequence length at its window (jaxkv computes its layers without one); a hybrid model
+  (Gemma 3) computes its windowed layers exactly at any length, so it is not capped."""
+  hf = models.model_config(models.hf.read_config(model_dir), dtype=cfg.model.dtype)
   with cfg.unlocked():
     cfg.model.model_dir = model_dir
     name = os.path.basename(os.path.normpath(model_dir))
     cfg.model.name = name[:-len(".gguf")] if name.endswith(".gguf") else name
     for field in _SHAPE_FIELDS:
       setattr(cfg.model, field, getattr(hf, field))
-    if hf.sliding_window:
+    if isinstance(hf, models.LlamaConfig) and hf.sliding_window:
       cfg.cache.max_pages_per_seq = min(cfg.cache.max_pages_per_seq,
                                         hf.sliding_window // cfg.cache.page_size)
 
@@ -148,13 +151,15 @@ def platform_defaults(cfg, *, platform: str, explicit=(), processes: int = 1) ->
   return lines
 
 
-def model_config(cfg: Mapping) -> models.LlamaConfig:
+def model_config(cfg: Mapping):
+  """The config's model config: its checkpoint's (``model.model_dir``, any architecture),
+  else a random ``LlamaConfig`` of the model section's sizes."""
   m = _section(cfg, "model")
   m.pop("name", None)
   model_dir = m.pop("model_dir", "")
   if model_dir:
     return dataclasses.replace(
-        models.llama_config(models.hf.read_config(model_dir), dtype=m.get("dtype")),
+        models.model_config(models.hf.read_config(model_dir), dtype=m.get("dtype")),
         scan_layers=m.get("scan_layers", True))
   return models.LlamaConfig(**m)
 
