@@ -69,22 +69,45 @@ def main(argv):
   signal.signal(signal.SIGINT, lambda *_: None)
   deadline = time.monotonic() + _TIMEOUT.value
   codes = [None] * n
+  stopped = []  # the processes this launcher killed: their status says nothing of their own
   while None in codes:
     for i, p in enumerate(procs):
       if codes[i] is None:
         codes[i] = p.poll()
-    if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-      for p in procs:  # one failed (or time is up): the job cannot finish, stop the rest
-        if p.poll() is None:
-          p.kill()
+    timed_out = time.monotonic() > deadline
+    if any(c not in (None, 0) for c in codes) or timed_out:
+      stopped = [i for i, c in enumerate(codes) if c is None]
+      for i in stopped:  # one failed (or time is up): the job cannot finish, stop the rest
+        procs[i].kill()
       codes = [p.wait() for p in procs]
       break
     time.sleep(0.2)
-  failed = [i for i, c in enumerate(codes) if c != 0]
-  if failed:
-    print(f"error: process(es) {failed} failed with exit status "
-          f"{[codes[i] for i in failed]}", file=sys.stderr)
+  failed = [i for i, c in enumerate(codes) if c != 0 and i not in stopped]
+  if failed or stopped:
+    print(f"error: {_failure(failed, stopped, codes, timed_out)}", file=sys.stderr)
     sys.exit(1)
+
+
+def _failure(failed: list[int], stopped: list[int], codes: list[int], timed_out: bool) -> str:
+  """One line: which processes ended the job and how (a signal by its name), and which
+  the launcher stopped because of it."""
+  def how(code: int) -> str:
+    if code >= 0:
+      return f"{code}"
+    try:
+      return f"{code} (killed by {signal.Signals(-code).name})"
+    except ValueError:
+      return f"{code} (killed by signal {-code})"
+  parts = []
+  if failed:
+    parts.append(f"process(es) {failed} failed with exit status "
+                 f"[{', '.join(how(codes[i]) for i in failed)}]")
+  if timed_out and not failed:
+    parts.append(f"the job ran past --timeout_s={_TIMEOUT.value:g}")
+  if stopped:
+    parts.append(f"stopped the other process(es) {stopped}" if failed
+                 else f"stopped process(es) {stopped}")
+  return "; ".join(parts)
 
 
 if __name__ == "__main__":
