@@ -6,7 +6,6 @@ attention written here from the rule: a query at position ``t`` sees keys at ``p
 
 import functools
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
