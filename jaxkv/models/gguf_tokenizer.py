@@ -11,7 +11,8 @@ Two kinds (``tokenizer.ggml.model``), each encoding and decoding as llama.cpp do
   a character no token holds becomes its UTF-8 bytes' ``<0xNN>`` tokens. That is a BPE
   whose merges are every split of every token into two tokens, ranked by the joined
   token's score: ``tokenizers``' BPE with ``byte_fallback`` runs it. Decoding writes "▁"
-  as a space and byte tokens as their bytes.
+  as a space and byte tokens as their bytes; with the space prefix, the text's first space
+  is dropped (llama.cpp drops it too, but keeps it when the ids start with BOS).
 In both, control tokens (and unknown ones) are special tokens (parsed from text unless
 ``encode_special_tokens``; left out of a decode that skips special tokens) and user-defined
 tokens (Gemma's runs of newlines, spaces and tabs, HTML tags) are always taken from the
@@ -62,12 +63,15 @@ def _parts(file: str, mtime_ns: int, size: int) -> dict:
   reader = _Header(file)
   kind = field(reader, "tokenizer.ggml.model")
   tokens = field(reader, "tokenizer.ggml.tokens")
-  if kind not in _KINDS or tokens is None:
+  if kind not in _KINDS:
     raise GGUFError(f"{file} has a tokenizer of kind {kind!r}; jaxkv reads GGUF's byte-level "
                     "BPE ('gpt2') and SentencePiece-style ('llama') tokenizers; pass token "
                     "ids instead.")
+  if tokens is None:
+    raise GGUFError(f"{file} has no tokenizer.ggml.tokens; convert the model again or pass "
+                    "token ids instead.")
   types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-  _check_lists(file, tokens=(tokens, str), token_type=(types, int))
+  _check_lists(file, tokens=(tokens, str, "string"), token_type=(types, int, "integer"))
   if len(types) != len(tokens):
     raise GGUFError(f"{file} has {len(tokens)} tokens but {len(types)} token types.")
   vocab = {t: i for i, t in enumerate(tokens)}
@@ -84,7 +88,7 @@ def _parts(file: str, mtime_ns: int, size: int) -> dict:
   # llama.cpp's defaults where the metadata says nothing: Llama 1/2's ids, BOS added.
   bos = _token_id(file, reader, tokens, "bos", 1 if spm else None)
   eos = _token_id(file, reader, tokens, "eos", 2 if spm else None)
-  _add_bos_eos(tok, reader, tokens,
+  _add_bos_eos(tok, tokens,
                bos if field(reader, "tokenizer.ggml.add_bos_token", spm) else None,
                eos if field(reader, "tokenizer.ggml.add_eos_token", False) else None)
   ends = [i for i in (eos, _token_id(file, reader, tokens, "eot"),
@@ -98,11 +102,12 @@ def _parts(file: str, mtime_ns: int, size: int) -> dict:
 
 
 def _check_lists(file: str, **lists) -> None:
-  """Each ``key=(value, type)``: ``tokenizer.ggml.<key>`` must be a list of ``type``."""
-  for key, (value, kind) in lists.items():
+  """Each ``key=(value, types, what)``: ``tokenizer.ggml.<key>`` must be a list of
+  ``types`` (``what`` names them)."""
+  for key, (value, kind, what) in lists.items():
     if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
-      raise GGUFError(f"tokenizer.ggml.{key} of {file} is not a list of {kind.__name__}s; "
-                      "convert the model again.")
+      raise GGUFError(f"tokenizer.ggml.{key} of {file} is not a list of {what}s; convert "
+                      "the model again.")
 
 
 def _token_id(file, reader, tokens, key, default=None):
@@ -114,10 +119,9 @@ def _token_id(file, reader, tokens, key, default=None):
   return i
 
 
-def _add_bos_eos(tok, reader, tokens, bos, eos) -> None:
+def _add_bos_eos(tok, tokens, bos, eos) -> None:
   """A post-processor that adds the BOS/EOS tokens (each None: not added) around a text."""
   from tokenizers import processors
-  del reader
   single = ([tokens[bos]] if bos is not None else []) + ["$A"]
   single += [tokens[eos]] if eos is not None else []
   if len(single) > 1:
@@ -134,7 +138,7 @@ def _bpe(file, reader, tokens, vocab):
     raise GGUFError(f"{file} splits text as {pre!r} (tokenizer.ggml.pre); jaxkv reads "
                     f"{', '.join(_PRE_SPLITS)}; pass token ids instead.")
   merges = field(reader, "tokenizer.ggml.merges", [])
-  _check_lists(file, merges=(merges, str))
+  _check_lists(file, merges=(merges, str, "string"))
   pairs = []
   for m in merges:
     left, sep, right = m.partition(" ")
@@ -156,7 +160,7 @@ def _spm(file, reader, tokens, vocab):
   scores = field(reader, "tokenizer.ggml.scores")
   if scores is None:  # llama.cpp scores every token 0 then: joins leftmost first
     scores = [0.0] * len(tokens)
-  _check_lists(file, scores=(scores, (int, float)))
+  _check_lists(file, scores=(scores, (int, float), "number"))
   if len(scores) != len(tokens):
     raise GGUFError(f"{file} has {len(tokens)} tokens but {len(scores)} scores; convert the "
                     "model again.")
