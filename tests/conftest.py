@@ -60,8 +60,8 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/worker/test_pool.py": 50, "tests/launch/test_replicas.py": 45,
          "tests/launch/test_pd.py": 40, "tests/serving/test_compiles.py": 45,
          "tests/combos/test_process_combos.py": 75, "tests/combos/test_engine_combos.py": 45,
-         "tests/combos/test_job_combos.py": 90,
-         "tests/combos/test_job_combos.py": 90,
+         "tests/combos/test_job_combos.py": 100,
+         "tests/combos/test_job_combos.py": 100,
          "tests/serving/test_client.py": 30}
 
 

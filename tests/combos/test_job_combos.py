@@ -33,6 +33,7 @@ from jaxkv.worker.tiers.pool.master import LocalMaster
 PAGE = 4  # helpers.cache_config_for's page size
 PROMPTS = {"a": list(range(5, 19)), "b": list(range(20, 35)), "c": list(range(40, 51))}
 NEW_TOKENS = 3
+MAX_FRAME = 1 << 22  # what the reader takes in one frame (the publisher's are under 128 KiB)
 
 # Each process of the job: an engine over the tiny model (helpers.make_engine: the same
 # weights in every run), its tier the pool (it lends nothing: what it puts
@@ -96,6 +97,7 @@ class StreamReader:
   def __init__(self, events: str, replay: str):
     self.replay_endpoint = replay
     self.sock = zmq.Context.instance().socket(zmq.SUB)
+    self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
     self.sock.setsockopt(zmq.SUBSCRIBE, b"")
     self.sock.setsockopt(zmq.LINGER, 0)
     self.sock.connect(events)
@@ -107,9 +109,15 @@ class StreamReader:
     self.thread = threading.Thread(target=self._run, daemon=True)
     self.thread.start()
 
-  def view(self):
+  def view(self) -> set:
+    """The (hash, medium) pairs held now."""
     with self._lock:
       return set(self.held)
+
+  def stored(self) -> dict:
+    """hash -> the BlockStored map that told it, for every block held now."""
+    with self._lock:
+      return {h: ev for (h, _), ev in self.held.items()}
 
   def _run(self):
     try:
@@ -150,6 +158,7 @@ class StreamReader:
   def _replay(self, start: int) -> list:
     """The replay socket's answer from ``start``: [(seq, events)] up to its end marker."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
       dealer.connect(self.replay_endpoint)
@@ -304,7 +313,7 @@ def test_the_event_stream_tells_a_router_what_the_restarted_job_holds(jobs):
   # Prompt a's blocks, restored from the checkpoint, are told again as the killed run
   # told them: the same hash, parent and tokens (a router's tree links them as before).
   restored = {h for h in again["keys"]["a"]}
-  view = {h: ev for (h, _), ev in reader.held.items()}
+  view = reader.stored()
   assert restored <= set(view)
   for h in restored:
     assert view[h] == box["first_told"][h], h
