@@ -61,7 +61,6 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/launch/test_pd.py": 40, "tests/serving/test_compiles.py": 45,
          "tests/combos/test_process_combos.py": 75, "tests/combos/test_engine_combos.py": 45,
          "tests/combos/test_job_combos.py": 100,
-         "tests/combos/test_job_combos.py": 100,
          "tests/serving/test_client.py": 30}
 
 
