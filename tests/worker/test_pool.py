@@ -315,6 +315,30 @@ def test_bad_pool_settings_name_the_flag_and_the_fix():
   assert native.lib_dir()
 
 
+def test_a_full_put_queue_drops_and_counts_at_once():
+  """The write-behind bound (``pool_queue_mb``), on the tier's real ``PutQueue`` with no
+  writer started (nothing leaves the queue, so it stays full): puts past the bound are
+  dropped at once, counted and missed (a hand-off waiting for one returns at once); those
+  within it are queued."""
+  from jaxkv.stats import Stats
+  from jaxkv.worker.tiers.base import Breaker
+  from jaxkv.worker.tiers.pool.puts import PutQueue
+  stats = Stats()
+  puts = PutQueue(jaxkv.TierConfig(pool_master="127.0.0.1:1", pool_queue_mb=1),
+                  breaker=Breaker(), stats=stats, recent_keys=16)
+  block = np.zeros(256 << 10, np.uint8)  # four fill the 1 MiB queue
+  keys = [bytes([i]) * 32 for i in range(6)]
+  t0 = time.monotonic()
+  puts.put([(k, None, block, False) for k in keys])
+  assert time.monotonic() - t0 < 1.0
+  assert puts.queued == 4 and puts.queued_bytes == 1 << 20
+  assert stats["pool_put_dropped"] == 2
+  assert not puts.settle(0)  # queued, not tried
+  t0 = time.monotonic()
+  assert puts.outcomes.placed_run(keys[4:], t0 + 30, lambda rest, left: [True] * len(rest)) == 0
+  assert time.monotonic() - t0 < 1.0  # a missed key ends the run: nothing is waited for
+
+
 LOAD_BY_PATH = """
 import ctypes, sys
 for path in sys.argv[1:]:  # dependencies first: each one the fetched file, by its path

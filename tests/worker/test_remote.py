@@ -269,15 +269,17 @@ def test_every_wire_message_round_trips_and_a_broken_one_is_named():
 
 
 def test_the_remote_tier_modules_import_one_way():
-  """wire <- auth <- server, client <- tier: each module imports only those before it
-  (``tier`` the client; ``server`` and ``client`` never each other), and none imports the
-  package's ``__init__`` (its re-exports are for the package's users)."""
+  """wire <- auth <- connections <- server, client <- tier: each module imports only those
+  before it (``tier`` the client; ``server`` and ``client`` never each other, nor ``client``
+  the server's connections), and none imports the package's ``__init__`` (its re-exports
+  are for the package's users)."""
   import ast
   import pathlib
   package = "jaxkv.worker.tiers.remote"
   where = pathlib.Path(helpers.ROOT, *package.split("."))
   names = {p.stem for p in where.glob("*.py")}
-  assert names == {"__init__", "wire", "auth", "server", "client", "tier"}, sorted(names)
+  assert names == {"__init__", "wire", "auth", "connections", "server", "client", "tier"}, (
+      sorted(names))
 
   def imported(name: str) -> set[str]:
     """The package's modules ``name`` imports (``__init__`` for the package itself)."""
@@ -298,12 +300,15 @@ def test_the_remote_tier_modules_import_one_way():
             out.add(rest if rest in names - {"__init__"} else "__init__")
     return out
 
-  never = {"wire": {"auth", "server", "client", "tier"}, "auth": {"server", "client", "tier"},
-           "server": {"client", "tier"}, "client": {"server", "tier"}, "tier": {"server"}}
+  never = {"wire": {"auth", "connections", "server", "client", "tier"},
+           "auth": {"connections", "server", "client", "tier"},
+           "connections": {"server", "client", "tier"}, "server": {"client", "tier"},
+           "client": {"connections", "server", "tier"}, "tier": {"connections", "server"}}
   for name, forbidden in never.items():
     got = imported(name)
     assert not got & (forbidden | {"__init__"}), f"{name} imports {sorted(got)}"
   assert "client" in imported("tier") and "wire" in imported("auth")
+  assert "connections" in imported("server")
 
 
 JOB_READER = r"""

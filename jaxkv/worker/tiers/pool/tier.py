@@ -29,10 +29,11 @@ client (the master down) is ``Failure.IO``. After three failed calls in a row th
 skipped for a cool-down (``Breaker``): lookups answer nothing and puts are dropped, counted,
 until a call succeeds again (the client reconnects to a restarted master by itself).
 
-Puts are written behind, on one thread, from a bounded queue (``pool_queue_mb``): a put the
-queue has no room for is dropped and counted, never waited for. Blocks already in the pool
-are not put again (one ``batch_is_exist`` per batch). A put the pool refuses (full: every
-value's lease is live) is counted. Blocks reused at least once when they are put
+Puts are written behind, on one thread, from a bounded queue (``pool_queue_mb``; the
+tier's ``PutQueue``, ``jaxkv.worker.tiers.pool.puts``): a put the queue has no room for is
+dropped and counted, never waited for. Blocks already in the pool are not put again (one
+``batch_is_exist`` per batch). A put the pool refuses (full: every value's lease is live)
+is counted. Blocks reused at least once when they are put
 are soft-pinned for ``pool_pin_s`` (eviction takes unpinned values first; the pin ends with
 its time-to-live).
 
@@ -62,7 +63,6 @@ import hashlib
 import hmac
 import queue
 import socket
-import threading
 import time
 from urllib.parse import urlparse
 
@@ -76,7 +76,8 @@ from jaxkv.stats import Stats
 from jaxkv.worker.tiers import blocks
 from jaxkv.worker.tiers.base import Breaker, Failure, Fetch, FetchOutcome
 from jaxkv.worker.tiers.pool import native
-from jaxkv.worker.tiers.pool.calls import MISSED, PLACED, QUEUED, Asker, Calls, Outcomes, PutCalls
+from jaxkv.worker.tiers.pool.calls import Asker, Calls
+from jaxkv.worker.tiers.pool.puts import PutQueue
 
 GET_THREADS = 4
 NOT_FOUND, BUFFER_TOO_SMALL = -704, -600  # Mooncake's error codes for a get into a buffer
@@ -84,7 +85,6 @@ RECENT_KEYS = 1 << 16  # keys queued lately that are not queued again
 LOOKUP_DEADLINE_S = 0.5  # a lookup answers nothing after this (normally ~0.3 ms on loopback)
 PUT_DEADLINE_S = 5.0  # a put's client call given up after this (the client's own is 30 s)
 PUT_THREADS = 2  # put calls that may still be inside the client before puts fail at once
-UNAVAILABLE = -900  # Mooncake's RPC failure (the master unreachable): the batch stops
 
 
 def split_address(address: str, flag: str = "--pool") -> tuple[str, int]:
@@ -141,13 +141,6 @@ def check_reachable(master: str, metadata: str | None, timeout_s: float = 3.0) -
                      "or give its URL.") from None
 
 
-class _Put:
-  __slots__ = ("key", "parent", "payload", "pin")
-
-  def __init__(self, key, parent, payload, pin):
-    self.key, self.parent, self.payload, self.pin = key, parent, payload, pin
-
-
 def _receive_buffers(client, nbytes: int) -> queue.Queue:
   """One registered receive buffer per get thread: values land there without a copy by
   the client, and are copied out once."""
@@ -159,33 +152,6 @@ def _receive_buffers(client, nbytes: int) -> queue.Queue:
                        "failed; lower --config.tiers.pool_buffer_mb.")
     slabs.put(buf)
   return slabs
-
-
-def _next_batch(puts: queue.Queue) -> list | None:
-  """The next puts to write (up to 64; waits for the first), or None when closing."""
-  first = puts.get()
-  if first is None:
-    return None
-  batch = [first]
-  while len(batch) < 64:
-    try:
-      nxt = puts.get_nowait()
-    except queue.Empty:
-      break
-    if nxt is None:
-      puts.put(None)  # seen again by the next call
-      break
-    batch.append(nxt)
-  return batch
-
-
-def _replicate_config(store, tiers, pin: bool):
-  config = store.ReplicateConfig()
-  config.replica_num = tiers.pool_replicas
-  if pin and tiers.pool_pin_s > 0:
-    config.soft_pin_action = store.SoftPinAction.ENABLE
-    config.soft_pin_ttl_ms = int(tiers.pool_pin_s * 1000)
-  return config
 
 
 class PoolTier:
@@ -209,20 +175,11 @@ class PoolTier:
     self._store = None
     self._gets = None
     self._calls = Calls()
-    self._puts: queue.Queue = queue.Queue()
-    self._queued_bytes = 0
-    self._lock = threading.Lock()
-    self._writer = None
-    self._call = None  # PutCalls, once open
     self.put_deadline_s = min(PUT_DEADLINE_S, tiers.read_deadline_s)
-    self._outcomes = Outcomes(RECENT_KEYS)
-    self._closed = False
-    self._idle = threading.Event()
-    self._idle.set()
-    self._recent: collections.OrderedDict = collections.OrderedDict()  # keys put lately
+    self._puts = PutQueue(tiers, breaker=self.breaker, stats=self.stats,
+                          recent_keys=RECENT_KEYS)
     self.pin_all = False  # a prefill node's: every block it puts is soft-pinned
     self._spaced, self._prefix = None, ""  # the fingerprint the names' prefix is of
-    self.in_job = False  # set by the mover in a multi-process job
     if key is None:
       security.warn_insecure(
           f"the pool tier at {self.master} holds blocks in the clear under their block keys, "
@@ -251,12 +208,11 @@ class PoolTier:
                                                        thread_name_prefix="jaxkv-pool-get")
     self._lookups, self._checks = (Asker(what, self._calls, self.breaker, self.stats)
                                    for what in ("pool_lookup", "pool_hand_off_check"))
-    self._call = PutCalls(self._calls, PUT_THREADS, self.put_deadline_s)
     self._slabs = _receive_buffers(
         client, max(self.value_bytes, (t.pool_buffer_mb << 20) // GET_THREADS))
-    self._writer = threading.Thread(target=self._write_loop, name="jaxkv-pool-put",
-                                    daemon=True)
-    self._writer.start()
+    # Values are named and sealed on the put thread (this tier's names and seal).
+    self._puts.start(client, store, self._calls, threads=PUT_THREADS,
+                     deadline_s=self.put_deadline_s, name=self.name, value=self.value)
     logging.info("pool tier: master %s, %d MiB lent, %d replica(s), values of %d bytes%s",
                  self.master, t.pool_segment_mb, t.pool_replicas, self.value_bytes,
                  ", sealed" if self._seal else "")
@@ -264,21 +220,19 @@ class PoolTier:
 
   def close(self, timeout_s: float = 10.0) -> None:
     """Finishes the queued puts (up to ``timeout_s``), unmounts the segment, disconnects."""
-    if self.client is None or self._closed:
+    if self.client is None or self._puts.closed:
       return
     self.settle(timeout_s)
-    self._closed = True
-    self._puts.put(None)
     t_end = time.monotonic() + timeout_s
-    self._writer.join(timeout_s)
+    writer_ended = self._puts.stop(timeout_s)
     self._gets.shutdown(wait=False, cancel_futures=True)
-    for calls in (self._lookups, self._checks, self._call):
+    for calls in (self._lookups, self._checks):
       calls.shutdown()
     running = self._calls.running_after(max(0.0, t_end - time.monotonic()))
-    if running or self._writer.is_alive():  # closing it under them frees what they use
+    if running or not writer_ended:  # closing it under them frees what they use
       self.stats.add("pool_close_left_open")
       logging.warning("the pool client is left open: %d call(s) still inside it after %.0f s",
-                      running + self._writer.is_alive(), timeout_s)
+                      running + (not writer_ended), timeout_s)
       return
     try:
       self.client.close()
@@ -345,7 +299,7 @@ class PoolTier:
     A key it placed (or found there when it put it) counts; one whose put failed ends the
     run; keys it holds no outcome for (put by another process of a job, or long ago) are
     asked about on the hand-off's own thread (``Outcomes.placed_run``)."""
-    return self._outcomes.placed_run(
+    return self._puts.outcomes.placed_run(
         keys, time.monotonic() + timeout_s,
         lambda rest, left: self._ask(self._checks, rest, min(LOOKUP_DEADLINE_S, left)))
 
@@ -454,135 +408,39 @@ class PoolTier:
       out.append(payload)
     return out
 
-  # ---- puts ------------------------------------------------------------------------------------
+  # ---- puts (written behind: ``PutQueue``) ---------------------------------------------------
+  @property
+  def in_job(self) -> bool:
+    """Whether this tier serves one process of a multi-process job (set by the mover): a
+    put that missed is then not offered again."""
+    return self._puts.in_job
+
+  @in_job.setter
+  def in_job(self, value: bool) -> None:
+    self._puts.in_job = bool(value)
+
   def recently_put(self, key: bytes) -> bool:
     """Whether this process queued ``key`` for the pool lately (not put again)."""
-    with self._lock:
-      if key in self._recent:
-        self._recent.move_to_end(key)
-        return True
-    return False
+    return self._puts.recently_put(key)
 
   def note(self, keys) -> None:
     """Marks ``keys`` as sent to the pool (by this process or, in a job, another): not
     offered again while they are recent. Every process of a job notes the same keys at the
     same point, so what the next copy down gathers is the same everywhere."""
-    with self._lock:
-      for key in keys:
-        self._recent[key] = None
-        self._recent.move_to_end(key)
-      while len(self._recent) > RECENT_KEYS:
-        self._recent.popitem(last=False)
+    self._puts.note(keys)
 
   def put(self, items: list[tuple[bytes, bytes | None, np.ndarray, bool]]) -> None:
-    """Queues ``(key, parent, payload, pin)`` puts; those the queue has no room for are
-    dropped and counted (never waited for)."""
-    limit = self.tiers.pool_queue_mb << 20
-    for key, parent, payload, pin in items:
-      if self._closed or not self.breaker.available:
-        self.stats.add("pool_put_dropped")
-        self._outcomes.set([key], MISSED)
-        continue
-      with self._lock:
-        if self._queued_bytes + payload.nbytes > limit:
-          self.stats.add("pool_put_dropped")
-          self._outcomes.set([key], MISSED)
-          continue
-        self._queued_bytes += payload.nbytes
-        self._outcomes.set([key], QUEUED)
-        self._idle.clear()
-      self._puts.put(_Put(key, parent, np.array(payload, copy=True), pin or self.pin_all))
+    """Queues ``(key, parent, payload, pin)`` puts (every one pinned on a prefill node:
+    ``pin_all``); those the queue has no room for are dropped and counted (never waited
+    for)."""
+    self._puts.put([(key, parent, payload, pin or self.pin_all)
+                    for key, parent, payload, pin in items])
 
   @property
   def queued(self) -> int:
     """Puts queued and not yet tried."""
-    return self._puts.qsize()
+    return self._puts.queued
 
   def settle(self, timeout_s: float = 30.0) -> bool:
     """Waits (up to ``timeout_s``) until every queued put was tried; True when none is left."""
-    return self._idle.wait(timeout_s)
-
-  def _write_loop(self) -> None:
-    while (batch := _next_batch(self._puts)) is not None:
-      try:
-        self._write(batch)
-      except Exception:  # pylint: disable=broad-except  (a put that fails is counted, not fatal)
-        logging.exception("pool puts failed")
-        self.breaker.record(False)
-        self.stats.add("pool_put_errors", len(batch))
-      finally:
-        # every put ends with an outcome, whatever stopped it
-        self._outcomes.set([p.key for p in batch], MISSED, where=QUEUED)
-        with self._lock:
-          self._queued_bytes -= sum(p.payload.nbytes for p in batch)
-          if self._queued_bytes == 0 and self._puts.empty():
-            self._idle.set()
-
-  def _timed_out(self, keys) -> None:
-    """A put call given up: a failure toward the breaker, the keys missed (offered again)."""
-    self.breaker.record(False)
-    self.stats.add("pool_put_timeouts")
-    self._miss(keys)
-
-  def _miss(self, keys) -> None:
-    for key in keys:
-      self._forget(key)
-    self._outcomes.set(keys, MISSED)
-
-  def _write(self, batch: list[_Put]) -> None:
-    """Puts a batch; when the master is unreachable (each call then blocks ~4 s), a call is
-    given up at its deadline, or the breaker is open, the rest of the batch is dropped and
-    counted, not tried one by one."""
-    if not self.breaker.available:
-      self.stats.add("pool_put_dropped", len(batch))
-      self._miss([p.key for p in batch])
-      return
-    names = [self.name(p.key) for p in batch]
-    try:
-      there = self._call(self.client.batch_is_exist, names)
-    except TimeoutError:
-      self.stats.add("pool_put_dropped", len(batch))
-      self._timed_out([p.key for p in batch])
-      return
-    if any(c == UNAVAILABLE for c in there):
-      self.breaker.record(False)
-      self.stats.add("pool_put_dropped", len(batch))
-      self._miss([p.key for p in batch])
-      return
-    for n, (p, name, code) in enumerate(zip(batch, names, there)):
-      if not self.breaker.available:
-        self.stats.add("pool_put_dropped", len(batch) - n)
-        self._miss([q.key for q in batch[n:]])
-        return
-      if code > 0:
-        self.stats.add("pool_put_present")
-        self._outcomes.set([p.key], PLACED)
-        continue
-      if code < 0:
-        self.breaker.record(False)
-        self.stats.add("pool_put_errors")
-        self._miss([p.key])
-        continue
-      try:
-        rc = self._call(self.client.put, name, self.value(p.key, p.payload, p.parent),
-                        _replicate_config(self._store, self.tiers, p.pin))
-      except TimeoutError:  # a lender that stopped serving: the call stays in the client
-        self._timed_out([p.key])
-        continue
-      if rc == 0:
-        self.breaker.record(True)
-        self.stats.add("pool_puts")
-        self.stats.add("pool_pinned", p.pin)
-        self._outcomes.set([p.key], PLACED)
-      else:
-        if rc == UNAVAILABLE:
-          self.breaker.record(False)
-        self.stats.add("pool_put_refused")
-        self._miss([p.key])  # may be put again later
-
-  def _forget(self, key: bytes) -> None:
-    """A put that failed may be offered again (not in a job: its processes' notes must
-    stay the same, and only one of them saw the failure)."""
-    if not self.in_job:
-      with self._lock:
-        self._recent.pop(key, None)
+    return self._puts.settle(timeout_s)

@@ -6,8 +6,9 @@ It listens on a ZeroMQ STREAM socket and answers on the serving job's own thread
 gathering blocks never races the engine's donated pools, and the server needs no thread.
 What it may spend is its ``BlockServerLimits`` (the names below are its fields).
 
-What a connection costs it: it reads raw bytes off its STREAM socket, which queues at
-most ``_RCVHWM_CHUNKS`` chunks of ``_IN_BATCH_BYTES`` a connection between polls
+What a connection costs it: it reads raw bytes off its STREAM socket (``Connections``,
+``jaxkv.worker.tiers.remote.connections``), which queues at
+most ``RCVHWM_CHUNKS`` chunks of ``IN_BATCH_BYTES`` a connection between polls
 (``BlockServer.queued_bytes_most``, (64 + 1) x 8 KiB = 520 KiB), then TCP holds the
 sender back. A request is three frames, each capped (``REQUEST_FRAME_BYTES``: 64 B,
 ``MAX_REQUEST_BYTES`` = 1.07 MiB, 160 B); a frame over its cap or past the third is
@@ -35,14 +36,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import hmac
 import math
 import secrets
 import time
 
 import jax
 import numpy as np
-import zmq
 
 from jaxkv import buckets
 from jaxkv.worker import pages as pages_lib
@@ -50,165 +49,13 @@ from jaxkv import security
 from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.errors import InputError, InvariantError
-from jaxkv.worker.tiers.remote.auth import (HANDSHAKE_USER, KEYLESS_FIX, UNAUTHENTICATED,
-                                            Challenges, handshake_token, plain_credentials)
+from jaxkv.worker.tiers.remote.auth import (KEYLESS_FIX, UNAUTHENTICATED, Challenges,
+                                            handshake_token)
+from jaxkv.worker.tiers.remote.connections import REQUEST_OVERHEAD_BYTES, Connections
 from jaxkv.worker.tiers.remote.wire import (
-    COMMAND, GREETING_BYTES, LONG, MAX_COMMAND_BYTES, MAX_FETCH_BLOCKS, MAX_HELLO_BYTES,
-    MAX_REQUEST_BYTES, MORE, REQUEST_FRAME_BYTES, REQUESTS, FetchBlocks, Have, Hello, Lookup,
-    Offer, Refusal, Welcome, WireError, bytes_of, chunk_aads, split_chunks, command_frame,
-    command_parts, stack_digest, encoded, greeting_bytes, greeting_mechanism, head_aad, parse_head,
-    piece_sizes, pull_aad, readable_nonce, socket_type, decode)
-
-_IN_BATCH_BYTES = 8192  # libzmq reads a STREAM connection in chunks of at most this
-_RCVHWM_CHUNKS = 64  # chunks a STREAM connection's queue holds before TCP holds the sender
-
-
-class _Hangup(Exception):
-  """A connection that broke the protocol, or its handshake: the server closes it."""
-
-
-class _Inbound:
-  """The server's side of one connection, fed the raw bytes ZeroMQ's STREAM socket reads
-  (``feed``): its handshake (ZMTP NULL without a key; PLAIN with the key's token, compared
-  in constant time), then its requests, frame by frame.
-
-  A request's frames are kept up to their caps (``REQUEST_FRAME_BYTES``), each written
-  into a buffer of its size as its bytes arrive; a frame over its cap, or past the third,
-  is dropped as its bytes arrive (counted in ``counts["frames_dropped"]``), and its
-  message is refused once it ends; a frame over ``MAX_REQUEST_BYTES`` closes the
-  connection (``counts["oversized"]``). Complete requests wait in ``ready`` for a poll, at
-  most ``pending_bytes_most`` of them (each charged ``_REQUEST_OVERHEAD_BYTES`` for its
-  objects; more are shed, ``counts["shed"]``). So a connection holds at most that, one
-  request being read, and the bytes of a chunk not parsed yet (less than a command)."""
-
-  def __init__(self, token: bytes | None, counts: collections.Counter,
-               pending_bytes_most: int, now: float):
-    self.token = token
-    self.counts = counts
-    self.pending_bytes_most = pending_bytes_most
-    self.since = now
-    self.state = "greeting"  # -> "hello" -> "initiate" (PLAIN) | "ready" (NULL) -> "open"
-    self.refused = False  # its PLAIN credentials did not pass (then "closed")
-    self._raw = bytearray()  # bytes not parsed yet: part of a header or command, a chunk
-    self._frames: list = []  # the kept frames of the request being read
-    self._count = 0  # its frames so far, kept or dropped
-    self._problem = ""  # why that request will be refused, if it will
-    self._left = 0  # bytes of the current frame still to come ...
-    self._into: bytearray | None = None  # ... into this buffer (None: dropped)
-    self._more = False  # ... and whether another frame follows it
-    self.ready: collections.deque = collections.deque()  # (frames, problem, charge)
-    self.pending_bytes = 0
-
-  def take(self) -> tuple[list, str]:
-    frames, problem, charge = self.ready.popleft()
-    self.pending_bytes -= charge
-    return frames, problem
-
-  def feed(self, data: bytes) -> list[bytes]:
-    """Takes a chunk of the connection's bytes; returns what to send back (the handshake's
-    steps). Raises ``_Hangup`` when the connection must be closed."""
-    if self.state == "closed":
-      return []
-    raw = self._raw
-    raw += data
-    at, replies = 0, []
-    try:
-      while True:
-        if self._left:  # the rest of a frame: written into its buffer, or dropped
-          n = min(self._left, len(raw) - at)
-          if self._into is not None:
-            end = len(self._into) - self._left
-            with memoryview(raw) as view:
-              self._into[end:end + n] = view[at:at + n]
-          at += n
-          self._left -= n
-          if self._left:
-            break
-          self._frame_done()
-          continue
-        if self.state == "greeting":
-          if len(raw) - at < GREETING_BYTES:
-            break
-          mechanism = b"PLAIN" if self.token is not None else b"NULL"
-          if greeting_mechanism(raw[at:at + GREETING_BYTES]) != mechanism:
-            raise _Hangup("another mechanism")  # the client sees it too: not counted
-          at += GREETING_BYTES
-          self.state = "hello" if self.token is not None else "ready"
-          continue
-        head = parse_head(raw, at)
-        if head is None:
-          break
-        flags, size, head_bytes = head
-        if flags & ~(MORE | LONG | COMMAND):
-          raise _Hangup(f"frame flags {flags:#x}")
-        if flags & COMMAND or self.state != "open":
-          if not flags & COMMAND or flags & MORE or self._count or size > MAX_COMMAND_BYTES:
-            raise _Hangup("not a command where one belongs")
-          if len(raw) - at < head_bytes + size:
-            break
-          replies += self.command_frame(bytes(raw[at + head_bytes:at + head_bytes + size]))
-          at += head_bytes + size
-          if self.state == "closed":
-            return replies
-          continue
-        if size > MAX_REQUEST_BYTES:
-          self.counts["oversized"] += 1
-          raise _Hangup(f"a frame of {size} bytes")
-        at += head_bytes
-        self._count += 1
-        self._left, self._more, self._into = size, bool(flags & MORE), None
-        cap = REQUEST_FRAME_BYTES[self._count - 1] if self._count <= 3 else -1
-        if size <= cap:
-          self._into = bytearray(size)
-        else:
-          self.counts["frames_dropped"] += 1
-          if cap >= 0 and not self._problem:
-            self._problem = (f"frame {self._count} of a request (nonce, message, auth) holds "
-                             f"at most {cap} bytes, not {size}")
-        if not size:
-          self._frame_done()
-    finally:
-      del raw[:at]
-    return replies
-
-  def _frame_done(self) -> None:
-    if self._into is not None:
-      self._frames.append(self._into)
-      self._into = None
-    if self._more:
-      return
-    frames, count, problem = self._frames, self._count, self._problem
-    self._frames, self._count, self._problem = [], 0, ""
-    if count != 3:
-      problem = f"a request has 3 frames (nonce, message, auth), not {count}"
-    charge = sum(map(len, frames)) + _REQUEST_OVERHEAD_BYTES
-    if self.pending_bytes + charge > self.pending_bytes_most:
-      self.counts["shed"] += 1
-      return
-    self.ready.append((frames, problem, charge))
-    self.pending_bytes += charge
-
-  def command_frame(self, command: bytes) -> list[bytes]:
-    """The answer to one handshake command (a command after it, a ping, needs none)."""
-    name, body = command_parts(command)
-    if self.state == "hello" and name == b"HELLO":
-      credentials = plain_credentials(body)
-      if (credentials is not None and credentials[0] == HANDSHAKE_USER
-          and hmac.compare_digest(credentials[1], self.token)):
-        self.state = "initiate"
-        return [command_frame(b"WELCOME")]
-      self.state, self.refused = "closed", True
-      return [command_frame(b"ERROR", b"\x03400")]  # 400: ZAP's "not these credentials"
-    if (self.state, name) in (("initiate", b"INITIATE"), ("ready", b"READY")):
-      self.state = "open"
-      return [command_frame(b"READY", socket_type(b"ROUTER"))]
-    if self.state == "open":
-      return []
-    raise _Hangup(f"a {name[:20]!r} command in the handshake")
-
-
-# Charged, per request waiting for a poll, for its Python objects (a list, three buffers).
-_REQUEST_OVERHEAD_BYTES = 512
+    MAX_FETCH_BLOCKS, MAX_HELLO_BYTES, MAX_REQUEST_BYTES, REQUEST_FRAME_BYTES, REQUESTS,
+    FetchBlocks, Have, Hello, Lookup, Offer, Refusal, Welcome, WireError, bytes_of, chunk_aads,
+    split_chunks, stack_digest, encoded, head_aad, piece_sizes, pull_aad, readable_nonce, decode)
 
 
 def _answer_frames(seal: security.Seal | None, answer, data: list, sealed: bool) -> list:
@@ -268,7 +115,7 @@ _LIMIT_FLOORS = {
     "max_messages_per_poll": (1, False, "a poll that may answer nothing never serves"),
     "max_messages_per_peer": (1, False, "a connection that may get no answer is never served"),
     "max_pending_bytes_per_peer": (
-        sum(REQUEST_FRAME_BYTES) + _REQUEST_OVERHEAD_BYTES, False,
+        sum(REQUEST_FRAME_BYTES) + REQUEST_OVERHEAD_BYTES, False,
         "one request at its frames' caps: below it the largest lookups are always shed"),
     "poll_overrun_s": (0, False, "how long past its timeout a poll may read"),
     "max_answer_bytes_per_poll": (0, False, "bytes of blocks; at 0 a poll answers one fetch"),
@@ -286,9 +133,9 @@ class BlockServer:
 
   Requests are read and answered only inside ``poll``/``serve``, on the calling thread (one
   thread at a time), within a budget per poll and per connection (``limits``, a
-  ``BlockServerLimits``: the defaults unless given). Each connection's bytes go through its
-  ``_Inbound`` (the handshake, then requests frame by frame, within their bounds: the
-  module's docstring).
+  ``BlockServerLimits``: the defaults unless given). Its ``Connections`` read each
+  connection's bytes (the handshake, then requests frame by frame, within their bounds: the
+  module's docstring) and hand out the requests in turn; the server answers them.
   Each request is checked (frames, nonce, authentication) before it is parsed
   (``decode``), then answered by ``reply``; a fetch's blocks are gathered once and handed
   to ``ship``, which sends them the way the client asked. Every failure on the way is a
@@ -322,35 +169,18 @@ class BlockServer:
     self._seal = security.Seal(self._key, "remote-answer") if self._key is not None else None
     self._token = handshake_token(self._key) if self._key is not None else None
     self.counts: collections.Counter = collections.Counter()
-    self._handshakes_refused = 0
     self._offers: list[tuple[float, int]] = []  # (expiry, bytes) of outstanding offers
     self._challenges = Challenges(self, self._key)
-    self._peers: dict[bytes, _Inbound] = {}  # connection id -> its inbound side
-    self._turns: collections.OrderedDict = collections.OrderedDict()  # ids with requests ready
-    self._closing: set[bytes] = set()  # connections to close (their queue was full)
-    self._sweep_at = 0.0  # when handshakes past their time are next closed
-    self._progressed = False  # a handshake took a step in this poll
     self._transfer = None
-    self._context = zmq.Context()
-    self._socket = None
-    try:
-      self._socket = self._context.socket(zmq.STREAM)
-      self._socket.setsockopt(zmq.LINGER, 0)
-      self._socket.setsockopt(zmq.RCVHWM, _RCVHWM_CHUNKS)  # per connection, raw chunks
-      # Per connection, in sends: a largest answer is a header piece and, sealed, two sends
-      # a piece; beyond, the connection is closed (it does not read).
-      block = int(np.prod(cache.payload_shape)) * np.dtype(
-          pages_lib.bits_dtype(cache.config.jnp_dtype)).itemsize
-      sends = 1 + 2 * len(piece_sizes(MAX_FETCH_BLOCKS * block))
-      self._socket.setsockopt(zmq.SNDHWM, 4 * self.limits.max_messages_per_peer * sends)
-      if port:
-        self._socket.bind(f"tcp://{host}:{port}")
-      else:
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-    except BaseException:  # e.g. the port is taken: leave no socket behind
-      self._context.destroy(linger=0)
-      raise
-    self.address = f"{host}:{port}"
+    # Per connection, in sends: a largest answer is a header piece and, sealed, two sends
+    # a piece; beyond, the connection is closed (it does not read).
+    block = int(np.prod(cache.payload_shape)) * np.dtype(
+        pages_lib.bits_dtype(cache.config.jnp_dtype)).itemsize
+    sends = 1 + 2 * len(piece_sizes(MAX_FETCH_BLOCKS * block))
+    self._connections = Connections(host, port, token=self._token, limits=limits,
+                                    counts=self.counts,
+                                    send_hwm=4 * limits.max_messages_per_peer * sends)
+    self.address = self._connections.address
 
   @property
   def refused(self) -> int:
@@ -362,22 +192,19 @@ class BlockServer:
     """Connections turned away in the handshake (a wrong token), before a request of
     theirs was read. A client without any credentials fails earlier still (its greeting
     names another mechanism) and is not counted here."""
-    return self._handshakes_refused
+    return self._connections.handshakes_refused
 
   @property
   def queued_bytes_most(self) -> int:
-    """The most bytes ZeroMQ queues for one connection between polls: its STREAM queue of
-    ``_RCVHWM_CHUNKS`` chunks, and the one its reader holds once the queue is full (raw
-    chunks are read ``_IN_BATCH_BYTES`` at most; then TCP holds the sender back)."""
-    return (_RCVHWM_CHUNKS + 1) * _IN_BATCH_BYTES
+    """The most bytes ZeroMQ queues for one connection between polls
+    (``Connections.queued_bytes_most``)."""
+    return self._connections.queued_bytes_most
 
   @property
   def held_bytes_most(self) -> int:
-    """The most bytes of one connection's requests this server holds: those read and
-    waiting (``max_pending_bytes_per_peer``), the one being read (its three frames at their
-    caps), a chunk as read and as not parsed yet, and a command."""
-    return (self.limits.max_pending_bytes_per_peer + sum(REQUEST_FRAME_BYTES)
-            + 2 * _IN_BATCH_BYTES + MAX_COMMAND_BYTES)
+    """The most bytes of one connection's requests this server holds
+    (``Connections.held_bytes_most``)."""
+    return self._connections.held_bytes_most
 
   def poll(self, timeout_s: float = 0.0) -> int:
     """Reads what arrives within ``timeout_s`` and answers requests, at most
@@ -391,30 +218,31 @@ class BlockServer:
     now = time.monotonic()
     deadline = now + timeout_s
     stop = deadline + self.limits.poll_overrun_s
-    self._tidy(now)
-    self._progressed = False
+    connections = self._connections
+    connections.tidy(now)
+    connections.progressed = False  # a handshake takes a step: reading may overrun
     while (answered < self.limits.max_messages_per_poll
            and answered_bytes <= self.limits.max_answer_bytes_per_poll):
-      turn = self._next_turn(per_peer)
+      turn = connections.next_turn(per_peer)
       if turn is not None:
         peer, frames, problem = turn
         per_peer[peer] += 1
         reply, blocks_bytes = self._handle(peer, frames, problem)
-        self._send(peer, encoded(reply))
+        connections.send(peer, encoded(reply))
         answered += 1
         answered_bytes += blocks_bytes
         continue
       now = time.monotonic()
-      until = stop if self._progressed else deadline
-      if now >= stop or not self._socket.poll(max(0, int((until - now) * 1000))):
+      until = stop if connections.progressed else deadline
+      if now >= stop or not connections.readable(until - now):
         break
-      self._receive()
+      connections.receive()
     self.counts["answered"] += answered
     return answered
 
   def waiting(self) -> bool:
     """Whether a request or bytes wait to be read (a ``poll`` left work for the next one)."""
-    return bool(self._turns) or bool(self._socket.poll(0))
+    return self._connections.waiting()
 
   def serve(self, duration_s: float) -> None:
     end = time.monotonic() + duration_s
@@ -422,95 +250,7 @@ class BlockServer:
       self.poll(min(0.1, max(0.0, end - time.monotonic())))
 
   def close(self) -> None:
-    if self._socket is not None:
-      self._socket.close(0)
-    self._context.term()
-
-  # ---- connections: bytes in, answers out -----------------------------------------------------
-  def _receive(self) -> None:
-    """Reads one chunk: a connection made or gone (ZeroMQ's empty notice), or its bytes."""
-    try:
-      peer, data = self._socket.recv_multipart(flags=zmq.NOBLOCK)
-    except zmq.Again:
-      return
-    inbound = self._peers.get(peer)
-    if not data:
-      if inbound is not None:  # gone
-        self._forget(peer)
-      else:  # made (or a notice of one already closed here: its greeting finds no one)
-        self._peers[peer] = _Inbound(self._token, self.counts,
-                                     self.limits.max_pending_bytes_per_peer, time.monotonic())
-        self._progressed |= self._send(peer, [greeting_bytes(
-            b"PLAIN" if self._token is not None else b"NULL", self._token is not None)])
-      return
-    if inbound is None:  # bytes of a connection being closed
-      return
-    try:
-      replies = inbound.feed(data)
-    except _Hangup:
-      self._hang_up(peer)
-      return
-    if inbound.refused:
-      inbound.refused = False
-      self._handshakes_refused += 1
-      self._closing.add(peer)  # once its ERROR has gone: at the next poll
-    if replies:
-      self._progressed |= self._send(peer, replies)
-    if inbound.ready and peer not in self._turns:
-      self._turns[peer] = None
-
-  def _next_turn(self, per_peer) -> tuple[bytes, list, str] | None:
-    """The next request to answer: from the first connection in turn below its share."""
-    for peer in self._turns:
-      if per_peer[peer] < self.limits.max_messages_per_peer:
-        inbound = self._peers[peer]
-        frames, problem = inbound.take()
-        if inbound.ready:
-          self._turns.move_to_end(peer)
-        else:
-          del self._turns[peer]
-        return peer, frames, problem
-    return None
-
-  def _send(self, peer: bytes, pieces: list) -> bool:
-    """Sends ``pieces`` (one message's bytes) to ``peer`` without waiting; a connection whose
-    queue is full is closed (a partly sent message cannot be taken back)."""
-    try:
-      for piece in pieces:
-        self._socket.send_multipart([peer, piece], flags=zmq.NOBLOCK, copy=False)
-      return True
-    except zmq.Again:
-      self.counts["send_queue_full"] += 1
-      self._hang_up(peer)
-    except zmq.ZMQError:  # the connection is gone
-      self._forget(peer)
-    return False
-
-  def _hang_up(self, peer: bytes) -> None:
-    """Closes a connection (an empty send does), or tries again next poll."""
-    self._forget(peer)
-    try:
-      self._socket.send_multipart([peer, b""], flags=zmq.NOBLOCK)
-    except zmq.Again:  # its queue is full: the close waits there too
-      self._closing.add(peer)
-    except zmq.ZMQError:
-      pass  # gone already
-
-  def _forget(self, peer: bytes) -> None:
-    self._peers.pop(peer, None)
-    self._turns.pop(peer, None)
-    self._closing.discard(peer)
-
-  def _tidy(self, now: float) -> None:
-    """Closes the connections waiting to be closed, and once a second those whose
-    handshake is past ``handshake_timeout_s``."""
-    for peer in list(self._closing):
-      self._hang_up(peer)
-    if now >= self._sweep_at:
-      self._sweep_at = now + 1.0
-      for peer, inbound in list(self._peers.items()):
-        if inbound.state != "open" and now - inbound.since > self.limits.handshake_timeout_s:
-          self._hang_up(peer)
+    self._connections.close()
 
   # ---- one request --------------------------------------------------------------------------
   def _handle(self, peer: bytes, frames: list, problem: str) -> tuple[list, int]:
