@@ -125,7 +125,7 @@ _STRING, _ARRAY, _BOOL = 8, 9, 7
 MAX_DIMS = 4
 
 
-class _Header:
+class Header:
   """The metadata (``fields``: key -> value; strings decoded, arrays as lists) and the
   tensors (``tensors``: name -> (GGML type number, shape as GGML lists it, byte offset)) of
   a GGUF file, read with bounds checks; ``data_start``: where tensor offsets count from."""
@@ -210,7 +210,7 @@ class _Header:
     raise ValueError(f"metadata value type {kind}")
 
 
-def field(header: _Header, key: str, default=None):
+def field(header: Header, key: str, default=None):
   """The value of metadata ``key``, or ``default``."""
   return header.fields.get(key, default)
 
@@ -223,7 +223,7 @@ class GGUFCheckpoint:
 
   def __init__(self, file: str):
     self.file = file
-    self.meta = _Header(file)
+    self.meta = Header(file)
     arch = self.arch = field(self.meta, "general.architecture")
     if arch not in ARCHITECTURES:
       raise GGUFError(f"{file} holds a model of architecture {arch!r}; jaxkv loads GGUF "

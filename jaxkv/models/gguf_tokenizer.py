@@ -28,7 +28,7 @@ import os
 
 # The header reader, without the model's architecture check: a file's tokenizer does not
 # depend on whether jaxkv computes its model.
-from jaxkv.models.gguf import GGUFError, _Header, field
+from jaxkv.models.gguf import GGUFError, Header, field
 
 # ``tokenizer.ggml.pre`` names how llama.cpp splits text before BPE; these are the splits
 # of the names jaxkv reads (regular expressions over Unicode classes, applied in order,
@@ -60,7 +60,7 @@ def tokenizer_parts(file: str) -> dict:
 def _parts(file: str, mtime_ns: int, size: int) -> dict:
   del mtime_ns, size  # the cache's key
   from tokenizers import AddedToken
-  reader = _Header(file)
+  reader = Header(file)
   kind = field(reader, "tokenizer.ggml.model")
   tokens = field(reader, "tokenizer.ggml.tokens")
   if kind not in _KINDS:
