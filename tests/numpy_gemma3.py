@@ -2,8 +2,9 @@
 (the Gemma 3 report and Hugging Face's ``Gemma3ForCausalLM``), over weights the ``gguf``
 package reads and dequantizes.
 
-Nothing of jaxkv runs here: not its GGUF reader (the ``gguf`` package's ``GGUFReader`` and
-``quants.dequantize`` read the file, and the names below are this file's own), not its
+Nothing of jaxkv runs here: not its GGUF reader (this file reads the GGUF layout itself,
+``_read_gguf``, and the ``gguf`` package's ``quants.dequantize`` dequantizes; the names below
+are this file's own), not its
 layers, RoPE, windows or pages. The definition, per layer ``i`` (global when ``layer_types``
 says ``full_attention``; the published pattern: every 6th layer):
 
@@ -19,6 +20,7 @@ each norm's ``w + 1``: the 1 is taken off here, on this file's own reading.
 """
 
 import math
+import struct
 
 import numpy as np
 
@@ -28,6 +30,60 @@ _LAYER = {"attn_norm": "norm_in", "post_attention_norm": "norm_post_attn",
           "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "attn_q": "wq", "attn_k": "wk",
           "attn_v": "wv", "attn_output": "wo", "ffn_gate": "gate", "ffn_up": "up",
           "ffn_down": "down"}
+
+
+def _read_gguf(path: str) -> tuple[dict, list]:
+  """The metadata (tokenizer arrays skipped) and ``(name, dims, type, offset)`` of each
+  tensor of a GGUF file, read from its published layout: magic, version, counts, key/value
+  pairs, tensor infos, then the data at the next multiple of ``general.alignment``. (The
+  ``gguf`` package's ``GGUFReader`` builds a view of every tokenizer string, 12 s for this
+  file's 262k; this reads the few fields the forward needs.)"""
+  data = np.memmap(path, np.uint8, mode="r")
+  buf = memoryview(data)
+  pos = 0
+
+  def take(fmt):
+    nonlocal pos
+    out = struct.unpack_from("<" + fmt, buf, pos)
+    pos += struct.calcsize("<" + fmt)
+    return out[0] if len(out) == 1 else out
+
+  def text():
+    nonlocal pos
+    n = take("Q")
+    pos += n
+    return bytes(buf[pos - n:pos]).decode()
+
+  scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+             12: "d"}
+
+  def value(kind):
+    nonlocal pos
+    if kind == 8:
+      return text()
+    if kind == 9:
+      item, count = take("I"), take("Q")
+      if item in scalars:  # fixed-size items: skipped as one stretch
+        pos += count * struct.calcsize("<" + scalars[item])
+        return None
+      return [value(item) for _ in range(count)]
+    return take(scalars[kind])
+
+  assert bytes(buf[:4]) == b"GGUF", bytes(buf[:4])
+  pos = 4
+  _, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+  meta = {}
+  for _ in range(n_kv):
+    key = text()
+    meta[key] = value(take("I"))
+  infos = []
+  for _ in range(n_tensors):
+    name = text()
+    dims = [take("Q") for _ in range(take("I"))]
+    infos.append((name, dims, take("I"), take("Q")))
+  align = meta.get("general.alignment", 32)
+  start = -(-pos // align) * align
+  return meta, [(name, dims, kind, data[start + offset:]) for name, dims, kind, offset in infos]
 
 
 def _rms(x, w, eps):
@@ -81,9 +137,7 @@ class NumpyGemma3:
   @classmethod
   def from_gguf(cls, path: str) -> "NumpyGemma3":
     import gguf  # pylint: disable=import-outside-toplevel
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.")}
+    meta, tensors = _read_gguf(path)
     assert meta["general.architecture"] == "gemma3", meta["general.architecture"]
     n = meta["gemma3.block_count"]
     cfg = dict(hidden=meta["gemma3.embedding_length"], heads=meta["gemma3.attention.head_count"],
@@ -96,18 +150,22 @@ class NumpyGemma3:
     cfg["query_pre_attn_scalar"] = cfg["head_dim"]
     layers = [{} for _ in range(n)]
     embed = norm = None
-    for t in reader.tensors:
-      w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-      w = w.reshape([int(d) for d in reversed(t.shape)])
-      if t.name.endswith("norm.weight"):
+    for name, dims, kind, raw in tensors:
+      kind = gguf.GGMLQuantizationType(kind)
+      block, size = gguf.GGML_QUANT_SIZES[kind]
+      rows, row_bytes = math.prod(dims[1:]), dims[0] // block * size
+      w = gguf.quants.dequantize(np.asarray(raw[:rows * row_bytes]).reshape(rows, row_bytes),
+                                 kind).astype(np.float32)
+      w = w.reshape(list(reversed(dims)))
+      if name.endswith("norm.weight"):
         w = w - np.float32(1)  # the converter's w + 1
-      if t.name == "token_embd.weight":
+      if name == "token_embd.weight":
         embed = w
-      elif t.name == "output_norm.weight":
+      elif name == "output_norm.weight":
         norm = w
       else:
-        _, i, name, _ = t.name.split(".")
-        layers[int(i)][_LAYER[name]] = w
+        _, i, part, _ = name.split(".")
+        layers[int(i)][_LAYER[part]] = w
     return cls(cfg, embed, layers, norm)
 
   def _attention(self, x, p, is_global):

@@ -13,7 +13,7 @@ frame, never the number of frames of a message: its receive high-water mark coun
 messages, so a socket queues a message of any number of frames, however large, before its
 reader sees the first. Instead each side reads a frame's header before its bytes and
 keeps only frames that can belong to what it waits for, within the caps here (the server:
-``server._Inbound``; the client: ``client._Link``).
+``connections._Inbound``; the client: ``client._Link``).
 
 Also here: what an answer's tags and seals are bound to (``head_aad``, ``chunk_aads``,
 ``pull_aad``), the ``CHUNK_BYTES`` pieces blocks are tagged or sealed in, and
