@@ -88,7 +88,7 @@ def main(argv):
     dtype, why = jaxkv.models.hf.platform_dtype(stored, platform)
     if dtype != stored:
       why += f"; --dtype={stored} keeps it"
-  model_cfg = jaxkv.models.llama_config(hf, dtype=dtype)
+  model_cfg = jaxkv.models.model_config(hf, dtype=dtype)  # by the checkpoint's architecture
   tok = None
   try:
     tok = Tokenizer.from_dir(model_dir)
@@ -108,7 +108,9 @@ def main(argv):
         eos if isinstance(eos, list) else [] if eos is None else [eos])
 
   total = len(prompt_ids) + _MAX_NEW.value
-  if model_cfg.sliding_window and total > model_cfg.sliding_window:
+  # A Llama-family window is one jaxkv does not apply (a hybrid model's windows it does).
+  if (isinstance(model_cfg, jaxkv.models.LlamaConfig) and model_cfg.sliding_window
+      and total > model_cfg.sliding_window):
     raise app.UsageError(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
                          f"{_MAX_NEW.value} exceeds the model's sliding window of "
                          f"{model_cfg.sliding_window} tokens, which jaxkv does not apply.")

@@ -1,9 +1,11 @@
 """A two-process jax.distributed job (launch/multihost.py) with every part real: its tier is
-a Mooncake pool (a master and a lender process on loopback), it publishes KV events (process
+a Mooncake pool (a master and a lender process on loopback; keyed names and sealed values
+under a deployment key), it publishes KV events (process
 0) to a reader in this process, and it saves a checkpoint mid-run. One member is killed
 (SIGKILL) mid-run; the job is started again on the same checkpoint and pool.
 
 - The killed job fails fast with a clear error and leaves no process behind.
+- Both processes of the killed job put, each block by one of them only.
 - The restarted job answers as a fresh engine that recomputes everything, and takes from
   the pool the blocks the killed job put there (the lender kept them).
 - The event stream across the restart tells a router what it needs: the new run's seqs
@@ -54,7 +56,8 @@ prompts, new_tokens = json.loads(sys.argv[6]), int(new_tokens)
 tiers = jaxkv.TierConfig(pool_master=master, pool_metadata=metadata, pool_segment_mb=0,
                          write_policy="write_through", kv_events=f"ipc://{work}/events",
                          kv_events_replay=f"ipc://{work}/replay")
-engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=1), tiers=tiers)
+engine = helpers.make_engine(jaxkv.make_mesh(data=2, model=1), tiers=tiers,
+                             deployment_key=bytes(range(32)))  # keyed names, sealed values
 checkpoint = Checkpointer(engine.cache, os.path.join(work, "ckpt"))
 
 def report(tokens):
@@ -67,6 +70,7 @@ def report(tokens):
   with open(path + ".tmp", "w") as f:
     json.dump({"pid": os.getpid(), "tokens": tokens, "held": sorted(held), "keys": keys,
                "hits": stats["hits"], "pool_puts": stats["pool_puts"],
+               "pool_put_present": stats.get("pool_put_present", 0),
                "untold": None if events is None else events.untold}, f)
   os.replace(path + ".tmp", path)  # whole, or not there
 
@@ -282,7 +286,9 @@ def test_the_restarted_job_answers_exactly_and_hits_what_the_killed_one_put(jobs
   for p in first:
     assert not any(p["hits"].values()), p["hits"]
   assert first[0]["tokens"] == first[1]["tokens"]
-  assert min(p["pool_puts"] for p in first) > 0  # both processes put (each block once)
+  assert min(p["pool_puts"] for p in first) > 0  # both processes put
+  # Each block by one of them: neither found a block the other had put (nor one of its own).
+  assert [p["pool_put_present"] for p in first] == [0, 0], first
   assert again[0]["tokens"] == again[1]["tokens"] == first[0]["tokens"][:2]
   full = lambda p: (len(p) - 1) // PAGE
   # a from the checkpoint (on device), b from the pool: every full block of each.

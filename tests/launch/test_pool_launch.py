@@ -143,33 +143,3 @@ def test_a_pool_nobody_answers_is_one_line_and_exit_2():
   assert "compiled" not in out
   code, _, err = helpers.run_script(["launch/serve.py", "--pool=nohost", *SMALL], timeout_s=300)
   assert code == 2 and "is not HOST:PORT" in err
-
-
-def test_a_two_process_job_puts_each_block_once_and_hits_the_pool_exactly(
-    tmp_path, master, key_file, lender):
-  """Both processes of a jax.distributed job put (each block by one of them); process 0
-  asks the pool for the job and both fetch their own shards' blocks: the same outputs as
-  one process, and a second job hits what the first put."""
-  pool = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
-          "--pool_segment_mb=0", "--config.tiers.write_policy=write_through",
-          f"--deployment_key_file={key_file}", "--config.scheduler.policy=fetch",
-          "--config.workload.chat.system_prompt_tokens=48"]
-  env = helpers.child_env(drop=("JAX_PLATFORMS",))
-  job = lambda out: subprocess.run(
-      [sys.executable, "launch/multihost.py", "--num_processes=2", "--", "launch/serve.py",
-       *SMALL, *pool, f"--json_out={tmp_path / out}"], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=900)
-  plain = serve(tmp_path, "plain", "--config.workload.chat.system_prompt_tokens=48")
-  first = job("a.json")
-  assert first.returncode == 0, first.stderr[-3000:]
-  a0, a1 = (json.loads((tmp_path / n).read_text()) for n in ("a.p0.json", "a.p1.json"))
-  assert a0["output_digest"] == a1["output_digest"] == plain["output_digest"]
-  puts = [p["stats"]["pool_puts"] for p in (a0, a1)]
-  assert min(puts) > 0, puts  # both processes wrote
-  assert a0["stats"].get("pool_put_present", 0) == a1["stats"].get("pool_put_present", 0) == 0
-  second = job("b.json")
-  assert second.returncode == 0, second.stderr[-3000:]
-  b0, b1 = (json.loads((tmp_path / n).read_text()) for n in ("b.p0.json", "b.p1.json"))
-  assert b0["output_digest"] == b1["output_digest"] == plain["output_digest"]
-  assert b0["hits"]["pool"] == b1["hits"]["pool"] >= 48 // 16  # (later users: on device)
-  assert b0["stats"]["pool_failures"] == 0
