@@ -303,6 +303,11 @@ def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live
   # Round robin's first turn is the first replica's, once both are seen healthy.
   helpers.wait_for(lambda: all(s["healthy"] for s in replicas().values()), 30,
                    "the router to see both replicas healthy", interval_s=0.2)
+  # The pair behind the proxy has compiled the shapes this stream takes (run alone, this
+  # test is the first to use them): the stream's 30 s read deadline is for a hang, not a
+  # compile. Another prompt, sent to the proxy itself: the router's turns are untouched.
+  r = complete(proxy.url, {"prompt": prompt(6, 40), "max_tokens": 64, "temperature": 0})
+  assert r.status_code == 200, r.text
   before, log_start = router_stats(), os.path.getsize(router.log_path)
   body = {"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0,
           "return_token_ids": True, "stream": True}
