@@ -130,18 +130,29 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.01):
     time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
-def kill_session(sid: int) -> None:
-  """SIGKILL to every process of session ``sid`` (a script started with
-  ``start_new_session`` and the children it put in process groups of their own)."""
+def session_processes(sid: int, *, zombies: bool = False) -> list[int]:
+  """The pids of session ``sid``'s processes (zombies, which run nothing, only if asked)."""
+  out = []
   for entry in os.listdir("/proc"):
     if not entry.isdigit():
       continue
     try:
       with open(f"/proc/{entry}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-      if int(fields[3]) == sid:
-        os.kill(int(entry), signal.SIGKILL)
+      if int(fields[3]) == sid and (zombies or fields[0] != "Z"):
+        out.append(int(entry))
     except (OSError, ValueError, IndexError):
+      pass
+  return out
+
+
+def kill_session(sid: int) -> None:
+  """SIGKILL to every process of session ``sid`` (a script started with
+  ``start_new_session`` and the children it put in process groups of their own)."""
+  for pid in session_processes(sid, zombies=True):
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except OSError:
       pass
 
 
@@ -265,16 +276,35 @@ def gemma3_gguf(deadline_s: float = 600.0) -> str:
   target = package.default_output_path()
   target.parent.mkdir(parents=True, exist_ok=True)
   with open(f"{target}.lock", "w") as lock:
-    end = time.monotonic() + deadline_s
-    while True:
+
+    def locked() -> bool:
       try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        break
+        return True
       except BlockingIOError:
-        if time.monotonic() > end:
-          pytest.fail(f"{target} was not assembled by another process within {deadline_s} s")
-        time.sleep(0.2)
+        return False
+
+    wait_for(locked, deadline_s, f"the lock on {target} (another process assembling it)",
+             interval_s=0.2)
     try:
       return str(package.assemble())
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# The start of a script that runs llama.cpp (llama-cpp-python) in a process of its own (a
+# crash in the native library fails the test, not the test worker). Weight repacking
+# ("extra buffer types") is off: on a CPU that advertises AMX, a pip-built llama.cpp
+# repacks quantized weights for it and dies evaluating them (SIGSEGV or SIGILL on the
+# developers' machine) unless this is off; float32 weights are not repacked.
+LLAMA_CPP_PREAMBLE = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+defaults = llama_cpp.llama_cpp.llama_model_default_params
+def no_repacking():
+  params = defaults()
+  params.use_extra_bufts = False
+  return params
+llama_cpp.llama_cpp.llama_model_default_params = no_repacking
+"""

@@ -36,6 +36,7 @@ from flax import nnx
 from jaxkv import nnx as kvnnx
 from jaxkv.config import SUPPORTED_DTYPES
 from jaxkv.errors import InputError
+from jaxkv.models import llama
 from jaxkv.models.llama import LinearRopeScaling, apply_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -193,15 +194,6 @@ class Block(nnx.Module):
     return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
 
 
-def _stacked(cfg: Gemma3Config, rngs: nnx.Rngs) -> Block:
-  """``cfg.num_layers`` blocks as one whose every weight has a leading layer axis
-  (initialised one after another, as the loop form's are)."""
-  blocks = [Block(cfg, rngs=rngs, paged=False) for _ in range(cfg.num_layers)]
-  graphdef, first = nnx.split(blocks[0])
-  states = [first] + [nnx.state(b) for b in blocks[1:]]
-  return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
-
-
 class Gemma3(nnx.Module):
   """Decoder-only LM: ``model(tokens [B, T], batch) -> logits [B, T, vocab]`` (float32;
   ``[B, 1, vocab]`` when ``batch.logits_at`` names the one token per row to compute)."""
@@ -213,7 +205,7 @@ class Gemma3(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
     if cfg.scan_layers:
-      self.layers = _stacked(cfg, rngs)
+      self.layers = llama.stacked_blocks(cfg, rngs, Block)
       self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                               num_layers=cfg.num_layers)
     else:

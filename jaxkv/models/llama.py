@@ -212,11 +212,13 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
-  """``cfg.num_layers`` blocks as one ``Block`` whose every weight has a leading layer axis.
-  The layers are initialised one after another from ``rngs``, as the loop form's are, so
-  a seed gives the same weights in both forms."""
-  blocks = [Block(cfg, rngs=rngs, paged=False) for _ in range(cfg.num_layers)]
+def stacked_blocks(cfg, rngs: nnx.Rngs, block=None) -> nnx.Module:
+  """``cfg.num_layers`` blocks (of class ``block``: this module's ``Block`` by default, or
+  another family's with the same constructor) as one whose every weight has a leading layer
+  axis. The layers are initialised one after another from ``rngs``, as the loop form's
+  are, so a seed gives the same weights in both forms."""
+  block = block or Block
+  blocks = [block(cfg, rngs=rngs, paged=False) for _ in range(cfg.num_layers)]
   graphdef, first = nnx.split(blocks[0])
   states = [first] + [nnx.state(b) for b in blocks[1:]]
   return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))

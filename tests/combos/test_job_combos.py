@@ -186,22 +186,6 @@ class StreamReader:
     self.sock.close(0)
 
 
-def session_processes(sid: int) -> list[int]:
-  """Every live process of session ``sid`` (zombies are not running)."""
-  out = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-    except OSError:
-      continue
-    if int(fields[3]) == sid and fields[0] != "Z":
-      out.append(int(entry))
-  return out
-
-
 def reports(work, run):
   return [json.loads((work / f"{run}.p{i}.json").read_text()) for i in (0, 1)]
 
@@ -245,7 +229,7 @@ def jobs(tmp_path_factory):
       t_kill = time.monotonic()
       box["killed"] = helpers.finish_process(first, 60, "the job with a killed member")
       box["fail_s"] = time.monotonic() - t_kill
-      box["left"] = session_processes(first.pid)
+      box["left"] = helpers.session_processes(first.pid)
       again = start_job(work, "again", master)
       box["again_exit"] = helpers.finish_process(again, 240, "the restarted job")
       assert box["again_exit"][0] == 0, box["again_exit"][2][-3000:]

@@ -48,16 +48,7 @@ SHORT_PROMPTS = [[2, 818, 5279, 529, 7001, 563],
 # llama.cpp's greedy answers, in a process of its own (see test_model.py's LLAMA_CPP_LOGITS
 # for why repacking is off): per text, its prompt tokens, answer and each answer token's
 # logits (the last evaluated token's, read from the context). KV cache in float32.
-LLAMA_CPP_GREEDY = r"""
-import json, sys
-import numpy as np
-import llama_cpp
-defaults = llama_cpp.llama_cpp.llama_model_default_params
-def no_repacking():
-  params = defaults()
-  params.use_extra_bufts = False
-  return params
-llama_cpp.llama_cpp.llama_model_default_params = no_repacking
+LLAMA_CPP_GREEDY = helpers.LLAMA_CPP_PREAMBLE + r"""
 path, out, texts, new = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 f32 = llama_cpp.GGML_TYPE_F32
 llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=2, verbose=False, type_k=f32,

@@ -81,16 +81,7 @@ def test_logprobs_of_prompt_and_answer_equal_the_dense_forwards_log_softmax(mesh
 # dies evaluating them (SIGSEGV or SIGILL, on the developers' machine) unless this is off.
 # Float32 weights are not repacked: the setting only keeps a quantized file usable.
 # KV cache in float32, as jaxkv's.
-LLAMA_CPP_LOGITS = r"""
-import json, sys
-import numpy as np
-import llama_cpp
-defaults = llama_cpp.llama_cpp.llama_model_default_params
-def no_repacking():
-  params = defaults()
-  params.use_extra_bufts = False
-  return params
-llama_cpp.llama_cpp.llama_model_default_params = no_repacking
+LLAMA_CPP_LOGITS = helpers.LLAMA_CPP_PREAMBLE + r"""
 path, out, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 f32 = llama_cpp.GGML_TYPE_F32
 llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=64, n_threads=1, verbose=False,
