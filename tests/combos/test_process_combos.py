@@ -315,7 +315,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live
 
   def kill():
     os.killpg(proxy.proc.pid, signal.SIGKILL)
-    killed.append(time.monotonic())
+    killed.extend((time.monotonic(), router_stats()["health_checks"]))
 
   # A read that waits 30 s for a byte fails the test: a hang is an error here.
   with httpx.stream("POST", f"{router.url}/completions", json=body, headers=ALICE,
@@ -341,9 +341,11 @@ def test_a_replica_killed_mid_stream_ends_the_stream_and_the_next_go_to_the_live
   assert (last["retries"], last["replica_failures"]) == (
       after["retries"], after["replica_failures"]), (after, last)
   assert not state[proxy.base]["healthy"] and state[decode.base]["healthy"], state
-  # The health loop (every second) has looked at the dead replica since: it found it out
-  # already (a replica it takes out itself is logged "failed /health").
-  time.sleep(max(0.0, killed[0] + 1.5 - time.monotonic()))
+  # A whole health round has begun and ended since the kill (one may have been under way
+  # at it): it found the dead replica out already (one it takes out itself is logged
+  # "failed /health").
+  helpers.wait_for(lambda: router_stats()["health_checks"] >= killed[1] + 2, 30,
+                   "a health round begun after the kill", interval_s=0.1)
   with open(router.log_path, "rb") as f:
     f.seek(log_start)
     log = f.read().decode("utf-8", "replace")

@@ -171,7 +171,7 @@ class Router:
     self._turn = itertools.count()
     self.stats = {"requests": 0, "routed_by_prefix": 0, "indexer_errors": 0,
                   "retries": 0, "replica_failures": 0, "streams_broken": 0, "rejected_429": 0,
-                  "no_tokens": 0, "unauthenticated": 0}
+                  "no_tokens": 0, "unauthenticated": 0, "health_checks": 0}
     self.client: httpx.AsyncClient | None = None
     # url -> time.monotonic() of its last failed request: a health check begun before it
     # does not put the replica back.
@@ -257,6 +257,7 @@ class Router:
         logging.info("replica %s is healthy", r.url)
       r.healthy = ok
     await asyncio.gather(*(one(r) for r in self.replicas))
+    self.stats["health_checks"] += 1  # rounds finished: a reader can wait for the next one
 
   async def health_loop(self) -> None:
     while True:
