@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import hashlib
 import json
 import re
 import sys
 import types
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -457,31 +459,74 @@ class TierConfig:
     return self.pool_master is not None
 
 
-SCHEDULER_POLICIES = ("cost", "fetch", "recompute", "threshold", "split")
+def renamed_fields(**renames: str):
+  """Class decorator for a frozen config dataclass some of whose fields were renamed
+  (``old="new"``): ``Cls(old=v)`` still builds ``Cls(new=v)`` and ``obj.old`` still reads
+  ``obj.new``, each with a DeprecationWarning naming the new spelling, so a user's code
+  keeps working while it moves. The old name is no field: ``dataclasses.fields``,
+  ``asdict`` and ``repr`` show the new one only. Giving both spellings is refused."""
+
+  def decorate(cls):
+    init, name = cls.__init__, cls.__name__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+      for old, new in renames.items():
+        if old in kwargs:
+          _require(new not in kwargs,
+                   f"{name} got {new}={kwargs.get(new)!r} and its former name "
+                   f"{old}={kwargs[old]!r}; give {new} only.")
+          warnings.warn(f"{name}({old}=) is deprecated: it is {name}({new}=).",
+                        DeprecationWarning, stacklevel=2)
+          kwargs[new] = kwargs.pop(old)
+      init(self, *args, **kwargs)
+
+    def alias(old, new):
+      def get(self):
+        warnings.warn(f"{name}.{old} is deprecated: it is {name}.{new}.", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(self, new)
+      return property(get, doc=f"Deprecated: ``{new}`` under its former name.")
+
+    cls.__init__ = __init__
+    for old, new in renames.items():
+      setattr(cls, old, alias(old, new))
+    return cls
+
+  return decorate
 
 
+# What SchedulerConfig.decision may be. SCHEDULER_POLICIES is its former name.
+SCHEDULER_DECISIONS = ("cost", "fetch", "recompute", "threshold", "split")
+SCHEDULER_POLICIES = SCHEDULER_DECISIONS
+
+
+@renamed_fields(policy="decision")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
   """How cached blocks in lower tiers come back.
 
-  ``policy``: ``cost`` (default) lets the jitted plan choose fetch / recompute / split
-  from measured costs; ``fetch`` always fetches; ``recompute`` always recomputes;
-  ``threshold`` fetches only when at least ``threshold_tokens`` tokens are cached below
-  device (what common peers do); ``split`` forces the split ``force_split`` blocks after
-  the hot prefix (tests and experiments).
+  ``decision``: how the fetch-or-recompute decision is made. ``cost`` (default) lets the
+  jitted plan choose fetch / recompute / split from measured costs; ``fetch`` always
+  fetches; ``recompute`` always recomputes; ``threshold`` fetches only when at least
+  ``threshold_tokens`` tokens are cached below device (what common peers do); ``split``
+  forces the split ``force_split`` blocks after the hot prefix (tests and experiments).
+  Its former name ``policy`` still works, with a DeprecationWarning ("policy" also named
+  the router's routing, the serve run's cache and the scheduler's batching).
   ``inflight_blocks``: most blocks one shard fetches at once (0: no limit).
   ``cost_model_path``: a calibrated CostModel JSON to load instead of calibrating.
   """
 
-  policy: str = "cost"
+  decision: str = "cost"
   threshold_tokens: int = 256
   force_split: int = 0
   inflight_blocks: int = 0
   cost_model_path: str | None = None
 
   def __post_init__(self):
-    _require(self.policy in SCHEDULER_POLICIES,
-             f"SchedulerConfig.policy={self.policy!r} must be one of {SCHEDULER_POLICIES}.")
+    _require(self.decision in SCHEDULER_DECISIONS,
+             f"SchedulerConfig.decision={self.decision!r} must be one of "
+             f"{SCHEDULER_DECISIONS}.")
     for name in ("threshold_tokens", "force_split", "inflight_blocks"):
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
