@@ -43,8 +43,9 @@ from jaxkv.config import CacheConfig, TierConfig, check_fits_model
 from jaxkv.manager.index import TIER_NAMES, PrefixIndex, Tier
 from jaxkv.stats import Stats
 from jaxkv.worker.worker import CacheWorker
-from jaxkv.errors import CapacityError, InputError
+from jaxkv.errors import InputError
 from jaxkv.manager import CacheManager
+from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.events import BlockEvents
 from jaxkv.manager.publisher import EventPublisher, endpoint_host
 from jaxkv.scheduling.step import TierOrders
@@ -212,6 +213,29 @@ class KVCache:
     return c.pages_per_shard * c.page_bytes // model
 
   # ---- the device pools --------------------------------------------------------------------
+  def size_windows(self, rows_per_shard: int, chunk_pages: int) -> None:
+    """With a window group (``CacheConfig.window_layers``): sizes what the config left to
+    the engine (``window_pages_per_shard``: room for ``rows_per_shard`` running sequences
+    and as many kept windows again; ``window_copy_slots``: what one step's publishing can
+    order) and starts the manager's bookkeeping of the group (``manager.windows``). Before
+    ``attach``; nothing without a window group."""
+    c = self.config
+    if not c.has_windows:
+      return
+    if self.worker.attached:
+      raise InputError("size_windows comes before attach(model): the window pool is "
+                       "allocated with the model's pages.")
+    window = windows_lib.window_blocks(c.sliding_window, c.page_size)
+    ring = windows_lib.ring_blocks(c.sliding_window, c.page_size, chunk_pages)
+    pages = c.window_pages_per_shard or 2 * rows_per_shard * (ring + window) + 1
+    windows_lib.check_room(pages, ring, window, rows_per_shard)
+    slots = c.window_copy_slots or rows_per_shard * ring
+    self.config = dataclasses.replace(c, window_pages_per_shard=pages, window_copy_slots=slots)
+    self.worker.config = self.config
+    self.manager.windows = windows_lib.WindowPages(
+        num_shards=self.num_shards, pages_per_shard=pages, sliding_window=c.sliding_window,
+        page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats)
+
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),
     allocates the device pools inside its ``PagedKV`` layers, hands them to the worker and
@@ -220,10 +244,15 @@ class KVCache:
     if self.worker.attached:
       raise InputError("this KVCache already serves a model; build one KVCache per engine.")
     check_fits_model(self.config, model)  # its shapes are the model's, or it is refused
+    if self.config.has_windows and self.manager.windows is None:
+      raise InputError("a cache with a window group is sized for its engine's running "
+                       "sequences first: KVCache.size_windows(rows_per_shard, chunk_pages) "
+                       "(jaxkv.Engine calls it).")
     kvnnx.init_pages(model, self.config, self.mesh)
+    windows = kvnnx.window_leaf_ids(model)
     graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
     self._bind_weights(identity.weights_digest(model, rest))
-    self.worker.take_pools(state)
+    self.worker.take_pools(state, windows)
     return graphdef, rest
 
   def update_pools(self, fn) -> tuple:
@@ -241,6 +270,8 @@ class KVCache:
     """After a failed step consumed the donated pools: the cached bytes are gone, so the
     index forgets every unreferenced device block and the pools start again from zeros."""
     self.manager.forget_device_blocks()
+    if self.manager.windows is not None:
+      self.manager.windows.forget()
     self.worker.zero_pools()
 
   def put_rows(self, x: np.ndarray) -> jax.Array:

@@ -61,6 +61,9 @@ def _positive_int(obj, name: str) -> None:
 # rather than restated: ``CacheConfig.for_model`` fills them, and a cache whose fields
 # differ from its model's is refused when it is attached (``check_fits_model``).
 MODEL_SHAPES = ("num_layers", "num_kv_heads", "head_dim")
+# A model with a window group (sliding-window layers whose pages the cache keeps only while
+# a window needs them) declares these too; ``for_model`` reads them like the shapes.
+WINDOW_SHAPES = ("window_layers", "sliding_window")
 
 
 def _declares_shapes(obj) -> bool:
@@ -93,6 +96,10 @@ def model_shapes(model_or_config) -> dict:
     return {**kvnnx.layer_shapes(model_or_config),
             "model_name": _model_name(model_or_config, model_or_config)}
   out = {name: getattr(src, name) for name in MODEL_SHAPES}
+  local = getattr(src, "window_layers", 0)
+  if isinstance(local, int) and local > 0:  # a window group (jaxkv.models.Gemma3Config)
+    out["num_layers"] -= local
+    out["window_layers"], out["sliding_window"] = local, src.sliding_window
   dtype = getattr(src, "dtype", None)
   if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
     out["dtype"] = dtype
@@ -122,9 +129,9 @@ def check_fits_model(config: CacheConfig, model) -> None:
   """Refuses (``InputError``) a cache whose shapes (``MODEL_SHAPES``) are not ``model``'s
   (read as ``model_shapes`` reads them), naming each field that differs, both values and the
   fix. ``KVCache.attach`` calls it, before any page is allocated."""
-  have = model_shapes(model)
+  have = {"window_layers": 0, "sliding_window": 0, **model_shapes(model)}
   bad = [f"CacheConfig.{name}={getattr(config, name)!r} but the model has {name}={have[name]!r}"
-         for name in MODEL_SHAPES if getattr(config, name) != have[name]]
+         for name in (*MODEL_SHAPES, *WINDOW_SHAPES) if getattr(config, name) != have[name]]
   _require(not bad,
            "; ".join(bad) + ": a cache's pages hold its model's K/V, so its shapes are the "
            "model's. Build it from the model: CacheConfig.for_model(model, page_size=..., "
@@ -142,6 +149,13 @@ class CacheConfig:
   ``attention_chunk_pages``: attention walks a sequence's pages in chunks of this many
   (online softmax), so its memory is one chunk and its result does not depend on the
   page-table width (see ``jaxkv.ops.paged_attention``).
+  ``window_layers``, ``sliding_window``: a model's window group (``jaxkv.nnx.PagedKV(window=
+  W)``: Gemma 3's local layers), read from the model like the shapes; ``num_layers`` then
+  counts the other layers, the ones a block holds. The window group has its own device pool,
+  ``window_pages_per_shard`` pages per shard (0: sized by the engine for its running
+  sequences), which keeps only what windows need (``jaxkv.manager.windows``); it never
+  goes to a lower tier. ``window_copy_slots``: most window pages copied per shard in one
+  order (one compiled shape; 0: sized by the engine).
   ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the
   chunked jnp path), ``pallas_gpu`` / ``pallas_tpu`` (jaxkv's Pallas kernel in its GPU or
   TPU form; Pallas' interpreter off that hardware), ``auto`` (``resolve_attention_impl``).
@@ -165,6 +179,10 @@ class CacheConfig:
   # The model's structure and weights (``jaxkv.identity.weights_digest``), part of the
   # fingerprint: "" = computed from the model when an engine attaches it to the cache.
   weights_digest: str = ""
+  window_layers: int = 0
+  sliding_window: int = 0
+  window_pages_per_shard: int = 0
+  window_copy_slots: int = 0
 
   def __post_init__(self):
     _require(
@@ -180,6 +198,14 @@ class CacheConfig:
     for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "pages_per_shard",
                  "max_pages_per_seq", "attention_chunk_pages"):
       _positive_int(self, name)
+    for name in ("window_layers", "sliding_window", "window_pages_per_shard",
+                 "window_copy_slots"):
+      v = getattr(self, name)
+      _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+               f"CacheConfig.{name}={v!r} must be an integer >= 0.")
+    _require((self.window_layers > 0) == (self.sliding_window > 0),
+             f"CacheConfig window_layers={self.window_layers} and sliding_window="
+             f"{self.sliding_window} must be set together (a model's window group) or both 0.")
     _require(self.attention_impl in ATTENTION_IMPLS,
              f"CacheConfig.attention_impl={self.attention_impl!r} must be one of "
              f"{ATTENTION_IMPLS}.")
@@ -208,7 +234,7 @@ class CacheConfig:
     ``budgets`` give every other field (``page_size``, ``pages_per_shard``,
     ``max_pages_per_seq``, ...) and may replace ``model_name`` or ``dtype``. The shapes
     themselves are the model's only: naming one here is refused."""
-    restated = [name for name in MODEL_SHAPES if name in budgets]
+    restated = [name for name in (*MODEL_SHAPES, *WINDOW_SHAPES) if name in budgets]
     _require(not restated,
              f"CacheConfig.for_model reads {', '.join(restated)} from the model; drop "
              f"{', '.join(f'{n}={budgets[n]!r}' for n in restated)} from its arguments.")
@@ -226,8 +252,20 @@ class CacheConfig:
     return self.max_pages_per_seq * self.page_size
 
   @property
+  def has_windows(self) -> bool:
+    """Whether the model has a window group (``window_layers``)."""
+    return self.window_layers > 0
+
+  @property
+  def window_page_bytes(self) -> int:
+    """Bytes of one window-group page: K and V of its layers for ``page_size`` tokens."""
+    return (2 * self.window_layers * self.num_kv_heads * self.page_size * self.head_dim
+            * self.jnp_dtype.itemsize)
+
+  @property
   def page_bytes(self) -> int:
-    """Bytes of one block: K and V of ``page_size`` tokens for all layers and kv heads."""
+    """Bytes of one block: K and V of ``page_size`` tokens for all layers and kv heads (the
+    window group's layers are not in a block)."""
     return (2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim
             * self.jnp_dtype.itemsize)
 
@@ -248,6 +286,8 @@ class CacheConfig:
         "head_dim": self.head_dim,
         "weights": self.weights_digest,
     }
+    if self.window_layers:  # (caches without a window group keep their fingerprints)
+      meta["window"] = [self.window_layers, self.sliding_window]
     impl = resolve_attention_impl(self.attention_impl)
     if impl != "jnp":  # the jnp path's fingerprints stay those of earlier versions
       meta["attention"] = impl

@@ -52,6 +52,13 @@ class KVPages(nnx.Cache):
   layers' (``PagedKV(num_layers=L)``): ``[L, kv_heads, num_pages, page_size, head_dim]``."""
 
 
+class WindowPages(KVPages):
+  """The K or V pages of a stack of sliding-window layers (``PagedKV(window=W)``): the
+  cache's window group, ``[L, kv_heads, num_window_pages, page_size, head_dim]``. Its pages
+  hold only what a running sequence's window still needs, and the cached windows before
+  block boundaries (``jaxkv.manager.windows``); they never go to a lower tier."""
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StreamBatch:
@@ -81,26 +88,40 @@ class PageBatch:
   # token). A model may return logits for those alone, [B, 1, vocab]: the output head is
   # the largest matmul of a long prefill. None: every token's.
   logits_at: jax.Array | None = None
+  # [B, pages_per_seq] int32: the window group's page of each block (shard-local ids of
+  # the window pool); None when the cache has no window group.
+  window_table: jax.Array | None = None
 
 
 class PagedKV(nnx.Module):
   """Paged KV storage and attention for one layer, or with ``num_layers`` for a stack of
-  identical layers run under a scan (``attend`` in the scan's body)."""
+  identical layers run under a scan (``attend`` in the scan's body).
 
-  def __init__(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None):
+  ``window``: a stack of sliding-window layers that each see their ``window`` most recent
+  tokens: the cache's window group. Its pages are the window pool's (``WindowPages``,
+  addressed by ``PageBatch.window_table``), which keeps only the blocks a window still
+  needs; without it every block of a sequence stays for these layers too."""
+
+  def __init__(self, *, num_kv_heads: int, head_dim: int, num_layers: int | None = None,
+               window: int = 0):
     if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool)
                                    or num_layers <= 0):
       raise InputError(f"PagedKV num_layers={num_layers!r} must be a positive integer or None "
                        "(one layer).")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+      raise InputError(f"PagedKV window={window!r} must be 0 or a positive number of tokens "
+                       "(the sliding window of the layers in the cache's window group).")
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
     self.num_layers = num_layers
+    self.window = window
     self.k_index = -1  # where this layer's K and V (a stack's first layer's) sit among the
     self.v_index = -1  # rows tiers move (set by init_pages; used to find them in the host pool)
     lead = () if num_layers is None else (num_layers,)
     empty = jnp.zeros((*lead, num_kv_heads, 0, 1, head_dim), jnp.float32)
-    self.k_pages = KVPages(empty)
-    self.v_pages = KVPages(empty)
+    kind = WindowPages if window else KVPages
+    self.k_pages = kind(empty)
+    self.v_pages = kind(empty)
 
   @property
   def layers(self) -> int:
@@ -144,8 +165,18 @@ class PagedKV(nnx.Module):
           block_valid=st.block_valid, host_pool=st.host_pool, cold_slots=st.cold_slots,
           cold_first=st.cold_first, cold_count=st.cold_count,
           pages_per_chunk=st.pages_per_chunk, k_index=self.k_index, v_index=self.v_index)
+    table = batch.page_table
+    if self.window:
+      if batch.window_table is None:
+        raise InputError("a PagedKV(window=...) stack needs PageBatch.window_table (the window "
+                         "group's pages): build the cache from the model (CacheConfig.for_model "
+                         "reads its window group) and run it through jaxkv's engine.")
+      if stream is not None:
+        raise InputError("a sequence longer than the device pool cannot stream through a "
+                         "window group's layers; raise pages_per_shard.")
+      table, window = batch.window_table, self.window
     return pages_lib.write_and_attend(
-        q, k, v, k_pages, v_pages, batch.page_table, batch.positions, batch.kv_lens,
+        q, k, v, k_pages, v_pages, table, batch.positions, batch.kv_lens,
         mesh=batch.mesh, config=batch.config, stream=stream, layer=layer, window=window)
 
 
@@ -157,7 +188,9 @@ def paged_layers(model: nnx.Module) -> list[PagedKV]:
 def layer_shapes(model: nnx.Module) -> dict:
   """``num_layers``, ``num_kv_heads`` and ``head_dim`` of an NNX model's ``PagedKV`` layers
   (their count, and the kv heads and head_dim every one must share): what
-  ``jaxkv.config.model_shapes`` reads from a model without a config attribute."""
+  ``jaxkv.config.model_shapes`` reads from a model without a config attribute. A model
+  with a window group (``PagedKV(window=W)``) adds ``window_layers`` and ``sliding_window``;
+  ``num_layers`` then counts the other layers (those whose blocks the tiers keep)."""
   layers = paged_layers(model) if isinstance(model, nnx.Module) else []
   if not layers:
     raise InputError(config_lib.no_shapes(model))
@@ -165,8 +198,16 @@ def layer_shapes(model: nnx.Module) -> dict:
   if len(kinds) != 1:
     raise InputError(f"the model's PagedKV layers have different (num_kv_heads, head_dim): "
                      f"{kinds}; one cache holds layers of one shape.")
-  return {"num_layers": sum(layer.layers for layer in layers), "num_kv_heads": kinds[0][0],
-          "head_dim": kinds[0][1]}
+  out = {"num_layers": sum(layer.layers for layer in layers if not layer.window),
+         "num_kv_heads": kinds[0][0], "head_dim": kinds[0][1]}
+  windows = sorted({layer.window for layer in layers if layer.window})
+  if len(windows) > 1:
+    raise InputError(f"the model's PagedKV stacks have different windows {windows}; one "
+                     "cache keeps one window group.")
+  if windows:
+    out["window_layers"] = sum(layer.layers for layer in layers if layer.window)
+    out["sliding_window"] = windows[0]
+  return out
 
 
 def num_paged_layers(model: nnx.Module) -> int:
@@ -175,13 +216,16 @@ def num_paged_layers(model: nnx.Module) -> int:
 
 
 def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
-  """Allocates every ``PagedKV`` layer's pools (zeros) in the config's sharding."""
+  """Allocates every ``PagedKV`` layer's pools (zeros) in the config's sharding: the window
+  group's with ``config.window_pages_per_shard`` pages per shard."""
   layers = paged_layers(model)
-  count = sum(m.layers for m in layers)
-  if count != config.num_layers:
+  count = sum(m.layers for m in layers if not m.window)
+  windowed = sum(m.layers for m in layers if m.window)
+  if count != config.num_layers or windowed != config.window_layers:
     raise InputError(
-        f"the model has {count} PagedKV layers but CacheConfig.num_layers="
-        f"{config.num_layers}; make them agree.")
+        f"the model has {count} PagedKV layers and {windowed} in a window group but "
+        f"CacheConfig.num_layers={config.num_layers}, window_layers={config.window_layers}; "
+        "make them agree (CacheConfig.for_model(model, ...) reads them).")
   for i, layer in enumerate(layers):
     if (layer.num_kv_heads, layer.head_dim) != (config.num_kv_heads, config.head_dim):
       raise InputError(
@@ -190,13 +234,23 @@ def init_pages(model: nnx.Module, config: CacheConfig, mesh: Mesh) -> None:
           f"{config.head_dim}; make them agree.")
   pages_lib.validate_mesh(mesh, config)
   for layer in layers:
-    layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
-    layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers))
+    pages = config.window_pages_per_shard if layer.window else None
+    layer.k_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers,
+                                                 pages=pages))
+    layer.v_pages.set_value(pages_lib.zeros_pool(mesh, config, layers=layer.num_layers,
+                                                 pages=pages))
   # The flattened cache state's page arrays give a block's rows in the tiers (gather_stacked:
   # K0, V0, K1, V1, ...; a stack's layers interleaved): remember where each layer's K and V
-  # (a stack's layer 0's) are.
-  leaves = jax.tree.leaves(nnx.state(model, KVPages))
+  # (a stack's layer 0's) are. The window group's are not among them.
+  windows = window_leaf_ids(model)
+  leaves = [x for x in jax.tree.leaves(nnx.state(model, KVPages)) if id(x) not in windows]
   order = {id(leaf): row for leaf, row in zip(leaves, pages_lib.first_rows(leaves))}
   for layer in layers:
-    layer.k_index = order[id(layer.k_pages.get_value())]
-    layer.v_index = order[id(layer.v_pages.get_value())]
+    if not layer.window:
+      layer.k_index = order[id(layer.k_pages.get_value())]
+      layer.v_index = order[id(layer.v_pages.get_value())]
+
+
+def window_leaf_ids(model: nnx.Module) -> frozenset:
+  """``id`` of the arrays of the model's window group (``WindowPages``), as they are now."""
+  return frozenset(id(x) for x in jax.tree.leaves(nnx.state(model, WindowPages)))

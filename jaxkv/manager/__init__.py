@@ -68,6 +68,9 @@ class CacheManager:
     self.index, self.stats = index, stats
     # What the index holds, told to routers (``jaxkv.manager.events``; None: not published).
     self.events: BlockEvents | None = None
+    # The window group's pages (``jaxkv.manager.windows.WindowPages``), for a model with
+    # sliding-window layers; None otherwise (``KVCache.size_windows`` sets it).
+    self.windows = None
     self.num_shards, self.page_size, self.page_bytes = (index.num_shards, index.page_size,
                                                         page_bytes)
     self.write_through, self.has_disk = write_through, has_disk

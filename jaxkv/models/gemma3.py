@@ -20,8 +20,16 @@ rotate-half RoPE it shares):
 The layers run under a scan over stacked weights (``scan_layers``, the default) as the
 Llama does; a layer's window and which RoPE it uses ride in the scan as traced values
 (``PagedKV.attend(..., window=w)``, ``w = 0`` for a global layer), so one layer is compiled
-for both kinds. Every layer keeps its pages for the whole sequence here: a local layer's
-window only masks what it reads.
+for both kinds.
+
+KV groups (``kv_groups``, the default): the local layers' K/V live in the cache's window
+group (``PagedKV(window=sliding_window)``, its own pool), which keeps only the blocks a
+running sequence's window still needs plus cached windows before block boundaries, so a
+long sequence's device memory is about the global layers' share; only the global layers'
+blocks go to the lower tiers. In the scan each layer attends through the group it belongs
+to (a ``lax.cond`` on its kind). ``kv_groups=False`` keeps every layer's pages for the whole
+sequence (a local layer's window then only masks what it reads): the all-global layout,
+for comparison.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class Gemma3Config:
   dtype: str = "float32"
   tie_embeddings: bool = True
   scan_layers: bool = True
+  kv_groups: bool = True  # local layers' KV in the cache's window group (see the module doc)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -99,6 +108,13 @@ class Gemma3Config:
     return (layer + 1) % self.global_every == 0
 
   @property
+  def window_layers(self) -> int:
+    """Layers whose KV the cache keeps in its window group (0 without ``kv_groups``)."""
+    if not self.kv_groups:
+      return 0
+    return sum(not self.is_global(i) for i in range(self.num_layers))
+
+  @property
   def attn_scale(self) -> float:
     """What the queries are multiplied by so that the ops' ``head_dim ** -0.5`` scales the
     scores by ``query_pre_attn_scalar ** -0.5`` (1 when they agree, as in the 270M)."""
@@ -133,7 +149,8 @@ class Attention(nnx.Module):
   """With ``paged`` the module keeps its own ``PagedKV``; without (a layer of a scanned
   stack) it is called with ``attend``, the stack's attention for its layer."""
 
-  def __init__(self, cfg: Gemma3Config, *, rngs: nnx.Rngs, paged: bool = True):
+  def __init__(self, cfg: Gemma3Config, *, rngs: nnx.Rngs, paged: bool = True,
+               window: bool = False):
     dt = jnp.dtype(cfg.dtype)
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
     self.cfg = cfg
@@ -144,7 +161,8 @@ class Attention(nnx.Module):
     self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.norm_eps, dt)
     self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.norm_eps, dt)
     if paged:
-      self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+      self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                              window=cfg.sliding_window if window else 0)
 
   def __call__(self, x, batch: kvnnx.PageBatch, is_global, attend=None):
     b, t, _ = x.shape
@@ -158,6 +176,8 @@ class Attention(nnx.Module):
       q = (q * c.attn_scale).astype(q.dtype)
     if attend is not None:
       out = attend(q, k, v)
+    elif self.kv.window:  # the window group's pages: the layer's window is the stack's
+      out = self.kv(q, k, v, batch)
     else:
       out = self.kv(q, k, v, batch, window=0 if is_global else c.sliding_window)
     return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
@@ -179,11 +199,12 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: Gemma3Config, *, rngs: nnx.Rngs, paged: bool = True):
+  def __init__(self, cfg: Gemma3Config, *, rngs: nnx.Rngs, paged: bool = True,
+               window: bool = False):
     dt = jnp.dtype(cfg.dtype)
     norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
     self.input_norm = norm()
-    self.attn = Attention(cfg, rngs=rngs, paged=paged)
+    self.attn = Attention(cfg, rngs=rngs, paged=paged, window=window)
     self.post_attn_norm = norm()
     self.pre_mlp_norm = norm()
     self.mlp = MLP(cfg, rngs=rngs)
@@ -206,10 +227,16 @@ class Gemma3(nnx.Module):
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
     if cfg.scan_layers:
       self.layers = llama.stacked_blocks(cfg, rngs, Block)
+      local = cfg.window_layers
       self.kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                              num_layers=cfg.num_layers)
+                              num_layers=cfg.num_layers - local)
+      if local:
+        self.window_kv = kvnnx.PagedKV(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                       num_layers=local, window=cfg.sliding_window)
     else:
-      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+      self.layers = nnx.List([
+          Block(cfg, rngs=rngs, window=cfg.kv_groups and not cfg.is_global(i))
+          for i in range(cfg.num_layers)])
     self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps, dt)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dt,
@@ -240,29 +267,54 @@ class Gemma3(nnx.Module):
 
   def _scan_layers(self, x, batch):
     """One compiled layer scanned over the stacked weights, each layer's kind (global or
-    local) and window carried beside its weights; the pages ride in the carry."""
+    local) and window carried beside its weights; the pages ride in the carry. With KV
+    groups a layer's pages are its group's: the global stack's at its index among the
+    global layers, or the window group's at its index among the local ones."""
     graphdef, weights = nnx.split(self.layers)
     kv, cfg = self.kv, self.cfg
-    is_global = jnp.asarray([cfg.is_global(i) for i in range(cfg.num_layers)])
+    kinds = [cfg.is_global(i) for i in range(cfg.num_layers)]
+    is_global = jnp.asarray(kinds)
     windows = jnp.where(is_global, 0, cfg.sliding_window).astype(jnp.int32)
+    groups = cfg.window_layers > 0
+    if groups:  # each layer's index in its own group's stack
+      index = [sum(kinds[:i]) if g else i - sum(kinds[:i]) for i, g in enumerate(kinds)]
+    else:
+      index = list(range(cfg.num_layers))
+    win = self.window_kv if groups else None
 
     def body(carry, xs):
-      x, k_pages, v_pages = carry
+      x, pages = carry
       layer, glob, window, w = xs
-      pages = {}
+      out = {}
 
       def attend(q, k, v):
-        out, pages["k"], pages["v"] = kv.attend(q, k, v, batch, k_pages, v_pages, layer,
-                                                window=window)
-        return out
+        if not groups:
+          o, k_p, v_p = kv.attend(q, k, v, batch, *pages, layer, window=window)
+          out["pages"] = (k_p, v_p)
+          return o
+
+        def global_layer(q, k, v, pages):
+          o, k_p, v_p = kv.attend(q, k, v, batch, pages[0], pages[1], layer)
+          return o, (k_p, v_p, *pages[2:])
+
+        def local_layer(q, k, v, pages):
+          o, k_p, v_p = win.attend(q, k, v, batch, pages[2], pages[3], layer)
+          return o, (*pages[:2], k_p, v_p)
+
+        o, out["pages"] = jax.lax.cond(glob, global_layer, local_layer, q, k, v, pages)
+        return o
 
       x = nnx.merge(graphdef, w)(x, batch, glob, attend)
-      return (x, pages["k"], pages["v"]), None
+      return (x, out["pages"]), None
 
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_pages, v_pages), _ = jax.lax.scan(
-        body, (x, kv.k_pages.get_value(), kv.v_pages.get_value()),
-        (layers, is_global, windows, weights))
-    kv.k_pages.set_value(k_pages)
-    kv.v_pages.set_value(v_pages)
+    pages = (kv.k_pages.get_value(), kv.v_pages.get_value())
+    if groups:
+      pages += (win.k_pages.get_value(), win.v_pages.get_value())
+    layers = jnp.asarray(index, dtype=jnp.int32)
+    (x, pages), _ = jax.lax.scan(body, (x, pages), (layers, is_global, windows, weights))
+    kv.k_pages.set_value(pages[0])
+    kv.v_pages.set_value(pages[1])
+    if groups:
+      win.k_pages.set_value(pages[2])
+      win.v_pages.set_value(pages[3])
     return x

@@ -9,7 +9,7 @@ batch (at most ``max_seqs_per_shard`` sequences per data shard). For each one it
 longest cached prefix of its blocks is, on every shard and in every tier: this shard's
 device pool, its host pool, the disk store, another shard's device pool (copied across
 with a collective), another job (remote). The request goes to the shard where it is
-predicted cheapest (the ``cost`` policy runs the plan over every shard when that is a
+predicted cheapest (the ``cost`` decision runs the plan over every shard when that is a
 real choice), else to the one with the longest, most-on-device prefix. Placing it takes
 references on its cached blocks and allocates device pages for everything it will write;
 a lower-tier block becomes a ``Fetch`` into one of those pages. The result, a frozen
@@ -72,6 +72,10 @@ class Placement:
   hit_tiers: tuple
   fetches: tuple
   evicted: tuple = ()  # (shard, page, key) of cached blocks whose pages it took
+  # The window group's (a model with sliding-window layers; ``jaxkv.manager.windows``): the
+  # sequence's ring of pages, and ``(block, page)`` of the kept window blocks it pins.
+  window_ring: tuple = ()
+  window_held: tuple = ()
 
   @property
   def hot_blocks(self) -> int:
@@ -300,11 +304,24 @@ class Admission:
         elif tier == Tier.SHARD:  # the source page on the other shard stays put meanwhile
           (m.acquire if take else m.release)(slot[0], [slot[1]], Tier.DEVICE)
 
+    windows = m.windows
+    if windows is not None:  # a hit needs the window before its cut (and before the hot part)
+      found = found[:self._window_cut(windows, shard, req.keys, found)]
     pins(True)
+    ring, held = (), {}
+    if windows is not None:
+      hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
+      taken = windows.place(shard, req.keys, (hot, len(found)))
+      if taken is None:
+        pins(False)
+        return None
+      ring, held = taken
     n_device = sum(t == Tier.DEVICE for t, _ in found)
     fresh, evicted = self.manager.allocate_pages(shard, req.num_pages_needed - n_device)
     if fresh is None:
       pins(False)
+      if windows is not None:
+        windows.release(shard, ring, held.values())
       return None
     fresh = collections.deque(fresh)
     pages, fetches = [], []
@@ -318,7 +335,20 @@ class Admission:
     pages.extend(fresh)
     return Placement(request=req, shard=shard, pages=tuple(pages),
                      hit_tiers=tuple(t for t, _ in found), fetches=tuple(fetches),
-                     evicted=evicted)
+                     evicted=evicted, window_ring=tuple(ring),
+                     window_held=tuple(sorted(held.items())))
+
+  @staticmethod
+  def _window_cut(windows, shard: int, keys, found: list) -> int:
+    """How much of a cached prefix a model with a window group can use on ``shard``: the
+    longest cut whose window is kept there; past the blocks on device only if the window
+    before them is kept too (a plan that recomputes from there, or a fetch that fails,
+    resumes at it)."""
+    hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
+    cut = windows.cover(shard, keys, len(found))
+    if cut > hot and windows.cover(shard, keys, hot) != hot:
+      cut = windows.cover(shard, keys, hot)
+    return cut
 
 
 def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:

@@ -60,11 +60,12 @@ import time
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 from absl import logging
 
 from jaxkv import buckets
 from jaxkv.scheduling.admission import Placement, Request
+from jaxkv.manager import windows as windows_lib
+from jaxkv.scheduling.publishing import Publishing
 from jaxkv.manager.index import TIER_NAMES, Tier
 from jaxkv.scheduling.step import (DecodeRow, FetchGroup, FetchReport, PrefillChunk, SeqRows,
                                    StepPlan, StepResult, TierOrders)
@@ -233,6 +234,8 @@ class Scheduler:
     # Request ids to end at the next step that can -> "abort", or "error" (its callback raised).
     self._aborting: dict[int, str] = {}
     self._orders = TierOrders()  # tier work decided since the last plan, for the next one
+    self.publishing = Publishing(manager, self.page, prefix_reuse=prefix_reuse,
+                                 cache_decode_blocks=cache_decode_blocks)
 
   # ---- the queue -------------------------------------------------------------------------------
   def add(self, handle: RequestHandle) -> RequestHandle:
@@ -245,7 +248,7 @@ class Scheduler:
 
   def has_orders(self) -> bool:
     """Whether tier work waits for a plan (none left to carry it: a plan of orders alone)."""
-    return not self._orders.empty
+    return not self._orders.empty or bool(self.publishing.window_copies)
 
   def _take_orders(self, *more: TierOrders) -> TierOrders:
     """The orders decided since the last plan (and ``more``), with every copy's
@@ -253,6 +256,12 @@ class Scheduler:
     orders = sum(more, self._orders)
     self._orders = TierOrders()
     return self.manager.resolve(orders)
+
+  def _release(self, p: Placement) -> None:
+    """Gives back what a placed request holds: its device pages, its window ring and pins."""
+    self.manager.release(p.shard, p.pages)
+    if self.manager.windows is not None:
+      self.manager.windows.release_placement(p)
 
   def abort(self, request_id: int, reason: str = "abort") -> None:
     """Ends a request (its caller went away) at the start of the next step that can: a
@@ -274,7 +283,7 @@ class Scheduler:
     in_flight = {s.handle.id for seqs, _ in self.groups.values() for s in seqs}
     for s in list(self.running.values()):
       if s.handle.id in self._aborting and s.handle.id not in in_flight:
-        self.manager.release(s.placement.shard, s.placement.pages)
+        self._release(s.placement)
         del self.running[s.row]
         ended.append(s.handle.id)
     self.manager.forget_peer_lookups(ended)
@@ -294,10 +303,12 @@ class Scheduler:
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
-                      orders=self._take_orders(), block_bytes=self.manager.page_bytes,
+                      orders=self._take_orders(), window_copies=self.publishing.take_copies(),
+                      block_bytes=self.manager.page_bytes,
                       want_logits=(self.handles[request.id].logits is not None
                                    or self.handles[request.id].logprobs is not None))
     admitted, fetch, evicted = self._admit()
+    copies = self.publishing.take_copies()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = [self._next_chunk(s) for s in self.running.values()
                if not s.decoding and s.spans]
@@ -310,7 +321,7 @@ class Scheduler:
                        if s.handle.id in first and s.placement.request.max_new_tokens == 1)
     return StepPlan(
         step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
-        orders=self._take_orders(TierOrders(demote=evicted)),
+        orders=self._take_orders(TierOrders(demote=evicted)), window_copies=copies,
         block_bytes=self.manager.page_bytes,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
@@ -376,7 +387,7 @@ class Scheduler:
                                     for p in placed])
     except BaseException:  # placed, not running: give back what placing took
       for p in placed:
-        self.manager.release(p.shard, p.pages)
+        self._release(p)
         for f in p.fetches:
           self.manager.release_pin(f)
       self.waiting.extendleft(reversed([p.request for p in placed]))
@@ -393,7 +404,8 @@ class Scheduler:
       req = p.request
       seq = _Seq(handle=self.handles[req.id], placement=p, row=free[p.shard].pop(0),
                  split=s, spans=collections.deque(), recompute_end=s * page,
-                 rows=SeqRows(req.id, p.shard, p.pages, req.num_pages_needed, req.sampling))
+                 rows=SeqRows(req.id, p.shard, p.pages, req.num_pages_needed, req.sampling,
+                              window_pages=windows_lib.placement_row(p, s, p.cached_blocks)))
       if s > p.hot_blocks:
         seq.spans.append((p.hot_blocks * page, s * page))
       seqs.append(seq)
@@ -437,7 +449,7 @@ class Scheduler:
       self._notify(out)
       return aborted + [out]
     by_id = {s.handle.id: s for s in self.running.values()}
-    self._publish_chunks(plan.prefill, by_id)
+    self._orders += self.publishing.chunks(plan.prefill, by_id)
     for request, scores in (result.prompt_logprobs or {}).items():
       handle = by_id[request].handle
       handle.prompt_logprobs += _scored(scores, handle.request.sampling.prompt_logprobs)
@@ -498,48 +510,23 @@ class Scheduler:
       mine = outcomes[s.handle.id]
       # Recompute from the first bad block on.
       hit = min([p.cached_blocks] + [f.block for f, why in mine if why is not None])
+      if p.window_ring and hit < p.cached_blocks:
+        # The window group has the window before the split (the recompute's ring, or the
+        # kept window before the blocks on device), not before the bad block: from there.
+        hit = min(hit, s.split)
+        s.rows = dataclasses.replace(s.rows,
+                                     window_pages=windows_lib.placement_row(p, s.split, hit))
       for f, why in mine:  # verified and still part of the hit: the copy is good
         if why is None and f.block < hit:
-          self._publish(p.shard, f.page, p.request.keys, f.block, [])
+          self.publishing.block(p.shard, f.page, p.request.keys, f.block, [])
       _count_prompt(s, hit, self.page, self.stats, self.manager)
       s.spans.append((max(hit, s.split) * self.page, len(p.request.tokens)))
-
-  # ---- publishing --------------------------------------------------------------------------------
-  def _publish(self, shard, page, keys, j, published: list) -> None:
-    if self.manager.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
-      published.append((shard, page, keys[j]))
-
-  def _write_through(self, published: list) -> None:
-    """Orders the copies of freshly published blocks to every lower tier (write-through):
-    carried out by the next plan, before anything of it writes a page."""
-    if published and self.manager.write_through:
-      self._orders += TierOrders(write_through=tuple(published))
-
-  def _publish_chunks(self, chunks, by_id: dict) -> None:
-    """Publishes the full blocks each chunk of the step wrote (the step is dispatched, so
-    any later read of those pages runs after it): a request waiting for a shared prefix
-    can start once its blocks are written, not once the writer's whole prompt is done."""
-    if not self.prefix_reuse:
-      return
-    published = []
-    for c in chunks:
-      p = by_id[c.seq.request].placement
-      for j in range(c.start // self.page, (c.start + len(c.tokens)) // self.page):
-        self._publish(p.shard, p.pages[j], p.request.keys, j, published)
-    self._write_through(published)
 
   # ---- leaving -----------------------------------------------------------------------------------
   def _leave(self, s: _Seq) -> None:
     """A request's last token: its answer's blocks are published, its pages released."""
-    p = s.placement
-    if self.prefix_reuse and self.cache_decode_blocks:
-      written = np.concatenate([p.request.tokens, np.asarray(s.handle.tokens, np.int32)])
-      keys = self.manager.block_keys(written, p.request.tenant)
-      published = []
-      for j in range(len(p.request.tokens) // self.page, len(keys)):
-        self._publish(p.shard, p.pages[j], keys, j, published)
-      self._write_through(published)
-    self.manager.release(p.shard, p.pages)
+    self._orders += self.publishing.answer(s)
+    self._release(s.placement)
     del self.running[s.row]
 
   def _complete(self, handle: RequestHandle, t_done: float) -> None:
@@ -566,11 +553,13 @@ class Scheduler:
     self._aborting.clear()
     # Orders not carried out are dropped: the failed step may have consumed the pools (a
     # lost copy is a miss later, a copy of bytes no longer the blocks' a wrong hit).
-    self._orders = TierOrders()
+    self._orders, self.publishing.window_copies = TierOrders(), []
+    if self.manager.windows is not None:  # kept blocks whose copies were dropped
+      self.manager.windows.forget()
     unsettled = {g: fetches for g, (_, fetches) in self.groups.items()}
     self.groups.clear()
     for s in self.running.values():
-      self.manager.release(s.placement.shard, s.placement.pages)
+      self._release(s.placement)
     self.running.clear()
     handles, self.handles = self.handles, {}
     for handle in handles.values():  # waiting, running, or taken off the queue by the step

@@ -208,6 +208,9 @@ class SeqRows:
   pages: tuple  # device pages, block order
   num_pages: int  # pages the request can ever need (the page table's width bucket)
   sampling: SamplingParams
+  # The window group's page of each block (``jaxkv.manager.windows.table_row``); () without
+  # a window group.
+  window_pages: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,11 +258,13 @@ class StepPlan:
   want_logits: bool = False
   want_logprobs: bool = False  # a row's tokens come with their log-probabilities
   block_bytes: int = 0  # bytes of one block (every layer's K and V), for ``summary``
+  # (shard, ring page, kept page), ...: window-group blocks kept, copied before the step
+  window_copies: tuple = ()
 
   @property
   def empty(self) -> bool:
     return not (self.decode or self.prefill or self.fetch or self.settle or self.streamed
-                or not self.orders.empty)
+                or self.window_copies or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:
     """Blocks this step moves between tiers, by route: what was decided (``write_through``,

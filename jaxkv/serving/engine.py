@@ -70,6 +70,7 @@ class Engine:
     check_stream_config(stream, cache, config)
     _check_context(model, cache)
     self.model = model
+    cache.size_windows(config.max_seqs_per_shard, config.prefill_chunk_pages)
     self.runner = ModelRunner(model, cache, config.prefill_chunk_pages)
     cache.open_tiers()  # the model is known now: its stores, peers and the tier mover
     self.vocab_size = self.runner.vocab_size
@@ -133,9 +134,9 @@ class Engine:
     return self.runner.trace_counts
 
   def _plans_cold(self) -> bool:
-    """Whether the ``cost`` policy decides about blocks on a lower tier or another shard."""
+    """Whether the ``cost`` decision plans blocks on a lower tier or another shard."""
     w = self.cache.worker
-    return self.scheduler_config.policy == "cost" and bool(
+    return self.scheduler_config.decision == "cost" and bool(
         w.host or w.disk or w.remote or (self.cache.num_shards > 1 and self.config.prefix_reuse))
 
   def _calibrate(self) -> None:
@@ -252,7 +253,7 @@ class Engine:
     ``rows_per_shard`` lists batch buckets (default: every power of two up to
     ``max_seqs_per_shard``). With lower tiers, also compiles their page transfers; when
     blocks may come from a lower tier or another shard, measures the costs (``cost``
-    policy) and compiles the plan. Runs all-padding steps, which change no page. Returns
+    decision) and compiles the plan. Runs all-padding steps, which change no page. Returns
     the (prefill, decode) bucket pairs compiled. ``shapes``: that many now, the smallest
     first; ``warm_next`` compiles the rest (a step needing one first compiles it). With a
     ``StreamConfig``, ``stream_tokens`` warms the streamed steps of sequences up to that

@@ -78,8 +78,12 @@ def pool_sharding(mesh: Mesh, config: CacheConfig, memory_kind: str | None = Non
   return s.with_memory_kind(memory_kind) if memory_kind else s
 
 
-def pool_shape(mesh: Mesh, config: CacheConfig) -> tuple[int, int, int, int]:
-  return (config.num_kv_heads, data_shards(mesh, config) * config.pages_per_shard,
+def pool_shape(mesh: Mesh, config: CacheConfig, pages: int | None = None
+               ) -> tuple[int, int, int, int]:
+  """One layer's pool: ``pages`` per shard (default ``pages_per_shard``; the window
+  group's pool has ``window_pages_per_shard``)."""
+  pages = config.pages_per_shard if pages is None else pages
+  return (config.num_kv_heads, data_shards(mesh, config) * pages,
           config.page_size, config.head_dim)
 
 
@@ -100,15 +104,16 @@ def pool_layers(pool) -> int:
 
 
 def zeros_pool(mesh: Mesh, config: CacheConfig, memory_kind: str | None = None,
-               layers: int | None = None) -> jax.Array:
+               layers: int | None = None, pages: int | None = None) -> jax.Array:
   """One layer's pool of zeros (or, with ``layers``, a stack ``[layers, ...]`` of them),
-  created directly in its sharding (no host copy)."""
-  return _zeros_fn(mesh, config, memory_kind, layers)()
+  created directly in its sharding (no host copy); ``pages`` per shard as ``pool_shape``."""
+  return _zeros_fn(mesh, config, memory_kind, layers, pages)()
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None, layers: int | None):
-  shape = pool_shape(mesh, config)
+def _zeros_fn(mesh: Mesh, config: CacheConfig, memory_kind: str | None, layers: int | None,
+              pages: int | None = None):
+  shape = pool_shape(mesh, config, pages)
   spec = pool_spec(config)
   if layers is not None:
     shape, spec = (layers, *shape), layer_stack_spec(config)
@@ -477,3 +482,41 @@ def copy_across_shards(pools, src, dst, *, mesh: Mesh, config: CacheConfig) -> t
   """Copies pages between data shards (a jitted collective): ``src``/``dst`` are global
   page ids (``shard * pages_per_shard + page``); ``dst`` beyond the pool is dropped."""
   return _copy_fn(mesh, config, pool_ranks(pools))(tuple(pools), src, dst)
+
+
+def copy_pages(pools, copies, slots: int, *, mesh: Mesh, config: CacheConfig) -> list:
+  """Copies pages within each shard of every pool in ``pools`` (donated): ``copies`` is
+  ``(shard, src, dst)`` triples of shard-local ids, at most ``slots`` per shard (one
+  compiled shape). Unused slots copy page 0 onto itself, which the window pool never hands
+  out. Returns the new pools."""
+  shards = data_shards(mesh, config)
+  src = np.zeros((shards, slots), np.int32)
+  dst = np.zeros((shards, slots), np.int32)
+  used = [0] * shards
+  for shard, a, b in copies:
+    if used[shard] == slots:
+      raise InputError(f"{used[shard] + 1} window copies on shard {shard} in one order; at "
+                       f"most {slots} (CacheConfig.window_copy_slots).")
+    src[shard, used[shard]], dst[shard, used[shard]] = a, b
+    used[shard] += 1
+  ids = NamedSharding(mesh, P(config.data_axis, None))
+  src, dst = jax.device_put([src, dst], [ids, ids])
+  return list(_copy_pages_fn(mesh, config, pool_ranks(pools))(tuple(pools), src, dst))
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_pages_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  ids = P(config.data_axis, None)
+
+  def local(pools, src, dst):
+    out = []
+    for p in pools:
+      axis = p.ndim - 3  # the page axis: [.., kv_heads, pages, page_size, head_dim]
+      pages = jnp.take(p, src[0], axis=axis)
+      index = (slice(None),) * axis + (dst[0],)
+      out.append(p.at[index].set(pages))
+    return tuple(out)
+
+  specs = _rank_specs(config, ranks)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, ids, ids), out_specs=specs),
+                 donate_argnums=(0,))

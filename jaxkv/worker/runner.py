@@ -46,6 +46,11 @@ def _stream_key(stream):
   return None if stream is None else tuple(stream.cold_slots.shape)
 
 
+def _table_shape(page_table) -> tuple:
+  """A step's page table shape: one table, or a (table, window table) pair's first."""
+  return tuple((page_table[0] if isinstance(page_table, tuple) else page_table).shape)
+
+
 class Steps:
   """The jitted prefill and decode steps of one model structure on one mesh."""
 
@@ -63,15 +68,19 @@ class Steps:
     # call; an nnx.State does not) and are put back in their trees here, at trace time.
     model = nnx.merge(self.graphdef, jax.tree.unflatten(self.pool_def, pools),
                       jax.tree.unflatten(self.weight_def, weights))
+    window_table = None
+    if isinstance(page_table, tuple):  # a model with a window group: its pages' table too
+      page_table, window_table = page_table
     batch = kvnnx.PageBatch(page_table=page_table, positions=positions, kv_lens=kv_lens,
                             mesh=self.mesh, config=self.config, stream=stream,
-                            logits_at=logits_at)
+                            logits_at=logits_at, window_table=window_table)
     logits = model(tokens, batch)
     return logits, jax.tree.leaves(nnx.state(model, kvnnx.KVPages))
 
   def _prefill_impl(self, pages, rest, tokens, carry, page_table, positions, kv_lens,
                     select_idx, select_mask, sampling, stream=None):
-    self.trace_counts[("prefill", tokens.shape, page_table.shape, _stream_key(stream))] += 1
+    self.trace_counts[("prefill", tokens.shape, _table_shape(page_table),
+                       _stream_key(stream))] += 1
     logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens, stream,
                                   logits_at=select_idx)
     if logits.shape[1] != 1:  # a model that computed every token's logits
@@ -86,7 +95,7 @@ class Steps:
     """A prefill step that also scores every position's logits against ``targets [B, T]``
     (the prompt's next tokens): for prompt log-probabilities, which need every token's
     logits, not only the one that picks the next token."""
-    self.trace_counts[("prefill_scored", tokens.shape, page_table.shape, None)] += 1
+    self.trace_counts[("prefill_scored", tokens.shape, _table_shape(page_table), None)] += 1
     logits, pages = self._forward(pages, rest, tokens, page_table, positions, kv_lens)
     selected = jnp.take_along_axis(logits, select_idx[:, None, None], axis=1)[:, 0]
     where = jnp.take_along_axis(positions, select_idx[:, None], axis=1)[:, 0] + 1
@@ -96,7 +105,8 @@ class Steps:
 
   def _decode_impl(self, pages, rest, carry, page_table, positions, kv_lens, sampling,
                    stream=None):
-    self.trace_counts[("decode", carry.shape, page_table.shape, _stream_key(stream))] += 1
+    self.trace_counts[("decode", carry.shape, _table_shape(page_table),
+                       _stream_key(stream))] += 1
     logits, pages = self._forward(pages, rest, carry[:, None], page_table, positions, kv_lens,
                                   stream)
     selected = logits[:, 0]
@@ -110,7 +120,10 @@ class Steps:
     """The model's vocabulary, read off the shape of its logits (no compile, no trace count)."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     before = collections.Counter(self.trace_counts)
-    out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), i32(num_rows, 1),
+    table = i32(num_rows, 1)
+    if self.config.has_windows:
+      table = (table, i32(num_rows, 1))
+    out = jax.eval_shape(self._decode_impl, pages, rest, i32(num_rows), table,
                          i32(num_rows, 1), i32(num_rows), RowSampling.greedy(num_rows))
     self.trace_counts.clear()
     self.trace_counts.update(before)
@@ -156,7 +169,8 @@ class ModelRunner:
     self.chunk_tokens = prefill_chunk_pages * self.config.page_size
     # A chunk's width, and narrower steps for a prompt's last, partial chunk.
     self.prefill_widths = buckets.prefill_widths(self.chunk_tokens, self.config.page_size)
-    self.vocab_size = self.steps.vocab_size(cache.worker.pools, self.weights, cache.num_shards)
+    self.vocab_size = self.steps.vocab_size(cache.worker.step_pools, self.weights,
+                                            cache.num_shards)
     self._greedy: dict = {}  # rows -> RowSampling of all-greedy rows, on device
     self._zeros: dict = {}  # rows -> int32 zeros on device (a prefill's starting carry)
     self.warm_later: collections.deque = collections.deque()  # buckets warmup left to do
@@ -270,6 +284,7 @@ class ModelRunner:
     below the host while the device computes, verifies the fetch groups it settles, and
     reads back the tokens. Returns a ``StepResult``."""
     cache = self.cache
+    cache.worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
     finish_copies = self.carry_out(plan.orders, later=True)
     try:
       if plan.fetch is not None:
@@ -368,13 +383,24 @@ class ModelRunner:
     slot, row = collections.Counter(), {}
     width = buckets.table_width(max(s.num_pages for s in seqs), self.config)
     table = np.zeros((num_rows, width), np.int32)
+    windows = np.zeros((num_rows, width), np.int32) if self.config.has_windows else None
     for s in seqs:
       row[s.request] = s.shard * rows_per_shard + slot[s.shard]
       slot[s.shard] += 1
       table[row[s.request], :len(s.pages)] = s.pages
+      if windows is not None:
+        windows[row[s.request], :len(s.window_pages)] = s.window_pages
     sampling = self.row_sampling({row[s.request]: s.sampling for s in seqs
                                   if s.sampling.temperature > 0}, num_rows)
-    return num_rows, row, self.cache.put_rows(table), sampling
+    return num_rows, row, self._tables(table, windows), sampling
+
+  def _tables(self, table: np.ndarray, windows: np.ndarray | None = None):
+    """A step's page table on device; with a window group, the pair (table, window table)."""
+    if not self.config.has_windows:
+      return self.cache.put_rows(table)
+    if windows is None:
+      windows = np.zeros_like(table)
+    return tuple(self.cache.put_rows_many(table, windows))
 
   def _decode_rows(self, rows, ahead) -> tuple:
     """Dispatches (or takes from ``ahead``) one decode step of ``rows``: from the last
@@ -457,7 +483,7 @@ class ModelRunner:
 
   def _warm_shape(self, rows: int, width: int) -> None:
     num_rows = rows * self.cache.num_shards
-    table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+    table = self._tables(np.zeros((num_rows, width), np.int32))
     carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
     for step_width in self.prefill_widths:
       carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
@@ -466,7 +492,7 @@ class ModelRunner:
 
   def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
     """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""
-    table = self.cache.put_rows(np.zeros((num_rows, width), np.int32))
+    table = self._tables(np.zeros((num_rows, width), np.int32))
     batch = self.prefill_batch([], num_rows)
 
     def step():

@@ -310,6 +310,10 @@ def check_stream_config(stream, cache, config) -> None:
   """Refuses a ``StreamConfig`` the cache or engine config cannot serve (``InputError``)."""
   if stream is None:
     return
+  if cache.config.has_windows:
+    raise InputError("StreamConfig cannot serve a model with a window group (sliding-window "
+                     "layers: CacheConfig.window_layers > 0); its long sequences need the device "
+                     "pool to hold the global layers' blocks: raise pages_per_shard instead.")
   need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
   if need > cache.config.pages_per_shard:
     raise InputError(

@@ -164,12 +164,14 @@ class CacheWorker:
   def attached(self) -> bool:
     return self._pools is not None
 
-  def take_pools(self, state) -> None:
+  def take_pools(self, state, window_ids: frozenset = frozenset()) -> None:
     """The pools a model's ``KVPages`` were allocated as (``KVCache.attach``) become this
-    worker's; the model keeps none."""
+    worker's; the model keeps none. ``window_ids``: ``id`` of the leaves that are the window
+    group's (``jaxkv.nnx.WindowPages``): a step writes them, no tier move touches them."""
     if self._pools is not None:
       raise InputError("this KVCache already serves a model; build one KVCache per engine.")
     self._pools, self.pool_def = jax.tree.flatten(state)
+    self._window = [id(x) in window_ids for x in self._pools]
 
   def _check_attached(self) -> None:
     if self._pools is None:
@@ -184,29 +186,61 @@ class CacheWorker:
 
   @property
   def pools(self) -> list[jax.Array]:
-    """The device pools, K and V of every layer (the order the tiers' stacks use; a
-    jitted step takes them flat, donated, and returns them)."""
+    """The block pools, K and V of every layer whose blocks the tiers move (the order the
+    tiers' stacks use). The window group's pools are not among them (``window_pools``)."""
+    self._check_attached()
+    return [x for x, w in zip(self._pools, self._window) if not w]
+
+  @property
+  def step_pools(self) -> list[jax.Array]:
+    """Every pool, the window group's included, in the model's order: what a step takes."""
     self._check_attached()
     return self._pools
 
-  def update_pools(self, fn) -> tuple:
+  @property
+  def window_pools(self) -> list[jax.Array]:
+    """The window group's K and V pools (empty without one)."""
+    self._check_attached()
+    return [x for x, w in zip(self._pools, self._window) if w]
+
+  def update_pools(self, fn, *, windows: bool = False) -> tuple:
     """The one way the pools change: ``fn(pools)`` takes them (a jitted step donates them)
     and returns ``(new pools, *rest)``; the new pools replace the old and ``rest`` is
-    returned. Called only by this class's verbs (``run``, ``start_promote``,
-    ``finish_promote``, ``land``, ``warm_moves``): every writer of a page (steps, fetches,
-    restores, calibration) goes through one of them."""
+    returned. ``fn`` gets the block pools (``pools``); with ``windows`` every pool, in the
+    model's order (a step's), or with ``windows="only"`` the window group's alone. Called
+    only by this class's verbs (``run``, ``start_promote``, ``finish_promote``, ``land``,
+    ``warm_moves``, ``copy_windows``): every writer of a page goes through one of them."""
     self._check_attached()
-    pools, *rest = fn(self._pools)
-    self._pools = list(pools)
+    if windows is True or not any(self._window):
+      pools, *rest = fn(self._pools)
+      self._pools = list(pools)
+      return tuple(rest)
+    mine = [i for i, w in enumerate(self._window) if w == (windows == "only")]
+    pools, *rest = fn([self._pools[i] for i in mine])
+    for i, x in zip(mine, pools):
+      self._pools[i] = x
     return tuple(rest)
 
   def pools_alive(self) -> bool:
-    return not any(x.is_deleted() for x in self.pools)
+    return not any(x.is_deleted() for x in self._pools)
 
   def zero_pools(self) -> None:
     """After a failed step consumed the donated pools: they start again from zeros (the
-    manager forgets the blocks they held)."""
-    self._pools = [pages_lib.zeros_pool(self.mesh, self.config) for _ in self._pools]
+    manager forgets the blocks they held, and the windows)."""
+    c = self.config
+    self._pools = [pages_lib.zeros_pool(self.mesh, c, layers=x.shape[0] if x.ndim == 5 else None,
+                                        pages=c.window_pages_per_shard if w else None)
+                   for x, w in zip(self._pools, self._window)]
+
+  def copy_windows(self, copies, *, warm: bool = False) -> None:
+    """Copies window-group pages within each shard (``copies``: ``(shard, src, dst)``
+    triples, a plan's ``window_copies``, every destination chosen by the manager): a
+    block's window KV kept under its key once the sequence that wrote it moves on.
+    ``warm``: compiles the copy with nothing to copy (page 0 onto itself)."""
+    if copies or (warm and any(self._window)):
+      self.update_pools(lambda pools: (pages_lib.copy_pages(
+          pools, copies, self.config.window_copy_slots, mesh=self.mesh, config=self.config),),
+          windows="only")
 
   def _row_sharding(self, ndim: int) -> NamedSharding:
     sharding = self._row_shardings.get(ndim)
@@ -225,9 +259,9 @@ class CacheWorker:
 
   # ---- what changes the pools: every caller goes through these verbs --------------------------
   def run(self, step, *args):
-    """Runs a jitted model step ``step(pools, *args) -> (new pools, *rest)`` over the pools
-    (donated); returns ``rest``."""
-    return self.update_pools(lambda pools: step(pools, *args))
+    """Runs a jitted model step ``step(pools, *args) -> (new pools, *rest)`` over every
+    pool, the window group's included (donated); returns ``rest``."""
+    return self.update_pools(lambda pools: step(pools, *args), windows=True)
 
   def carry_out(self, orders, *, later: bool = False):
     """Carries out resolved ``TierOrders`` (the manager chose every destination): copies
@@ -258,7 +292,8 @@ class CacheWorker:
     """Compiles every tier move's bucket up to ``max_pages`` pages per shard (all padding:
     no page is read into or written over) and waits for them."""
     self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
-    jax.block_until_ready(self.pools)
+    self.copy_windows((), warm=True)
+    jax.block_until_ready(self._pools)
 
   def flush(self, timeout_s: float) -> int:
     """Waits for lower-tier writes in flight (disk writes, the pool's queued puts); returns

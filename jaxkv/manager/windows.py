@@ -1,0 +1,192 @@
+"""The window group's pages: what a sliding-window layer still needs, decided on the host.
+
+A model with hybrid attention (Gemma 3: five local layers to one global) keeps its local
+layers' K/V in the cache's *window group*, a device pool of its own
+(``CacheConfig.window_pages_per_shard`` pages per shard, ``jaxkv.nnx.WindowPages``). A local
+layer's query at position ``t`` reads only keys after ``t - sliding_window``, so a running
+sequence needs just the last ``window_blocks`` blocks of that group, not all of them:
+
+* each running sequence writes its window group's K/V into a *ring* of ``ring_blocks``
+  pages (block ``j`` in ``ring[j % ring_blocks]``), long enough that no block a query of
+  the current step can see is overwritten by the same step (the window plus one prefill
+  chunk, plus one). Its page table never changes while it runs.
+* a block the sequence publishes (its global layers' block enters the prefix index) is also
+  *kept* here: its window KV is copied from the ring into a page of its own, under the same
+  key (an order, ``TierOrders.window_copies``, that the worker carries out before the next
+  step writes anything). Kept blocks are evicted least recently used first, never while a
+  sequence reads them.
+* a prefix hit needs the global layers' blocks (the prefix index, any tier) **and** the window
+  before the cut: the blocks ``[c - window_blocks, c)`` kept here (``cover``). A sequence
+  admitted with such a hit pins those pages for its life and reads them in place.
+
+Nothing of the window group goes to a lower tier: a cut whose window is no longer kept is
+recomputed, as far back as the longest prefix whose window still is. Page 0 of every shard
+is never handed out: unused table entries and the padding of a copy order point at it.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from jaxkv.errors import CapacityError, InputError
+
+
+def window_blocks(sliding_window: int, page_size: int) -> int:
+  """Blocks before a cut that a query at the cut may read."""
+  return math.ceil(sliding_window / page_size)
+
+
+def ring_blocks(sliding_window: int, page_size: int, chunk_pages: int) -> int:
+  """Pages of a running sequence's ring: its window, a prefill chunk, and one to spare."""
+  return window_blocks(sliding_window, page_size) + chunk_pages + 1
+
+
+class WindowPages:
+  """Host-side bookkeeping of one cache's window group, per data shard: free pages, the
+  rings of running sequences, kept blocks (key -> page, least recently used first) and the
+  references that keep a kept block in place."""
+
+  def __init__(self, *, num_shards: int, pages_per_shard: int, sliding_window: int,
+               page_size: int, chunk_pages: int, stats=None):
+    self.window = window_blocks(sliding_window, page_size)
+    self.ring = ring_blocks(sliding_window, page_size, chunk_pages)
+    if pages_per_shard < self.ring + self.window + 1:
+      raise InputError(
+          f"CacheConfig.window_pages_per_shard={pages_per_shard} cannot hold one sequence's "
+          f"ring ({self.ring} pages: a {sliding_window}-token window of {page_size}-token pages "
+          f"and a prefill chunk of {chunk_pages}) and the {self.window} kept blocks before a "
+          f"cut, plus page 0; give at least {self.ring + self.window + 1} per running "
+          "sequence (0 lets the engine size it).")
+    self.num_shards, self.pages_per_shard = num_shards, pages_per_shard
+    self.stats = stats
+    self._free = [list(range(pages_per_shard - 1, 0, -1)) for _ in range(num_shards)]
+    self._kept = [collections.OrderedDict() for _ in range(num_shards)]  # key -> page
+    self._key_of = [dict() for _ in range(num_shards)]  # page -> key (kept pages)
+    self._refs = [collections.Counter() for _ in range(num_shards)]  # page -> readers
+
+  # ---- lookups ---------------------------------------------------------------------------
+  def cover(self, shard: int, keys, cached: int) -> int:
+    """The longest cut ``c <= cached`` whose window (blocks ``[c - window, c)``, or all of
+    ``[0, c)`` when shorter) is kept on ``shard``: how much of a ``cached``-block hit the
+    window group can serve. 0: none."""
+    kept = self._kept[shard]
+    run = 0  # consecutive kept blocks ending at the block before the cut
+    best = 0
+    for c in range(1, cached + 1):
+      run = run + 1 if keys[c - 1] in kept else 0
+      if run >= min(c, self.window):
+        best = c
+    return best
+
+  def available(self, shard: int) -> int:
+    """Pages a new ring could take now (free, or kept and unreferenced)."""
+    return len(self._free[shard]) + sum(1 for p in self._kept[shard].values()
+                                        if not self._refs[shard][p])
+
+  # ---- placing a sequence ------------------------------------------------------------------
+  def place(self, shard: int, keys, cuts) -> tuple[tuple, dict] | None:
+    """A sequence admitted with a hit: pins the kept window before each of ``cuts`` (where
+    it may resume computing: the end of its blocks on device, the end of its hit) and takes
+    a ring. Returns ``(ring pages, {block: kept page})``, or None (nothing taken) when the
+    shard has no room for the ring now."""
+    blocks = sorted({j for cut in cuts for j in range(max(0, cut - self.window), cut)})
+    held = {j: self._kept[shard][keys[j]] for j in blocks}
+    for p in held.values():  # pinned first, so the ring's evictions cannot take them
+      self._refs[shard][p] += 1
+    ring = self._take(shard, self.ring)
+    if ring is None:
+      self.release(shard, (), held.values())
+      return None
+    for j in blocks:
+      self._kept[shard].move_to_end(keys[j])
+    return ring, held
+
+  def release(self, shard: int, ring, held) -> None:
+    """A sequence's ring goes back to the free pages and its pins on kept blocks end."""
+    self._free[shard].extend(ring)
+    for p in held:
+      self._refs[shard][p] -= 1
+      if self._refs[shard][p] <= 0:
+        del self._refs[shard][p]
+
+  def release_placement(self, p) -> None:
+    """``release`` of what a ``Placement`` took (its ring and pins)."""
+    self.release(p.shard, p.window_ring, [page for _, page in p.window_held])
+
+  def keep(self, shard: int, key: bytes, page: int) -> int | None:
+    """A published block whose window KV is in ``page`` (a ring page): the page it is to be
+    copied to, now kept under ``key``; None when ``key`` is kept already (it is touched) or
+    no page can be had (counted)."""
+    kept = self._kept[shard]
+    if key in kept:
+      kept.move_to_end(key)
+      return None
+    got = self._take(shard, 1)
+    if got is None:
+      if self.stats is not None:
+        self.stats.add("window_keep_dropped")
+      return None
+    kept[key] = got[0]
+    self._key_of[shard][got[0]] = key
+    if self.stats is not None:
+      self.stats.add("window_blocks_kept")
+    return got[0]
+
+  def forget(self) -> None:
+    """The window pools were lost (a failed step): nothing is kept any more. Rings and pins
+    of running sequences stay theirs (they are released as those sequences end)."""
+    for shard in range(self.num_shards):
+      for page in list(self._kept[shard].values()):
+        if not self._refs[shard][page]:
+          self._free[shard].append(page)
+      self._kept[shard].clear()
+      self._key_of[shard].clear()
+
+  def kept_blocks(self, shard: int) -> int:
+    return len(self._kept[shard])
+
+  def _take(self, shard: int, n: int) -> list | None:
+    """``n`` pages: free ones first, then the least recently used unreferenced kept ones."""
+    free, kept, refs = self._free[shard], self._kept[shard], self._refs[shard]
+    if len(free) < n:
+      victims = [k for k, p in kept.items() if not refs[p]][:n - len(free)]
+      if len(free) + len(victims) < n:
+        return None
+      for k in victims:
+        page = kept.pop(k)
+        del self._key_of[shard][page]
+        free.append(page)
+        if self.stats is not None:
+          self.stats.add("window_blocks_evicted")
+    return [free.pop() for _ in range(n)]
+
+
+def table_row(ring, held, num_pages: int, front: tuple[int, int], resume: int) -> tuple:
+  """A sequence's window-group page for each of its ``num_pages`` blocks. The blocks it
+  writes (the plan's recompute ``front = (a, b)``, and everything from ``resume`` on) use
+  its ring: a kept page is never written. The others use the kept page it holds (``held``:
+  ``(block, page)`` pairs), or page 0 (never read: outside every window the sequence's
+  queries have)."""
+  r, held = len(ring), dict(held)
+  return tuple(ring[j % r] if front[0] <= j < front[1] or j >= resume else held.get(j, 0)
+               for j in range(num_pages))
+
+
+def placement_row(p, split: int, resume: int) -> tuple:
+  """``table_row`` of a ``Placement`` whose plan recomputes ``[hot, split)`` and which
+  computes on from block ``resume``; () without a window group."""
+  if not p.window_ring:
+    return ()
+  return table_row(p.window_ring, p.window_held, p.request.num_pages_needed,
+                   (p.hot_blocks, split), resume)
+
+
+def check_room(pages_per_shard: int, ring: int, window: int, rows: int) -> None:
+  """Refuses a window pool too small for ``rows`` running sequences per shard."""
+  need = rows * (ring + window) + 1
+  if pages_per_shard < need:
+    raise CapacityError(
+        f"CacheConfig.window_pages_per_shard={pages_per_shard} is below {need}: {rows} "
+        f"running sequences per shard each need a ring of {ring} pages and {window} kept "
+        "blocks before their cut (plus page 0). Raise it, or set 0 to let the engine size it.")
