@@ -51,9 +51,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.stream = ml_collections.ConfigDict(dict(
       enabled=False, sink_pages=1, window_pages=8, chunk_pages=4, max_cold_pages=4096,
       source="host"))
-  # How lower-tier hits come back: "cost" plans fetch / recompute / split from costs
-  # calibrated at start-up (see jaxkv.SchedulerConfig for the other policies).
-  c.scheduler = ml_collections.ConfigDict(dict(policy="cost", threshold_tokens=256))
+  # How lower-tier hits come back, `decision`: "cost" plans fetch / recompute / split from
+  # costs calibrated at start-up (see jaxkv.SchedulerConfig for the other decisions).
+  # `policy` is decision's former name, kept unset so that an old command line's
+  # --config.scheduler.policy=X still parses: it sets decision, with a warning.
+  c.scheduler = ml_collections.ConfigDict(dict(
+      decision="cost", threshold_tokens=256,
+      policy=ml_collections.config_dict.placeholder(str)))
   # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
   # (launch/serve.py) replays recorded requests instead.
   c.workload = ml_collections.ConfigDict(dict(

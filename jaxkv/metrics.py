@@ -8,7 +8,12 @@ shows them mid-run:
     jaxkv.metrics.serve(registry, port=9400)          # http://host:9400/metrics
     jaxkv.metrics.write_textfile(path, registry)      # atomic, for a textfile collector
 
-Families (every sample labelled with ``policy`` and the given labels):
+Every sample carries the engine's name (the key of ``engines``; in launch/serve.py the
+engine's ``--cache``: ``jaxkv`` or ``nocache``; on a server ``jaxkv``) under the label
+``policy`` (``ENGINE_LABEL``), and the given labels. The label keeps that name, though it
+is no policy, because dashboards and alerts select on it.
+
+Families:
 - histograms (seconds): ``jaxkv_ttft_seconds``, ``jaxkv_time_per_output_token_seconds``,
   ``jaxkv_e2e_latency_seconds`` — bucket counts, so replicas aggregate;
 - counters (``_total``): block hits by ``tier``; requests, prompt/hit/computed/generated
@@ -36,6 +41,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
 from jaxkv.stats import COUNTERS
+
+# The label that carries each engine's name (see above): its name for dashboards' sake.
+ENGINE_LABEL = "policy"
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -73,14 +81,15 @@ def _snapshot(engine) -> tuple[dict, dict]:
 
 
 class EngineCollector:
-  """A ``prometheus_client`` collector over ``{policy: engine}``."""
+  """A ``prometheus_client`` collector over ``{engine name: engine}`` (the name goes in
+  the ``ENGINE_LABEL`` label of every sample)."""
 
   def __init__(self, engines: dict, labels: dict | None = None):
     self.engines = dict(engines)
     self.labels = dict(labels or {})
 
   def collect(self):
-    names = ["policy", *sorted(self.labels)]
+    names = [ENGINE_LABEL, *sorted(self.labels)]
     fixed = [self.labels[k] for k in sorted(self.labels)]
     hist = {key: HistogramMetricFamily(f"jaxkv_{name}", doc, labels=names)
             for key, name, doc in (
@@ -115,9 +124,9 @@ class EngineCollector:
                                 labels=names)
     referenced = GaugeMetricFamily("jaxkv_referenced_pages", "Device page references held "
                                    "(running requests, transfers, pins).", labels=names)
-    for policy, engine in self.engines.items():
+    for engine_name, engine in self.engines.items():
       stats, occ = _snapshot(engine)
-      values = [policy, *fixed]
+      values = [engine_name, *fixed]
       for key, family in hist.items():
         series = np.asarray(stats.get(key, []), np.float64)
         counts = [(repr(b), float(np.count_nonzero(series <= b))) for b in buckets[key]]
@@ -152,7 +161,7 @@ class EngineCollector:
 
 
 def registry(engines: dict, labels: dict | None = None) -> CollectorRegistry:
-  """A registry holding only jaxkv's families for ``{policy: engine}``."""
+  """A registry holding only jaxkv's families for ``{engine name: engine}``."""
   reg = CollectorRegistry(auto_describe=True)
   reg.register(EngineCollector(engines, labels))
   return reg

@@ -15,7 +15,7 @@ NAME.stderr and the JSON the step wrote (NAME.json). ``merge`` writes DIR/device
   lines of its stderr;
 - ``host_link``: the tiers step's HBM<->host GB/s (jaxkv's tier and a bare device_put, each
   direction) beside the link's nominal rate from the config's hardware section;
-- ``engine``: the engine step's headline figures (launch/serve.py, both policies warmed and
+- ``engine``: the engine step's headline figures (launch/serve.py, both caches warmed and
   taking turns to run first), with ``compiles_after_warmup`` (0: nothing compiled while
   serving);
 - ``verdict``: ``kernel_compiled`` (the Pallas kernel for this platform ran compiled, not in
@@ -235,7 +235,8 @@ def engine_summary(engine: dict | None) -> dict | None:
   """The engine step's headline figures (its whole JSON is under steps.engine.result)."""
   if not isinstance(engine, dict):
     return None
-  summary = (engine.get("summary") or {}).get(engine.get("policy", "jaxkv"), {})
+  main = engine.get("cache", engine.get("policy", "jaxkv"))  # "policy": the key before "cache"
+  summary = (engine.get("summary") or {}).get(main, {})
   return {"config": engine.get("config"), "hits": engine.get("hits"),
           "outputs_match": engine.get("outputs_match"),
           "ttft_speedup_later_turns": engine.get("ttft_speedup_later_turns"),

@@ -12,7 +12,7 @@ tcp://127.0.0.1:5567@tcp://127.0.0.1:5568
 
 The indexer knows replica i (0-based) as worker i+1. With --replica_events the router
 registers each replica's event stream (and replay socket, after '@') at the indexer when it
-starts; without it the indexer must already know them (its --workers). --policy=round_robin
+starts; without it the indexer must already know them (its --workers). --routing=round_robin
 routes in turn without asking the indexer.
 
 Give the router what the replicas have: --api_keys_file (a request without a valid key is
@@ -22,7 +22,7 @@ refused here, before the indexer is asked or a replica chosen) and --deployment_
 that gave it in the x-jaxkv-replica header.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import _common
 
@@ -38,9 +38,11 @@ _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "The replicas' page size in
                                    lower_bound=1)
 _INDEXER_MODEL = flags.DEFINE_string("indexer_model", "default", "The model name the "
                                      "replicas are registered under at the indexer.")
-_POLICY = flags.DEFINE_enum("policy", "prefix", ["prefix", "round_robin"], "prefix: the "
-                            "replica holding most of the prompt, less its load; round_robin: "
-                            "in turn.")
+_ROUTING = flags.DEFINE_enum("routing", "prefix", ["prefix", "round_robin"], "prefix: the "
+                             "replica holding most of the prompt, less its load; round_robin: "
+                             "in turn.")
+_POLICY = flags.DEFINE_enum("policy", None, ["prefix", "round_robin"], "Deprecated: "
+                            "--routing's former name (still works, with a warning).")
 _LOAD_TOKENS = flags.DEFINE_float("load_tokens", 256.0, "What one request in flight on a "
                                   "replica costs, in prompt tokens to compute.", lower_bound=0)
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "The replicas' checkpoint directory: its "
@@ -72,6 +74,17 @@ _MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 << 20, "The largest r
                                        lower_bound=1)
 
 
+def _routing() -> str:
+  """--routing, or the value of its former name --policy (with a warning)."""
+  if _POLICY.value is None:
+    return _ROUTING.value
+  if flags.FLAGS["routing"].present and _ROUTING.value != _POLICY.value:
+    raise app.UsageError(f"--routing={_ROUTING.value} and its former name "
+                         f"--policy={_POLICY.value} disagree: give --routing only.")
+  logging.warning("--policy is deprecated: it is --routing (--routing=%s).", _POLICY.value)
+  return _POLICY.value
+
+
 def main(argv):
   del argv
   api_keys = _common.load_api_keys(_API_KEYS_FILE.value)
@@ -82,7 +95,7 @@ def main(argv):
   if _METRICS_TENANTS.value and api_keys is None:
     raise app.UsageError("--metrics_tenants names tenants of --api_keys_file: give it too.")
   try:
-    config = router_lib.RouterConfig(policy=_POLICY.value, indexer=_INDEXER.value and
+    config = router_lib.RouterConfig(routing=_routing(), indexer=_INDEXER.value and
                                      _INDEXER.value.rstrip("/"),
                                      indexer_model=_INDEXER_MODEL.value,
                                      load_tokens=_LOAD_TOKENS.value, timeout_s=_TIMEOUT.value,
@@ -127,7 +140,7 @@ def main(argv):
         raise app.UsageError(f"--replica_events: {e}") from None
   _common.serve_app(router_lib.make_app(router), host=_HOST.value, port=_PORT.value,
                     ready_file=_READY_FILE.value, limits=_HTTP_LIMITS(),
-                    banner=f"router over {len(_REPLICAS.value)} replicas ({_POLICY.value})")
+                    banner=f"router over {len(_REPLICAS.value)} replicas ({config.routing})")
 
 if __name__ == "__main__":
   _common.run(main)

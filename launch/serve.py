@@ -1,36 +1,43 @@
 """Serve a deterministic multi-turn chat workload and report TTFT with and without reuse.
 
-  python launch/serve.py                               # configs/cpu_tiny.py, both policies
-  python launch/serve.py --policy=nocache --nocompare  # the no-cache baseline alone
+  python launch/serve.py                               # configs/cpu_tiny.py, both caches
+  python launch/serve.py --cache=nocache --nocompare   # the no-cache baseline alone
   python launch/serve.py --json_out=/tmp/serve.json
   python launch/serve.py --request_rate=4              # online: users arrive over time
 
 By default the workload runs in rounds: each round's requests are generated together, by
-the chosen policy and, unless --nocompare, by the other one right after it on the same
+the chosen --cache and, unless --nocompare, by the other one right after it on the same
 prompts (interleaved, so both see the same machine noise). With --request_rate, users
 arrive by a Poisson process and each sends its next request a think time after its
-previous answer (jaxkv.tools.online); each policy runs the same arrivals in turn, and the
+previous answer (jaxkv.tools.online); each cache runs the same arrivals in turn, and the
 summary adds time per output token and end-to-end latency.
+
+The JSON (--json_out) names the main run's cache under "cache" (and "baseline"'s under
+its own "cache"); the same value is also under "policy", the key's former name, for the
+scripts that read it. --policy is --cache's former name (it still works, with a warning).
 """
 
 import importlib.util
 import statistics
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import _common
 import _flags
 from _flags import CHECKPOINT_DIR as _CHECKPOINT_DIR, CONFIG as _CONFIG
 from _flags import DEPLOYMENT_KEY_FILE as _DEPLOYMENT_KEY_FILE
 
-_POLICY = flags.DEFINE_enum("policy", "jaxkv", ["jaxkv", "nocache"],
-                            "jaxkv: reuse cached prefixes; nocache: recompute every prompt.")
-_COMPARE = flags.DEFINE_bool("compare", True, "Also run the other policy side by side.")
+_CACHE = flags.DEFINE_enum("cache", "jaxkv", ["jaxkv", "nocache"],
+                           "The main run's cache. jaxkv: reuse cached prefixes; nocache: "
+                           "recompute every prompt.")
+_POLICY = flags.DEFINE_enum("policy", None, ["jaxkv", "nocache"], "Deprecated: --cache's "
+                            "former name (still works, with a warning).")
+_COMPARE = flags.DEFINE_bool("compare", True, "Also run the other cache side by side.")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
 _TRACE = flags.DEFINE_string("trace", None, "Run requests from this JSONL trace file instead "
                              "of the config's workload.")
-_PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per policy and tier "
+_PLOT = flags.DEFINE_string("plot", None, "Write a PNG of TTFT by turn per cache and tier "
                             "occupancy over time.")
 _METRICS_OUT = flags.DEFINE_string("metrics_out", None, "Write the metrics (jaxkv.metrics) "
                                    "here at the end as a Prometheus text file (atomically).")
@@ -46,9 +53,21 @@ _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (
                             "between a user's answer and its next request.", lower_bound=0.0)
 
 
+def _main_cache() -> str:
+  """--cache, or the value of its former name --policy (with a warning)."""
+  if _POLICY.value is None:
+    return _CACHE.value
+  if flags.FLAGS["cache"].present and _CACHE.value != _POLICY.value:
+    raise app.UsageError(f"--cache={_CACHE.value} and its former name --policy="
+                         f"{_POLICY.value} disagree: give --cache only.")
+  logging.warning("--policy is deprecated: it is --cache (--cache=%s).", _POLICY.value)
+  return _POLICY.value
+
+
 def main(argv):
   del argv
   # Everything the flags name is checked before JAX starts: a refusal costs no compile.
+  main_name = _main_cache()
   _flags.check_restore_flags()
   for path, flag in ((_JSON_OUT.value, "json_out"), (_METRICS_OUT.value, "metrics_out"),
                      (_PLOT.value, "plot")):
@@ -75,8 +94,8 @@ def main(argv):
   tokenizer = _flags.use_model_dir(cfg)
   model_dir = cfg.model.get("model_dir", "")
 
-  policies = [_POLICY.value] + ([p for p in builder.POLICIES if p != _POLICY.value]
-                                if _COMPARE.value else [])
+  caches = [main_name] + ([c for c in builder.CACHES if c != main_name]
+                          if _COMPARE.value else [])
   mesh = builder.make_mesh_for(cfg)
   t_load = time.perf_counter()
   model = builder.load_model(cfg, mesh)  # once: the engines share its weights
@@ -84,10 +103,10 @@ def main(argv):
     print(f"loaded {model_dir} in {time.perf_counter() - t_load:.1f} s ({cfg.model.dtype}, "
           f"mesh {cfg.mesh.data} x {cfg.mesh.model}, prefill chunk "
           f"{cfg.engine.prefill_chunk_pages} pages)")
-  models = [model] + [builder.share_weights(model) for _ in policies[1:]]
-  engines = {p: builder.build_engine(cfg, policy=p, mesh=mesh, model=m,
+  models = [model] + [builder.share_weights(model) for _ in caches[1:]]
+  engines = {c: builder.build_engine(cfg, cache=c, mesh=mesh, model=m,
                                     deployment_key=deployment_key)
-             for p, m in zip(policies, models)}
+             for c, m in zip(caches, models)}
   registry = metrics.registry(engines, labels={"config": cfg.name})
   if _METRICS_PORT.value:
     if not security.is_loopback(_METRICS_HOST.value):
@@ -119,7 +138,7 @@ def main(argv):
   if _CHECKPOINT_DIR.value:
     from jaxkv.worker.checkpoint import Checkpointer
     checkpointer = Checkpointer((engines["jaxkv"] if "jaxkv" in engines
-                                 else engines[policies[0]]).cache, _CHECKPOINT_DIR.value)
+                                 else engines[main_name]).cache, _CHECKPOINT_DIR.value)
     if restore:
       counts = checkpointer.restore()
       print(f"restored step {counts['step']}: {counts['placed']} blocks "
@@ -140,9 +159,8 @@ def main(argv):
   compiled_late = COMPILES.names_since(warm_mark)
   if compiled_late:
     print(f"compiled after warm-up ({len(compiled_late)}): {', '.join(compiled_late)}")
-  main_policy = policies[0]
-  engines[main_policy].flush()
-  index_digest = engines[main_policy].cache.index.digest()
+  engines[main_name].flush()
+  index_digest = engines[main_name].cache.index.digest()
   if multi:
     distributed.agree_digest(index_digest, "the PrefixIndex")
   if checkpointer is not None:
@@ -151,20 +169,21 @@ def main(argv):
     print(f"saved the cache as step {step} in {_CHECKPOINT_DIR.value}")
   for e in engines.values():
     e.cache.close()  # the pool's queued puts finished, its segment unmounted
-  stats = engines[main_policy].stats()
-  main_cache = engines[main_policy].cache
+  stats = engines[main_name].stats()
+  main_cache = engines[main_name].cache
   kv_events = None  # published by process 0 alone
   if main_cache.events_publisher is not None:
     kv_events = {"messages": main_cache.events_publisher.sent,
                  "held": main_cache.events.held(), "untold": main_cache.events.untold}
   result = {
       "config": cfg.name,
-      "policy": main_policy,
-      "ttft_s": [t for turn in ttft[main_policy] for t in turn],
-      "ttft_s_by_turn": ttft[main_policy],
+      "cache": main_name,
+      "policy": main_name,  # "cache"'s former key, kept for the scripts that read it
+      "ttft_s": [t for turn in ttft[main_name] for t in turn],
+      "ttft_s_by_turn": ttft[main_name],
       "hits": stats["hits"],
       "verify_failures": stats["verify_failures"],
-      "output_digest": _common.token_digest(outputs[main_policy]),
+      "output_digest": _common.token_digest(outputs[main_name]),
       "index_digest": index_digest,
       "kv_events": kv_events,
       "process": {"index": jax.process_index(), "count": jax.process_count()},
@@ -177,13 +196,14 @@ def main(argv):
       "compiled_after_warmup": compiled_late,
       "machine": _common.machine_info(),
   }
-  if len(policies) == 2:
-    other = policies[1]
+  if len(caches) == 2:
+    other = caches[1]
     later = lambda p: statistics.mean(t for turn in ttft[p][1:] for t in turn)
     reuse, nocache = ("jaxkv", "nocache")
-    rounds = len(ttft[main_policy])
+    rounds = len(ttft[main_name])
     speedup = later(nocache) / later(reuse) if rounds > 1 else float("nan")
-    result["baseline"] = {"policy": other, "ttft_s": [t for turn in ttft[other] for t in turn],
+    result["baseline"] = {"cache": other, "policy": other,
+                          "ttft_s": [t for turn in ttft[other] for t in turn],
                           "output_digest": _common.token_digest(outputs[other])}
     result["outputs_match"] = outputs[reuse] == outputs[nocache]
     result.update(_agreement(outputs[reuse], outputs[nocache]))
@@ -198,8 +218,8 @@ def main(argv):
     result["online"] = {"request_rate": _RATE.value, "think_time_s": _THINK.value,
                         "arrivals": "trace" if not _RATE.value else "poisson"}
   result["tier_occupancy_blocks"] = occupancy
-  if tokenizer is not None:  # text out: every answer of the main policy, in request order
-    result["texts"] = [tokenizer.decode(o) for o in outputs[main_policy]]
+  if tokenizer is not None:  # text out: every answer of the main run, in request order
+    result["texts"] = [tokenizer.decode(o) for o in outputs[main_name]]
     if cfg.workload.kind == "trace":
       for i, text in enumerate(result["texts"]):
         print(f"answer {i}: {' '.join(text.split())[:120]}")
@@ -215,18 +235,19 @@ def main(argv):
 
 
 def _run_rounds(engines: dict, work):
-  """Every round's requests together, each policy in turn on the same prompts; which runs
-  first alternates by round (round 0 the main policy), so neither always runs on a machine
-  the other just warmed (caches, clocks). Each policy's outputs stay in request order."""
-  policies = list(engines)
-  outputs = {p: [] for p in policies}
-  ttft = {p: [] for p in policies}
-  wall_s = {p: 0.0 for p in policies}
-  occupancy = []  # blocks cached per tier after every round (main policy)
-  print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in policies))
+  """Every round's requests together, each cache's engine in turn on the same prompts;
+  which runs first alternates by round (round 0 the main one), so neither always runs on a
+  machine the other just warmed (CPU caches, clocks). Each engine's outputs stay in request
+  order."""
+  names = list(engines)
+  outputs = {p: [] for p in names}
+  ttft = {p: [] for p in names}
+  wall_s = {p: 0.0 for p in names}
+  occupancy = []  # blocks cached per tier after every round (main run)
+  print(f"{'turn':>4} {'prompt tok':>10} " + " ".join(f"{p + ' TTFT ms':>16}" for p in names))
   for turn in range(work.rounds):
     prompts = work.prompts(turn)
-    for p in policies if turn % 2 == 0 else policies[::-1]:
+    for p in names if turn % 2 == 0 else names[::-1]:
       engine = engines[p]
       before = len(engine.stats()["ttft_s"])
       t0 = time.perf_counter()
@@ -234,16 +255,16 @@ def _run_rounds(engines: dict, work):
       wall_s[p] += time.perf_counter() - t0
       ttft[p].append(engine.stats()["ttft_s"][before:])
       outputs[p].extend(answers)
-    work.record(turn, outputs[policies[0]][-len(prompts):])
-    occupancy.append(_occupancy(engines[policies[0]]))
+    work.record(turn, outputs[names[0]][-len(prompts):])
+    occupancy.append(_occupancy(engines[names[0]]))
     mean_prompt = statistics.mean(len(x) for x in prompts)
     print(f"{turn:>4} {mean_prompt:>10.0f} "
-          + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in policies))
+          + " ".join(f"{1e3 * statistics.mean(ttft[p][turn]):>16.1f}" for p in names))
   return outputs, ttft, wall_s, occupancy
 
 
 def _run_online(engines: dict, make_work):
-  """Each policy in turn under the same arrivals (a fresh workload each: same users)."""
+  """Each cache's engine in turn under the same arrivals (a fresh workload each: same users)."""
   from jaxkv.tools import online
   outputs, ttft, wall_s, figures = {}, {}, {}, {}
   occupancy = []

@@ -9,7 +9,7 @@ The rule (per request r and candidate data shard d)
     t(s) = max(t_recompute(h..s), t_fetch(s..e)) + t_prefill(rest | e)
     s*   = argmin_s t(s)         (s = h: fetch everything; s = e: recompute everything)
 
-  so a plan is never predicted worse than either pure policy.
+  so a plan is never predicted worse than either pure decision (all fetch, all recompute).
 - ``t_recompute`` and ``t_fetch`` come from ``jaxkv.planning.costs``: the measured prefill curve on a
   cached context of ``h*page_size`` tokens (rounded up to the prefill's chunks), and the
   slowest link the fetched bytes cross.

@@ -1,4 +1,4 @@
-"""The policy over the plan: ``SchedulerConfig.policy`` applied to the requests of a step.
+"""The decision over the plan: ``SchedulerConfig.decision`` applied to the requests of a step.
 
 ``Planner`` answers two questions, in the engine's plain Python types:
 - ``splits``: per request, the split point ``s`` of its cached chain. Blocks ``[hot, s)``
@@ -6,7 +6,7 @@
 - ``shard_times``: the predicted time of one request on every data shard, when placement
   is not already decided by the longest prefix.
 
-Policies: ``cost`` runs the jitted ``jaxkv.planning.plan.plan`` on measured costs; ``fetch``,
+Decisions: ``cost`` runs the jitted ``jaxkv.planning.plan.plan`` on measured costs; ``fetch``,
 ``recompute``, ``threshold`` and ``split`` (a forced split point) are fixed rules that
 need no costs, for comparison and tests.
 
@@ -64,10 +64,10 @@ def plan_block_buckets(max_blocks: int) -> list[int]:
 
 
 class Planner:
-  """Applies ``SchedulerConfig.policy``: which cached blocks of a step's requests are fetched
+  """Applies ``SchedulerConfig.decision``: which cached blocks of a step's requests are fetched
   and which recomputed, and which shard a request is cheapest on.
 
-  ``costs``: the ``CostModel`` the ``cost`` policy plans with. None until the engine sets
+  ``costs``: the ``CostModel`` the ``cost`` decision plans with. None until the engine sets
   it (``planner.set_costs``), unless given here or loaded from ``cost_model_path``.
   """
 
@@ -90,7 +90,7 @@ class Planner:
     ``cost`` decision), not bad input, hence a RuntimeError."""
     if self.costs is None:
       raise RuntimeError(
-          f"Planner.costs is None under policy={self.config.policy!r}, which plans from "
+          f"Planner.costs is None under decision={self.config.decision!r}, which plans from "
           "measured costs: the engine must set planner.costs (calibrate, or load "
           "SchedulerConfig.cost_model_path) before it plans or warms the plan.")
     return self.costs
@@ -104,11 +104,11 @@ class Planner:
 
   def shard_times(self, tiers_by_shard: list[list[Tier]], prompt_tokens: int
                   ) -> np.ndarray | None:
-    """Predicted time of one request on every shard (``cost`` policy), or None when the
+    """Predicted time of one request on every shard (``cost`` decision), or None when the
     longest prefix with the most of it on device decides anyway (no plan is run then).
     Also None while there are no costs yet: placement is a preference, and falls back to
     the longest prefix."""
-    if (self.config.policy != "cost" or self.costs is None or self.num_shards == 1
+    if (self.config.decision != "cost" or self.costs is None or self.num_shards == 1
         or all(t == Tier.DEVICE for ts in tiers_by_shard for t in ts)):
       return None
     longest = max(len(ts) for ts in tiers_by_shard)
@@ -131,8 +131,8 @@ class Planner:
     cold = [i for i, (ts, _, _) in enumerate(requests) if len(ts) > hot[i]]
     if not cold:
       return out
-    pol = self.config
-    if pol.policy == "cost":
+    sc = self.config
+    if sc.decision == "cost":
       t0 = time.perf_counter()
       result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1,
                          devices=[requests[i][2] for i in cold])
@@ -140,21 +140,21 @@ class Planner:
       self.stats.add("plan_s", time.perf_counter() - t0)
     for k, i in enumerate(cold):
       h, end = hot[i], len(requests[i][0])
-      if pol.policy == "cost":
+      if sc.decision == "cost":
         s = int(chosen[k])
-      elif pol.policy == "fetch":
+      elif sc.decision == "fetch":
         s = h
-      elif pol.policy == "recompute":
+      elif sc.decision == "recompute":
         s = end
-      elif pol.policy == "threshold":
-        s = h if (end - h) * self.page_size >= pol.threshold_tokens else end
+      elif sc.decision == "threshold":
+        s = h if (end - h) * self.page_size >= sc.threshold_tokens else end
       else:  # "split": forced
-        s = min(h + pol.force_split, end)
+        s = min(h + sc.force_split, end)
       out[i] = s
-      decision = "recompute" if s == end else "fetch" if s == h else "split"
-      self.stats.add("plans_" + decision)
-      logging.debug("plan (%s): %d cold blocks, %s: recompute %d, fetch %d", pol.policy,
-                    end - h, decision, s - h, end - s)
+      outcome = "recompute" if s == end else "fetch" if s == h else "split"
+      self.stats.add("plans_" + outcome)
+      logging.debug("plan (decision %s): %d cold blocks, %s: recompute %d, fetch %d",
+                    sc.decision, end - h, outcome, s - h, end - s)
     return out
 
   def warm(self, max_blocks: int, max_requests: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -23,7 +24,10 @@ from jaxkv.serving.engine import Engine
 from jaxkv.worker.pages import make_mesh
 from jaxkv.errors import InputError
 
-POLICIES = ("jaxkv", "nocache")
+# What ``build_engine(cache=)`` (and launch/serve.py ``--cache``) builds: ``jaxkv`` reuses
+# cached prefixes through its tiers, ``nocache`` recomputes everything (the baseline).
+CACHES = ("jaxkv", "nocache")
+POLICIES = CACHES  # its former name
 
 
 def _section(cfg: Mapping, name: str) -> dict:
@@ -254,29 +258,61 @@ def tier_config(cfg: Mapping) -> TierConfig:
   return TierConfig(**t)
 
 
-def build_engine(cfg: Mapping, *, policy: str = "jaxkv", mesh=None,
-                 model: nnx.Module | None = None, deployment_key: bytes | None = None
-                 ) -> Engine:
+def scheduler_config(cfg: Mapping) -> SchedulerConfig | None:
+  """The config's ``scheduler`` section as a ``SchedulerConfig`` (None for a config without
+  one). The section's former key ``policy`` (a user's own config file, or
+  ``--config.scheduler.policy=...`` on an old command line: configs/default.py keeps the
+  key, unset, so that override still parses) sets ``decision``, with a DeprecationWarning
+  and a log line; set beside a ``decision`` other than the default, it is refused."""
+  if "scheduler" not in cfg:
+    return None
+  section = _section(cfg, "scheduler")
+  old = section.pop("policy", None)
+  if old is not None:
+    decision = section.get("decision", "cost")
+    if decision not in ("cost", old):
+      raise InputError(f"config.scheduler.decision={decision!r} and its former name "
+                       f"config.scheduler.policy={old!r} disagree; set decision only.")
+    message = (f"config.scheduler.policy is deprecated: it is config.scheduler.decision "
+               f"(--config.scheduler.decision={old}).")
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    logging.warning("%s", message)
+    section["decision"] = old
+  return SchedulerConfig(**section)
+
+
+def build_engine(cfg: Mapping, *, cache: str = "jaxkv", mesh=None,
+                 model: nnx.Module | None = None, deployment_key: bytes | None = None,
+                 policy: str | None = None) -> Engine:
   """A cache and engine over ``model`` (default: ``load_model(cfg, mesh)``: the config's
   checkpoint, or random weights from ``cfg.seed``). A model passed in is taken over by
   this engine; give each engine its own (``share_weights``).
 
-  The ``nocache`` policy gets no lower tiers either: it is the recompute-everything
-  baseline. ``deployment_key``: see ``jaxkv.KVCache``.
+  ``cache``: ``jaxkv`` reuses cached prefixes (the config's tiers and streaming);
+  ``nocache`` gets no prefix reuse and no lower tiers: the recompute-everything baseline.
+  ``policy`` is ``cache``'s former name (deprecated). ``deployment_key``: see
+  ``jaxkv.KVCache``.
   """
-  if policy not in POLICIES:
-    raise InputError(f"policy={policy!r} is not one of {POLICIES}.")
+  if policy is not None:
+    warnings.warn("build_engine(policy=) is deprecated: it is build_engine(cache=).",
+                  DeprecationWarning, stacklevel=2)
+    if cache not in ("jaxkv", policy):
+      raise InputError(f"build_engine got cache={cache!r} and its former name "
+                       f"policy={policy!r}; give cache only.")
+    cache = policy
+  if cache not in CACHES:
+    raise InputError(f"build_engine(cache={cache!r}): must be one of {CACHES} (jaxkv: prefix "
+                     "reuse through the tiers; nocache: the recompute-everything baseline).")
   cache_cfg = cache_config(cfg)
   if mesh is None:
     mesh = make_mesh_for(cfg)
   if model is None:
     model = load_model(cfg, mesh)
-  engine_cfg = EngineConfig(**{**_section(cfg, "engine"), "prefix_reuse": policy == "jaxkv"})
-  tiers = tier_config(cfg) if policy == "jaxkv" else TierConfig()
-  scheduler = SchedulerConfig(**_section(cfg, "scheduler")) if "scheduler" in cfg else None
+  engine_cfg = EngineConfig(**{**_section(cfg, "engine"), "prefix_reuse": cache == "jaxkv"})
+  tiers = tier_config(cfg) if cache == "jaxkv" else TierConfig()
   return Engine(model, KVCache(cache_cfg, mesh, tiers, deployment_key=deployment_key),
-                engine_cfg, scheduler=scheduler,
-                stream=stream_config(cfg) if policy == "jaxkv" else None)
+                engine_cfg, scheduler=scheduler_config(cfg),
+                stream=stream_config(cfg) if cache == "jaxkv" else None)
 
 
 def stream_config(cfg: Mapping) -> StreamConfig | None:

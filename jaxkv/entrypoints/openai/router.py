@@ -11,7 +11,7 @@ decision is the indexer's answer and the replicas' load, nothing of the router's
 where ``held`` counts device tokens whole and tokens only in host memory or on disk at
 ``host_weight`` and ``disk_weight`` (a fetch is cheaper than a prefill, dearer than a hit).
 The cheapest healthy replica takes the request; ties go to the less loaded, then in turn.
-With ``policy="round_robin"`` the indexer is not asked (the baseline).
+With ``routing="round_robin"`` the indexer is not asked (the baseline).
 
 Failures: a replica whose ``/health`` is not 200, or that does not answer a request, is
 taken out until ``/health`` answers 200 again, and the request goes to the next replica in
@@ -60,13 +60,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv import security
+from jaxkv.config import renamed_fields
 from jaxkv.entrypoints.openai.auth import ApiKeys
 from jaxkv.entrypoints.openai.protocol import (MAX_BODY_BYTES, ApiError, chat_messages,
                                                parse_body, read_body, request_tenant)
 from jaxkv.entrypoints.openai.upstream import relay_events
 from jaxkv.errors import InputError
 
-POLICIES = ("prefix", "round_robin")
+ROUTINGS = ("prefix", "round_robin")  # what RouterConfig.routing may be
+POLICIES = ROUTINGS  # its former name
 REPLICA_HEADER = "x-jaxkv-replica"
 
 
@@ -116,9 +118,14 @@ class Replica:
   failures: int = 0
 
 
+@renamed_fields(policy="routing")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-  policy: str = "prefix"
+  """How the router picks a replica. ``routing``: ``prefix`` asks the indexer and ranks by
+  cost (above); ``round_robin`` takes turns (the baseline). Its former name ``policy``
+  still works, with a DeprecationWarning."""
+
+  routing: str = "prefix"
   indexer: str | None = None
   indexer_model: str = "default"
   indexer_timeout_s: float = 0.5
@@ -131,11 +138,11 @@ class RouterConfig:
   raw_tokens: bool = False  # the replicas send raw ids (TierConfig.kv_events_raw_tokens)
 
   def __post_init__(self):
-    if self.policy not in POLICIES:
-      raise InputError(f"policy={self.policy!r} must be one of {POLICIES}.")
-    if self.policy == "prefix" and not self.indexer:
-      raise InputError("policy='prefix' needs the KV indexer's URL (--indexer=http://HOST:PORT)"
-                       "; or route with --policy=round_robin.")
+    if self.routing not in ROUTINGS:
+      raise InputError(f"RouterConfig.routing={self.routing!r} must be one of {ROUTINGS}.")
+    if self.routing == "prefix" and not self.indexer:
+      raise InputError("routing='prefix' needs the KV indexer's URL (--indexer=http://HOST:PORT)"
+                       "; or route with --routing=round_robin.")
     for name in ("host_weight", "disk_weight"):
       if not 0 <= getattr(self, name) <= 1:
         raise InputError(f"{name}={getattr(self, name)!r} must be in [0, 1].")
@@ -231,7 +238,7 @@ class Router:
     pool = [r for r in self.replicas if r.healthy] or list(self.replicas)
     turn = next(self._turn)
     order = {id(r): (i - turn) % len(pool) for i, r in enumerate(pool)}
-    if c.policy == "round_robin":
+    if c.routing == "round_robin":
       return sorted(pool, key=lambda r: order[id(r)])
 
     def cost(r: Replica) -> tuple:
@@ -281,7 +288,7 @@ class Router:
       return e.response()
     self.stats["requests"] += 1
     held = None
-    if self.config.policy == "prefix":
+    if self.config.routing == "prefix":
       # Tokenizing (a chat template, a long text) and mapping run off the event loop.
       tokens = await asyncio.to_thread(self.tenant_tokens, path, body, tenant)
       if tokens is None:

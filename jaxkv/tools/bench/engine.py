@@ -37,10 +37,10 @@ def run(*, quick: bool = False) -> dict:
   cache = common.bench_cache_config(page_size=page, pages_per_shard=budget, max_pages_per_seq=seq_pages)
   engine_cfg = EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=4)
 
-  def make(reuse: bool, tiers: TierConfig | None, policy: str) -> Engine:
+  def make(reuse: bool, tiers: TierConfig | None, decision: str) -> Engine:
     return Engine(models.Llama(mc, rngs=nnx.Rngs(0)), KVCache(cache, mesh, tiers),
                   EngineConfig(**{**engine_cfg.__dict__, "prefix_reuse": reuse}),
-                  scheduler=SchedulerConfig(policy=policy))
+                  scheduler=SchedulerConfig(decision=decision))
 
   engines = {
       "no_cache": make(False, None, "fetch"),

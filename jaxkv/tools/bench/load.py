@@ -1,8 +1,8 @@
 """Suite ``load``: requests arriving over time (Poisson), continuous batching vs waves vs no cache.
 
 Requests share a system prompt and one of a few documents, then ask their own question;
-answers are 4-48 tokens. Each policy runs on its own engine (same weights, same compiled
-steps, same arrival times):
+answers are 4-48 tokens. Each run (a batching, or no cache) has its own engine (same
+weights, same compiled steps, same arrival times):
 - ``continuous``: ``EngineConfig(batching="continuous")``: each arrival is submitted on
   time and joins the running batch at the next step;
 - ``waves``: ``batching="static"``: whatever arrived while the previous wave ran is
@@ -95,7 +95,7 @@ def run(*, quick: bool = False, reference_rps: float | None = None) -> dict:
   def make(batching: str, reuse: bool) -> Engine:
     return Engine(models.Llama(mc, rngs=nnx.Rngs(0)), KVCache(cache, mesh),
                   EngineConfig(max_seqs_per_shard=4, prefill_chunk_pages=4, batching=batching,
-                               prefix_reuse=reuse), scheduler=SchedulerConfig(policy="fetch"))
+                               prefix_reuse=reuse), scheduler=SchedulerConfig(decision="fetch"))
 
   engines = {"continuous": make("continuous", True), "waves": make("static", True),
              "no_cache": make("continuous", False)}

@@ -107,7 +107,7 @@ def _engine(mc, mesh, pages: int, max_seq: int, rows: int, reuse: bool) -> Engin
   return Engine(models.Llama(mc, rngs=nnx.Rngs(0)), KVCache(cache, mesh),
                 EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=CHUNK_PAGES,
                              prefix_reuse=reuse),
-                scheduler=SchedulerConfig(policy="fetch"))
+                scheduler=SchedulerConfig(decision="fetch"))
 
 
 def _jaxkv_generate(engine: Engine, prompts: np.ndarray, new_tokens: int):

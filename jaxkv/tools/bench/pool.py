@@ -72,7 +72,7 @@ def build_engine(*, data: int, model: int, master: str | None, metadata: str | N
   return Engine(models.Llama(models.LlamaConfig(**MODEL), rngs=nnx.Rngs(0)),
                 KVCache(cache, mesh, tiers), EngineConfig(max_seqs_per_shard=1,
                                                           prefill_chunk_pages=4),
-                scheduler=SchedulerConfig(policy="fetch"))
+                scheduler=SchedulerConfig(decision="fetch"))
 
 
 def _start_owner(tokens: int, m: LocalMaster):

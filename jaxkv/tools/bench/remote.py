@@ -64,7 +64,7 @@ def build_engine(*, data: int, model: int, peers: tuple, devices=None) -> Engine
   return Engine(models.Llama(models.LlamaConfig(**MODEL), rngs=nnx.Rngs(0)),
                 KVCache(cache, mesh, TierConfig(remote_peers=peers, read_deadline_s=30.0)),
                 EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=4),
-                scheduler=SchedulerConfig(policy="fetch"))
+                scheduler=SchedulerConfig(decision="fetch"))
 
 
 def _start_owner(tokens: int, key: bytes | None) -> tuple[subprocess.Popen, str]:

@@ -47,7 +47,7 @@ def replica_flags(quick: bool) -> list[str]:
   seq, device, host = (16, 64, 256) if quick else (32, 128, 512)
   return ["--config.mesh.data=1", "--config.mesh.model=1",
           "--config.engine.max_seqs_per_shard=4", f"--config.cache.max_pages_per_seq={seq}",
-          f"--device_pages={device}", f"--host_pages={host}", "--config.scheduler.policy=fetch"]
+          f"--device_pages={device}", f"--host_pages={host}", "--config.scheduler.decision=fetch"]
 
 
 MODEL = "llama-tiny-random"
@@ -138,7 +138,7 @@ def run(*, quick: bool = False, reps: int = 3) -> dict:
       with ServerProcess([f"--replicas={bases}", f"--indexer={idx.url}",
                           f"--replica_events={spec}", f"--block_size={PAGE}"],
                          script=os.path.join("launch", "router.py")) as prefix, \
-           ServerProcess([f"--replicas={bases}", "--policy=round_robin"],
+           ServerProcess([f"--replicas={bases}", "--routing=round_robin"],
                          script=os.path.join("launch", "router.py")) as rr:
         prefix.wait_ready(120)
         rr.wait_ready(120)

@@ -1,8 +1,8 @@
-"""Suite ``scheduler``: fetch vs recompute vs split, policy against policy, side by side.
+"""Suite ``scheduler``: fetch vs recompute vs split, decision against decision, side by side.
 
 A multi-turn chat whose history is moved below device memory after every turn
 (``Engine.offload``), so each turn's TTFT is the cost of bringing the history back plus
-prefilling the new message. Each link speed runs every policy on its own engine (same
+prefilling the new message. Each link speed runs every decision on its own engine (same
 weights, same compiled steps), interleaved turn by turn:
 
 - ``jaxkv``: the cost-based plan (calibrated prefill curve, the link's cost);
@@ -35,11 +35,11 @@ from jaxkv.serving.engine import Engine
 from jaxkv.planning.plan import DISK, HOST, HOT, PlanInputs, plan
 from jaxkv.tools.workloads import Chat, ChatSpec
 
-POLICIES = {
-    "jaxkv": SchedulerConfig(policy="cost"),
-    "always_fetch": SchedulerConfig(policy="fetch"),
-    "always_recompute": SchedulerConfig(policy="recompute"),
-    "threshold_256": SchedulerConfig(policy="threshold", threshold_tokens=256),
+DECISIONS = {  # a run's name: its SchedulerConfig (the fetch-or-recompute decision)
+    "jaxkv": SchedulerConfig(decision="cost"),
+    "always_fetch": SchedulerConfig(decision="fetch"),
+    "always_recompute": SchedulerConfig(decision="recompute"),
+    "threshold_256": SchedulerConfig(decision="threshold", threshold_tokens=256),
 }
 
 
@@ -81,7 +81,7 @@ def _engine(mesh, mc, cache, tiers, engine_cfg, scheduler, costs):
 
 def run(*, quick: bool = False) -> dict:
   mesh, mc, cache, spec, tiers, engine_cfg = _setup(quick)
-  probe = _engine(mesh, mc, cache, tiers, engine_cfg, POLICIES["always_fetch"], None)
+  probe = _engine(mesh, mc, cache, tiers, engine_cfg, DECISIONS["always_fetch"], None)
   probe.warmup(max_seq_len=spec.max_seq_len())
   measured = calibration.calibrate(probe.cache, probe.runner,
                                    max_seqs_per_shard=engine_cfg.max_seqs_per_shard)
@@ -95,8 +95,8 @@ def run(*, quick: bool = False) -> dict:
   factors = [100.0, 1.0, 0.1] if quick else [100.0, 10.0, 3.0, 1.0, 0.3, 0.1]
   speeds = {"real": None, **{f"emulated_x{f:g}": f for f in factors}}
 
-  policies = dict(POLICIES)
-  policies["split_half"] = None  # filled per request count below
+  decisions = dict(DECISIONS)
+  decisions["split_half"] = None  # filled per request count below
   results = {}
   for speed_name, factor in speeds.items():
     costs = CostModel(links=dict(measured.links), prefill=measured.prefill,
@@ -105,10 +105,11 @@ def run(*, quick: bool = False) -> dict:
       rate = min(break_even * factor, real_link.bytes_per_s)
       costs.links["host_to_device"] = LinkCost(real_link.latency_s, rate)
     engines = {}
-    for name, pol in policies.items():
+    for name, sched in decisions.items():
       if name == "split_half":
-        pol = SchedulerConfig(policy="split", force_split=(spec.max_seq_len() // cache.page_size) // 4)
-      e = _engine(mesh, mc, cache, tiers, engine_cfg, pol,
+        sched = SchedulerConfig(decision="split",
+                                force_split=(spec.max_seq_len() // cache.page_size) // 4)
+      e = _engine(mesh, mc, cache, tiers, engine_cfg, sched,
                   CostModel.from_json(costs.to_json()))
       if factor is not None:
         EmulatedLink(e.cache, costs.links["host_to_device"].bytes_per_s, real_link.latency_s)
@@ -118,7 +119,7 @@ def run(*, quick: bool = False) -> dict:
     turn_ttft = {name: [] for name in engines}
     outputs = {name: [] for name in engines}
     for turn in range(spec.turns):
-      for name, e in engines.items():  # interleaved: every policy, then the next turn
+      for name, e in engines.items():  # interleaved: every decision, then the next turn
         before = len(e.stats()["ttft_s"])
         out = e.generate(chats[name].prompts(turn), spec.max_new_tokens)
         chats[name].record(turn, out)

@@ -41,7 +41,7 @@ def run(*, quick: bool = False, reps: int = 5) -> dict:
     cache = common.bench_cache_config(page_size=page, pages_per_shard=pages,
                         max_pages_per_seq=min(pages, context_pages + 1))
     return Engine(models.Llama(mc, rngs=nnx.Rngs(0)), KVCache(cache, mesh, tiers), engine_cfg,
-                  scheduler=SchedulerConfig(policy="fetch"), stream=stream_cfg)
+                  scheduler=SchedulerConfig(decision="fetch"), stream=stream_cfg)
 
   import dataclasses
   import tempfile
