@@ -58,11 +58,12 @@ def cache_config_for(mc: jaxkv.models.LlamaConfig, **overrides) -> jaxkv.CacheCo
 def make_engine(mesh, mc=None, *, seed=0, cache=None, tiers=None, scheduler=None, costs=None,
                 stream=None, deployment_key=None, **engine_kw) -> jaxkv.Engine:
   """An engine over a tiny model. Lower-tier hits are always fetched unless a test asks
-  for another scheduler policy (measured costs would make tier tests nondeterministic)."""
+  for another ``SchedulerConfig.decision`` (measured costs would make tier tests
+  nondeterministic)."""
   mc = mc or tiny_model_config()
   cache = cache or cache_config_for(mc)
   model = jaxkv.models.Llama(mc, rngs=nnx.Rngs(seed))
-  scheduler = scheduler or jaxkv.SchedulerConfig(policy="fetch")
+  scheduler = scheduler or jaxkv.SchedulerConfig(decision="fetch")
   return jaxkv.Engine(model, jaxkv.KVCache(cache, mesh, tiers, deployment_key=deployment_key),
                       jaxkv.EngineConfig(**engine_kw),
                       scheduler=scheduler, costs=costs, stream=stream)

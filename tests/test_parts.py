@@ -105,7 +105,7 @@ def test_plan_inputs_for_a_step_and_for_placement():
   assert int(np.asarray(out.best_shard)[0]) == 1
 
 
-def test_planner_policies_choose_split_points():
+def test_planner_decisions_choose_split_points():
   D, H = Tier.DEVICE, Tier.HOST
   reqs = [([D, H, H, H, H], 100, 0), ([D, D], 40, 1), ([H] * 20, 400, 0)]
 
@@ -115,17 +115,17 @@ def test_planner_policies_choose_split_points():
                       page_bytes=1000, chunk_tokens=16, stats=stats)
     return planner.splits(reqs), stats
 
-  assert splits(policy="fetch")[0] == [1, 2, 0]
-  assert splits(policy="recompute")[0] == [5, 2, 20]
-  assert splits(policy="threshold", threshold_tokens=256)[0] == [5, 2, 0]
-  got, stats = splits(policy="split", force_split=2)
+  assert splits(decision="fetch")[0] == [1, 2, 0]
+  assert splits(decision="recompute")[0] == [5, 2, 20]
+  assert splits(decision="threshold", threshold_tokens=256)[0] == [5, 2, 0]
+  got, stats = splits(decision="split", force_split=2)
   assert got == [3, 2, 2]
   assert stats["plans_split"] == 2 and stats["plans_fetch"] == 0  # [D, D] has nothing cold
 
 
 def test_planner_plans_from_the_costs_the_engine_sets_and_learns_from_fetch_reports():
   D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
-  planner = Planner(jaxkv.SchedulerConfig(policy="cost"), None, num_shards=1, page_size=16,
+  planner = Planner(jaxkv.SchedulerConfig(decision="cost"), None, num_shards=1, page_size=16,
                     page_bytes=1000, chunk_tokens=16, stats=Stats())
   assert planner.splits([([D, D], 40, 0)]) == [2]  # nothing cold: no costs needed
   with pytest.raises(RuntimeError, match="must set planner.costs"):  # the engine's bug

@@ -125,7 +125,7 @@ def test_a_gguf_model_through_host_and_disk_tiers_and_a_checkpoint_equals_recomp
   def engine():
     model = jaxkv.models.from_pretrained(path, dtype="float32", mesh=mesh)
     cache = jaxkv.KVCache(helpers.cache_config_for(model.cfg), mesh, tiers)
-    return jaxkv.Engine(model, cache, scheduler=jaxkv.SchedulerConfig(policy="fetch"))
+    return jaxkv.Engine(model, cache, scheduler=jaxkv.SchedulerConfig(decision="fetch"))
 
   a = engine()
   want = a.generate(PROMPTS[:2], 4)

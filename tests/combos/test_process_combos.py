@@ -38,7 +38,7 @@ from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
 MODEL = "llama-tiny-random"
 PAGE = 16
 # Lower-tier hits always fetched (the measured costs could recompute them on a loaded machine).
-OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
+OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.decision=fetch")
 KEYS = {"key-alice-combos-0123456": "alice", "key-bob-combos-01234567": "bob"}
 ALICE, BOB = ({"authorization": f"Bearer {k}"} for k in KEYS)
 DEPLOYMENT_KEY = bytes(range(100, 140))
@@ -68,7 +68,7 @@ def reference_engine():
   from jaxkv.tools import builder
   cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
   cfg.cache.max_pages_per_seq = 16
-  return builder.build_engine(cfg, policy="nocache")
+  return builder.build_engine(cfg, cache="nocache")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def pd(tmp_path_factory):
            "proxy": start([f"--prefill={url['prefill']}", f"--decode={url['decode']}",
                            port("proxy")], "pd_proxy.py"),
            "router": start([f"--replicas={url['proxy']},{url['decode']}",
-                            "--policy=round_robin"], "router.py")}
+                            "--routing=round_robin"], "router.py")}
     try:
       box["reference"] = reference_engine()
       for name in ("prefill", "decode", "proxy", "router"):

@@ -73,7 +73,7 @@ def reference(checkpoint):
   cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
   cfg.cache.pages_per_shard, cfg.cache.max_pages_per_seq = 96, 32
   builder.use_model_dir(cfg, checkpoint)
-  engine = builder.build_engine(cfg, policy="nocache")
+  engine = builder.build_engine(cfg, cache="nocache")
   return engine, jaxkv.Tokenizer.from_dir(checkpoint)
 
 
@@ -449,7 +449,7 @@ def test_another_job_pulls_the_servers_blocks_with_the_key_and_nothing_without(
     cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
     cfg.cache.pages_per_shard, cfg.cache.max_pages_per_seq = 96, 32
     cfg.tiers.remote_peers = (address,)
-    cfg.scheduler.policy = "fetch"  # (the pull is what is tested, not the decision)
+    cfg.scheduler.decision = "fetch"  # (the pull is what is tested, not the decision)
     builder.use_model_dir(cfg, checkpoint)
     engine = builder.build_engine(cfg, deployment_key=key)
     sp = jaxkv.SamplingParams(max_new_tokens=4, stop_token_ids=reference[1].eos_token_ids)

@@ -71,7 +71,7 @@ def fronts(tmp_path_factory):
   url = f"http://127.0.0.1:{node.server_address[1]}"
   procs = []
   try:
-    procs.append(ServerProcess([f"--replicas={url}", "--policy=round_robin"],
+    procs.append(ServerProcess([f"--replicas={url}", "--routing=round_robin"],
                                script=os.path.join("launch", "router.py"),
                                prefix=("-c", _WITH_NOFILE), workdir=str(work)))
     procs.append(ServerProcess([f"--prefill={url}", f"--decode={url}",

@@ -97,7 +97,8 @@ REFUSALS = [
     Refusal("serve.py", ("--json_out={a_file}/x.json",), "not a writable directory"),
     Refusal("serve.py", ("--checkpoint_dir={a_file}",), "is a file"),
     Refusal("serve.py", ("--device_pages=-5",), "device_pages"),
-    Refusal("serve.py", ("--policy=lru",), "policy"),
+    Refusal("serve.py", ("--cache=lru",), "cache"),
+    Refusal("serve.py", ("--cache=jaxkv", "--policy=nocache"), "--policy=nocache disagree"),
     Refusal("serve.py", ("--disk_pages=0",), "disk_pages"),
     # A shortcut is an alias of one --config field: both at different values are refused.
     Refusal("serve.py", ("--device_pages=40", "--config.cache.pages_per_shard=32"),
@@ -345,7 +346,7 @@ def families(text):
   return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def check_families(fams, *, policies):
+def check_families(fams, *, engines):
   for name in ("jaxkv_ttft_seconds", "jaxkv_time_per_output_token_seconds",
                "jaxkv_e2e_latency_seconds"):
     assert fams[name].type == "histogram", name
@@ -356,7 +357,7 @@ def check_families(fams, *, policies):
   for name in ("jaxkv_cached_blocks", "jaxkv_capacity_blocks", "jaxkv_waiting_requests",
                "jaxkv_running_requests"):
     assert fams[name].type == "gauge", name
-  assert {s.labels["policy"] for s in fams["jaxkv_requests"].samples} == set(policies)
+  assert {s.labels["policy"] for s in fams["jaxkv_requests"].samples} == set(engines)
 
 
 def value(fams, family, sample, **labels):
@@ -373,7 +374,7 @@ def test_metrics_file_logs_progress_and_a_cold_start_without_checkpoint(tmp_path
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
   fams = families(prom.read_text())
-  check_families(fams, policies=("jaxkv", "nocache"))
+  check_families(fams, engines=("jaxkv", "nocache"))
   stats = r["stats"]
   jaxkv = dict(policy="jaxkv", config='quote"and\\backslash')
   assert value(fams, "jaxkv_requests", "jaxkv_requests_total", **jaxkv) == stats["requests"] == 6
@@ -436,7 +437,7 @@ def test_metrics_are_served_live_during_a_run(tmp_path):
   complete = [t for t in scraped if "jaxkv_running_requests" in t]
   assert complete, f"no complete answer among {len(scraped)} scrapes during the run"
   fams = families(complete[-1])
-  check_families(fams, policies=("jaxkv",))
+  check_families(fams, engines=("jaxkv",))
   capacity = value(fams, "jaxkv_capacity_blocks", "jaxkv_capacity_blocks", tier="device",
                    policy="jaxkv")
   assert capacity == 4 * 256  # 4 data shards x pages_per_shard

@@ -24,7 +24,7 @@ from jaxkv.worker.tiers.pool.master import LocalMaster
 
 # Lower-tier hits always fetched: the plan's measured costs (which may recompute a prefix
 # on a loaded machine) would make the hit counts below depend on the machine's load.
-OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
+OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.decision=fetch")
 MODEL = "llama-tiny-random"
 
 
@@ -50,7 +50,7 @@ def reference():
   from jaxkv.tools import builder
   cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
   cfg.cache.max_pages_per_seq = 16
-  return builder.build_engine(cfg, policy="nocache")
+  return builder.build_engine(cfg, cache="nocache")
 
 
 def prompt(seed, n=90):

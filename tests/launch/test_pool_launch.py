@@ -67,7 +67,7 @@ def test_a_second_serve_run_hits_the_pool_the_first_filled_with_the_same_outputs
   them (a process's own segment, and the blocks in it, leave the pool with it)."""
   pool = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
           "--pool_segment_mb=0", "--config.tiers.write_policy=write_through",
-          f"--deployment_key_file={key_file}", "--config.scheduler.policy=fetch"]
+          f"--deployment_key_file={key_file}", "--config.scheduler.decision=fetch"]
   plain = serve(tmp_path, "plain")
   first = serve(tmp_path, "first", *pool)
   second = serve(tmp_path, "second", *pool)
@@ -106,7 +106,7 @@ def test_two_servers_on_one_pool_the_second_answers_from_the_firsts_blocks(
   flags = [f"--pool={master.address}", f"--pool_metadata={master.metadata}",
            "--pool_segment_mb=32", "--config.tiers.write_policy=write_through",
            f"--deployment_key_file={key_file}", "--config.cache.max_pages_per_seq=16",
-           "--config.scheduler.policy=fetch"]  # hits fetched whatever the machine's load
+           "--config.scheduler.decision=fetch"]  # hits fetched whatever the machine's load
   prompt = [(i * 13 + 5) % 250 + 1 for i in range(100)]
   full_blocks = len(prompt) // 16  # (page_size 16: the last 4 tokens are no full block)
   body = {"model": "llama-tiny-random", "prompt": prompt, "max_tokens": 5, "temperature": 0,

@@ -26,7 +26,7 @@ from jaxkv.worker.tiers.pool.master import free_port
 MODEL = "llama-tiny-random"
 KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789ab": "bob"}
 ALICE = {"authorization": "Bearer key-alice-0123456789"}  # a metrics tenant of the router
-OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.policy=fetch")
+OVERRIDES = ("--config.cache.max_pages_per_seq=16", "--config.scheduler.decision=fetch")
 PAGE = 16
 
 
@@ -74,7 +74,7 @@ def reference():
   from jaxkv.tools import builder
   cfg = runpy.run_path(os.path.join(ROOT, "configs", "cpu_tiny.py"))["get_config"]()
   cfg.cache.max_pages_per_seq = 16
-  return builder.build_engine(cfg, policy="nocache")
+  return builder.build_engine(cfg, cache="nocache")
 
 
 def complete(url, prompt, *, key="key-alice-0123456789", max_tokens=6, stream=False, timeout=120):
@@ -298,7 +298,7 @@ def test_after_a_restart_the_indexer_forgets_the_old_blocks_and_learns_the_new(f
 
 def test_a_429_from_a_full_replica_is_tried_on_the_next(fleet, reference):
   work, b, c = fleet["work"], fleet["b"], fleet["c"]
-  with ServerProcess([f"--replicas={c.base},{c.base},{b.base}", "--policy=round_robin"],
+  with ServerProcess([f"--replicas={c.base},{c.base},{b.base}", "--routing=round_robin"],
                      script=os.path.join("launch", "router.py"), workdir=str(work)) as rr:
     rr.wait_ready(120)
     prompts = [words(300 + i, 30) for i in range(4)]
@@ -328,7 +328,7 @@ def test_router_flags_that_cannot_work_are_refused_naming_the_fix(tmp_path):
   for extra, needle in (([], "without --api_keys_file"),
                         ([f"--api_keys_file={keys}"], "without a deployment key")):
     code, _, err = helpers.run_script(
-        ["launch/router.py", "--replicas=http://127.0.0.1:1", "--policy=round_robin",
+        ["launch/router.py", "--replicas=http://127.0.0.1:1", "--routing=round_robin",
          "--host=192.0.2.1", *extra], timeout_s=120, env=env)
     insecure = [line for line in err.splitlines() if "INSECURE:" in line]
     assert code == 2 and len(insecure) == 1 and needle in insecure[0], err[-2000:]

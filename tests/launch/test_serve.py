@@ -26,8 +26,10 @@ def serve(tmp_path, name, *flags):
 
 def test_serve_default_and_nocache_give_the_same_output_digest(tmp_path):
   both, stdout = serve(tmp_path, "default")
-  alone, _ = serve(tmp_path, "nocache", "--policy=nocache", "--nocompare")
-  assert both["policy"] == "jaxkv" and alone["policy"] == "nocache"
+  alone, _ = serve(tmp_path, "nocache", "--cache=nocache", "--nocompare")
+  assert both["cache"] == both["policy"] == "jaxkv"  # "policy": the key's former name, kept
+  assert alone["cache"] == alone["policy"] == "nocache" and "baseline" not in alone
+  assert both["baseline"]["cache"] == both["baseline"]["policy"] == "nocache"
   assert both["output_digest"] == alone["output_digest"] == both["baseline"]["output_digest"]
   assert both["outputs_match"] is True
   assert both["greedy_match_rate"] == 1.0 and both["first_divergence"] == [None] * 12
@@ -41,8 +43,8 @@ def test_serve_default_and_nocache_give_the_same_output_digest(tmp_path):
   live, stdout = serve(tmp_path, "online", "--request_rate=40", "--think_time_s=0.01")
   assert live["output_digest"] == both["output_digest"] and live["outputs_match"] is True
   assert live["online"] == {"request_rate": 40.0, "think_time_s": 0.01, "arrivals": "poisson"}
-  for policy in ("jaxkv", "nocache"):
-    fig = live["summary"][policy]
+  for cache in ("jaxkv", "nocache"):
+    fig = live["summary"][cache]
     assert fig["requests"] == 12 and 0 < fig["ttft_p50_s"] <= fig["ttft_p99_s"]
     assert fig["tpot_p50_s"] > 0 and fig["e2e_p90_s"] >= fig["ttft_p90_s"]
   assert len(live["ttft_s_by_turn"]) == 3 and "TPOT p50 (ms)" in stdout
@@ -65,7 +67,7 @@ def test_serve_plot_metrics_and_other_workloads(tmp_path):
   rgb = (img[..., :3] * 255).astype(int).reshape(-1, 3)
   blue = np.abs(rgb - np.array([31, 119, 180])).sum(axis=1) < 30  # the first series' colour
   orange = np.abs(rgb - np.array([255, 127, 14])).sum(axis=1) < 30
-  assert blue.sum() > 200 and orange.sum() > 200  # both policies are drawn
+  assert blue.sum() > 200 and orange.sum() > 200  # both caches are drawn
   from prometheus_client.parser import text_string_to_metric_families
   fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
   hits = {(s.labels["policy"], s.labels["tier"]): s.value

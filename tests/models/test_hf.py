@@ -28,7 +28,7 @@ def engine_for(model, mesh, name="hf", tiers=None, **engine_kw):
                          dtype=mc.dtype)
   return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers),
                       jaxkv.EngineConfig(max_seqs_per_shard=1, **engine_kw),
-                      scheduler=jaxkv.SchedulerConfig(policy="fetch"))
+                      scheduler=jaxkv.SchedulerConfig(decision="fetch"))
 
 
 # family, config overrides, shards, and an ablation of the reference that the test must be

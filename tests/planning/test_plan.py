@@ -44,7 +44,7 @@ def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0, tail_widths=()):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_policy(seed):
+def test_plan_equals_brute_force_and_is_never_worse_than_either_pure_decision(seed):
   rng = np.random.default_rng(seed)
   costs = cost_model(rng)
   chunk, widths = ((0, ()), (16, ()), (48, ()), (128, (32, 64)))[seed % 4]

@@ -44,7 +44,7 @@ class Loop:
   """A scheduler over a real index, with this test as its runner."""
 
   def __init__(self, *, shards=1, pages=16, host_pages=0, disk_pages=0, seqs=2, chunk_pages=2,
-               policy="fetch", force_split=0, batching="continuous", write_through=True,
+               decision="fetch", force_split=0, batching="continuous", write_through=True,
                cache_decode_blocks=True, prefix_reuse=True, share_answers=None,
                asks_peers=True):
     self.config = CacheConfig(model_name="seam", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -60,7 +60,7 @@ class Loop:
                                 has_disk=bool(disk_pages), share_answers=share_answers,
                                 asks_peers=asks_peers)
     chunk = chunk_pages * PAGE
-    self.planner = Planner(SchedulerConfig(policy=policy, force_split=force_split), None,
+    self.planner = Planner(SchedulerConfig(decision=decision, force_split=force_split), None,
                            num_shards=shards,
                            page_size=PAGE, page_bytes=self.config.page_bytes,
                            chunk_tokens=chunk, stats=self.stats)
@@ -248,7 +248,7 @@ def test_an_abort_at_any_stage_ends_that_request_and_releases_what_it_held(loop_
 
 def test_an_abort_waits_for_the_fetch_group_in_flight_then_releases(loop_factory):
   # A split: blocks [0, 2) recomputed (two one-page chunks) while [2, 4) are fetched.
-  loop = loop_factory(host_pages=8, chunk_pages=1, policy="split", force_split=2)
+  loop = loop_factory(host_pages=8, chunk_pages=1, decision="split", force_split=2)
   tokens = prompt(21)
   loop.put_in_host(tokens, upto=4)
   h = loop.submit(tokens, max_new_tokens=2)
@@ -513,7 +513,7 @@ def test_an_aborted_request_stops_waiting_for_its_peers_answer(loop_factory):
 
 
 def test_a_split_recomputes_the_front_while_the_back_is_fetched(loop_factory):
-  loop = loop_factory(host_pages=8, chunk_pages=1, policy="split", force_split=2)
+  loop = loop_factory(host_pages=8, chunk_pages=1, decision="split", force_split=2)
   tokens = prompt(21)
   loop.put_in_host(tokens, upto=4)
   h = loop.submit(tokens, max_new_tokens=1)

@@ -46,7 +46,7 @@ def warm(mesh):
                     ewma=1e-6, source="test")  # (observations barely move them)
   engine = helpers.make_engine(
       mesh, mc, cache=cc, tiers=jaxkv.TierConfig(host_pages_per_shard=64),
-      scheduler=jaxkv.SchedulerConfig(policy="cost"), costs=costs, max_seqs_per_shard=2,
+      scheduler=jaxkv.SchedulerConfig(decision="cost"), costs=costs, max_seqs_per_shard=2,
       prefill_chunk_pages=2, stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
                                                        chunk_pages=3))
   engine.warmup(stream_tokens=STREAMED_TOKENS)

@@ -69,7 +69,7 @@ def test_an_abort_while_its_fetch_is_in_flight_waits_for_the_fetch(mesh, tmp_pat
   # rest is fetched, so the fetch group stays in flight across steps.
   engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=2,
                                tiers=jaxkv.TierConfig(host_pages_per_shard=32),
-                               scheduler=jaxkv.SchedulerConfig(policy="split", force_split=6))
+                               scheduler=jaxkv.SchedulerConfig(decision="split", force_split=6))
   prompt = list(range(1, 30))
   first = engine.generate([prompt], 4)[0]
   engine.offload()  # the next request fetches its prefix from host memory

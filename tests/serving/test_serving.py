@@ -74,7 +74,7 @@ def test_continuous_and_static_batching_give_the_same_chat_through_every_tier(me
                              disk_pages=200)
     engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1,
                                  batching=batching,
-                                 scheduler=jaxkv.SchedulerConfig(policy="split", force_split=1))
+                                 scheduler=jaxkv.SchedulerConfig(decision="split", force_split=1))
     chat = workloads.Chat(spec)
     outs[batching] = []
     for turn in range(spec.turns):
@@ -238,7 +238,7 @@ def test_a_step_failing_after_its_fetches_settled_releases_each_pin_once(mesh, t
   cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
   tiers = jaxkv.TierConfig(host_pages_per_shard=8)
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1,
-                               scheduler=jaxkv.SchedulerConfig(policy="fetch"))
+                               scheduler=jaxkv.SchedulerConfig(decision="fetch"))
   fresh = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, prefix_reuse=False)
   prompt = list(range(1, 40))
   engine.generate([prompt], 2)

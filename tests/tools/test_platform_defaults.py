@@ -145,7 +145,7 @@ def engine_for(model, tiers=None):
                          dtype="float32")  # the same cache config for every dtype
   return jaxkv.Engine(model, jaxkv.KVCache(cc, one_device_mesh(), tiers),
                       jaxkv.EngineConfig(max_seqs_per_shard=1),
-                      scheduler=jaxkv.SchedulerConfig(policy="fetch"))
+                      scheduler=jaxkv.SchedulerConfig(decision="fetch"))
 
 
 def test_the_compute_dtype_is_part_of_the_fingerprint(checkpoint, tmp_path):
@@ -205,8 +205,8 @@ def test_reuse_gives_the_tokens_of_a_recompute_at_the_cpu_checkpoint_defaults(ch
   cfg = tiny_config()
   builder.use_model_dir(cfg, checkpoint[0])
   builder.platform_defaults(cfg, platform="cpu")
-  reuse = builder.build_engine(cfg, policy="jaxkv")
-  fresh = builder.build_engine(cfg, policy="nocache")
+  reuse = builder.build_engine(cfg, cache="jaxkv")
+  fresh = builder.build_engine(cfg, cache="nocache")
   assert reuse.runner.chunk_tokens == 128 and not reuse.config.cache_decode_blocks
   params = jax.tree.leaves(nnx.state(reuse.model, nnx.Param))
   assert all(p.dtype == np.float32 for p in params)
@@ -232,8 +232,8 @@ def test_one_row_at_a_time_reuse_gives_the_bits_of_a_recompute(tmp_path):
   builder.platform_defaults(cfg, platform="cpu")
   with cfg.unlocked():
     cfg.engine.max_seqs_per_shard = 1
-  reuse = builder.build_engine(cfg, policy="jaxkv")
-  fresh = builder.build_engine(cfg, policy="nocache")
+  reuse = builder.build_engine(cfg, cache="jaxkv")
+  fresh = builder.build_engine(cfg, cache="nocache")
   assert reuse.runner.chunk_tokens == 128 and not reuse.config.cache_decode_blocks
   assert chat(reuse, fresh, users=3, turns=3, bitwise=True) > 3 * (150 // 16)
 

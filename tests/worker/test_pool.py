@@ -31,10 +31,10 @@ def master(tmp_path_factory):
     yield m
 
 
-def pool_engine(mesh, m, *, key=None, segment_mb=16, host=0, disk=None, policy="write_through",
-                deadline_s=10.0, **kw):
+def pool_engine(mesh, m, *, key=None, segment_mb=16, host=0, disk=None,
+                write_policy="write_through", deadline_s=10.0, **kw):
   tiers = jaxkv.TierConfig(pool_master=m.address, pool_metadata=m.metadata,
-                           pool_segment_mb=segment_mb, write_policy=policy,
+                           pool_segment_mb=segment_mb, write_policy=write_policy,
                            host_pages_per_shard=host, read_deadline_s=deadline_s,
                            disk_kvstore=disk, disk_pages=64 if disk else 0)
   return helpers.make_engine(mesh, tiers=tiers, deployment_key=key, **kw)
@@ -286,8 +286,8 @@ def test_pool_between_host_and_disk_takes_what_the_host_evicts(mesh, master, fre
   and the disk; a cache with the pool alone then hits them there."""
   mc = helpers.tiny_model_config()
   cc = helpers.cache_config_for(mc, pages_per_shard=16, max_pages_per_seq=16)
-  a = pool_engine(mesh, master, key=KEY, host=2, disk=str(tmp_path / "d"), policy="write_back",
-                  cache=cc, max_seqs_per_shard=2)
+  a = pool_engine(mesh, master, key=KEY, host=2, disk=str(tmp_path / "d"),
+                  write_policy="write_back", cache=cc, max_seqs_per_shard=2)
   ps = [p for seed in range(8, 14) for p in prompts(seed, 2)]
   want = fresh.generate(ps, 3)
   assert a.generate(ps, 3) == want

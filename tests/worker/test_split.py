@@ -10,13 +10,13 @@ from jaxkv.manager.index import Tier
 import helpers
 
 
-def engines(mesh, tmp_path, policy, **sched_kw):
+def engines(mesh, tmp_path, decision, **sched_kw):
   mc = helpers.tiny_model_config()
   cc = helpers.cache_config_for(mc, pages_per_shard=16, max_pages_per_seq=16)
   tiers = jaxkv.TierConfig(host_pages_per_shard=4, disk_kvstore=str(tmp_path / "disk"),
                            disk_pages=64, write_policy="write_through")
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=2,
-                               scheduler=jaxkv.SchedulerConfig(policy=policy, **sched_kw))
+                               scheduler=jaxkv.SchedulerConfig(decision=decision, **sched_kw))
   fresh = helpers.make_engine(mesh, mc, cache=cc, prefix_reuse=False, max_seqs_per_shard=2)
   return engine, fresh
 
@@ -70,7 +70,7 @@ def test_failed_fetch_after_the_split_point_recomputes_from_there(mesh, tmp_path
   assert s["hits"]["disk"] == 2  # blocks 3 and 4; block 5 failed, 6 and 7 recomputed
 
 
-def test_cost_policy_calibrates_and_stays_exact(mesh, tmp_path):
+def test_cost_decision_calibrates_and_stays_exact(mesh, tmp_path):
   engine, fresh = engines(mesh, tmp_path, "cost")
   want = fresh.generate(PROMPTS, 4)
   assert engine.generate(PROMPTS, 4) == want
@@ -87,6 +87,7 @@ def test_cost_policy_calibrates_and_stays_exact(mesh, tmp_path):
   # The saved model is what a later engine loads instead of calibrating again.
   path = str(tmp_path / "costs.json")
   engine.costs.save(path)
-  again = helpers.make_engine(mesh, helpers.tiny_model_config(),
-                              scheduler=jaxkv.SchedulerConfig(policy="cost", cost_model_path=path))
+  again = helpers.make_engine(
+      mesh, helpers.tiny_model_config(),
+      scheduler=jaxkv.SchedulerConfig(decision="cost", cost_model_path=path))
   assert again.costs.links == engine.costs.links

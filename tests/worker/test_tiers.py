@@ -205,12 +205,13 @@ def recomputed(mesh):
                                           max_seqs_per_shard=1), SPEC)
 
 
-@pytest.mark.parametrize("policy", ["write_back", "write_through"])
-def test_small_device_budget_through_host_and_disk_is_exact(mesh, tmp_path, recomputed, policy):
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_small_device_budget_through_host_and_disk_is_exact(mesh, tmp_path, recomputed,
+                                                           write_policy):
   mc = helpers.tiny_model_config()
   cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
   tiers = jaxkv.TierConfig(host_pages_per_shard=3, disk_kvstore=str(tmp_path / "disk"),
-                           disk_pages=200, write_policy=policy)
+                           disk_pages=200, write_policy=write_policy)
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
   # Between turns the device copies are forgotten, so every reuse comes from below.
   chat = workloads.Chat(SPEC)
@@ -219,12 +220,12 @@ def test_small_device_budget_through_host_and_disk_is_exact(mesh, tmp_path, reco
     assert out == recomputed[turn], turn
     chat.record(turn, out)
     assert engine.flush(30) == 0
-    if policy == "write_through":
+    if write_policy == "write_through":
       for s in range(4):
         engine.cache.index.evict_all_unreferenced(s, Tier.DEVICE)
   s = engine.stats()
   assert s["hits"]["host"] + s["hits"]["disk"] > 0 and s["blocks_fetched"] > 0
-  if policy == "write_through":
+  if write_policy == "write_through":
     assert s["hits"]["disk"] > 0
   assert s["verify_failures"] == 0 and s["disk_write_failures"] == 0
   engine.cache.index.check_invariants()
@@ -434,14 +435,14 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   assert_clean(engine)
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, policy):
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_a_block_on_several_shards_is_written_to_disk_once(mesh, tmp_path, write_policy):
   """pin computes a prompt on every data shard; each copy used to take a disk slot of its
   own when they went down together (and evict other records for it)."""
   mc = helpers.tiny_model_config()
   cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
   engine = helpers.make_engine(mesh, mc, cache=cc, max_seqs_per_shard=1, tiers=jaxkv.TierConfig(
-      disk_kvstore=str(tmp_path / "disk"), disk_pages=64, write_policy=policy))
+      disk_kvstore=str(tmp_path / "disk"), disk_pages=64, write_policy=write_policy))
   page = engine.cache.config.page_size
   before = [list(range(40 + 20 * i, 40 + 20 * i + 2 * page + 1)) for i in range(3)]
   engine.generate(before, 2)
@@ -643,15 +644,15 @@ def test_bad_tier_configs_are_refused(tmp_path):
              fingerprint=b"f" * 32)
 
 
-@pytest.mark.parametrize("policy", ["write_back", "write_through"])
-def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_path, policy):
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_stress_tiny_pools_with_slow_disk_never_lose_a_pinned_block(mesh, tmp_path, write_policy):
   """Many rounds over pools far too small: evictions in every tier race promotions, disk
   reads in flight and disk writes not yet committed. Outputs stay exact and every
   reference is given back."""
   mc = helpers.tiny_model_config()
   cc = helpers.cache_config_for(mc, pages_per_shard=10, max_pages_per_seq=10)
-  tiers = jaxkv.TierConfig(host_pages_per_shard=2, disk_kvstore=str(tmp_path / policy),
-                           disk_pages=12, write_policy=policy, read_deadline_s=5.0)
+  tiers = jaxkv.TierConfig(host_pages_per_shard=2, disk_kvstore=str(tmp_path / write_policy),
+                           disk_pages=12, write_policy=write_policy, read_deadline_s=5.0)
   engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=2)
   engine.cache.worker.disk.read = faults.SlowReads(engine.cache.worker.disk, delay_s=0.02)
   fresh = helpers.make_engine(mesh, mc, cache=cc, prefix_reuse=False, max_seqs_per_shard=2)
