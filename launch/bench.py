@@ -23,7 +23,9 @@ scanned and looped, server start cold and warm, decode and prefill against trans
 pool (a Mooncake Store pool on loopback: another process's blocks against loopback TCP, the
 BlockServer and recompute; how much of the lent memory holds blocks when it overflows);
 replicas (four replicas behind launch/router.py: routing by the KV indexer's prefix scores
-against round-robin and against one replica serving everything; event lag, router overhead).
+against round-robin and against one replica serving everything; event lag, router overhead);
+gemma3 (Gemma 3 270M from its GGUF file: prefill and decode tokens/s against llama.cpp and
+transformers on CPU, same prompt, same threads; greedy tokens against llama.cpp's).
 """
 
 import time
@@ -33,7 +35,7 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas")
+          "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas", "gemma3")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -111,6 +113,9 @@ def main(argv):
   elif _SUITE.value == "smollm2":
     from jaxkv.tools.bench import smollm2
     result = smollm2.run(quick=_QUICK.value, reps=_REPS.value)
+  elif _SUITE.value == "gemma3":
+    from jaxkv.tools.bench import gemma3
+    result = gemma3.run(quick=_QUICK.value, reps=min(_REPS.value, 3))
   elif _SUITE.value == "pool":
     from jaxkv.tools.bench import pool
     result = pool.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

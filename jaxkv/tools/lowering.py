@@ -16,7 +16,10 @@ cannot hold fails here, in CI, before any device is lent.
   arguments in their shardings and memory kinds on the config's mesh: the prefill step at
   each width, the decode step, both streaming from the host pool, the page moves between
   device and host memory, and the plan. Nothing is allocated: weights, pools and batches
-  are ``ShapeDtypeStruct``s, so a 70B config lowers on a laptop.
+  are ``ShapeDtypeStruct``s, so a 70B config lowers on a laptop. The model is the config's
+  Llama, or another family's config given as ``model_cfg`` (``GEMMA3_270M``: Gemma 3's
+  local layers pass their sliding window into the kernel as a traced scalar, a path the
+  Llama does not take).
 
 Lowered modules are for checking, never stored: Triton's custom call has no compatibility
 guarantee, so ``lower`` lifts export's check for it.
@@ -40,6 +43,7 @@ from jaxkv.worker import pages as pages_lib
 from jaxkv.config import CacheConfig, StreamConfig
 from jaxkv.planning.costs import LINKS, CostArrays
 from jaxkv.errors import InputError
+from jaxkv.models import Gemma3Config
 from jaxkv.ops import select
 
 
@@ -147,6 +151,15 @@ def host_move_report(exported: export.Exported) -> dict:
 
 
 # ---- the engine's functions for a config -------------------------------------------------------
+# Gemma 3 270M as its checkpoint configures it (what jaxkv.models.hf.gemma3_config reads
+# from its config.json), bfloat16: 18 layers, every sixth global, the others a 512-token
+# window; one KV head of 256 for four query heads.
+GEMMA3_270M = Gemma3Config(vocab_size=262144, hidden_size=640, num_layers=18, num_heads=4,
+                           num_kv_heads=1, head_dim=256, mlp_dim=2048, rope_theta=1_000_000.0,
+                           rope_local_theta=10_000.0, query_pre_attn_scalar=256.0,
+                           sliding_window=512, global_every=6, dtype="bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class Lowerable:
   """One compiled function of the engine with abstract arguments."""
@@ -161,18 +174,20 @@ def _sds(mesh, shape, dtype, spec=None, memory_kind=None) -> jax.ShapeDtypeStruc
   return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-def _abstract_model(cfg: Mapping, cache_cfg: CacheConfig, mesh: AbstractMesh, num_layers):
-  """``(graphdef, pools, pool_def, weights, weight_def)`` of the config's model, every
-  leaf a ``ShapeDtypeStruct`` placed as ``from_pretrained`` and ``init_pages`` place it."""
+def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
+  """``(graphdef, pools, pool_def, weights, weight_def)`` of the model of ``model_cfg``
+  (a ``Gemma3Config``: Gemma 3, else the Llama), every leaf a ``ShapeDtypeStruct`` placed
+  as ``from_pretrained`` and ``init_pages`` place it."""
   from jaxkv import models
-  from jaxkv.tools import builder  # the builder imports the engine: not at module load
   from jaxkv.models import hf
-  model_cfg = builder.model_config(cfg)
-  if num_layers is not None:
-    model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
-  model = nnx.eval_shape(lambda: models.Llama(model_cfg, rngs=nnx.Rngs(0)))
-  shape = pages_lib.pool_shape(mesh, cache_cfg)
+  family = models.Gemma3 if isinstance(model_cfg, models.Gemma3Config) else models.Llama
+  model = nnx.eval_shape(lambda: family(model_cfg, rngs=nnx.Rngs(0)))
   for layer in kvnnx.paged_layers(model):
+    # A window group's pool (a layer with ``window``) has its own page count; the engine
+    # sizes it when the config leaves it 0, never above the block pool's, so the block
+    # pool's count stands in for it here (the kernel's blocks do not depend on it).
+    pages = getattr(cache_cfg, "window_pages_per_shard", 0) if getattr(layer, "window", 0) else 0
+    shape = pages_lib.pool_shape(mesh, cache_cfg, *([pages] if pages else []))
     pool = (_sds(mesh, shape, cache_cfg.jnp_dtype, pages_lib.pool_spec(cache_cfg))
             if layer.num_layers is None else
             _sds(mesh, (layer.num_layers, *shape), cache_cfg.jnp_dtype,
@@ -218,19 +233,32 @@ def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
 
 
 def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
-                     num_layers: int | None = None) -> tuple[AbstractMesh, list[Lowerable]]:
+                     num_layers: int | None = None, model_cfg=None
+                     ) -> tuple[AbstractMesh, list[Lowerable]]:
   """Every function the engine compiles for ``cfg`` on its mesh of ``tgt`` devices.
 
   ``impl``: the attention implementation (default: the config's); ``num_layers``: fewer
   layers than the config's (layers are identical, so two lower what thirty-two do, and a
-  kernel's lowering, which runs once per layer, stays quick). Steps are lowered at the
-  largest row bucket and at the narrowest and widest page tables; the prefill step at every
-  width the engine runs; streaming at one chunk of cold pages.
+  kernel's lowering, which runs once per layer, stays quick); ``model_cfg``: a model
+  config (``LlamaConfig`` or ``Gemma3Config``, e.g. ``GEMMA3_270M``) in place of the
+  config's model section, whose shapes and dtype the cache then takes (the cache section
+  gives the budgets). Steps are lowered at the largest row bucket and at the narrowest and
+  widest page tables; the prefill step at every width the engine runs; streaming at one
+  chunk of cold pages.
   """
-  from jaxkv.tools import builder
+  from jaxkv.config import model_shapes
+  from jaxkv.tools import builder  # the builder imports the engine: not at module load
   from jaxkv.worker import runner as runner_lib
   from jaxkv.planning.plan import padding_inputs, plan
   cache_cfg = builder.cache_config(cfg)
+  if model_cfg is None:
+    model_cfg = builder.model_config(cfg)
+  else:
+    shapes = model_shapes(model_cfg)
+    shapes.pop("model_name")
+    cache_cfg = dataclasses.replace(cache_cfg, **shapes)
+  if num_layers is not None:
+    model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
   if impl is not None:
     cache_cfg = dataclasses.replace(cache_cfg, attention_impl=impl)
   engine = dict(cfg["engine"])
@@ -238,8 +266,7 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   mesh = abstract_mesh(tgt, (mesh_cfg["data"], mesh_cfg["model"]),
                        (cache_cfg.data_axis, cache_cfg.model_axis))
   pages_lib.validate_mesh(mesh, cache_cfg)
-  graphdef, pools, pool_def, weights, weight_def = _abstract_model(cfg, cache_cfg, mesh,
-                                                                   num_layers)
+  graphdef, pools, pool_def, weights, weight_def = _abstract_model(model_cfg, cache_cfg, mesh)
   steps = runner_lib.Steps(graphdef, pool_def, weight_def, mesh, cache_cfg)
   shards = mesh.shape[cache_cfg.data_axis]
   rows = buckets.pow2_at_least(engine["max_seqs_per_shard"]) * shards
@@ -252,13 +279,18 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   chunk_tokens = engine["prefill_chunk_pages"] * cache_cfg.page_size
   out = []
 
+  # A model with a window group (Gemma 3's local layers) takes the window pool's page
+  # table beside the block table: the steps get the pair.
+  windows = getattr(cache_cfg, "window_layers", 0) > 0
+  table = lambda n, width: (row(n, width), row(n, width)) if windows else row(n, width)
+
   def decode(name, n, width, stream=None):
-    out.append(Lowerable(name, steps.decode, (pools, weights, row(n), row(n, width),
+    out.append(Lowerable(name, steps.decode, (pools, weights, row(n), table(n, width),
                                               row(n, 1), row(n), sampling(n), stream)))
 
   def prefill(name, n, width, tokens, stream=None):
     out.append(Lowerable(name, steps.prefill, (
-        pools, weights, row(n, tokens), row(n), row(n, width), row(n, tokens), row(n),
+        pools, weights, row(n, tokens), row(n), table(n, width), row(n, tokens), row(n),
         row(n), row(n, dtype=bool), sampling(n), stream)))
 
   for width in sorted({widths[0], widths[-1]}):

@@ -6,6 +6,7 @@ lowering rules — block shapes, memory spaces, the ops a backend has rules for,
 and memory kinds — where the Pallas interpreters check none of them.
 """
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -247,6 +248,48 @@ def test_engine_functions_lower_at_full_depth():
   assert len(pools) == 2
   text = exported.mlir_module()
   assert text.count(KERNEL_CALL["cuda"]) == 1
+
+
+@pytest.mark.parametrize("target_name", ["cuda", "tpu_v5e"])
+@pytest.mark.parametrize("kv_groups", [True, False])
+def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_groups):
+  # Gemma 3 270M at its real shapes and depth (lowering.GEMMA3_270M: 18 layers, one KV head
+  # of 256, every sixth layer global, the others a 512-token window) in the engine's decode
+  # and prefill steps, with the platform's kernel, in both layouts: the local layers' pages
+  # in the cache's window group (their stack attends with its window, through its own page
+  # table), or every layer's pages in one stack (the scan carries each layer's window, 0
+  # for a global one, into the kernel as a traced scalar). One KV head: the model axis is
+  # 1, as this config's mesh has it.
+  gemma = lowering.GEMMA3_270M
+  if not hasattr(gemma, "kv_groups"):
+    if kv_groups:
+      pytest.skip("this Gemma3Config has no window group (kv_groups)")
+  else:
+    gemma = dataclasses.replace(gemma, kv_groups=kv_groups)
+  local = getattr(gemma, "window_layers", 0)
+  cfg = _config(os.path.join(ROOT, "configs", "llama3_2_1b_gpu.py"))
+  tgt = lowering.target(target_name)
+  mesh, functions = lowering.engine_functions(cfg, tgt, impl=tgt.kernel_impl, model_cfg=gemma)
+  steps = [f for f in functions if f.name.startswith(("decode[", "prefill["))]
+  chunk_tokens = cfg.engine.prefill_chunk_pages * cfg.cache.page_size
+  assert sum(f.name.startswith("prefill[") for f in steps) == len(
+      buckets.prefill_widths(chunk_tokens, cfg.cache.page_size))
+  kinds = ", ".join(str(gemma.is_global(i)).lower() for i in range(gemma.num_layers))
+  for f in (steps[0], steps[-1]):  # a decode step and the widest prefill step
+    exported = lowering.lower(f.name, f.fn, f.args, tgt, mesh)
+    text = exported.mlir_module()
+    # K and V stacks, bfloat16, one KV head of 256: the global layers' and the window
+    # group's, or all 18 layers' in one.
+    pools = [a for a in exported.in_avals if len(a.shape) == 5]
+    assert {(a.shape[1], a.shape[-1], a.dtype) for a in pools} == {
+        (1, 256, jnp.dtype(jnp.bfloat16))}
+    stacks = [18 - local, local] if local else [18]
+    assert sorted(a.shape[0] for a in pools) == sorted(stacks * 2), f.name
+    # The layers scanned: the kernel once per kind of layer, not once per layer.
+    assert text.count(KERNEL_CALL[tgt.platform]) == len(stacks), f.name
+    # Each layer's kind (global or local) rides in the scan; the window is 512 tokens.
+    assert f"dense<[{kinds}]>" in text, f.name
+    assert f"dense<{gemma.sliding_window}> : tensor<i32>" in text, f.name
 
 
 # ---- what a failure says -----------------------------------------------------------------------
