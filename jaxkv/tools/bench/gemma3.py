@@ -17,15 +17,17 @@ and transformers, the same file and prompt for all three.
   cores. Needs ``pip install torch==2.13.0 transformers accelerate`` (a CPU torch; not a
   jaxkv dependency).
 
-Each system runs in a process of its own, one after another, on the same prompt: a text
-of this module (``PROMPT_TEXT``) tokenized by jaxkv's GGUF tokenizer, with its BOS, cut
-to ``PROMPT_TOKENS`` tokens. Every system generates ``NEW_TOKENS + 1`` tokens greedily
+Each system runs in a process of its own, all on the same prompt: a text of this module
+(``PROMPT_TEXT``) tokenized by jaxkv's GGUF tokenizer, with its BOS, cut to
+``PROMPT_TOKENS`` tokens. Every system generates ``NEW_TOKENS + 1`` tokens greedily
 (end-of-sequence ignored): the first comes out of prefill, the other ``NEW_TOKENS`` are
-decode steps. ``reps`` timed repetitions follow one warm-up (jaxkv's also compiles
-first); each figure is the median over them, with min and max. Prefill tokens/s is the
-prompt over the time to the first token; decode tokens/s is ``NEW_TOKENS`` over the time
-from the first token to the last. Only one process runs at a time, but the machine may
-be shared: repetitions of one system are not interleaved with another's.
+decode steps. The processes start one after another, each loading its model and running
+one warm-up repetition (jaxkv compiles first) alone; then they stay up and the ``reps``
+timed repetitions are interleaved (jaxkv, llama.cpp, transformers, jaxkv, ...), one
+process working at a time, so that all three see the same machine noise. Each figure is
+the median over the repetitions, with min and max. Prefill tokens/s is the prompt over
+the time to the first token; decode tokens/s is ``NEW_TOKENS`` over the time from the
+first token to the last.
 
 ``gemma3_greedy_agreement``: jaxkv's first ``NEW_TOKENS`` tokens against llama.cpp's
 (and transformers') on that prompt, from the first repetition: positions ``equal``,
@@ -38,7 +40,7 @@ What bounds the figures: ``weight_bytes`` (what each system holds: float32 for j
 transformers, the file's quantized blocks for llama.cpp) and ``decode_weight_gb_per_s``
 (those bytes times decode steps/s: a decode step reads every weight once, the 262k-token
 output head, 0.67 GB in float32, most of it). ``loadavg_1m``: the machine's load as each
-system finished; above the core count the systems shared the cores with other work, which
+repetition ended (median); above the core count the cores were shared with other work, which
 hurts llama.cpp most (its threads meet at a barrier after every op, and one that is not
 scheduled stalls the others). ``load_s`` and ``jaxkv_compile_s`` are reported, not timed
 in the figures.
@@ -46,13 +48,18 @@ in the figures.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
+import queue
 import statistics
+import subprocess
+import sys
+import threading
 import time
 
-from jaxkv.tools.bench.smollm2 import child
+from jaxkv.tools.env import child_env
 
 PROMPT_TOKENS, NEW_TOKENS = 1000, 32
 QUICK_PROMPT_TOKENS, QUICK_NEW_TOKENS = 64, 8
@@ -91,23 +98,37 @@ def _no_repacking():
 llama_cpp.llama_cpp.llama_model_default_params = _no_repacking
 """
 
-# Each child: argv = path, prompt (JSON ids), new, reps, threads; prints one JSON line:
-# {"runs": [{"prefill_s", "decode_s", "tokens"}, ...] (the warm-up left out), ...}.
+# Each child: argv = path, prompt (JSON ids), new, reps, threads. It loads its model,
+# defines ``info`` (a dict) and ``one()`` (one repetition: {"prefill_s", "decode_s",
+# "tokens"}), then runs ``_SERVE``: a warm-up repetition, "READY <info>", and one
+# repetition per "rep" line on stdin, each answered "RUN <figures>", until stdin closes.
+_SERVE = r"""
+one()  # the warm-up (and, for jaxkv, anything the compilation left)
+print("READY " + json.dumps(info), flush=True)
+for line in sys.stdin:
+  if line.strip() != "rep":
+    break
+  figures = one()
+  figures["loadavg_1m"] = os.getloadavg()[0]
+  print("RUN " + json.dumps(figures), flush=True)
+"""
+
 _LLAMA_CPP_CHILD = LLAMA_CPP_NO_REPACKING + r"""
-path, prompt, new, reps, threads = (sys.argv[1], json.loads(sys.argv[2]),
-                                    *map(int, sys.argv[3:]))
+path, prompt, new, threads = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:])
 t0 = time.perf_counter()
 llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=%(n_ctx)d, logits_all=False,
                       verbose=False)
-load_s = time.perf_counter() - t0
+info = {"load_s": time.perf_counter() - t0, "threads": threads,
+        "threads_batch": llm.context_params.n_threads_batch,
+        "weight_bytes": int(llama_cpp.llama_model_size(llm.model)),
+        "version": llama_cpp.__version__}
 
 def last_token():
   logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1),
                                  shape=(llm.n_vocab(),))
   return int(logits.argmax())
 
-runs = []
-for rep in range(reps + 1):  # the first round is a warm-up
+def one():
   llm.reset()  # the next eval overwrites the KV cache from position 0
   t0 = time.perf_counter()
   llm.eval(prompt)
@@ -116,14 +137,8 @@ for rep in range(reps + 1):  # the first round is a warm-up
   for _ in range(new):
     llm.eval([tokens[-1]])
     tokens.append(last_token())
-  t2 = time.perf_counter()
-  if rep:
-    runs.append({"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": tokens})
-print(json.dumps({"runs": runs, "load_s": load_s, "threads": threads,
-                  "threads_batch": llm.context_params.n_threads_batch,
-                  "weight_bytes": int(llama_cpp.llama_model_size(llm.model)),
-                  "loadavg_1m": os.getloadavg()[0], "version": llama_cpp.__version__}))
-""" % {"n_ctx": N_CTX}
+  return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
+""" % {"n_ctx": N_CTX} + _SERVE
 
 _JAXKV_CHILD = r"""
 import json, math, os, sys, time
@@ -132,8 +147,7 @@ import jax
 from flax import nnx
 import jaxkv
 from jaxkv.tools import builder
-path, prompt, new, reps, threads = (sys.argv[1], json.loads(sys.argv[2]),
-                                    *map(int, sys.argv[3:]))
+path, prompt, new, threads = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:])
 mesh = jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
 t0 = time.perf_counter()
 model = jaxkv.models.from_pretrained(path, dtype="float32", mesh=mesh)
@@ -148,36 +162,33 @@ engine = jaxkv.Engine(model, jaxkv.KVCache(cache, mesh), jaxkv.EngineConfig(
     max_seqs_per_shard=1, prefill_chunk_pages=chunk_pages, prefix_reuse=False))
 t0 = time.perf_counter()
 engine.warmup(max_seq_len=total)
-compile_s = time.perf_counter() - t0
-runs = []
-for rep in range(reps + 1):  # the first round is a warm-up
+info = {"load_s": load_s, "compile_s": time.perf_counter() - t0, "threads": os.cpu_count(),
+        "prefill_chunk_tokens": chunk_pages * page_size,
+        "weight_bytes": int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        "version": jax.__version__}
+
+def one():
   stamps = []
   t0 = time.perf_counter()
   handle = engine.submit(prompt, jaxkv.SamplingParams(max_new_tokens=new + 1),
                          on_token=lambda _: stamps.append(time.perf_counter()))
   tokens = list(handle)
-  if rep:
-    runs.append({"prefill_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0],
-                 "tokens": tokens})
-weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-print(json.dumps({"runs": runs, "load_s": load_s, "compile_s": compile_s,
-                  "threads": os.cpu_count(), "prefill_chunk_tokens": chunk_pages * page_size,
-                  "weight_bytes": int(weight_bytes), "loadavg_1m": os.getloadavg()[0],
-                  "jax": jax.__version__}))
-"""
+  return {"prefill_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0], "tokens": tokens}
+""" + _SERVE
 
 _TRANSFORMERS_CHILD = r"""
 import json, os, sys, time
 import torch, transformers
 from transformers import AutoModelForCausalLM
-path, prompt, new, reps, threads = (sys.argv[1], json.loads(sys.argv[2]),
-                                    *map(int, sys.argv[3:]))
+path, prompt, new, threads = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:])
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                              gguf_file=os.path.basename(path),
                                              torch_dtype=torch.float32).eval()
-load_s = time.perf_counter() - t0
+info = {"load_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),
+        "weight_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
+        "version": transformers.__version__, "torch": torch.__version__}
 
 class Stamps:  # a transformers streamer: the time each new token arrives
   def __init__(self): self.t, self.first = [], True
@@ -186,24 +197,71 @@ class Stamps:  # a transformers streamer: the time each new token arrives
     else: self.t.append(time.perf_counter())
   def end(self): pass
 
-runs = []
-for rep in range(reps + 1):  # the first round is a warm-up
+def one():
   s = Stamps()
   t0 = time.perf_counter()
   with torch.no_grad():
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new + 1,
                          min_new_tokens=new + 1, do_sample=False, streamer=s)
-  if rep:
-    runs.append({"prefill_s": s.t[0] - t0, "decode_s": s.t[-1] - s.t[0],
-                 "tokens": out[0, len(prompt):].tolist()})
-weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"runs": runs, "load_s": load_s, "threads": torch.get_num_threads(),
-                  "weight_bytes": int(weight_bytes), "loadavg_1m": os.getloadavg()[0],
-                  "version": transformers.__version__, "torch": torch.__version__}))
-"""
+  return {"prefill_s": s.t[0] - t0, "decode_s": s.t[-1] - s.t[0],
+          "tokens": out[0, len(prompt):].tolist()}
+""" + _SERVE
 
 _CHILDREN = {"jaxkv": _JAXKV_CHILD, "llama_cpp": _LLAMA_CPP_CHILD,
              "transformers": _TRANSFORMERS_CHILD}
+
+
+class _System:
+  """One system's child process (``_CHILDREN``), serving repetitions on request."""
+
+  def __init__(self, name: str, args):
+    self.name = name
+    self.proc = subprocess.Popen([sys.executable, "-c", _CHILDREN[name], *map(str, args)],
+                                 env=child_env(), text=True, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    self._lines: queue.Queue = queue.Queue()
+    self._err: collections.deque = collections.deque(maxlen=200)
+    threading.Thread(target=self._read, args=(self.proc.stdout, self._lines.put),
+                     daemon=True).start()
+    threading.Thread(target=self._read, args=(self.proc.stderr, self._err.append),
+                     daemon=True).start()
+
+  @staticmethod
+  def _read(stream, put):
+    for line in stream:
+      put(line)
+    put(None)
+
+  def expect(self, word: str, timeout_s: float) -> dict:
+    """The JSON after the next line starting with ``word`` (other lines are skipped);
+    RuntimeError when the child ends first, TimeoutError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+      try:
+        line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty:
+        raise TimeoutError(f"the {self.name} process said no {word} within {timeout_s} s; "
+                           f"its stderr ends:\n{''.join(self._err)[-3000:]}") from None
+      if line is None:
+        self.proc.wait()
+        raise RuntimeError(f"the {self.name} process exited ({self.proc.returncode}) before "
+                           f"{word}; its stderr ends:\n{''.join(self._err)[-3000:]}")
+      if line.startswith(word + " "):
+        return json.loads(line[len(word) + 1:])
+
+  def rep(self, timeout_s: float) -> dict:
+    self.proc.stdin.write("rep\n")
+    self.proc.stdin.flush()
+    return self.expect("RUN", timeout_s)
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      try:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+      except (OSError, subprocess.TimeoutExpired):
+        self.proc.kill()
+        self.proc.wait()
 
 
 def gguf_path(deadline_s: float = 600.0) -> str:
@@ -295,42 +353,52 @@ def run(*, quick: bool, reps: int) -> dict:
   threads = os.cpu_count()
   out: dict = {"model": FILE, "prompt_tokens": prompt_len, "new_tokens": new,
                "generated_tokens": new + 1, "threads": threads, "reps": reps}
-  results = {}
-  for name in SYSTEMS:
-    results[name] = child(_CHILDREN[name], path, json.dumps(prompt), new, reps, threads,
-                          timeout_s=1800)
-  fig = {name: _figures(r["runs"], prompt_len, new) for name, r in results.items()}
+  systems: dict[str, _System] = {}
+  runs: dict[str, list] = {name: [] for name in SYSTEMS}
+  info = {}
+  try:
+    for name in SYSTEMS:  # one at a time: each loads, compiles and warms up alone
+      systems[name] = _System(name, (path, json.dumps(prompt), new, threads))
+      info[name] = systems[name].expect("READY", 1800)
+    for _ in range(reps):  # then interleaved: the same machine noise for all three
+      for name, system in systems.items():
+        runs[name].append(system.rep(900))
+  finally:
+    for system in systems.values():
+      system.close()
+  fig = {name: _figures(rs, prompt_len, new) for name, rs in runs.items()}
   out["gemma3_prefill_tokens_per_s"] = {n: f["prefill_tokens_per_s"] for n, f in fig.items()}
   out["gemma3_decode_tokens_per_s"] = {n: f["decode_tokens_per_s"] for n, f in fig.items()}
   for other in ("llama_cpp", "transformers"):
     for phase in ("decode", "prefill"):
       out[f"gemma3_{phase}_vs_{other}"] = (fig["jaxkv"][f"{phase}_tokens_per_s"]
                                            / fig[other][f"{phase}_tokens_per_s"])
-  first = {name: r["runs"][0]["tokens"] for name, r in results.items()}
+  first = {name: rs[0]["tokens"] for name, rs in runs.items()}
   out["gemma3_greedy_agreement"] = {
       "jaxkv_vs_llama_cpp": agreement(first["jaxkv"], first["llama_cpp"], new),
       "jaxkv_vs_transformers": agreement(first["jaxkv"], first["transformers"], new)}
   out["speed"] = fig
   # What bounds decode: every step reads every weight once (the 262k-token output head
   # included), so weight bytes x steps/s is the memory traffic each system sustains.
-  out["weight_bytes"] = {name: r["weight_bytes"] for name, r in results.items()}
+  out["weight_bytes"] = {name: i["weight_bytes"] for name, i in info.items()}
   out["decode_weight_gb_per_s"] = {
-      name: r["weight_bytes"] * fig[name]["decode_tokens_per_s"] / 1e9
-      for name, r in results.items()}
-  # The machine's 1-minute load average as each system finished (its own threads count
-  # towards it): above the core count, the systems shared the cores with other work.
-  out["loadavg_1m"] = {name: r["loadavg_1m"] for name, r in results.items()}
-  out["load_s"] = {name: r["load_s"] for name, r in results.items()}
-  out["jaxkv_compile_s"] = results["jaxkv"]["compile_s"]
-  out["jaxkv_prefill_chunk_tokens"] = results["jaxkv"]["prefill_chunk_tokens"]
+      name: i["weight_bytes"] * fig[name]["decode_tokens_per_s"] / 1e9
+      for name, i in info.items()}
+  # The machine's 1-minute load average after each repetition (median; the system's own
+  # threads count towards it): above the core count, the cores were shared with other work.
+  out["loadavg_1m"] = {name: statistics.median(r["loadavg_1m"] for r in rs)
+                       for name, rs in runs.items()}
+  out["load_s"] = {name: i["load_s"] for name, i in info.items()}
+  out["jaxkv_compile_s"] = info["jaxkv"]["compile_s"]
+  out["jaxkv_prefill_chunk_tokens"] = info["jaxkv"]["prefill_chunk_tokens"]
   out["threads_by_system"] = {
-      "jaxkv": results["jaxkv"]["threads"], "llama_cpp": results["llama_cpp"]["threads"],
-      "llama_cpp_batch": results["llama_cpp"]["threads_batch"],
-      "transformers": results["transformers"]["threads"]}
-  out["versions"] = {"jax": results["jaxkv"]["jax"],
-                     "llama_cpp": results["llama_cpp"]["version"],
-                     "transformers": results["transformers"]["version"],
-                     "torch": results["transformers"]["torch"]}
+      "jaxkv": info["jaxkv"]["threads"], "llama_cpp": info["llama_cpp"]["threads"],
+      "llama_cpp_batch": info["llama_cpp"]["threads_batch"],
+      "transformers": info["transformers"]["threads"]}
+  out["versions"] = {"jax": info["jaxkv"]["version"],
+                     "llama_cpp": info["llama_cpp"]["version"],
+                     "transformers": info["transformers"]["version"],
+                     "torch": info["transformers"]["torch"]}
   out["prompt_ids"] = prompt
   out["answers"] = first
   return out

@@ -48,10 +48,7 @@ def gguf_path() -> str:
   return os.path.join(spec.submodule_search_locations[0], FILE)
 
 
-def child(script: str, *args, timeout_s: float = 1200) -> dict:
-  """Runs ``script`` (Python source) in a child process with ``args`` as its argv and
-  returns the JSON object on the last line of its stdout; raises RuntimeError with the end
-  of its stderr when it fails."""
+def _child(script: str, *args, timeout_s: float = 1200) -> dict:
   proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=child_env(),
                         capture_output=True, text=True, timeout=timeout_s)
   if proc.returncode:
@@ -172,11 +169,11 @@ def run(*, quick: bool, reps: int) -> dict:
   from jaxkv.tools.bench import weights
   path = gguf_path()
   out: dict = {"model": FILE, "dtype": "float32"}
-  load = [child(weights._CHILD, "jaxkv", path) for _ in range(1 if quick else 3)]
+  load = [_child(weights._CHILD, "jaxkv", path) for _ in range(1 if quick else 3)]
   out["gguf_load_s"] = _median([r["seconds"] for r in load])
   out["dequantized_weight_bytes"] = load[0]["bytes"]
   out["gguf_peak_rss_over_weights"] = _median([r["peak_anon_bytes"] / r["bytes"] for r in load])
-  forms = {form: child(_COMPILE_CHILD, path, form)
+  forms = {form: _child(_COMPILE_CHILD, path, form)
            for form in (("scan",) if quick else ("scan", "loop"))}
   compile_s = {form: r["compile_s"] for form, r in forms.items()}
   out["compile_s_per_step_shape"] = compile_s
@@ -196,7 +193,7 @@ def run(*, quick: bool, reps: int) -> dict:
                                   "warm": warm["first_answer_s"]}
   out["server_answer"] = cold["answer"]
   prompt_len, new = (200, 8) if quick else (PROMPT_TOKENS, NEW_TOKENS)
-  speed = child(_SPEED_CHILD, path, 1 if quick else reps, prompt_len, new)
+  speed = _child(_SPEED_CHILD, path, 1 if quick else reps, prompt_len, new)
   runs = speed["runs"]
   fig = {name: {"prefill_tokens_per_s": _median([prompt_len / r["ttft_s"] for r in rs]),
                 "ttft_s": _median([r["ttft_s"] for r in rs]),
