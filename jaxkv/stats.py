@@ -58,6 +58,10 @@ COUNTERS = {
     "pool_puts": "blocks this process put in the pool",
     "pool_lookups": "prefix lookups asked of the pool",
     "pool_failures": "pool fetches that failed (missing, late, rejected)",
+    "window_blocks_kept": "blocks whose window-group KV was kept for later hits (a model "
+                          "with sliding-window layers)",
+    "window_blocks_evicted": "kept window-group blocks evicted for room",
+    "window_keep_dropped": "window-group blocks not kept: no page could be had",
 }
 HIT_TIERS = ("device", "host", "disk", "remote", "shard", "pool")
 

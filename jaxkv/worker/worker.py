@@ -213,6 +213,8 @@ class CacheWorker:
     self._check_attached()
     if windows is True or not any(self._window):
       pools, *rest = fn(self._pools)
+      if len(pools) != len(self._pools):  # (only where no pool is the window group's)
+        self._window = [False] * len(pools)
       self._pools = list(pools)
       return tuple(rest)
     mine = [i for i, w in enumerate(self._window) if w == (windows == "only")]

@@ -1,0 +1,212 @@
+"""KV groups: a hybrid-attention model's sliding-window layers in a window group of their
+own (``jaxkv.manager.windows``), against the same model with every layer's pages kept for
+the whole sequence (``Gemma3Config(kv_groups=False)``, the all-global layout) and against
+recomputing every prompt.
+
+A small random Gemma 3 (6 layers, every third global, a 40-token window over 8-token pages:
+5 window blocks), so that prompts of a few hundred tokens cross the window many times.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+from jaxkv.compiles import COMPILES
+from jaxkv.manager import windows as windows_lib
+from jaxkv.models import gemma3
+from jaxkv.worker.tiers.pool.master import LocalMaster
+
+WINDOW, PAGE = 40, 8
+CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_heads=4,
+                          num_kv_heads=1, head_dim=32, mlp_dim=128, sliding_window=WINDOW,
+                          global_every=3)
+
+
+def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, **cache):
+  model = gemma3.Gemma3(dataclasses.replace(CFG, kv_groups=groups), rngs=nnx.Rngs(0))
+  # Gemma's output head is its embedding, scaled by sqrt(hidden) on the way in: at the
+  # init's unit scale every answer token has probability 1. At 0.3 the log-probabilities
+  # are a few units apart and depend on every layer.
+  model.embed.embedding.set_value(model.embed.embedding.get_value() * 0.3)
+  budgets = dict(page_size=PAGE, pages_per_shard=96, max_pages_per_seq=48,
+                 attention_chunk_pages=4)
+  cc = jaxkv.CacheConfig.for_model(model, **{**budgets, **cache})
+  return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers),
+                      jaxkv.EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=2,
+                                         prefix_reuse=reuse),
+                      scheduler=jaxkv.SchedulerConfig(decision="fetch"))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+  return np.random.default_rng(seed).integers(1, CFG.vocab_size, n).tolist()
+
+
+def run(e, p, n):
+  """``e``'s greedy answer to ``p`` with each token's log-probability (a random model's
+  tokens hardly depend on a few wrong keys; its log-probabilities do)."""
+  h = e.submit(p, jaxkv.SamplingParams(max_new_tokens=n, logprobs=1))
+  h.result()
+  return h
+
+
+def assert_same(h, want):
+  assert h.tokens == want.tokens
+  got = np.array([lp for lp, _ in h.logprobs])
+  ref = np.array([lp for lp, _ in want.logprobs])
+  assert np.abs(got - ref).max() < 1e-5, np.abs(got - ref).max()
+
+
+@pytest.fixture(scope="module")
+def one():
+  return jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def recompute(one):
+  """The reference: the all-global layout, every prompt computed from its first token."""
+  return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
+
+
+def test_the_window_group_holds_the_local_layers_and_answers_as_the_all_global_layout():
+  """On 2 data shards (one kv head: no model axis), two sequences per shard, prompts of
+  three to six windows get the all-global layout's tokens; the
+  block pools hold the 2 global layers' K/V only and the window pool the 4 local ones'."""
+  mesh = jaxkv.make_mesh(data=2, model=1, devices=jax.devices()[:2])
+  grouped, full = engine(mesh), engine(mesh, groups=False)
+  c = grouped.cache.config
+  assert (c.num_layers, c.window_layers, c.sliding_window) == (2, 4, WINDOW)
+  assert full.cache.config.num_layers == 6 and not full.cache.config.has_windows
+  shards = grouped.cache.num_shards
+  blocks = sum(x.nbytes for x in grouped.cache.worker.pools)
+  assert blocks == c.page_bytes * c.pages_per_shard * shards
+  assert c.page_bytes * 3 == full.cache.config.page_bytes
+  windows = sum(x.nbytes for x in grouped.cache.worker.window_pools)
+  assert windows == c.window_page_bytes * c.window_pages_per_shard * shards
+  assert c.window_page_bytes == 2 * c.page_bytes  # 4 local layers to 2 global
+  prompts = [prompt(i, n) for i, n in enumerate([130, 170, 200, 245])]
+  tokens, logits = grouped.generate(prompts, 8, return_logits=True)
+  want_tokens, want_logits = full.generate(prompts, 8, return_logits=True)
+  assert tokens == want_tokens
+  for got, want in zip(logits, want_logits):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_later_turn_reuses_its_prefix_across_the_window_edge_exactly(one, recompute):
+  """A conversation's second turn hits the first turn's blocks, prompt and answer: its local
+  layers read the window before the cut from the kept blocks; the third turn, the second's.
+  Every answer is the recomputed one's."""
+  e = engine(one)
+  history = prompt(1, 150)
+  for turn in range(3):
+    h = run(e, history, 10)
+    assert_same(h, run(recompute, history, 10))
+    if turn:
+      assert h.cached_tokens > WINDOW * 3, (turn, h.cached_tokens)
+    history = history + h.tokens + prompt(10 + turn, 30)
+  assert e.stats()["window_blocks_kept"] > 0
+
+
+def test_a_hit_needs_the_window_before_its_cut(one, recompute):
+  """With the kept windows gone (what a failed step leaves) the global blocks alone are no
+  hit: the prompt is recomputed, exactly. Kept again by that run, the next one hits. The
+  window copy is compiled with the tier moves' warm-up (nothing compiles for it later)."""
+  e = engine(one)
+  e.cache.worker.warm_moves(4)
+  p = prompt(2, 200)
+  e.generate([p], 4)
+  mark = COMPILES.mark()
+  e.cache.worker.copy_windows([(0, 1, 2)])
+  assert COMPILES.since(mark) == 0, COMPILES.names_since(mark)
+  e.cache.manager.windows.forget()
+  again = run(e, p, 4)
+  assert again.cached_tokens == 0
+  assert_same(again, run(recompute, p, 4))
+  third = run(e, p, 4)
+  assert third.cached_tokens > WINDOW
+  assert_same(third, again)
+
+
+def test_a_long_prompt_runs_in_a_window_pool_smaller_than_its_blocks(one, recompute):
+  """A 600-token prompt (75 blocks) runs through a window pool of 24 pages: the ring
+  reuses its pages as the window moves on; the answer is the recomputed one's."""
+  e = engine(one, rows=1, window_pages_per_shard=24, max_pages_per_seq=80)
+  assert e.cache.config.window_pages_per_shard == 24
+  p = prompt(3, 600)
+  assert_same(run(e, p, 6), run(recompute, p, 6))
+
+
+def test_a_window_pool_too_small_for_one_ring_is_refused(one):
+  with pytest.raises(jaxkv.InputError, match="window_pages_per_shard=8"):
+    engine(one, window_pages_per_shard=8)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+  with LocalMaster(log_path=str(tmp_path_factory.mktemp("pool") / "master.log")) as m:
+    yield m
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "pool"])
+def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
+    one, recompute, tmp_path, master, tier):
+  """The first turn's blocks leave the device for ``tier`` (the global layers' bytes only);
+  the second turn fetches them back and reads the window before its cut from the kept
+  blocks on device: its answer is the recomputed one's, and each fetched block moved
+  ``page_bytes`` (the 2 global layers' K/V: a third of the all-global block)."""
+  tiers = {"host": jaxkv.TierConfig(host_pages_per_shard=64),
+           "disk": jaxkv.TierConfig(disk_kvstore=str(tmp_path / "disk"), disk_pages=128),
+           "pool": jaxkv.TierConfig(pool_master=master.address, pool_metadata=master.metadata,
+                                    write_policy="write_through")}[tier]
+  e = engine(one, tiers=tiers)
+  first = prompt(4, 230)
+  answer = e.generate([first], 8)[0]
+  e.flush()
+  e.cache.offload()
+  e.flush()  # (the disk's records are published once written)
+  for s in range(e.cache.num_shards):
+    e.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
+  before = e.stats()
+  second = first + answer + prompt(5, 20)
+  h = run(e, second, 8)
+  after = e.stats()
+  assert_same(h, run(recompute, second, 8))
+  fetched = after["blocks_fetched"] - before["blocks_fetched"]
+  assert fetched > WINDOW // PAGE and h.cached_tokens > WINDOW, (fetched, h.cached_tokens)
+  assert after["hits"][tier] > before["hits"].get(tier, 0)
+  if tier != "pool":  # (the pool's reads are counted by the pool, not in bytes_moved)
+    assert after["bytes_moved"] - before["bytes_moved"] == fetched * e.cache.config.page_bytes
+  e.cache.worker.close()
+
+
+def test_window_blocks_and_rings_are_accounted_exactly():
+  """The window pages' bookkeeping on its own: a ring and pins are taken and given back; a
+  kept block is evicted least recently used first and never while pinned; ``cover`` finds
+  the longest cut whose window is kept; the table sends every written block to the ring."""
+  w = windows_lib.WindowPages(num_shards=1, pages_per_shard=12, sliding_window=16,
+                              page_size=8, chunk_pages=1)
+  assert (w.window, w.ring) == (2, 4)
+  keys = [bytes([i]) for i in range(6)]
+  ring, held = w.place(0, keys, (0, 0))
+  assert len(set(ring)) == 4 and 0 not in ring and held == {}
+  kept = [w.keep(0, keys[j], ring[j % 4]) for j in range(4)]
+  assert None not in kept and len(set(kept) | set(ring)) == 8
+  assert w.keep(0, keys[1], ring[1]) is None  # kept already: touched
+  assert w.cover(0, keys, 6) == 4 and w.cover(0, keys[:1] + [b"x"] + keys[2:], 4) == 4
+  assert w.cover(0, [keys[0], b"x", keys[2], b"y"], 4) == 1
+  w.release(0, ring, ())
+  ring2, held2 = w.place(0, keys, (2, 4))  # pins the windows before blocks 2 and 4
+  assert held2 == {0: kept[0], 1: kept[1], 2: kept[2], 3: kept[3]}
+  assert w.available(0) == 11 - 4 - 4  # page 0 never; the ring and 4 pinned taken
+  assert windows_lib.table_row(ring2, held2.items(), 8, (2, 3), 4) == (
+      kept[0], kept[1], ring2[2], kept[3], ring2[0], ring2[1], ring2[2], ring2[3])
+  other = w.place(0, keys, (0, 0))  # 3 free pages: a ring of 4 does not fit, nothing kept
+  assert other is None and w.kept_blocks(0) == 4  # (pinned: none could be evicted)
+  w.release(0, ring2, held2.values())
+  ring3, _ = w.place(0, keys, (0, 0))  # 3 pages left free
+  new = [w.keep(0, bytes([100 + i]), ring3[i]) for i in range(4)]  # the 4th evicts block 0
+  assert None not in new and w.kept_blocks(0) == 7
+  assert w.cover(0, keys, 1) == 0 and w.cover(0, keys[1:], 3) == 3
