@@ -130,11 +130,9 @@ def main(argv):
     chunk_pages = min(pages, math.ceil(builder.CPU_PREFILL_TOKENS / _PAGE_SIZE.value))
   logging.info("loaded %s in %.1f s: dtype %s (%s); prefill chunk %d pages", model_dir,
                load_s, dtype, why, chunk_pages)
-  cache = jaxkv.CacheConfig(
-      model_name=model_dir, num_layers=model_cfg.num_layers,
-      num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
-      page_size=_PAGE_SIZE.value, pages_per_shard=pages, max_pages_per_seq=pages,
-      attention_chunk_pages=min(pages, 8), dtype=model_cfg.dtype)
+  cache = jaxkv.CacheConfig.for_model(  # the shapes (and a window group) are the model's
+      model_cfg, model_name=model_dir, page_size=_PAGE_SIZE.value, pages_per_shard=pages,
+      max_pages_per_seq=pages, attention_chunk_pages=min(pages, 8), dtype=model_cfg.dtype)
   engine = jaxkv.Engine(model, jaxkv.KVCache(cache, mesh),
                         jaxkv.EngineConfig(max_seqs_per_shard=1,
                                            prefill_chunk_pages=chunk_pages))
