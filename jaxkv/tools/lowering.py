@@ -175,13 +175,16 @@ def _sds(mesh, shape, dtype, spec=None, memory_kind=None) -> jax.ShapeDtypeStruc
 
 
 def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
-  """``(graphdef, pools, pool_def, weights, weight_def)`` of the model of ``model_cfg``
-  (a ``Gemma3Config``: Gemma 3, else the Llama), every leaf a ``ShapeDtypeStruct`` placed
-  as ``from_pretrained`` and ``init_pages`` place it."""
+  """``(graphdef, pools, pool_def, weights, weight_def, block_pools)`` of the model of
+  ``model_cfg`` (a ``Gemma3Config``: Gemma 3, else the Llama), every leaf a
+  ``ShapeDtypeStruct`` placed as ``from_pretrained`` and ``init_pages`` place it.
+  ``pools`` are what a step takes (every pool, in the model's order); ``block_pools`` the
+  ones the tiers move (a window group's pools are not: its pages never leave the device)."""
   from jaxkv import models
   from jaxkv.models import hf
   family = models.Gemma3 if isinstance(model_cfg, models.Gemma3Config) else models.Llama
   model = nnx.eval_shape(lambda: family(model_cfg, rngs=nnx.Rngs(0)))
+  window_ids = set()
   for layer in kvnnx.paged_layers(model):
     # A window group's pool (a layer with ``window``) has its own page count; the engine
     # sizes it when the config leaves it 0, never above the block pool's, so the block
@@ -192,10 +195,13 @@ def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
             if layer.num_layers is None else
             _sds(mesh, (layer.num_layers, *shape), cache_cfg.jnp_dtype,
                  pages_lib.layer_stack_spec(cache_cfg)))
+    if getattr(layer, "window", 0):
+      window_ids.add(id(pool))
     layer.k_pages.set_value(pool)
     layer.v_pages.set_value(pool)
   graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
   pools, pool_def = jax.tree.flatten(state)
+  block_pools = [p for p in pools if id(p) not in window_ids]
   model_size = mesh.shape[cache_cfg.model_axis]
 
   def place(path, value):
@@ -206,7 +212,7 @@ def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
   rest = nnx.from_flat_state([(path, var.replace(place(path, var.get_value())))
                               for path, var in nnx.to_flat_state(rest)])
   weights, weight_def = jax.tree.flatten(rest)
-  return graphdef, pools, pool_def, weights, weight_def
+  return graphdef, pools, pool_def, weights, weight_def, block_pools
 
 
 def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
@@ -266,7 +272,8 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   mesh = abstract_mesh(tgt, (mesh_cfg["data"], mesh_cfg["model"]),
                        (cache_cfg.data_axis, cache_cfg.model_axis))
   pages_lib.validate_mesh(mesh, cache_cfg)
-  graphdef, pools, pool_def, weights, weight_def = _abstract_model(model_cfg, cache_cfg, mesh)
+  graphdef, pools, pool_def, weights, weight_def, block_pools = _abstract_model(
+      model_cfg, cache_cfg, mesh)
   steps = runner_lib.Steps(graphdef, pool_def, weight_def, mesh, cache_cfg)
   shards = mesh.shape[cache_cfg.data_axis]
   rows = buckets.pow2_at_least(engine["max_seqs_per_shard"]) * shards
@@ -300,8 +307,8 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
             tokens)
 
   tiers = dict(cfg.get("tiers", {}))
-  num_arrays = sum(pages_lib.pool_layers(p) for p in pools)
-  ranks = pages_lib.pool_ranks(pools)
+  num_arrays = sum(pages_lib.pool_layers(p) for p in block_pools)
+  ranks = pages_lib.pool_ranks(block_pools)
   host_pages = int(tiers.get("host_pages_per_shard", 0) or 0)
   moved = buckets.transfer_pages(engine["prefill_chunk_pages"])
   ids = row(shards, moved)
@@ -311,14 +318,16 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   stack = _sds(mesh, stack_shape, bits, pages_lib.stacked_spec(cache_cfg))
   out.append(Lowerable(f"gather_stacked[pages={moved}]",
                        pages_lib.gather_stacked_fn(mesh, cache_cfg, ranks),
-                       (tuple(pools), ids)))
+                       (tuple(block_pools), ids)))
   out.append(Lowerable(f"scatter_stacked[pages={moved}]",
                        pages_lib.scatter_stacked_fn(mesh, cache_cfg, ranks),
-                       (tuple(pools), ids, stack)))
+                       (tuple(block_pools), ids, stack)))
   if host_pages:
     kind = tiers.get("host_memory_kind", "pinned_host")
-    host_pool, moves = _host_moves(mesh, cache_cfg, kind, pools, shards, host_pages, moved)
+    host_pool, moves = _host_moves(mesh, cache_cfg, kind, block_pools, shards, host_pages,
+                                   moved)
     out += moves
+  if host_pages and not windows:  # (a window group's layers do not stream from the host)
     chunk = StreamConfig().chunk_pages
     stream = kvnnx.StreamBatch(
         block_valid=row(shards, widths[-1], dtype=bool), host_pool=host_pool,

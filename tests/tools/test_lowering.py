@@ -274,6 +274,13 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   chunk_tokens = cfg.engine.prefill_chunk_pages * cfg.cache.page_size
   assert sum(f.name.startswith("prefill[") for f in steps) == len(
       buckets.prefill_widths(chunk_tokens, cfg.cache.page_size))
+  # The tiers move the global layers' blocks alone: a window group's pages never leave the
+  # device, and its layers do not stream from the host.
+  named = {f.name.split("[")[0]: f for f in functions}
+  gather = named["gather_stacked"]
+  assert sorted(p.shape[0] for p in gather.args[0]) == [18 - local] * 2
+  assert ("decode_streamed" in named) == (not local)
+  lowering.lower(gather.name, gather.fn, gather.args, tgt, mesh)
   kinds = ", ".join(str(gemma.is_global(i)).lower() for i in range(gemma.num_layers))
   for f in (steps[0], steps[-1]):  # a decode step and the widest prefill step
     exported = lowering.lower(f.name, f.fn, f.args, tgt, mesh)
