@@ -40,10 +40,11 @@ What bounds the figures: ``weight_bytes`` (what each system holds: float32 for j
 transformers, the file's quantized blocks for llama.cpp) and ``decode_weight_gb_per_s``
 (those bytes times decode steps/s: a decode step reads every weight once, the 262k-token
 output head, 0.67 GB in float32, most of it). ``loadavg_1m``: the machine's load as each
-repetition ended (median); above the core count the cores were shared with other work, which
-hurts llama.cpp most (its threads meet at a barrier after every op, and one that is not
-scheduled stalls the others). ``load_s`` and ``jaxkv_compile_s`` are reported, not timed
-in the figures.
+repetition ended (median). Above the core count the cores were shared with other work and
+the figures are that work's as much as the systems': on the 2-core development machine at
+load 6-10 they varied several-fold between runs, llama.cpp's decode most (its threads meet
+at a barrier after every op, so one thread not scheduled stalls the step). ``load_s`` and
+``jaxkv_compile_s`` are reported, not timed in the figures.
 """
 
 from __future__ import annotations
