@@ -229,7 +229,7 @@ class KVCache:
     ring = windows_lib.ring_blocks(c.sliding_window, c.page_size, chunk_pages)
     pages = c.window_pages_per_shard or 2 * rows_per_shard * (ring + window) + 1
     windows_lib.check_room(pages, ring, window, rows_per_shard)
-    slots = c.window_copy_slots or rows_per_shard * ring
+    slots = c.window_copy_slots or 2 * rows_per_shard * ring  # (a step keeps fewer)
     self.config = dataclasses.replace(c, window_pages_per_shard=pages, window_copy_slots=slots)
     self.worker.config = self.config
     self.manager.windows = windows_lib.WindowPages(

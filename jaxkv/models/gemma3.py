@@ -26,8 +26,8 @@ KV groups (``kv_groups``, the default): the local layers' K/V live in the cache'
 group (``PagedKV(window=sliding_window)``, its own pool), which keeps only the blocks a
 running sequence's window still needs plus cached windows before block boundaries, so a
 long sequence's device memory is about the global layers' share; only the global layers'
-blocks go to the lower tiers. In the scan each layer attends through the group it belongs
-to (a ``lax.cond`` on its kind). ``kv_groups=False`` keeps every layer's pages for the whole
+blocks go to the lower tiers. The layers then run as a scan over the pattern's periods
+(``Gemma3._scan_groups``), each stretch of same-kind layers a scan over its group's pages. ``kv_groups=False`` keeps every layer's pages for the whole
 sequence (a local layer's window then only masks what it reads): the all-global layout,
 for comparison.
 """
@@ -268,53 +268,105 @@ class Gemma3(nnx.Module):
   def _scan_layers(self, x, batch):
     """One compiled layer scanned over the stacked weights, each layer's kind (global or
     local) and window carried beside its weights; the pages ride in the carry. With KV
-    groups a layer's pages are its group's: the global stack's at its index among the
-    global layers, or the window group's at its index among the local ones."""
+    groups: ``_scan_groups``."""
+    cfg = self.cfg
+    if cfg.window_layers:
+      return self._scan_groups(x, batch)
     graphdef, weights = nnx.split(self.layers)
-    kv, cfg = self.kv, self.cfg
-    kinds = [cfg.is_global(i) for i in range(cfg.num_layers)]
-    is_global = jnp.asarray(kinds)
+    kv = self.kv
+    is_global = jnp.asarray([cfg.is_global(i) for i in range(cfg.num_layers)])
     windows = jnp.where(is_global, 0, cfg.sliding_window).astype(jnp.int32)
-    groups = cfg.window_layers > 0
-    if groups:  # each layer's index in its own group's stack
-      index = [sum(kinds[:i]) if g else i - sum(kinds[:i]) for i, g in enumerate(kinds)]
-    else:
-      index = list(range(cfg.num_layers))
-    win = self.window_kv if groups else None
 
     def body(carry, xs):
-      x, pages = carry
+      x, k_pages, v_pages = carry
       layer, glob, window, w = xs
-      out = {}
+      pages = {}
 
       def attend(q, k, v):
-        if not groups:
-          o, k_p, v_p = kv.attend(q, k, v, batch, *pages, layer, window=window)
-          out["pages"] = (k_p, v_p)
-          return o
-
-        def global_layer(q, k, v, pages):
-          o, k_p, v_p = kv.attend(q, k, v, batch, pages[0], pages[1], layer)
-          return o, (k_p, v_p, *pages[2:])
-
-        def local_layer(q, k, v, pages):
-          o, k_p, v_p = win.attend(q, k, v, batch, pages[2], pages[3], layer)
-          return o, (*pages[:2], k_p, v_p)
-
-        o, out["pages"] = jax.lax.cond(glob, global_layer, local_layer, q, k, v, pages)
-        return o
+        out, pages["k"], pages["v"] = kv.attend(q, k, v, batch, k_pages, v_pages, layer,
+                                                window=window)
+        return out
 
       x = nnx.merge(graphdef, w)(x, batch, glob, attend)
-      return (x, out["pages"]), None
+      return (x, pages["k"], pages["v"]), None
 
-    pages = (kv.k_pages.get_value(), kv.v_pages.get_value())
-    if groups:
-      pages += (win.k_pages.get_value(), win.v_pages.get_value())
-    layers = jnp.asarray(index, dtype=jnp.int32)
-    (x, pages), _ = jax.lax.scan(body, (x, pages), (layers, is_global, windows, weights))
-    kv.k_pages.set_value(pages[0])
-    kv.v_pages.set_value(pages[1])
-    if groups:
-      win.k_pages.set_value(pages[2])
-      win.v_pages.set_value(pages[3])
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_pages, v_pages), _ = jax.lax.scan(
+        body, (x, kv.k_pages.get_value(), kv.v_pages.get_value()),
+        (layers, is_global, windows, weights))
+    kv.k_pages.set_value(k_pages)
+    kv.v_pages.set_value(v_pages)
+    return x
+
+  def _scan_groups(self, x, batch):
+    """With KV groups each layer reads and writes its own group's pages: a global layer the
+    global stack's (at its index among the global layers), a local one the window group's.
+    The layer pattern repeats (five local, one global): a scan over its periods, whose body
+    runs each stretch of same-kind layers as a scan of its own over that group's pages
+    alone, then the layers of a last, partial period the same way. No step touches the
+    other group's pages (a ``lax.cond`` between the two would pass both through every
+    layer, and XLA copies them)."""
+    cfg = self.cfg
+    kinds = [cfg.is_global(i) for i in range(cfg.num_layers)]
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+    count, rest = divmod(len(kinds), period)
+    graphdef, weights = nnx.split(self.layers)
+    stacks = {True: self.kv, False: self.window_kv}
+
+    def stretches(pattern):  # (kind, first layer, layers, index of the first in its group)
+      out, i = [], 0
+      while i < len(pattern):
+        j = i
+        while j < len(pattern) and pattern[j] == pattern[i]:
+          j += 1
+        out.append((pattern[i], i, j - i, sum(k == pattern[i] for k in pattern[:i])))
+        i = j
+      return out
+
+    def run(x, pages, w, pattern, first: dict):
+      """Runs the layers of ``pattern`` (weights ``w``, leading axis the layers); ``first``:
+      each group's index of its first layer here (traced in the period scan)."""
+      for kind, a, n, before in stretches(pattern):
+        stack = stacks[kind]
+
+        def body(carry, xs, stack=stack, kind=kind):
+          x, k_pages, v_pages = carry
+          layer, lw = xs
+          out = {}
+
+          def attend(q, k, v):
+            o, out["k"], out["v"] = stack.attend(q, k, v, batch, k_pages, v_pages, layer)
+            return o
+
+          x = nnx.merge(graphdef, lw)(x, batch, kind, attend)
+          return (x, out["k"], out["v"]), None
+
+        index = first[kind] + before + jnp.arange(n, dtype=jnp.int32)
+        part = jax.tree.map(lambda t, a=a, n=n: t[a:a + n], w)
+        (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, *pages[kind]), (index, part))
+        pages = {**pages, kind: (k_pages, v_pages)}
+      return x, pages
+
+    per = {True: sum(kinds[:period]), False: period - sum(kinds[:period])}
+    pages = {kind: (stack.k_pages.get_value(), stack.v_pages.get_value())
+             for kind, stack in stacks.items()}
+
+    def period_body(carry, xs):
+      x, pages = carry
+      t, w = xs
+      x, pages = run(x, pages, w, kinds[:period], {k: t * per[k] for k in per})
+      return (x, pages), None
+
+    main = jax.tree.map(lambda t: t[:count * period].reshape(count, period, *t.shape[1:]),
+                        weights)
+    (x, pages), _ = jax.lax.scan(period_body, (x, pages),
+                                 (jnp.arange(count, dtype=jnp.int32), main))
+    if rest:
+      tail = jax.tree.map(lambda t: t[count * period:], weights)
+      x, pages = run(x, pages, tail, kinds[count * period:],
+                     {k: count * per[k] for k in per})
+    for kind, stack in stacks.items():
+      stack.k_pages.set_value(pages[kind][0])
+      stack.v_pages.set_value(pages[kind][1])
     return x

@@ -238,6 +238,45 @@ def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
       Lowerable(f"host_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids(moved)))]
 
 
+def _page_moves(cfg: Mapping, cache_cfg: CacheConfig, mesh, pools, block_pools, row
+                ) -> tuple:
+  """The page moves the engine compiles: a block's pages gathered and scattered (the block
+  pools' alone: a window group's pages never leave the device), the host tier's copies
+  when it has one, and the window group's page copy when the model has one. Returns
+  ``(host pool or None, [Lowerable, ...])``."""
+  engine, tiers = dict(cfg["engine"]), dict(cfg.get("tiers", {}))
+  shards = mesh.shape[cache_cfg.data_axis]
+  num_arrays = sum(pages_lib.pool_layers(p) for p in block_pools)
+  ranks = pages_lib.pool_ranks(block_pools)
+  host_pages = int(tiers.get("host_pages_per_shard", 0) or 0)
+  moved = buckets.transfer_pages(engine["prefill_chunk_pages"])
+  ids = row(shards, moved)
+  stack_shape = (num_arrays, cache_cfg.num_kv_heads, shards * moved, cache_cfg.page_size,
+                 cache_cfg.head_dim)
+  bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
+  stack = _sds(mesh, stack_shape, bits, pages_lib.stacked_spec(cache_cfg))
+  out = [Lowerable(f"gather_stacked[pages={moved}]",
+                   pages_lib.gather_stacked_fn(mesh, cache_cfg, ranks),
+                   (tuple(block_pools), ids)),
+         Lowerable(f"scatter_stacked[pages={moved}]",
+                   pages_lib.scatter_stacked_fn(mesh, cache_cfg, ranks),
+                   (tuple(block_pools), ids, stack))]
+  window_pools = [p for p in pools if all(p is not b for b in block_pools)]
+  if window_pools:
+    slots = row(shards, 8)
+    out.append(Lowerable("copy_window_pages[slots=8]",
+                         pages_lib.copy_pages_fn(mesh, cache_cfg,
+                                                 pages_lib.pool_ranks(window_pools)),
+                         (tuple(window_pools), slots, slots)))
+  host_pool = None
+  if host_pages:
+    kind = tiers.get("host_memory_kind", "pinned_host")
+    host_pool, moves = _host_moves(mesh, cache_cfg, kind, block_pools, shards, host_pages,
+                                   moved)
+    out += moves
+  return host_pool, out
+
+
 def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
                      num_layers: int | None = None, model_cfg=None
                      ) -> tuple[AbstractMesh, list[Lowerable]]:
@@ -307,26 +346,9 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
             tokens)
 
   tiers = dict(cfg.get("tiers", {}))
-  num_arrays = sum(pages_lib.pool_layers(p) for p in block_pools)
-  ranks = pages_lib.pool_ranks(block_pools)
   host_pages = int(tiers.get("host_pages_per_shard", 0) or 0)
-  moved = buckets.transfer_pages(engine["prefill_chunk_pages"])
-  ids = row(shards, moved)
-  stack_shape = (num_arrays, cache_cfg.num_kv_heads, shards * moved, cache_cfg.page_size,
-                 cache_cfg.head_dim)
-  bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
-  stack = _sds(mesh, stack_shape, bits, pages_lib.stacked_spec(cache_cfg))
-  out.append(Lowerable(f"gather_stacked[pages={moved}]",
-                       pages_lib.gather_stacked_fn(mesh, cache_cfg, ranks),
-                       (tuple(block_pools), ids)))
-  out.append(Lowerable(f"scatter_stacked[pages={moved}]",
-                       pages_lib.scatter_stacked_fn(mesh, cache_cfg, ranks),
-                       (tuple(block_pools), ids, stack)))
-  if host_pages:
-    kind = tiers.get("host_memory_kind", "pinned_host")
-    host_pool, moves = _host_moves(mesh, cache_cfg, kind, block_pools, shards, host_pages,
-                                   moved)
-    out += moves
+  host_pool, moves = _page_moves(cfg, cache_cfg, mesh, pools, block_pools, row)
+  out += moves
   if host_pages and not windows:  # (a window group's layers do not stream from the host)
     chunk = StreamConfig().chunk_pages
     stream = kvnnx.StreamBatch(

@@ -488,12 +488,15 @@ def copy_pages(pools, copies, slots: int, *, mesh: Mesh, config: CacheConfig) ->
   """Copies pages within each shard of every pool in ``pools`` (donated): ``copies`` is
   ``(shard, src, dst)`` triples of shard-local ids, at most ``slots`` per shard (one
   compiled shape). Unused slots copy page 0 onto itself, which the window pool never hands
-  out. Returns the new pools."""
+  out; of two copies to one page, the later. Returns the new pools."""
   shards = data_shards(mesh, config)
   src = np.zeros((shards, slots), np.int32)
   dst = np.zeros((shards, slots), np.int32)
   used = [0] * shards
-  for shard, a, b in copies:
+  # A page given out again before its first copy ran takes the later copy only (one scatter
+  # has no order among equal destinations).
+  last = {(shard, b): a for shard, a, b in copies}
+  for (shard, b), a in last.items():
     if used[shard] == slots:
       raise InputError(f"{used[shard] + 1} window copies on shard {shard} in one order; at "
                        f"most {slots} (CacheConfig.window_copy_slots).")
@@ -501,11 +504,12 @@ def copy_pages(pools, copies, slots: int, *, mesh: Mesh, config: CacheConfig) ->
     used[shard] += 1
   ids = NamedSharding(mesh, P(config.data_axis, None))
   src, dst = jax.device_put([src, dst], [ids, ids])
-  return list(_copy_pages_fn(mesh, config, pool_ranks(pools))(tuple(pools), src, dst))
+  return list(copy_pages_fn(mesh, config, pool_ranks(pools))(tuple(pools), src, dst))
 
 
 @functools.lru_cache(maxsize=None)
-def _copy_pages_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+def copy_pages_fn(mesh: Mesh, config: CacheConfig, ranks: tuple[int, ...]):
+  """The jitted function behind ``copy_pages`` for pools of these ranks."""
   ids = P(config.data_axis, None)
 
   def local(pools, src, dst):

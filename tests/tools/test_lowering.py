@@ -260,13 +260,8 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   # table), or every layer's pages in one stack (the scan carries each layer's window, 0
   # for a global one, into the kernel as a traced scalar). One KV head: the model axis is
   # 1, as this config's mesh has it.
-  gemma = lowering.GEMMA3_270M
-  if not hasattr(gemma, "kv_groups"):
-    if kv_groups:
-      pytest.skip("this Gemma3Config has no window group (kv_groups)")
-  else:
-    gemma = dataclasses.replace(gemma, kv_groups=kv_groups)
-  local = getattr(gemma, "window_layers", 0)
+  gemma = dataclasses.replace(lowering.GEMMA3_270M, kv_groups=kv_groups)
+  local = gemma.window_layers
   cfg = _config(os.path.join(ROOT, "configs", "llama3_2_1b_gpu.py"))
   tgt = lowering.target(target_name)
   mesh, functions = lowering.engine_functions(cfg, tgt, impl=tgt.kernel_impl, model_cfg=gemma)
@@ -280,7 +275,12 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   gather = named["gather_stacked"]
   assert sorted(p.shape[0] for p in gather.args[0]) == [18 - local] * 2
   assert ("decode_streamed" in named) == (not local)
+  assert ("copy_window_pages" in named) == bool(local)
   lowering.lower(gather.name, gather.fn, gather.args, tgt, mesh)
+  if local:  # the window group's page copy (a kept block), on its own pools
+    copy = named["copy_window_pages"]
+    assert sorted(p.shape[0] for p in copy.args[0]) == [local] * 2
+    lowering.lower(copy.name, copy.fn, copy.args, tgt, mesh)
   kinds = ", ".join(str(gemma.is_global(i)).lower() for i in range(gemma.num_layers))
   for f in (steps[0], steps[-1]):  # a decode step and the widest prefill step
     exported = lowering.lower(f.name, f.fn, f.args, tgt, mesh)
@@ -294,8 +294,9 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
     assert sorted(a.shape[0] for a in pools) == sorted(stacks * 2), f.name
     # The layers scanned: the kernel once per kind of layer, not once per layer.
     assert text.count(KERNEL_CALL[tgt.platform]) == len(stacks), f.name
-    # Each layer's kind (global or local) rides in the scan; the window is 512 tokens.
-    assert f"dense<[{kinds}]>" in text, f.name
+    # In one stack each layer's kind (global or local) rides in the scan; with the window
+    # group each stretch of same-kind layers is a scan of its own. The window is 512 tokens.
+    assert (f"dense<[{kinds}]>" in text) == (not local), f.name
     assert f"dense<{gemma.sliding_window}> : tensor<i32>" in text, f.name
 
 
