@@ -112,7 +112,8 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   turns), the same index everywhere, outputs equal to one process with the same tiers;
   then a job restoring the checkpoint and reading the store gives the same outputs."""
   tiers = lambda d: ["--config.workload.chat.users=8", "--device_pages=8", "--host_pages=2",
-                     "--config.scheduler.policy=fetch", "--config.tiers.write_policy=write_through",
+                     "--config.scheduler.decision=fetch",
+                     "--config.tiers.write_policy=write_through",
                      f"--disk_dir={d / 'disk'}", f"--checkpoint_dir={d / 'ckpt'}"]
   job = lambda *extra, out: subprocess.run(
       [sys.executable, "launch/multihost.py", "--num_processes=2", "--", "launch/serve.py",
