@@ -324,15 +324,19 @@ class Gemma3(nnx.Module):
         i = j
       return out
 
-    def run(x, pages, w, pattern, first: dict):
-      """Runs the layers of ``pattern`` (weights ``w``, leading axis the layers); ``first``:
-      each group's index of its first layer here (traced in the period scan)."""
+    def run(x, pages, base, pattern, first: dict):
+      """Runs the layers of ``pattern``, the model's from layer ``base`` on; ``first``: each
+      group's index of its first layer here (both traced in the period scan). Each layer's
+      weights are sliced out of the stack where it runs, once, as a plain scan over the
+      stack would (slicing a stretch's weights first would copy them twice more)."""
       for kind, a, n, before in stretches(pattern):
         stack = stacks[kind]
 
-        def body(carry, xs, stack=stack, kind=kind):
+        def body(carry, xs, stack=stack, kind=kind, a=a):
           x, k_pages, v_pages = carry
-          layer, lw = xs
+          layer, j = xs
+          lw = jax.tree.map(
+              lambda t: jax.lax.dynamic_index_in_dim(t, base + a + j, keepdims=False), weights)
           out = {}
 
           def attend(q, k, v):
@@ -342,9 +346,9 @@ class Gemma3(nnx.Module):
           x = nnx.merge(graphdef, lw)(x, batch, kind, attend)
           return (x, out["k"], out["v"]), None
 
-        index = first[kind] + before + jnp.arange(n, dtype=jnp.int32)
-        part = jax.tree.map(lambda t, a=a, n=n: t[a:a + n], w)
-        (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, *pages[kind]), (index, part))
+        steps = jnp.arange(n, dtype=jnp.int32)
+        (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, *pages[kind]),
+                                                (first[kind] + before + steps, steps))
         pages = {**pages, kind: (k_pages, v_pages)}
       return x, pages
 
@@ -352,19 +356,14 @@ class Gemma3(nnx.Module):
     pages = {kind: (stack.k_pages.get_value(), stack.v_pages.get_value())
              for kind, stack in stacks.items()}
 
-    def period_body(carry, xs):
+    def period_body(carry, t):
       x, pages = carry
-      t, w = xs
-      x, pages = run(x, pages, w, kinds[:period], {k: t * per[k] for k in per})
+      x, pages = run(x, pages, t * period, kinds[:period], {k: t * per[k] for k in per})
       return (x, pages), None
 
-    main = jax.tree.map(lambda t: t[:count * period].reshape(count, period, *t.shape[1:]),
-                        weights)
-    (x, pages), _ = jax.lax.scan(period_body, (x, pages),
-                                 (jnp.arange(count, dtype=jnp.int32), main))
+    (x, pages), _ = jax.lax.scan(period_body, (x, pages), jnp.arange(count, dtype=jnp.int32))
     if rest:
-      tail = jax.tree.map(lambda t: t[count * period:], weights)
-      x, pages = run(x, pages, tail, kinds[count * period:],
+      x, pages = run(x, pages, count * period, kinds[count * period:],
                      {k: count * per[k] for k in per})
     for kind, stack in stacks.items():
       stack.k_pages.set_value(pages[kind][0])
