@@ -25,7 +25,9 @@ BlockServer and recompute; how much of the lent memory holds blocks when it over
 replicas (four replicas behind launch/router.py: routing by the KV indexer's prefix scores
 against round-robin and against one replica serving everything; event lag, router overhead);
 gemma3 (Gemma 3 270M from its GGUF file: prefill and decode tokens/s against llama.cpp and
-transformers on CPU, same prompt, same threads; greedy tokens against llama.cpp's).
+transformers on CPU, same prompt, same threads; greedy tokens against llama.cpp's);
+hybrid (KV groups on Gemma 3 270M's cache shapes: device bytes of an 8k-token sequence and the
+bytes a later turn fetches from host, against keeping every layer's pages).
 """
 
 import time
@@ -35,7 +37,8 @@ from absl import flags
 import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
-          "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas", "gemma3")
+          "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas", "gemma3",
+          "hybrid")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -116,6 +119,9 @@ def main(argv):
   elif _SUITE.value == "gemma3":
     from jaxkv.tools.bench import gemma3
     result = gemma3.run(quick=_QUICK.value, reps=min(_REPS.value, 3))
+  elif _SUITE.value == "hybrid":
+    from jaxkv.tools.bench import hybrid
+    result = hybrid.run(quick=_QUICK.value)
   elif _SUITE.value == "pool":
     from jaxkv.tools.bench import pool
     result = pool.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -210,8 +210,8 @@ class Scheduler:
                batching: str = "continuous", policy: str | None = None):
     """``manager``: the cache's host side (``jaxkv.manager.CacheManager``); the scheduler
     touches no pool and no tier, and asks for tier work only through its plans' orders.
-    ``batching``: ``continuous`` or ``waves`` (``policy`` is its former name: "policy" is
-    ``SchedulerConfig.policy``, the fetch-or-recompute decision)."""
+    ``batching``: ``continuous`` or ``waves`` (``policy`` is its former name; the
+    fetch-or-recompute decision is ``SchedulerConfig.decision``)."""
     if policy is not None:
       warnings.warn("Scheduler(policy=) is deprecated: it is Scheduler(batching=) "
                     "('continuous' or 'waves').", DeprecationWarning, stacklevel=2)

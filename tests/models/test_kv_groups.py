@@ -71,12 +71,14 @@ def recompute(one):
   return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
 
 
-def test_the_window_group_holds_the_local_layers_and_answers_as_the_all_global_layout():
+def test_the_window_group_holds_the_local_layers_and_answers_as_the_all_global_layout(
+    recompute):
   """On 2 data shards (one kv head: no model axis), two sequences per shard, prompts of
-  three to six windows get the all-global layout's tokens; the
-  block pools hold the 2 global layers' K/V only and the window pool the 4 local ones'."""
+  three to six windows get the all-global layout's tokens and logits (one device, every
+  prompt computed whole); the block pools hold the 2 global layers' K/V only and the window
+  pool the 4 local ones'."""
   mesh = jaxkv.make_mesh(data=2, model=1, devices=jax.devices()[:2])
-  grouped, full = engine(mesh), engine(mesh, groups=False)
+  grouped, full = engine(mesh), recompute
   c = grouped.cache.config
   assert (c.num_layers, c.window_layers, c.sliding_window) == (2, 4, WINDOW)
   assert full.cache.config.num_layers == 6 and not full.cache.config.has_windows
