@@ -183,10 +183,12 @@ def placement_row(p, split: int, resume: int) -> tuple:
 
 
 def check_room(pages_per_shard: int, ring: int, window: int, rows: int) -> None:
-  """Refuses a window pool too small for ``rows`` running sequences per shard."""
-  need = rows * (ring + window) + 1
+  """Refuses a window pool too small for ``rows`` running sequences per shard: each holds
+  a ring and pins the kept windows before two cuts (its hit's and its device part's)."""
+  need = rows * (ring + 2 * window) + 1
   if pages_per_shard < need:
     raise CapacityError(
         f"CacheConfig.window_pages_per_shard={pages_per_shard} is below {need}: {rows} "
-        f"running sequences per shard each need a ring of {ring} pages and {window} kept "
-        "blocks before their cut (plus page 0). Raise it, or set 0 to let the engine size it.")
+        f"running sequences per shard each need a ring of {ring} pages and up to "
+        f"{2 * window} kept blocks before their cuts (plus page 0). Raise it, or set 0 to "
+        "let the engine size it.")
