@@ -109,6 +109,8 @@ class WindowPages:
       self._refs[shard][p] -= 1
       if self._refs[shard][p] <= 0:
         del self._refs[shard][p]
+        if p not in self._key_of[shard]:  # forgotten while pinned: free now
+          self._free[shard].append(p)
 
   def release_placement(self, p) -> None:
     """``release`` of what a ``Placement`` took (its ring and pins)."""
@@ -135,7 +137,7 @@ class WindowPages:
 
   def forget(self) -> None:
     """The window pools were lost (a failed step): nothing is kept any more. Rings and pins
-    of running sequences stay theirs (they are released as those sequences end)."""
+    of running sequences stay theirs; a pinned page is free once its last pin ends."""
     for shard in range(self.num_shards):
       for page in list(self._kept[shard].values()):
         if not self._refs[shard][page]:

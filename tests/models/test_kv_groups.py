@@ -212,3 +212,11 @@ def test_window_blocks_and_rings_are_accounted_exactly():
   new = [w.keep(0, bytes([100 + i]), ring3[i]) for i in range(4)]  # the 4th evicts block 0
   assert None not in new and w.kept_blocks(0) == 7
   assert w.cover(0, keys, 1) == 0 and w.cover(0, keys[1:], 3) == 3
+  # Forgotten (a failed step) while a sequence pins kept pages: each is free once unpinned.
+  ring4, held4 = w.place(0, keys, (0, 3))  # pins 2 kept ones, evicts 4 others for its ring
+  assert ring4 is not None and len(held4) == 2  # (the window: blocks 1 and 2)
+  w.forget()
+  assert w.kept_blocks(0) == 0 and w.cover(0, keys, 3) == 0
+  w.release(0, ring3, ())
+  w.release(0, ring4, held4.values())
+  assert w.available(0) == 11  # every page but page 0 again
