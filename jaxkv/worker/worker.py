@@ -203,7 +203,7 @@ class CacheWorker:
     self._check_attached()
     return [x for x, w in zip(self._pools, self._window) if w]
 
-  def update_pools(self, fn, *, windows: bool = False) -> tuple:
+  def update_pools(self, fn, *, windows: bool | str = False) -> tuple:
     """The one way the pools change: ``fn(pools)`` takes them (a jitted step donates them)
     and returns ``(new pools, *rest)``; the new pools replace the old and ``rest`` is
     returned. ``fn`` gets the block pools (``pools``); with ``windows`` every pool, in the
