@@ -279,6 +279,21 @@ def write_json(path: str, obj: dict) -> None:
     f.write("\n")
 
 
+def renamed_flag(new, old) -> str:
+  """The value of flag ``new`` (a ``FlagHolder``), or of its former name ``old`` when that was
+  given (with a warning); both given with different values are refused."""
+  from absl import app
+  from absl import logging as absl_logging
+  if old.value is None:
+    return new.value
+  if new.present and new.value != old.value:
+    raise app.UsageError(f"--{new.name}={new.value} and its former name --{old.name}="
+                         f"{old.value} disagree: give --{new.name} only.")
+  absl_logging.warning("--%s is deprecated: it is --%s (--%s=%s).", old.name, new.name,
+                       new.name, old.value)
+  return old.value
+
+
 def define_http_limit_flags():
   """Defines a front's pre-auth HTTP bound flags (``--max_connections``,
   ``--header_timeout_s``, ``--body_timeout_s``) for the script that calls it at import;

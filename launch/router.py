@@ -22,7 +22,7 @@ refused here, before the indexer is asked or a replica chosen) and --deployment_
 that gave it in the x-jaxkv-replica header.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import _common
 
@@ -76,13 +76,7 @@ _MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 << 20, "The largest r
 
 def _routing() -> str:
   """--routing, or the value of its former name --policy (with a warning)."""
-  if _POLICY.value is None:
-    return _ROUTING.value
-  if flags.FLAGS["routing"].present and _ROUTING.value != _POLICY.value:
-    raise app.UsageError(f"--routing={_ROUTING.value} and its former name "
-                         f"--policy={_POLICY.value} disagree: give --routing only.")
-  logging.warning("--policy is deprecated: it is --routing (--routing=%s).", _POLICY.value)
-  return _POLICY.value
+  return _common.renamed_flag(_ROUTING, _POLICY)
 
 
 def main(argv):

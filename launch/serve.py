@@ -21,7 +21,7 @@ import importlib.util
 import statistics
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import _common
 import _flags
@@ -55,13 +55,7 @@ _THINK = flags.DEFINE_float("think_time_s", 0.5, "Online load: mean think time (
 
 def _main_cache() -> str:
   """--cache, or the value of its former name --policy (with a warning)."""
-  if _POLICY.value is None:
-    return _CACHE.value
-  if flags.FLAGS["cache"].present and _CACHE.value != _POLICY.value:
-    raise app.UsageError(f"--cache={_CACHE.value} and its former name --policy="
-                         f"{_POLICY.value} disagree: give --cache only.")
-  logging.warning("--policy is deprecated: it is --cache (--cache=%s).", _POLICY.value)
-  return _POLICY.value
+  return _common.renamed_flag(_CACHE, _POLICY)
 
 
 def main(argv):

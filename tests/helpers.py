@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
+from jaxkv.tools.bench import gemma3 as gemma3_bench
 from jaxkv.tools.env import child_env  # noqa: F401  (the tests start children with it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,18 +295,6 @@ def gemma3_gguf(deadline_s: float = 600.0) -> str:
 
 
 # The start of a script that runs llama.cpp (llama-cpp-python) in a process of its own (a
-# crash in the native library fails the test, not the test worker). Weight repacking
-# ("extra buffer types") is off: on a CPU that advertises AMX, a pip-built llama.cpp
-# repacks quantized weights for it and dies evaluating them (SIGSEGV or SIGILL on the
-# developers' machine) unless this is off; float32 weights are not repacked.
-LLAMA_CPP_PREAMBLE = r"""
-import json, sys
-import numpy as np
-import llama_cpp
-defaults = llama_cpp.llama_cpp.llama_model_default_params
-def no_repacking():
-  params = defaults()
-  params.use_extra_bufts = False
-  return params
-llama_cpp.llama_cpp.llama_model_default_params = no_repacking
-"""
+# crash in the native library fails the test, not the test worker), with weight repacking
+# off (why: jaxkv.tools.bench.gemma3.LLAMA_CPP_NO_REPACKING, the bench's same preamble).
+LLAMA_CPP_PREAMBLE = gemma3_bench.LLAMA_CPP_NO_REPACKING

@@ -85,8 +85,8 @@ PROMPT_TEXT = (
 
 # The start of a llama.cpp child script: weight repacking ("extra buffer types") off. On
 # a CPU that advertises AMX, a pip-built llama.cpp repacks quantized weights for it and
-# dies evaluating them (SIGSEGV or SIGILL) unless this is off. (tests/helpers.py holds the
-# same preamble for the tests' reference scripts.)
+# dies evaluating them (SIGSEGV or SIGILL) unless this is off. The tests' llama.cpp
+# reference scripts start with it too (tests/helpers.py).
 LLAMA_CPP_NO_REPACKING = r"""
 import json, os, sys, time
 import numpy as np
