@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import math
 
-from jaxkv.errors import CapacityError, InputError
+from jaxkv.errors import CapacityError
 
 
 def window_blocks(sliding_window: int, page_size: int) -> int:
@@ -51,13 +51,7 @@ class WindowPages:
                page_size: int, chunk_pages: int, stats=None):
     self.window = window_blocks(sliding_window, page_size)
     self.ring = ring_blocks(sliding_window, page_size, chunk_pages)
-    if pages_per_shard < self.ring + self.window + 1:
-      raise InputError(
-          f"CacheConfig.window_pages_per_shard={pages_per_shard} cannot hold one sequence's "
-          f"ring ({self.ring} pages: a {sliding_window}-token window of {page_size}-token pages "
-          f"and a prefill chunk of {chunk_pages}) and the {self.window} kept blocks before a "
-          f"cut, plus page 0; give at least {self.ring + self.window + 1} per running "
-          "sequence (0 lets the engine size it).")
+    check_room(pages_per_shard, self.ring, self.window, 1)
     self.num_shards, self.pages_per_shard = num_shards, pages_per_shard
     self.stats = stats
     self._free = [list(range(pages_per_shard - 1, 0, -1)) for _ in range(num_shards)]

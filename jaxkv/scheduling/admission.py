@@ -345,10 +345,8 @@ class Admission:
     before them is kept too (a plan that recomputes from there, or a fetch that fails,
     resumes at it)."""
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    cut = windows.cover(shard, keys, len(found))
-    if cut > hot and windows.cover(shard, keys, hot) != hot:
-      cut = windows.cover(shard, keys, hot)
-    return cut
+    cut, at_hot = windows.cover(shard, keys, len(found)), windows.cover(shard, keys, hot)
+    return at_hot if cut > hot and at_hot != hot else cut
 
 
 def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:

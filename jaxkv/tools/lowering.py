@@ -184,21 +184,19 @@ def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
   from jaxkv.models import hf
   family = models.Gemma3 if isinstance(model_cfg, models.Gemma3Config) else models.Llama
   model = nnx.eval_shape(lambda: family(model_cfg, rngs=nnx.Rngs(0)))
-  window_ids = set()
   for layer in kvnnx.paged_layers(model):
     # A window group's pool (a layer with ``window``) has its own page count; the engine
     # sizes it when the config leaves it 0, never above the block pool's, so the block
     # pool's count stands in for it here (the kernel's blocks do not depend on it).
-    pages = getattr(cache_cfg, "window_pages_per_shard", 0) if getattr(layer, "window", 0) else 0
-    shape = pages_lib.pool_shape(mesh, cache_cfg, *([pages] if pages else []))
+    pages = (cache_cfg.window_pages_per_shard or None) if layer.window else None
+    shape = pages_lib.pool_shape(mesh, cache_cfg, pages)
     pool = (_sds(mesh, shape, cache_cfg.jnp_dtype, pages_lib.pool_spec(cache_cfg))
             if layer.num_layers is None else
             _sds(mesh, (layer.num_layers, *shape), cache_cfg.jnp_dtype,
                  pages_lib.layer_stack_spec(cache_cfg)))
-    if getattr(layer, "window", 0):
-      window_ids.add(id(pool))
     layer.k_pages.set_value(pool)
     layer.v_pages.set_value(pool)
+  window_ids = kvnnx.window_leaf_ids(model)
   graphdef, state, rest = nnx.split(model, kvnnx.KVPages, ...)
   pools, pool_def = jax.tree.flatten(state)
   block_pools = [p for p in pools if id(p) not in window_ids]
@@ -327,7 +325,7 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
 
   # A model with a window group (Gemma 3's local layers) takes the window pool's page
   # table beside the block table: the steps get the pair.
-  windows = getattr(cache_cfg, "window_layers", 0) > 0
+  windows = cache_cfg.has_windows
   table = lambda n, width: (row(n, width), row(n, width)) if windows else row(n, width)
 
   def decode(name, n, width, stream=None):
