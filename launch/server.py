@@ -298,8 +298,9 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
       engine.costs = agree_costs(engine.costs)
     if restore:
       counts = checkpointer.restore()
-      logging.info("restored step %d: %d blocks (%d failed their checksum)", counts["step"],
-                   counts["placed"], counts["failed_checksum"])
+      logging.info("restored step %d: %d blocks, %d kept windows (%d failed their checksum)",
+                   counts["step"], counts["placed"], counts["windows_kept"],
+                   counts["failed_checksum"])
     engine.mark_warm()  # agreeing costs and a restore are one-off work, not a step's compile
     logging.info("compiled in %.1f s", time.perf_counter() - t0)
 

@@ -20,7 +20,9 @@ sequence needs just the last ``window_blocks`` blocks of that group, not all of 
   admitted with such a hit pins those pages for its life and reads them in place.
 
 Nothing of the window group goes to a lower tier: a cut whose window is no longer kept is
-recomputed, as far back as the longest prefix whose window still is. Page 0 of every shard
+recomputed, as far back as the longest prefix whose window still is. A checkpoint saves the
+kept blocks and a restore keeps them again (``jaxkv.worker.checkpoint``), so a restarted
+engine's hits reach across the window edge as before. Page 0 of every shard
 is never handed out: unused table entries and the padding of a copy order point at it.
 """
 
@@ -110,10 +112,10 @@ class WindowPages:
     """``release`` of what a ``Placement`` took (its ring and pins)."""
     self.release(p.shard, p.window_ring, [page for _, page in p.window_held])
 
-  def keep(self, shard: int, key: bytes, page: int) -> int | None:
-    """A published block whose window KV is in ``page`` (a ring page): the page it is to be
-    copied to, now kept under ``key``; None when ``key`` is kept already (it is touched) or
-    no page can be had (counted)."""
+  def keep(self, shard: int, key: bytes) -> int | None:
+    """A block whose window KV is to be kept (a published block's, copied out of its ring
+    page; or a restored one's): the page it goes to, now kept under ``key``; None when
+    ``key`` is kept already (it is touched) or no page can be had (counted)."""
     kept = self._kept[shard]
     if key in kept:
       kept.move_to_end(key)
@@ -141,6 +143,11 @@ class WindowPages:
 
   def kept_blocks(self, shard: int) -> int:
     return len(self._kept[shard])
+
+  def kept_items(self, shard: int) -> list[tuple[bytes, int]]:
+    """``(key, page)`` of every block kept on ``shard``, least recently used first (what a
+    checkpoint saves, in the order a restore keeps them again)."""
+    return list(self._kept[shard].items())
 
   def _take(self, shard: int, n: int) -> list | None:
     """``n`` pages: free ones first, then the least recently used unreferenced kept ones."""

@@ -6,9 +6,13 @@ finalised atomically):
   ``[2 * layers, kv_heads, rows, page_size, head_dim]`` (``rows = shards * n``, padded);
 - ``host``: the host pool's slots in the device stack's layout (``HostTier.stacked``: its
   scratch rows left out), when there is a host tier;
+- ``window``: for a model with a window group (hybrid attention), every kept block's window
+  K/V (``jaxkv.manager.windows``), least recently used first, in the same raw-bits layout
+  with the window group's layers. A global block restored without the window before a cut
+  is no hit at that cut, so without these a restarted hybrid model would recompute;
 - ``meta`` (JSON): format version, the model/layout fingerprint and the config fields
-  behind it, and for every saved row its block key, parent key, old shard and a
-  checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
+  behind it, and for every saved row (``device_rows``, ``host_rows``, ``window_rows``) its
+  block key, parent key, old shard and a checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
   persistent by itself and re-verifies and adopts its records when it is opened.
 
 Restoring reads the metadata first and refuses a checkpoint whose fingerprint differs,
@@ -165,6 +169,8 @@ class Checkpointer:
           host_rows.append(self._row((s, key) if key else None, host_sums[row], index))
       state["host"] = host.stacked()  # the saved layout: [2L, H, rows, S, D]
       meta["host_rows"] = host_rows
+    if e.manager.windows is not None:
+      state["window"], meta["window_rows"] = self._windows(index)
     meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                       for k, v in state.items()}
     if self._meta_seal is not None:
@@ -181,13 +187,31 @@ class Checkpointer:
       self.wait()
     return step
 
+  def _windows(self, index) -> tuple:
+    """The kept windows' stack (``[2 * window layers, kv_heads, rows, page_size,
+    head_dim]``) and rows, each shard's least recently used first."""
+    e = self.cache
+    windows, shards = e.manager.windows, e.num_shards
+    kept = [(s, page, key) for s in range(shards) for key, page in windows.kept_items(s)]
+    ids, per = buckets.shard_ids(kept, shards, 0, lambda b: b[1])
+    n = ids.shape[1]
+    rows = []
+    for items in per:
+      rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
+    stack = pages_lib.gather_stacked(e.worker.window_pools, e.put_rows(ids), mesh=e.mesh,
+                                     config=e.config)
+    sums = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh,
+                                                             config=e.config))
+    return stack, [self._row(r, sums[i], index) for i, r in enumerate(rows)]
+
   def _protect(self, meta: dict, state: dict) -> dict:
     """The state to save under the deployment key: each saved row sealed (encrypted, one
     ``uint8`` row of ``row bytes + OVERHEAD`` each) or, without encryption, its keyed tag
     (hex) appended to its row; then the metadata tagged."""
     fingerprint = meta["fingerprint"]
     out = dict(state)
-    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows"),
+                           ("window", "window_rows")):
       if name not in state:
         continue
       full = to_host(state[name])
@@ -256,13 +280,17 @@ class Checkpointer:
     finally:
       manager.close()
     counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0,
-              "failed_mac": 0}
-    for name, rows_key in (("device", "device_rows"), ("host", "host_rows")):
+              "failed_mac": 0, "windows_kept": 0}
+    for name, rows_key in (("device", "device_rows"), ("host", "host_rows"),
+                           ("window", "window_rows")):
       if name in state:
         saved, rows = state[name], meta[rows_key]
         if self._row_seal is not None:
           saved, rows = self._verified(saved, rows, meta, name, counts)
-        self._place(saved, rows, into, counts)
+        if name == "window":
+          self._keep_windows(saved, rows, counts)
+        else:
+          self._place(saved, rows, into, counts)
     return counts
 
   def _verified(self, saved, rows: list, meta: dict, name: str, counts: dict):
@@ -384,6 +412,40 @@ class Checkpointer:
       e.manager.copied(s, slot, key, tier, parent=parent)
     counts["placed"] += len(publish)
 
+  def _keep_windows(self, saved, rows, counts: dict) -> None:
+    """Keeps the saved window rows again (a row of old shard ``s`` on ``s % shards``), each
+    shard's most recently used ones first to get a page (as many as its window pool can
+    give), in their saved order; a row whose bits fail the checksum is left out, counted
+    (``failed_checksum``). A window restored without its global block is harmless: a hit
+    needs both."""
+    e = self.cache
+    windows, shards, c = e.manager.windows, e.num_shards, e.config
+    per = [[] for _ in range(shards)]  # (saved row, key, checksum), oldest first
+    for i, row in enumerate(rows):
+      if row is not None:
+        per[row[0] % shards].append((i, bytes.fromhex(row[1]), row[3]))
+    per = [items[len(items) - min(len(items), windows.available(s)):]
+           for s, items in enumerate(per)]
+    wanted = [(s, *item) for s, items in enumerate(per) for item in items]
+    if not wanted:
+      return
+    src, chosen = buckets.shard_ids(wanted, shards, 0, lambda w: w[1])
+    n = src.shape[1]
+    stack = _host_take(e.mesh, c)(saved, jax.device_put(
+        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
+    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    dest = np.full((shards, n), c.window_pages_per_shard, np.int32)  # padding: dropped
+    for s, items in enumerate(chosen):
+      for j, (_, _, key, checksum) in enumerate(items):
+        if checksum is not None and int(got[s * n + j]) != checksum:
+          counts["failed_checksum"] += 1
+          continue
+        page = windows.keep(s, key)
+        if page is not None:
+          dest[s, j] = page
+          counts["windows_kept"] += 1
+    e.worker.land_windows(Landing(dest, stack))
+
   def _take(self, shard: int, n: int, tier: Tier) -> list[int | None]:
     """``n`` slots of ``tier`` on ``shard`` for restored rows (None for a row without
     room), what they held carried out first (its bytes go down before the slots are
@@ -433,7 +495,8 @@ def _check_meta(meta, where: str) -> None:
       ("fingerprint", is_hex, "a hex string"),
       ("config", lambda v: isinstance(v, dict), "an object of config fields"),
       ("arrays", lambda v: isinstance(v, dict) and "device" in v
-       and set(v) <= {"device", "host"}, "an object naming the device (and host) arrays"),
+       and set(v) <= {"device", "host", "window"},
+       "an object naming the device (and host, window) arrays"),
       ("device_rows", lambda v: isinstance(v, list), "a list of rows")):
     value = meta.get(field, missing)
     if value is missing:

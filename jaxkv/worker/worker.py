@@ -209,7 +209,7 @@ class CacheWorker:
     returned. ``fn`` gets the block pools (``pools``); with ``windows`` every pool, in the
     model's order (a step's), or with ``windows="only"`` the window group's alone. Called
     only by this class's verbs (``run``, ``start_promote``, ``finish_promote``, ``land``,
-    ``warm_moves``, ``copy_windows``): every writer of a page goes through one of them."""
+    ``land_windows``, ``warm_moves``, ``copy_windows``): every writer of a page goes through one of them."""
     self._check_attached()
     if windows is True or not any(self._window):
       pools, *rest = fn(self._pools)
@@ -289,6 +289,13 @@ class CacheWorker:
   def land(self, landing) -> None:
     """Scatters a ``Landing`` (device stack and destination pages) into the pools."""
     self.update_pools(lambda pools: (self.mover.land(pools, landing),))
+
+  def land_windows(self, landing) -> None:
+    """Scatters a ``Landing`` of window-group pages (a restored checkpoint's kept blocks,
+    destinations chosen by the manager's ``windows``) into the window group's pools."""
+    dest = self.put_rows(landing.dest)
+    self.update_pools(lambda pools: (pages_lib.scatter_stacked(
+        pools, dest, landing.stack, mesh=self.mesh, config=self.config),), windows="only")
 
   def warm_moves(self, max_pages: int) -> None:
     """Compiles every tier move's bucket up to ``max_pages`` pages per shard (all padding:

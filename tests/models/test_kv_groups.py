@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -18,6 +19,7 @@ import jaxkv
 from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
 from jaxkv.models import gemma3
+from jaxkv.worker.checkpoint import Checkpointer
 from jaxkv.worker.tiers.pool.master import LocalMaster
 
 WINDOW, PAGE = 40, 8
@@ -26,7 +28,7 @@ CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_head
                           global_every=3)
 
 
-def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, **cache):
+def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, **cache):
   model = gemma3.Gemma3(dataclasses.replace(CFG, kv_groups=groups), rngs=nnx.Rngs(0))
   # Gemma's output head is its embedding, scaled by sqrt(hidden) on the way in: at the
   # init's unit scale every answer token has probability 1. At 0.3 the log-probabilities
@@ -35,7 +37,7 @@ def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, **cache):
   budgets = dict(page_size=PAGE, pages_per_shard=96, max_pages_per_seq=48,
                  attention_chunk_pages=4)
   cc = jaxkv.CacheConfig.for_model(model, **{**budgets, **cache})
-  return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers),
+  return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers, deployment_key=key),
                       jaxkv.EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=2,
                                          prefix_reuse=reuse),
                       scheduler=jaxkv.SchedulerConfig(decision="fetch"))
@@ -184,6 +186,59 @@ def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
   e.cache.worker.close()
 
 
+def _alter_last_window_row(directory: str) -> None:
+  """Someone with write access: a new checkpoint step whose last window row (the block
+  kept most recently) holds other bits, the metadata (and its tag) unchanged."""
+  manager = ocp.CheckpointManager(directory)
+  step = manager.latest_step()
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  target = {}
+  for name, v in meta["arrays"].items():
+    shape, dtype = tuple(v["shape"]), np.dtype(v["dtype"])
+    if meta.get("sealed"):  # one row of sealed bytes per saved row
+      shape, dtype = (shape[2], int(np.prod(shape)) // shape[2] * dtype.itemsize + 28), np.uint8
+    target[name] = np.empty(shape, dtype)
+  state = {k: np.array(v) for k, v in manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target)))["state"].items()}
+  row = max(i for i, r in enumerate(meta["window_rows"]) if r is not None)
+  if meta.get("sealed"):
+    state["window"][row] ^= 1
+  else:
+    state["window"][:, :, row] ^= 1
+  manager.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                 meta=ocp.args.JsonSave(meta)))
+  manager.wait_until_finished()
+  manager.close()
+
+
+@pytest.mark.parametrize("key", [None, bytes(range(32))], ids=["plain", "sealed"])
+def test_a_restarted_engine_hits_across_the_window_edge_from_its_checkpoint(
+    one, recompute, tmp_path, key):
+  """A checkpoint saves the kept windows beside the global blocks (sealed under a
+  deployment key); a new engine restoring it answers the conversation's next turn from
+  both, across the window edge, with the recomputed answer. The most recently kept window's
+  row, altered in the files, is left out (counted: a checksum, or under the key a seal,
+  that fails) and the hit stops before the cut that needs it."""
+  first = engine(one, key=key)
+  history = prompt(6, 150)
+  history += run(first, history, 10).tokens + prompt(7, 30)
+  kept = first.cache.manager.windows.kept_blocks(0)
+  directory = str(tmp_path / "ckpt")
+  Checkpointer(first.cache, directory).save()
+  first.cache.worker.close()
+  _alter_last_window_row(directory)
+  restarted = engine(one, key=key)
+  counts = Checkpointer(restarted.cache, directory).restore()
+  assert counts["step"] == 1 and counts["placed"] > 0, counts
+  assert counts["failed_checksum" if key is None else "failed_mac"] == 1, counts
+  assert counts["windows_kept"] == kept - 1 >= WINDOW // PAGE, (counts, kept)
+  h = run(restarted, history, 10)
+  assert_same(h, run(recompute, history, 10))
+  # 19 blocks of the first turn are cached; the window before the last cut is not whole.
+  assert WINDOW * 3 < h.cached_tokens < 19 * PAGE, h.cached_tokens
+  restarted.cache.worker.close()
+
+
 def test_window_blocks_and_rings_are_accounted_exactly():
   """The window pages' bookkeeping on its own: a ring and pins are taken and given back; a
   kept block is evicted least recently used first and never while pinned; ``cover`` finds
@@ -194,9 +249,9 @@ def test_window_blocks_and_rings_are_accounted_exactly():
   keys = [bytes([i]) for i in range(6)]
   ring, held = w.place(0, keys, (0, 0))
   assert len(set(ring)) == 4 and 0 not in ring and held == {}
-  kept = [w.keep(0, keys[j], ring[j % 4]) for j in range(4)]
+  kept = [w.keep(0, keys[j]) for j in range(4)]
   assert None not in kept and len(set(kept) | set(ring)) == 8
-  assert w.keep(0, keys[1], ring[1]) is None  # kept already: touched
+  assert w.keep(0, keys[1]) is None  # kept already: touched
   assert w.cover(0, keys, 6) == 4 and w.cover(0, keys[:1] + [b"x"] + keys[2:], 4) == 4
   assert w.cover(0, [keys[0], b"x", keys[2], b"y"], 4) == 1
   w.release(0, ring, ())
@@ -209,7 +264,7 @@ def test_window_blocks_and_rings_are_accounted_exactly():
   assert other is None and w.kept_blocks(0) == 4  # (pinned: none could be evicted)
   w.release(0, ring2, held2.values())
   ring3, _ = w.place(0, keys, (0, 0))  # 3 pages left free
-  new = [w.keep(0, bytes([100 + i]), ring3[i]) for i in range(4)]  # the 4th evicts block 0
+  new = [w.keep(0, bytes([100 + i])) for i in range(4)]  # the 4th evicts block 0
   assert None not in new and w.kept_blocks(0) == 7
   assert w.cover(0, keys, 1) == 0 and w.cover(0, keys[1:], 3) == 3
   # Forgotten (a failed step) while a sequence pins kept pages: each is free once unpinned.
