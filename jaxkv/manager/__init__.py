@@ -296,20 +296,39 @@ class CacheManager:
     device there), so no eviction touches them until ``release_hold``. Returns the number
     of blocks held per shard."""
     keys = self.block_keys(np.asarray(tokens, np.int32), tenant)
-    held = []
+    held = []  # (shard, device pages, kept window pages)
     try:
       for s in range(self.num_shards):
         pages = self.index.match(s, keys)
         if len(pages) < len(keys):
           raise CapacityError(f"could not keep {len(keys)} blocks on shard {s}.")
         self.index.acquire(s, pages)
-        held.append((s, pages))
+        held.append((s, pages, []))
+        if self.windows is not None:  # and the window before its end, or it is no hit
+          window = self.windows.hold(s, keys, len(keys))
+          if window is None:
+            raise CapacityError(f"the window before block {len(keys)} is not kept on "
+                                f"shard {s}.")
+          held[-1] = (s, pages, window)
     except BaseException:
-      for s, pages in held:
-        self.index.release(s, pages)
+      self._release_held(held)
       raise
     self._pins.setdefault((tenant, keys[-1]), []).append(held)
     return len(keys)
+
+  def holds_whole(self, shard: int, keys) -> bool:
+    """Whether ``keys`` (a prefix's blocks) are a whole hit on ``shard`` now: every block
+    on device and, with a window group, the window before the last kept (``Engine.pin``
+    computes the prefix where not)."""
+    if len(self.index.match(shard, keys)) < len(keys):
+      return False
+    return self.windows is None or self.windows.cover(shard, keys, len(keys)) == len(keys)
+
+  def _release_held(self, held) -> None:
+    for s, pages, window in held:
+      self.index.release(s, pages)
+      if window:
+        self.windows.release(s, (), window)
 
   def release_hold(self, tokens: Sequence[int], tenant: str) -> None:
     """Releases one ``hold`` of the same prefix."""
@@ -317,8 +336,7 @@ class CacheManager:
     held = self._pins.get((tenant, keys[-1]) if keys else None)
     if not held:
       raise InputError("unpin of a prefix that is not pinned (same tokens and tenant as pin).")
-    for s, pages in held.pop():
-      self.index.release(s, pages)
+    self._release_held(held.pop())
 
   def unreferenced_device_blocks(self) -> list[Block]:
     """Every cached device block no request, fetch or hold references (``offload``)."""

@@ -98,6 +98,18 @@ class WindowPages:
       self._kept[shard].move_to_end(keys[j])
     return ring, held
 
+  def hold(self, shard: int, keys, cut: int) -> list[int] | None:
+    """Pins the kept window before ``cut`` (``Engine.pin``: a pinned prefix stays a hit);
+    None, nothing pinned, when it is not kept whole. ``release(shard, (), pages)`` ends it."""
+    if self.cover(shard, keys, cut) != cut:
+      return None
+    pages = []
+    for j in range(max(0, cut - self.window), cut):
+      self._kept[shard].move_to_end(keys[j])
+      pages.append(self._kept[shard][keys[j]])
+      self._refs[shard][pages[-1]] += 1
+    return pages
+
   def release(self, shard: int, ring, held) -> None:
     """A sequence's ring goes back to the free pages and its pins on kept blocks end."""
     self._free[shard].extend(ring)

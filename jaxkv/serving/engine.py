@@ -301,15 +301,15 @@ class Engine:
     Computes its full blocks on every data shard that lacks them, then holds a reference
     on them, so no eviction touches them and requests on any shard reuse them, until
     ``unpin`` with the same arguments. Returns the number of blocks pinned per shard."""
-    index = self.cache.index
-    keys = index.block_keys(np.asarray(tokens, np.int32), tenant)
+    keys = self.cache.index.block_keys(np.asarray(tokens, np.int32), tenant)
     if not keys:
       raise InputError(f"pin needs at least one full block ({self.cache.config.page_size} "
                        f"tokens); got {len(tokens)} tokens.")
     # Each shard lacking the prefix computes it through the loop; other requests may evict a
     # shard's copy meanwhile: that shard computes it again (a bounded number of times).
     for _ in range(4):
-      lacking = [s for s in range(self.cache.num_shards) if len(index.match(s, keys)) < len(keys)]
+      lacking = [s for s in range(self.cache.num_shards)
+                 if not self.cache.manager.holds_whole(s, keys)]
       if not lacking:
         return self.cache.hold(tokens, tenant)
       handles = [self._add(self._validate([list(tokens)], 1, tenant, shard=s)[0])

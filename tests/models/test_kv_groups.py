@@ -186,6 +186,27 @@ def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
   e.cache.worker.close()
 
 
+def test_a_pinned_prefix_keeps_its_window_and_stays_a_whole_hit(one, recompute):
+  """``Engine.pin`` holds the prefix's blocks and the kept window before its end: other
+  prompts through a small window pool evict every other kept window, yet a request that
+  extends the pinned prefix still hits all of it (exactly); unpinned, the window goes like
+  the rest and the hit stops at what is still kept."""
+  e = engine(one, window_pages_per_shard=40)
+  shared = prompt(8, 160)  # 20 blocks
+  assert e.pin(shared) == 20
+  for i in range(4):  # 4 x 200 tokens: more windows than the pool keeps
+    e.generate([prompt(20 + i, 200)], 2)
+  assert e.stats()["window_blocks_evicted"] > 0
+  extended = shared + prompt(9, 24)
+  h = run(e, extended, 6)
+  assert h.cached_tokens == 160, h.cached_tokens
+  assert_same(h, run(recompute, extended, 6))
+  e.unpin(shared)
+  for i in range(4):
+    e.generate([prompt(30 + i, 200)], 2)
+  assert run(e, shared + prompt(10, 24), 2).cached_tokens < 160
+
+
 def _alter_last_window_row(directory: str) -> None:
   """Someone with write access: a new checkpoint step whose last window row (the block
   kept most recently) holds other bits, the metadata (and its tag) unchanged."""
