@@ -35,6 +35,10 @@ import numpy as np
 from jaxkv import distributed
 from jaxkv.errors import InputError
 
+# What a remote, pool or cross-shard link is priced at before its first transfer (and no
+# host link to go by): free, so that it is tried once and then priced as measured.
+UNTRIED_BYTES_PER_S = 1e12
+
 # The order of the links in CostArrays and in every [.., links] array of a plan.
 LINKS = ("host_to_device", "disk_to_host", "remote_to_host", "cross_shard", "pool_to_host")
 
@@ -53,6 +57,9 @@ class LinkCost:
 
   def seconds(self, nbytes: float) -> float:
     return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+UNTRIED_LINK = LinkCost(0.0, UNTRIED_BYTES_PER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +115,10 @@ class CostModel:
 
   # ---- learning from what happened -----------------------------------------------------------
   def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
-    """EWMA update of a link's bandwidth from one observed transfer."""
+    """EWMA update of a link's bandwidth from one observed transfer, averaged as seconds
+    per byte (what a decision charges): a link that slows down 64x is priced near its new
+    speed after one or two transfers, where an average of bytes per second would take ~20
+    (a slow link costs more than a fast one saves)."""
     if nbytes <= 0 or seconds <= 0:
       return
     if name not in self.links:
@@ -116,8 +126,8 @@ class CostModel:
       return
     old = self.links[name]
     rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
-    new_rate = (1 - self.ewma) * old.bytes_per_s + self.ewma * rate
-    self.links[name] = LinkCost(old.latency_s, new_rate)
+    per_byte = (1 - self.ewma) / old.bytes_per_s + self.ewma / rate
+    self.links[name] = LinkCost(old.latency_s, 1.0 / per_byte)
 
   def observe_prefill(self, n: float, c: float, seconds: float) -> None:
     """EWMA update of the prefill curve's scale from one observed prefill."""
@@ -162,8 +172,12 @@ class CostModel:
       link = self.links.get(name)
       if link is None and name in ("remote_to_host", "cross_shard", "pool_to_host"):
         # Until a transfer over this link has been observed, a block over it is assumed
-        # to cost what a host block does; the first observation replaces this.
-        link = self.links.get("host_to_device")
+        # to cost what a host block does, or with no host link nothing at all: the first
+        # request that can use the link fetches, and that fetch, timed, replaces this
+        # (without it a link never tried would look unusable and never be tried).
+        link = self.links.get("host_to_device", UNTRIED_LINK)
+      elif link is None and name == "host_to_device":
+        link = UNTRIED_LINK  # (no host tier: remote and pool blocks still land through it)
       lat.append(link.latency_s if link else 0.0)
       rate.append(link.bytes_per_s if link else 1.0)  # absent link: unused (no bytes)
     p = self.prefill

@@ -132,6 +132,38 @@ def test_cost_model_learns_and_round_trips(tmp_path):
     CostModel(links={"pcie": LinkCost(0, 1)}, prefill=fit)
 
 
+def _remote_request(blocks: int, block_bytes: float) -> PlanInputs:
+  """One request whose whole prefix is on a remote peer, on one shard with room."""
+  return PlanInputs(
+      tiers=np.full((1, 1, blocks), REMOTE, np.int32),
+      block_bytes=np.full((1, 1, blocks), block_bytes, np.float32),
+      hot=np.zeros((1, 1), np.int32), cached_end=np.full((1, 1), blocks, np.int32),
+      tail_tokens=np.full((1,), 16, np.int32), free_pages=np.full((1,), 4 * blocks, np.int32),
+      inflight_blocks=np.full((1,), 4 * blocks, np.int32), link_group=np.zeros((1,), np.int32),
+      valid=np.ones((1,), bool), page_size=16)
+
+
+def test_an_untried_link_is_tried_then_priced_as_measured_and_a_slowdown_turns_the_plan():
+  """A remote link never used, on a machine without a host tier, is tried (the plan
+  fetches) instead of looking unusable forever; one slow transfer observed prices it as
+  measured (the plan recomputes). A link that was fast and slows down 64x turns the plan
+  after one observed transfer (averaged per byte, not per second: ~20 transfers)."""
+  inputs = _remote_request(64, 32768.0)  # 2 MiB of prefix, ~50 ms to prefill here
+  curve = PrefillCurve(1e-3, 5e-5, 1e-10)
+  def fetched(model):  # blocks the plan fetches over the remote link (of 64)
+    out = plan(inputs, model.arrays())
+    return int(np.asarray(out.fetch_blocks)[0, 0, REMOTE])
+
+  untried = CostModel(links={}, prefill=curve)
+  assert fetched(untried) == 64
+  untried.observe_transfer("remote_to_host", 2 << 20, 2.0)  # 1 MB/s: 2 s for the prefix
+  assert fetched(untried) <= 2  # (a split may fetch what arrives while the front computes)
+  fast = CostModel(links={"remote_to_host": LinkCost(1e-4, 4e8)}, prefill=curve)
+  assert fetched(fast) >= 48  # 5 ms against ~55 ms (a split may recompute a few)
+  fast.observe_transfer("remote_to_host", 2 << 20, 1e-4 + (2 << 20) / (4e8 / 64))
+  assert fetched(fast) < 32, fast.links
+
+
 def test_streaming_cost_and_window_choice():
   costs = CostModel(links={"host_to_device": LinkCost(0.0, 1e9)},
                     prefill=PrefillCurve(0.0, 1e-6, 0.0))
