@@ -8,12 +8,14 @@ its peak memory is its own:
 - ``load_file``: ``safetensors.numpy.load_file`` of every shard, then one ``device_put``
   of the whole dict (the checkpoint whole in host memory);
 - ``read``: the files' bytes read into one reused buffer (the disk/page-cache floor).
-The files were just written, so they are in the page cache: these are load times without
-the disk, the part jaxkv controls. Memory is sampled every 2 ms from ``/proc/self/status``:
-``anon`` (RssAnon, memory the process owns) and ``file`` (RssFile, mapped file pages the
-kernel can drop at any time). On CPU the "device" is this process's memory too, so the
-weights themselves count as anon: there the floor is 1.0x the checkpoint and what a
-loader adds is the excess over it. Candidates run interleaved, ``reps`` times each.
+Each process imports only what its candidate uses, before its clock and its memory
+baseline start. The files were just written, so they are in the page cache: these are
+load times without the disk, the part jaxkv controls. Memory is sampled every 2 ms from
+``/proc/self/status``: ``anon`` (RssAnon, memory the process owns) and ``file`` (RssFile,
+mapped file pages the kernel can drop at any time). On CPU the "device" is this process's
+memory too, so the weights themselves count as anon: there the floor is 1.0x the
+checkpoint and what a loader adds is the excess over it. Candidates run interleaved,
+``reps`` times each.
 
 Then decode speed per dtype on the same checkpoint, in one process on one device
 (``DECODE_MODES``, interleaved, a warm-up first): the weights converted to float32 at
@@ -62,15 +64,16 @@ def sample():
     for k, v in rss().items():
       peak[k] = max(peak[k], v)
     time.sleep(0.002)
-import jax, numpy as np
-import jaxkv
-from flax import nnx
-from safetensors.numpy import load_file
-jax.numpy.zeros(1).block_until_ready()
+kind, path = sys.argv[1], sys.argv[2]
+if kind != "read":  # reading bytes needs no JAX: that process starts in a second, not five
+  import jax, numpy as np
+  import jaxkv
+  from flax import nnx
+  from safetensors.numpy import load_file
+  jax.numpy.zeros(1).block_until_ready()
 buf = bytearray(64 << 20)
 base = rss()
 threading.Thread(target=sample, daemon=True).start()
-kind, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if kind == "jaxkv":
   model = jaxkv.models.from_pretrained(path)
