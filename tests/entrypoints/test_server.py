@@ -966,14 +966,18 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
   """launch/multihost.py: process 0 serves HTTP and broadcasts each step's arrivals and
   aborts; both processes run the same steps. A stream closed early is aborted on both."""
   # One row per shard: the requests come one at a time, and each process compiles half
-  # the step shapes.
-  args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=16",
+  # the step shapes. Eight pages a sequence (128 tokens, one attention chunk): one table
+  # width, so a multi-process job (which compiles every bucket before it serves) compiles
+  # one bucket, not two; every request here fits.
+  args = ["--max_waiting=4", "--config.cache.max_pages_per_seq=8",
           "--config.engine.max_seqs_per_shard=1"]
   # What one process answers, from the same server code in this process (no lower tier:
   # the answers and their cached tokens do not depend on the warmup's calibration).
-  single = InProcessServer(max_pages_per_seq=16, max_seqs_per_shard=1, max_waiting=4)
+  single = InProcessServer(max_pages_per_seq=8, max_seqs_per_shard=1, max_waiting=4)
   try:
-    prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(4)]
+    # Two prompts, each asked greedy and sampled (the second time its first block is a
+    # hit); the second's start is asked again after the abort.
+    prompts = [prompt_ids(20 + i, 20 + 7 * i, vocab=500) for i in range(2)]
     sampling = [dict(temperature=0), dict(temperature=0.8, seed=5)]
 
     def answers(server):
@@ -985,7 +989,7 @@ def test_a_two_process_server_gives_the_single_process_answers(tmp_path):
           out.append((extra(r.choices[0], "token_ids"),
                       r.usage.prompt_tokens_details.cached_tokens))
       stream = c.completions.create(model="llama-tiny-random", prompt=prompts[0],
-                                    max_tokens=200, stream=True, temperature=0)
+                                    max_tokens=100, stream=True, temperature=0)
       next(iter(stream))
       stream.close()  # aborted mid-stream: on every process
       out.append(answers_after_abort(c))
