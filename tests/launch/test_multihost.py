@@ -10,9 +10,13 @@ import sys
 import helpers  # noqa: E402  (tests/ is on the path: conftest.py sits there)
 
 ROOT = helpers.ROOT
+# One layer, and one sequence per data shard (one row bucket): compiling the steps is most
+# of each serve process's time, and the tier test starts five. The tiers still overflow
+# (device hits, disk hits, records written by both processes; see that test).
 SMALL = ["--nocompare", "--config.workload.chat.users=4", "--config.workload.chat.turns=2",
          "--config.workload.chat.system_prompt_tokens=40", "--config.workload.chat.max_new_tokens=6",
-         "--config.workload.chat.user_tokens=(8, 30)", "--config.model.num_layers=2"]
+         "--config.workload.chat.user_tokens=(8, 30)", "--config.model.num_layers=1",
+         "--config.engine.max_seqs_per_shard=1"]
 
 
 def env():
