@@ -296,6 +296,8 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
     if multi and engine.costs is not None:
       from jaxkv.planning.costs import agree_costs
       engine.costs = agree_costs(engine.costs)
+    if block_server is not None:
+      block_server.warm()  # a peer's first fetch of each size does not wait for a compile
     if restore:
       counts = checkpointer.restore()
       logging.info("restored step %d: %d blocks, %d kept windows (%d failed their checksum)",

@@ -167,8 +167,8 @@ class TierMover:
       if n >= max_pages:
         break
       n *= 2
-    if self.host is None and self.disk is None and self.pool is None:
-      return list(pools)
+    if self.host is None and self.disk is None and self.pool is None and self.remote is None:
+      return list(pools)  # (a peer's blocks land like the disk's and the pool's: staged)
     if self.host is not None:  # its moves' buckets (1, 2, 4, ...), and their landings
       for size in self.host.warm(pools, max_pages):
         blocks, _ = self.host.load_blocks(np.zeros((shards, size), np.int32))
@@ -358,11 +358,12 @@ class TierMover:
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
   def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
-                    ) -> tuple[Landing | None, tuple[Failure | None, ...]]:
-    """Waits for one tier's reads; returns what to land and each read's failure."""
+                    ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None]:
+    """Waits for one tier's reads; returns what to land, each read's failure, and when
+    the bytes had arrived (``FetchOutcome.arrived``; None: now)."""
     if not reads.agreed:
       outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
-      return outcome.landing, outcome.failures
+      return outcome.landing, outcome.failures, outcome.arrived
     # A job's disk or remote reads: this process verified those of its own shards; the job
     # agrees on every outcome, and lands what all agree on (another process's shards'
     # bytes are not needed here: zeros stand in for them).
@@ -380,7 +381,7 @@ class TierMover:
     zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
     items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
              for f, failure in zip(mine, failures) if failure is None]
-    return (self.stage(items) if items else None), failures
+    return (self.stage(items) if items else None), failures, None
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:
@@ -392,8 +393,14 @@ class TierMover:
     failures: list[Failure | None] = [None] * len(fetches)  # SHARD copies cannot fail
     t_wait = time.perf_counter()
     arrived = list(pending.landed)
+    waited = False  # a tier that gave no arrival time: the bytes count from now
+    t_bytes = pending.t_start
     for reads in pending.reads:
-      landing, got = self._finish_reads(reads, fetches, t_end)
+      landing, got, t_arrived = self._finish_reads(reads, fetches, t_end)
+      if t_arrived is None:
+        waited = True
+      else:
+        t_bytes = max(t_bytes, t_arrived)
       for i, failure in zip(reads.positions, got):
         failures[i] = failure
       if reads.source.tier == Tier.DISK:  # the store answered (bad bytes are answers too)
@@ -408,7 +415,10 @@ class TierMover:
     # pools, ordered after that compute: they are not waited for, nor timed (seconds 0).
     jax.block_until_ready(arrived)
     t_done = time.perf_counter()
-    seconds = t_done - pending.t_start if arrived else 0.0
+    # A read that ended while the step computed (a split's front) is timed to its end, not
+    # to when this call came to wait: else the link looks as slow as the compute.
+    t_link = t_done if waited or not pending.reads else t_bytes
+    seconds = t_link - pending.t_start if arrived else 0.0
     self.stats.add("fetch_wait_s", t_done - t_wait)
     self.stats.add("fetch_s", t_done - pending.t_start)
     for f, failure in zip(fetches, failures):

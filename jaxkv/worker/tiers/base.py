@@ -91,6 +91,10 @@ class FetchOutcome:
 
   landing: Landing | None
   failures: tuple[Failure | None, ...]
+  # ``time.perf_counter()`` when the tier had the bytes (a read that finished while the
+  # step computed, before ``finish_fetch`` was called); None: when ``finish_fetch`` returns.
+  # A link's speed is learned from it, not from when the caller came to wait.
+  arrived: float | None = None
 
 
 class FetchSource(Protocol):

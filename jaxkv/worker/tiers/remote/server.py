@@ -385,6 +385,20 @@ class BlockServer:
         best = found
     return best
 
+  def warm(self) -> int:
+    """Compiles the device gather of every fetch size a peer may ask for (power-of-two
+    buckets up to a sequence's pages, ``MAX_FETCH_BLOCKS`` at most), reading page 0 only;
+    otherwise a peer's first fetch of each size waits for that compile. Returns how many
+    sizes it compiled. Call it before serving, from the thread that polls."""
+    cache = self.cache
+    most = min(MAX_FETCH_BLOCKS, cache.config.max_pages_per_seq)
+    sizes = sorted({buckets.transfer_pages(n) for n in range(1, most + 1)})
+    for n in sizes:
+      ids = np.zeros((cache.num_shards, n), np.int32)
+      jax.block_until_ready(pages_lib.gather_stacked(
+          cache.worker.pools, cache.put_rows(ids), mesh=cache.mesh, config=cache.config))
+    return len(sizes)
+
   def _gather(self, where) -> np.ndarray:
     """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
     gather per tier for all of them; only the rows of the shards holding them come to

@@ -2,10 +2,13 @@
 
 The peers of ``TierConfig.remote_peers`` (a ``client.RemoteClient`` each) as one
 ``FetchSource`` (``jaxkv.worker.tiers.base``): the longest prefix any of them holds, and
-its blocks fetched after the step's recompute.
+its blocks pulled on a thread of their own while the step recomputes.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 from jaxkv.manager.index import Tier
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchOutcome
@@ -35,13 +38,26 @@ class RemoteTier:
           best = (i, n)
     return best
 
-  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, tuple[Fetch, ...]]:
-    return None, tuple(fetches)  # a fetch waits: it runs in finish_fetch, after the recompute
+  def start_fetch(self, fetches: list[Fetch]) -> tuple[None, "_Pulls"]:
+    """Starts pulling every fetch's blocks on a thread of its own and returns at once: the
+    bytes cross the link while the step recomputes (a split's front), as the plan that
+    chose it assumes. Each pull has the peer's own deadline (``read_deadline_s``)."""
+    deadline = time.monotonic() + max((c.deadline_s for c in self.clients), default=0.0)
+    return None, _Pulls(lambda: self._pull(tuple(fetches), deadline), len(fetches))
 
-  def finish_fetch(self, fetches: tuple[Fetch, ...], t_end: float, stage) -> FetchOutcome:
+  def finish_fetch(self, pulls: "_Pulls", t_end: float, stage) -> FetchOutcome:
+    """Waits for the pulls until ``t_end``; blocks not there by then are misses
+    (``Failure.DEADLINE``: their pull ends by its own deadline, its bytes unused)."""
+    if not pulls.done.wait(max(0.0, t_end - time.monotonic())) or pulls.result is None:
+      return FetchOutcome(None, (Failure.DEADLINE,) * pulls.count)
+    staged, failures = pulls.result
+    return FetchOutcome(stage(staged) if staged else None, failures, arrived=pulls.arrived)
+
+  def _pull(self, fetches: tuple[Fetch, ...], deadline: float) -> tuple[list, list]:
     """Per request and peer, its blocks in chain order, ``MAX_FETCH_BLOCKS`` a ``fetch``;
     a fetch that fails fails every block of it and of the request's later fetches (the
-    request recomputes from its first failed block anyway)."""
+    request recomputes from its first failed block anyway). Returns the staged blocks
+    and each fetch's failure (None: verified)."""
     groups: dict = {}
     for i, f in enumerate(fetches):
       groups.setdefault((f.request, f.slot), []).append(i)
@@ -54,7 +70,7 @@ class RemoteTier:
         if failure is None:
           try:
             stack = self.clients[peer].fetch([fetches[i].key for i in part],
-                                             self.payload_shape, self.dtype, t_end)
+                                             self.payload_shape, self.dtype, deadline)
           except Exception as e:  # pylint: disable=broad-except  (any failed pull is a miss)
             failure = Failure.of(e, Failure.REMOTE)
         if failure is not None:
@@ -63,4 +79,26 @@ class RemoteTier:
           continue
         for j, i in enumerate(part):
           staged.append((fetches[i].shard, fetches[i].page, stack[j]))
-    return FetchOutcome(stage(staged) if staged else None, tuple(failures))
+    return staged, tuple(failures)
+
+
+class _Pulls:
+  """A ``RemoteTier`` fetch group's pulls, running on a daemon thread from ``start_fetch``
+  on (``RemoteClient`` lets one call at a time use its connection; lookups wait their
+  turn). ``result`` is set before ``done``; None when the thread failed."""
+
+  def __init__(self, run, count: int):
+    self.result = None
+    self.done = threading.Event()
+    self.count = count  # fetches: a miss each when the pulls are not done in time
+    self.arrived = None  # perf_counter when the last pull ended
+    self._thread = threading.Thread(target=self._run, args=(run,), daemon=True,
+                                    name="jaxkv-remote-pull")
+    self._thread.start()
+
+  def _run(self, run) -> None:
+    try:
+      self.result = run()
+    finally:
+      self.arrived = time.perf_counter()
+      self.done.set()
