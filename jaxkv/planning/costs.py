@@ -97,15 +97,19 @@ class CostModel:
 
   links: dict  # name (one of LINKS) -> LinkCost
   prefill: PrefillCurve
-  ewma: float = 0.2  # weight of a new observation
+  ewma: float = 0.2  # weight of a new observation of the prefill curve
+  # ... and of a link's transfer (seconds per byte): links change in steps (another job's
+  # traffic, a retuned fabric), and a plan should follow within a few requests.
+  link_ewma: float = 0.5
   source: str = "calibrated"
 
   def __post_init__(self):
     unknown = set(self.links) - set(LINKS)
     if unknown:
       raise InputError(f"CostModel links {sorted(unknown)} are not among {LINKS}.")
-    if not 0 < self.ewma <= 1:
-      raise InputError(f"CostModel.ewma={self.ewma} must be in (0, 1].")
+    for name in ("ewma", "link_ewma"):
+      if not 0 < getattr(self, name) <= 1:
+        raise InputError(f"CostModel.{name}={getattr(self, name)} must be in (0, 1].")
 
   def link(self, name: str) -> LinkCost:
     if name not in self.links:
@@ -115,10 +119,10 @@ class CostModel:
 
   # ---- learning from what happened -----------------------------------------------------------
   def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
-    """EWMA update of a link's bandwidth from one observed transfer, averaged as seconds
-    per byte (what a decision charges): a link that slows down 64x is priced near its new
-    speed after one or two transfers, where an average of bytes per second would take ~20
-    (a slow link costs more than a fast one saves)."""
+    """EWMA update of a link's bandwidth from one observed transfer (weight ``link_ewma``),
+    averaged as seconds per byte, what a decision charges: a link that slows down 64x is
+    priced near its new speed after one transfer, one that speeds up 64x past a crossover
+    5x away after three (averaging bytes per second at 0.2 took ~20 to slow down)."""
     if nbytes <= 0 or seconds <= 0:
       return
     if name not in self.links:
@@ -126,7 +130,7 @@ class CostModel:
       return
     old = self.links[name]
     rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
-    per_byte = (1 - self.ewma) / old.bytes_per_s + self.ewma / rate
+    per_byte = (1 - self.link_ewma) / old.bytes_per_s + self.link_ewma / rate
     self.links[name] = LinkCost(old.latency_s, 1.0 / per_byte)
 
   def observe_prefill(self, n: float, c: float, seconds: float) -> None:
@@ -143,7 +147,8 @@ class CostModel:
   def to_json(self) -> str:
     return json.dumps({
         "links": {k: dataclasses.asdict(v) for k, v in sorted(self.links.items())},
-        "prefill": dataclasses.asdict(self.prefill), "ewma": self.ewma, "source": self.source,
+        "prefill": dataclasses.asdict(self.prefill), "ewma": self.ewma,
+        "link_ewma": self.link_ewma, "source": self.source,
     }, indent=2, sort_keys=True)
 
   @staticmethod
@@ -151,7 +156,7 @@ class CostModel:
     d = json.loads(text)
     return CostModel(links={k: LinkCost(**v) for k, v in d["links"].items()},
                      prefill=PrefillCurve(**d["prefill"]), ewma=d.get("ewma", 0.2),
-                     source=d.get("source", "file"))
+                     link_ewma=d.get("link_ewma", 0.5), source=d.get("source", "file"))
 
   def save(self, path: str) -> None:
     with open(path, "w") as f:

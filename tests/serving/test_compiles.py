@@ -43,7 +43,7 @@ def warm(mesh):
   mc, cc = shapes()
   costs = CostModel(links={"host_to_device": LinkCost(0.0, cc.page_bytes / PAGE_FETCH_S)},
                     prefill=PrefillCurve(0.0, PAGE_FETCH_S / cc.page_size, 0.0),
-                    ewma=1e-6, source="test")  # (observations barely move them)
+                    ewma=1e-6, link_ewma=1e-6, source="test")  # (observations barely move them)
   engine = helpers.make_engine(
       mesh, mc, cache=cc, tiers=jaxkv.TierConfig(host_pages_per_shard=64),
       scheduler=jaxkv.SchedulerConfig(decision="cost"), costs=costs, max_seqs_per_shard=2,
