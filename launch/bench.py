@@ -27,7 +27,10 @@ against round-robin and against one replica serving everything; event lag, route
 gemma3 (Gemma 3 270M from its GGUF file: prefill and decode tokens/s against llama.cpp and
 transformers on CPU, same prompt, same threads; greedy tokens against llama.cpp's);
 hybrid (KV groups on Gemma 3 270M's cache shapes: device bytes of an 8k-token sequence and the
-bytes a later turn fetches from host, against keeping every layer's pages).
+bytes a later turn fetches from host, against keeping every layer's pages);
+fabric (root: a lender and an engine in network namespaces, the lender's link shaped with tc
+from below to above the crossover: always fetch, always recompute and the plan at each rate,
+and the plan across rate changes).
 """
 
 import time
@@ -38,7 +41,7 @@ import _common
 
 SUITES = ("tiers", "scheduler", "restart", "engine", "stream", "remote", "load", "overhead",
           "weights", "storage", "kernels", "http", "smollm2", "pool", "replicas", "gemma3",
-          "hybrid")
+          "hybrid", "fabric")
 _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
@@ -81,6 +84,9 @@ def _print(result: dict) -> None:
 def main(argv):
   del argv
   _common.check_output(_JSON_OUT.value, "json_out")
+  if _SUITE.value == "fabric":  # root and iproute2, said in one line before JAX starts
+    from jaxkv.tools import fabric as fabric_lib
+    fabric_lib.check_available()
   _common.start_jax({"platform": None, "host_device_count": 8})
   t0 = time.perf_counter()
   if _SUITE.value == "tiers":
@@ -128,6 +134,9 @@ def main(argv):
   elif _SUITE.value == "replicas":
     from jaxkv.tools.bench import replicas
     result = replicas.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
+  elif _SUITE.value == "fabric":
+    from jaxkv.tools.bench import fabric
+    result = fabric.run(quick=_QUICK.value, reps=_REPS.value)
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -10,6 +10,7 @@ import zmq
 
 import jaxkv
 from jaxkv.worker.tiers import remote
+from jaxkv.worker.tiers.base import Fetch
 from jaxkv.worker.tiers.remote import Lookup, RemoteClient, RemoteError
 
 import helpers
@@ -134,6 +135,26 @@ def test_killed_or_hanging_peer_costs_only_a_recompute(mesh, want, owners, spare
   # Refused by the open breaker alone: no connection made, nothing else counted.
   assert client.failures_by_reason == {**failures, "breaker": failures.get("breaker", 0) + 1}
   assert client._sock is None
+
+
+def test_a_peers_blocks_cross_the_link_while_the_caller_computes(mesh, owners):
+  """``start_fetch`` starts the pull and returns: the blocks arrive while the caller does
+  something else (a step recomputing a split's front), before it comes to wait, and
+  ``finish_fetch`` says when they arrived (the link is learned from that, not from the
+  wait)."""
+  engine = reader(mesh, [owners.address["none"]])
+  tier = engine.cache.worker.remote
+  keys = engine.cache.index.block_keys(PREFIX, "default")
+  fetches = [Fetch(request=0, block=j, shard=0, tier=jaxkv.Tier.REMOTE, slot=0, key=key,
+                   page=j + 1) for j, key in enumerate(keys)]
+  t0 = time.perf_counter()
+  _, pulls = tier.start_fetch(fetches)
+  helpers.wait_for(pulls.done.is_set, 10, "the pull ended with no one waiting for it")
+  t_wait = time.perf_counter()
+  outcome = tier.finish_fetch(pulls, time.monotonic() + 5, stage=list)
+  assert outcome.failures == (None,) * len(keys)
+  assert [page for _, page, _ in outcome.landing] == [f.page for f in fetches]
+  assert t0 < outcome.arrived <= t_wait
 
 
 def test_a_pull_that_never_comes_leaves_no_thread(mesh, owners):

@@ -1,0 +1,286 @@
+"""Suite ``fabric``: the fetch-or-recompute decision on real, shaped links.
+
+Two nodes of a ``jaxkv.tools.fabric.Fabric`` (network namespaces on one bridge, each link
+shaped with ``tc``): a *lender* that computed the first turns of a multi-turn chat and serves
+their blocks (``BlockServer``, under a deployment key: it listens on the fabric's address,
+not loopback), and an *engine* node where a fresh engine answers each conversation's next
+turn, whose prefix it finds only across the lender's link (the remote peer tier). At each
+link rate, from well below to well above the crossover, the same turns run under three
+policies, each in a fresh engine (the same compiled steps): ``fetch`` (always fetch the
+cached prefix), ``recompute`` (always prefill it) and ``cost`` (the plan, deciding per
+request from its measured costs; it learns the link from the fetches it times).
+
+The crossover is where fetching a turn's prefix takes as long as prefilling it: the
+prefix's bytes over the prefill time the engine calibrated (``CostModel.prefill``), printed
+as Mbit/s. Per point: TTFT p50/p90 per policy, tokens/s, and the plan's blocks fetched,
+recomputed and split; outputs of every policy equal (greedy). The link's rate as measured
+by real TCP beside the shaped one (``fabric_link_gbps_measured``).
+
+    python launch/bench.py --suite=fabric --json_out=/tmp/fabric.json   # as root
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jaxkv.tools import fabric as fabric_lib
+from jaxkv.tools.env import child_env
+
+PAGE = 16
+MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+             head_dim=32, mlp_dim=512)
+POLICIES = ("fetch", "recompute", "cost")
+
+# Shared by both nodes' processes: the same model, cache layout and prompts, so the engine's
+# block keys are the lender's.
+_COMMON = r"""
+import json, os, sys, time
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np
+from flax import nnx
+from jaxkv import models
+from jaxkv.cache import KVCache
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig, TierConfig
+from jaxkv.serving.engine import Engine
+from jaxkv.worker.pages import make_mesh
+ARGS = json.loads(sys.argv[1])
+MODEL = ARGS["model"]
+
+def engine(decision, peers):
+  cache = CacheConfig(model_name="bench-fabric", num_layers=MODEL["num_layers"],
+                      num_kv_heads=MODEL["num_kv_heads"], head_dim=MODEL["head_dim"],
+                      page_size=ARGS["page"], pages_per_shard=ARGS["pages"],
+                      max_pages_per_seq=ARGS["max_pages"])
+  return Engine(models.Llama(models.LlamaConfig(**MODEL), rngs=nnx.Rngs(0)),
+                KVCache(cache, make_mesh(data=1, model=1),
+                        TierConfig(remote_peers=tuple(peers), read_deadline_s=ARGS["deadline_s"]),
+                        deployment_key=bytes.fromhex(ARGS["key"])),
+                EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=ARGS["chunk_pages"]),
+                scheduler=SchedulerConfig(decision=decision))
+
+def history(seed):
+  return np.random.default_rng(seed).integers(1, MODEL["vocab_size"], ARGS["prefix"]).tolist()
+
+def turn(seed):
+  return history(seed) + np.random.default_rng(10_000 + seed).integers(
+      1, MODEL["vocab_size"], ARGS["user"]).tolist()
+"""
+
+_LENDER = _COMMON + r"""
+from jaxkv.worker.tiers.remote import BlockServer
+e = engine("fetch", ())
+for seed in ARGS["seeds"]:
+  e.generate([history(seed)], 1)
+server = BlockServer(e.cache, host=ARGS["host"], port=0)
+server.warm()
+print("ADDRESS", server.address, flush=True)
+server.serve(ARGS["serve_s"])
+"""
+
+_CLIENT = r"""
+KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split")
+def run(point):
+  out = {}
+  answers = {}
+  for decision in point["policies"]:
+    e = engine(decision, [ARGS["peer"]])
+    e.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])  # (calibrates: cost)
+    e.reset_stats()
+    t0 = time.perf_counter()
+    answers[decision], per_request = [], []
+    for seed in point["seeds"]:
+      before = e.stats()
+      answers[decision].append(e.generate([turn(seed)], ARGS["new"])[0])
+      after = e.stats()
+      per_request.append({k: after[k] - before[k] for k in KEPT})
+    seconds = time.perf_counter() - t0
+    s = e.stats()
+    costs = e.costs
+    out[decision] = {
+        "ttft_s": s["ttft_s"], "seconds": seconds,
+        "tokens_per_s": len(point["seeds"]) * ARGS["new"] / seconds,
+        "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],
+        "blocks_split": s["blocks_split"], "remote_hits": s["hits"].get("remote", 0),
+        "compiles_after_warmup": s["compiles_after_warmup"],
+        "per_request": per_request,
+        "prefill_s": None if costs is None else costs.prefill.seconds(ARGS["prefix"], 0),
+        "page_bytes": e.cache.config.page_bytes,
+        "remote_link_bytes_per_s": (costs.links["remote_to_host"].bytes_per_s
+                                    if costs is not None and "remote_to_host" in costs.links
+                                    else None)}
+    e.cache.worker.close()
+  first = next(iter(answers.values()))
+  out["outputs_equal"] = all(a == first for a in answers.values())
+  return out
+
+ADAPT = {}
+
+def adapt(cmd):  # one cost engine across the controller's rate changes: each request's figures
+  if "engine" not in ADAPT:
+    ADAPT["engine"] = engine("cost", [ARGS["peer"]])
+    ADAPT["engine"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
+  e = ADAPT["engine"]
+  out = []
+  for seed in cmd["seeds"]:
+    before = e.stats()
+    e.generate([turn(seed)], ARGS["new"])
+    after = e.stats()
+    out.append({**{k: after[k] - before[k] for k in KEPT}, "ttft_s": after["ttft_s"][-1]})
+  return {"requests": out}
+
+for line in sys.stdin:
+  cmd = json.loads(line)
+  print("RESULT " + json.dumps(adapt(cmd) if cmd.get("op") == "adapt" else run(cmd)), flush=True)
+"""
+
+
+def _rates(quick: bool) -> list[float]:
+  return [50.0, 400.0, 3200.0] if quick else [25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0,
+                                              3200.0]
+
+
+def _pct(xs: list[float], q: float) -> float:
+  return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def _read_result(proc: subprocess.Popen, what: str, deadline_s: float) -> dict:
+  """The next ``RESULT`` line of ``proc`` (the engine node's client), within the deadline."""
+  import selectors
+  sel = selectors.DefaultSelector()
+  sel.register(proc.stdout, selectors.EVENT_READ)
+  end = time.monotonic() + deadline_s
+  while time.monotonic() < end:
+    if not sel.select(timeout=max(0.0, end - time.monotonic())):
+      break
+    line = proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the engine node's client exited during {what}: "
+                         f"{proc.stderr.read()[-2000:] if proc.stderr else ''}")
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  raise TimeoutError(f"no result for {what} within {deadline_s:.0f} s")
+
+
+def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
+        prefix: int | None = None, adapt: bool = True) -> dict:
+  """The sweep (see the module docstring); ``reps`` conversations per point and policy
+  (at least 2); ``rates`` (Mbit/s), ``prefix`` (tokens of each turn's cached history) and
+  ``adapt`` (the rate-change run) override the suite's own, for the tests."""
+  fabric_lib.check_available()
+  rates = sorted(rates or _rates(quick))
+  turns = max(2, min(reps, 3 if quick else 8))
+  prefix = prefix or (512 if quick else 1024)
+  args = {"model": MODEL, "page": PAGE, "prefix": prefix, "user": 32, "new": 4,
+          "chunk_pages": 8, "deadline_s": 30.0, "key": secrets.token_bytes(32).hex()}
+  blocks = prefix // PAGE
+  points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(POLICIES)}
+            for i in range(len(rates))]
+  per_phase = 4 if quick else 6
+  adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(3)]
+  seeds = [s for p in points for s in p["seeds"]] + [s for p in adapt_seeds for s in p]
+  args["max_pages"] = (prefix + args["user"] + args["new"]) // PAGE + 2
+  env = child_env(device_count=1, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
+                                       "JAXKV_DEPLOYMENT_KEY_FILE"))
+  with fabric_lib.Fabric({"lender": rates[0], "engine": 100_000.0}) as fabric:
+    lender_args = dict(args, seeds=seeds, host=fabric.node("lender").address,
+                       pages=len(seeds) * (blocks + 2) + 8, serve_s=3600.0)
+    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER, json.dumps(lender_args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = lender.stdout.readline()
+    if not line.startswith("ADDRESS"):
+      raise RuntimeError(f"the lender did not start: {line!r} {lender.stderr.read()[-2000:]}")
+    client_args = dict(args, peer=line.split()[1], pages=4 * (blocks + 4))
+    client = fabric.popen("engine", [sys.executable, "-c", _COMMON + _CLIENT,
+                                     json.dumps(client_args)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+    ask = lambda cmd, what: (client.stdin.write(json.dumps(cmd) + "\n"), client.stdin.flush(),
+                             _read_result(client, what, 1800.0))[-1]
+    rows = []
+    for rate, point in zip(rates, points):
+      fabric.set_rate("lender", rate)
+      measured = fabric.measure_mbit("lender", "engine")
+      got = ask(point, f"the point at {rate:g} Mbit/s")
+      rows.append({"mbit": rate, "measured_mbit": measured, **got})
+      print(f"  {rate:7g} Mbit/s (measured {measured:7.1f}): " + "  ".join(
+          f"{p} p50 {1e3 * statistics.median(got[p]['ttft_s']):6.0f} ms" for p in POLICIES),
+          flush=True)
+    phases = []  # the link fast, then slow, then fast again, under one engine
+    for i, rate in enumerate((rates[-1], rates[0], rates[-1]) if adapt else ()):
+      fabric.set_rate("lender", rate)
+      got = ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
+      phases.append({"mbit": rate, "requests": got["requests"]})
+    client.stdin.close()
+  return {**_figures(rows, blocks), **(_adaptation(phases, blocks) if adapt else {})}
+
+
+def _figures(rows: list[dict], blocks: int) -> dict:
+  """The suite's JSON from the sweep's rows."""
+  first = rows[0]["cost"]
+  prefix_bytes = blocks * first["page_bytes"]
+  prefill_s = statistics.median(r["cost"]["prefill_s"] for r in rows)
+  crossover_mbit = prefix_bytes * 8 / prefill_s / 1e6
+  table, ratios = [], []
+  for r in rows:
+    p50 = {p: statistics.median(r[p]["ttft_s"]) for p in POLICIES}
+    best = min(p50["fetch"], p50["recompute"])
+    ratios.append((r["mbit"], p50["cost"] / best))
+    table.append({
+        "mbit": r["mbit"], "measured_mbit": r["measured_mbit"],
+        **{f"{p}_ttft_p50_s": p50[p] for p in POLICIES},
+        **{f"{p}_ttft_p90_s": _pct(r[p]["ttft_s"], 90) for p in POLICIES},
+        **{f"{p}_tokens_per_s": r[p]["tokens_per_s"] for p in POLICIES},
+        "plan_blocks_fetched": r["cost"]["blocks_fetched"],
+        "plan_blocks_recomputed": r["cost"]["blocks_recomputed"],
+        "plan_blocks_split": r["cost"]["blocks_split"],
+        "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
+        "plan_link_mbit_learned": (None if r["cost"]["remote_link_bytes_per_s"] is None
+                                   else r["cost"]["remote_link_bytes_per_s"] * 8 / 1e6),
+        "plan_vs_best_fixed": p50["cost"] / best,
+        "outputs_equal": r["outputs_equal"],
+        "compiles_after_warmup": max(r[p]["compiles_after_warmup"] for p in POLICIES)})
+  # Where the fixed policies' measured lines cross: the first rate at which fetching wins.
+  measured_cross = next((t["mbit"] for t in table
+                         if t["fetch_ttft_p50_s"] <= t["recompute_ttft_p50_s"]), None)
+  near = min(ratios, key=lambda mr: abs(np.log(mr[0] / crossover_mbit)))
+  return {
+      "tier": "remote",
+      "prefix_tokens": blocks * PAGE, "prefix_bytes": prefix_bytes,
+      "prefill_s_calibrated": prefill_s,
+      "crossover_mbit_predicted": crossover_mbit,
+      "crossover_mbit_measured_first_fetch_win": measured_cross,
+      "fabric_plan_vs_best_fixed_max": max(r for _, r in ratios),
+      "fabric_plan_vs_best_fixed_at_crossover": near[1],
+      "fabric_outputs_equal": all(t["outputs_equal"] for t in table),
+      "fabric_link_gbps_measured": {f"{t['mbit']:g}": t["measured_mbit"] / 1e3 for t in table},
+      "points": table,
+  }
+
+
+def _adaptation(phases: list[dict], blocks: int) -> dict:
+  """After each rate change, how many requests the plan took to turn: the first request
+  (counted from 1) that fetched under half of its cached blocks after the link slowed, or
+  at least half after it sped up again. ``None``: it did not turn within the phase."""
+  def turned(phase, slow):
+    for n, r in enumerate(phase["requests"], 1):
+      share = r["blocks_fetched"] / blocks
+      if (share < 0.5) if slow else (share >= 0.5):
+        return n
+    return None
+
+  slowed, sped = turned(phases[1], True), turned(phases[2], False)
+  return {
+      "fabric_adapt_requests": max(slowed or len(phases[1]["requests"]) + 1,
+                                   sped or len(phases[2]["requests"]) + 1),
+      "fabric_adapt_requests_after_slowdown": slowed,
+      "fabric_adapt_requests_after_speedup": sped,
+      "adaptation": phases,
+  }

@@ -1,0 +1,127 @@
+"""Real links on this machine (``jaxkv.tools.fabric``): nodes in network namespaces on one
+bridge, each link shaped with tc; real TCP across them; nothing left behind, also by a run
+killed with SIGKILL; and the fetch-or-recompute decision on such a link
+(``jaxkv.tools.bench.fabric``): a lender serving a chat's first turns to an engine on another
+node, the link fast and then slow. Needs root and iproute2 (CI runs as root): without them
+these tests fail, naming what is missing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxkv.errors import InputError
+from jaxkv.tools import fabric
+from jaxkv.tools.bench import fabric as fabric_bench
+from jaxkv.tools.env import child_env
+
+import helpers
+
+ROOT = helpers.ROOT
+
+
+def _mine() -> list[str]:
+  """This process's fabric namespaces."""
+  return [n for n in fabric.namespaces() if n.startswith(f"{fabric.PREFIX}{os.getpid()}")]
+
+
+def _links() -> str:
+  return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_shaped_link_carries_real_tcp_at_its_rate_and_follows_a_retune():
+  """Node ``a``'s link at 40 Mbit/s: TCP from ``b`` arrives at no more than the rate (and
+  at some of it); retuned live to 400 it carries several times more. The caller's
+  namespace gains no interface, a node has no route out of the fabric, and closing
+  removes every namespace."""
+  before = _links()
+  with fabric.Fabric({"a": 40, "b": 10_000}) as f:
+    assert len(_mine()) == 3  # a, b and the switch
+    assert _links() == before
+    routes = subprocess.run(["ip", "-n", f.node("a").netns, "route"], capture_output=True,
+                            text=True, check=True).stdout
+    assert "default" not in routes and routes.strip().startswith(f"{fabric.SUBNET}.0/24")
+    slow = f.measure_mbit("b", "a")
+    assert 10 < slow <= 40 * 1.1, slow
+    f.set_rate("a", 400)
+    fast = f.measure_mbit("b", "a")
+    assert 3 * slow < fast <= 400 * 1.1, (slow, fast)
+    sleeper = f.popen("a", ["sleep", "60"])
+    assert f.kill("a") >= 1 and sleeper.wait(timeout=10) == -signal.SIGKILL
+  assert _mine() == [] and _links() == before
+  with pytest.raises(InputError, match="rate"):
+    fabric.Fabric({"a": 0})
+
+
+_KILLED = r"""
+import sys, time
+from jaxkv.tools import fabric
+f = fabric.Fabric({"a": 100, "b": 100}, prefix=sys.argv[1])
+f.popen("a", ["sleep", "300"])
+print("READY", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_run_killed_with_sigkill_leaves_namespaces_the_next_fabric_removes():
+  """SIGTERM: the fabric removes itself (and kills what it started). SIGKILL: nothing can,
+  so its namespaces stay, named after the dead process; the next fabric removes them, and
+  the processes left in them, before it builds its own."""
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    child = subprocess.Popen([sys.executable, "-c", _KILLED, "jxt"], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, env=child_env(device_count=1),
+                             start_new_session=True)
+    try:
+      assert child.stdout.readline().strip() == "READY"
+      theirs = [n for n in fabric.namespaces() if n.startswith(f"jxt{child.pid}")]
+      assert len(theirs) == 3, theirs
+      os.kill(child.pid, sig)
+      child.wait(timeout=30)
+    finally:
+      if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    left = [n for n in fabric.namespaces() if n.startswith(f"jxt{child.pid}")]
+    if sig == signal.SIGTERM:
+      assert left == []
+      continue
+    assert sorted(left) == sorted(theirs)
+    with fabric.Fabric({"c": 100}, prefix="jxt") as f:
+      assert sorted(f.removed_stale) == sorted(theirs)
+    assert [n for n in fabric.namespaces() if n.startswith("jxt")] == []
+
+
+def test_without_root_the_fabric_says_so_in_one_line():
+  """A process that is not root gets ``FabricUnavailable`` (an ``InputError``: the launch
+  scripts print it and exit 2) naming its uid and the fix."""
+  code = ("import os; from jaxkv.tools import fabric\n"
+          "os.setgid(65534); os.setuid(65534)\n"
+          "try:\n  fabric.check_available()\nexcept fabric.FabricUnavailable as e:\n"
+          "  print(type(e).__mro__[1].__name__, e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=ROOT, env=child_env(device_count=1), timeout=60)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.startswith("InputError the fabric needs root") and "uid 65534" in out.stdout
+  assert len(out.stdout.strip().splitlines()) == 1
+
+
+def test_the_plan_fetches_over_a_fast_link_and_stops_over_a_slow_one():
+  """A lender serves a chat's first turns to an engine on another node. At 3200 Mbit/s the
+  plan fetches (nearly) every cached block; at 25 Mbit/s, once its first fetch has priced the link,
+  it recomputes (or splits off a little) instead. Every policy's answers are the same,
+  and nothing compiles after warm-up."""
+  result = fabric_bench.run(reps=2, rates=[25.0, 3200.0], prefix=256, adapt=False)
+  assert result["fabric_outputs_equal"] is True
+  slow, fast = result["points"]
+  blocks = result["prefix_tokens"] // fabric_bench.PAGE
+  for point in (slow, fast):
+    assert point["outputs_equal"] is True and point["compiles_after_warmup"] == 0, point
+    assert point["measured_mbit"] <= point["mbit"] * 1.1
+  assert fast["plan_blocks_fetched"] >= 2 * blocks * 3 // 4, fast  # (a split may recompute
+  # the first few blocks while the rest arrive)
+  learned = slow["per_request_fetched"]
+  assert learned[0] == blocks and learned[1] < blocks // 2, slow  # tried once, then priced
+  assert 0 < slow["plan_link_mbit_learned"] < 100, slow
