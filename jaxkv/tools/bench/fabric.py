@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from jaxkv.errors import InputError
 from jaxkv.tools import fabric as fabric_lib
 from jaxkv.tools.env import child_env
 
@@ -170,10 +171,13 @@ def _read_result(proc: subprocess.Popen, what: str, deadline_s: float) -> dict:
 
 
 def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
-        prefix: int | None = None, adapt: bool = True) -> dict:
+        prefix: int | None = None, adapt: bool = True, policies=POLICIES) -> dict:
   """The sweep (see the module docstring); ``reps`` conversations per point and policy
-  (at least 2); ``rates`` (Mbit/s), ``prefix`` (tokens of each turn's cached history) and
-  ``adapt`` (the rate-change run) override the suite's own, for the tests."""
+  (at least 2); ``rates`` (Mbit/s), ``prefix`` (tokens of each turn's cached history),
+  ``adapt`` (the rate-change run) and ``policies`` (``cost`` and some of the fixed ones)
+  override the suite's own, for the tests."""
+  if "cost" not in policies or not set(policies) <= set(POLICIES):
+    raise InputError(f"policies={policies!r} must name 'cost' and any of {POLICIES}.")
   fabric_lib.check_available()
   rates = sorted(rates or _rates(quick))
   turns = max(2, min(reps, 3 if quick else 8))
@@ -181,7 +185,7 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
   args = {"model": MODEL, "page": PAGE, "prefix": prefix, "user": 32, "new": 4,
           "chunk_pages": 8, "deadline_s": 30.0, "key": secrets.token_bytes(32).hex()}
   blocks = prefix // PAGE
-  points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(POLICIES)}
+  points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(policies)}
             for i in range(len(rates))]
   per_phase = 4 if quick else 6
   adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(3)]
@@ -211,7 +215,7 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
       got = ask(point, f"the point at {rate:g} Mbit/s")
       rows.append({"mbit": rate, "measured_mbit": measured, **got})
       print(f"  {rate:7g} Mbit/s (measured {measured:7.1f}): " + "  ".join(
-          f"{p} p50 {1e3 * statistics.median(got[p]['ttft_s']):6.0f} ms" for p in POLICIES),
+          f"{p} p50 {1e3 * statistics.median(got[p]['ttft_s']):6.0f} ms" for p in policies),
           flush=True)
     phases = []  # the link fast, then slow, then fast again, under one engine
     for i, rate in enumerate((rates[-1], rates[0], rates[-1]) if adapt else ()):
@@ -219,10 +223,11 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
       got = ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
       phases.append({"mbit": rate, "requests": got["requests"]})
     client.stdin.close()
-  return {**_figures(rows, blocks), **(_adaptation(phases, blocks) if adapt else {})}
+  return {**_figures(rows, blocks, policies),
+          **(_adaptation(phases, blocks) if adapt else {})}
 
 
-def _figures(rows: list[dict], blocks: int) -> dict:
+def _figures(rows: list[dict], blocks: int, policies=POLICIES) -> dict:
   """The suite's JSON from the sweep's rows."""
   first = rows[0]["cost"]
   prefix_bytes = blocks * first["page_bytes"]
@@ -230,14 +235,14 @@ def _figures(rows: list[dict], blocks: int) -> dict:
   crossover_mbit = prefix_bytes * 8 / prefill_s / 1e6
   table, ratios = [], []
   for r in rows:
-    p50 = {p: statistics.median(r[p]["ttft_s"]) for p in POLICIES}
-    best = min(p50["fetch"], p50["recompute"])
+    p50 = {p: statistics.median(r[p]["ttft_s"]) for p in policies}
+    best = min(p50[p] for p in policies if p != "cost") if len(policies) > 1 else p50["cost"]
     ratios.append((r["mbit"], p50["cost"] / best))
     table.append({
         "mbit": r["mbit"], "measured_mbit": r["measured_mbit"],
-        **{f"{p}_ttft_p50_s": p50[p] for p in POLICIES},
-        **{f"{p}_ttft_p90_s": _pct(r[p]["ttft_s"], 90) for p in POLICIES},
-        **{f"{p}_tokens_per_s": r[p]["tokens_per_s"] for p in POLICIES},
+        **{f"{p}_ttft_p50_s": p50[p] for p in policies},
+        **{f"{p}_ttft_p90_s": _pct(r[p]["ttft_s"], 90) for p in policies},
+        **{f"{p}_tokens_per_s": r[p]["tokens_per_s"] for p in policies},
         "plan_blocks_fetched": r["cost"]["blocks_fetched"],
         "plan_blocks_recomputed": r["cost"]["blocks_recomputed"],
         "plan_blocks_split": r["cost"]["blocks_split"],
@@ -246,10 +251,10 @@ def _figures(rows: list[dict], blocks: int) -> dict:
                                    else r["cost"]["remote_link_bytes_per_s"] * 8 / 1e6),
         "plan_vs_best_fixed": p50["cost"] / best,
         "outputs_equal": r["outputs_equal"],
-        "compiles_after_warmup": max(r[p]["compiles_after_warmup"] for p in POLICIES)})
+        "compiles_after_warmup": max(r[p]["compiles_after_warmup"] for p in policies)})
   # Where the fixed policies' measured lines cross: the first rate at which fetching wins.
-  measured_cross = next((t["mbit"] for t in table
-                         if t["fetch_ttft_p50_s"] <= t["recompute_ttft_p50_s"]), None)
+  measured_cross = next((t["mbit"] for t in table if {"fetch", "recompute"} <= set(policies)
+                         and t["fetch_ttft_p50_s"] <= t["recompute_ttft_p50_s"]), None)
   near = min(ratios, key=lambda mr: abs(np.log(mr[0] / crossover_mbit)))
   return {
       "tier": "remote",
