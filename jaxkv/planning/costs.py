@@ -118,20 +118,27 @@ class CostModel:
     return self.links[name]
 
   # ---- learning from what happened -----------------------------------------------------------
-  def observe_transfer(self, name: str, nbytes: float, seconds: float) -> None:
+  def observe_transfer(self, name: str, nbytes: float, seconds: float, *,
+                       latency_s: float | None = None) -> None:
     """EWMA update of a link's bandwidth from one observed transfer (weight ``link_ewma``),
-    averaged as seconds per byte, what a decision charges: a link that slows down 64x is
-    priced near its new speed after one transfer, one that speeds up 64x past a crossover
-    5x away after three (averaging bytes per second at 0.2 took ~20 to slow down)."""
+    averaged geometrically (in log space): a step change of the link by any factor is
+    followed at the same pace both ways, 8x of a 64x change after one transfer at 0.5 and
+    22x after two. (Averaging bytes per second at 0.2 took ~20 transfers to follow a
+    slowdown; seconds per byte follows a slowdown at once but at most doubles a speed per
+    transfer, so a split that fetches little learned a faster link only over many.)"""
     if nbytes <= 0 or seconds <= 0:
       return
-    if name not in self.links:
-      self.links[name] = LinkCost(0.0, nbytes / seconds)
+    old = self.links.get(name)
+    # ``latency_s``: the link's round trip as measured apart from this transfer (a peer's
+    # lookups): it replaces the old one, so a small transfer (a split's back) is not taken
+    # for a slow link.
+    latency = latency_s if latency_s is not None else (old.latency_s if old else 0.0)
+    rate = nbytes / max(seconds - latency, seconds * 0.1)
+    if old is None:
+      self.links[name] = LinkCost(latency, rate)
       return
-    old = self.links[name]
-    rate = nbytes / max(seconds - old.latency_s, seconds * 0.1)
-    per_byte = (1 - self.link_ewma) / old.bytes_per_s + self.link_ewma / rate
-    self.links[name] = LinkCost(old.latency_s, 1.0 / per_byte)
+    w = self.link_ewma
+    self.links[name] = LinkCost(latency, old.bytes_per_s ** (1 - w) * rate ** w)
 
   def observe_prefill(self, n: float, c: float, seconds: float) -> None:
     """EWMA update of the prefill curve's scale from one observed prefill."""

@@ -186,7 +186,8 @@ class Planner:
             "disk_to_host" if int(Tier.DISK) in report.tiers else
             "pool_to_host" if int(Tier.POOL) in report.tiers else
             "host_to_device" if int(Tier.HOST) in report.tiers else "cross_shard")
-    self.costs.observe_transfer(link, report.bytes, report.seconds)
+    self.costs.observe_transfer(link, report.bytes, report.seconds,
+                                latency_s=report.latency_s or None)
 
   def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
     """Refines the prefill curve from a recompute that was timed."""

@@ -142,6 +142,9 @@ class FetchReport:
   bytes: int
   seconds: float
   tiers: tuple[int, ...]
+  # A round trip of the link the blocks came over, as its tier measured it (a remote
+  # peer's lookups), or 0 (not measured): the planner prices a transfer's start with it.
+  latency_s: float = 0.0
 
   def __post_init__(self):
     if len(self.failures) != len(self.fetches):

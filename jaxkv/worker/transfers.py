@@ -359,11 +359,12 @@ class TierMover:
 
   def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
                     ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None]:
-    """Waits for one tier's reads; returns what to land, each read's failure, and when
-    the bytes had arrived (``FetchOutcome.arrived``; None: now)."""
+    """Waits for one tier's reads; returns what to land, each read's failure, when the
+    bytes had arrived (``FetchOutcome.arrived``; None: now) and the link's round trip
+    (``FetchOutcome.latency_s``; None: not measured)."""
     if not reads.agreed:
       outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
-      return outcome.landing, outcome.failures, outcome.arrived
+      return outcome.landing, outcome.failures, outcome.arrived, outcome.latency_s
     # A job's disk or remote reads: this process verified those of its own shards; the job
     # agrees on every outcome, and lands what all agree on (another process's shards'
     # bytes are not needed here: zeros stand in for them).
@@ -381,7 +382,7 @@ class TierMover:
     zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
     items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
              for f, failure in zip(mine, failures) if failure is None]
-    return (self.stage(items) if items else None), failures, None
+    return (self.stage(items) if items else None), failures, None, None
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:
@@ -395,8 +396,10 @@ class TierMover:
     arrived = list(pending.landed)
     waited = False  # a tier that gave no arrival time: the bytes count from now
     t_bytes = pending.t_start
+    latency = 0.0
     for reads in pending.reads:
-      landing, got, t_arrived = self._finish_reads(reads, fetches, t_end)
+      landing, got, t_arrived, trip = self._finish_reads(reads, fetches, t_end)
+      latency = max(latency, trip or 0.0)
       if t_arrived is None:
         waited = True
       else:
@@ -429,7 +432,8 @@ class TierMover:
     self.stats.add("bytes_moved", self._bytes(ok))
     return pools, FetchReport(fetches=fetches, failures=tuple(failures), blocks=ok,
                               bytes=self._bytes(ok), seconds=seconds,
-                              tiers=tuple(sorted({int(f.tier) for f in fetches})))
+                              tiers=tuple(sorted({int(f.tier) for f in fetches})),
+                              latency_s=latency)
 
   def abandon(self, pending: PendingFetch) -> None:
     """Gives up a promotion that will never be finished (its step failed): releases the

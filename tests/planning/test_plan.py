@@ -147,7 +147,8 @@ def test_an_untried_link_is_tried_then_priced_as_measured_and_a_slowdown_turns_t
   """A remote link never used, on a machine without a host tier, is tried (the plan
   fetches) instead of looking unusable forever; one slow transfer observed prices it as
   measured (the plan recomputes). A link that was fast and slows down 64x turns the plan
-  after one observed transfer (averaged per byte, not per second: ~20 transfers)."""
+  after two observed transfers, and back after two more (averaging bytes per second at
+  0.2 took ~20 one way)."""
   inputs = _remote_request(64, 32768.0)  # 2 MiB of prefix, ~50 ms to prefill here
   curve = PrefillCurve(1e-3, 5e-5, 1e-10)
   def fetched(model):  # blocks the plan fetches over the remote link (of 64)
@@ -160,8 +161,12 @@ def test_an_untried_link_is_tried_then_priced_as_measured_and_a_slowdown_turns_t
   assert fetched(untried) <= 2  # (a split may fetch what arrives while the front computes)
   fast = CostModel(links={"remote_to_host": LinkCost(1e-4, 4e8)}, prefill=curve)
   assert fetched(fast) >= 48  # 5 ms against ~55 ms (a split may recompute a few)
-  fast.observe_transfer("remote_to_host", 2 << 20, 1e-4 + (2 << 20) / (4e8 / 64))
+  for _ in range(2):  # two transfers at the new speed
+    fast.observe_transfer("remote_to_host", 2 << 20, 1e-4 + (2 << 20) / (4e8 / 64))
   assert fetched(fast) < 32, fast.links
+  for _ in range(2):  # and back: two transfers at the old speed
+    fast.observe_transfer("remote_to_host", 2 << 20, 1e-4 + (2 << 20) / 4e8)
+  assert fetched(fast) >= 48, fast.links
 
 
 def test_streaming_cost_and_window_choice():

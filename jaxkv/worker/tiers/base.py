@@ -95,6 +95,9 @@ class FetchOutcome:
   # step computed, before ``finish_fetch`` was called); None: when ``finish_fetch`` returns.
   # A link's speed is learned from it, not from when the caller came to wait.
   arrived: float | None = None
+  # The link's round trip (seconds) as the tier measured it apart from moving bytes (a peer's
+  # lookups); None: not measured.
+  latency_s: float | None = None
 
 
 class FetchSource(Protocol):

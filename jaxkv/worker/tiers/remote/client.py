@@ -360,10 +360,18 @@ class RemoteClient:
     # transfer address -> connection, least recently used first (``MAX_TRANSFER_CONNECTIONS``)
     self._connections: collections.OrderedDict = collections.OrderedDict()
     self._busy = threading.Lock()  # a lookup or a fetch uses the connection
+    self._round_trips: collections.deque = collections.deque(maxlen=5)  # lookups', seconds
 
   @property
   def available(self) -> bool:
     return self.breaker.available
+
+  @property
+  def round_trip_s(self) -> float | None:
+    """The median of the last answered lookups' round trips (a few dozen bytes each way:
+    the link's latency and the peer's answer), or None before one."""
+    trips = sorted(self._round_trips)
+    return trips[len(trips) // 2] if trips else None
 
   def expect(self, payload_shape, dtype) -> None:
     """Sizes the blocks frames this client reads: a fetch's answer holds exactly its blocks
@@ -538,8 +546,10 @@ class RemoteClient:
       self._failed(Failure.BREAKER, close=False)
       return 0
     try:
+      t0 = time.perf_counter()
       have, _ = self._call(Lookup(nonce=new_nonce(), fingerprint=self.fingerprint,
                                   keys=tuple(keys)), deadline)
+      self._round_trips.append(time.perf_counter() - t0)  # (a connect's first: the median)
       if have.have > len(keys):
         raise RemoteError("malformed", f"holds {have.have} of the {len(keys)} keys asked about")
       self.breaker.record(True)

@@ -43,7 +43,7 @@ class RemoteTier:
     bytes cross the link while the step recomputes (a split's front), as the plan that
     chose it assumes. Each pull has the peer's own deadline (``read_deadline_s``)."""
     deadline = time.monotonic() + max((c.deadline_s for c in self.clients), default=0.0)
-    return None, _Pulls(lambda: self._pull(tuple(fetches), deadline), len(fetches))
+    return None, _Pulls(lambda: self._pull(tuple(fetches), deadline), tuple(fetches))
 
   def finish_fetch(self, pulls: "_Pulls", t_end: float, stage) -> FetchOutcome:
     """Waits for the pulls until ``t_end``; blocks not there by then are misses
@@ -51,7 +51,10 @@ class RemoteTier:
     if not pulls.done.wait(max(0.0, t_end - time.monotonic())) or pulls.result is None:
       return FetchOutcome(None, (Failure.DEADLINE,) * pulls.count)
     staged, failures = pulls.result
-    return FetchOutcome(stage(staged) if staged else None, failures, arrived=pulls.arrived)
+    trips = [t for t in (self.clients[f.slot].round_trip_s for f in pulls.fetches)
+             if t is not None]
+    return FetchOutcome(stage(staged) if staged else None, failures, arrived=pulls.arrived,
+                        latency_s=max(trips) if trips else None)
 
   def _pull(self, fetches: tuple[Fetch, ...], deadline: float) -> tuple[list, list]:
     """Per request and peer, its blocks in chain order, ``MAX_FETCH_BLOCKS`` a ``fetch``;
@@ -87,10 +90,11 @@ class _Pulls:
   on (``RemoteClient`` lets one call at a time use its connection; lookups wait their
   turn). ``result`` is set before ``done``; None when the thread failed."""
 
-  def __init__(self, run, count: int):
+  def __init__(self, run, fetches: tuple):
     self.result = None
     self.done = threading.Event()
-    self.count = count  # fetches: a miss each when the pulls are not done in time
+    self.fetches = fetches
+    self.count = len(fetches)  # a miss each when the pulls are not done in time
     self.arrived = None  # perf_counter when the last pull ended
     self._thread = threading.Thread(target=self._run, args=(run,), daemon=True,
                                     name="jaxkv-remote-pull")
