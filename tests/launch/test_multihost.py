@@ -4,6 +4,7 @@ one disk store shared by the job's processes, checkpoints saved and restored by 
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -158,7 +159,8 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   assert sum(told.values()) == p0["kv_events"]["held"]
   again = job("--restore", "--require_restore", out="r.json")
   assert again.returncode == 0, again.stderr[-3000:]
-  assert "restored step" in again.stdout
+  restored = re.findall(r"restored step \d+: (\d+) blocks", again.stdout)
+  assert restored and all(int(n) > 0 for n in restored), again.stdout[-2000:]
   r0, r1 = (json.loads((tmp_path / n).read_text()) for n in ("r.p0.json", "r.p1.json"))
   assert r0["output_digest"] == r1["output_digest"] == one["output_digest"]
   assert r0["index_digest"] == r1["index_digest"]

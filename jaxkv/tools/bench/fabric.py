@@ -137,9 +137,26 @@ def adapt(cmd):  # one cost engine across the controller's rate changes: each re
     out.append({**{k: after[k] - before[k] for k in KEPT}, "ttft_s": after["ttft_s"][-1]})
   return {"requests": out}
 
+def lost(cmd):  # the lender is gone: the same engine's answers, against recomputing's
+  e, ref = ADAPT["engine"], engine("recompute", [])
+  ref.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
+  before, out, equal = e.stats(), [], True
+  for seed in cmd["seeds"]:
+    got = e.generate([turn(seed)], ARGS["new"])[0]
+    equal = equal and got == ref.generate([turn(seed)], ARGS["new"])[0]
+    out.append(e.stats()["ttft_s"][-1])
+  after = e.stats()
+  return {"ttft_s": out, "outputs_equal": equal,
+          "remote_hits": after["hits"].get("remote", 0) - before["hits"].get("remote", 0),
+          "remote_fetch_failures": (after.get("remote_failures", 0)
+                                    - before.get("remote_failures", 0)),
+          "peer_failures_by_reason": dict(e.cache.worker.remotes[0].failures_by_reason),
+          "blocks_recomputed": after["blocks_recomputed"] - before["blocks_recomputed"]}
+
+OPS = {"adapt": adapt, "lost": lost}
 for line in sys.stdin:
   cmd = json.loads(line)
-  print("RESULT " + json.dumps(adapt(cmd) if cmd.get("op") == "adapt" else run(cmd)), flush=True)
+  print("RESULT " + json.dumps(OPS[cmd["op"]](cmd) if "op" in cmd else run(cmd)), flush=True)
 """
 
 
@@ -188,7 +205,7 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
   points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(policies)}
             for i in range(len(rates))]
   per_phase = 4 if quick else 6
-  adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(3)]
+  adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(4)]
   seeds = [s for p in points for s in p["seeds"]] + [s for p in adapt_seeds for s in p]
   args["max_pages"] = (prefix + args["user"] + args["new"]) // PAGE + 2
   env = child_env(device_count=1, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
@@ -222,9 +239,16 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
       fabric.set_rate("lender", rate)
       got = ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
       phases.append({"mbit": rate, "requests": got["requests"]})
+    lost = None
+    if adapt:  # the lender's processes killed (its node and link stay): misses, not waits
+      killed = fabric.kill("lender")
+      lost = {"processes_killed": killed, "read_deadline_s": args["deadline_s"],
+              **ask({"op": "lost", "seeds": adapt_seeds[3]}, "the lost lender")}
     client.stdin.close()
   return {**_figures(rows, blocks, policies),
-          **(_adaptation(phases, blocks) if adapt else {})}
+          **(_adaptation(phases, blocks) if adapt else {}),
+          **({"lender_lost": lost, "fabric_lost_outputs_equal": lost["outputs_equal"]}
+             if lost else {})}
 
 
 def _figures(rows: list[dict], blocks: int, policies=POLICIES) -> dict:
