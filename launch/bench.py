@@ -33,9 +33,10 @@ from below to above the crossover: always fetch, always recompute and the plan a
 and the plan across rate changes).
 """
 
+import importlib.util
 import time
 
-from absl import flags
+from absl import app, flags
 
 import _common
 
@@ -46,6 +47,8 @@ _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
+_PLOT_OUT = flags.DEFINE_string("plot_out", "", "--suite=fabric: draw TTFT against the link's "
+                                "rate, one line per policy, here (PNG; needs matplotlib).")
 _LOAD_RPS = flags.DEFINE_float(
     "load_reference_rps", None, "--suite=load: the rate (req/s) its under/near/over arrival "
     "rates are 0.5/0.9/1.5 of, instead of the saturation it measures (to compare two builds "
@@ -84,6 +87,14 @@ def _print(result: dict) -> None:
 def main(argv):
   del argv
   _common.check_output(_JSON_OUT.value, "json_out")
+  if _PLOT_OUT.value:
+    if _SUITE.value != "fabric":
+      raise app.UsageError(f"--plot_out draws the fabric suite's sweep; --suite={_SUITE.value} "
+                           "has none: leave --plot_out out.")
+    if importlib.util.find_spec("matplotlib") is None:
+      raise app.UsageError("--plot_out needs matplotlib: pip install matplotlib (or the "
+                           "[plot] extra).")
+    _common.check_output(_PLOT_OUT.value, "plot_out")
   if _SUITE.value == "fabric":  # root and iproute2, said in one line before JAX starts
     from jaxkv.tools import fabric as fabric_lib
     fabric_lib.check_available()
@@ -137,6 +148,8 @@ def main(argv):
   elif _SUITE.value == "fabric":
     from jaxkv.tools.bench import fabric
     result = fabric.run(quick=_QUICK.value, reps=_REPS.value)
+    if _PLOT_OUT.value:
+      fabric.plot(result, _PLOT_OUT.value)
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)

@@ -165,6 +165,8 @@ class _Seq:
   recompute_end: int  # token position where its planned recompute ends
   decoding: bool = False
   pos: int = 0  # position of the next token fed to decode
+  fetches: bool = False  # it waits for blocks from a lower tier
+  t_admitted: float = 0.0  # time.perf_counter() when it was placed
 
 
 def waiting_for_prefix(queue, free: list[list[int]], running, index, num_shards: int
@@ -404,6 +406,7 @@ class Scheduler:
       req = p.request
       seq = _Seq(handle=self.handles[req.id], placement=p, row=free[p.shard].pop(0),
                  split=s, spans=collections.deque(), recompute_end=s * page,
+                 fetches=bool(mine), t_admitted=time.perf_counter(),
                  rows=SeqRows(req.id, p.shard, p.pages, req.num_pages_needed, req.sampling,
                               window_pages=windows_lib.placement_row(p, s, p.cached_blocks)))
       if s > p.hot_blocks:
@@ -462,6 +465,10 @@ class Scheduler:
       s = by_id[request]
       if not s.decoding:  # its prompt ended: the first token exists
         self._first_token(s.handle, result.t_tokens)
+        if not s.fetches and len(self.running) == 1:  # computed alone: a prefill's real cost
+          cached = s.handle.cached_tokens
+          self.planner.observe_recompute(len(s.placement.request.tokens) - cached, cached,
+                                         result.t_tokens - s.t_admitted)
         s.decoding, s.pos = True, len(s.placement.request.tokens)
       else:
         s.pos += 1

@@ -274,3 +274,19 @@ def test_a_prefix_on_a_busy_shard_is_copied_across_shards_not_recomputed(mesh):
       tuple(engine.cache.worker.pools), jax.numpy.zeros(4, jax.numpy.int32),
       jax.numpy.zeros(4, jax.numpy.int32)).compile().as_text()
   assert any(op in text for op in jaxkv.worker.pages.COLLECTIVE_OPS)
+
+
+def test_a_prompt_computed_alone_teaches_the_plan_what_a_prefill_really_costs(mesh):
+  """Calibration times bare steps; a prompt computed alone with nothing fetched refines the
+  prefill curve with what its first token really took (the scheduling, the plan and the
+  sampling around the steps too): a curve a million times too fast is scaled up by the
+  first such prompt. Two prompts sharing their steps teach it nothing."""
+  from jaxkv.planning.costs import CostModel, PrefillCurve
+  costs = CostModel(links={}, prefill=PrefillCurve(1e-9, 1e-9, 0.0))
+  e = helpers.make_engine(mesh, scheduler=jaxkv.SchedulerConfig(decision="cost"), costs=costs,
+                          max_seqs_per_shard=2)
+  e.generate([list(range(1, 40))], 2)
+  learned = e.costs.prefill
+  assert learned.per_token_s > 1e3 * 1e-9, learned
+  e.generate([list(range(40, 80)), list(range(80, 120))], 2)
+  assert e.costs.prefill == learned

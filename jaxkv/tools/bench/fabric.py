@@ -313,3 +313,33 @@ def _adaptation(phases: list[dict], blocks: int) -> dict:
       "fabric_adapt_requests_after_speedup": sped,
       "adaptation": phases,
   }
+
+
+def plot(result: dict, path: str) -> None:
+  """TTFT p50 against the link's rate, one line per policy (log-log), the predicted
+  crossover and the first rate at which fetching measured faster marked; a PNG at
+  ``path`` (needs matplotlib: ``pip install matplotlib``, or the ``[plot]`` extra)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  points = result["points"]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for policy, style in (("fetch", "s--"), ("recompute", "o--"), ("cost", "D-")):
+    key = f"{policy}_ttft_p50_s"
+    if key in points[0]:
+      ax.plot([p["mbit"] for p in points], [1e3 * p[key] for p in points], style,
+              label="the plan" if policy == "cost" else f"always {policy}")
+  ax.axvline(result["crossover_mbit_predicted"], color="gray", linestyle=":",
+             label=f"crossover predicted ({result['crossover_mbit_predicted']:.0f} Mbit/s)")
+  if result.get("crossover_mbit_measured_first_fetch_win"):
+    ax.axvline(result["crossover_mbit_measured_first_fetch_win"], color="black",
+               linestyle="-.", linewidth=0.8, label="first rate where fetching won")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("lender's link (Mbit/s, shaped with tc)")
+  ax.set_ylabel("TTFT p50 (ms)")
+  ax.set_title(f"A {result['prefix_tokens']}-token prefix on a remote peer")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
