@@ -69,6 +69,20 @@ def _outcome(future: Future) -> tuple[bool, object]:
   return False, error
 
 
+def remove_sockets(directory: str) -> None:
+  """Removes the wire's sockets and their directory (``CoreProcess`` made it): by the front
+  when it closes, by the core when its front died without closing (SIGKILL)."""
+  for name in ("commands", "events"):
+    try:
+      os.unlink(os.path.join(directory, name))
+    except OSError:
+      pass
+  try:
+    os.rmdir(directory)
+  except OSError:
+    pass
+
+
 # ---- the core's end ------------------------------------------------------------------------------
 class CoreLink:
   """The core process's end of the wire: commands in (a thread of their own feeds them to
@@ -76,6 +90,7 @@ class CoreLink:
 
   def __init__(self, directory: str):
     commands, events = _addresses(directory)
+    self._directory = directory
     self._ctx = zmq.Context()
     self._in = self._ctx.socket(zmq.PULL)
     self._in.connect(commands)
@@ -100,6 +115,7 @@ class CoreLink:
       if os.getppid() != self._parent:
         logging.error("the server's front process is gone while the engine core started; "
                       "it exits")
+        remove_sockets(self._directory)  # (the front could not)
         os._exit(1)
       time.sleep(0.2)
 
@@ -127,6 +143,7 @@ class CoreLink:
       if not poller.poll(100):
         if os.getppid() != self._parent:  # the front died: nothing will ask for answers
           logging.error("the server's front process is gone; the engine core stops")
+          remove_sockets(self._directory)  # (the front could not)
           self.loop.post(Stop())
           return
         continue
@@ -195,12 +212,7 @@ class CoreProcess:
     self.out.close(0)
     self.events.close(0)
     self.ctx.term()
-    for name in ("commands", "events"):
-      try:
-        os.unlink(os.path.join(self.directory, name))
-      except OSError:
-        pass
-    os.rmdir(self.directory)
+    remove_sockets(self.directory)
 
 
 class CoreClient(EngineClient):

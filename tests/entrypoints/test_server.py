@@ -922,10 +922,14 @@ def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_cor
     children = f"/proc/{server.proc.pid}/task/{server.proc.pid}/children"
     helpers.wait_for(lambda: open(children).read().split(), 60, "the engine core starting")
     core, = map(int, open(children).read().split())
+    argv = open(f"/proc/{core}/cmdline").read().split("\0")
+    sockets = next(a.split("=", 1)[1] for a in argv if a.startswith("--core_dir="))
+    assert os.path.isdir(sockets)
     os.kill(server.proc.pid, signal.SIGKILL)
     helpers.wait_for(lambda: not os.path.exists(f"/proc/{core}") or open(
         f"/proc/{core}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30,
                      "the engine core stopping after its server was killed")
+    assert not os.path.exists(sockets)  # the core removed what its dead front could not
   finally:
     server.close(0)
 
