@@ -383,11 +383,7 @@ class Checkpointer:
         wanted.append((s, i, key, bytes.fromhex(parent) if parent else None, checksum))
     if not wanted:
       return
-    src, chosen = buckets.shard_ids(wanted, shards, 0, lambda w: w[1])
-    n = src.shape[1]
-    stack = _host_take(e.mesh, c)(saved, jax.device_put(
-        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
-    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    chosen, n, stack, got = self._rows_on_device(saved, wanted)
     limit = c.pages_per_shard if tier == Tier.DEVICE else e.worker.host.pages_per_shard
     dest = np.full((shards, n), limit, np.int32)  # padding: dropped by the scatter
     publish = []
@@ -429,11 +425,7 @@ class Checkpointer:
     wanted = [(s, *item) for s, items in enumerate(per) for item in items]
     if not wanted:
       return
-    src, chosen = buckets.shard_ids(wanted, shards, 0, lambda w: w[1])
-    n = src.shape[1]
-    stack = _host_take(e.mesh, c)(saved, jax.device_put(
-        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
-    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    chosen, n, stack, got = self._rows_on_device(saved, wanted)
     dest = np.full((shards, n), c.window_pages_per_shard, np.int32)  # padding: dropped
     for s, items in enumerate(chosen):
       for j, (_, _, key, checksum) in enumerate(items):
@@ -445,6 +437,17 @@ class Checkpointer:
           dest[s, j] = page
           counts["windows_kept"] += 1
     e.worker.land_windows(Landing(dest, stack))
+
+  def _rows_on_device(self, saved, wanted: list) -> tuple:
+    """The saved rows ``wanted`` (``(new shard, saved row, ...)`` each) gathered per shard
+    onto the device: ``(per-shard items, rows per shard, stack, their checksums)``."""
+    e = self.cache
+    c = e.config
+    src, chosen = buckets.shard_ids(wanted, e.num_shards, 0, lambda w: w[1])
+    stack = _host_take(e.mesh, c)(saved, jax.device_put(
+        src, NamedSharding(e.mesh, P(c.data_axis, None)).with_memory_kind("pinned_host")))
+    got = pages_lib.checksum_total(pages_lib.page_checksums(stack, mesh=e.mesh, config=c))
+    return chosen, src.shape[1], stack, got
 
   def _take(self, shard: int, n: int, tier: Tier) -> list[int | None]:
     """``n`` slots of ``tier`` on ``shard`` for restored rows (None for a row without
