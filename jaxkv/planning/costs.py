@@ -98,8 +98,8 @@ class CostModel:
   links: dict  # name (one of LINKS) -> LinkCost
   prefill: PrefillCurve
   ewma: float = 0.2  # weight of a new observation of the prefill curve
-  # ... and of a link's transfer (seconds per byte): links change in steps (another job's
-  # traffic, a retuned fabric), and a plan should follow within a few requests.
+  # ... and of a link's transfer (a geometric average): links change in steps (another
+  # job's traffic, a retuned fabric), and a plan should follow within a few requests.
   link_ewma: float = 0.5
   source: str = "calibrated"
 

@@ -131,7 +131,9 @@ class FetchReport:
   now, else why it was not (the mover dropped that copy already; the caller recomputes
   that request from its first failed block on). ``blocks`` and ``bytes``
   count the verified blocks, ``seconds`` runs from issuing the reads to the last block's
-  bytes arriving on the device (0: not timed, a copy across shards only), and ``tiers``
+  bytes arriving on the device, or, where every tier read says when its bytes arrived
+  (``FetchOutcome.arrived``: a read done while the step computed), to then (0: not
+  timed, a copy across shards only), and ``tiers``
   lists the tiers fetched from (sorted ``int(Tier)`` values): what the planner learns a
   link's speed from.
   """

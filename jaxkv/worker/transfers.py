@@ -358,7 +358,8 @@ class TierMover:
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
   def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
-                    ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None]:
+                    ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None,
+                               float | None]:
     """Waits for one tier's reads; returns what to land, each read's failure, when the
     bytes had arrived (``FetchOutcome.arrived``; None: now) and the link's round trip
     (``FetchOutcome.latency_s``; None: not measured)."""
