@@ -27,6 +27,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -169,8 +170,14 @@ def _pct(xs: list[float], q: float) -> float:
   return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def _read_result(proc: subprocess.Popen, what: str, deadline_s: float) -> dict:
-  """The next ``RESULT`` line of ``proc`` (the engine node's client), within the deadline."""
+def _tail(path: str) -> str:
+  with open(path, errors="replace") as f:
+    return f.read()[-2000:]
+
+
+def _read_result(proc: subprocess.Popen, what: str, deadline_s: float, log: str) -> dict:
+  """The next ``RESULT`` line of ``proc`` (the engine node's client, logging to ``log``),
+  within the deadline."""
   import selectors
   sel = selectors.DefaultSelector()
   sel.register(proc.stdout, selectors.EVENT_READ)
@@ -180,8 +187,7 @@ def _read_result(proc: subprocess.Popen, what: str, deadline_s: float) -> dict:
       break
     line = proc.stdout.readline()
     if not line:
-      raise RuntimeError(f"the engine node's client exited during {what}: "
-                         f"{proc.stderr.read()[-2000:] if proc.stderr else ''}")
+      raise RuntimeError(f"the engine node's client exited during {what}: {_tail(log)}")
     if line.startswith("RESULT "):
       return json.loads(line[len("RESULT "):])
   raise TimeoutError(f"no result for {what} within {deadline_s:.0f} s")
@@ -210,21 +216,27 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
   args["max_pages"] = (prefix + args["user"] + args["new"]) // PAGE + 2
   env = child_env(device_count=1, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
                                        "JAXKV_DEPLOYMENT_KEY_FILE"))
-  with fabric_lib.Fabric({"lender": rates[0], "engine": 100_000.0}) as fabric:
+  # The nodes' logs go to files (a pipe nobody reads would fill and stop them).
+  logs = tempfile.TemporaryDirectory(prefix="jaxkv-fabric-")
+  with logs, fabric_lib.Fabric({"lender": rates[0], "engine": 100_000.0}) as fabric:
+    lender_log, client_log = (os.path.join(logs.name, n) for n in ("lender.log", "client.log"))
     lender_args = dict(args, seeds=seeds, host=fabric.node("lender").address,
                        pages=len(seeds) * (blocks + 2) + 8, serve_s=3600.0)
-    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER, json.dumps(lender_args)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with open(lender_log, "w") as err:  # (the child has its own copy of the file)
+      lender = fabric.popen("lender", [sys.executable, "-c", _LENDER,
+                                       json.dumps(lender_args)],
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     line = lender.stdout.readline()
     if not line.startswith("ADDRESS"):
-      raise RuntimeError(f"the lender did not start: {line!r} {lender.stderr.read()[-2000:]}")
+      raise RuntimeError(f"the lender did not start: {line!r} {_tail(lender_log)}")
     client_args = dict(args, peer=line.split()[1], pages=4 * (blocks + 4))
-    client = fabric.popen("engine", [sys.executable, "-c", _COMMON + _CLIENT,
-                                     json.dumps(client_args)],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+    with open(client_log, "w") as err:
+      client = fabric.popen("engine", [sys.executable, "-c", _COMMON + _CLIENT,
+                                       json.dumps(client_args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                            text=True, env=env)
     ask = lambda cmd, what: (client.stdin.write(json.dumps(cmd) + "\n"), client.stdin.flush(),
-                             _read_result(client, what, 1800.0))[-1]
+                             _read_result(client, what, 1800.0, client_log))[-1]
     rows = []
     for rate, point in zip(rates, points):
       fabric.set_rate("lender", rate)
