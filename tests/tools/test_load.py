@@ -269,7 +269,9 @@ def test_refusals_and_broken_streams_are_counted_by_kind(front, model):
   front.faults = ["token_900", "cut", "drop", "engine_error", "stall"]
   work = http.TokenChat(workloads.Chat(chat(users=5, turns=2, max_new_tokens=4, seed=2)))
   results, makespan = http.run_load(
-      http.Target(url=front.url, model=model, request_timeout_s=3.0), work, rate=1000.0)
+      # (The stall holds until the client goes; the healthy half of the others must beat the
+      # deadline on a busy machine: 3 s did not once, with helpers' runs beside the suite.)
+      http.Target(url=front.url, model=model, request_timeout_s=8.0), work, rate=1000.0)
   assert len(results) == len(front.seen) == 5 and not [r for r in results if r.ok]
   fig = http.summary(results, makespan, planned=10)
   assert fig["errors_by_status"] == {"400": 1, "RemoteProtocolError": 1, "incomplete_stream": 1,
