@@ -200,8 +200,9 @@ def chat(reuse, fresh, users, turns, *, bitwise):
 
 def test_reuse_gives_the_tokens_of_a_recompute_at_the_cpu_checkpoint_defaults(checkpoint):
   """cpu_tiny serving a bfloat16 checkpoint with the CPU defaults (float32, one shard of
-  8 rows, 128-token prefill steps): three users' chats with reuse give the tokens of an
-  engine that recomputes every prompt from scratch, and the weights are held once."""
+  8 rows, 128-token prefill steps): two users' chats over two turns (the second reuses the
+  shared system prompt and the first turn) with reuse give the tokens of an engine that
+  recomputes every prompt from scratch, and the weights are held once."""
   cfg = tiny_config()
   builder.use_model_dir(cfg, checkpoint[0])
   builder.platform_defaults(cfg, platform="cpu")
@@ -214,15 +215,16 @@ def test_reuse_gives_the_tokens_of_a_recompute_at_the_cpu_checkpoint_defaults(ch
   assert {d for p in params for d in p.sharding.device_set} == {jax.devices()[0]}
   assert all(sum(s.data.nbytes for s in p.addressable_shards) == p.nbytes for p in params)
   # Logits to 1e-6, not bit for bit: XLA:CPU's matmuls round differently when a step
-  # holds another number of rows (3 prompts prefilled together here, 1 or 2 there).
-  hits = chat(reuse, fresh, users=3, turns=3, bitwise=False)
-  assert hits > 3 * (150 // 16)  # the system prompt and earlier turns were reused
+  # holds another number of rows (2 prompts prefilled together here, 1 there).
+  hits = chat(reuse, fresh, users=2, turns=2, bitwise=False)
+  assert hits > 2 * (150 // 16)  # the system prompt and earlier turns were reused
 
 
 def test_one_row_at_a_time_reuse_gives_the_bits_of_a_recompute(tmp_path):
   """The CPU defaults' prefill steps (128 tokens, decode blocks not cached) keep a block's
   K/V the same bits however it was computed, where every step holds one row: reused and
-  recomputed prompts give bit-identical logits over three turns. (A checkpoint of the
+  recomputed prompts give bit-identical logits over three turns (two users: each step holds
+  one row whatever their number). (A checkpoint of the
   benchmark model's width: at hidden size 32 XLA:CPU's matmuls round by a row's place in
   the step, and with decode blocks cached the third turn's logits differ.)"""
   path = bf16_checkpoint(str(tmp_path / "wide"), hidden_size=256, intermediate_size=512,
@@ -235,7 +237,7 @@ def test_one_row_at_a_time_reuse_gives_the_bits_of_a_recompute(tmp_path):
   reuse = builder.build_engine(cfg, cache="jaxkv")
   fresh = builder.build_engine(cfg, cache="nocache")
   assert reuse.runner.chunk_tokens == 128 and not reuse.config.cache_decode_blocks
-  assert chat(reuse, fresh, users=3, turns=3, bitwise=True) > 3 * (150 // 16)
+  assert chat(reuse, fresh, users=2, turns=3, bitwise=True) > 2 * (150 // 16)
 
 
 def test_generate_computes_a_bf16_checkpoint_in_float32_on_cpu_and_says_so(checkpoint,
@@ -271,9 +273,13 @@ def test_serve_keeps_what_the_command_line_sets(checkpoint, tmp_path):
                            "--config.engine.prefill_chunk_pages=1",
                            "--config.model.dtype=float32", "--config.workload.chat.users=2",
                            "--config.workload.chat.turns=2",
-                           # (fewer step shapes to compile: one row a shard, 3 table widths)
+                           # (short chats: at most 32 + 2 x (24 + 4) = 88 tokens, 6 pages)
+                           "--config.workload.chat.system_prompt_tokens=32",
+                           "--config.workload.chat.user_tokens=(8, 24)",
+                           "--config.workload.chat.max_new_tokens=4",
+                           # (fewer step shapes to compile: one row a shard, 1 table width)
                            "--config.engine.max_seqs_per_shard=1",
-                           "--config.cache.max_pages_per_seq=32"])
+                           "--config.cache.max_pages_per_seq=8"])
   assert rc == 0, err[-3000:]
   assert "dtype float32 (asked for; checkpoint stores bfloat16)" in err
   assert "mesh 1 x" not in err and "prefill chunk" not in err
