@@ -48,16 +48,18 @@ def warm(mesh):
       mesh, mc, cache=cc, tiers=jaxkv.TierConfig(host_pages_per_shard=64),
       scheduler=jaxkv.SchedulerConfig(decision="cost"), costs=costs, max_seqs_per_shard=2,
       prefill_chunk_pages=2, stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4,
-                                                       chunk_pages=3))
+                                                       chunk_pages=16))
   engine.warmup(stream_tokens=STREAMED_TOKENS)
   return engine, COMPILES.mark()
 
 
 # The longest streamed sequence the tests serve (prompt + answer): past the 64 tokens a
 # sequence holds on device, by enough cold pages for several streamed chunks. Warming a
-# streamed length compiles the streamed steps of every shape bucket up to it: 160 tokens
-# took 22 compiles (~60 s of the warm-up on 2 cores), 100 take 10. (Warming none leaves 6
-# compiles to this test.)
+# streamed length compiles the streamed steps of every shape bucket up to it (a table
+# width, and cold widths that grow by whole chunks): 160 tokens in chunks of 3 pages took
+# 22 compiles (~60 s of the warm-up on 2 cores), 100 took 10 (cold widths 3, 6, 9, 18,
+# 33); in chunks of 16 pages, 100 take 4 (cold widths 16 and 32), and the long prompt
+# below still grows from the one into the other. (Warming none leaves compiles to the test.)
 STREAMED_TOKENS = 100
 
 
@@ -119,8 +121,10 @@ def test_background_warmup_marks_when_its_last_bucket_is_compiled(mesh):
 
 def test_the_server_reports_no_compile_after_warm_up_in_its_metrics(tmp_path):
   """launch/server.py as run (its engine core in a process of its own), planning by cost over
-  a host tier: after requests whose blocks come back from host, /metrics says 0."""
-  flags = [*helpers.SERVE_SHAPES, "--config.mesh.data=1", "--config.mesh.model=1",
+  a host tier: after requests whose blocks come back from host, /metrics says 0. Sequences of
+  up to 8 pages (the requests' 7): one table width to warm, not two."""
+  flags = [*helpers.SERVE_SHAPES, "--config.cache.max_pages_per_seq=8",
+           "--config.mesh.data=1", "--config.mesh.model=1",
            "--device_pages=24", "--host_pages=64", "--config.engine.max_seqs_per_shard=1",
            "--warmup=all"]
   with ServerProcess(flags, workdir=str(tmp_path)) as server:
