@@ -365,9 +365,14 @@ def value(fams, family, sample, **labels):
               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+# SMALL's sequences (at most 40 + 2 x 30 + 2 x 5 tokens: 7 pages) fit in 8 pages: one table
+# width to compile, not two.
+EIGHT_PAGES = [*SMALL, "--config.cache.max_pages_per_seq=8"]
+
+
 def test_metrics_file_logs_progress_and_a_cold_start_without_checkpoint(tmp_path):
   prom, out, ckpt = tmp_path / "m.prom", tmp_path / "s.json", tmp_path / "ckpt"
-  proc = launch("serve.py", *SMALL, f"--metrics_out={prom}", f"--json_out={out}",
+  proc = launch("serve.py", *EIGHT_PAGES, f"--metrics_out={prom}", f"--json_out={out}",
                    f"--checkpoint_dir={ckpt}", "--restore", f"--disk_dir={tmp_path / 'disk'}",
                    "--config.tiers.disk_pages=100",
                    '--config.name=quote"and\\backslash')  # label values are escaped
@@ -398,7 +403,7 @@ def test_metrics_file_logs_progress_and_a_cold_start_without_checkpoint(tmp_path
   assert "no finished checkpoint" in err and "starting cold" in err
   assert "saved the cache as step 0" in proc.stdout
   # Started again, it restores what the first run saved.
-  proc = launch("serve.py", *SMALL, f"--checkpoint_dir={ckpt}", "--restore",
+  proc = launch("serve.py", *EIGHT_PAGES, f"--checkpoint_dir={ckpt}", "--restore",
                    "--require_restore", f"--disk_dir={tmp_path / 'disk'}",
                    "--config.tiers.disk_pages=100", "--nocompare")
   assert proc.returncode == 0, proc.stderr[-3000:]
