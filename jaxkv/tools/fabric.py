@@ -181,7 +181,7 @@ class Fabric:
                         "a time (close the other first).")
     self.switch = f"{tag}sw"
     self.nodes: dict[str, Node] = {}
-    self._procs: list[subprocess.Popen] = []
+    self._procs: list[tuple[str, subprocess.Popen]] = []  # (node, process), as started
     self._closed = False
     atexit.register(self.close)
     self._old_term = signal.getsignal(signal.SIGTERM)
@@ -233,7 +233,7 @@ class Fabric:
     (killed with the fabric)."""
     proc = subprocess.Popen(["ip", "netns", "exec", self.node(name).netns, *argv],
                             start_new_session=True, **kwargs)
-    self._procs.append(proc)
+    self._procs.append((name, proc))
     return proc
 
   def set_rate(self, name: str, mbit: float) -> None:
@@ -249,15 +249,25 @@ class Fabric:
     _run("ip", "-n", self.node(name).netns, "link", "set", "eth0", "up" if up else "down")
 
   def kill(self, name: str) -> int:
-    """Kills every process in node ``name`` (SIGKILL): the node is lost, its namespace and
-    link stay. Returns how many processes were killed."""
-    pids = _run("ip", "netns", "pids", self.node(name).netns, check=False).stdout.split()
-    for pid in pids:
+    """Kills every process in node ``name`` (SIGKILL): the process groups this fabric
+    started there (one just started may not have entered the namespace yet) and whatever
+    else runs in the namespace. The node is lost; its namespace and link stay. Returns how
+    many processes were killed."""
+    killed = set()
+    for node, proc in self._procs:
+      if node == name and proc.poll() is None:
+        try:
+          os.killpg(proc.pid, signal.SIGKILL)
+          killed.add(proc.pid)
+        except ProcessLookupError:
+          pass
+    for pid in _run("ip", "netns", "pids", self.node(name).netns, check=False).stdout.split():
       try:
         os.kill(int(pid), signal.SIGKILL)
+        killed.add(int(pid))
       except ProcessLookupError:
         pass
-    return len(pids)
+    return len(killed)
 
   def measure_mbit(self, src: str, dst: str, *, nbytes: int | None = None,
                    port: int = 5201) -> float:
@@ -290,7 +300,7 @@ class Fabric:
     if self._closed:
       return
     self._closed = True
-    for proc in self._procs:
+    for _, proc in self._procs:
       if proc.poll() is None:
         _kill_group(proc)
     for node in self.nodes.values():
