@@ -36,7 +36,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 from jaxkv.errors import InputError
 
