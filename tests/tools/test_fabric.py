@@ -56,12 +56,12 @@ def test_a_shaped_link_carries_real_tcp_at_its_rate_and_follows_a_retune():
 
 
 _KILLED = r"""
-import sys, time
+import sys
 from jaxkv.tools import fabric
 f = fabric.Fabric({"a": 100, "b": 100}, prefix=sys.argv[1])
 f.popen("a", ["sleep", "300"])
 print("READY", flush=True)
-time.sleep(300)
+sys.stdin.readline()  # until the test kills it, or goes (its end of the pipe closes)
 """
 
 
@@ -70,9 +70,9 @@ def test_a_run_killed_with_sigkill_leaves_namespaces_the_next_fabric_removes():
   so its namespaces stay, named after the dead process; the next fabric removes them, and
   the processes left in them, before it builds its own."""
   for sig in (signal.SIGTERM, signal.SIGKILL):
-    child = subprocess.Popen([sys.executable, "-c", _KILLED, "jxt"], stdout=subprocess.PIPE,
-                             text=True, cwd=ROOT, env=child_env(device_count=1),
-                             start_new_session=True)
+    child = subprocess.Popen([sys.executable, "-c", _KILLED, "jxt"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=child_env(device_count=1), start_new_session=True)
     try:
       assert child.stdout.readline().strip() == "READY"
       theirs = [n for n in fabric.namespaces() if n.startswith(f"jxt{child.pid}")]
@@ -83,6 +83,7 @@ def test_a_run_killed_with_sigkill_leaves_namespaces_the_next_fabric_removes():
       if child.poll() is None:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+      child.stdin.close()
     left = [n for n in fabric.namespaces() if n.startswith(f"jxt{child.pid}")]
     if sig == signal.SIGTERM:
       assert left == []
