@@ -292,10 +292,9 @@ class CacheWorker:
 
   def land_windows(self, landing) -> None:
     """Scatters a ``Landing`` of window-group pages (a restored checkpoint's kept blocks,
-    destinations chosen by the manager's ``windows``) into the window group's pools."""
-    dest = self.put_rows(landing.dest)
-    self.update_pools(lambda pools: (pages_lib.scatter_stacked(
-        pools, dest, landing.stack, mesh=self.mesh, config=self.config),), windows="only")
+    destinations chosen by the manager's ``windows``) into the window group's pools: the
+    mover's landing, on those pools."""
+    self.update_pools(lambda pools: (self.mover.land(pools, landing),), windows="only")
 
   def warm_moves(self, max_pages: int) -> None:
     """Compiles every tier move's bucket up to ``max_pages`` pages per shard (all padding:
