@@ -371,6 +371,11 @@ class TierConfig:
   ``disk_kvstore``: where the disk tier lives: a directory path, or any TensorStore kvstore
   spec (``{"driver": "file", "path": ...}``, ``{"driver": "memory"}``, gcs, s3, ...); None
   disables it. ``disk_pages``: its capacity in blocks (shared by all shards of a process).
+  ``disk_queue_mb``: disk writes in flight (issued, not yet committed: each holds its
+  block's bytes) are bounded to this many MiB; a write that would pass it is not issued but
+  dropped and counted (``disk_writes_dropped``), so a store slower than the evictions never
+  delays a step (one write is always let through when none is in flight). In a job every
+  process counts every process's writes against it.
   ``write_policy``: ``write_back`` copies a block down only when it is evicted from the
   tier above; ``write_through`` copies every block down as soon as it is published.
   ``read_deadline_s``: a lower-tier read that has not verified by then counts as a miss.
@@ -406,6 +411,7 @@ class TierConfig:
   host_memory_kind: str = "pinned_host"
   disk_kvstore: str | dict | None = None
   disk_pages: int = 0
+  disk_queue_mb: int = 1024
   write_policy: str = "write_back"
   read_deadline_s: float = 10.0
   remote_peers: tuple = ()
@@ -455,6 +461,10 @@ class TierConfig:
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
                f"TierConfig.{name}={v!r} must be an integer >= 1.")
+    v = self.disk_queue_mb
+    _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
+             f"TierConfig.disk_queue_mb={v!r} must be an integer >= 1 (MiB of disk writes in "
+             "flight; to write no disk records, set disk_kvstore=None).")
     _require(isinstance(self.pool_pin_s, (int, float)) and not isinstance(self.pool_pin_s, bool)
              and self.pool_pin_s >= 0,
              f"TierConfig.pool_pin_s={self.pool_pin_s!r} must be a number of seconds >= 0.")

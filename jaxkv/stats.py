@@ -48,6 +48,9 @@ COUNTERS = {
     "disk_syncs": "flushes of a batch of committed disk writes to the device",
     "disk_detached": "times the disk tier was detached for a cool-down after repeated failures",
     "disk_detached_drops": "blocks not written to disk while it was detached",
+    "disk_writes_dropped": "blocks not written to disk because the writes in flight were at "
+                           "their bound (TierConfig.disk_queue_mb): the store is not keeping "
+                           "up with the evictions",
     "plans_fetch": "requests whose plan fetched every cold block",
     "plans_recompute": "requests whose plan recomputed every cold block",
     "plans_split": "requests whose plan recomputed the front and fetched the back",

@@ -4,13 +4,23 @@ A block goes to disk in three moves, and the journal is where it waits between t
 1. ``write``: the record's write is issued into the disk slot the manager chose for it
    (``CacheManager.resolve``, which also ordered the records evicted from that slot
    deleted), and the slot stays referenced, so no eviction can take it while the bytes are
-   on their way.
+   on their way. Unless the writes in flight are at their bound (below): then it is not
+   issued; its slot goes back empty and it is counted (``disk_writes_dropped``).
 2. ``pump`` (called often, never blocking): writes whose futures finished are settled.
    The committed ones are made durable together (one ``DiskTier.sync`` for the batch),
    then reported to the manager (``copied``: published in its index); a failed one is
    counted, its slot given back (``copy_failed``) and its record (if any) deleted. It is
    never published.
 3. ``flush``: waits (with a deadline) for every write in flight, then pumps.
+
+Bounded, never waited for: each write in flight holds its block's bytes until it commits,
+so a store slower than the evictions (a far object store, a slow link) would pile them up.
+The journal holds at most ``queue_bytes`` (``TierConfig.disk_queue_mb``) of writes: a write
+that would pass it is dropped (the block stays wherever else it is, or is recomputed when
+next asked for), and nothing in a step ever waits for the store. When a batch would pass
+it, the writes that finished are settled first (``pump``), so only what is still on its
+way counts. One write is let through when none is in flight, so a bound smaller than a
+block slows the tier to one write at a time instead of closing it.
 
 Invariants: a block is published in the DISK pool only after its record committed and
 was synced; every slot the journal was given is reported exactly once (published or
@@ -21,7 +31,9 @@ A multi-process job shares one store: its processes take turns writing blocks (e
 written once, by one process), and every process journals every write, the others' too,
 so that their indexes stay identical. Each process reports the outcome of its own writes
 and all take the writer's word (``distributed.agree_writes``: a collective, at the same
-``pump`` calls everywhere, only when writes are in flight).
+``pump`` calls everywhere, only when writes are in flight). The bound counts the job's
+writes, a list every process holds alike: each drops the same writes, whatever its own
+store calls are doing (a process holds the bytes of its own turns only).
 
 The disk store's health: a store that keeps failing (three batches of reads or writes in
 a row raising: it is down or unreachable) is detached for a cool-down (``available`` is
@@ -40,12 +52,14 @@ import numpy as np
 from absl import logging
 
 from jaxkv import distributed
+from jaxkv.config import TierConfig
 from jaxkv.manager.index import Tier
 from jaxkv.stats import Stats
 from jaxkv.worker.tiers.base import Breaker
 
 # A write's outcome as its writer reports it (0: not finished, or another process's).
 WRITE_OK, WRITE_FAILED = 1, 2
+DEFAULT_QUEUE_BYTES = TierConfig.disk_queue_mb << 20  # the field's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +75,14 @@ class _Write:
 
 class DiskJournal:
   """The disk writes in flight of one cache (its disk tier and stats; their slots and
-  outcomes are the manager's)."""
+  outcomes are the manager's), at most ``queue_bytes`` of them (``TierConfig.disk_queue_mb``)."""
 
-  def __init__(self, *, manager, disk, stats: Stats, page_bytes: int, dtype):
+  def __init__(self, *, manager, disk, stats: Stats, page_bytes: int, dtype,
+               queue_bytes: int = DEFAULT_QUEUE_BYTES):
     # The manager's index is read here; it changes through the manager's reports only.
     self.manager, self.index, self.disk, self.stats = manager, manager.index, disk, stats
     self.page_bytes, self.dtype = page_bytes, dtype
+    self.queue_bytes = int(queue_bytes)
     self.processes, self.process = jax.process_count(), jax.process_index()
     self._writes: list[_Write] = []
     self._next_writer = 0  # a job's processes take turns, in issue order
@@ -94,11 +110,27 @@ class DiskJournal:
   def writes_in_flight(self) -> int:
     return len(self._writes)
 
+  @property
+  def bytes_in_flight(self) -> int:
+    """The bytes of the writes in flight, which ``queue_bytes`` bounds (in a job: the
+    job's, the same on every process)."""
+    return len(self._writes) * self.page_bytes
+
+  def _room(self, writes: int) -> bool:
+    """Whether ``writes`` more fit under the bound (one always does when none is in flight).
+    Decided on the journal alone, which every process of a job holds alike."""
+    return not self._writes or (
+        self.bytes_in_flight + writes * self.page_bytes <= self.queue_bytes)
+
   def write(self, stack: np.ndarray, per: list[list], n: int, slots: dict) -> None:
     """Writes the blocks ``slots`` names (key -> the disk slot the manager took for it) and
     takes those entries out of ``slots``. ``stack``: raw bits ``[arrays, kv_heads,
     data_shards * n, page_size, head_dim]``; ``per[s][i]``: the block ``(shard, _, key)`` at
-    row ``s * n + i``. A detached store writes nothing: the slots go back empty."""
+    row ``s * n + i``. A detached store writes nothing, and a write past the bound
+    (``queue_bytes``) is not issued: their slots go back empty, counted."""
+    wanted = len({b[2] for items in per for b in items} & slots.keys())
+    if wanted and not self._room(wanted):
+      self.pump()  # what finished leaves room (in a job: a collective every process makes)
     for s, items in enumerate(per):
       for i, b in enumerate(items):
         key = b[2]
@@ -107,6 +139,10 @@ class DiskJournal:
           continue
         if not self.available:
           self.stats.add("disk_detached_drops")
+          self.manager.copy_failed(0, slot, key, Tier.DISK)
+          continue
+        if not self._room(1):  # the store is not keeping up: never waited for
+          self.stats.add("disk_writes_dropped")
           self.manager.copy_failed(0, slot, key, Tier.DISK)
           continue
         parent = self.index.parent_of(key)
