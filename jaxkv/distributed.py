@@ -15,6 +15,17 @@
 - ``allgather_codes`` / ``broadcast_bytes``: the small collectives that keep per-process
   outcomes (a disk write committed, a record verified) the same decision everywhere, and
   give every process process 0's costs (``jaxkv.planning.costs.agree_costs``).
+- ``warm_collectives`` / ``warm_gathers``: compile, during an engine's warm-up, every
+  program the collectives and ``to_host`` will run, so that nothing compiles after it.
+
+Fixed shapes: JAX compiles a collective once per payload shape, so every payload here
+travels as bytes in pieces of a few bucket sizes (``COLLECTIVE_BUCKETS``: 256 bytes to
+128 KiB, by eights; a longer payload goes in several 128 KiB pieces). A job therefore
+compiles eight collective programs (a gather and a broadcast per size), all in
+``warm_collectives``, however its payloads vary: a disk read's agreement, a step's
+commands and a digest share them. ``to_host`` gathers a sharded array whole; its program
+is keyed by the array's shape and sharding, which come from the transfer and step
+buckets, so each warm-up gathers one array of each (``warm_gathers``).
 
 Failure domain: in one ``jax.distributed`` job, a process that dies makes the others fail
 their next collective and, after the coordinator's heartbeat timeout, abort (FACTS: a few
@@ -33,6 +44,12 @@ import jax
 import numpy as np
 
 from jaxkv.errors import InputError, InvariantError
+
+# Every payload a collective carries is padded to one of these sizes (bytes): a few
+# programs to compile for any payload. A payload longer than the last goes in pieces.
+COLLECTIVE_BUCKETS = (256, 2048, 16384, 131072)
+_HEADER_BYTES = 8  # broadcast_bytes's first piece starts with the payload's length
+_warmed = False  # warm_collectives ran in this process
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -53,15 +70,38 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   return True
 
 
+def _bucket(n: int) -> int:
+  """The collective bucket for a piece of ``n`` bytes (``n`` at most the largest)."""
+  return next(b for b in COLLECTIVE_BUCKETS if b >= n)
+
+
+def _pieces(size: int, first: int = 0) -> list[tuple[int, int]]:
+  """``(offset, length)`` of the pieces that carry bytes ``[first, size)``."""
+  top = COLLECTIVE_BUCKETS[-1]
+  return [(o, min(top, size - o)) for o in range(first, size, top)]
+
+
 def _allgather_bytes(payload: bytes, size: int) -> list[bytes]:
+  """Every process's ``payload`` (at most ``size`` bytes, ``size`` the same everywhere),
+  each padded with zeros to ``size``; a collective, in bucket-sized pieces."""
   from jax.experimental import multihost_utils
-  buf = np.zeros((size,), np.uint8)
-  data = np.frombuffer(payload, np.uint8)
-  if data.size > size:
-    raise InvariantError(f"payload of {data.size} bytes exceeds {size}.")
-  buf[:data.size] = data
-  rows = np.asarray(multihost_utils.process_allgather(buf))
-  return [bytes(r) for r in rows.reshape(jax.process_count(), size)]
+  data = np.zeros((size,), np.uint8)
+  got = np.frombuffer(payload, np.uint8)
+  if got.size > size:
+    raise InvariantError(f"a payload of {got.size} bytes exceeds the gather's {size=}.")
+  data[:got.size] = got
+  rows = np.zeros((jax.process_count(), size), np.uint8)
+  for offset, n in _pieces(size):
+    buf = np.zeros((_bucket(n),), np.uint8)
+    buf[:n] = data[offset:offset + n]
+    gathered = np.asarray(multihost_utils.process_allgather(buf))
+    rows[:, offset:offset + n] = gathered.reshape(jax.process_count(), -1)[:, :n]
+  return [r.tobytes() for r in rows]
+
+
+def _broadcast_piece(buf: np.ndarray) -> np.ndarray:
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.broadcast_one_to_all(buf))
 
 
 def agree_digest(digest: str, what: str) -> None:
@@ -93,8 +133,8 @@ def allgather_codes(codes: np.ndarray) -> np.ndarray:
   codes = np.asarray(codes, np.int32).reshape(-1)
   if jax.process_count() == 1:
     return codes[None]
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(codes)).reshape(jax.process_count(), -1)
+  rows = _allgather_bytes(codes.astype("<i4").tobytes(), 4 * codes.size)
+  return np.stack([np.frombuffer(r, "<i4") for r in rows]).astype(np.int32)
 
 
 def agree_reads(codes: np.ndarray, *, unread: int) -> np.ndarray:
@@ -129,18 +169,44 @@ def agree_writes(codes: np.ndarray) -> np.ndarray:
 
 
 def broadcast_bytes(payload: bytes) -> bytes:
-  """Process 0's ``payload`` on every process (others pass anything); a collective."""
+  """Process 0's ``payload`` on every process (others pass anything); a collective. The
+  first piece carries the length and the first bytes: a short payload is one collective."""
   if jax.process_count() == 1:
     return payload
-  from jax.experimental import multihost_utils
-  data = payload if jax.process_index() == 0 else b""
-  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
-  if size == 0:
-    return b""
-  buf = np.zeros((size,), np.uint8)
-  if jax.process_index() == 0:
-    buf[:] = np.frombuffer(data, np.uint8)
-  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)))
+  data = np.frombuffer(payload if jax.process_index() == 0 else b"", np.uint8)
+  first = np.zeros((COLLECTIVE_BUCKETS[0],), np.uint8)
+  first[:_HEADER_BYTES] = np.frombuffer(data.size.to_bytes(_HEADER_BYTES, "little"), np.uint8)
+  room = first.size - _HEADER_BYTES
+  first[_HEADER_BYTES:_HEADER_BYTES + min(room, data.size)] = data[:room]
+  first = _broadcast_piece(first)
+  size = int.from_bytes(first[:_HEADER_BYTES].tobytes(), "little")
+  out = [first[_HEADER_BYTES:_HEADER_BYTES + min(room, size)].tobytes()]
+  for offset, n in _pieces(size, room):
+    buf = np.zeros((_bucket(n),), np.uint8)
+    if data.size:  # process 0
+      buf[:n] = data[offset:offset + n]
+    out.append(_broadcast_piece(buf)[:n].tobytes())
+  return b"".join(out)
+
+
+def warm_collectives() -> None:
+  """Compiles the collectives of ``agree_*``, ``allgather_codes`` and ``broadcast_bytes``
+  for every bucket (once per process; a collective in a job, nothing in one process)."""
+  global _warmed
+  if jax.process_count() == 1 or _warmed:
+    return
+  for size in COLLECTIVE_BUCKETS:
+    _allgather_bytes(b"", size)
+    _broadcast_piece(np.zeros((size,), np.uint8))
+  _warmed = True
+
+
+def warm_gathers(*arrays) -> None:
+  """Compiles ``to_host``'s gather of arrays shaped and sharded like ``arrays`` (a
+  collective for those that span other processes; nothing for those held whole here)."""
+  for x in arrays:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      to_host(x)
 
 
 def local_data_shards(mesh, data_axis: str) -> set[int]:

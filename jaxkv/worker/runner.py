@@ -37,7 +37,7 @@ from jaxkv.progress import Progress
 from jaxkv import nnx as kvnnx
 from jaxkv.worker import sampling as sampling_lib
 from jaxkv.config import SamplingParams
-from jaxkv.distributed import to_host
+from jaxkv.distributed import to_host, warm_gathers
 from jaxkv.worker.sampling import RowSampling
 from jaxkv.scheduling.step import StepPlan, StepResult, TierOrders
 
@@ -488,7 +488,8 @@ class ModelRunner:
     for step_width in self.prefill_widths:
       carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
                               carry, count=False)
-    self.decode(self.decode_batch([], num_rows), table, carry, count=False)
+    tokens, _, _ = self.decode(self.decode_batch([], num_rows), table, carry, count=False)
+    warm_gathers(carry, tokens)  # (a job's steps read their tokens back with to_host)
 
   def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
     """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""

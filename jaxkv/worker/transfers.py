@@ -169,9 +169,13 @@ class TierMover:
       n *= 2
     if self.host is None and self.disk is None and self.pool is None and self.remote is None:
       return list(pools)  # (a peer's blocks land like the disk's and the pool's: staged)
-    if self.host is not None:  # its moves' buckets (1, 2, 4, ...), and their landings
-      for size in self.host.warm(pools, max_pages):
-        blocks, _ = self.host.load_blocks(np.zeros((shards, size), np.int32))
+    if self.host is not None:
+      # Its moves' buckets (1, 2, 4, ...) and their landings, up to its slots per shard: a
+      # move of more goes in pieces of the largest (``HostTier.warm`` sets it), and one move
+      # fills or reads at most that many slots of a shard.
+      for size in self.host.warm(pools, min(max_pages, self.host.pages_per_shard)):
+        blocks, sums = self.host.load_blocks(np.zeros((shards, size), np.int32))
+        distributed.warm_gathers(blocks, sums)  # (a job's reads of them: to_host)
         pad = np.full((shards, size), self.config.pages_per_shard, np.int32)
         pools = self.land(pools, Landing(pad, blocks, blocks=True))
     n = buckets.MIN_TRANSFER_PAGES
@@ -181,6 +185,8 @@ class TierMover:
       stack = pages_lib.gather_stacked(pools, jax.device_put(np.zeros((shards, n), np.int32),
                                                              self.ids_sharding),
                                        mesh=self.mesh, config=self.config)
+      if self.disk is not None or self.pool is not None:  # device blocks written below
+        distributed.warm_gathers(stack)
       if self.host is not None:  # restores and staged streams store whole stacks
         pad_host = np.full((shards, n), self.host.pages_per_shard, np.int32)
         self.host.store(stack, pad_host)

@@ -298,7 +298,10 @@ class CacheWorker:
 
   def warm_moves(self, max_pages: int) -> None:
     """Compiles every tier move's bucket up to ``max_pages`` pages per shard (all padding:
-    no page is read into or written over) and waits for them."""
+    no page is read into or written over) and, in a multi-process job, the collectives
+    that agree on the moves' outcomes; waits for them."""
+    from jaxkv import distributed
+    distributed.warm_collectives()
     self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
     self.copy_windows((), warm=True)
     jax.block_until_ready(self._pools)

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import helpers  # noqa: E402  (tests/ is on the path: conftest.py sits there)
 
 ROOT = helpers.ROOT
@@ -30,9 +32,26 @@ sys.path.insert(0, ".")
 from jaxkv import distributed
 distributed.initialize()
 import jax, numpy as np
+from jaxkv.compiles import COMPILES
+pid = jax.process_index()
+out = open(os.path.join(sys.argv[1], f"p{pid}.txt"), "w")
+# The collectives: payloads of many lengths (under, at and over a piece's room, and over
+# several pieces), each carried by the programs warm_collectives compiled.
+distributed.warm_collectives()
+mark = COMPILES.mark()
+made = lambda n, salt: ((np.arange(n) * 7 + n + salt) % 251).astype(np.uint8).tobytes()
+for n in (0, 1, 247, 248, 249, 2047, 5000, 300_000):
+  got = distributed.broadcast_bytes(made(n, 0) if pid == 0 else made(n + 1, 1))
+  assert got == made(n, 0), (n, len(got))
+for n in (0, 1, 64, 65, 40_000):
+  rows = distributed.allgather_codes(np.arange(n, dtype=np.int32) * (pid + 1) - 5)
+  assert rows.shape == (2, n) and rows.dtype == np.int32, (n, rows.shape, rows.dtype)
+  assert all((rows[p] == np.arange(n) * (p + 1) - 5).all() for p in range(2)), n
+assert (distributed.agree_reads(np.array([0, 1, 3 + pid]), unread=9) == [9, 1, 3]).all()
+distributed.agree_digest("d" * 64, "a digest")
+out.write(f"COLLECTIVES-OK compiled {COMPILES.names_since(mark)}\n")
 from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve, agree_costs
 from jaxkv.planning.plan import DISK, HOST, HOT, PlanInputs, plan
-pid = jax.process_index()
 rng = np.random.default_rng(0)  # the same inputs everywhere
 r, d, m = 16, 2, 12
 tiers = rng.choice([HOT, HOST, DISK], size=(r, d, m)).astype(np.int32)
@@ -45,7 +64,6 @@ inputs = PlanInputs(tiers=tiers, block_bytes=np.full(tiers.shape, 2e6, np.float3
 local = CostModel(links={"host_to_device": LinkCost(1e-4, (1 + pid) * 1e8),
                          "disk_to_host": LinkCost(1e-3, 5e7)},
                   prefill=PrefillCurve(1e-3, 2e-5, 1e-9))
-out = open(os.path.join(sys.argv[1], f"p{pid}.txt"), "w")
 mine = distributed.plan_digest(plan(inputs, local.arrays()))
 try:
   distributed.agree_digest(mine, "the plan")
@@ -59,16 +77,28 @@ out.close()
 """
 
 
-def test_plans_are_identical_on_every_process(tmp_path):
-  script = tmp_path / "planner.py"
+@pytest.fixture(scope="module")
+def planner_job(tmp_path_factory):
+  """What each process of one two-process job of PLANNER wrote (one job, two tests)."""
+  work = tmp_path_factory.mktemp("planner")
+  script = work / "planner.py"
   script.write_text(PLANNER)
   proc = subprocess.run([sys.executable, "launch/multihost.py", "--num_processes=2", "--",
-                         str(script), str(tmp_path)], cwd=ROOT, env=env(), capture_output=True,
+                         str(script), str(work)], cwd=ROOT, env=env(), capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = (tmp_path / "p0.txt").read_text() + (tmp_path / "p1.txt").read_text()
-  assert out.count("UNAGREED-COSTS-DIFFER") == 2  # the check does catch a difference
-  assert out.count("PLANS-IDENTICAL 100000000.0") == 2  # both planned with process 0's costs
+  return (work / "p0.txt").read_text() + (work / "p1.txt").read_text()
+
+
+def test_plans_are_identical_on_every_process(planner_job):
+  assert planner_job.count("UNAGREED-COSTS-DIFFER") == 2  # the check does catch a difference
+  assert planner_job.count("PLANS-IDENTICAL 100000000.0") == 2  # both with process 0's costs
+
+
+def test_collectives_carry_any_payload_with_the_programs_warmed_once(planner_job):
+  # Broadcasts and gathers of many lengths arrived whole on both processes, and none
+  # compiled a program after warm_collectives (a job's collectives compile nothing late).
+  assert planner_job.count("COLLECTIVES-OK compiled []") == 2, planner_job
 
 
 def test_a_failing_process_fails_the_job(tmp_path):
@@ -138,6 +168,10 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   p0, p1, one = (json.loads((tmp_path / n).read_text()) for n in ("m.p0.json", "m.p1.json",
                                                                    "s.json"))
   assert p0["process"] == {"index": 0, "count": 2} and p1["process"]["index"] == 1
+  # Nothing compiled after warm-up: every collective's payload, every gather to the host
+  # and every transfer was one of the shapes the warm-up compiled.
+  for name, run in (("p0", p0), ("p1", p1), ("one process", one)):
+    assert run["compiles_after_warmup"] == 0, (name, run["compiled_after_warmup"])
   assert len(p0["machine"]["devices"]) == 8
   assert p0["output_digest"] == p1["output_digest"] == one["output_digest"]
   assert p0["index_digest"] == p1["index_digest"]  # (serve also checks it across processes)
@@ -163,5 +197,7 @@ def test_two_process_job_with_host_and_disk_tiers_and_a_checkpoint(tmp_path):
   assert restored and all(int(n) > 0 for n in restored), again.stdout[-2000:]
   r0, r1 = (json.loads((tmp_path / n).read_text()) for n in ("r.p0.json", "r.p1.json"))
   assert r0["output_digest"] == r1["output_digest"] == one["output_digest"]
+  for name, run in (("restored p0", r0), ("restored p1", r1)):
+    assert run["compiles_after_warmup"] == 0, (name, run["compiled_after_warmup"])
   assert r0["index_digest"] == r1["index_digest"]
   assert r0["hits"]["device"] > p0["hits"]["device"]  # the restored pages were reused
