@@ -48,7 +48,7 @@ from jaxkv.worker import pages as pages_lib
 from jaxkv.distributed import local_data_shards, put_global, to_host
 from jaxkv.errors import InvariantError
 from jaxkv.manager.index import Tier
-from jaxkv.worker.journal import DiskJournal
+from jaxkv.worker.journal import DEFAULT_QUEUE_BYTES, DiskJournal
 from jaxkv.scheduling.step import TierOrders
 from jaxkv.stats import Stats
 from jaxkv.worker.tiers.base import Failure, Fetch, FetchReport, FetchSource, Landing, Staged
@@ -100,7 +100,8 @@ class TierMover:
   dropped); it reads the manager's index, and changes it only through those reports."""
 
   def __init__(self, *, manager, mesh, config, num_shards: int, payload_shape: tuple,
-               host=None, disk=None, remote=None, pool=None, stats: Stats | None = None):
+               host=None, disk=None, remote=None, pool=None, stats: Stats | None = None,
+               disk_queue_bytes: int = DEFAULT_QUEUE_BYTES):
     self.manager, self.index = manager, manager.index  # the index: read only
     self.mesh, self.config = mesh, config
     self.num_shards, self.payload_shape = num_shards, tuple(payload_shape)
@@ -111,7 +112,8 @@ class TierMover:
     self.sources = [t for t in (disk, host, pool, remote) if t is not None]
     # The disk writes in flight and the disk store's health (None without a disk tier).
     self.journal = (DiskJournal(manager=manager, disk=disk, stats=self.stats,
-                                page_bytes=config.page_bytes, dtype=config.jnp_dtype)
+                                page_bytes=config.page_bytes, dtype=config.jnp_dtype,
+                                queue_bytes=disk_queue_bytes)
                     if disk is not None else None)
     # A multi-process job shares one disk store: its processes take turns writing blocks
     # (each written once) and read the records their own devices need.

@@ -99,7 +99,8 @@ class CacheWorker:
                            config=dataclasses.replace(config, weights_digest=""),
                            num_shards=self.num_shards, payload_shape=self.payload_shape,
                            host=self.host, disk=self.disk, remote=self.remote,
-                           pool=self.pool, stats=self._stats)
+                           pool=self.pool, stats=self._stats,
+                           disk_queue_bytes=tiers.disk_queue_mb << 20)
     return good
 
   @property
