@@ -6,8 +6,9 @@
   the disk tier (cold when the store is a local directory), one read and a batch in flight.
 - ``pool_to_host``: verified gets of values put in the pool for the purpose (one, and a
   batch), removed after.
-- prefill: the model runner's own prefill step, timed for every page-table width bucket; the
-  curve ``t(n, c)`` is fitted to what ``n`` tokens after ``c`` cached ones cost in steps.
+- prefill: the model runner's own prefill step, timed for every page-table width bucket with
+  its rows attending over that bucket's context (nothing written); the curve ``t(n, c)`` is
+  fitted to what ``n`` tokens after ``c`` cached ones cost in steps.
 Nothing here is a constant: a different machine, model or config measures differently.
 """
 
@@ -118,21 +119,30 @@ def _pool_link(cache, reps: int) -> LinkCost:
 
 
 def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> PrefillCurve:
+  """Every page-table width bucket's prefill step, timed with its rows attending over the
+  middle of the context the bucket holds (a chunk's cost grows with the context before it:
+  a step of padding alone would attend over nothing and price every prefill as if the
+  prompt had no past); a prefill of ``n`` tokens after ``c`` is the sum of its chunks'
+  steps, each at the bucket its end falls in."""
   c = cache.config
   chunk = runner.chunk_tokens
   rows = cache.num_shards * min(buckets.pow2_at_least(max_seqs_per_shard), max_seqs_per_shard)
   widths = sorted({buckets.table_width(p, c) for p in range(1, c.max_pages_per_seq + 1)})
-  step_s = {w: runner.time_prefill_step(rows, w, lambda step: _median_time(step, reps))
-            for w in widths}
+  step_s, below = {}, 0
+  for w in widths:
+    middle = max(chunk, (below + w) * c.page_size // 2)
+    step_s[w] = runner.time_prefill_step(rows, w, lambda step: _median_time(step, reps),
+                                         kv_len=min(middle, w * c.page_size))
+    below = w
+  width_of = lambda tokens: buckets.table_width(-(-tokens // c.page_size), c)
   samples = []
   max_tokens = c.max_seq_len
   for n in sorted({chunk, 2 * chunk, 4 * chunk, max_tokens // 4, max_tokens // 2}):
     for ctx in sorted({0, max_tokens // 4, max_tokens // 2}):
       if n <= 0 or n + ctx > max_tokens:
         continue
-      steps = -(-n // chunk)
-      width = buckets.table_width(-(-(n + ctx) // c.page_size), c)
-      samples.append((float(n), float(ctx), steps * step_s[width]))
+      ends = [min(ctx + (i + 1) * chunk, ctx + n) for i in range(-(-n // chunk))]
+      samples.append((float(n), float(ctx), sum(step_s[width_of(e)] for e in ends)))
   return PrefillCurve.fit(samples)
 
 

@@ -491,10 +491,17 @@ class ModelRunner:
     tokens, _, _ = self.decode(self.decode_batch([], num_rows), table, carry, count=False)
     warm_gathers(carry, tokens)  # (a job's steps read their tokens back with to_host)
 
-  def time_prefill_step(self, num_rows: int, width: int, timer: Callable) -> float:
-    """``timer(step)`` of one all-padding prefill step at a (rows, width) bucket."""
+  def time_prefill_step(self, num_rows: int, width: int, timer: Callable, kv_len: int = 0
+                        ) -> float:
+    """``timer(step)`` of one prefill step at a (rows, width) bucket whose rows attend over
+    ``kv_len`` tokens of context each (pages of the table: page 0, read only). Its tokens
+    have no position, so nothing is written and no page changes: the step costs what a
+    chunk's weights and its attention over that context cost, on a cache in use too."""
     table = self._tables(np.zeros((num_rows, width), np.int32))
     batch = self.prefill_batch([], num_rows)
+    if kv_len:
+      batch = dataclasses.replace(batch, kv_lens=self.cache.put_rows(
+          np.full((num_rows,), kv_len, np.int32)))
 
     def step():
       carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))
