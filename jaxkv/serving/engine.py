@@ -137,7 +137,8 @@ class Engine:
     """Whether the ``cost`` decision plans blocks on a lower tier or another shard."""
     w = self.cache.worker
     return self.scheduler_config.decision == "cost" and bool(
-        w.host or w.disk or w.remote or (self.cache.num_shards > 1 and self.config.prefix_reuse))
+        w.host or w.disk or w.remote or w.pool
+        or (self.cache.num_shards > 1 and self.config.prefix_reuse))
 
   def _calibrate(self) -> None:
     from jaxkv.planning import calibration
