@@ -40,6 +40,8 @@ PAGE = 16
 MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
              head_dim=32, mlp_dim=512)
 POLICIES = ("fetch", "recompute", "cost")
+# Where the first turns are cached -> (the link the plan learns, the hit tier's name).
+TIERS = {"remote": ("remote_to_host", "remote"), "pool": ("pool_to_host", "pool")}
 
 # Shared by both nodes' processes: the same model, cache layout and prompts, so the engine's
 # block keys are the lender's.
@@ -56,14 +58,21 @@ from jaxkv.worker.pages import make_mesh
 ARGS = json.loads(sys.argv[1])
 MODEL = ARGS["model"]
 
-def engine(decision, peers):
+def tiers(peers=(), *, deadline_s=None, writer=False):
+  deadline_s = deadline_s or ARGS["deadline_s"]
+  if ARGS["tier"] == "pool":  # every block lives in the lender's segment (this one lends none)
+    return TierConfig(pool_master=ARGS["pool_master"], pool_metadata=ARGS["pool_metadata"],
+                      pool_segment_mb=0, read_deadline_s=deadline_s,
+                      write_policy="write_through" if writer else "write_back")
+  return TierConfig(remote_peers=tuple(peers), read_deadline_s=deadline_s)
+
+def engine(decision, peers, **tier_kw):
   cache = CacheConfig(model_name="bench-fabric", num_layers=MODEL["num_layers"],
                       num_kv_heads=MODEL["num_kv_heads"], head_dim=MODEL["head_dim"],
                       page_size=ARGS["page"], pages_per_shard=ARGS["pages"],
                       max_pages_per_seq=ARGS["max_pages"])
   return Engine(models.Llama(models.LlamaConfig(**MODEL), rngs=nnx.Rngs(0)),
-                KVCache(cache, make_mesh(data=1, model=1),
-                        TierConfig(remote_peers=tuple(peers), read_deadline_s=ARGS["deadline_s"]),
+                KVCache(cache, make_mesh(data=1, model=1), tiers(peers, **tier_kw),
                         deployment_key=bytes.fromhex(ARGS["key"])),
                 EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=ARGS["chunk_pages"]),
                 scheduler=SchedulerConfig(decision=decision))
@@ -87,13 +96,25 @@ print("ADDRESS", server.address, flush=True)
 server.serve(ARGS["serve_s"])
 """
 
+# The pool row's lender node: the master and a lending process run there already; this
+# engine (lending nothing) computes the first turns and puts every block in the lent segment.
+_POOL_WRITER = _COMMON + r"""
+e = engine("fetch", (), writer=True)
+for seed in ARGS["seeds"]:  # each turn's puts settled before the next (none dropped)
+  e.generate([history(seed)], 1)
+  if not e.cache.worker.pool.settle(300):
+    raise SystemExit("the pool's puts did not settle")
+print("ADDRESS", ARGS["host"], e.stats()["pool_puts"], flush=True)
+e.cache.worker.close()
+"""
+
 _CLIENT = r"""
 KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split")
 def run(point):
   out = {}
   answers = {}
   for decision in point["policies"]:
-    e = engine(decision, [ARGS["peer"]])
+    e = engine(decision, [ARGS.get("peer")])
     e.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])  # (calibrates: cost)
     e.reset_stats()
     t0 = time.perf_counter()
@@ -110,14 +131,13 @@ def run(point):
         "ttft_s": s["ttft_s"], "seconds": seconds,
         "tokens_per_s": len(point["seeds"]) * ARGS["new"] / seconds,
         "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],
-        "blocks_split": s["blocks_split"], "remote_hits": s["hits"].get("remote", 0),
+        "blocks_split": s["blocks_split"], "hits": s["hits"].get(ARGS["hit_tier"], 0),
         "compiles_after_warmup": s["compiles_after_warmup"],
         "per_request": per_request,
         "prefill_s": None if costs is None else costs.prefill.seconds(ARGS["prefix"], 0),
         "page_bytes": e.cache.config.page_bytes,
-        "remote_link_bytes_per_s": (costs.links["remote_to_host"].bytes_per_s
-                                    if costs is not None and "remote_to_host" in costs.links
-                                    else None)}
+        "link_bytes_per_s": (costs.links[ARGS["link"]].bytes_per_s
+                             if costs is not None and ARGS["link"] in costs.links else None)}
     e.cache.worker.close()
   first = next(iter(answers.values()))
   out["outputs_equal"] = all(a == first for a in answers.values())
@@ -127,7 +147,7 @@ ADAPT = {}
 
 def adapt(cmd):  # one cost engine across the controller's rate changes: each request's figures
   if "engine" not in ADAPT:
-    ADAPT["engine"] = engine("cost", [ARGS["peer"]])
+    ADAPT["engine"] = engine("cost", [ARGS.get("peer")])
     ADAPT["engine"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
   e = ADAPT["engine"]
   out = []
@@ -148,13 +168,29 @@ def lost(cmd):  # the lender is gone: the same engine's answers, against recompu
     out.append(e.stats()["ttft_s"][-1])
   after = e.stats()
   return {"ttft_s": out, "outputs_equal": equal,
-          "remote_hits": after["hits"].get("remote", 0) - before["hits"].get("remote", 0),
-          "remote_fetch_failures": (after.get("remote_failures", 0)
-                                    - before.get("remote_failures", 0)),
-          "peer_failures_by_reason": dict(e.cache.worker.remotes[0].failures_by_reason),
+          "hits": (after["hits"].get(ARGS["hit_tier"], 0)
+                   - before["hits"].get(ARGS["hit_tier"], 0)),
+          "failures_by_reason": {k: v - before["verify_failures_by_reason"].get(k, 0)
+                                 for k, v in after["verify_failures_by_reason"].items()},
           "blocks_recomputed": after["blocks_recomputed"] - before["blocks_recomputed"]}
 
-OPS = {"adapt": adapt, "lost": lost}
+def down(cmd):  # one request over a link that may go down meanwhile (always fetch, short deadline)
+  if "down" not in ADAPT:
+    ADAPT["down"] = engine("fetch", [ARGS.get("peer")], deadline_s=ARGS["down_deadline_s"])
+    ADAPT["down"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
+    ADAPT["ref"] = engine("recompute", [])
+    ADAPT["ref"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
+  e, seed = ADAPT["down"], cmd["seed"]
+  before = e.stats()
+  t0 = time.perf_counter()
+  got = e.generate([turn(seed)], ARGS["new"])[0]
+  seconds, after = time.perf_counter() - t0, e.stats()
+  return {"ttft_s": after["ttft_s"][-1], "seconds": seconds,
+          "outputs_equal": got == ADAPT["ref"].generate([turn(seed)], ARGS["new"])[0],
+          **{k: after[k] - before[k] for k in KEPT},
+          "hits": after["hits"].get(ARGS["hit_tier"], 0) - before["hits"].get(ARGS["hit_tier"], 0)}
+
+OPS = {"adapt": adapt, "lost": lost, "down": down}
 for line in sys.stdin:
   cmd = json.loads(line)
   print("RESULT " + json.dumps(OPS[cmd["op"]](cmd) if "op" in cmd else run(cmd)), flush=True)
@@ -175,9 +211,10 @@ def _tail(path: str) -> str:
     return f.read()[-2000:]
 
 
-def _read_result(proc: subprocess.Popen, what: str, deadline_s: float, log: str) -> dict:
-  """The next ``RESULT`` line of ``proc`` (the engine node's client, logging to ``log``),
-  within the deadline."""
+def _read_result(proc: subprocess.Popen, what: str, deadline_s: float, log: str,
+                 prefix: str = "RESULT ") -> dict | str:
+  """The next line of ``proc`` (a node's process, logging to ``log``) that starts with
+  ``prefix``, within the deadline: a ``RESULT`` as its JSON, another line as its text."""
   import selectors
   sel = selectors.DefaultSelector()
   sel.register(proc.stdout, selectors.EVENT_READ)
@@ -187,83 +224,228 @@ def _read_result(proc: subprocess.Popen, what: str, deadline_s: float, log: str)
       break
     line = proc.stdout.readline()
     if not line:
-      raise RuntimeError(f"the engine node's client exited during {what}: {_tail(log)}")
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  raise TimeoutError(f"no result for {what} within {deadline_s:.0f} s")
+      raise RuntimeError(f"a node's process exited during {what}: {_tail(log)}")
+    if line.startswith(prefix):
+      rest = line[len(prefix):]
+      return json.loads(rest) if prefix == "RESULT " else rest.strip()
+  raise TimeoutError(f"no {prefix.strip()} line for {what} within {deadline_s:.0f} s")
+
+
+class _Client:
+  """An engine node's client process: takes commands on stdin, answers ``RESULT`` lines."""
+
+  def __init__(self, fabric, node: str, args: dict, env: dict, logdir: str):
+    self.log = os.path.join(logdir, f"{node}.log")
+    with open(self.log, "w") as err:  # (the child has its own copy of the file)
+      self.proc = fabric.popen(node, [sys.executable, "-c", _COMMON + _CLIENT, json.dumps(args)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                               text=True, env=env)
+
+  def send(self, cmd: dict) -> None:
+    self.proc.stdin.write(json.dumps(cmd) + "\n")
+    self.proc.stdin.flush()
+
+  def read(self, what: str) -> dict:
+    return _read_result(self.proc, what, 1800.0, self.log)
+
+  def ask(self, cmd: dict, what: str) -> dict:
+    self.send(cmd)
+    return self.read(what)
+
+
+# The pool row's master (in the lender's node, on its fabric address): Mooncake's ports.
+POOL_RPC_PORT, POOL_HTTP_PORT = 50051, 8080
+
+_PROBE = r"""
+import socket, sys, time
+end = time.monotonic() + float(sys.argv[3])
+while True:
+  try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()
+    break
+  except OSError:
+    if time.monotonic() > end:
+      sys.exit(1)
+    time.sleep(0.1)
+"""
+
+
+def _start_lender(fabric, args: dict, seeds: list, env: dict, logdir: str) -> dict:
+  """Starts the lender node's processes, which hold every conversation's first turns
+  (the link's rate fast meanwhile: a pool's puts cross it); returns what the engine nodes'
+  clients need to find them."""
+  host = fabric.node("lender").address
+  log = open(os.path.join(logdir, "lender.log"), "w")  # pylint: disable=consider-using-with
+  common = dict(args, seeds=seeds, host=host, pages=len(seeds) * (args["prefix"] // PAGE + 2) + 8)
+  if args["tier"] == "remote":
+    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER,
+                                     json.dumps(dict(common, serve_s=3600.0))],
+                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    return {"peer": _read_result(lender, "the lender's start", 600.0, log.name, "ADDRESS ")}
+  from jaxkv.worker.tiers.pool import native  # pylint: disable=import-outside-toplevel
+  native.fetch_libs()
+  fabric.set_rate("lender", 100_000.0)
+  fabric.popen("lender", [native.master_binary(), f"--rpc_port={POOL_RPC_PORT}",
+                          f"--rpc_address={host}", "--enable_http_metadata_server=true",
+                          f"--http_metadata_server_port={POOL_HTTP_PORT}",
+                          f"--http_metadata_server_host={host}", f"--metrics_host={host}"],
+               env=native.master_env(env), stdout=log, stderr=subprocess.STDOUT)
+  for port in (POOL_RPC_PORT, POOL_HTTP_PORT):  # asked from a node: the bench's own
+    probe = fabric.popen("engine", [sys.executable, "-c", _PROBE, host, str(port), "60"])
+    if probe.wait(90) != 0:  # namespace has no route to the fabric
+      raise RuntimeError(f"the pool's master did not answer on {host}:{port}: {_tail(log.name)}")
+  where = {"pool_master": f"{host}:{POOL_RPC_PORT}",
+           "pool_metadata": f"http://{host}:{POOL_HTTP_PORT}/metadata"}
+  segment_mb = 2 * len(seeds) * (args["prefix"] // PAGE) * args["page_bytes"] // 2**20 + 64
+  lend = fabric.popen("lender", [sys.executable, "-m", "jaxkv.worker.tiers.pool.lend",
+                                 f"--pool={where['pool_master']}",
+                                 f"--pool_metadata={where['pool_metadata']}",
+                                 f"--segment_mb={segment_mb}"],
+                      stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+  _read_result(lend, "the pool's lender", 120.0, log.name, "lending ")
+  writer = fabric.popen("lender", [sys.executable, "-c", _POOL_WRITER,
+                                   json.dumps(dict(common, **where))],
+                        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+  _read_result(writer, "the pool's writer", 900.0, log.name, "ADDRESS ")
+  return where
 
 
 def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
-        prefix: int | None = None, adapt: bool = True, policies=POLICIES) -> dict:
+        prefix: int | None = None, adapt: bool = True, policies=POLICIES,
+        tier: str = "remote", shared: list[float] | None = None,
+        down: float | None = None) -> dict:
   """The sweep (see the module docstring); ``reps`` conversations per point and policy
   (at least 2); ``rates`` (Mbit/s), ``prefix`` (tokens of each turn's cached history),
-  ``adapt`` (the rate-change run) and ``policies`` (``cost`` and some of the fixed ones)
-  override the suite's own, for the tests."""
+  ``adapt`` (the rate-change and lost-lender runs) and ``policies`` (``cost`` and some of
+  the fixed ones) override the suite's own, for the tests. ``tier``: where the first turns
+  are cached (``remote``: a peer's BlockServer; ``pool``: a Mooncake pool whose master and
+  lent segment are on the lender's node). ``shared``: rates at which two engine nodes
+  fetch over the lender's one link at once; ``down``: the rate at which the lender's link
+  is set down in the middle of a fetch (None: neither run)."""
   if "cost" not in policies or not set(policies) <= set(POLICIES):
     raise InputError(f"policies={policies!r} must name 'cost' and any of {POLICIES}.")
+  if tier not in TIERS:
+    raise InputError(f"tier={tier!r} must be one of {TIERS}.")
   fabric_lib.check_available()
   rates = sorted(rates or _rates(quick))
   turns = max(2, min(reps, 3 if quick else 8))
   prefix = prefix or (512 if quick else 1024)
+  link, hit_tier = TIERS[tier]
   args = {"model": MODEL, "page": PAGE, "prefix": prefix, "user": 32, "new": 4,
-          "chunk_pages": 8, "deadline_s": 30.0, "key": secrets.token_bytes(32).hex()}
+          "chunk_pages": 8, "deadline_s": 30.0, "down_deadline_s": 3.0, "tier": tier,
+          "link": link, "hit_tier": hit_tier, "key": secrets.token_bytes(32).hex(),
+          "page_bytes": 2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * PAGE
+                        * MODEL["head_dim"] * 4}
   blocks = prefix // PAGE
   points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(policies)}
             for i in range(len(rates))]
   per_phase = 4 if quick else 6
   adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(4)]
-  seeds = [s for p in points for s in p["seeds"]] + [s for p in adapt_seeds for s in p]
+  # Two engine nodes' conversations at each shared rate: [rate][node][policy] -> seeds.
+  shared_seeds = [[[[70_000 + 1000 * i + 100 * k + 10 * j + t for t in range(turns)]
+                    for j in range(len(policies))] for k in range(2)]
+                  for i in range(len(shared or ()))]
+  seeds = ([s for p in points for s in p["seeds"]] + [s for p in adapt_seeds for s in p]
+           + [s for r in shared_seeds for k in r for j in k for s in j]
+           + ([90_000 + t for t in range(4)] if down else []))
   args["max_pages"] = (prefix + args["user"] + args["new"]) // PAGE + 2
   env = child_env(device_count=1, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
                                        "JAXKV_DEPLOYMENT_KEY_FILE"))
+  nodes = {"lender": rates[0], "engine": 100_000.0, **({"engine2": 100_000.0} if shared else {})}
   # The nodes' logs go to files (a pipe nobody reads would fill and stop them).
-  logs = tempfile.TemporaryDirectory(prefix="jaxkv-fabric-")
-  with logs, fabric_lib.Fabric({"lender": rates[0], "engine": 100_000.0}) as fabric:
-    lender_log, client_log = (os.path.join(logs.name, n) for n in ("lender.log", "client.log"))
-    lender_args = dict(args, seeds=seeds, host=fabric.node("lender").address,
-                       pages=len(seeds) * (blocks + 2) + 8, serve_s=3600.0)
-    with open(lender_log, "w") as err:  # (the child has its own copy of the file)
-      lender = fabric.popen("lender", [sys.executable, "-c", _LENDER,
-                                       json.dumps(lender_args)],
-                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    line = lender.stdout.readline()
-    if not line.startswith("ADDRESS"):
-      raise RuntimeError(f"the lender did not start: {line!r} {_tail(lender_log)}")
-    client_args = dict(args, peer=line.split()[1], pages=4 * (blocks + 4))
-    with open(client_log, "w") as err:
-      client = fabric.popen("engine", [sys.executable, "-c", _COMMON + _CLIENT,
-                                       json.dumps(client_args)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                            text=True, env=env)
-    ask = lambda cmd, what: (client.stdin.write(json.dumps(cmd) + "\n"), client.stdin.flush(),
-                             _read_result(client, what, 1800.0, client_log))[-1]
+  with tempfile.TemporaryDirectory(prefix="jaxkv-fabric-") as logdir, \
+       fabric_lib.Fabric(nodes) as fabric:
+    client_args = dict(args, **_start_lender(fabric, args, seeds, env, logdir),
+                       pages=4 * (blocks + 4))
+    clients = [_Client(fabric, n, client_args, env, logdir) for n in nodes if n != "lender"]
     rows = []
     for rate, point in zip(rates, points):
       fabric.set_rate("lender", rate)
       measured = fabric.measure_mbit("lender", "engine")
-      got = ask(point, f"the point at {rate:g} Mbit/s")
+      got = clients[0].ask(point, f"the point at {rate:g} Mbit/s")
       rows.append({"mbit": rate, "measured_mbit": measured, **got})
-      print(f"  {rate:7g} Mbit/s (measured {measured:7.1f}): " + "  ".join(
+      print(f"  {tier} {rate:7g} Mbit/s (measured {measured:7.1f}): " + "  ".join(
           f"{p} p50 {1e3 * statistics.median(got[p]['ttft_s']):6.0f} ms" for p in policies),
           flush=True)
-    phases = []  # the link fast, then slow, then fast again, under one engine
-    for i, rate in enumerate((rates[-1], rates[0], rates[-1]) if adapt else ()):
-      fabric.set_rate("lender", rate)
-      got = ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
-      phases.append({"mbit": rate, "requests": got["requests"]})
-    lost = None
-    if adapt:  # the lender's processes killed (its node and link stay): misses, not waits
-      killed = fabric.kill("lender")
-      lost = {"processes_killed": killed, "read_deadline_s": args["deadline_s"],
-              **ask({"op": "lost", "seeds": adapt_seeds[3]}, "the lost lender")}
-    client.stdin.close()
-  return {**_figures(rows, blocks, policies),
-          **(_adaptation(phases, blocks) if adapt else {}),
-          **({"lender_lost": lost, "fabric_lost_outputs_equal": lost["outputs_equal"]}
-             if lost else {})}
+    extra = {}
+    if shared:
+      extra["shared"] = _shared(fabric, clients, shared, shared_seeds, policies)
+    if down:
+      extra["link_down"] = _link_down(fabric, clients[0], down, blocks * args["page_bytes"])
+    if adapt:
+      extra.update(_adapt_and_lose(fabric, clients[0], rates, adapt_seeds, blocks, args))
+    for c in clients:
+      c.proc.stdin.close()
+  return {**_figures(rows, blocks, policies, tier), **extra}
 
 
-def _figures(rows: list[dict], blocks: int, policies=POLICIES) -> dict:
+def _shared(fabric, clients, rates, seeds, policies) -> dict:
+  """Both engine nodes fetch over the lender's one link at once, each policy in turn (a
+  fresh engine per policy on each node): the sum of their TTFT p50s per policy, and the
+  plan's over the best fixed policy's."""
+  out = []
+  for i, rate in enumerate(rates):
+    fabric.set_rate("lender", rate)
+    got = {}
+    for j, policy in enumerate(policies):
+      for k, c in enumerate(clients):  # at once: each runs its own conversations
+        c.send({"seeds": seeds[i][k][j], "policies": [policy]})
+      got[policy] = [c.read(f"the shared link at {rate:g} Mbit/s, {policy}")[policy]
+                     for c in clients]
+    total = {p: sum(statistics.median(g["ttft_s"]) for g in got[p]) for p in policies}
+    fixed = [total[p] for p in policies if p != "cost"]
+    row = {"mbit": rate, "engines": len(clients),
+           **{f"{p}_ttft_p50_sum_s": total[p] for p in policies},
+           "plan_vs_best_fixed": total["cost"] / min(fixed) if fixed else None,
+           "plan_link_mbit_learned": [None if g["link_bytes_per_s"] is None
+                                      else g["link_bytes_per_s"] * 8 / 1e6
+                                      for g in got["cost"]],
+           "plan_blocks_fetched": [g["blocks_fetched"] for g in got["cost"]],
+           "plan_blocks_recomputed": [g["blocks_recomputed"] for g in got["cost"]]}
+    out.append(row)
+    print(f"  shared by {len(clients)} at {rate:g} Mbit/s: " + "  ".join(
+        f"{p} sum {1e3 * total[p]:6.0f} ms" for p in policies), flush=True)
+  return {"points": out,
+          "fabric_shared_plan_vs_best_fixed_max": max(
+              (r["plan_vs_best_fixed"] for r in out if r["plan_vs_best_fixed"]), default=None)}
+
+
+def _link_down(fabric, client, rate: float, prefix_bytes: int) -> dict:
+  """Requests that always fetch, with a short read deadline (after one that compiles):
+  the first with the lender's link set down while its blocks are on the way (a third of
+  the way, at the link's rate), the second while it is still down, the third after it is
+  up again."""
+  fabric.set_rate("lender", rate)
+  client.ask({"op": "down", "seed": 90_000}, "the link-down engine's warm-up")  # (compiles)
+  got = []
+  for n, seed in enumerate((90_001, 90_002)):
+    client.send({"op": "down", "seed": seed})
+    if n == 0:  # (the bench's own pacing: the fetch is under way)
+      time.sleep(prefix_bytes * 8 / (rate * 1e6) / 3)
+      fabric.link("lender", False)
+    got.append(client.read(f"a request with the link down ({n})"))
+  fabric.link("lender", True)
+  got.append(client.ask({"op": "down", "seed": 90_003}, "a request with the link up again"))
+  return {"mbit": rate, "read_deadline_s": 3.0, "requests": got,
+          "fabric_link_down_outputs_equal": all(g["outputs_equal"] for g in got)}
+
+
+def _adapt_and_lose(fabric, client, rates, adapt_seeds, blocks, args) -> dict:
+  """The link fast, then slow, then fast again under one engine; then the lender's
+  processes killed (its node and link stay): misses, not waits."""
+  phases = []
+  for i, rate in enumerate((rates[-1], rates[0], rates[-1])):
+    fabric.set_rate("lender", rate)
+    got = client.ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
+    phases.append({"mbit": rate, "requests": got["requests"]})
+  killed = fabric.kill("lender")
+  lost = {"processes_killed": killed, "read_deadline_s": args["deadline_s"],
+          **client.ask({"op": "lost", "seeds": adapt_seeds[3]}, "the lost lender")}
+  return {**_adaptation(phases, blocks), "lender_lost": lost,
+          "fabric_lost_outputs_equal": lost["outputs_equal"]}
+
+
+def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remote") -> dict:
   """The suite's JSON from the sweep's rows."""
   first = rows[0]["cost"]
   prefix_bytes = blocks * first["page_bytes"]
@@ -283,8 +465,8 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES) -> dict:
         "plan_blocks_recomputed": r["cost"]["blocks_recomputed"],
         "plan_blocks_split": r["cost"]["blocks_split"],
         "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
-        "plan_link_mbit_learned": (None if r["cost"]["remote_link_bytes_per_s"] is None
-                                   else r["cost"]["remote_link_bytes_per_s"] * 8 / 1e6),
+        "plan_link_mbit_learned": (None if r["cost"]["link_bytes_per_s"] is None
+                                   else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
         "plan_vs_best_fixed": p50["cost"] / best,
         "outputs_equal": r["outputs_equal"],
         "compiles_after_warmup": max(r[p]["compiles_after_warmup"] for p in policies)})
@@ -293,7 +475,7 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES) -> dict:
                          and t["fetch_ttft_p50_s"] <= t["recompute_ttft_p50_s"]), None)
   near = min(ratios, key=lambda mr: abs(np.log(mr[0] / crossover_mbit)))
   return {
-      "tier": "remote",
+      "tier": tier,
       "prefix_tokens": blocks * PAGE, "prefix_bytes": prefix_bytes,
       "prefill_s_calibrated": prefill_s,
       "crossover_mbit_predicted": crossover_mbit,
