@@ -282,13 +282,10 @@ def _start_lender(fabric, args: dict, seeds: list, env: dict, logdir: str) -> di
                                      json.dumps(dict(common, serve_s=3600.0))],
                           stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     return {"peer": _read_result(lender, "the lender's start", 600.0, log.name, "ADDRESS ")}
-  from jaxkv.worker.tiers.pool import native  # pylint: disable=import-outside-toplevel
+  from jaxkv.worker.tiers.pool import master, native  # pylint: disable=import-outside-toplevel
   native.fetch_libs()
   fabric.set_rate("lender", 100_000.0)
-  fabric.popen("lender", [native.master_binary(), f"--rpc_port={POOL_RPC_PORT}",
-                          f"--rpc_address={host}", "--enable_http_metadata_server=true",
-                          f"--http_metadata_server_port={POOL_HTTP_PORT}",
-                          f"--http_metadata_server_host={host}", f"--metrics_host={host}"],
+  fabric.popen("lender", master.master_argv(host, POOL_RPC_PORT, POOL_HTTP_PORT),
                env=native.master_env(env), stdout=log, stderr=subprocess.STDOUT)
   for port in (POOL_RPC_PORT, POOL_HTTP_PORT):  # asked from a node: the bench's own
     probe = fabric.popen("engine", [sys.executable, "-c", _PROBE, host, str(port), "60"])

@@ -32,6 +32,16 @@ def _answers(port: int) -> bool:
     return False
 
 
+def master_argv(host: str, rpc_port: int, http_port: int, metrics_port: int | None = None,
+                flags: tuple = ()) -> list[str]:
+  """The command line of ``mooncake_master`` serving RPC and its HTTP metadata on
+  ``host`` (its metrics there too, on ``metrics_port`` or the binary's default)."""
+  return [native.master_binary(), f"--rpc_port={rpc_port}", f"--rpc_address={host}",
+          "--enable_http_metadata_server=true", f"--http_metadata_server_port={http_port}",
+          f"--http_metadata_server_host={host}", f"--metrics_host={host}",
+          *([f"--metrics_port={metrics_port}"] if metrics_port is not None else []), *flags]
+
+
 class LocalMaster:
   """``mooncake_master`` on loopback. ``address`` (``host:port``, for ``--pool``) and
   ``metadata`` (for ``--pool_metadata``). ``flags``: more master flags (``--key=value``)."""
@@ -53,10 +63,8 @@ class LocalMaster:
 
   def start(self, timeout_s: float = 30.0) -> "LocalMaster":
     native.fetch_libs()
-    cmd = [native.master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-           "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
-           "--http_metadata_server_host=127.0.0.1", "--metrics_host=127.0.0.1",
-           f"--metrics_port={self.metrics_port}", *self.flags]
+    cmd = master_argv("127.0.0.1", self.rpc_port, self.http_port, self.metrics_port,
+                      self.flags)
     with open(self.log_path, "ab") as log:
       self.proc = subprocess.Popen(cmd, env=native.master_env(), stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
