@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,48 @@ def _outcome(future: Future) -> tuple[bool, object]:
   except Exception:  # an exception that does not cross: its words do
     error = RuntimeError(f"{type(error).__name__}: {error}")
   return False, error
+
+
+# The front's socket directory: ``jaxkv-core-<front pid>-<random>`` in the temporary
+# directory. A front and its core killed together (SIGKILL to their process group, as a
+# supervisor's or a test's timeout does) remove nothing; the next front removes the
+# directories whose front is gone (``remove_stale_sockets``).
+SOCKETS_PREFIX = "jaxkv-core-"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError):  # another user's process; no pid at all
+    return True
+  return True
+
+
+def remove_stale_sockets(parent: str | None = None) -> int:
+  """Removes the socket directories (this user's) of fronts that no longer run, in
+  ``parent`` (the temporary directory); returns how many. A directory whose front's pid is
+  alive is left, even when the pid was reused: a leftover, never a live front's wire."""
+  parent = parent or tempfile.gettempdir()
+  removed = 0
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return 0
+  for name in names:
+    pid = name[len(SOCKETS_PREFIX):].split("-", 1)[0]
+    if not name.startswith(SOCKETS_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+      continue
+    path = os.path.join(parent, name)
+    try:
+      st = os.lstat(path)
+    except OSError:
+      continue
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():  # (not a link: lstat)
+      remove_sockets(path)
+      removed += not os.path.exists(path)
+  return removed
 
 
 def remove_sockets(directory: str) -> None:
@@ -174,7 +217,9 @@ class CoreProcess:
   what the core says of its engine (sent once its engine is built, before it compiles)."""
 
   def __init__(self):
-    self.directory = tempfile.mkdtemp(prefix="jaxkv-core-")  # 0700: this user's alone
+    remove_stale_sockets()
+    # 0700: this user's alone
+    self.directory = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
     commands, events = _addresses(self.directory)
     self.ctx = zmq.Context()
     self.out = self.ctx.socket(zmq.PUSH)
@@ -357,16 +402,18 @@ class CoreClient(EngineClient):
     with self._lock:
       self._accepting = False
     proc = self.process.proc
-    if proc.poll() is None:
-      self._send(Stop())
-      try:
-        proc.wait(timeout_s)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        raise TimeoutError(f"the engine core did not stop within {timeout_s} s; it was "
-                           "killed.") from None
-    self._receiver.join(5)
-    self.process.close()
+    try:
+      if proc.poll() is None:
+        self._send(Stop())
+        try:
+          proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+          self.process.kill()
+          raise TimeoutError(f"the engine core did not stop within {timeout_s} s; it was "
+                             "killed.") from None
+      self._receiver.join(5)
+    finally:
+      self.process.close()  # (the sockets and their directory, on every path)
 
 
 def core_argv(directory: str) -> list[str]:

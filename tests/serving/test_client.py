@@ -126,3 +126,41 @@ def test_a_request_id_is_aborted_by_the_old_keyword_ticket_with_a_warning(engine
   finally:
     service.close()
   helpers.no_refs(engine)
+
+
+def test_a_front_removes_the_socket_directories_of_fronts_that_are_gone(tmp_path, monkeypatch):
+  """A front and its core killed together (SIGKILL to their group) leave their socket
+  directory; the next front removes those whose front is gone, and nothing else."""
+  import os
+  import subprocess
+  import sys
+  import tempfile
+  from jaxkv.serving import core
+
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  def wire(name, extra=()):
+    d = tmp_path / name
+    d.mkdir(mode=0o700)
+    for f in ("commands", "events", *extra):
+      (d / f).write_bytes(b"")
+    return d
+  stale = wire(f"jaxkv-core-{gone.pid}-a1")
+  live = wire(f"jaxkv-core-{os.getpid()}-b2")  # a running front's: kept
+  odd = wire(f"jaxkv-core-{gone.pid}-c3", extra=("notes",))  # holds more than a wire: kept
+  victim = wire("elsewhere")
+  (tmp_path / f"jaxkv-core-{gone.pid}-d4").symlink_to(victim)  # never followed
+  unrelated = wire("jaxkv-core-notapid-e5")
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  process = core.CoreProcess()
+  try:
+    assert not stale.exists()
+    assert live.exists() and (live / "commands").exists()
+    assert odd.exists() and (odd / "notes").exists()
+    assert (victim / "commands").exists() and (victim / "events").exists()
+    assert unrelated.exists()
+    assert os.path.basename(process.directory).startswith(f"jaxkv-core-{os.getpid()}-")
+  finally:
+    process.close()
+  assert not os.path.exists(process.directory)
+  assert core.remove_stale_sockets(str(tmp_path)) == 0  # (the live one is still there)
