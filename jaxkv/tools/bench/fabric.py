@@ -1,13 +1,24 @@
 """Suite ``fabric``: the fetch-or-recompute decision on real, shaped links.
 
-Two nodes of a ``jaxkv.tools.fabric.Fabric`` (network namespaces on one bridge, each link
-shaped with ``tc``): a *lender* that computed the first turns of a multi-turn chat and serves
-their blocks (``BlockServer``, under a deployment key: it listens on the fabric's address,
-not loopback), and an *engine* node where a fresh engine answers each conversation's next
-turn, whose prefix it finds only across the lender's link (the remote peer tier). At each
-link rate, from well below to well above the crossover, the same turns run under three
-policies, each in a fresh engine (the same compiled steps): ``fetch`` (always fetch the
-cached prefix), ``recompute`` (always prefill it) and ``cost`` (the plan, deciding per
+Nodes of a ``jaxkv.tools.fabric.Fabric`` (network namespaces on one bridge, each link
+shaped with ``tc``): a *lender* that holds the first turns of a multi-turn chat, and an
+*engine* node where a fresh engine answers each conversation's next turn, whose prefix it
+finds only across the lender's link. One row per tier the first turns are cached in:
+
+- ``remote``: the lender computed them and serves their blocks (``BlockServer``, under a
+  deployment key: it listens on the fabric's address, not loopback); the remote peer tier.
+- ``pool``: a Mooncake pool. Its master runs as a service on a node of its own (``master``,
+  unshaped), the memory is lent by a process on the lender's node, and a writer there put
+  every block in that segment: the engines' gets cross the lender's link. Killing the
+  lender loses the blocks, not the pool.
+- ``s3``: an S3 server (moto) on the lender's node; a writer there wrote the first turns
+  through to a disk tier in its bucket (each sweep point under a prefix of its own, since
+  a disk tier reads every record of its prefix when it opens); the engines open the same
+  prefix and read the records across the link (the plan's ``disk_to_host``).
+
+At each link rate, from well below to well above the crossover, the same turns run under
+three policies, each in a fresh engine (the same compiled steps): ``fetch`` (always fetch
+the cached prefix), ``recompute`` (always prefill it) and ``cost`` (the plan, deciding per
 request from its measured costs; it learns the link from the fetches it times).
 
 The crossover is where fetching a turn's prefix takes as long as prefilling it: the
@@ -17,6 +28,7 @@ recomputed and split; outputs of every policy equal (greedy). The link's rate as
 by real TCP beside the shaped one (``fabric_link_gbps_measured``).
 
     python launch/bench.py --suite=fabric --json_out=/tmp/fabric.json   # as root
+    python launch/bench.py --suite=fabric --fabric_tiers=pool,s3 --quick
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ import sys
 import tempfile
 import time
 
+import importlib.util
+
 import numpy as np
 
 from jaxkv.errors import InputError
@@ -41,7 +55,8 @@ MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_
              head_dim=32, mlp_dim=512)
 POLICIES = ("fetch", "recompute", "cost")
 # Where the first turns are cached -> (the link the plan learns, the hit tier's name).
-TIERS = {"remote": ("remote_to_host", "remote"), "pool": ("pool_to_host", "pool")}
+TIERS = {"remote": ("remote_to_host", "remote"), "pool": ("pool_to_host", "pool"),
+         "s3": ("disk_to_host", "disk")}
 
 # Shared by both nodes' processes: the same model, cache layout and prompts, so the engine's
 # block keys are the lender's.
@@ -58,8 +73,17 @@ from jaxkv.worker.pages import make_mesh
 ARGS = json.loads(sys.argv[1])
 MODEL = ARGS["model"]
 
-def tiers(peers=(), *, deadline_s=None, writer=False):
+def tiers(peers=(), *, deadline_s=None, writer=False, store=None, bare=False):
   deadline_s = deadline_s or ARGS["deadline_s"]
+  if bare:  # a reference that recomputes everything: no lower tier at all
+    return TierConfig()
+  if ARGS["tier"] == "s3":  # the bucket under the group's prefix (store); the writer writes
+    # through from its host tier; an engine's device pool holds every block it computes, so
+    # that none is written back to the bucket
+    return TierConfig(disk_kvstore=dict(ARGS["s3"], path=store), disk_pages=ARGS["disk_pages"],
+                      host_pages_per_shard=ARGS["host_pages"] if writer else 0,
+                      read_deadline_s=deadline_s,
+                      write_policy="write_through" if writer else "write_back")
   if ARGS["tier"] == "pool":  # every block lives in the lender's segment (this one lends none)
     return TierConfig(pool_master=ARGS["pool_master"], pool_metadata=ARGS["pool_metadata"],
                       pool_segment_mb=0, read_deadline_s=deadline_s,
@@ -96,8 +120,9 @@ print("ADDRESS", server.address, flush=True)
 server.serve(ARGS["serve_s"])
 """
 
-# The pool row's lender node: the master and a lending process run there already; this
-# engine (lending nothing) computes the first turns and puts every block in the lent segment.
+# The pool row's lender node: a lending process runs there already (the master runs on a
+# node of its own); this engine (lending nothing) computes the first turns and puts every
+# block in the lent segment.
 _POOL_WRITER = _COMMON + r"""
 e = engine("fetch", (), writer=True)
 for seed in ARGS["seeds"]:  # each turn's puts settled before the next (none dropped)
@@ -108,13 +133,40 @@ print("ADDRESS", ARGS["host"], e.stats()["pool_puts"], flush=True)
 e.cache.worker.close()
 """
 
+# The S3 row's lender node: the S3 server runs there already. Each group of conversations
+# (a sweep point, the adaptation run, ...) is written through to the bucket under a prefix
+# of its own, by an engine that opens that prefix, and drained before the next.
+_S3_WRITER = _COMMON + r"""
+import boto3
+s3 = boto3.client("s3", endpoint_url=ARGS["s3"]["endpoint"], region_name="us-east-1")
+end = time.monotonic() + 60
+while True:  # (the server may still be starting)
+  try:
+    s3.create_bucket(Bucket=ARGS["s3"]["bucket"])
+    break
+  except Exception:  # pylint: disable=broad-except
+    if time.monotonic() > end:
+      raise
+    time.sleep(0.2)
+written = 0
+for store, seeds in ARGS["groups"]:
+  e = engine("fetch", (), store=store, writer=True)
+  for seed in seeds:
+    e.generate([history(seed)], 1)
+  if e.flush(300) != 0 or e.stats()["disk_writes_dropped"]:
+    raise SystemExit(f"the writes under {store} did not all reach the bucket")
+  written += e.stats()["disk_writes"]
+  e.cache.worker.close()
+print("ADDRESS", ARGS["host"], written, flush=True)
+"""
+
 _CLIENT = r"""
 KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split")
 def run(point):
   out = {}
   answers = {}
   for decision in point["policies"]:
-    e = engine(decision, [ARGS.get("peer")])
+    e = engine(decision, [ARGS.get("peer")], store=point.get("store"))
     e.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])  # (calibrates: cost)
     e.reset_stats()
     t0 = time.perf_counter()
@@ -147,7 +199,7 @@ ADAPT = {}
 
 def adapt(cmd):  # one cost engine across the controller's rate changes: each request's figures
   if "engine" not in ADAPT:
-    ADAPT["engine"] = engine("cost", [ARGS.get("peer")])
+    ADAPT["engine"] = engine("cost", [ARGS.get("peer")], store=cmd.get("store"))
     ADAPT["engine"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
   e = ADAPT["engine"]
   out = []
@@ -159,15 +211,16 @@ def adapt(cmd):  # one cost engine across the controller's rate changes: each re
   return {"requests": out}
 
 def lost(cmd):  # the lender is gone: the same engine's answers, against recomputing's
-  e, ref = ADAPT["engine"], engine("recompute", [])
+  e, ref = ADAPT["engine"], engine("recompute", [], bare=True)
   ref.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
-  before, out, equal = e.stats(), [], True
+  before, out, ref_out, equal = e.stats(), [], [], True
   for seed in cmd["seeds"]:
     got = e.generate([turn(seed)], ARGS["new"])[0]
     equal = equal and got == ref.generate([turn(seed)], ARGS["new"])[0]
     out.append(e.stats()["ttft_s"][-1])
+    ref_out.append(ref.stats()["ttft_s"][-1])
   after = e.stats()
-  return {"ttft_s": out, "outputs_equal": equal,
+  return {"ttft_s": out, "recompute_ttft_s": ref_out, "outputs_equal": equal,
           "hits": (after["hits"].get(ARGS["hit_tier"], 0)
                    - before["hits"].get(ARGS["hit_tier"], 0)),
           "failures_by_reason": {k: v - before["verify_failures_by_reason"].get(k, 0)
@@ -176,9 +229,10 @@ def lost(cmd):  # the lender is gone: the same engine's answers, against recompu
 
 def down(cmd):  # one request over a link that may go down meanwhile (always fetch, short deadline)
   if "down" not in ADAPT:
-    ADAPT["down"] = engine("fetch", [ARGS.get("peer")], deadline_s=ARGS["down_deadline_s"])
+    ADAPT["down"] = engine("fetch", [ARGS.get("peer")], deadline_s=ARGS["down_deadline_s"],
+                           store=cmd.get("store"))
     ADAPT["down"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
-    ADAPT["ref"] = engine("recompute", [])
+    ADAPT["ref"] = engine("recompute", [], bare=True)
     ADAPT["ref"].warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
   e, seed = ADAPT["down"], cmd["seed"]
   before = e.stats()
@@ -190,7 +244,15 @@ def down(cmd):  # one request over a link that may go down meanwhile (always fet
           **{k: after[k] - before[k] for k in KEPT},
           "hits": after["hits"].get(ARGS["hit_tier"], 0) - before["hits"].get(ARGS["hit_tier"], 0)}
 
-OPS = {"adapt": adapt, "lost": lost, "down": down}
+def where(cmd):  # the lender's processes have started: where to find them
+  ARGS.update(cmd["where"])
+  return {}
+
+# Compiles the steps while the lender's node starts (the engines built later reuse them).
+_first = engine("recompute", [], bare=True)
+_first.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])
+_first.cache.worker.close()
+OPS = {"adapt": adapt, "lost": lost, "down": down, "where": where}
 for line in sys.stdin:
   cmd = json.loads(line)
   print("RESULT " + json.dumps(OPS[cmd["op"]](cmd) if "op" in cmd else run(cmd)), flush=True)
@@ -253,8 +315,10 @@ class _Client:
     return self.read(what)
 
 
-# The pool row's master (in the lender's node, on its fabric address): Mooncake's ports.
+# The pool row's master (a service on its own node, on its fabric address): Mooncake's ports.
 POOL_RPC_PORT, POOL_HTTP_PORT = 50051, 8080
+# The S3 row's server (on the lender's node) and its bucket.
+S3_PORT, S3_BUCKET = 9000, "jaxkv-fabric"
 
 _PROBE = r"""
 import socket, sys, time
@@ -270,30 +334,47 @@ while True:
 """
 
 
-def _start_lender(fabric, args: dict, seeds: list, env: dict, logdir: str) -> dict:
-  """Starts the lender node's processes, which hold every conversation's first turns
-  (the link's rate fast meanwhile: a pool's puts cross it); returns what the engine nodes'
-  clients need to find them."""
-  host = fabric.node("lender").address
+def _wait_for_port(fabric, host: str, port: int, what: str, log) -> None:
+  """Until ``host:port`` accepts TCP, asked from the engine node (the bench's own namespace
+  has no route into the fabric), within a minute."""
+  probe = fabric.popen("engine", [sys.executable, "-c", _PROBE, host, str(port), "60"])
+  if probe.wait(90) != 0:
+    raise RuntimeError(f"{what} did not answer on {host}:{port}: {_tail(log.name)}")
+
+
+def _start_lender(fabric, args: dict, groups: list, env: dict, logdir: str) -> dict:
+  """Starts the lender node's processes (and the pool row's master), which hold every
+  group's conversations' first turns (``groups``: ``(store prefix, seeds)``; the link's
+  rate fast meanwhile: a pool's puts cross it); returns what the engine nodes' clients
+  need to find them."""
   log = open(os.path.join(logdir, "lender.log"), "w")  # pylint: disable=consider-using-with
-  common = dict(args, seeds=seeds, host=host, pages=len(seeds) * (args["prefix"] // PAGE + 2) + 8)
-  if args["tier"] == "remote":
-    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER,
-                                     json.dumps(dict(common, serve_s=3600.0))],
+  seeds = [s for _, group in groups for s in group]
+  common = dict(args, seeds=seeds, host=fabric.node("lender").address)
+  if args["tier"] == "remote":  # (serves from its device pool: every block stays there)
+    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER, json.dumps(dict(
+        common, serve_s=3600.0, pages=len(seeds) * (args["prefix"] // PAGE + 2) + 8))],
                           stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     return {"peer": _read_result(lender, "the lender's start", 600.0, log.name, "ADDRESS ")}
+  fabric.set_rate("lender", 100_000.0)
+  if args["tier"] == "s3":
+    return _start_s3(fabric, common, groups, env, log)
+  return _start_pool(fabric, common, env, log)
+
+
+def _start_pool(fabric, common: dict, env: dict, log) -> dict:
+  """The master on the ``master`` node; on the lender's, a process lending the segment
+  and a writer (lending nothing) that puts every block there."""
   from jaxkv.worker.tiers.pool import master, native  # pylint: disable=import-outside-toplevel
   native.fetch_libs()
-  fabric.set_rate("lender", 100_000.0)
-  fabric.popen("lender", master.master_argv(host, POOL_RPC_PORT, POOL_HTTP_PORT),
+  at = fabric.node("master").address
+  fabric.popen("master", master.master_argv(at, POOL_RPC_PORT, POOL_HTTP_PORT),
                env=native.master_env(env), stdout=log, stderr=subprocess.STDOUT)
-  for port in (POOL_RPC_PORT, POOL_HTTP_PORT):  # asked from a node: the bench's own
-    probe = fabric.popen("engine", [sys.executable, "-c", _PROBE, host, str(port), "60"])
-    if probe.wait(90) != 0:  # namespace has no route to the fabric
-      raise RuntimeError(f"the pool's master did not answer on {host}:{port}: {_tail(log.name)}")
-  where = {"pool_master": f"{host}:{POOL_RPC_PORT}",
-           "pool_metadata": f"http://{host}:{POOL_HTTP_PORT}/metadata"}
-  segment_mb = 2 * len(seeds) * (args["prefix"] // PAGE) * args["page_bytes"] // 2**20 + 64
+  for port in (POOL_RPC_PORT, POOL_HTTP_PORT):
+    _wait_for_port(fabric, at, port, "the pool's master", log)
+  where = {"pool_master": f"{at}:{POOL_RPC_PORT}",
+           "pool_metadata": f"http://{at}:{POOL_HTTP_PORT}/metadata"}
+  segment_mb = (2 * len(common["seeds"]) * (common["prefix"] // PAGE) * common["page_bytes"]
+                // 2**20 + 64)
   lend = fabric.popen("lender", [sys.executable, "-m", "jaxkv.worker.tiers.pool.lend",
                                  f"--pool={where['pool_master']}",
                                  f"--pool_metadata={where['pool_metadata']}",
@@ -307,73 +388,177 @@ def _start_lender(fabric, args: dict, seeds: list, env: dict, logdir: str) -> di
   return where
 
 
+def _start_s3(fabric, common: dict, groups: list, env: dict, log) -> dict:
+  """The S3 server and the writer, both on the lender's node: each group's first turns
+  written through to the bucket under the group's prefix."""
+  host = common["host"]
+  fabric.popen("lender", [sys.executable, "-m", "moto.server", "-H", host, "-p", str(S3_PORT)],
+               env=env, stdout=log, stderr=subprocess.STDOUT)
+  _wait_for_port(fabric, host, S3_PORT, "the S3 server", log)
+  where = {"s3": {"driver": "s3", "bucket": S3_BUCKET, "endpoint": f"http://{host}:{S3_PORT}",
+                  "aws_region": "us-east-1"}}
+  writer = fabric.popen("lender", [sys.executable, "-c", _S3_WRITER,
+                                   json.dumps(dict(common, **where, groups=groups))],
+                        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+  _read_result(writer, "the S3 row's writer", 900.0, log.name, "ADDRESS ")
+  return where
+
+
+def _s3_env(env: dict, logdir: str) -> dict:
+  """The S3 row's processes: the S3 server's dummy credentials, and empty AWS config
+  files (TensorStore's AWS library logs an error for each one missing)."""
+  from jaxkv.tools.bench.s3server import CREDENTIALS  # pylint: disable=import-outside-toplevel
+  out = dict(env, **CREDENTIALS)
+  for var, name in (("AWS_CONFIG_FILE", "aws-config"),
+                    ("AWS_SHARED_CREDENTIALS_FILE", "aws-credentials")):
+    out[var] = os.path.join(logdir, name)
+    open(out[var], "w").close()
+  return out
+
+
+def check_tier(tier: str) -> None:
+  """Raises ``InputError`` (one line) when row ``tier`` is unknown or cannot run here."""
+  if tier not in TIERS:
+    raise InputError(f"tier={tier!r} must be one of {tuple(TIERS)}.")
+  if tier == "s3" and importlib.util.find_spec("moto") is None:
+    raise InputError("the fabric's s3 row needs an S3 server: pip install 'moto[server]' (it "
+                     "is in jaxkv's [test] extra), or leave s3 out of the tiers.")
+
+
+def _groups(rates, turns: int, policies, quick: bool, adapt, shared, down) -> dict:
+  """Every run's conversations (seeds), each group under the store prefix its engines
+  open (the S3 row: an engine reads every record of its prefix when it opens); none for
+  a run that does not happen."""
+  per_phase = 4 if quick else 6
+  phases = (0, 1, 2, 3) if adapt is True else (0, 3) if adapt == "lost" else ()
+  return {
+      "points": [(f"p{i}/", [1000 * i + t for t in range(turns)]) for i in range(len(rates))],
+      # The adaptation run's four phases (the last with the lender lost): one engine.
+      "adapt": ("adapt/", [[50_000 + 100 * i + t for t in range(per_phase if i in phases else 0)]
+                           for i in range(4)]),
+      # Two engine nodes' conversations at each shared rate, [rate][node][policy].
+      "shared": [[[(f"shared{i}-{k}-{j}/",
+                    [70_000 + 1000 * i + 100 * k + 10 * j + t for t in range(turns)])
+                   for j in range(len(policies))] for k in range(2)]
+                 for i in range(len(shared or ()))],
+      "down": ("down/", [90_000 + t for t in range(4)] if down else []),
+  }
+
+
 def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
-        prefix: int | None = None, adapt: bool = True, policies=POLICIES,
+        prefix: int | None = None, adapt: bool | str = True, policies=POLICIES,
         tier: str = "remote", shared: list[float] | None = None,
-        down: float | None = None) -> dict:
+        down: float | None = None, compile_cache_dir: str | None = None) -> dict:
   """The sweep (see the module docstring); ``reps`` conversations per point and policy
   (at least 2); ``rates`` (Mbit/s), ``prefix`` (tokens of each turn's cached history),
-  ``adapt`` (the rate-change and lost-lender runs) and ``policies`` (``cost`` and some of
-  the fixed ones) override the suite's own, for the tests. ``tier``: where the first turns
-  are cached (``remote``: a peer's BlockServer; ``pool``: a Mooncake pool whose master and
-  lent segment are on the lender's node). ``shared``: rates at which two engine nodes
-  fetch over the lender's one link at once; ``down``: the rate at which the lender's link
-  is set down in the middle of a fetch (None: neither run)."""
+  ``adapt`` (the rate-change and lost-lender runs; ``"lost"``: the fast phase and the
+  lost lender alone) and ``policies`` (``cost`` and some of the fixed ones) override the
+  suite's own, for the tests. ``tier``: the row, where the first turns are cached
+  (``remote``, ``pool``, ``s3``: the module docstring). ``shared``: rates at which two
+  engine nodes fetch over the lender's one link at once; ``down``: the rate at which the
+  lender's link is set down in the middle of a fetch (None: neither run).
+  ``compile_cache_dir``: where the nodes' processes keep their compiled steps (JAX's
+  persistent compilation cache; default ``$JAX_COMPILATION_CACHE_DIR``, else a directory of
+  the run's own): engines built after the first, and later runs, compile little. (No
+  figure includes a compile: every engine warms up before it is timed.)"""
   if "cost" not in policies or not set(policies) <= set(POLICIES):
     raise InputError(f"policies={policies!r} must name 'cost' and any of {POLICIES}.")
-  if tier not in TIERS:
-    raise InputError(f"tier={tier!r} must be one of {TIERS}.")
+  if adapt not in (True, False, "lost"):
+    raise InputError(f"adapt={adapt!r} must be True, False or 'lost' (the lost lender alone).")
+  check_tier(tier)
   fabric_lib.check_available()
   rates = sorted(rates or _rates(quick))
   turns = max(2, min(reps, 3 if quick else 8))
   prefix = prefix or (512 if quick else 1024)
   link, hit_tier = TIERS[tier]
+  blocks = prefix // PAGE
   args = {"model": MODEL, "page": PAGE, "prefix": prefix, "user": 32, "new": 4,
           "chunk_pages": 8, "deadline_s": 30.0, "down_deadline_s": 3.0, "tier": tier,
           "link": link, "hit_tier": hit_tier, "key": secrets.token_bytes(32).hex(),
           "page_bytes": 2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * PAGE
                         * MODEL["head_dim"] * 4}
-  blocks = prefix // PAGE
-  points = [{"seeds": [1000 * i + t for t in range(turns)], "policies": list(policies)}
-            for i in range(len(rates))]
-  per_phase = 4 if quick else 6
-  adapt_seeds = [[50_000 + 100 * i + t for t in range(per_phase)] for i in range(4)]
-  # Two engine nodes' conversations at each shared rate: [rate][node][policy] -> seeds.
-  shared_seeds = [[[[70_000 + 1000 * i + 100 * k + 10 * j + t for t in range(turns)]
-                    for j in range(len(policies))] for k in range(2)]
-                  for i in range(len(shared or ()))]
-  seeds = ([s for p in points for s in p["seeds"]] + [s for p in adapt_seeds for s in p]
-           + [s for r in shared_seeds for k in r for j in k for s in j]
-           + ([90_000 + t for t in range(4)] if down else []))
+  g = _groups(rates, turns, policies, quick, adapt, shared, down)
+  adapt_store, adapt_seeds = g["adapt"]
+  groups = [(store, seeds) for store, seeds in (
+      g["points"] + [(adapt_store, [s for p in adapt_seeds for s in p])]
+      + [sj for r in g["shared"] for k in r for sj in k] + [g["down"]]) if seeds]
+  biggest = max(len(seeds) for _, seeds in groups)
   args["max_pages"] = (prefix + args["user"] + args["new"]) // PAGE + 2
+  # The S3 row: a disk tier that can adopt every record of its prefix; the writer's host
+  # tier; engines whose device pool holds every block they compute (none written back).
+  args["disk_pages"] = biggest * (blocks + 2) + 16
+  args["host_pages"] = (biggest + 4) * (blocks + 4)
+  # The engines' pages, and the pool's and S3's writers' (the same compiled steps).
+  args["pages"] = (biggest + 1) * (blocks + 4) if tier == "s3" else 4 * (blocks + 4)
   env = child_env(device_count=1, drop=("JAX_PLATFORMS", "JAXKV_DEPLOYMENT_KEY",
                                        "JAXKV_DEPLOYMENT_KEY_FILE"))
-  nodes = {"lender": rates[0], "engine": 100_000.0, **({"engine2": 100_000.0} if shared else {})}
+  nodes = {"lender": rates[0], "engine": 100_000.0, **({"engine2": 100_000.0} if shared else {}),
+           **({"master": 100_000.0} if tier == "pool" else {})}
   # The nodes' logs go to files (a pipe nobody reads would fill and stop them).
   with tempfile.TemporaryDirectory(prefix="jaxkv-fabric-") as logdir, \
        fabric_lib.Fabric(nodes) as fabric:
-    client_args = dict(args, **_start_lender(fabric, args, seeds, env, logdir),
-                       pages=4 * (blocks + 4))
-    clients = [_Client(fabric, n, client_args, env, logdir) for n in nodes if n != "lender"]
+    env = dict(env, JAX_COMPILATION_CACHE_DIR=(compile_cache_dir or env.get(
+        "JAX_COMPILATION_CACHE_DIR") or os.path.join(logdir, "jit")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = _s3_env(env, logdir) if tier == "s3" else env
+    clients = [_Client(fabric, n, args, env, logdir) for n in nodes
+               if n not in ("lender", "master")]  # (they start while the lender does)
+    where = _start_lender(fabric, args, groups, env, logdir)
+    for c in clients:
+      c.ask({"op": "where", "where": where}, "an engine node's start")
     rows = []
-    for rate, point in zip(rates, points):
+    for rate, (store, seeds) in zip(rates, g["points"]):
       fabric.set_rate("lender", rate)
       measured = fabric.measure_mbit("lender", "engine")
-      got = clients[0].ask(point, f"the point at {rate:g} Mbit/s")
+      got = clients[0].ask({"seeds": seeds, "policies": list(policies), "store": store},
+                           f"the point at {rate:g} Mbit/s")
       rows.append({"mbit": rate, "measured_mbit": measured, **got})
       print(f"  {tier} {rate:7g} Mbit/s (measured {measured:7.1f}): " + "  ".join(
           f"{p} p50 {1e3 * statistics.median(got[p]['ttft_s']):6.0f} ms" for p in policies),
           flush=True)
     extra = {}
     if shared:
-      extra["shared"] = _shared(fabric, clients, shared, shared_seeds, policies)
+      extra["shared"] = _shared(fabric, clients, shared, g["shared"], policies)
     if down:
-      extra["link_down"] = _link_down(fabric, clients[0], down, blocks * args["page_bytes"])
+      extra["link_down"] = _link_down(fabric, clients[0], down, blocks * args["page_bytes"],
+                                      g["down"][0])
     if adapt:
-      extra.update(_adapt_and_lose(fabric, clients[0], rates, adapt_seeds, blocks, args))
+      extra.update(_adapt_and_lose(fabric, clients[0], rates, g["adapt"], blocks, args,
+                                   full=adapt != "lost"))
     for c in clients:
       c.proc.stdin.close()
   return {**_figures(rows, blocks, policies, tier), **extra}
+
+
+def run_tiers(tiers=tuple(TIERS), *, quick: bool = False, reps: int = 5,
+              shared: list[float] | None = None, down: float | None = None,
+              compile_cache_dir: str | None = None) -> dict:
+  """The suite: one row per tier in ``tiers`` (each ``run`` with its shared-link and
+  link-down runs; their processes share one compilation cache, ``compile_cache_dir`` or a
+  directory of this call's own). The JSON has each row's figures under ``tiers``, and the
+  remote row's also at the top level, where the suite kept them before it had other rows."""
+  if not tiers:
+    raise InputError(f"tiers={tiers!r} must name at least one of {tuple(TIERS)}.")
+  for tier in tiers:
+    check_tier(tier)
+  rows = {}
+  with tempfile.TemporaryDirectory(prefix="jaxkv-fabric-jit-") as own:
+    for tier in tiers:
+      print(f"fabric: the {tier} row", flush=True)
+      rows[tier] = run(quick=quick, reps=reps, tier=tier, shared=shared or None,
+                       down=down or None, compile_cache_dir=compile_cache_dir or own)
+  return {**rows.get("remote", {}), "tiers": rows}
+
+
+def plot_tiers(result: dict, path: str) -> list[str]:
+  """``plot`` for each row of ``run_tiers``'s result: at ``path`` when there is one row,
+  else at ``path`` with ``-<tier>`` before its extension. Returns the paths written."""
+  rows = result["tiers"]
+  stem, ext = os.path.splitext(path)
+  paths = {t: path if len(rows) == 1 else f"{stem}-{t}{ext}" for t in rows}
+  for tier, row in rows.items():
+    plot(row, paths[tier])
+  return list(paths.values())
 
 
 def _shared(fabric, clients, rates, seeds, policies) -> dict:
@@ -386,7 +571,8 @@ def _shared(fabric, clients, rates, seeds, policies) -> dict:
     got = {}
     for j, policy in enumerate(policies):
       for k, c in enumerate(clients):  # at once: each runs its own conversations
-        c.send({"seeds": seeds[i][k][j], "policies": [policy]})
+        store, group = seeds[i][k][j]
+        c.send({"seeds": group, "policies": [policy], "store": store})
       got[policy] = [c.read(f"the shared link at {rate:g} Mbit/s, {policy}")[policy]
                      for c in clients]
     total = {p: sum(statistics.median(g["ttft_s"]) for g in got[p]) for p in policies}
@@ -407,39 +593,50 @@ def _shared(fabric, clients, rates, seeds, policies) -> dict:
               (r["plan_vs_best_fixed"] for r in out if r["plan_vs_best_fixed"]), default=None)}
 
 
-def _link_down(fabric, client, rate: float, prefix_bytes: int) -> dict:
+def _link_down(fabric, client, rate: float, prefix_bytes: int, store: str) -> dict:
   """Requests that always fetch, with a short read deadline (after one that compiles):
   the first with the lender's link set down while its blocks are on the way (a third of
   the way, at the link's rate), the second while it is still down, the third after it is
   up again."""
   fabric.set_rate("lender", rate)
-  client.ask({"op": "down", "seed": 90_000}, "the link-down engine's warm-up")  # (compiles)
+  client.ask({"op": "down", "seed": 90_000, "store": store},
+             "the link-down engine's warm-up")  # (compiles)
   got = []
   for n, seed in enumerate((90_001, 90_002)):
-    client.send({"op": "down", "seed": seed})
+    client.send({"op": "down", "seed": seed, "store": store})
     if n == 0:  # (the bench's own pacing: the fetch is under way)
       time.sleep(prefix_bytes * 8 / (rate * 1e6) / 3)
       fabric.link("lender", False)
     got.append(client.read(f"a request with the link down ({n})"))
   fabric.link("lender", True)
-  got.append(client.ask({"op": "down", "seed": 90_003}, "a request with the link up again"))
+  got.append(client.ask({"op": "down", "seed": 90_003, "store": store},
+                        "a request with the link up again"))
   return {"mbit": rate, "read_deadline_s": 3.0, "requests": got,
           "fabric_link_down_outputs_equal": all(g["outputs_equal"] for g in got)}
 
 
-def _adapt_and_lose(fabric, client, rates, adapt_seeds, blocks, args) -> dict:
-  """The link fast, then slow, then fast again under one engine; then the lender's
-  processes killed (its node and link stay): misses, not waits."""
+def _adapt_and_lose(fabric, client, rates, adapt, blocks, args, full: bool = True) -> dict:
+  """The link fast, then slow, then fast again under one engine (``adapt``: its store
+  prefix and each phase's seeds; not ``full``: the fast phase alone); then the lender's
+  processes killed (its node and link stay; the pool row's master lives on its own node):
+  misses, not waits."""
+  store, adapt_seeds = adapt
   phases = []
-  for i, rate in enumerate((rates[-1], rates[0], rates[-1])):
+  for i, rate in enumerate((rates[-1], rates[0], rates[-1]) if full else (rates[-1],)):
     fabric.set_rate("lender", rate)
-    got = client.ask({"op": "adapt", "seeds": adapt_seeds[i]}, f"adaptation phase {i}")
+    got = client.ask({"op": "adapt", "seeds": adapt_seeds[i], "store": store},
+                     f"adaptation phase {i}")
     phases.append({"mbit": rate, "requests": got["requests"]})
   killed = fabric.kill("lender")
   lost = {"processes_killed": killed, "read_deadline_s": args["deadline_s"],
           **client.ask({"op": "lost", "seeds": adapt_seeds[3]}, "the lost lender")}
-  return {**_adaptation(phases, blocks), "lender_lost": lost,
-          "fabric_lost_outputs_equal": lost["outputs_equal"]}
+  # How long each request waited on the lost tier: its TTFT past recomputing's (same turn).
+  lost["wait_s"] = [t - r for t, r in zip(lost["ttft_s"], lost["recompute_ttft_s"])]
+  return {**(_adaptation(phases, blocks) if full else {"adaptation": phases}),
+          "lender_lost": lost,
+          "fabric_lost_outputs_equal": lost["outputs_equal"],
+          # (within half a second of it: giving up a read is noticed, not instant)
+          "fabric_lost_within_deadline": max(lost["wait_s"]) <= args["deadline_s"] + 0.5}
 
 
 def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remote") -> dict:
@@ -461,6 +658,7 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
         "plan_blocks_fetched": r["cost"]["blocks_fetched"],
         "plan_blocks_recomputed": r["cost"]["blocks_recomputed"],
         "plan_blocks_split": r["cost"]["blocks_split"],
+        **{f"{p}_hits": r[p]["hits"] for p in policies},  # found in the row's tier
         "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
         "plan_link_mbit_learned": (None if r["cost"]["link_bytes_per_s"] is None
                                    else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
@@ -529,7 +727,8 @@ def plot(result: dict, path: str) -> None:
   ax.set_yscale("log")
   ax.set_xlabel("lender's link (Mbit/s, shaped with tc)")
   ax.set_ylabel("TTFT p50 (ms)")
-  ax.set_title(f"A {result['prefix_tokens']}-token prefix on a remote peer")
+  where = {"remote": "a remote peer", "pool": "a Mooncake pool", "s3": "S3"}
+  ax.set_title(f"A {result['prefix_tokens']}-token prefix on {where[result['tier']]}")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
