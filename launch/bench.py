@@ -30,7 +30,8 @@ hybrid (KV groups on Gemma 3 270M's cache shapes: device bytes of an 8k-token se
 bytes a later turn fetches from host, against keeping every layer's pages);
 fabric (root: a lender and an engine in network namespaces, the lender's link shaped with tc
 from below to above the crossover: always fetch, always recompute and the plan at each rate,
-and the plan across rate changes).
+the plan across rate changes, a lost lender, a shared link and a link set down; one row per
+tier the prefix is found in, --fabric_tiers=remote,pool,s3).
 """
 
 import importlib.util
@@ -47,8 +48,20 @@ _SUITE = flags.DEFINE_enum("suite", "tiers", SUITES, "Which suite to run.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small sizes and few repetitions (CI smoke runs).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per candidate.", lower_bound=1)
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Write the figures here as one JSON object.")
-_PLOT_OUT = flags.DEFINE_string("plot_out", "", "--suite=fabric: draw TTFT against the link's "
-                                "rate, one line per policy, here (PNG; needs matplotlib).")
+_PLOT_OUT = flags.DEFINE_string(
+    "plot_out", "", "--suite=fabric: draw TTFT against the link's rate, one line per policy, "
+    "here (PNG; needs matplotlib; with several --fabric_tiers, one file per row, -<tier> "
+    "before the extension).")
+_FABRIC_TIERS = flags.DEFINE_list(
+    "fabric_tiers", ["remote", "pool", "s3"], "--suite=fabric: the rows to run, where the "
+    "cached prefixes are: remote (a peer's block server), pool (Mooncake), s3 (a disk tier "
+    "in a bucket).")
+_FABRIC_SHARED = flags.DEFINE_list(
+    "fabric_shared", ["400"], "--suite=fabric: link rates (Mbit/s) at which two engine nodes "
+    "fetch over the lender's one link at once (empty: no shared-link run).")
+_FABRIC_DOWN = flags.DEFINE_float(
+    "fabric_down", 400.0, "--suite=fabric: the link rate (Mbit/s) at which the lender's link "
+    "is set down in the middle of a fetch (0: no link-down run).", lower_bound=0.0)
 _LOAD_RPS = flags.DEFINE_float(
     "load_reference_rps", None, "--suite=load: the rate (req/s) its under/near/over arrival "
     "rates are 0.5/0.9/1.5 of, instead of the saturation it measures (to compare two builds "
@@ -95,8 +108,21 @@ def main(argv):
       raise app.UsageError("--plot_out needs matplotlib: pip install matplotlib (or the "
                            "[plot] extra).")
     _common.check_output(_PLOT_OUT.value, "plot_out")
-  if _SUITE.value == "fabric":  # root and iproute2, said in one line before JAX starts
+  if _SUITE.value == "fabric":  # flags, root, iproute2 and moto, said in one line before JAX
     from jaxkv.tools import fabric as fabric_lib
+    from jaxkv.tools.bench import fabric
+    try:
+      shared = [float(r) for r in _FABRIC_SHARED.value]
+    except ValueError:
+      raise app.UsageError(f"--fabric_shared={','.join(_FABRIC_SHARED.value)} must be rates "
+                           "in Mbit/s, comma-separated (or empty).") from None
+    if not _FABRIC_TIERS.value:
+      raise app.UsageError(f"--fabric_tiers= must name rows, some of {tuple(fabric.TIERS)}.")
+    for tier in _FABRIC_TIERS.value:
+      if tier not in fabric.TIERS:
+        raise app.UsageError(f"--fabric_tiers={','.join(_FABRIC_TIERS.value)} names {tier!r}: "
+                             f"the rows are {', '.join(fabric.TIERS)}.")
+      fabric.check_tier(tier)
     fabric_lib.check_available()
   _common.start_jax({"platform": None, "host_device_count": 8})
   t0 = time.perf_counter()
@@ -146,10 +172,11 @@ def main(argv):
     from jaxkv.tools.bench import replicas
     result = replicas.run(quick=_QUICK.value, reps=2 if _QUICK.value else min(_REPS.value, 3))
   elif _SUITE.value == "fabric":
-    from jaxkv.tools.bench import fabric
-    result = fabric.run(quick=_QUICK.value, reps=_REPS.value)
+    result = fabric.run_tiers(_FABRIC_TIERS.value, quick=_QUICK.value, reps=_REPS.value,
+                              shared=shared, down=_FABRIC_DOWN.value,
+                              compile_cache_dir=_common.use_compilation_cache())
     if _PLOT_OUT.value:
-      fabric.plot(result, _PLOT_OUT.value)
+      fabric.plot_tiers(result, _PLOT_OUT.value)
   elif _SUITE.value == "storage":
     from jaxkv.tools.bench import storage
     result = storage.run(quick=_QUICK.value, reps=2 if _QUICK.value else _REPS.value)
