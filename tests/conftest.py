@@ -55,6 +55,7 @@ _SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py"
          "tests/tools/test_lowering.py": 95, "tests/launch/test_serve.py": 93,
          "tests/worker/test_checkpoint.py": 93, "tests/tools/test_load.py": 90,
          "tests/models/test_gguf.py": 85, "tests/models/test_gemma3.py": 60, "tests/tools/test_fabric.py": 50,
+         "tests/tools/test_fabric_rows.py": 55,
          "tests/models/test_gguf_spm.py": 30,
          "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
          "tests/worker/test_tiers.py": 65, "tests/launch/test_pool_launch.py": 35,
