@@ -90,7 +90,9 @@ def _alive(pid: int) -> bool:
 def remove_stale_sockets(parent: str | None = None) -> int:
   """Removes the socket directories (this user's) of fronts that no longer run, in
   ``parent`` (the temporary directory); returns how many. A directory whose front's pid is
-  alive is left, even when the pid was reused: a leftover, never a live front's wire."""
+  alive is left, even when the pid was reused: a leftover, never a live front's wire. (Pids
+  are this PID namespace's: containers that share one temporary directory should each set
+  their own ``TMPDIR``, or a front in one would take another's fronts for gone.)"""
   parent = parent or tempfile.gettempdir()
   removed = 0
   try:
