@@ -8,8 +8,6 @@ no trace count sees: before the plan was warmed for every chain length, the seco
 below compiled ``jit(plan)``).
 """
 
-import time
-
 import httpx
 import numpy as np
 import pytest
@@ -151,12 +149,8 @@ def test_the_server_reports_no_compile_after_warm_up_in_its_metrics(tmp_path):
     for prompt in prompts:
       complete(prompt)
     # The copies down are published once written (on a loaded machine, after the answer).
-    deadline = time.monotonic() + 60
-    while _host_blocks(server) < 6:
-      assert time.monotonic() < deadline, "the evicted blocks never reached the host tier:\n" + (
-          "\n".join(l for l in httpx.get(server.base + "/metrics", timeout=30).text.splitlines()
-                    if not l.startswith("#") and " 0.0" not in l))
-      time.sleep(0.05)
+    helpers.wait_for(lambda: _host_blocks(server) >= 6, 60,
+                     "the first prompt's 6 evicted blocks on the host tier")
     complete(prompts[0] + [11, 12, 13])
     text = httpx.get(server.base + "/metrics", timeout=30).text
   host_hits = [float(l.split()[-1]) for l in text.splitlines()
