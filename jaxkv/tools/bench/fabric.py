@@ -139,15 +139,7 @@ e.cache.worker.close()
 _S3_WRITER = _COMMON + r"""
 import boto3
 s3 = boto3.client("s3", endpoint_url=ARGS["s3"]["endpoint"], region_name="us-east-1")
-end = time.monotonic() + 60
-while True:  # (the server may still be starting)
-  try:
-    s3.create_bucket(Bucket=ARGS["s3"]["bucket"])
-    break
-  except Exception:  # pylint: disable=broad-except
-    if time.monotonic() > end:
-      raise
-    time.sleep(0.2)
+s3.create_bucket(Bucket=ARGS["s3"]["bucket"])  # (the server answers: its port was waited for)
 written = 0
 for store, seeds in ARGS["groups"]:
   e = engine("fetch", (), store=store, writer=True)
@@ -406,14 +398,9 @@ def _start_s3(fabric, common: dict, groups: list, env: dict, log) -> dict:
 
 def _s3_env(env: dict, logdir: str) -> dict:
   """The S3 row's processes: the S3 server's dummy credentials, and empty AWS config
-  files (TensorStore's AWS library logs an error for each one missing)."""
-  from jaxkv.tools.bench.s3server import CREDENTIALS  # pylint: disable=import-outside-toplevel
-  out = dict(env, **CREDENTIALS)
-  for var, name in (("AWS_CONFIG_FILE", "aws-config"),
-                    ("AWS_SHARED_CREDENTIALS_FILE", "aws-credentials")):
-    out[var] = os.path.join(logdir, name)
-    open(out[var], "w").close()
-  return out
+  files."""
+  from jaxkv.tools.bench.s3server import CREDENTIALS, empty_aws_config  # pylint: disable=import-outside-toplevel
+  return dict(env, **CREDENTIALS, **empty_aws_config(logdir))
 
 
 def check_tier(tier: str) -> None:

@@ -22,6 +22,17 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "jaxkv-test", "AWS_SECRET_ACCESS_KEY": "jaxk
                "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def empty_aws_config(directory: str) -> dict:
+  """``{AWS_CONFIG_FILE: path, AWS_SHARED_CREDENTIALS_FILE: path}`` of empty files made in
+  ``directory``: TensorStore's AWS library logs an error for each one missing."""
+  out = {}
+  for var, name in (("AWS_CONFIG_FILE", "aws-config"),
+                    ("AWS_SHARED_CREDENTIALS_FILE", "aws-credentials")):
+    out[var] = os.path.join(directory, name)
+    open(out[var], "w").close()
+  return out
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -37,14 +48,9 @@ class LocalS3:
                        "jaxkv's [test] extra).")
     for k, v in CREDENTIALS.items():
       os.environ.setdefault(k, v)
-    # Empty AWS config files: TensorStore's AWS library logs an error for each missing one.
     self._dir = tempfile.TemporaryDirectory(prefix="jaxkv-s3-")
-    for var, name in (("AWS_CONFIG_FILE", "config"),
-                      ("AWS_SHARED_CREDENTIALS_FILE", "credentials")):
-      if var not in os.environ:
-        path = os.path.join(self._dir.name, name)
-        open(path, "w").close()
-        os.environ[var] = path
+    for var, path in empty_aws_config(self._dir.name).items():
+      os.environ.setdefault(var, path)
     self.port = _free_port()
     self.endpoint = f"http://127.0.0.1:{self.port}"
     self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
