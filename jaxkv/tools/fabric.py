@@ -272,9 +272,9 @@ class Fabric:
                    port: int = 5201) -> float:
     """Real TCP from node ``src`` to node ``dst``: Mbit/s of payload received (the first
     read left out: it arrives before the bucket has drained), ``nbytes`` sent (default:
-    about 1.5 s at ``src``'s shaped rate, at least 4 MB)."""
+    about 1.5 s at ``src``'s shaped rate, at least 1 MiB: 32 times the smallest bucket)."""
     rate = min(self.node(src).mbit, self.node(dst).mbit)
-    nbytes = nbytes or max(4 << 20, int(rate * 1e6 / 8 * 1.5))
+    nbytes = nbytes or max(1 << 20, int(rate * 1e6 / 8 * 1.5))
     wait = DEADLINE_S + 4 * nbytes * 8 / (rate * 1e6)
     receiver = self.popen(dst, [sys.executable, "-c", _RECEIVER, self.node(dst).address,
                                 str(port), str(wait)], stdout=subprocess.PIPE, text=True)
