@@ -658,6 +658,8 @@ def gauges(state) -> dict:
     for name in ("jaxkv_running_requests", "jaxkv_waiting_requests", "jaxkv_referenced_pages"):
       if line.startswith(name + "{"):
         out[name] = float(line.rsplit(" ", 1)[1])
+    if line.startswith("jaxkv_server_requests "):  # the server's own count (no labels)
+      out["jaxkv_server_requests"] = float(line.rsplit(" ", 1)[1])
   return out
 
 
@@ -723,9 +725,11 @@ def test_a_tenants_share_and_full_rows_get_429_and_closed_streams_free_every_pag
   assert int(full.headers["Retry-After"]) >= 1
   assert full.json()["error"]["code"] == "rate_limit_exceeded"
   assert "the server holds" in full.json()["error"]["message"]
+  # The server counted them too (before the core's gauges were read: none had ended).
+  assert busy["jaxkv_server_requests"] == ROWS, busy
   g = wait_idle(state)
   assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
-               "jaxkv_referenced_pages": 0}, g
+               "jaxkv_referenced_pages": 0, "jaxkv_server_requests": 0}, g
   metrics = metrics_text(state)
   assert 'jaxkv_http_requests_total{route="/v1/completions",status="429"}' in metrics
   ok = client(state).completions.create(model=name, prompt=[5, 6, 7], max_tokens=2,
@@ -755,7 +759,7 @@ def test_a_client_that_stops_waiting_aborts_its_request(state, checkpoint):
                        "max_tokens": 480, "ignore_eos": True, "temperature": 0})
     g = wait_idle(state)
     assert g == {"jaxkv_running_requests": 0, "jaxkv_waiting_requests": 0,
-                 "jaxkv_referenced_pages": 0}, g
+                 "jaxkv_referenced_pages": 0, "jaxkv_server_requests": 0}, g
     if aborted(state) > before:
       break
   assert aborted(state) == before + 1  # ended by the disconnect, not by its length
@@ -883,9 +887,9 @@ def parent_of(pid: int) -> int:
 
 def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_core(tmp_path):
   """The engine core runs in a child of the server's process. SIGKILL to the core: the
-  open stream ends with an error event, the waiting request gets an error status, and
-  the server exits 1. SIGKILL to the server: its core stops too (nothing is left
-  holding the devices)."""
+  open stream ends with an error event, the request it had not taken yet gets an error
+  status, and the server exits 1. SIGKILL to the server: its core stops too (nothing is
+  left holding the devices)."""
   server = start([*helpers.SERVE_SHAPES, "--max_waiting=4"], tmp_path)
   try:
     core = json.loads(open(server.ready_file).read())["core_pid"]
@@ -893,20 +897,23 @@ def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_cor
     c = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
     name = c.models.list().data[0].id
     chunks = iter(c.completions.create(model=name, prompt=[5] * 20, max_tokens=200,
-                                       temperature=0, stream=True))
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}))
     next(chunks)
+    # Stopped, the core holds the stream (199 tokens to go) and takes no more steps: the
+    # next request waits in its socket until the kill (a running core could finish both
+    # before a poll saw them).
+    os.kill(core, signal.SIGSTOP)
     got = {}
     waiting = threading.Thread(target=lambda: got.update(r=httpx.post(
         server.base + "/v1/completions", timeout=120,
         json={"model": name, "prompt": [7] * 30, "max_tokens": 200})))
     waiting.start()
 
-    def running() -> float:  # the core's own gauge, through the server's /metrics
-      text = httpx.get(server.base + "/metrics", timeout=30).text
-      return sum(float(l.split()[-1]) for l in text.splitlines()
-                 if l.startswith(("jaxkv_running_requests", "jaxkv_waiting_requests")))
+    def held() -> int:  # counted by the server's process, which answers for a stopped core
+      return httpx.get(server.base + "/health", timeout=30).json()["requests"]
 
-    helpers.wait_for(lambda: running() == 2, 60, "both requests in the engine core")
+    helpers.wait_for(lambda: held() == 2, 60, "both requests held for the engine core")
     os.kill(core, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine failed"):
       for _ in chunks:

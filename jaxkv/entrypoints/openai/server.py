@@ -4,8 +4,10 @@
   POST /v1/chat/completions   messages through the checkpoint's chat template
   GET  /v1/models             the one model served
   GET  /health                200 once the engine takes requests, else 503; "warm": every
-                              step bucket compiled (launch/server.py --warmup)
+                              step bucket compiled (launch/server.py --warmup); "requests":
+                              the requests this server holds for its engine
   GET  /metrics               jaxkv's Prometheus families + HTTP requests by route and status
+                              + the requests held (jaxkv_server_requests)
   POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM names them
 
 Handlers only parse, validate and wait: a request is validated here, its fields by
@@ -42,7 +44,7 @@ from collections.abc import Mapping
 from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.entrypoints.openai import auth, disagg
@@ -111,6 +113,11 @@ class OpenAIServer:
     self.registry = registry or CollectorRegistry(auto_describe=True)
     self.http_requests = Counter("jaxkv_http_requests", "HTTP requests by route and status.",
                                  ["route", "status"], registry=self.registry)
+    # Counted by this process, not the engine's: it answers while the engine core is busy
+    # compiling, or stuck (the core's gauges then time out).
+    Gauge("jaxkv_server_requests", "Requests this server holds for its engine: admitted "
+          "and not yet finished (running or waiting in it).",
+          registry=self.registry).set_function(lambda: self.service.outstanding)
     self.app = self._routes()
 
   # ---- the app --------------------------------------------------------------------------------
@@ -142,7 +149,7 @@ class OpenAIServer:
       # Step buckets compiled (the rest compile while the engine is idle).
       done, total = self.service.warm_progress()
       return {"status": "ok", "warm": done == total, "compiled_buckets": done,
-              "buckets": total}
+              "buckets": total, "requests": self.service.outstanding}
 
     @app.get("/v1/models")
     async def models(request: Request):
