@@ -37,7 +37,9 @@ store calls are doing (a process holds the bytes of its own turns only).
 
 The disk store's health: a store that keeps failing (three batches of reads or writes in
 a row raising: it is down or unreachable) is detached for a cool-down (``available`` is
-False): no reads are planned from it and no writes issued. Writes report to the breaker
+False): no reads are planned from it and no writes issued. A batch of reads none of which
+the store answered by the read deadline detaches it at once (a store that hangs would
+otherwise cost three requests their whole deadline each). Writes report to the breaker
 here, reads through ``record``. Not in a job: a wall-clock cool-down would differ between
 its processes.
 """
@@ -94,12 +96,16 @@ class DiskJournal:
     """Whether the disk tier is attached (not cooling down after repeated failures)."""
     return self.breaker is None or self.breaker.available
 
-  def record(self, ok: bool) -> None:
-    """One batch of reads or writes: the store answered (``ok``) or raised."""
+  def record(self, ok: bool, *, hung: bool = False) -> None:
+    """One batch of reads or writes: the store answered (``ok``) or raised; ``hung``: it
+    answered none of them by the deadline (detached at once)."""
     if self.breaker is None:
       return
     was = self.breaker.available
-    self.breaker.record(ok)
+    if hung:
+      self.breaker.trip()
+    else:
+      self.breaker.record(ok)
     if was and not self.breaker.available:
       self.stats.add("disk_detached")
       logging.warning("disk tier %s keeps failing: detached for %.0f s (requests recompute "

@@ -416,8 +416,9 @@ class TierMover:
       for i, failure in zip(reads.positions, got):
         failures[i] = failure
       if reads.source.tier == Tier.DISK:  # the store answered (bad bytes are answers too)
-        self.journal.record(any(failure not in (Failure.READ_RETRY, Failure.READ_ERROR)
-                                for failure in got))
+        unanswered = (Failure.READ_RETRY, Failure.READ_ERROR, Failure.DEADLINE)
+        self.journal.record(any(failure not in unanswered for failure in got),
+                            hung=bool(got) and all(f == Failure.DEADLINE for f in got))
       if landing is not None:
         pools = self.land(pools, landing)
         arrived.append(landing.stack)

@@ -360,6 +360,8 @@ def test_reads_later_than_the_deadline_become_misses(mesh, tmp_path):
   s = engine.stats()
   assert s["read_timeouts"] == len(held.issued) and s["hits"]["disk"] == 0
   assert s["verify_failures_by_reason"]["deadline"] == len(held.issued)
+  # None answered by the deadline: the store is detached at once, not after two more.
+  assert s["disk_detached"] == 1, s
   held.release()  # the late reads complete into nothing
   assert held.delivered == len(held.issued)
   assert engine.flush(30) == 0
@@ -433,6 +435,42 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   assert engine.stats()["hits"]["disk"] > 0 and engine.stats()["demoted_disk"] == 0
   engine.flush(30)
   assert_clean(engine)
+
+
+def test_an_object_store_that_is_gone_refuses_reads_at_once_and_is_detached(mesh, tmp_path):
+  """The disk tier on an S3 server (moto on loopback) that then stops: each request's
+  reads fail as the store's errors (a refused connection, retried a bounded number of
+  times), not at the read deadline (60 s here); the answers are recompute's; the failed
+  batches detach the store, after which nothing is read from it."""
+  from jaxkv.tools.bench.s3server import LocalS3
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, pages_per_shard=12, max_pages_per_seq=12)
+  prompt = list(range(1, 30))
+  with LocalS3() as s3:
+    tiers = jaxkv.TierConfig(disk_kvstore=s3.kvstore("gone-store", "kv/"), disk_pages=64,
+                             write_policy="write_through", read_deadline_s=60.0)
+    engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
+    want = engine.generate([prompt], 3)
+    engine.flush(30)
+    helpers.forget_device_copies(engine)
+    engine.reset_stats()
+    assert engine.generate([prompt], 3) == want
+    assert engine.stats()["hits"]["disk"] > 0  # read from the store while it is there
+  engine.reset_stats()
+  for _ in range(3):  # the server is gone
+    helpers.forget_device_copies(engine)
+    assert engine.generate([prompt], 3) == want
+    engine.flush(30)
+  s = engine.stats()
+  reasons = s["verify_failures_by_reason"]
+  assert s["hits"]["disk"] == 0 and reasons.get("read_retry", 0) > 0, s
+  assert "deadline" not in reasons and s["read_timeouts"] == 0, reasons  # refused, not waited
+  assert s["disk_detached"] == 1, s
+  helpers.forget_device_copies(engine)
+  engine.reset_stats()
+  assert engine.generate([prompt], 3) == want
+  s = engine.stats()
+  assert not s["verify_failures_by_reason"] and s["disk_detached_drops"] > 0, s  # not read
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])

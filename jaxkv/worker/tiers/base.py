@@ -61,8 +61,12 @@ class Breaker:
       return
     self.failures += 1
     if self.failures >= self.trip_after:
-      self.open_until = time.monotonic() + self.cool_down_s
-      self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
+      self.trip()
+
+  def trip(self) -> None:
+    """Opens now, for ``cool_down_s`` (a failure that needs no repeating to be believed)."""
+    self.open_until = time.monotonic() + self.cool_down_s
+    self.failures = self.trip_after - 1  # after the cool-down, one more failure re-opens
 
 
 @dataclasses.dataclass(frozen=True)

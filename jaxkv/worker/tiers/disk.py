@@ -99,6 +99,13 @@ NOT_A_FILE = "not_a_file"  # ``scan``'s reason for a name that is no regular fil
 _KEPT_AT_OPEN = frozenset({Failure.VERSION, Failure.READ_RETRY, Failure.DEADLINE})
 # TensorStore error codes that mean the stored bytes are wrong, not that reading failed.
 _DAMAGE = ("DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
+# An object store's retries of one request, unless the spec's context sets its own.
+# TensorStore's defaults (32 retries, backing off to 32 s) outlast any read deadline: a
+# store that is gone (a refused connection) cost every request its whole deadline, and
+# the reads ended as timeouts rather than as the store's errors, which the disk tier's
+# breaker counts. Bounded, a refused read fails in well under a second; a store that
+# answers slowly still gets three more tries.
+OBJECT_STORE_RETRIES = {"max_retries": 3, "initial_delay": "50ms", "max_delay": "500ms"}
 
 
 class Gone(Exception):
@@ -120,6 +127,16 @@ def kvstore_spec(location) -> dict:
   if path and not path.endswith("/"):
     spec["path"] = path + "/"  # a path without '/' would glue keys onto it
   return spec
+
+
+def with_bounded_retries(spec: dict) -> dict:
+  """``spec`` with ``OBJECT_STORE_RETRIES`` in its context for an object store's driver
+  (``s3``, ``gcs``) whose spec sets no retries of its own (copied; other drivers as given)."""
+  resource = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}.get(spec["driver"])
+  context = spec.get("context") or {}
+  if resource is None or resource in context:
+    return spec
+  return dict(spec, context={**context, resource: dict(OBJECT_STORE_RETRIES)})
 
 
 def _where(spec: dict) -> str:
@@ -229,6 +246,7 @@ class DiskTier:
     spec["path"] = spec.get("path", "") + RECORDS_PATH
     if self.local:
       spec["file_io_sync"] = False  # flushed once per batch (``sync``)
+    spec = with_bounded_retries(spec)
     try:
       self.kv = ts.KvStore.open(spec).result()
     except Exception as e:  # pylint: disable=broad-except  (bad spec, unreachable store)
