@@ -184,6 +184,9 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
     assert s["verify_failures_by_reason"] == {"deadline": blocks_of(1)}, s
     assert s["hits"]["pool"] == 0 and s["computed_tokens"] == LENGTH, s
     assert s["read_timeouts"] >= 1, s
+    # A get not answered by its deadline opened the gets' breaker at once (each later
+    # request would have waited the deadline too).
+    assert b.cache.worker.pool.get_breaker.open_until > 0
     # Closed while a get is still inside the client (the lender still stopped): the client
     # is left open, not freed under the call, and the call returns into it later.
     assert b.cache.worker.pool._calls.running_after(0) >= 1  # pylint: disable=protected-access
@@ -202,6 +205,44 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
       os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+
+
+def test_a_killed_lender_the_master_still_lists_fails_three_gets_then_none_is_tried(
+    mesh, tmp_path, fresh):
+  """A lender killed while its master still lists its values (the master forgets a silent
+  client after 60 s here): lookups answer, and each get fails to transfer (a miss, counted
+  ``io``, recomputed exactly). Three such gets in a row open the gets' breaker, which the
+  lookups' answers do not close: the next request asks for nothing and reads nothing."""
+  ps = prompts(21, 5)
+  want = fresh.generate(ps, 3)
+  with LocalMaster(log_path=str(tmp_path / "master.log"), flags=("--client_ttl=60",)) as m:
+    proc, put = _start_lender(m, ps)
+    try:
+      assert put >= blocks_of(5)
+      a = pool_engine(mesh, m, segment_mb=0, deadline_s=10.0)
+      pool = a.cache.worker.pool
+      pool.get_breaker.cool_down_s = 600.0  # open for the rest of the test once opened
+      assert a.generate(ps[:1], 3) == want[:1]
+      assert a.stats()["hits"]["pool"] == blocks_of(1)
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait(30)
+      a.reset_stats()
+      for i in (1, 2, 3):
+        assert a.generate([ps[i]], 3) == [want[i]]
+      s = a.stats()
+      assert s["hits"]["pool"] == 0 and s["verify_failures_by_reason"] == {
+          "io": blocks_of(3)}, s
+      assert not pool.get_breaker.available and pool.breaker.available
+      lookups = s["pool_lookups"]
+      assert a.generate([ps[4]], 3) == [want[4]]
+      s = a.stats()
+      assert s["verify_failures_by_reason"] == {"io": blocks_of(3)}, s  # nothing read
+      assert s["hits"]["pool"] == 0 and s["pool_lookups"] == lookups + 1, s
+      close(a)
+    finally:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def test_a_lender_that_keeps_its_registration_but_stops_serving_costs_misses_never_waits(

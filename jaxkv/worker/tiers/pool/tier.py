@@ -28,6 +28,12 @@ gone (evicted, or on a segment whose process died) is ``Failure.GONE``; an error
 client (the master down) is ``Failure.IO``. After three failed calls in a row the pool is
 skipped for a cool-down (``Breaker``): lookups answer nothing and puts are dropped, counted,
 until a call succeeds again (the client reconnects to a restarted master by itself).
+Gets have a breaker of their own (``get_breaker``: their bytes come from the lenders, and a
+lender can be gone while the master, still listing its values, answers every lookup):
+three gets in a row whose every value failed to transfer open it, and so does one get not
+answered by the read deadline (a stopped lender, a link that went down: each later request
+would wait the deadline too). While it is open, or while every get thread is still inside
+the client with a get given up on, lookups answer nothing: requests recompute, no wait.
 
 Puts are written behind, on one thread, from a bounded queue (``pool_queue_mb``; the
 tier's ``PutQueue``, ``jaxkv.worker.tiers.pool.puts``): a put the queue has no room for is
@@ -170,11 +176,16 @@ class PoolTier:
     self.value_bytes = self.record_bytes + (security.Seal.OVERHEAD if key is not None else 0)
     self.master = tiers.pool_master
     self.metadata = metadata_url(tiers.pool_master, tiers.pool_metadata)
-    self.breaker = Breaker(trip_after=3, cool_down_s=5.0)
+    self.breaker = Breaker(trip_after=3, cool_down_s=5.0)  # the master's (and puts')
+    # Gets transfer from the lenders' segments, not from the master: a lender that is gone
+    # while the master still lists its values fails every get while every lookup answers.
+    # Its own breaker, which the lookups' answers do not reset.
+    self.get_breaker = Breaker(trip_after=3, cool_down_s=5.0)
     self.client = None
     self._store = None
     self._gets = None
     self._calls = Calls()
+    self._inside_gets: list = []  # gets submitted that may still be inside the client
     self.put_deadline_s = min(PUT_DEADLINE_S, tiers.read_deadline_s)
     self._puts = PutQueue(tiers, breaker=self.breaker, stats=self.stats,
                           recent_keys=RECENT_KEYS)
@@ -289,9 +300,26 @@ class PoolTier:
     return self._ask(self._lookups, keys, min(LOOKUP_DEADLINE_S, self.tiers.read_deadline_s))
 
   def _ask(self, asker: Asker, keys: list[bytes], timeout_s: float) -> list[bool]:
-    if not keys or self.client is None or not self.breaker.available:
+    if (not keys or self.client is None or not self.breaker.available
+        or not self.get_breaker.available or self.gets_stuck()):
       return [False] * len(keys)
     return asker.ask(self.client.batch_is_exist, [self.name(k) for k in keys], timeout_s)
+
+  def gets_stuck(self) -> bool:
+    """Whether every get thread is still inside the client with an earlier get (given up
+    on at its deadline: a lender that stopped serving, a link that went down). A get
+    submitted now would queue behind them: the pool is then asked nothing and read
+    nothing, as if its breaker were open, until one returns."""
+    self._inside_gets = [f for f in self._inside_gets if not f.done()]
+    if len(self._inside_gets) < GET_THREADS:
+      return False
+    self.stats.add("pool_gets_stuck")
+    return True
+
+  def _submit_get(self, keys: list[bytes]) -> concurrent.futures.Future:
+    future = self._calls.submit(self._gets, self._get, keys)
+    self._inside_gets.append(future)
+    return future
 
   def placed_run(self, keys: list[bytes], timeout_s: float) -> int:
     """How many of ``keys``, from the front, are in the pool as far as this process knows,
@@ -355,8 +383,8 @@ class PoolTier:
     pending = []
     for positions in groups.values():
       keys = [fetches[i].key for i in positions]
-      future = (self._calls.submit(self._gets, self._get, keys) if self.breaker.available
-                else None)
+      future = (self._submit_get(keys) if self.breaker.available
+                and self.get_breaker.available and not self.gets_stuck() else None)
       pending.append((positions, future))
     return None, (tuple(fetches), pending)
 
@@ -372,18 +400,23 @@ class PoolTier:
       try:
         values = future.result(timeout=max(0.0, t_end - time.monotonic()))
       except concurrent.futures.TimeoutError:
+        # Not answered by the read deadline: believed at once (the next requests would
+        # each wait the deadline too), the pool left alone for the cool-down.
         future.cancel()
-        self.breaker.record(False)
+        self.get_breaker.trip()
         for i in positions:
           failures[i] = Failure.DEADLINE
         continue
       except Exception as e:  # pylint: disable=broad-except  (a failed get is a miss)
         logging.warning("pool get failed: %s", e)
-        self.breaker.record(False)
+        self.get_breaker.record(False)
         for i in positions:
           failures[i] = Failure.IO
         continue
-      self.breaker.record(True)
+      # Answered; but a get whose every value failed to transfer (a lender killed while
+      # the master still lists its values) is a failure toward the breaker.
+      self.get_breaker.record(any(code in (NOT_FOUND, BUFFER_TOO_SMALL) or code >= 0
+                                  for code, _ in values))
       for i, (code, value) in zip(positions, values):
         f = fetches[i]
         payload, failures[i] = self._judge(f.key, code, value)
@@ -399,7 +432,7 @@ class PoolTier:
 
   def read_verified(self, keys: list[bytes], t_end: float) -> list[np.ndarray]:
     """Reads and verifies blocks (all in one get) within the deadline; raises on a miss."""
-    future = self._calls.submit(self._gets, self._get, list(keys))
+    future = self._submit_get(list(keys))
     out = []
     for k, (code, value) in zip(keys, future.result(timeout=max(0.0, t_end - time.monotonic()))):
       payload, failure = self._judge(k, code, value)
