@@ -17,6 +17,7 @@ import jaxkv
 from jaxkv.entrypoints.openai import disagg
 from jaxkv.errors import InputError
 from jaxkv.worker.tiers.pool import check_reachable, native
+from jaxkv.worker.tiers.pool.tier import GET_THREADS
 from jaxkv.worker.tiers.pool.master import LocalMaster, free_port
 
 import helpers
@@ -207,34 +208,49 @@ def test_blocks_another_process_lent_are_hits_and_vanish_with_it_or_time_out_whe
       pass
 
 
-def test_a_killed_lender_the_master_still_lists_fails_three_gets_then_none_is_tried(
-    mesh, tmp_path, fresh):
-  """A lender killed while its master still lists its values (the master forgets a silent
-  client after 60 s here): lookups answer, and each get fails to transfer (a miss, counted
-  ``io``, recomputed exactly). Three such gets in a row open the gets' breaker, which the
-  lookups' answers do not close: the next request asks for nothing and reads nothing."""
-  ps = prompts(21, 5)
+def test_a_lender_the_master_still_lists_costs_misses_then_is_not_tried(mesh, tmp_path, fresh):
+  """A lender its master still lists (the master forgets a silent client after 60 s here).
+  Stopped (SIGSTOP): each get waits out the read deadline and stays inside the client;
+  once every get thread holds one, the pool is asked nothing and read nothing, so no
+  request queues behind them. Killed: lookups answer, and each get fails to transfer (a
+  miss, counted ``io``); three such gets in a row open the gets' breaker, which the
+  lookups' answers do not close: the next request asks for nothing and reads nothing.
+  Every answer is recompute's."""
+  ps = prompts(21, 6)
   want = fresh.generate(ps, 3)
   with LocalMaster(log_path=str(tmp_path / "master.log"), flags=("--client_ttl=60",)) as m:
     proc, put = _start_lender(m, ps)
     try:
-      assert put >= blocks_of(5)
-      a = pool_engine(mesh, m, segment_mb=0, deadline_s=10.0)
+      assert put >= blocks_of(6)
+      a = pool_engine(mesh, m, segment_mb=0, deadline_s=1.0)
       pool = a.cache.worker.pool
-      pool.get_breaker.cool_down_s = 600.0  # open for the rest of the test once opened
       assert a.generate(ps[:1], 3) == want[:1]
       assert a.stats()["hits"]["pool"] == blocks_of(1)
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait(30)
+      os.killpg(proc.pid, signal.SIGSTOP)
+      pool.get_breaker.cool_down_s = 0.0  # each request tries the pool again
       a.reset_stats()
-      for i in (1, 2, 3):
+      for _ in range(GET_THREADS + 1):
+        helpers.forget_device_copies(a)
+        assert a.generate(ps[1:2], 3) == want[1:2]
+      s = a.stats()
+      assert s["verify_failures_by_reason"] == {"deadline": blocks_of(1) * GET_THREADS}, s
+      assert s["pool_gets_stuck"] >= 1 and s["hits"]["pool"] == 0, s
+      os.killpg(proc.pid, signal.SIGKILL)  # (the gets inside the client fail and return)
+      proc.wait(30)
+      helpers.wait_for(lambda: not pool.gets_stuck(), 30, "the stuck gets returning")
+      # Closed afresh (after its trips one more failure would reopen it), then open for
+      # the rest of the test once opened.
+      breaker = pool.get_breaker
+      breaker.cool_down_s, breaker.open_until, breaker.failures = 600.0, 0.0, 0
+      a.reset_stats()
+      for i in (2, 3, 4):
         assert a.generate([ps[i]], 3) == [want[i]]
       s = a.stats()
       assert s["hits"]["pool"] == 0 and s["verify_failures_by_reason"] == {
           "io": blocks_of(3)}, s
       assert not pool.get_breaker.available and pool.breaker.available
       lookups = s["pool_lookups"]
-      assert a.generate([ps[4]], 3) == [want[4]]
+      assert a.generate([ps[5]], 3) == [want[5]]
       s = a.stats()
       assert s["verify_failures_by_reason"] == {"io": blocks_of(3)}, s  # nothing read
       assert s["hits"]["pool"] == 0 and s["pool_lookups"] == lookups + 1, s
