@@ -338,19 +338,20 @@ def _start_lender(fabric, args: dict, groups: list, env: dict, logdir: str) -> d
   """Starts the lender node's processes (and the pool row's master), which hold every
   group's conversations' first turns (``groups``: ``(store prefix, seeds)``; the link's
   rate fast meanwhile: a pool's puts cross it); returns what the engine nodes' clients
-  need to find them."""
-  log = open(os.path.join(logdir, "lender.log"), "w")  # pylint: disable=consider-using-with
+  need to find them. (Their output goes to one log file, each holding its own descriptor of
+  it: this process's is closed on return.)"""
   seeds = [s for _, group in groups for s in group]
   common = dict(args, seeds=seeds, host=fabric.node("lender").address)
-  if args["tier"] == "remote":  # (serves from its device pool: every block stays there)
-    lender = fabric.popen("lender", [sys.executable, "-c", _LENDER, json.dumps(dict(
-        common, serve_s=3600.0, pages=len(seeds) * (args["prefix"] // PAGE + 2) + 8))],
-                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    return {"peer": _read_result(lender, "the lender's start", 600.0, log.name, "ADDRESS ")}
-  fabric.set_rate("lender", 100_000.0)
-  if args["tier"] == "s3":
-    return _start_s3(fabric, common, groups, env, log)
-  return _start_pool(fabric, common, env, log)
+  with open(os.path.join(logdir, "lender.log"), "w") as log:
+    if args["tier"] == "remote":  # (serves from its device pool: every block stays there)
+      lender = fabric.popen("lender", [sys.executable, "-c", _LENDER, json.dumps(dict(
+          common, serve_s=3600.0, pages=len(seeds) * (args["prefix"] // PAGE + 2) + 8))],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+      return {"peer": _read_result(lender, "the lender's start", 600.0, log.name, "ADDRESS ")}
+    fabric.set_rate("lender", 100_000.0)
+    if args["tier"] == "s3":
+      return _start_s3(fabric, common, groups, env, log)
+    return _start_pool(fabric, common, env, log)
 
 
 def _start_pool(fabric, common: dict, env: dict, log) -> dict:
