@@ -61,6 +61,8 @@ COUNTERS = {
     "pool_puts": "blocks this process put in the pool",
     "pool_lookups": "prefix lookups asked of the pool",
     "pool_failures": "pool fetches that failed (missing, late, rejected)",
+    "pool_gets_stuck": "times the pool was asked nothing because every get thread was still "
+                       "inside the client with a get given up on",
     "window_blocks_kept": "blocks whose window-group KV was kept for later hits (a model "
                           "with sliding-window layers)",
     "window_blocks_evicted": "kept window-group blocks evicted for room",

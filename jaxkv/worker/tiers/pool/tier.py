@@ -69,6 +69,7 @@ import hashlib
 import hmac
 import queue
 import socket
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -186,6 +187,7 @@ class PoolTier:
     self._gets = None
     self._calls = Calls()
     self._inside_gets: list = []  # gets submitted that may still be inside the client
+    self._inside_lock = threading.Lock()  # (the runner's and the lookup thread's)
     self.put_deadline_s = min(PUT_DEADLINE_S, tiers.read_deadline_s)
     self._puts = PutQueue(tiers, breaker=self.breaker, stats=self.stats,
                           recent_keys=RECENT_KEYS)
@@ -310,15 +312,17 @@ class PoolTier:
     on at its deadline: a lender that stopped serving, a link that went down). A get
     submitted now would queue behind them: the pool is then asked nothing and read
     nothing, as if its breaker were open, until one returns."""
-    self._inside_gets = [f for f in self._inside_gets if not f.done()]
-    if len(self._inside_gets) < GET_THREADS:
-      return False
+    with self._inside_lock:
+      self._inside_gets = [f for f in self._inside_gets if not f.done()]
+      if len(self._inside_gets) < GET_THREADS:
+        return False
     self.stats.add("pool_gets_stuck")
     return True
 
   def _submit_get(self, keys: list[bytes]) -> concurrent.futures.Future:
     future = self._calls.submit(self._gets, self._get, keys)
-    self._inside_gets.append(future)
+    with self._inside_lock:
+      self._inside_gets.append(future)
     return future
 
   def placed_run(self, keys: list[bytes], timeout_s: float) -> int:
