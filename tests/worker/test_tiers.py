@@ -450,6 +450,8 @@ def test_an_object_store_that_is_gone_refuses_reads_at_once_and_is_detached(mesh
     tiers = jaxkv.TierConfig(disk_kvstore=s3.kvstore("gone-store", "kv/"), disk_pages=64,
                              write_policy="write_through", read_deadline_s=60.0)
     engine = helpers.make_engine(mesh, mc, cache=cc, tiers=tiers, max_seqs_per_shard=1)
+    # Once detached, detached for the rest of the test (not tried again after 10 s).
+    engine.cache.worker.mover.journal.breaker.cool_down_s = 600.0
     want = engine.generate([prompt], 3)
     engine.flush(30)
     helpers.forget_device_copies(engine)
