@@ -168,7 +168,9 @@ def device_check_dry_run(tmp_path_factory):
   import helpers
   out = tmp_path_factory.mktemp("device")
   env = helpers.child_env()  # launchers set their own
-  env.update(OUT=str(out), PYTHON=sys.executable)
+  # Its temporary files in a directory of its own: a test can see what a suite left there.
+  (out / "tmp").mkdir()
+  env.update(OUT=str(out), PYTHON=sys.executable, TMPDIR=str(out / "tmp"))
   proc = subprocess.Popen(["bash", "launch/device_check.sh", "--dry_run"], cwd=helpers.ROOT,
                           env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)

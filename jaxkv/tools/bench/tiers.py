@@ -72,6 +72,11 @@ def _files_under(root: str) -> list[str]:
 
 
 def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> dict:
+  """The suite; its disk figures are taken in ``workdir`` (default: a directory of its own,
+  removed on every path: it holds ~100 MB of stores and files)."""
+  if workdir is None:
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-") as own:
+      return run(quick=quick, reps=reps, workdir=own)
   devices = jax.devices()
   data, model = (4, 2) if len(devices) >= 8 else (len(devices), 1)
   mesh = make_mesh(data=data, model=model, devices=devices[:data * model])
@@ -121,7 +126,6 @@ def run(*, quick: bool = False, reps: int = 5, workdir: str | None = None) -> di
   }, reps=reps)
 
   # ---- disk -------------------------------------------------------------------------------
-  workdir = workdir or tempfile.mkdtemp(prefix="jaxkv-bench-")
   n_blocks = data * pages_per_shard
   payload_shape = (n_arrays, config.num_kv_heads, config.page_size, config.head_dim)
   store_root = os.path.join(workdir, "store")
