@@ -45,6 +45,7 @@ from concurrent.futures import Future
 import zmq
 from absl import logging
 
+from jaxkv.pids import pid_alive
 from jaxkv.serving.client import Delta, EngineClient, EngineCommand, EngineFailed, EngineInfo
 from jaxkv.serving.service import Call, EngineLoop, Stop
 
@@ -77,16 +78,6 @@ def _outcome(future: Future) -> tuple[bool, object]:
 SOCKETS_PREFIX = "jaxkv-core-"
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except (PermissionError, OverflowError):  # another user's process; no pid at all
-    return True
-  return True
-
-
 def remove_stale_sockets(parent: str | None = None) -> int:
   """Removes the socket directories (this user's) of fronts that no longer run, in
   ``parent`` (the temporary directory); returns how many. A directory whose front's pid is
@@ -101,7 +92,7 @@ def remove_stale_sockets(parent: str | None = None) -> int:
     return 0
   for name in names:
     pid = name[len(SOCKETS_PREFIX):].split("-", 1)[0]
-    if not name.startswith(SOCKETS_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+    if not name.startswith(SOCKETS_PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
       continue
     path = os.path.join(parent, name)
     try:

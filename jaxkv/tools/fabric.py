@@ -38,6 +38,7 @@ import subprocess
 import sys
 
 from jaxkv.errors import InputError
+from jaxkv.pids import pid_alive
 
 PREFIX = "jxf"
 SUBNET = "198.18.0"  # node i is SUBNET.(i + 1)/24; 198.18.0.0/15 is reserved for benchmarks
@@ -104,16 +105,6 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
   return done
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def namespaces() -> list[str]:
   """Every network namespace's name (``ip netns list``)."""
   return [line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines()
@@ -137,7 +128,7 @@ def remove_stale(prefix: str = PREFIX) -> list[str]:
   those named ``<prefix><pid>...`` whose ``pid`` no longer runs. Returns their names."""
   pattern = re.compile(rf"^{re.escape(prefix)}(\d+)(sw|n\d+)$")
   stale = [name for name in namespaces()
-           if (m := pattern.match(name)) and not _alive(int(m.group(1)))]
+           if (m := pattern.match(name)) and not pid_alive(int(m.group(1)))]
   for name in stale:
     _kill_namespace(name)
   return stale

@@ -33,6 +33,7 @@ by real TCP beside the shaped one (``fabric_link_gbps_measured``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -41,8 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import importlib.util
 
 import numpy as np
 
