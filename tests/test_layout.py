@@ -29,7 +29,7 @@ from jaxkv import _moved
 ROOT = pathlib.Path(helpers.ROOT)
 BASE = ("jaxkv.errors", "jaxkv.config", "jaxkv.security", "jaxkv.stats", "jaxkv.progress",
         "jaxkv.distributed", "jaxkv.buckets", "jaxkv.identity", "jaxkv.metrics", "jaxkv.nnx",
-        "jaxkv.compiles",
+        "jaxkv.compiles", "jaxkv.pids",
         "jaxkv.models", "jaxkv.ops")
 # each role and the roles it may import (besides the basics and itself)
 BELOW = {
