@@ -54,6 +54,8 @@ COUNTERS = {
     "plans_fetch": "requests whose plan fetched every cold block",
     "plans_recompute": "requests whose plan recomputed every cold block",
     "plans_split": "requests whose plan recomputed the front and fetched the back",
+    "splits_timed": "splits that ran alone, timed to learn how much of their recompute and "
+                    "fetch overlapped (CostModel.overlap)",
     "plan_s": "seconds spent planning",
     "calibration_s": "seconds spent calibrating costs",
     "fetch_s": "seconds from issuing fetches to their verification",

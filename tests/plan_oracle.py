@@ -55,7 +55,9 @@ def brute_force(tiers, block_bytes, hot, end, tail_tokens, budget, share, cost_m
         t_fetch = max(t_fetch, link.latency_s
                       + link_bytes[name] / (link.bytes_per_s / max(share[i], 1.0)))
     t_rec = cost_model.prefill.seconds(rounded((s - hot) * page_size), hot * page_size)
-    t = max(t_rec + others[0], t_fetch)
+    # Recompute and fetch at once: the longer hides ``overlap`` of the shorter.
+    busy, wait = t_rec + others[0], t_fetch
+    t = max(busy, wait) + (1.0 - cost_model.overlap) * min(busy, wait)
     if t < best_t - 1e-12 * max(1.0, t):
       best_s, best_t = s, t
   tail = cost_model.prefill.seconds(rounded(tail_tokens), end * page_size)

@@ -13,6 +13,11 @@ and each has a measured price:
 - By recompute. ``PrefillCurve``: prefilling ``n`` tokens after ``c`` cached ones takes
   ``t0 + a*n + b*n*(c + (n-1)/2)`` seconds; attention over a growing context makes it grow
   faster than linearly. The curve is fitted to measured prefill steps (``PrefillCurve.fit``).
+- Both at once (a split). Recomputing the front of a prefix while its back arrives takes
+  ``max(r, f) + (1 - overlap) * min(r, f)`` for ``r`` seconds of recompute and ``f`` of fetch:
+  ``overlap`` 1 when the two hide each other completely (an accelerator computing while a DMA
+  engine copies), less when they share something (on a CPU, the receiving thread takes cycles
+  from the prefill). It starts at 1 and is learned from the splits the engine times.
 
 ``CostModel`` holds the links and the curve of one machine, model and config. It is measured
 (``jaxkv.planning.calibration``), saved and loaded as JSON, and refined by what actually happens (an
@@ -101,6 +106,9 @@ class CostModel:
   # ... and of a link's transfer (a geometric average): links change in steps (another
   # job's traffic, a retuned fabric), and a plan should follow within a few requests.
   link_ewma: float = 0.5
+  # The fraction of the shorter of a split's recompute and fetch that the longer one hides
+  # (module docstring); learned at ``link_ewma``'s pace from the splits the engine times.
+  overlap: float = 1.0
   source: str = "calibrated"
 
   def __post_init__(self):
@@ -110,6 +118,9 @@ class CostModel:
     for name in ("ewma", "link_ewma"):
       if not 0 < getattr(self, name) <= 1:
         raise InputError(f"CostModel.{name}={getattr(self, name)} must be in (0, 1].")
+    if not 0 <= self.overlap <= 1:
+      raise InputError(f"CostModel.overlap={self.overlap} must be in [0, 1] (1: a split's "
+                       "recompute and fetch hide each other completely, 0: they run in series).")
 
   def link(self, name: str) -> LinkCost:
     if name not in self.links:
@@ -150,12 +161,23 @@ class CostModel:
     self.prefill = PrefillCurve(p.t0_s * scale, p.per_token_s * scale,
                                 p.per_token_context_s * scale)
 
+  def observe_split(self, recompute_s: float, fetch_s: float, seconds: float) -> None:
+    """Learns ``overlap`` from one split that ran alone: ``recompute_s`` of recompute
+    (predicted) and ``fetch_s`` of fetch (timed) took ``seconds`` together. Full overlap
+    would take the longer of the two; what it took beyond that, over the shorter one, is
+    the part that did not overlap (an observation outside [0, 1] is clipped)."""
+    shorter = min(recompute_s, fetch_s)
+    if shorter <= 0 or seconds <= 0:
+      return
+    seen = min(max(1.0 - (seconds - max(recompute_s, fetch_s)) / shorter, 0.0), 1.0)
+    self.overlap = (1 - self.link_ewma) * self.overlap + self.link_ewma * seen
+
   # ---- persistence ---------------------------------------------------------------------------
   def to_json(self) -> str:
     return json.dumps({
         "links": {k: dataclasses.asdict(v) for k, v in sorted(self.links.items())},
         "prefill": dataclasses.asdict(self.prefill), "ewma": self.ewma,
-        "link_ewma": self.link_ewma, "source": self.source,
+        "link_ewma": self.link_ewma, "overlap": self.overlap, "source": self.source,
     }, indent=2, sort_keys=True)
 
   @staticmethod
@@ -163,7 +185,8 @@ class CostModel:
     d = json.loads(text)
     return CostModel(links={k: LinkCost(**v) for k, v in d["links"].items()},
                      prefill=PrefillCurve(**d["prefill"]), ewma=d.get("ewma", 0.2),
-                     link_ewma=d.get("link_ewma", 0.5), source=d.get("source", "file"))
+                     link_ewma=d.get("link_ewma", 0.5), overlap=d.get("overlap", 1.0),
+                     source=d.get("source", "file"))
 
   def save(self, path: str) -> None:
     with open(path, "w") as f:
@@ -197,7 +220,8 @@ class CostModel:
     return CostArrays(latency_s=np.asarray(lat, np.float32),
                       bytes_per_s=np.asarray(rate, np.float32),
                       prefill=np.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
-                                         np.float32))
+                                         np.float32),
+                      overlap=np.asarray(self.overlap, np.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -208,6 +232,7 @@ class CostArrays:
   latency_s: jax.Array  # [links]
   bytes_per_s: jax.Array  # [links]
   prefill: jax.Array  # [3]: t0, per token, per token x context
+  overlap: jax.Array  # []: CostModel.overlap
 
 
 def agree_costs(costs: CostModel) -> CostModel:

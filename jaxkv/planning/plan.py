@@ -6,10 +6,14 @@ The rule (per request r and candidate data shard d)
   be computed anyway. For a split point ``s`` in ``[h, e]`` jaxkv recomputes blocks
   ``[h, s)`` while it fetches blocks ``[s, e)``, in parallel, then prefills the rest:
 
-    t(s) = max(t_recompute(h..s), t_fetch(s..e)) + t_prefill(rest | e)
+    t(s) = both(t_recompute(h..s), t_fetch(s..e)) + t_prefill(rest | e)
+    both(r, f) = max(r, f) + (1 - overlap) * min(r, f)
     s*   = argmin_s t(s)         (s = h: fetch everything; s = e: recompute everything)
 
   so a plan is never predicted worse than either pure decision (all fetch, all recompute).
+  ``overlap`` (``CostModel.overlap``, learned from timed splits) is how much of the shorter
+  of the two the longer hides: 1 where they share nothing, less where the fetch's receiving
+  takes cycles the recompute needs (a CPU), so that a split is chosen only where it pays.
 - ``t_recompute`` and ``t_fetch`` come from ``jaxkv.planning.costs``: the measured prefill curve on a
   cached context of ``h*page_size`` tokens (rounded up to the prefill's chunks), and the
   slowest link the fetched bytes cross.
@@ -82,6 +86,12 @@ class Plan:
   t_pred_s: jax.Array  # [R, D] predicted time of the chosen plan (incl. the tail prefill)
   t_fetch_all_s: jax.Array  # [R, D] fetch everything cached (s = hot), plus tail
   t_recompute_all_s: jax.Array  # [R, D] recompute everything (s = cached_end), plus tail
+  # [R, D] the chosen plan's parts: its recompute of [hot, s*) (with the other requests'
+  # recompute on the shard), its fetch of [s*, cached_end), and the tail prefill after them
+  # (t_pred_s = both(recompute, fetch) + tail).
+  t_recompute_s: jax.Array
+  t_fetch_s: jax.Array
+  t_tail_s: jax.Array
   decision: jax.Array  # [R, D] int32 index into DECISIONS
   best_shard: jax.Array  # [R] int32 shard with the lowest predicted time
   # [R, D, 2] seconds of compute the other requests placed on the shard add: their
@@ -137,11 +147,13 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
   feasible = (idx >= hot) & (idx <= end) & (end - idx <= budget) & (absent == 0)
   # The shard's compute is shared like a link: this request's recompute runs in the same
   # batched steps as the other requests' recompute, and its tail prefill with their tails.
-  cost = jnp.where(feasible, jnp.maximum(t_rec + others[0], t_fetch), jnp.inf)
+  # Both at once: the longer hides ``overlap`` of the shorter (the module's rule).
+  both = lambda a, b: jnp.maximum(a, b) + (1.0 - costs.overlap) * jnp.minimum(a, b)
+  cost = jnp.where(feasible, both(t_rec + others[0], t_fetch), jnp.inf)
   s = jnp.argmin(cost).astype(jnp.int32)  # first minimum: ties fetch more, compute less
   at = lambda x, i: x[jnp.clip(i, 0, m)]
   t_fetch_all = jnp.where((end - hot <= budget) & (at(absent, hot) == 0),
-                          jnp.maximum(at(t_fetch, hot), others[0]), jnp.inf)
+                          both(at(t_fetch, hot), others[0]), jnp.inf)
   counts = jnp.stack([jnp.sum((blk >= s) & (blk < end) & (tiers == t)).astype(jnp.int32)
                       if t in (HOST, DISK, REMOTE, SHARD, POOL) else jnp.int32(0)
                       for t in range(NUM_TIERS)])
@@ -151,8 +163,9 @@ def _plan_one(tiers, block_bytes, hot, end, tail_tokens, budget, share, others, 
   marginal = lambda t: jnp.where(t > 0, t - costs.prefill[0], 0.0)
   work = jnp.stack([marginal(at(t_rec, s)), marginal(t_tail)])
   tail = t_tail + others[1]
+  parts = jnp.stack([at(t_rec, s) + others[0], at(t_fetch, s), tail])
   return (s, counts, at(cost, s) + tail, t_fetch_all + tail, at(t_rec, end) + others[0] + tail,
-          decision, work)
+          decision, work, parts)
 
 
 def _plan_all(inputs: PlanInputs, costs: CostArrays, share, others):
@@ -178,8 +191,8 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   """
   r, d, _ = inputs.tiers.shape
   ones = jnp.ones((r, d, len(LINKS)), jnp.float32)
-  s, counts, t_pred, _, _, _, work = _plan_all(inputs, costs, ones,
-                                               jnp.zeros((r, d, 2), jnp.float32))
+  s, counts, t_pred, _, _, _, work, _ = _plan_all(inputs, costs, ones,
+                                                  jnp.zeros((r, d, 2), jnp.float32))
   t_pred = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   best = jnp.argmin(t_pred, axis=1)
   group = (jnp.full((r,), -1, jnp.int32) if inputs.compute_group is None
@@ -199,11 +212,12 @@ def plan(inputs: PlanInputs, costs: CostArrays) -> Plan:
   same = group_of_req[:, None] == inputs.link_group[None, :]  # [R, D]
   users = jnp.einsum("rd,rl->dl", same.astype(jnp.float32), uses.astype(jnp.float32))  # [D, L]
   share = jnp.broadcast_to(jnp.maximum(users, 1.0)[None], (r, d, len(LINKS)))
-  s, counts, t_pred, t_fetch_all, t_rec_all, decision, _ = _plan_all(inputs, costs, share,
-                                                                      others)
+  s, counts, t_pred, t_fetch_all, t_rec_all, decision, _, parts = _plan_all(
+      inputs, costs, share, others)
   t_pred_masked = jnp.where(inputs.valid[:, None], t_pred, jnp.inf)
   return Plan(split=s, fetch_blocks=counts, t_pred_s=t_pred, t_fetch_all_s=t_fetch_all,
-              t_recompute_all_s=t_rec_all, decision=decision,
+              t_recompute_all_s=t_rec_all, t_recompute_s=parts[..., 0],
+              t_fetch_s=parts[..., 1], t_tail_s=parts[..., 2], decision=decision,
               best_shard=jnp.argmin(t_pred_masked, axis=1).astype(jnp.int32),
               others_s=others, link_users=jnp.maximum(users, 1.0))
 

@@ -10,11 +10,14 @@ Decisions: ``cost`` runs the jitted ``jaxkv.planning.plan.plan`` on measured cos
 ``recompute``, ``threshold`` and ``split`` (a forced split point) are fixed rules that
 need no costs, for comparison and tests.
 
+``choices`` gives the same split points with what the plan predicted each part to take
+(``SplitChoice``), so that a split can be timed against its prediction (``observe_split``).
+
 Costs flow one way. The planner never measures: the engine gives it a ``CostModel``
 (calibrated, or loaded from ``SchedulerConfig.cost_model_path``) by setting
 ``planner.costs`` before it plans; a ``cost`` decision without costs is a bug in the
 engine, and ``ensure_costs`` raises. What the runner observes comes back as values
-(``observe_fetch``, ``observe_recompute``) and refines the costs.
+(``observe_fetch``, ``observe_recompute``, ``observe_split``) and refines the costs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jaxkv.planning.costs import CostModel
 from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.planning.plan import Plan, build_inputs, padding_inputs, plan
+from jaxkv.scheduling.step import SplitChoice
 
 if typing.TYPE_CHECKING:
   from jaxkv.scheduling.step import FetchReport
@@ -125,9 +129,13 @@ class Planner:
     """Split point ``s`` of each request ``(tiers of its cached blocks, prompt tokens, data
     shard it runs on)``: blocks ``[hot, s)`` are recomputed, ``[s, end)`` fetched (``hot``
     = leading DEVICE). Requests on one shard share its compute in the plan."""
+    return [c.split for c in self.choices(requests)]
+
+  def choices(self, requests: list[tuple[list[Tier], int, int]]) -> list[SplitChoice]:
+    """``splits``, each with what the plan predicted its parts to take."""
     hot = [next((j for j, t in enumerate(ts) if t != Tier.DEVICE), len(ts))
            for ts, _, _ in requests]
-    out = list(hot)
+    out = [SplitChoice(h) for h in hot]
     cold = [i for i, (ts, _, _) in enumerate(requests) if len(ts) > hot[i]]
     if not cold:
       return out
@@ -136,7 +144,8 @@ class Planner:
       t0 = time.perf_counter()
       result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1,
                          devices=[requests[i][2] for i in cold])
-      chosen = to_host(result.split)[:len(cold), 0]
+      chosen, rec, fetch, tail = (to_host(x)[:len(cold), 0] for x in (
+          result.split, result.t_recompute_s, result.t_fetch_s, result.t_tail_s))
       self.stats.add("plan_s", time.perf_counter() - t0)
     for k, i in enumerate(cold):
       h, end = hot[i], len(requests[i][0])
@@ -150,7 +159,8 @@ class Planner:
         s = h if (end - h) * self.page_size >= sc.threshold_tokens else end
       else:  # "split": forced
         s = min(h + sc.force_split, end)
-      out[i] = s
+      out[i] = (SplitChoice(s, float(rec[k]), float(fetch[k]), float(tail[k]))
+                if sc.decision == "cost" else SplitChoice(s))
       outcome = "recompute" if s == end else "fetch" if s == h else "split"
       self.stats.add("plans_" + outcome)
       logging.debug("plan (decision %s): %d cold blocks, %s: recompute %d, fetch %d",
@@ -193,3 +203,13 @@ class Planner:
     """Refines the prefill curve from a recompute that was timed."""
     if self.costs is not None:
       self.costs.observe_prefill(tokens, context, seconds)
+
+  def observe_split(self, choice: SplitChoice, fetch_s: float, seconds: float) -> None:
+    """Learns how much of a split's recompute and fetch overlapped, from a split that ran
+    alone: its fetch took ``fetch_s`` (timed) and the request ``seconds`` from its placing
+    to its first token, of which the plan's predicted tail prefill is the rest. (Only
+    a split: a request that recomputed or fetched nothing overlapped nothing.)"""
+    if self.costs is None or choice.recompute_s <= 0 or fetch_s <= 0:
+      return
+    self.costs.observe_split(choice.recompute_s, fetch_s, seconds - choice.tail_s)
+    self.stats.add("splits_timed")

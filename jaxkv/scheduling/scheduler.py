@@ -68,7 +68,7 @@ from jaxkv.manager import windows as windows_lib
 from jaxkv.scheduling.publishing import Publishing
 from jaxkv.manager.index import TIER_NAMES, Tier
 from jaxkv.scheduling.step import (DecodeRow, FetchGroup, FetchReport, PrefillChunk, SeqRows,
-                                   StepPlan, StepResult, TierOrders)
+                                   SplitChoice, StepPlan, StepResult, TierOrders)
 
 __all__ = ["BATCHING", "DecodeRow", "FetchGroup", "POLICIES", "PrefillChunk", "RequestHandle", "Scheduler",
            "SeqRows", "StepOutput", "StepPlan", "StepResult", "TierOrders"]
@@ -167,6 +167,8 @@ class _Seq:
   pos: int = 0  # position of the next token fed to decode
   fetches: bool = False  # it waits for blocks from a lower tier
   t_admitted: float = 0.0  # time.perf_counter() when it was placed
+  choice: SplitChoice | None = None  # the plan's split and its predicted parts
+  fetch_s: float = 0.0  # how long its fetch group took, when every block of it arrived
 
 
 def waiting_for_prefix(queue, free: list[list[int]], running, index, num_shards: int
@@ -385,8 +387,8 @@ class Scheduler:
     if self.batching == "waves":
       self.stats.add("waves")
     try:
-      splits = self.planner.splits([(list(p.hit_tiers), len(p.request.tokens), p.shard)
-                                    for p in placed])
+      choices = self.planner.choices([(list(p.hit_tiers), len(p.request.tokens), p.shard)
+                                      for p in placed])
     except BaseException:  # placed, not running: give back what placing took
       for p in placed:
         self._release(p)
@@ -396,7 +398,8 @@ class Scheduler:
       self._orders += TierOrders(demote=evicted)
       raise
     group, fetches, seqs, page = self._step, [], [], self.page
-    for p, s in zip(placed, splits):
+    for p, choice in zip(placed, choices):
+      s = choice.split
       self._held_once.discard(p.request.id)
       for f in p.fetches:
         if f.block < s:  # cached below, but recomputing it is the plan
@@ -406,7 +409,7 @@ class Scheduler:
       req = p.request
       seq = _Seq(handle=self.handles[req.id], placement=p, row=free[p.shard].pop(0),
                  split=s, spans=collections.deque(), recompute_end=s * page,
-                 fetches=bool(mine), t_admitted=time.perf_counter(),
+                 fetches=bool(mine), t_admitted=time.perf_counter(), choice=choice,
                  rows=SeqRows(req.id, p.shard, p.pages, req.num_pages_needed, req.sampling,
                               window_pages=windows_lib.placement_row(p, s, p.cached_blocks)))
       if s > p.hot_blocks:
@@ -469,6 +472,8 @@ class Scheduler:
           cached = s.handle.cached_tokens
           self.planner.observe_recompute(len(s.placement.request.tokens) - cached, cached,
                                          result.t_tokens - s.t_admitted)
+        elif s.fetch_s and len(self.running) == 1:  # fetched alone (and recomputed, if a split)
+          self.planner.observe_split(s.choice, s.fetch_s, result.t_tokens - s.t_admitted)
         s.decoding, s.pos = True, len(s.placement.request.tokens)
       else:
         s.pos += 1
@@ -526,6 +531,8 @@ class Scheduler:
       for f, why in mine:  # verified and still part of the hit: the copy is good
         if why is None and f.block < hit:
           self.publishing.block(p.shard, f.page, p.request.keys, f.block, [])
+      if hit == p.cached_blocks and report is not None:  # every block of it arrived
+        s.fetch_s = report.seconds
       _count_prompt(s, hit, self.page, self.stats, self.manager)
       s.spans.append((max(hit, s.split) * self.page, len(p.request.tokens)))
 

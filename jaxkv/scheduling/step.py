@@ -205,6 +205,20 @@ class TierOrders:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitChoice:
+  """The planner's answer for one request: its split point ``split`` (blocks ``[hot,
+  split)`` recomputed, the rest of its cached chain fetched) and, under the ``cost``
+  decision, the seconds the plan predicted for its parts: the recompute (with the other
+  requests' recompute on its shard), the fetch, and the prefill of the prompt after the
+  cached chain (all 0 under a fixed rule). The scheduler times the split against them."""
+
+  split: int
+  recompute_s: float = 0.0
+  fetch_s: float = 0.0
+  tail_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class SeqRows:
   """What the runner needs of a running request to give it a batch row."""
 

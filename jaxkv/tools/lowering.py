@@ -363,7 +363,8 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   costs = CostArrays(latency_s=jax.ShapeDtypeStruct((len(LINKS),), jnp.float32),
                      bytes_per_s=jax.ShapeDtypeStruct((len(LINKS),), jnp.float32),
-                     prefill=jax.ShapeDtypeStruct((3,), jnp.float32))
+                     prefill=jax.ShapeDtypeStruct((3,), jnp.float32),
+                     overlap=jax.ShapeDtypeStruct((), jnp.float32))
   out.append(Lowerable(f"plan[requests={buckets.MIN_PLAN_ROWS},blocks={page_blocks}]",
                        plan, (jax.tree.map(abstract, inputs), costs)))
   return mesh, out

@@ -19,7 +19,8 @@ def cost_model(rng) -> CostModel:
            for name in LINKS}
   curve = PrefillCurve(float(rng.uniform(0, 5e-3)), float(10 ** rng.uniform(-6, -3)),
                        float(10 ** rng.uniform(-10, -7)))
-  return CostModel(links=links, prefill=curve)
+  o = float(rng.uniform())  # full overlap, none, or some
+  return CostModel(links=links, prefill=curve, overlap=1.0 if o < 0.3 else 0.0 if o < 0.5 else o)
 
 
 def random_inputs(rng, r, d, m, page_size=16, chunk_tokens=0, tail_widths=()):
@@ -99,6 +100,49 @@ def test_linear_costs_give_the_closed_form_split():
   assert math.isclose(out.t_recompute_all_s[0, 0], t_r, rel_tol=1e-4)
   assert math.isclose(out.t_pred_s[0, 0], t_f * t_r / (t_f + t_r), rel_tol=2e-3)
   assert DECISIONS[out.decision[0, 0]] == "split"
+
+
+def test_a_split_whose_halves_do_not_overlap_is_not_chosen_and_overlap_is_learned(tmp_path):
+  """The closed-form example with recompute and fetch in series (overlap 0): a split costs
+  the sum of its halves, so the plan fetches everything (0.16 s against 0.8 s of
+  recompute). ``observe_split`` learns the overlap from what a split took beyond its longer
+  half, clipped to [0, 1]; it round-trips through JSON and is validated."""
+  m = 1250
+  inputs = PlanInputs(
+      tiers=np.full((1, 1, m), HOST, np.int32),
+      block_bytes=np.full((1, 1, m), 10e9 / m, np.float32), hot=np.zeros((1, 1), np.int32),
+      cached_end=np.full((1, 1), m, np.int32), tail_tokens=np.zeros(1, np.int32),
+      free_pages=np.full(1, m, np.int32), inflight_blocks=np.full(1, m, np.int32),
+      link_group=np.zeros(1, np.int32), valid=np.ones(1, bool), page_size=16)
+  link, curve = {"host_to_device": LinkCost(0.0, 64e9)}, PrefillCurve(0.0, 40e-6, 0.0)
+  chosen = lambda overlap: jax.tree.map(np.asarray, plan(inputs, CostModel(
+      links=dict(link), prefill=curve, overlap=overlap).arrays()))
+  serial, half, most = chosen(0.0), chosen(0.5), chosen(0.9)
+  assert DECISIONS[serial.decision[0, 0]] == "fetch"
+  assert math.isclose(serial.t_pred_s[0, 0], 10e9 / 64e9, rel_tol=1e-4)
+  # Half hidden: a block moved from the fetch to the recompute saves 125 us of fetch and
+  # adds half its 640 us of recompute: still fetch everything. Nine tenths hidden: it adds
+  # 64 us, so a split pays, by less than with full overlap (0.1307 s, the closed form).
+  assert DECISIONS[half.decision[0, 0]] == "fetch"
+  assert DECISIONS[most.decision[0, 0]] == "split"
+  assert 0.1307 * 1.05 < most.t_pred_s[0, 0] < 10e9 / 64e9
+  parts = (most.t_recompute_s[0, 0], most.t_fetch_s[0, 0], most.t_tail_s[0, 0])
+  assert math.isclose(most.t_pred_s[0, 0], max(parts[:2]) + 0.1 * min(parts[:2]) + parts[2],
+                      rel_tol=1e-4)
+  model = CostModel(links=dict(link), prefill=curve)
+  assert model.overlap == 1.0
+  for _ in range(20):  # 10 ms of recompute beside 30 ms of fetch took 35 ms: half hidden
+    model.observe_split(0.010, 0.030, 0.035)
+  assert model.overlap == pytest.approx(0.5, abs=1e-4)
+  model.observe_split(0.010, 0.030, 0.020)  # faster than either half: full overlap seen
+  assert model.overlap == pytest.approx(0.75, abs=1e-4)
+  for _ in range(20):
+    model.observe_split(0.010, 0.030, 0.100)  # slower than both in series: none seen
+  assert model.overlap == pytest.approx(0.0, abs=1e-4)
+  model.save(str(tmp_path / "costs.json"))
+  assert CostModel.load(str(tmp_path / "costs.json")).overlap == model.overlap
+  with pytest.raises(ValueError, match="overlap=1.5 must be in"):
+    CostModel(links={}, prefill=curve, overlap=1.5)
 
 
 def test_plan_compiles_once_per_bucket():

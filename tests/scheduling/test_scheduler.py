@@ -75,6 +75,9 @@ class Loop:
     self.failures = {}  # block key -> the Failure its fetch reports
     self.plans = []
     self.groups_issued = {}  # fetch group -> its fetches, as the runner keeps them
+    # When the runner says a step's tokens came, and how long a fetch group took.
+    self.clock = lambda: 0.0
+    self.fetch_seconds = 0.0
 
   def submit(self, prompt, max_new_tokens=3, *, on_token=None, stop=()):
     sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop))
@@ -113,9 +116,11 @@ class Loop:
       # The worker only reports: the scheduler has the manager release the pins and drop
       # the failed chains.
       fetched.append((group, FetchReport(fetches=fetches, failures=failures, blocks=ok,
-                                         bytes=ok * self.config.page_bytes, seconds=0.0,
+                                         bytes=ok * self.config.page_bytes,
+                                         seconds=self.fetch_seconds,
                                          tiers=tuple(sorted({int(f.tier) for f in fetches})))))
-    result = StepResult(tokens=tokens, logits=None, t_tokens=0.0, fetched=tuple(fetched))
+    result = StepResult(tokens=tokens, logits=None, t_tokens=self.clock(),
+                        fetched=tuple(fetched))
     return plan, self.scheduler.update(plan, result)
 
   def run(self, handles, limit=100):
@@ -529,6 +534,39 @@ def test_a_split_recomputes_the_front_while_the_back_is_fetched(loop_factory):
   loop.run([h])
   assert loop.stats["blocks_split"] == 2 and loop.stats.hits["host"] == 2
   assert sum(loop.index.held_slots(0, Tier.HOST).values()) == 0  # unused pins released
+
+
+def test_splits_that_do_not_overlap_teach_the_plan_to_fetch_everything(loop_factory):
+  """Under the cost decision, a request whose 4 cold blocks cost 4 ms each to recompute
+  and 3 ms to fetch splits at 2 (8 ms of recompute beside 6 of fetch, against 12 to fetch
+  everything) while a split's halves are thought to overlap. The runner reports each split
+  taking their sum and more: the overlap learned falls 1 -> 0.5 -> 0.25, and at 0.25 a split
+  (8 + 0.75 x 6 ms) costs more than fetching everything, which the third request does."""
+  from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
+  loop = loop_factory(host_pages=16, chunk_pages=2, decision="cost")
+  costs = CostModel(links={"host_to_device": LinkCost(0.0, loop.config.page_bytes / 3e-3)},
+                    prefill=PrefillCurve(0.0, 1e-3, 0.0))  # a block: 4 ms
+  loop.planner.set_costs(costs)
+  running = lambda: next(iter(loop.scheduler.running.values()))
+  # 24 ms from placing to the first token, 8 of them the tail's one chunk: nothing hidden.
+  loop.clock = lambda: running().t_admitted + 0.024
+  loop.fetch_seconds = 0.006
+  seen = []
+  for k in range(3):
+    tokens = prompt(21, start=1 + 23 * k)
+    loop.put_in_host(tokens, upto=4)
+    h = loop.submit(tokens, max_new_tokens=1)
+    plan, _ = loop.step()
+    seen.append(([f.block for f in plan.fetch.fetches], running().choice))
+    loop.run([h])
+    assert h.tokens == expected(loop, h, 1)
+  assert [blocks for blocks, _ in seen] == [[2, 3], [2, 3], [0, 1, 2, 3]]
+  first = seen[0][1]
+  assert (first.split, first.recompute_s, first.fetch_s, first.tail_s) == pytest.approx(
+      (2, 8e-3, 6e-3, 8e-3), rel=1e-5)
+  assert costs.overlap == pytest.approx(0.25)
+  assert loop.stats["splits_timed"] == 2 and loop.stats["plans_split"] == 2
+  assert loop.stats["plans_fetch"] == 1 and loop.referenced() == 0
 
 
 # ---- orders: evictions, write-through, the journal's pump -------------------------------------------

@@ -180,7 +180,9 @@ def run(point):
         "prefill_s": None if costs is None else costs.prefill.seconds(ARGS["prefix"], 0),
         "page_bytes": e.cache.config.page_bytes,
         "link_bytes_per_s": (costs.links[ARGS["link"]].bytes_per_s
-                             if costs is not None and ARGS["link"] in costs.links else None)}
+                             if costs is not None and ARGS["link"] in costs.links else None),
+        "overlap": None if costs is None else costs.overlap,
+        "splits_timed": s["splits_timed"]}
     e.cache.worker.close()
   first = next(iter(answers.values()))
   out["outputs_equal"] = all(a == first for a in answers.values())
@@ -649,6 +651,10 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
         "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
         "plan_link_mbit_learned": (None if r["cost"]["link_bytes_per_s"] is None
                                    else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
+        # How much of a split's recompute and fetch the plan found hidden (1 at start), from
+        # how many splits it timed.
+        "plan_overlap_learned": r["cost"].get("overlap"),
+        "plan_splits_timed": r["cost"].get("splits_timed"),
         "plan_vs_best_fixed": p50["cost"] / best,
         "outputs_equal": r["outputs_equal"],
         "compiles_after_warmup": max(r[p]["compiles_after_warmup"] for p in policies)})
