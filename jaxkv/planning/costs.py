@@ -162,8 +162,8 @@ class CostModel:
                                 p.per_token_context_s * scale)
 
   def observe_split(self, recompute_s: float, fetch_s: float, seconds: float) -> None:
-    """Learns ``overlap`` from one split that ran alone: ``recompute_s`` of recompute
-    (predicted) and ``fetch_s`` of fetch (timed) took ``seconds`` together. Full overlap
+    """Learns ``overlap`` from one split that ran alone: ``recompute_s`` of recompute and
+    ``fetch_s`` of fetch (as predicted) took ``seconds`` together. Full overlap
     would take the longer of the two; what it took beyond that, over the shorter one, is
     the part that did not overlap (an observation outside [0, 1] is clipped)."""
     shorter = min(recompute_s, fetch_s)

@@ -154,33 +154,47 @@ print("ADDRESS", ARGS["host"], written, flush=True)
 _CLIENT = r"""
 KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split")
 def run(point):
-  out = {}
-  answers = {}
+  # Every policy's engine is built and warmed first; then each conversation's turn is asked
+  # of every policy in a row, a different policy first each time (A B C, B C A, ...): side
+  # by side, so that the machine's drift over the point is every policy's.
+  engines = {}
   for decision in point["policies"]:
     e = engine(decision, [ARGS.get("peer")], store=point.get("store"))
     e.warmup(max_seq_len=ARGS["prefix"] + ARGS["user"] + ARGS["new"])  # (calibrates: cost)
+    engines[decision] = e
+  for e in engines.values():  # (compiles are counted per process: from here, for every engine)
+    e.mark_warm()
     e.reset_stats()
-    t0 = time.perf_counter()
-    answers[decision], per_request = [], []
-    for seed in point["seeds"]:
+  answers = {d: [] for d in engines}
+  per_request = {d: [] for d in engines}
+  seconds = dict.fromkeys(engines, 0.0)
+  order = list(engines)
+  for i, seed in enumerate(point["seeds"]):
+    for decision in order[i % len(order):] + order[:i % len(order)]:
+      e = engines[decision]
       before = e.stats()
+      t0 = time.perf_counter()
       answers[decision].append(e.generate([turn(seed)], ARGS["new"])[0])
+      seconds[decision] += time.perf_counter() - t0
       after = e.stats()
-      per_request.append({k: after[k] - before[k] for k in KEPT})
-    seconds = time.perf_counter() - t0
+      per_request[decision].append({k: after[k] - before[k] for k in KEPT})
+  out = {}
+  for decision, e in engines.items():
     s = e.stats()
     costs = e.costs
     out[decision] = {
-        "ttft_s": s["ttft_s"], "seconds": seconds,
-        "tokens_per_s": len(point["seeds"]) * ARGS["new"] / seconds,
+        "ttft_s": s["ttft_s"], "seconds": seconds[decision],
+        "tokens_per_s": len(point["seeds"]) * ARGS["new"] / seconds[decision],
         "blocks_fetched": s["blocks_fetched"], "blocks_recomputed": s["blocks_recomputed"],
         "blocks_split": s["blocks_split"], "hits": s["hits"].get(ARGS["hit_tier"], 0),
         "compiles_after_warmup": s["compiles_after_warmup"],
-        "per_request": per_request,
+        "per_request": per_request[decision],
         "prefill_s": None if costs is None else costs.prefill.seconds(ARGS["prefix"], 0),
         "page_bytes": e.cache.config.page_bytes,
         "link_bytes_per_s": (costs.links[ARGS["link"]].bytes_per_s
                              if costs is not None and ARGS["link"] in costs.links else None),
+        "link_latency_s": (costs.links[ARGS["link"]].latency_s
+                           if costs is not None and ARGS["link"] in costs.links else None),
         "overlap": None if costs is None else costs.overlap,
         "splits_timed": s["splits_timed"]}
     e.cache.worker.close()
@@ -643,6 +657,7 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
         "mbit": r["mbit"], "measured_mbit": r["measured_mbit"],
         **{f"{p}_ttft_p50_s": p50[p] for p in policies},
         **{f"{p}_ttft_p90_s": _pct(r[p]["ttft_s"], 90) for p in policies},
+        **{f"{p}_ttft_each_s": r[p]["ttft_s"] for p in policies},  # in the order asked
         **{f"{p}_tokens_per_s": r[p]["tokens_per_s"] for p in policies},
         "plan_blocks_fetched": r["cost"]["blocks_fetched"],
         "plan_blocks_recomputed": r["cost"]["blocks_recomputed"],
@@ -653,6 +668,8 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
                                    else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
         # How much of a split's recompute and fetch the plan found hidden (1 at start), from
         # how many splits it timed.
+        "plan_link_latency_ms_learned": (None if r["cost"].get("link_latency_s") is None
+                                         else r["cost"]["link_latency_s"] * 1e3),
         "plan_overlap_learned": r["cost"].get("overlap"),
         "plan_splits_timed": r["cost"].get("splits_timed"),
         "plan_vs_best_fixed": p50["cost"] / best,
