@@ -202,6 +202,11 @@ class CacheManager:
     bytes are still there until the caller overwrites them)."""
     return self.index.allocate_evicting(shard, n, tier)
 
+  def allocate_empty(self, shard: int, n: int, tier: Tier = Tier.DEVICE) -> list[int] | None:
+    """``n`` referenced slots of ``tier`` that held no block (nothing evicted), or None:
+    scratch pages (``PrefixIndex.allocate_empty``); ``release`` gives them back."""
+    return self.index.allocate_empty(shard, n, tier)
+
   def acquire(self, shard: int, slots: Sequence[int], tier: Tier = Tier.DEVICE) -> None:
     self.index.acquire(shard, slots, tier)
 

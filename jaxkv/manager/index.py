@@ -248,6 +248,19 @@ class PrefixIndex:
     evicted blocks need nothing more (``allocate_evicting`` says which they were)."""
     return self.allocate_evicting(shard, n, tier)[0]
 
+  def allocate_empty(self, shard: int, n: int, tier: Tier = Tier.DEVICE) -> list[int] | None:
+    """``n`` slots that hold no block, with refcount 1, evicting nothing; None (and nothing
+    changed) when fewer than ``n`` are empty. Scratch for work that must not cost a cached
+    block (calibration's steps). A scan of the free queue: not for the serving path."""
+    pool = self._pool(tier, shard)
+    empty = [p for p in pool.free_queue if pool.key_of_slot[p] is None][:n]
+    if len(empty) < n:
+      return None
+    for p in empty:
+      pool.free_queue.pop(p)
+      pool.refcount[p] = 1
+    return empty
+
   def allocate_evicting(self, shard: int, n: int, tier: Tier = Tier.DEVICE
                         ) -> tuple[list[int] | None, tuple[tuple[Key, int], ...]]:
     """``(slots, evicted)``: ``n`` fresh slots with refcount 1 and the cached blocks

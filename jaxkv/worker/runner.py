@@ -491,17 +491,34 @@ class ModelRunner:
     tokens, _, _ = self.decode(self.decode_batch([], num_rows), table, carry, count=False)
     warm_gathers(carry, tokens)  # (a job's steps read their tokens back with to_host)
 
-  def time_prefill_step(self, num_rows: int, width: int, timer: Callable, kv_len: int = 0
-                        ) -> float:
+  def time_prefill_step(self, num_rows: int, width: int, timer: Callable, kv_len: int = 0,
+                        pages: Sequence[int] | None = None) -> float:
     """``timer(step)`` of one prefill step at a (rows, width) bucket whose rows attend over
     ``kv_len`` tokens of context each (pages of the table: page 0, read only). Its tokens
     have no position, so nothing is written and no page changes: the step costs what a
-    chunk's weights and its attention over that context cost, on a cache in use too."""
-    table = self._tables(np.zeros((num_rows, width), np.int32))
-    batch = self.prefill_batch([], num_rows)
-    if kv_len:
-      batch = dataclasses.replace(batch, kv_lens=self.cache.put_rows(
-          np.full((num_rows,), kv_len, np.int32)))
+    chunk's weights and its attention over that context cost, on a cache in use too.
+
+    ``pages`` (one device page per data shard, the caller's to write): the rows' tokens
+    are the chunk that ends at ``kv_len`` (at least a chunk), every table entry is the
+    shard's page, and the window group's table is its page 0 (never handed out). A model
+    with a window group needs that: its local layers attend only over the window before
+    their queries' positions, and a query with no position sees nothing there, so a step
+    of padding alone would price them at no attention at all. Its tokens are written, into
+    those pages only."""
+    if pages is None:
+      table = self._tables(np.zeros((num_rows, width), np.int32))
+      batch = self.prefill_batch([], num_rows)
+      if kv_len:
+        batch = dataclasses.replace(batch, kv_lens=self.cache.put_rows(
+            np.full((num_rows,), kv_len, np.int32)))
+    else:
+      per_shard = num_rows // len(pages)
+      table = self._tables(np.repeat(np.asarray(pages, np.int32), per_shard)[:, None]
+                           .repeat(width, axis=1))
+      n = self.chunk_tokens
+      start = max(kv_len, n) - n
+      batch = self.prefill_batch([(r, [0] * n, start, False) for r in range(num_rows)],
+                                 num_rows, width=n)
 
     def step():
       carry = self.cache.put_rows(np.zeros((num_rows,), np.int32))

@@ -1,4 +1,5 @@
-"""Calibration prices a prefill from steps that attend over real context, and touches no page.
+"""Calibration prices a prefill from steps that attend over real context, and touches no page
+in use.
 
 A prefill step of padding alone attends over nothing (the attention loop runs only over the
 chunks below the longest row's length), so a curve fitted to such steps prices every chunk as
@@ -42,5 +43,54 @@ def test_the_calibrated_prefill_grows_with_the_context_and_leaves_the_cache_as_i
   # answers as it did.
   for a, b in zip(before, engine.cache.worker.pools):
     np.testing.assert_array_equal(a, np.asarray(b))
+  assert engine.generate([prompt], 4) == want
+  assert engine.stats()["hits"].get("device", 0) > 0
+
+
+def _changed_pages(before, after, num_shards):
+  """``{(shard, page)}`` whose bytes differ in any of the pools (pages on axis ndim - 3,
+  split evenly over the data shards)."""
+  out = set()
+  for a, b in zip(before, after):
+    b = np.asarray(b)
+    axis = a.ndim - 3
+    per_shard = a.shape[axis] // num_shards
+    differs = np.any(np.moveaxis(a != b, axis, 0).reshape(a.shape[axis], -1), axis=1)
+    out |= {(int(g) // per_shard, int(g) % per_shard) for g in np.flatnonzero(differs)}
+  return out
+
+
+def test_a_window_models_steps_attend_with_positions_writing_one_empty_page_per_shard(mesh):
+  """A model with a window group (a small random Gemma 3: local layers see 40 tokens) is
+  timed with steps whose tokens have positions: a query with none sees nothing through a
+  sliding window, and a curve fitted to such steps priced the local layers' attention at
+  nothing. Their tokens are written into one empty device page per shard taken for the
+  purpose (and the window group's page 0, which no sequence is ever given); no other page
+  changes, the pages are given back, and the cached prompt still answers as it did.
+  (Planted: steps with no positions write no page -> the first assertion fails.)"""
+  from jaxkv.models import gemma3
+  from flax import nnx
+  cfg = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_heads=4,
+                            num_kv_heads=2, head_dim=32, mlp_dim=128, sliding_window=40,
+                            global_every=3)
+  model = gemma3.Gemma3(cfg, rngs=nnx.Rngs(0))
+  cc = jaxkv.CacheConfig.for_model(model, page_size=8, pages_per_shard=48,
+                                   max_pages_per_seq=32, attention_chunk_pages=4)
+  engine = jaxkv.Engine(model, jaxkv.KVCache(cc, mesh),
+                        jaxkv.EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=2),
+                        scheduler=jaxkv.SchedulerConfig(decision="fetch"))
+  prompt = np.random.default_rng(0).integers(1, 128, 120).tolist()
+  want = engine.generate([prompt], 4)
+  worker, index, shards = engine.cache.worker, engine.cache.index, engine.cache.num_shards
+  blocks_before = [np.asarray(x) for x in worker.pools]
+  windows_before = [np.asarray(x) for x in worker.window_pools]
+  assert windows_before  # (the model has a window group)
+  calibration.calibrate(engine.cache, engine.runner, max_seqs_per_shard=1)
+  written = _changed_pages(blocks_before, worker.pools, shards)
+  assert sorted(s for s, _ in written) == list(range(shards)), written  # one page per shard
+  assert all(index.key_of(s, p) is None for s, p in written)  # empty before, and still
+  assert {p for _, p in _changed_pages(windows_before, worker.window_pools, shards)} <= {0}
+  assert all(not index.held_slots(s) for s in range(shards))  # given back
+  index.check_invariants()
   assert engine.generate([prompt], 4) == want
   assert engine.stats()["hits"].get("device", 0) > 0
