@@ -319,8 +319,8 @@ class PoolTier:
     self.stats.add("pool_gets_stuck")
     return True
 
-  def _submit_get(self, keys: list[bytes]) -> concurrent.futures.Future:
-    future = self._calls.submit(self._gets, self._get, keys)
+  def _submit_get(self, keys: list[bytes], fn=None) -> concurrent.futures.Future:
+    future = self._calls.submit(self._gets, fn or self._get, keys)
     with self._inside_lock:
       self._inside_gets.append(future)
     return future
@@ -344,6 +344,13 @@ class PoolTier:
     return local + run
 
   # ---- FetchSource -----------------------------------------------------------------------------
+  def _timed_get(self, keys: list[bytes]) -> tuple[list, float]:
+    """``_get``, and ``time.perf_counter()`` when its bytes were in: a fetch's link is timed
+    to then (``FetchOutcome.arrived``), not to when the step came to wait for it (a split's
+    recompute ran meanwhile: timed to the wait, the link looked as slow as that compute,
+    and the plan split again)."""
+    return self._get(keys), time.perf_counter()
+
   def _get(self, keys: list[bytes]) -> list[tuple[int, memoryview | None]]:
     """``(code, value)`` per key: ``code`` the bytes read or Mooncake's error code."""
     slab = self._slabs.get(timeout=60)
@@ -387,7 +394,7 @@ class PoolTier:
     pending = []
     for positions in groups.values():
       keys = [fetches[i].key for i in positions]
-      future = (self._submit_get(keys) if self.breaker.available
+      future = (self._submit_get(keys, self._timed_get) if self.breaker.available
                 and self.get_breaker.available and not self.gets_stuck() else None)
       pending.append((positions, future))
     return None, (tuple(fetches), pending)
@@ -396,13 +403,15 @@ class PoolTier:
     fetches, pending = handle
     failures: list = [None] * len(fetches)
     staged = []
+    arrived = None  # when the last answered get had its bytes
     for positions, future in pending:
       if future is None:
         for i in positions:
           failures[i] = Failure.BREAKER
         continue
       try:
-        values = future.result(timeout=max(0.0, t_end - time.monotonic()))
+        values, t_in = future.result(timeout=max(0.0, t_end - time.monotonic()))
+        arrived = t_in if arrived is None else max(arrived, t_in)
       except concurrent.futures.TimeoutError:
         # Not answered by the read deadline: believed at once (the next requests would
         # each wait the deadline too), the pool left alone for the cool-down.
@@ -426,7 +435,7 @@ class PoolTier:
         payload, failures[i] = self._judge(f.key, code, value)
         if payload is not None:
           staged.append((f.shard, f.page, payload))
-    return FetchOutcome(stage(staged) if staged else None, tuple(failures))
+    return FetchOutcome(stage(staged) if staged else None, tuple(failures), arrived=arrived)
 
   def _remove(self, key: bytes) -> None:
     try:
