@@ -163,7 +163,7 @@ class CostModel:
 
   def observe_split(self, recompute_s: float, fetch_s: float, seconds: float) -> None:
     """Learns ``overlap`` from one split that ran alone: ``recompute_s`` of recompute and
-    ``fetch_s`` of fetch (as predicted) took ``seconds`` together. Full overlap
+    ``fetch_s`` of fetch took ``seconds`` together. Full overlap
     would take the longer of the two; what it took beyond that, over the shorter one, is
     the part that did not overlap (an observation outside [0, 1] is clipped)."""
     shorter = min(recompute_s, fetch_s)

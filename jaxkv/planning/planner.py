@@ -204,14 +204,17 @@ class Planner:
     if self.costs is not None:
       self.costs.observe_prefill(tokens, context, seconds)
 
-  def observe_split(self, choice: SplitChoice, seconds: float) -> None:
+  def observe_split(self, choice: SplitChoice, fetch_s: float, seconds: float) -> None:
     """Learns how much of a split's recompute and fetch overlapped, from a split that ran
-    alone and fetched every block it planned to: the request took ``seconds`` from its
-    placing to its first token, against the plan's prediction of its parts. (Predicted,
-    not timed: a fetch's own clock can run on behind the recompute queued before its
-    copies, which would take the recompute for part of the fetch. Only a split: a request
-    that recomputed or fetched nothing overlapped nothing.)"""
-    if self.costs is None or choice.recompute_s <= 0 or choice.fetch_s <= 0:
+    alone and fetched every block it planned to: its fetch took ``fetch_s`` (the report's
+    time, to when the bytes arrived where the tier says so) and the request ``seconds``
+    from its placing to its first token, of which the plan's predicted tail prefill is
+    the rest; its recompute is taken as predicted. (The fetch as timed, not as predicted:
+    a link slower than its estimate would otherwise be taken for recompute and fetch that
+    did not overlap, and the plan would stop splitting, and so stop timing the link, just
+    when it needs to learn it. Only a split: a request that recomputed or fetched nothing
+    overlapped nothing.)"""
+    if self.costs is None or choice.recompute_s <= 0 or choice.fetch_s <= 0 or fetch_s <= 0:
       return
-    self.costs.observe_split(choice.recompute_s, choice.fetch_s, seconds - choice.tail_s)
+    self.costs.observe_split(choice.recompute_s, fetch_s, seconds - choice.tail_s)
     self.stats.add("splits_timed")

@@ -168,7 +168,9 @@ class _Seq:
   fetches: bool = False  # it waits for blocks from a lower tier
   t_admitted: float = 0.0  # time.perf_counter() when it was placed
   choice: SplitChoice | None = None  # the plan's split and its predicted parts
-  fetched_all: bool = False  # its fetch group settled with every block of it verified
+  # How long its fetch group took (FetchReport.seconds), once settled with every block of it
+  # verified; 0 until then, or when some block failed.
+  fetch_s: float = 0.0
 
 
 def waiting_for_prefix(queue, free: list[list[int]], running, index, num_shards: int
@@ -472,8 +474,8 @@ class Scheduler:
           cached = s.handle.cached_tokens
           self.planner.observe_recompute(len(s.placement.request.tokens) - cached, cached,
                                          result.t_tokens - s.t_admitted)
-        elif s.fetched_all and len(self.running) == 1:  # fetched alone (and recomputed, if a split)
-          self.planner.observe_split(s.choice, result.t_tokens - s.t_admitted)
+        elif s.fetch_s and len(self.running) == 1:  # fetched alone (and recomputed, if a split)
+          self.planner.observe_split(s.choice, s.fetch_s, result.t_tokens - s.t_admitted)
         s.decoding, s.pos = True, len(s.placement.request.tokens)
       else:
         s.pos += 1
@@ -531,7 +533,8 @@ class Scheduler:
       for f, why in mine:  # verified and still part of the hit: the copy is good
         if why is None and f.block < hit:
           self.publishing.block(p.shard, f.page, p.request.keys, f.block, [])
-      s.fetched_all = hit == p.cached_blocks and report is not None
+      if hit == p.cached_blocks and report is not None:
+        s.fetch_s = report.seconds
       _count_prompt(s, hit, self.page, self.stats, self.manager)
       s.spans.append((max(hit, s.split) * self.page, len(p.request.tokens)))
 
