@@ -666,10 +666,10 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
         "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
         "plan_link_mbit_learned": (None if r["cost"]["link_bytes_per_s"] is None
                                    else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
-        # How much of a split's recompute and fetch the plan found hidden (1 at start), from
-        # how many splits it timed.
         "plan_link_latency_ms_learned": (None if r["cost"].get("link_latency_s") is None
                                          else r["cost"]["link_latency_s"] * 1e3),
+        # How much of a split's recompute and fetch the plan found hidden (1 at start), from
+        # how many splits it timed.
         "plan_overlap_learned": r["cost"].get("overlap"),
         "plan_splits_timed": r["cost"].get("splits_timed"),
         "plan_vs_best_fixed": p50["cost"] / best,
