@@ -15,6 +15,7 @@ Nothing here is a constant: a different machine, model or config measures differ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -119,22 +120,25 @@ def _pool_link(cache, reps: int) -> LinkCost:
   return _line(points)
 
 
-def _scratch_pages(cache) -> list[int] | None:
+@contextlib.contextmanager
+def _scratch_pages(cache):
   """One empty device page per data shard for the prefill steps of a model with a window
-  group to write (``ModelRunner.time_prefill_step``), or None (and a warning) when a shard
-  has none: then its local layers are priced at no attention."""
+  group to write (``ModelRunner.time_prefill_step``), given back on leaving; None (and a
+  warning) when a shard has none: then its local layers are priced at no attention."""
   pages = []
-  for shard in range(cache.num_shards):
-    got = cache.manager.allocate_empty(shard, 1)
-    if got is None:
-      for s, page in enumerate(pages):
-        cache.manager.release(s, [page])
-      logging.warning("calibration: data shard %d has no empty device page for the prefill "
-                      "steps to write; the window group's layers are priced at no attention",
-                      shard)
-      return None
-    pages.append(got[0])
-  return pages
+  try:
+    for shard in range(cache.num_shards):
+      got = cache.manager.allocate_empty(shard, 1)
+      if got is None:
+        logging.warning("calibration: data shard %d has no empty device page for the "
+                        "prefill steps to write; the window group's layers are priced at no "
+                        "attention", shard)
+        break
+      pages.append(got[0])
+    yield pages if len(pages) == cache.num_shards else None
+  finally:
+    for shard, page in enumerate(pages):
+      cache.manager.release(shard, [page])
 
 
 def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> PrefillCurve:
@@ -148,16 +152,12 @@ def _prefill_curve(cache, runner, max_seqs_per_shard: int, reps: int) -> Prefill
   rows = cache.num_shards * min(buckets.pow2_at_least(max_seqs_per_shard), max_seqs_per_shard)
   widths = sorted({buckets.table_width(p, c) for p in range(1, c.max_pages_per_seq + 1)})
   step_s, below = {}, 0
-  pages = _scratch_pages(cache) if c.has_windows else None
-  try:
+  with (_scratch_pages(cache) if c.has_windows else contextlib.nullcontext()) as pages:
     for w in widths:
       middle = max(chunk, (below + w) * c.page_size // 2)
       step_s[w] = runner.time_prefill_step(rows, w, lambda step: _median_time(step, reps),
                                            kv_len=min(middle, w * c.page_size), pages=pages)
       below = w
-  finally:
-    for shard, page in enumerate(pages or ()):
-      cache.manager.release(shard, [page])
   width_of = lambda tokens: buckets.table_width(-(-tokens // c.page_size), c)
   samples = []
   max_tokens = c.max_seq_len
