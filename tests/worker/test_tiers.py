@@ -1,5 +1,6 @@
 """Host and disk tiers: exact round trips, exact generation, and faults on real stores."""
 
+import dataclasses
 import fcntl
 import os
 import select
@@ -435,6 +436,38 @@ def test_a_store_that_keeps_failing_is_detached_for_a_cool_down(mesh, tmp_path):
   assert engine.stats()["hits"]["disk"] > 0 and engine.stats()["demoted_disk"] == 0
   engine.flush(30)
   assert_clean(engine)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_disk_fetch_says_when_its_reads_ended_not_when_it_was_waited_for(tmp_path, s3, where):
+  """Reads that end while the caller computes (a split's front) are timed to their end:
+  ``FetchOutcome.arrived`` lies between their start and the wait, so the plan learns the
+  store's link from its reads, not from the compute beside them."""
+  shape = (4, 2, 4, 8)
+  location = str(tmp_path / "d") if where == "local" else s3.kvstore("arrivals", "kv/")
+  disk = DiskTier(location, num_slots=8, payload_shape=shape, dtype="float32",
+                  fingerprint=b"f" * 32)
+  payloads = [np.full(shape, i, np.float32) for i in range(3)]
+  keys = [bytes([i + 1]) * 32 for i in range(3)]
+  for key, payload in zip(keys, payloads):
+    disk.write(key, payload, None).result()
+  fetches = [Fetch(request=0, block=j, shard=0, tier=Tier.DISK, slot=0, key=key, page=j + 1)
+             for j, key in enumerate(keys)]
+  t0 = time.perf_counter()
+  _, pending = disk.start_fetch(fetches)
+  helpers.wait_for(lambda: all(r.future.done() for _, r in pending), 30, "the reads to end")
+  time.sleep(0.2)  # the caller's compute
+  t_wait = time.perf_counter()
+  outcome = disk.finish_fetch(pending, time.monotonic() + 10, stage=list)
+  assert outcome.failures == (None,) * 3
+  for (_, page, got), f, want in zip(outcome.landing, fetches, payloads):
+    assert page == f.page
+    np.testing.assert_array_equal(got.view(np.float32).reshape(shape), want)
+  assert t0 < outcome.arrived < t_wait - 0.1, (outcome.arrived - t0, t_wait - t0)
+  # A read that failed says nothing of when bytes came: none verified, no time.
+  _, pending = disk.start_fetch([dataclasses.replace(fetches[0], key=b"\x09" * 32)])
+  missed = disk.finish_fetch(pending, time.monotonic() + 10, stage=list)
+  assert missed.failures != (None,) and missed.arrived is None
 
 
 def test_an_object_store_that_is_gone_refuses_reads_at_once_and_is_detached(mesh, tmp_path):

@@ -194,6 +194,14 @@ class PendingRead:
   key: bytes
   future: object
   started: float  # time.monotonic() when it was issued
+  # ``time.perf_counter()`` when the read ended, set by the future's done callback: a read
+  # that ended while the caller computed (a split's front) is timed to then, not to the wait.
+  ended: list = dataclasses.field(default_factory=list, compare=False)
+
+  def __post_init__(self):
+    callback = getattr(self.future, "add_done_callback", None)
+    if callback is not None:
+      callback(lambda _: self.ended.append(time.perf_counter()))
 
 
 @functools.lru_cache(maxsize=1)
@@ -491,20 +499,25 @@ class DiskTier:
 
   def finish_fetch(self, pending: list[tuple[Fetch, PendingRead]], t_end: float,
                    stage) -> FetchOutcome:
-    """Waits for each read until ``t_end`` at the latest and verifies its record."""
+    """Waits for each read until ``t_end`` at the latest and verifies its record; says when
+    the last verified record's read ended (``FetchOutcome.arrived``)."""
     staged, failures = [], []
+    arrived = None
     for f, r in pending:
       failure = None
       try:
         staged.append((f.shard, f.page, self.verify(self._record(r, t_end), r.key)))
         self._read_errors.pop(r.key, None)
+        # (a callback not yet run when the result was: the bytes count from now)
+        ended = r.ended[0] if r.ended else time.perf_counter()
+        arrived = ended if arrived is None else max(arrived, ended)
       except TimeoutError:
         failure = Failure.DEADLINE
         r.future.cancel()
       except Exception as e:  # pylint: disable=broad-except  (any failed read is a miss)
         failure = Failure.of(e, self._read_error(r.key, e))
       failures.append(failure)
-    return FetchOutcome(stage(staged) if staged else None, tuple(failures))
+    return FetchOutcome(stage(staged) if staged else None, tuple(failures), arrived=arrived)
 
   def _read_error(self, key: bytes, error: BaseException) -> Failure:
     """The store raised reading ``key``'s record. When it says the bytes are wrong
