@@ -565,6 +565,11 @@ class SchedulerConfig:
   the router's routing, the serve run's cache and the scheduler's batching).
   ``inflight_blocks``: most blocks one shard fetches at once (0: no limit).
   ``cost_model_path``: a calibrated CostModel JSON to load instead of calibrating.
+  ``probe_every``: under ``cost``, after this many requests whose plan recomputed blocks
+  a link holds without that link being timed, the next such request fetches its last
+  ``probe_blocks`` blocks (recomputing the rest beside them) to time the link again: a link
+  the plan stopped using after it was slow is otherwise never timed again, and never used
+  again if it gets faster. 0: never probe.
   """
 
   decision: str = "cost"
@@ -572,12 +577,15 @@ class SchedulerConfig:
   force_split: int = 0
   inflight_blocks: int = 0
   cost_model_path: str | None = None
+  probe_every: int = 8
+  probe_blocks: int = 4
 
   def __post_init__(self):
     _require(self.decision in SCHEDULER_DECISIONS,
              f"SchedulerConfig.decision={self.decision!r} must be one of "
              f"{SCHEDULER_DECISIONS}.")
-    for name in ("threshold_tokens", "force_split", "inflight_blocks"):
+    for name in ("threshold_tokens", "force_split", "inflight_blocks", "probe_every",
+                 "probe_blocks"):
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
                f"SchedulerConfig.{name}={v!r} must be an integer >= 0.")

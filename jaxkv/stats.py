@@ -54,6 +54,9 @@ COUNTERS = {
     "plans_fetch": "requests whose plan fetched every cold block",
     "plans_recompute": "requests whose plan recomputed every cold block",
     "plans_split": "requests whose plan recomputed the front and fetched the back",
+    "plans_probe": "requests that fetched their last few cold blocks, which the plan would "
+                   "have recomputed, to time a link the plan had stopped using "
+                   "(SchedulerConfig.probe_every)",
     "splits_timed": "splits that ran alone, timed to learn how much of their recompute and "
                     "fetch overlapped (CostModel.overlap)",
     "plan_s": "seconds spent planning",

@@ -67,6 +67,19 @@ def plan_block_buckets(max_blocks: int) -> list[int]:
   return out
 
 
+# The link a fetch is charged to: that of the deepest tier it reads (in a pipeline of links,
+# the slowest one bounds the time).
+_LINK_OF_TIER = ((Tier.REMOTE, "remote_to_host"), (Tier.DISK, "disk_to_host"),
+                 (Tier.POOL, "pool_to_host"), (Tier.HOST, "host_to_device"),
+                 (Tier.SHARD, "cross_shard"))
+
+
+def link_of(tiers) -> str | None:
+  """The link a fetch of blocks on ``tiers`` is timed on; None for none (device, absent)."""
+  present = {int(t) for t in tiers}
+  return next((link for tier, link in _LINK_OF_TIER if int(tier) in present), None)
+
+
 class Planner:
   """Applies ``SchedulerConfig.decision``: which cached blocks of a step's requests are fetched
   and which recomputed, and which shard a request is cheapest on.
@@ -84,6 +97,8 @@ class Planner:
     self.num_shards, self.page_size, self.page_bytes = num_shards, page_size, page_bytes
     self.chunk_tokens, self.tail_widths = chunk_tokens, tuple(tail_widths)
     self.stats = stats
+    # Per link: requests since it was last timed whose plan recomputed blocks it holds.
+    self.untimed: dict[str, int] = {}
 
   def set_costs(self, costs: CostModel | None) -> None:
     """The costs to plan with from now on (calibrated, loaded or agreed by a job)."""
@@ -159,13 +174,36 @@ class Planner:
         s = h if (end - h) * self.page_size >= sc.threshold_tokens else end
       else:  # "split": forced
         s = min(h + sc.force_split, end)
+      probe = sc.decision == "cost" and s == end and self._probes(requests[i][0][h:end])
+      if probe:
+        s = end - min(end - h, sc.probe_blocks)
       out[i] = (SplitChoice(s, float(rec[k]), float(fetch[k]), float(tail[k]))
-                if sc.decision == "cost" else SplitChoice(s))
-      outcome = "recompute" if s == end else "fetch" if s == h else "split"
+                if sc.decision == "cost" and not probe else SplitChoice(s))
+      outcome = "probe" if probe else "recompute" if s == end else "fetch" if s == h else "split"
       self.stats.add("plans_" + outcome)
       logging.debug("plan (decision %s): %d cold blocks, %s: recompute %d, fetch %d",
                     sc.decision, end - h, outcome, s - h, end - s)
     return out
+
+  def _probes(self, cold: list[Tier]) -> bool:
+    """Whether a request whose plan recomputes its ``cold`` blocks fetches its last
+    ``probe_blocks`` instead, to time their link again. A link the plan stopped using (it
+    was slow once) is timed by nothing else, and a link that got faster would never be used
+    again: after ``probe_every`` such requests, one fetches a few of its blocks while it
+    recomputes the rest. Counted in requests planned, so every process of a job probes at
+    the same request."""
+    sc = self.config
+    tail = cold[-sc.probe_blocks:] if sc.probe_every and sc.probe_blocks else []
+    link = link_of(tail)
+    if link is None or any(t in (Tier.DEVICE, Tier.ABSENT) for t in tail) or (
+        sc.inflight_blocks and len(tail) > sc.inflight_blocks):
+      return False
+    recomputed = self.untimed.get(link, 0)
+    if recomputed < sc.probe_every:
+      self.untimed[link] = recomputed + 1
+      return False
+    self.untimed[link] = 0
+    return True
 
   def warm(self, max_blocks: int, max_requests: int) -> None:
     """Compiles every bucket the plan can meet: placement (one request on every shard) and
@@ -190,12 +228,12 @@ class Planner:
     """Learns a link's bandwidth from a fetch the runner finished. The whole transfer is
     charged to the link of the deepest tier it read (remote, then disk, then the pool, then host; else
     another shard): in a pipeline of links, the slowest one bounds the time."""
+    link = link_of(report.tiers) or "cross_shard"
+    # (before the early return: a job's processes see the same fetches, not the same bytes,
+    # and must probe at the same request)
+    self.untimed.pop(link, None)
     if self.costs is None or not report.bytes or report.seconds <= 0:
       return  # nothing moved, or a transfer that was not timed
-    link = ("remote_to_host" if int(Tier.REMOTE) in report.tiers else
-            "disk_to_host" if int(Tier.DISK) in report.tiers else
-            "pool_to_host" if int(Tier.POOL) in report.tiers else
-            "host_to_device" if int(Tier.HOST) in report.tiers else "cross_shard")
     self.costs.observe_transfer(link, report.bytes, report.seconds,
                                 latency_s=report.latency_s or None)
 

@@ -46,7 +46,7 @@ class Loop:
   def __init__(self, *, shards=1, pages=16, host_pages=0, disk_pages=0, seqs=2, chunk_pages=2,
                decision="fetch", force_split=0, batching="continuous", write_through=True,
                cache_decode_blocks=True, prefix_reuse=True, share_answers=None,
-               asks_peers=True):
+               asks_peers=True, probe_every=8, probe_blocks=4):
     self.config = CacheConfig(model_name="seam", num_layers=2, num_kv_heads=2, head_dim=8,
                               page_size=PAGE, pages_per_shard=pages,
                               max_pages_per_seq=min(16, pages),
@@ -60,7 +60,9 @@ class Loop:
                                 has_disk=bool(disk_pages), share_answers=share_answers,
                                 asks_peers=asks_peers)
     chunk = chunk_pages * PAGE
-    self.planner = Planner(SchedulerConfig(decision=decision, force_split=force_split), None,
+    self.planner = Planner(SchedulerConfig(decision=decision, force_split=force_split,
+                                           probe_every=probe_every, probe_blocks=probe_blocks),
+                           None,
                            num_shards=shards,
                            page_size=PAGE, page_bytes=self.config.page_bytes,
                            chunk_tokens=chunk, stats=self.stats)
@@ -567,6 +569,34 @@ def test_splits_that_do_not_overlap_teach_the_plan_to_fetch_everything(loop_fact
   assert costs.overlap == pytest.approx(0.25)
   assert loop.stats["splits_timed"] == 2 and loop.stats["plans_split"] == 2
   assert loop.stats["plans_fetch"] == 1 and loop.referenced() == 0
+
+
+def test_a_link_the_plan_stopped_using_is_probed_and_used_again_once_it_is_fast(loop_factory):
+  """A host link priced at 100 ms a block against 4 ms to recompute one: the plan recomputes
+  every cold block, so nothing times the link. After ``probe_every`` (3) such requests the
+  fourth fetches its last ``probe_blocks`` (2) cold blocks beside its recompute; that fetch
+  is timed fast (the link sped up), and the next request fetches all of its cold blocks."""
+  from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
+  loop = loop_factory(host_pages=32, chunk_pages=2, decision="cost", probe_every=3,
+                      probe_blocks=2)
+  costs = CostModel(links={"host_to_device": LinkCost(0.0, loop.config.page_bytes / 0.1)},
+                    prefill=PrefillCurve(0.0, 1e-3, 0.0))  # a block: 4 ms
+  loop.planner.set_costs(costs)
+  loop.fetch_seconds = 2e-5  # the probe's 2 blocks: 10 us a block
+  fetched = []
+  for k in range(5):
+    tokens = prompt(21, start=1 + 17 * k)
+    loop.put_in_host(tokens, upto=4)
+    h = loop.submit(tokens, max_new_tokens=1)
+    plan, _ = loop.step()
+    fetched.append([f.block for f in plan.fetch.fetches] if plan.fetch else [])
+    loop.run([h])
+    assert h.tokens == expected(loop, h, 1)
+  assert fetched == [[], [], [], [2, 3], [0, 1, 2, 3]]
+  assert loop.stats["plans_recompute"] == 3 and loop.stats["plans_probe"] == 1
+  assert loop.stats["plans_fetch"] == 1 and loop.referenced() == 0
+  assert costs.links["host_to_device"].bytes_per_s > loop.config.page_bytes / 4e-3
+  assert loop.planner.untimed == {}
 
 
 # ---- orders: evictions, write-through, the journal's pump -------------------------------------------

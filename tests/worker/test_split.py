@@ -80,7 +80,7 @@ def test_cost_decision_calibrates_and_stays_exact(mesh, tmp_path):
   s = engine.stats()
   assert engine.costs is not None and engine.costs.source == "calibrated"
   assert s["calibration_s"] > 0
-  assert s["plans_fetch"] + s["plans_split"] + s["plans_recompute"] == 2
+  assert s["plans_fetch"] + s["plans_split"] + s["plans_recompute"] + s["plans_probe"] == 2
   links = engine.costs.links
   assert links["host_to_device"].bytes_per_s > 0 and links["disk_to_host"].bytes_per_s > 0
   assert engine.costs.prefill.seconds(64, 0) > 0
