@@ -175,8 +175,8 @@ class Planner:
       else:  # "split": forced
         s = min(h + sc.force_split, end)
       probe = sc.decision == "cost" and s == end and self._probes(requests[i][0][h:end])
-      if probe:
-        s = end - min(end - h, sc.probe_blocks)
+      if probe:  # (its last blocks: those _probes looked at)
+        s = end - min(end - h, sc.probe_blocks, sc.inflight_blocks or sc.probe_blocks)
       out[i] = (SplitChoice(s, float(rec[k]), float(fetch[k]), float(tail[k]))
                 if sc.decision == "cost" and not probe else SplitChoice(s))
       outcome = "probe" if probe else "recompute" if s == end else "fetch" if s == h else "split"
@@ -193,10 +193,10 @@ class Planner:
     recomputes the rest. Counted in requests planned, so every process of a job probes at
     the same request."""
     sc = self.config
-    tail = cold[-sc.probe_blocks:] if sc.probe_every and sc.probe_blocks else []
+    n = min(sc.probe_blocks, sc.inflight_blocks or sc.probe_blocks)
+    tail = cold[-n:] if sc.probe_every and n else []
     link = link_of(tail)
-    if link is None or any(t in (Tier.DEVICE, Tier.ABSENT) for t in tail) or (
-        sc.inflight_blocks and len(tail) > sc.inflight_blocks):
+    if link is None or any(t in (Tier.DEVICE, Tier.ABSENT) for t in tail):
       return False
     recomputed = self.untimed.get(link, 0)
     if recomputed < sc.probe_every:
