@@ -131,3 +131,35 @@ def test_the_plan_fetches_over_a_fast_link_and_stops_over_a_slow_one():
   assert fast["plan_link_mbit_learned"] > 10 * slow["plan_link_mbit_learned"], (slow, fast)
   priced = slow["per_request_fetched"][1], fast["per_request_fetched"][1]
   assert priced[0] < blocks // 2 and priced[1] > priced[0], priced
+
+
+def test_adaptation_counts_the_requests_until_the_plan_is_on_the_faster_policys_side():
+  """The turn after each rate change is counted towards the fixed policy that measured
+  faster at the new rate: a plan that keeps recomputing after a speed-up turned at once
+  where recomputing was still faster (a store slower than the prefill at every rate), and
+  never where fetching was."""
+  def phase(*fetched):
+    return {"mbit": 0, "requests": [{"blocks_fetched": f} for f in fetched]}
+  phases = [phase(8, 8), phase(8, 8, 0, 0), phase(0, 0, 0, 0)]
+  usual = fabric_bench._adaptation(phases, 8)  # pylint: disable=protected-access
+  assert (usual["fabric_adapt_requests_after_slowdown"],
+          usual["fabric_adapt_requests_after_speedup"], usual["fabric_adapt_requests"]) == (
+              3, None, 5)
+  slow_store = fabric_bench._adaptation(phases, 8, ("recompute", "recompute"))  # pylint: disable=protected-access
+  assert (slow_store["fabric_adapt_requests_after_speedup"],
+          slow_store["fabric_adapt_requests"]) == (1, 3)
+  assert slow_store["fabric_adapt_targets"] == {"after_slowdown": "recompute",
+                                                "after_speedup": "recompute"}
+  turning = [phase(8), phase(8, 3), phase(0, 2, 4, 8)]
+  got = fabric_bench._adaptation(turning, 8)  # pylint: disable=protected-access
+  assert (got["fabric_adapt_requests_after_slowdown"],
+          got["fabric_adapt_requests_after_speedup"]) == (2, 3)
+
+
+def test_the_faster_fixed_policy_is_read_from_the_sweeps_slowest_and_fastest_rates():
+  row = lambda f, r: {"fetch": {"ttft_s": [f, f, 9.0]}, "recompute": {"ttft_s": [r, r, 0.0]}}  # noqa: E731
+  rows = [row(0.5, 0.2), row(0.3, 0.3), row(0.1, 0.2)]
+  assert fabric_bench._better(rows, ("fetch", "recompute", "cost")) == ("recompute", "fetch")  # pylint: disable=protected-access
+  assert fabric_bench._better(rows[:1], ("fetch", "recompute", "cost")) == (  # pylint: disable=protected-access
+      "recompute", "recompute")
+  assert fabric_bench._better(rows, ("cost",)) == ("recompute", "fetch")  # pylint: disable=protected-access

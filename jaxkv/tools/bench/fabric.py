@@ -527,7 +527,7 @@ def run(*, quick: bool = False, reps: int = 5, rates: list[float] | None = None,
                                       g["down"][0])
     if adapt:
       extra.update(_adapt_and_lose(fabric, clients[0], rates, g["adapt"], blocks, args,
-                                   full=adapt != "lost"))
+                                   full=adapt != "lost", better=_better(rows, policies)))
     for c in clients:
       c.proc.stdin.close()
   return {**_figures(rows, blocks, policies, tier), **extra}
@@ -618,7 +618,20 @@ def _link_down(fabric, client, rate: float, prefix_bytes: int, store: str) -> di
           "fabric_link_down_outputs_equal": all(g["outputs_equal"] for g in got)}
 
 
-def _adapt_and_lose(fabric, client, rates, adapt, blocks, args, full: bool = True) -> dict:
+def _better(rows: list[dict], policies) -> tuple[str, str]:
+  """The fixed policy that measured faster (TTFT p50) at the sweep's slowest and at its
+  fastest rate: what the plan should turn to after the link slows, and after it speeds up
+  again. Without both fixed policies in the sweep: recompute, then fetch."""
+  if not {"fetch", "recompute"} <= set(policies):
+    return ("recompute", "fetch")
+  def faster(row):
+    p50 = {p: statistics.median(row[p]["ttft_s"]) for p in ("fetch", "recompute")}
+    return "fetch" if p50["fetch"] <= p50["recompute"] else "recompute"
+  return faster(rows[0]), faster(rows[-1])
+
+
+def _adapt_and_lose(fabric, client, rates, adapt, blocks, args, full: bool = True,
+                    better: tuple[str, str] = ("recompute", "fetch")) -> dict:
   """The link fast, then slow, then fast again under one engine (``adapt``: its store
   prefix and each phase's seeds; not ``full``: the fast phase alone); then the lender's
   processes killed (its node and link stay; the pool row's master lives on its own node):
@@ -635,7 +648,7 @@ def _adapt_and_lose(fabric, client, rates, adapt, blocks, args, full: bool = Tru
           **client.ask({"op": "lost", "seeds": adapt_seeds[3]}, "the lost lender")}
   # How long each request waited on the lost tier: its TTFT past recomputing's (same turn).
   lost["wait_s"] = [t - r for t, r in zip(lost["ttft_s"], lost["recompute_ttft_s"])]
-  return {**(_adaptation(phases, blocks) if full else {"adaptation": phases}),
+  return {**(_adaptation(phases, blocks, better) if full else {"adaptation": phases}),
           "lender_lost": lost,
           "fabric_lost_outputs_equal": lost["outputs_equal"],
           # (within half a second of it: giving up a read is noticed, not instant)
@@ -693,23 +706,29 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
   }
 
 
-def _adaptation(phases: list[dict], blocks: int) -> dict:
-  """After each rate change, how many requests the plan took to turn: the first request
-  (counted from 1) that fetched under half of its cached blocks after the link slowed, or
-  at least half after it sped up again. ``None``: it did not turn within the phase."""
-  def turned(phase, slow):
+def _adaptation(phases: list[dict], blocks: int,
+                better: tuple[str, str] = ("recompute", "fetch")) -> dict:
+  """After each rate change, how many requests the plan took to turn to the fixed policy
+  that measured faster at the new rate (``better``: at the slow rate, at the fast one; from
+  the sweep): the first request (counted from 1) that fetched under half of its cached
+  blocks where recomputing was faster, or at least half where fetching was. A plan already
+  on the faster side counts 1 (where fetching loses at every rate, as it may on a slow
+  store, nothing needs to turn back). ``None``: it did not turn within the phase."""
+  def turned(phase, target):
     for n, r in enumerate(phase["requests"], 1):
       share = r["blocks_fetched"] / blocks
-      if (share < 0.5) if slow else (share >= 0.5):
+      if (share < 0.5) if target == "recompute" else (share >= 0.5):
         return n
     return None
 
-  slowed, sped = turned(phases[1], True), turned(phases[2], False)
+  slowed, sped = turned(phases[1], better[0]), turned(phases[2], better[1])
   return {
       "fabric_adapt_requests": max(slowed or len(phases[1]["requests"]) + 1,
                                    sped or len(phases[2]["requests"]) + 1),
       "fabric_adapt_requests_after_slowdown": slowed,
       "fabric_adapt_requests_after_speedup": sped,
+      # What each count waited for: the fixed policy that was faster at that rate.
+      "fabric_adapt_targets": {"after_slowdown": better[0], "after_speedup": better[1]},
       "adaptation": phases,
   }
 
