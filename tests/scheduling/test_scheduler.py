@@ -538,6 +538,19 @@ def test_a_split_recomputes_the_front_while_the_back_is_fetched(loop_factory):
   assert sum(loop.index.held_slots(0, Tier.HOST).values()) == 0  # unused pins released
 
 
+def _ask_with_four_blocks_in_host(loop, tokens) -> tuple[list[int], object]:
+  """Puts ``tokens``' first four blocks in the host tier and asks for one token: the blocks
+  its first step's plan fetched and the request's ``SplitChoice``; its token is checked
+  against recompute."""
+  loop.put_in_host(tokens, upto=4)
+  h = loop.submit(tokens, max_new_tokens=1)
+  plan, _ = loop.step()
+  choice = next(iter(loop.scheduler.running.values())).choice
+  loop.run([h])
+  assert h.tokens == expected(loop, h, 1)
+  return ([f.block for f in plan.fetch.fetches] if plan.fetch else []), choice
+
+
 def test_splits_that_do_not_overlap_teach_the_plan_to_fetch_everything(loop_factory):
   """Under the cost decision, a request whose 4 cold blocks cost 4 ms each to recompute
   and 3 ms to fetch splits at 2 (8 ms of recompute beside 6 of fetch, against 12 to fetch
@@ -553,15 +566,7 @@ def test_splits_that_do_not_overlap_teach_the_plan_to_fetch_everything(loop_fact
   # 24 ms from placing to the first token, 8 of them the tail's one chunk: nothing hidden.
   loop.clock = lambda: running().t_admitted + 0.024
   loop.fetch_seconds = 0.006
-  seen = []
-  for k in range(3):
-    tokens = prompt(21, start=1 + 23 * k)
-    loop.put_in_host(tokens, upto=4)
-    h = loop.submit(tokens, max_new_tokens=1)
-    plan, _ = loop.step()
-    seen.append(([f.block for f in plan.fetch.fetches], running().choice))
-    loop.run([h])
-    assert h.tokens == expected(loop, h, 1)
+  seen = [_ask_with_four_blocks_in_host(loop, prompt(21, start=1 + 23 * k)) for k in range(3)]
   assert [blocks for blocks, _ in seen] == [[2, 3], [2, 3], [0, 1, 2, 3]]
   first = seen[0][1]
   assert (first.split, first.recompute_s, first.fetch_s, first.tail_s) == pytest.approx(
@@ -583,15 +588,8 @@ def test_a_link_the_plan_stopped_using_is_probed_and_used_again_once_it_is_fast(
                     prefill=PrefillCurve(0.0, 1e-3, 0.0))  # a block: 4 ms
   loop.planner.set_costs(costs)
   loop.fetch_seconds = 2e-5  # the probe's 2 blocks: 10 us a block
-  fetched = []
-  for k in range(5):
-    tokens = prompt(21, start=1 + 17 * k)
-    loop.put_in_host(tokens, upto=4)
-    h = loop.submit(tokens, max_new_tokens=1)
-    plan, _ = loop.step()
-    fetched.append([f.block for f in plan.fetch.fetches] if plan.fetch else [])
-    loop.run([h])
-    assert h.tokens == expected(loop, h, 1)
+  fetched = [_ask_with_four_blocks_in_host(loop, prompt(21, start=1 + 17 * k))[0]
+             for k in range(5)]
   assert fetched == [[], [], [], [2, 3], [0, 1, 2, 3]]
   assert loop.stats["plans_recompute"] == 3 and loop.stats["plans_probe"] == 1
   assert loop.stats["plans_fetch"] == 1 and loop.referenced() == 0
