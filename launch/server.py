@@ -206,7 +206,7 @@ def main(argv):
   _common.start_jax(cfg)  # (before anything imports jaxkv: it imports JAX)
   _flags.check_pool(cfg)
   import jax
-  from jaxkv import distributed, metrics, security
+  from jaxkv import distributed, metrics
   from jaxkv.serving.service import EngineService
   multi = distributed.initialize()
   if api_keys is None and jax.process_index() == 0:

@@ -15,7 +15,6 @@ tests/models/test_model.py).
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 import jaxkv

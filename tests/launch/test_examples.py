@@ -1,6 +1,5 @@
 """The examples in BUILD.md run as written."""
 
-import os
 import subprocess
 import sys
 

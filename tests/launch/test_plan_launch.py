@@ -1,7 +1,6 @@
 """launch/plan.py: the capacity planner as a user runs it."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -1,7 +1,6 @@
 """launch/serve.py end to end, as a user runs it (a subprocess, small overrides)."""
 
 import json
-import os
 import re
 import subprocess
 import sys

@@ -14,7 +14,6 @@ template, which runs on every request: tests/entrypoints/test_chat_template.py.)
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest

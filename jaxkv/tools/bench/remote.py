@@ -17,7 +17,6 @@ A serving job (a subprocess with 4 CPU devices) computes a long prefix and serve
 
 from __future__ import annotations
 
-import os
 import secrets
 import statistics
 import subprocess

@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
