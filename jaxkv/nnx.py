@@ -171,10 +171,9 @@ class PagedKV(nnx.Module):
         raise InputError("a PagedKV(window=...) stack needs PageBatch.window_table (the window "
                          "group's pages): build the cache from the model (CacheConfig.for_model "
                          "reads its window group) and run it through jaxkv's engine.")
-      if stream is not None:
-        raise InputError("a sequence longer than the device pool cannot stream through a "
-                         "window group's layers; raise pages_per_shard.")
-      table, window = batch.window_table, self.window
+      # A streamed sequence's window-group layers need nothing streamed: its ring in the
+      # window pool holds every key their queries can see (jaxkv.worker.streaming).
+      table, window, stream = batch.window_table, self.window, None
     return pages_lib.write_and_attend(
         q, k, v, k_pages, v_pages, table, batch.positions, batch.kv_lens,
         mesh=batch.mesh, config=batch.config, stream=stream, layer=layer, window=window)

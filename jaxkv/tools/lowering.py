@@ -347,7 +347,7 @@ def engine_functions(cfg: Mapping, tgt: Target, *, impl: str | None = None,
   host_pages = int(tiers.get("host_pages_per_shard", 0) or 0)
   host_pool, moves = _page_moves(cfg, cache_cfg, mesh, pools, block_pools, row)
   out += moves
-  if host_pages and not windows:  # (a window group's layers do not stream from the host)
+  if host_pages:  # (a window group's layers read their ring: only the global ones stream)
     chunk = StreamConfig().chunk_pages
     stream = kvnnx.StreamBatch(
         block_valid=row(shards, widths[-1], dtype=bool), host_pool=host_pool,

@@ -13,6 +13,10 @@ from the manager with the orders that keep what the slot held (``CacheManager.pl
 carried out by the worker before the slot is written: a streamed sequence evicts like a
 step does.
 
+A model with a window group (hybrid attention) streams its global layers alone: its local
+layers write and read a ring of the window pool (``jaxkv.manager.windows``), taken for the
+sequence like a running one's, which holds every key their queries can see.
+
 Staging shapes are fixed per bucket, so a repeated long request compiles nothing. The
 sequence's blocks are not published for reuse; every page, host slot and disk record it
 held is given back on every path.
@@ -34,6 +38,7 @@ from jaxkv import nnx as kvnnx
 from jaxkv.worker import pages as pages_lib
 from jaxkv.distributed import to_host
 from jaxkv.errors import CapacityError, InputError, InvariantError
+from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.index import Tier
 from jaxkv.scheduling.step import StepResult
 from jaxkv.worker import sampling as sampling_lib
@@ -55,6 +60,11 @@ class _State:
   # named by ``_record_key``, block sink + i for slot i
   disk: list = dataclasses.field(default_factory=list)
   nonce: bytes = b""  # names this sequence's disk records
+  # A model with a window group: the ring of window-pool pages the sequence's local layers
+  # write and read (every key their queries see is in it; nothing of it streams), and
+  # the window table naming them for every block (``windows.table_row``), on device.
+  ring: tuple = ()
+  window_table: object = None
 
 
 class StreamRunner:
@@ -100,6 +110,7 @@ class StreamRunner:
     stops = set(sp.stop_token_ids)
     try:
       self.cache.worker.carry_out(evicted)  # what the pages held goes down first
+      self._take_ring(state, width)
       carry = put(np.zeros((shards,), np.int32))
       chunk = self.runner.chunk_tokens
       for a in range(0, len(r.tokens), chunk):  # one row per shard: this shard's is ours
@@ -166,6 +177,8 @@ class StreamRunner:
     shapes = self.shapes(max_tokens)
     for width, cold in shapes:
       table = put(np.zeros((shards, width), np.int32))
+      if self.cache.manager.windows is not None:  # page 0 of the window pool: padding
+        table = (table, put(np.zeros((shards, width), np.int32)))
       stream = kvnnx.StreamBatch(
           block_valid=put(np.zeros((shards, width), bool)), host_pool=self.cache.worker.host.pool,
           cold_slots=put(np.zeros((shards, cold), np.int32)),
@@ -184,8 +197,27 @@ class StreamRunner:
     if self._one_at_a_time:
       jax.block_until_ready((carry, self.cache.worker.pools))
 
+  def _take_ring(self, state: _State, width: int) -> None:
+    """A model with a window group: a ring of window-pool pages for the sequence (kept
+    blocks unreferenced may be evicted for it), and its window table."""
+    windows = self.cache.manager.windows
+    if windows is None:
+      return
+    got = windows.place(state.shard, (), ())
+    if got is None:
+      raise CapacityError(f"shard {state.shard}'s window pool cannot give a streamed sequence "
+                          f"a ring of {windows.ring} pages now; they are held by running "
+                          "sequences (raise CacheConfig.window_pages_per_shard).")
+    state.ring = got[0]
+    table = np.zeros((self.cache.num_shards, width), np.int32)  # page 0: never read
+    table[state.shard] = windows_lib.table_row(state.ring, (), width, (0, 0), 0)
+    state.window_table = self.cache.put_rows(table)
+
   def _release(self, state: _State) -> None:
     manager = self.cache.manager
+    if state.ring:
+      manager.windows.release(state.shard, state.ring, ())
+      state.ring = ()
     manager.release(state.shard, state.dev)
     manager.release(state.shard, state.cold, Tier.HOST)
     if state.disk:  # the records name no block anyone can ask for: remove them
@@ -303,6 +335,8 @@ class StreamRunner:
     stream = kvnnx.StreamBatch(
         block_valid=put(valid), host_pool=self.cache.worker.host.pool, cold_slots=put(slots),
         cold_first=put(first), cold_count=put(count), pages_per_chunk=st.chunk_pages)
+    if state.ring:  # the window group's layers read and write the ring
+      return (put(table), state.window_table), stream
     return put(table), stream
 
 
@@ -310,10 +344,6 @@ def check_stream_config(stream, cache, config) -> None:
   """Refuses a ``StreamConfig`` the cache or engine config cannot serve (``InputError``)."""
   if stream is None:
     return
-  if cache.config.has_windows:
-    raise InputError("StreamConfig cannot serve a model with a window group (sliding-window "
-                     "layers: CacheConfig.window_layers > 0); its long sequences need the device "
-                     "pool to hold the global layers' blocks: raise pages_per_shard instead.")
   need = stream.sink_pages + stream.window_pages + config.prefill_chunk_pages
   if need > cache.config.pages_per_shard:
     raise InputError(

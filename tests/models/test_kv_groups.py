@@ -18,6 +18,7 @@ from flax import nnx
 import jaxkv
 from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
+from jaxkv.manager.index import Tier
 from jaxkv.models import gemma3
 from jaxkv.worker.checkpoint import Checkpointer
 from jaxkv.worker.tiers.pool.master import LocalMaster
@@ -296,3 +297,34 @@ def test_window_blocks_and_rings_are_accounted_exactly():
   w.release(0, ring3, ())
   w.release(0, ring4, held4.values())
   assert w.available(0) == 11  # every page but page 0 again
+
+
+def test_a_prompt_longer_than_the_device_pool_streams_its_global_layers_only(one, recompute):
+  """A 300-token prompt (38 blocks) on a device pool of 12 pages a shard: streamed
+  (``StreamConfig``), its global layers' cold pages through host memory and its local
+  layers in a ring of the window pool (their queries see nothing older). The answer and
+  its log-probabilities are the recomputed all-global layout's; every device page, host slot
+  and ring page is given back; the same request again compiles nothing and reads its
+  log-probabilities from the streamed logits."""
+  model = gemma3.Gemma3(CFG, rngs=nnx.Rngs(0))
+  model.embed.embedding.set_value(model.embed.embedding.get_value() * 0.3)  # as engine()
+  cc = jaxkv.CacheConfig.for_model(model, page_size=PAGE, pages_per_shard=12,
+                                   max_pages_per_seq=12, attention_chunk_pages=4)
+  e = jaxkv.Engine(model, jaxkv.KVCache(cc, one, jaxkv.TierConfig(host_pages_per_shard=64)),
+                   jaxkv.EngineConfig(max_seqs_per_shard=2, prefill_chunk_pages=2),
+                   scheduler=jaxkv.SchedulerConfig(decision="fetch"),
+                   stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4, chunk_pages=3))
+  windows = e.cache.manager.windows
+  free = windows.available(0)
+  p = prompt(4, 300)
+  want = run(recompute, p, 6)
+  assert_same(run(e, p, 6), want)
+  s = e.stats()
+  assert s["streamed_requests"] == 1 and s["streamed_pages"] > 38 - 12
+  assert windows.available(0) == free and not windows._refs[0]  # pylint: disable=protected-access
+  e.cache.index.check_invariants()
+  assert not e.cache.index.held_slots(0, Tier.DEVICE)
+  assert not e.cache.index.held_slots(0, Tier.HOST)
+  before = dict(e.trace_counts)
+  assert_same(run(e, p, 6), want)
+  assert dict(e.trace_counts) == before and e.stats()["streamed_requests"] == 2

@@ -270,17 +270,22 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   assert sum(f.name.startswith("prefill[") for f in steps) == len(
       buckets.prefill_widths(chunk_tokens, cfg.cache.page_size))
   # The tiers move the global layers' blocks alone: a window group's pages never leave the
-  # device, and its layers do not stream from the host.
+  # device. A streamed step streams the global layers' cold pages; the local layers read
+  # the window group's ring through its own table.
   named = {f.name.split("[")[0]: f for f in functions}
   gather = named["gather_stacked"]
   assert sorted(p.shape[0] for p in gather.args[0]) == [18 - local] * 2
-  assert ("decode_streamed" in named) == (not local)
+  assert "decode_streamed" in named and "prefill_streamed" in named
   assert ("copy_window_pages" in named) == bool(local)
   lowering.lower(gather.name, gather.fn, gather.args, tgt, mesh)
   if local:  # the window group's page copy (a kept block), on its own pools
     copy = named["copy_window_pages"]
     assert sorted(p.shape[0] for p in copy.args[0]) == [local] * 2
     lowering.lower(copy.name, copy.fn, copy.args, tgt, mesh)
+    streamed = named["decode_streamed"]
+    assert isinstance(streamed.args[3], tuple)  # the block table and the window table
+    text = lowering.lower(streamed.name, streamed.fn, streamed.args, tgt, mesh).mlir_module()
+    assert text.count(KERNEL_CALL[tgt.platform]) == 2, streamed.name  # one per kind
   kinds = ", ".join(str(gemma.is_global(i)).lower() for i in range(gemma.num_layers))
   for f in (steps[0], steps[-1]):  # a decode step and the widest prefill step
     exported = lowering.lower(f.name, f.fn, f.args, tgt, mesh)
