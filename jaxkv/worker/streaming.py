@@ -208,7 +208,7 @@ class StreamRunner:
       raise CapacityError(f"shard {state.shard}'s window pool cannot give a streamed sequence "
                           f"a ring of {windows.ring} pages now; they are held by running "
                           "sequences (raise CacheConfig.window_pages_per_shard).")
-    state.ring = got[0]
+    state.ring = tuple(got[0])
     table = np.zeros((self.cache.num_shards, width), np.int32)  # page 0: never read
     table[state.shard] = windows_lib.table_row(state.ring, (), width, (0, 0), 0)
     state.window_table = self.cache.put_rows(table)
