@@ -29,7 +29,8 @@ CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_head
                           global_every=3)
 
 
-def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, **cache):
+def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, stream=None,
+           **cache):
   model = gemma3.Gemma3(dataclasses.replace(CFG, kv_groups=groups), rngs=nnx.Rngs(0))
   # Gemma's output head is its embedding, scaled by sqrt(hidden) on the way in: at the
   # init's unit scale every answer token has probability 1. At 0.3 the log-probabilities
@@ -41,7 +42,7 @@ def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, **cac
   return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers, deployment_key=key),
                       jaxkv.EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=2,
                                          prefix_reuse=reuse),
-                      scheduler=jaxkv.SchedulerConfig(decision="fetch"))
+                      scheduler=jaxkv.SchedulerConfig(decision="fetch"), stream=stream)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -306,14 +307,9 @@ def test_a_prompt_longer_than_the_device_pool_streams_its_global_layers_only(one
   its log-probabilities are the recomputed all-global layout's; every device page, host slot
   and ring page is given back; the same request again compiles nothing and reads its
   log-probabilities from the streamed logits."""
-  model = gemma3.Gemma3(CFG, rngs=nnx.Rngs(0))
-  model.embed.embedding.set_value(model.embed.embedding.get_value() * 0.3)  # as engine()
-  cc = jaxkv.CacheConfig.for_model(model, page_size=PAGE, pages_per_shard=12,
-                                   max_pages_per_seq=12, attention_chunk_pages=4)
-  e = jaxkv.Engine(model, jaxkv.KVCache(cc, one, jaxkv.TierConfig(host_pages_per_shard=64)),
-                   jaxkv.EngineConfig(max_seqs_per_shard=2, prefill_chunk_pages=2),
-                   scheduler=jaxkv.SchedulerConfig(decision="fetch"),
-                   stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4, chunk_pages=3))
+  e = engine(one, tiers=jaxkv.TierConfig(host_pages_per_shard=64), pages_per_shard=12,
+             max_pages_per_seq=12,
+             stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4, chunk_pages=3))
   windows = e.cache.manager.windows
   free = windows.available(0)
   p = prompt(4, 200)
