@@ -56,7 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
   # `policy` is decision's former name, kept unset so that an old command line's
   # --config.scheduler.policy=X still parses: it sets decision, with a warning.
   c.scheduler = ml_collections.ConfigDict(dict(
-      decision="cost", threshold_tokens=256, probe_every=8, probe_blocks=4,
+      decision="cost", threshold_tokens=256, probe_every=4, probe_blocks=4,
       policy=ml_collections.config_dict.placeholder(str)))
   # `kind` picks the workload; each kind reads its own section. --trace=FILE.jsonl
   # (launch/serve.py) replays recorded requests instead.

@@ -577,7 +577,7 @@ class SchedulerConfig:
   force_split: int = 0
   inflight_blocks: int = 0
   cost_model_path: str | None = None
-  probe_every: int = 8
+  probe_every: int = 4
   probe_blocks: int = 4
 
   def __post_init__(self):

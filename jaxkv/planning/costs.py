@@ -17,7 +17,8 @@ and each has a measured price:
   ``max(r, f) + (1 - overlap) * min(r, f)`` for ``r`` seconds of recompute and ``f`` of fetch:
   ``overlap`` 1 when the two hide each other completely (an accelerator computing while a DMA
   engine copies), less when they share something (on a CPU, the receiving thread takes cycles
-  from the prefill). It starts at 1 and is learned from the splits the engine times.
+  from the prefill). Calibration measures it (a prefill step beside a read of the slowest
+  lower tier: ``overlap_seen``) and the splits the engine times refine it.
 
 ``CostModel`` holds the links and the curve of one machine, model and config. It is measured
 (``jaxkv.planning.calibration``), saved and loaded as JSON, and refined by what actually happens (an
@@ -107,7 +108,8 @@ class CostModel:
   # job's traffic, a retuned fabric), and a plan should follow within a few requests.
   link_ewma: float = 0.5
   # The fraction of the shorter of a split's recompute and fetch that the longer one hides
-  # (module docstring); learned at ``link_ewma``'s pace from the splits the engine times.
+  # (module docstring): measured by calibration (1 where no lower tier could be read at
+  # start), then learned at ``link_ewma``'s pace from the splits the engine times.
   overlap: float = 1.0
   source: str = "calibrated"
 
@@ -166,11 +168,9 @@ class CostModel:
     ``fetch_s`` of fetch took ``seconds`` together. Full overlap
     would take the longer of the two; what it took beyond that, over the shorter one, is
     the part that did not overlap (an observation outside [0, 1] is clipped)."""
-    shorter = min(recompute_s, fetch_s)
-    if shorter <= 0 or seconds <= 0:
-      return
-    seen = min(max(1.0 - (seconds - max(recompute_s, fetch_s)) / shorter, 0.0), 1.0)
-    self.overlap = (1 - self.link_ewma) * self.overlap + self.link_ewma * seen
+    seen = overlap_seen(recompute_s, fetch_s, seconds)
+    if seen is not None:
+      self.overlap = (1 - self.link_ewma) * self.overlap + self.link_ewma * seen
 
   # ---- persistence ---------------------------------------------------------------------------
   def to_json(self) -> str:
@@ -222,6 +222,17 @@ class CostModel:
                       prefill=np.asarray([p.t0_s, p.per_token_s, p.per_token_context_s],
                                          np.float32),
                       overlap=np.asarray(self.overlap, np.float32))
+
+
+def overlap_seen(recompute_s: float, fetch_s: float, seconds: float) -> float | None:
+  """The overlap that ``recompute_s`` of recompute and ``fetch_s`` of fetch showed by taking
+  ``seconds`` together: full overlap takes the longer of the two, and what it took beyond
+  that, over the shorter one, is the part that did not overlap (clipped to [0, 1]). None
+  when one of them is not a time."""
+  shorter = min(recompute_s, fetch_s)
+  if shorter <= 0 or seconds <= 0:
+    return None
+  return min(max(1.0 - (seconds - max(recompute_s, fetch_s)) / shorter, 0.0), 1.0)
 
 
 @jax.tree_util.register_dataclass

@@ -94,3 +94,63 @@ def test_a_window_models_steps_attend_with_positions_writing_one_empty_page_per_
   index.check_invariants()
   assert engine.generate([prompt], 4) == want
   assert engine.stats()["hits"].get("device", 0) > 0
+
+
+def test_the_overlap_is_measured_from_a_step_and_reads_beside_it():
+  """``overlap_beside`` times a step alone, reads of about as long alone, and both at once
+  on two threads: reads that share what the step holds (a lock here; on a CPU, its cores)
+  run after it and measure near 0, reads that do not measure near 1. Threads and sleeps are
+  real; only what they share differs. (Planted: ``both`` running the reads after the step
+  on one thread -> the free reads measure 0 and the second assertion fails.)"""
+  import threading
+  import time
+  from jaxkv.planning.costs import LinkCost
+  shared = threading.Lock()
+
+  def hold(lock):
+    def go():
+      with lock:
+        time.sleep(0.06)
+    return go
+
+  def reader(lock):  # a 20 ms "block" (the link's cost says so): 3 blocks match the step
+    return calibration.Reader(lambda k: hold(lock) if k else (lambda: None), 3, 20_000)
+
+  link = LinkCost(latency_s=0.0, bytes_per_s=1e6)
+  serial = calibration.overlap_beside(hold(shared), reader(shared), link, reps=3)
+  free = calibration.overlap_beside(hold(shared), reader(threading.Lock()), link, reps=3)
+  assert serial is not None and serial < 0.35, serial
+  assert free is not None and free > 0.65, free
+
+
+def test_calibration_measures_the_overlap_it_plans_with_beside_the_disk_tier(mesh, tmp_path):
+  """An engine with a disk tier starts from the overlap calibration measured beside the
+  disk's reads (logged with its three times), not from 1 assumed, and the measured value
+  is the CostModel's; the scratch records are gone after. (Planted: calibrate returning
+  overlap 1 -> the logged value differs unless it measured 1.00.)"""
+  from absl import logging as absl_logging
+  mc = helpers.tiny_model_config()
+  cc = helpers.cache_config_for(mc, page_size=8, pages_per_shard=32, max_pages_per_seq=16)
+  engine = helpers.make_engine(
+      mesh, mc, cache=cc, max_seqs_per_shard=1,
+      tiers=jaxkv.TierConfig(disk_kvstore=str(tmp_path / "disk"), disk_pages=64),
+      scheduler=jaxkv.SchedulerConfig(decision="cost"))
+  disk = tmp_path / "disk"
+  before = sorted(disk.rglob("*"))
+  seen = []
+  handler = type("H", (absl_logging.logging.Handler,), {
+      "emit": lambda self, record: seen.append(record.getMessage())})()
+  logger, level = absl_logging.get_absl_logger(), absl_logging.get_verbosity()
+  logger.addHandler(handler)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  try:
+    costs = calibration.calibrate(engine.cache, engine.runner, max_seqs_per_shard=1)
+  finally:
+    absl_logging.set_verbosity(level)
+    logger.removeHandler(handler)
+  said = [m for m in seen if m.startswith("calibrated overlap of a prefill and a disk_to_host")]
+  assert len(said) == 1, seen
+  assert float(said[0].rsplit(" ", 1)[1]) == round(costs.overlap, 2)
+  assert any(m.startswith("calibration: prefill step") for m in seen)
+  assert 0.0 <= costs.overlap <= 1.0
+  assert sorted(disk.rglob("*")) == before  # the scratch records are gone
