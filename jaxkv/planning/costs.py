@@ -132,13 +132,15 @@ class CostModel:
 
   # ---- learning from what happened -----------------------------------------------------------
   def observe_transfer(self, name: str, nbytes: float, seconds: float, *,
-                       latency_s: float | None = None) -> None:
+                       latency_s: float | None = None, weight: float | None = None) -> None:
     """EWMA update of a link's bandwidth from one observed transfer (weight ``link_ewma``),
     averaged geometrically (in log space): a step change of the link by any factor is
     followed at the same pace both ways, 8x of a 64x change after one transfer at 0.5 and
     22x after two. (Averaging bytes per second at 0.2 took ~20 transfers to follow a
     slowdown; seconds per byte follows a slowdown at once but at most doubles a speed per
-    transfer, so a split that fetches little learned a faster link only over many.)"""
+    transfer, so a split that fetches little learned a faster link only over many.)
+    ``weight``: this observation's instead (1: it replaces what was known, an estimate
+    gone stale while nothing timed the link)."""
     if nbytes <= 0 or seconds <= 0:
       return
     old = self.links.get(name)
@@ -150,7 +152,7 @@ class CostModel:
     if old is None:
       self.links[name] = LinkCost(latency, rate)
       return
-    w = self.link_ewma
+    w = self.link_ewma if weight is None else weight
     self.links[name] = LinkCost(latency, old.bytes_per_s ** (1 - w) * rate ** w)
 
   def observe_prefill(self, n: float, c: float, seconds: float) -> None:

@@ -99,6 +99,9 @@ class Planner:
     self.stats = stats
     # Per link: requests since it was last timed whose plan recomputed blocks it holds.
     self.untimed: dict[str, int] = {}
+    # Links a probe was planned for and not timed since: their next timing replaces the
+    # estimate (gone stale while nothing crossed them) instead of averaging with it.
+    self.probed: set[str] = set()
 
   def set_costs(self, costs: CostModel | None) -> None:
     """The costs to plan with from now on (calibrated, loaded or agreed by a job)."""
@@ -203,6 +206,7 @@ class Planner:
       self.untimed[link] = recomputed + 1
       return False
     self.untimed[link] = 0
+    self.probed.add(link)
     return True
 
   def warm(self, max_blocks: int, max_requests: int) -> None:
@@ -234,8 +238,10 @@ class Planner:
     self.untimed.pop(link, None)
     if self.costs is None or not report.bytes or report.seconds <= 0:
       return  # nothing moved, or a transfer that was not timed
+    stale = link in self.probed  # (a probe's timing: what was known is from before)
+    self.probed.discard(link)
     self.costs.observe_transfer(link, report.bytes, report.seconds,
-                                latency_s=report.latency_s or None)
+                                latency_s=report.latency_s or None, weight=1.0 if stale else None)
 
   def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
     """Refines the prefill curve from a recompute that was timed."""

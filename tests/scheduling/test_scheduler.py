@@ -580,7 +580,10 @@ def test_a_link_the_plan_stopped_using_is_probed_and_used_again_once_it_is_fast(
   """A host link priced at 100 ms a block against 4 ms to recompute one: the plan recomputes
   every cold block, so nothing times the link. After ``probe_every`` (3) such requests the
   fourth fetches its last ``probe_blocks`` (2) cold blocks beside its recompute; that fetch
-  is timed fast (the link sped up), and the next request fetches all of its cold blocks."""
+  is timed fast (the link sped up), and the next request fetches all of its cold blocks.
+  The probe's timing replaces the estimate (stale: nothing timed the link meanwhile) rather
+  than averaging with it. (Planted: the probe's timing averaged at link_ewma -> the estimate
+  after it is 100x slower than the probe measured.)"""
   from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
   loop = loop_factory(host_pages=32, chunk_pages=2, decision="cost", probe_every=3,
                       probe_blocks=2)
@@ -588,9 +591,12 @@ def test_a_link_the_plan_stopped_using_is_probed_and_used_again_once_it_is_fast(
                     prefill=PrefillCurve(0.0, 1e-3, 0.0))  # a block: 4 ms
   loop.planner.set_costs(costs)
   loop.fetch_seconds = 2e-5  # the probe's 2 blocks: 10 us a block
-  fetched = [_ask_with_four_blocks_in_host(loop, prompt(21, start=1 + 17 * k))[0]
-             for k in range(5)]
+  fetched, rates = [], []
+  for k in range(5):
+    fetched.append(_ask_with_four_blocks_in_host(loop, prompt(21, start=1 + 17 * k))[0])
+    rates.append(costs.links["host_to_device"].bytes_per_s)
   assert fetched == [[], [], [], [2, 3], [0, 1, 2, 3]]
+  assert rates[3] == pytest.approx(2 * loop.config.page_bytes / 2e-5)  # the probe's own
   assert loop.stats["plans_recompute"] == 3 and loop.stats["plans_probe"] == 1
   assert loop.stats["plans_fetch"] == 1 and loop.referenced() == 0
   assert costs.links["host_to_device"].bytes_per_s > loop.config.page_bytes / 4e-3
