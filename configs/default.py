@@ -39,6 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.tiers = ml_collections.ConfigDict(dict(
       host_pages_per_shard=0, host_memory_kind="pinned_host", disk_kvstore="", disk_pages=0,
       write_policy="write_back", read_deadline_s=10.0, encryption="auto",
+      # A hybrid model's (Gemma 3's) kept sliding windows evicted from the device: host
+      # memory for this many of their blocks per data shard (0: none).
+      host_window_pages_per_shard=0,
       # KV events for a router (--kv_events, --kv_events_replay; '' publishes none). They
       # tell anyone who connects every tenant's blocks: bind loopback or a private address.
       kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True,

@@ -234,7 +234,8 @@ class KVCache:
     self.worker.config = self.config
     self.manager.windows = windows_lib.WindowPages(
         num_shards=self.num_shards, pages_per_shard=pages, sliding_window=c.sliding_window,
-        page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats)
+        page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats,
+        host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0)
 
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),

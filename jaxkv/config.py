@@ -153,8 +153,9 @@ class CacheConfig:
   W)``: Gemma 3's local layers), read from the model like the shapes; ``num_layers`` then
   counts the other layers, the ones a block holds. The window group has its own device pool,
   ``window_pages_per_shard`` pages per shard (0: sized by the engine for its running
-  sequences), which keeps only what windows need (``jaxkv.manager.windows``); it never
-  goes to a lower tier. ``window_copy_slots``: most window pages copied per shard in one
+  sequences), which keeps only what windows need (``jaxkv.manager.windows``); of the tiers
+  below, only host memory holds its blocks (``TierConfig.host_window_pages_per_shard``).
+  ``window_copy_slots``: most window pages copied per shard in one
   order (one compiled shape; 0: sized by the engine).
   ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the
   chunked jnp path), ``pallas_gpu`` / ``pallas_tpu`` (jaxkv's Pallas kernel in its GPU or
@@ -368,6 +369,11 @@ class TierConfig:
 
   ``host_pages_per_shard``: pages of host memory (``host_memory_kind``) per data shard, in
   the device pool's layout and sharding; 0 disables the host tier.
+  ``host_window_pages_per_shard``: for a model with a window group (sliding-window layers,
+  ``CacheConfig.window_layers``), host memory for that group's kept blocks, in blocks per
+  data shard: a kept block evicted from the device's window pool keeps a copy there, and a
+  hit whose window is there loads it back (``jaxkv.manager.windows``). 0: none (such a
+  hit recomputes the window). A block of it holds only the window layers' K and V.
   ``disk_kvstore``: where the disk tier lives: a directory path, or any TensorStore kvstore
   spec (``{"driver": "file", "path": ...}``, ``{"driver": "memory"}``, gcs, s3, ...); None
   disables it. ``disk_pages``: its capacity in blocks (shared by all shards of a process).
@@ -409,6 +415,7 @@ class TierConfig:
 
   host_pages_per_shard: int = 0
   host_memory_kind: str = "pinned_host"
+  host_window_pages_per_shard: int = 0
   disk_kvstore: str | dict | None = None
   disk_pages: int = 0
   disk_queue_mb: int = 1024
@@ -477,7 +484,7 @@ class TierConfig:
         isinstance(p, str) and ":" in p for p in self.remote_peers),
              f"TierConfig.remote_peers={self.remote_peers!r} must be a tuple of 'host:port' "
              "addresses of jaxkv block servers.")
-    for name in ("host_pages_per_shard", "disk_pages"):
+    for name in ("host_pages_per_shard", "disk_pages", "host_window_pages_per_shard"):
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
                f"TierConfig.{name}={v!r} must be an integer >= 0 (0 disables the tier).")

@@ -72,6 +72,13 @@ COUNTERS = {
                           "with sliding-window layers)",
     "window_blocks_evicted": "kept window-group blocks evicted for room",
     "window_keep_dropped": "window-group blocks not kept: no page could be had",
+    "window_host_stored": "evicted kept window-group blocks copied to host memory "
+                          "(TierConfig.host_window_pages_per_shard)",
+    "window_host_dropped": "evicted kept window-group blocks not copied: every host slot "
+                           "was being read",
+    "window_host_loaded": "window-group blocks loaded back from host memory for a hit",
+    "window_host_failed": "window-group blocks loaded from host memory whose bytes failed "
+                          "their check (dropped; the request resumed at its split)",
 }
 HIT_TIERS = ("device", "host", "disk", "remote", "shard", "pool")
 

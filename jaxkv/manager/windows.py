@@ -19,8 +19,16 @@ sequence needs just the last ``window_blocks`` blocks of that group, not all of 
   before the cut: the blocks ``[c - window_blocks, c)`` kept here (``cover``). A sequence
   admitted with such a hit pins those pages for its life and reads them in place.
 
-Nothing of the window group goes to a lower tier: a cut whose window is no longer kept is
-recomputed, as far back as the longest prefix whose window still is. A checkpoint saves the
+With ``host_slots`` (``TierConfig.host_window_pages_per_shard``), a kept block evicted
+for room keeps a copy in host memory: its window KV is copied to a host slot of its own
+(a plan's ``window_demotes``), least recently used slots reused first. A request whose
+hit would be longer with the windows kept there than with those on the device has them
+loaded back into pages of the device pool first (``load``: a plan's ``window_loads``,
+after its window copies; the worker checks each block against the checksum its bytes had
+when stored, and one that fails is dropped) and is placed at the next step, when they are
+kept on the device again: nothing is placed on bytes not yet checked. Nothing else of the
+window group goes to a lower tier: a cut whose window is kept nowhere is recomputed, as far
+back as the longest prefix whose window still is. A checkpoint saves the device's
 kept blocks and a restore keeps them again (``jaxkv.worker.checkpoint``), so a restarted
 engine's hits reach across the window edge as before. Page 0 of every shard
 is never handed out: unused table entries and the padding of a copy order point at it.
@@ -50,7 +58,7 @@ class WindowPages:
   references that keep a kept block in place."""
 
   def __init__(self, *, num_shards: int, pages_per_shard: int, sliding_window: int,
-               page_size: int, chunk_pages: int, stats=None):
+               page_size: int, chunk_pages: int, stats=None, host_slots: int = 0):
     self.window = window_blocks(sliding_window, page_size)
     self.ring = ring_blocks(sliding_window, page_size, chunk_pages)
     check_room(pages_per_shard, self.ring, self.window, 1)
@@ -60,17 +68,32 @@ class WindowPages:
     self._kept = [collections.OrderedDict() for _ in range(num_shards)]  # key -> page
     self._key_of = [dict() for _ in range(num_shards)]  # page -> key (kept pages)
     self._refs = [collections.Counter() for _ in range(num_shards)]  # page -> readers
+    # Host copies of evicted kept blocks (``host_slots`` per shard): key -> slot, least
+    # recently used first; free slots; slots a load of the plan being built reads.
+    self.host_slots = host_slots
+    self._hkept = [collections.OrderedDict() for _ in range(num_shards)]
+    self._hfree = [list(range(host_slots - 1, -1, -1)) for _ in range(num_shards)]
+    self._hbusy = [set() for _ in range(num_shards)]
+    # Kept pages whose copy out of a ring is ordered but not carried out yet: page -> the
+    # ring page holding its bytes until then (what a demote of it reads instead).
+    self._source = [dict() for _ in range(num_shards)]
+    # The moves of the plan being built, and the host copies the plan in flight made.
+    self._demotes: list = []  # (shard, device page, host slot)
+    self._loads: list = []  # (shard, host slot, device page, key)
+    self._stored: list = []  # (shard, key) of _demotes
+    self._in_flight: list = []  # (shard, key) demoted by the last plan taken
 
   # ---- lookups ---------------------------------------------------------------------------
-  def cover(self, shard: int, keys, cached: int) -> int:
+  def cover(self, shard: int, keys, cached: int, host: bool = False) -> int:
     """The longest cut ``c <= cached`` whose window (blocks ``[c - window, c)``, or all of
-    ``[0, c)`` when shorter) is kept on ``shard``: how much of a ``cached``-block hit the
-    window group can serve. 0: none."""
-    kept = self._kept[shard]
+    ``[0, c)`` when shorter) is kept on ``shard`` (on its device; with ``host``, on its
+    device or in host memory): how much of a ``cached``-block hit the window group can
+    serve. 0: none."""
+    kept, hkept = self._kept[shard], (self._hkept[shard] if host else {})
     run = 0  # consecutive kept blocks ending at the block before the cut
     best = 0
     for c in range(1, cached + 1):
-      run = run + 1 if keys[c - 1] in kept else 0
+      run = run + 1 if keys[c - 1] in kept or keys[c - 1] in hkept else 0
       if run >= min(c, self.window):
         best = c
     return best
@@ -81,22 +104,54 @@ class WindowPages:
                                         if not self._refs[shard][p])
 
   # ---- placing a sequence ------------------------------------------------------------------
-  def place(self, shard: int, keys, cuts) -> tuple[tuple, dict] | None:
+  def place(self, shard: int, keys, cuts, demote: bool = True) -> tuple[tuple, dict] | None:
     """A sequence admitted with a hit: pins the kept window before each of ``cuts`` (where
     it may resume computing: the end of its blocks on device, the end of its hit) and takes
     a ring. Returns ``(ring pages, {block: kept page})``, or None (nothing taken) when the
-    shard has no room for the ring now."""
+    shard has no room for the ring now. ``demote``: whether the kept blocks it evicts keep
+    host copies (only while a plan is being built: its demotes read the pages before
+    anything of that plan writes them)."""
     blocks = sorted({j for cut in cuts for j in range(max(0, cut - self.window), cut)})
     held = {j: self._kept[shard][keys[j]] for j in blocks}
     for p in held.values():  # pinned first, so the ring's evictions cannot take them
       self._refs[shard][p] += 1
-    ring = self._take(shard, self.ring)
+    ring = self._take(shard, self.ring, demote)
     if ring is None:
       self.release(shard, (), held.values())
       return None
     for j in blocks:
       self._kept[shard].move_to_end(keys[j])
     return ring, held
+
+  def load(self, shard: int, keys, cuts) -> int:
+    """Orders the blocks of the window before each of ``cuts`` that are kept only in host
+    memory loaded back into pages of the device pool (``load`` orders of the plan being
+    built), kept there again and pinned until the plan is taken; their host slots are not
+    reused by that plan. Returns how many (0: none to load, or no room for them now)."""
+    kept, hkept = self._kept[shard], self._hkept[shard]
+    blocks = sorted({j for cut in cuts for j in range(max(0, cut - self.window), cut)})
+    wanted = [j for j in blocks if keys[j] not in kept and keys[j] in hkept]
+    if not wanted:
+      return 0
+    pinned = [kept[keys[j]] for j in blocks if keys[j] in kept]
+    for p in pinned:  # (the window's other blocks stay while pages are taken)
+      self._refs[shard][p] += 1
+    for j in wanted:
+      self._hbusy[shard].add(hkept[keys[j]])
+    got = self._take(shard, len(wanted))
+    self.release(shard, (), pinned)
+    if got is None:
+      return 0
+    for j, page in zip(wanted, got):
+      key = keys[j]
+      kept[key], self._key_of[shard][page] = page, key
+      self._refs[shard][page] += 1
+      hkept.move_to_end(key)
+      self._loads.append((shard, hkept[key], page, key))
+    for j in blocks:
+      if keys[j] in kept:
+        kept.move_to_end(keys[j])
+    return len(wanted)
 
   def hold(self, shard: int, keys, cut: int) -> list[int] | None:
     """Pins the kept window before ``cut`` (``Engine.pin``: a pinned prefix stays a hit);
@@ -124,29 +179,76 @@ class WindowPages:
     """``release`` of what a ``Placement`` took (its ring and pins)."""
     self.release(p.shard, p.window_ring, [page for _, page in p.window_held])
 
-  def keep(self, shard: int, key: bytes) -> int | None:
+  def keep(self, shard: int, key: bytes, source: int | None = None,
+           demote: bool = True) -> int | None:
     """A block whose window KV is to be kept (a published block's, copied out of its ring
-    page; or a restored one's): the page it goes to, now kept under ``key``; None when
-    ``key`` is kept already (it is touched) or no page can be had (counted)."""
+    page ``source`` by the next plan; or a restored one's, landed at once: ``demote`` False,
+    see ``place``): the page it goes to, now kept under ``key``; None when ``key`` is kept
+    already (it is touched) or no page can be had (counted)."""
     kept = self._kept[shard]
     if key in kept:
       kept.move_to_end(key)
       return None
-    got = self._take(shard, 1)
+    got = self._take(shard, 1, demote)
     if got is None:
       if self.stats is not None:
         self.stats.add("window_keep_dropped")
       return None
     kept[key] = got[0]
     self._key_of[shard][got[0]] = key
+    if source is not None:
+      self._source[shard][got[0]] = source
     if self.stats is not None:
       self.stats.add("window_blocks_kept")
     return got[0]
 
+  # ---- the host copies' orders ------------------------------------------------------------
+  def take_moves(self) -> tuple[tuple, tuple]:
+    """The plan being built takes its moves: ``(demotes, loads)``, ``(shard, device page,
+    host slot)`` and ``(shard, host slot, device page, key)`` each. The worker carries out
+    the demotes before the plan's window copies (they read what the pages held before it)
+    and the loads after them."""
+    moves = (tuple(self._demotes), tuple(self._loads))
+    for shard, _, page, _ in self._loads:  # (pinned while the plan was built)
+      self.release(shard, (), (page,))
+    self._in_flight, self._stored = self._stored, []
+    self._demotes, self._loads = [], []
+    for shard in range(self.num_shards):
+      self._hbusy[shard].clear()
+      self._source[shard].clear()  # (this plan's copies land them)
+    return moves
+
+  def has_moves(self) -> bool:
+    """Whether moves wait for a plan to take them."""
+    return bool(self._demotes or self._loads)
+
+  def drop_loaded(self, shard: int, key: bytes) -> None:
+    """A loaded block whose bytes failed their check: kept neither on the device (its page
+    is free once its readers end) nor in host memory (its slot is free)."""
+    page = self._kept[shard].pop(key, None)
+    if page is not None:
+      del self._key_of[shard][page]
+      if not self._refs[shard][page]:
+        self._free[shard].append(page)
+    slot = self._hkept[shard].pop(key, None)
+    if slot is not None:
+      self._hfree[shard].append(slot)
+
   def forget(self) -> None:
     """The window pools were lost (a failed step): nothing is kept any more. Rings and pins
-    of running sequences stay theirs; a pinned page is free once its last pin ends."""
+    of running sequences stay theirs; a pinned page is free once its last pin ends. Host
+    copies stay, but those the failed plan (or the one being built) ordered: their bytes
+    may never have been written."""
+    for shard, key in self._in_flight + self._stored:
+      slot = self._hkept[shard].pop(key, None)
+      if slot is not None:
+        self._hfree[shard].append(slot)
+    for shard, _, page, _ in self._loads:  # (their pins, below: the pages go back)
+      self.release(shard, (), (page,))
+    self._in_flight, self._stored, self._demotes, self._loads = [], [], [], []
     for shard in range(self.num_shards):
+      self._hbusy[shard].clear()
+      self._source[shard].clear()
       for page in list(self._kept[shard].values()):
         if not self._refs[shard][page]:
           self._free[shard].append(page)
@@ -161,8 +263,9 @@ class WindowPages:
     checkpoint saves, in the order a restore keeps them again)."""
     return list(self._kept[shard].items())
 
-  def _take(self, shard: int, n: int) -> list | None:
-    """``n`` pages: free ones first, then the least recently used unreferenced kept ones."""
+  def _take(self, shard: int, n: int, demote: bool = True) -> list | None:
+    """``n`` pages: free ones first, then the least recently used unreferenced kept ones
+    (each keeping a host copy, with ``demote``)."""
     free, kept, refs = self._free[shard], self._kept[shard], self._refs[shard]
     if len(free) < n:
       victims = [k for k, p in kept.items() if not refs[p]][:n - len(free)]
@@ -174,7 +277,34 @@ class WindowPages:
         free.append(page)
         if self.stats is not None:
           self.stats.add("window_blocks_evicted")
+        source = self._source[shard].pop(page, page)  # (its bytes before this plan's copies)
+        if demote:
+          self._demote(shard, k, source)
     return [free.pop() for _ in range(n)]
+
+  def _demote(self, shard: int, key: bytes, source: int) -> None:
+    """An evicted kept block keeps a host copy (a demote order: ``source``, the page its
+    bytes are in until the plan's copies run), unless it has one (touched) or there is no
+    host slot to give it (counted)."""
+    if not self.host_slots:
+      return
+    hkept = self._hkept[shard]
+    if key in hkept:
+      hkept.move_to_end(key)
+      return
+    if not self._hfree[shard]:
+      victim = next((k for k, s in hkept.items() if s not in self._hbusy[shard]), None)
+      if victim is None:
+        if self.stats is not None:
+          self.stats.add("window_host_dropped")
+        return
+      self._hfree[shard].append(hkept.pop(victim))
+    slot = self._hfree[shard].pop()
+    hkept[key] = slot
+    self._demotes.append((shard, source, slot))
+    self._stored.append((shard, key))
+    if self.stats is not None:
+      self.stats.add("window_host_stored")
 
 
 def table_row(ring, held, num_pages: int, front: tuple[int, int], resume: int) -> tuple:

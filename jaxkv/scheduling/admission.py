@@ -96,6 +96,8 @@ class Admission:
                vocab_size: int, planner, stream=None):
     self.manager, self.config, self.planner, self.stream = manager, config, planner, stream
     self.max_seqs_per_shard, self.prefix_reuse = max_seqs_per_shard, prefix_reuse
+    # Requests whose window blocks the last plan loaded from host memory (placed next).
+    self._loaded_windows: set[int] = set()
     self.vocab_size = vocab_size
 
   def set_stream(self, stream) -> None:
@@ -204,7 +206,7 @@ class Admission:
     load = list(running) if running is not None else [0] * num_shards
     wave: list[Placement] = []
     waiting = collections.deque()
-    asking = False  # a request waits for a peer's answer (not for room)
+    asking = False  # a request waits for a peer's answer or its window (not for room)
     while pending and any(n < self.max_seqs_per_shard for n in load):
       req = pending.popleft()
       found = self._lookup(req)
@@ -217,6 +219,13 @@ class Admission:
           and self._wait_for_own_shard(found, order, load)):
         waiting.append(req)
         continue
+      if (req.id not in self._loaded_windows and load[order[0]] < self.max_seqs_per_shard
+          and self._load_windows(req, order[0], found[order[0]])):
+        self._loaded_windows.add(req.id)  # (once: placed next step on what is kept then)
+        waiting.append(req)  # (its window comes back to the device with this step)
+        asking = True
+        continue
+      self._loaded_windows.discard(req.id)
       for s in order:
         placed = (self._place(req, s, found[s]) if load[s] < self.max_seqs_per_shard
                   else None)
@@ -289,13 +298,7 @@ class Admission:
   def _place(self, req: Request, shard: int, found: list) -> Placement | None:
     """Takes references for ``req`` on ``shard``: its hits (pinned) and fresh pages."""
     m = self.manager
-    # A device block after a lower-tier one is left out (with what follows): a split may
-    # recompute that stretch, and recomputing must never write into a shared page.
-    lower = [j for j, (t, _) in enumerate(found) if t != Tier.DEVICE]
-    if lower:
-      later = [j for j, (t, _) in enumerate(found) if t == Tier.DEVICE and j > lower[0]]
-      if later:
-        found = found[:later[0]]
+    found = _usable(found)
 
     def pins(take: bool):
       for tier, slot in found:
@@ -339,14 +342,42 @@ class Admission:
                      window_held=tuple(sorted(held.items())))
 
   @staticmethod
-  def _window_cut(windows, shard: int, keys, found: list) -> int:
+  def _window_cut(windows, shard: int, keys, found: list, host: bool = False) -> int:
     """How much of a cached prefix a model with a window group can use on ``shard``: the
     longest cut whose window is kept there; past the blocks on device only if the window
     before them is kept too (a plan that recomputes from there, or a fetch that fails,
-    resumes at it)."""
+    resumes at it). ``host``: counting the windows kept in host memory as well."""
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    cut, at_hot = windows.cover(shard, keys, len(found)), windows.cover(shard, keys, hot)
+    cut = windows.cover(shard, keys, len(found), host=host)
+    at_hot = windows.cover(shard, keys, hot, host=host)
     return at_hot if cut > hot and at_hot != hot else cut
+
+  def _load_windows(self, req: Request, shard: int, found: list) -> bool:
+    """Whether ``req`` waits a step for window blocks of its hit on ``shard`` that are kept
+    only in host memory: loaded (checked) by this step's plan, kept on the device again by
+    the next, where it is placed with them."""
+    windows = self.manager.windows
+    found = _usable(found)
+    if windows is None or not windows.host_slots or not found:
+      return False
+    on_device = self._window_cut(windows, shard, req.keys, found)
+    cut = self._window_cut(windows, shard, req.keys, found, host=True)
+    if cut <= on_device:
+      return False
+    hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
+    return windows.load(shard, req.keys, (min(hot, cut), cut)) > 0
+
+
+def _usable(found: list) -> list:
+  """A cached prefix as a placement can use it: a device block after a lower-tier one is
+  left out (with what follows): a split may recompute that stretch, and recomputing must
+  never write into a shared page."""
+  lower = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), None)
+  if lower is not None:
+    later = next((j for j, (t, _) in enumerate(found) if t == Tier.DEVICE and j > lower), None)
+    if later is not None:
+      return found[:later]
+  return found
 
 
 def _sampling_per_prompt(sampling, n: int) -> list[SamplingParams]:

@@ -34,7 +34,7 @@ class Publishing:
     if self.manager.publish(shard, page, keys[j], parent=keys[j - 1] if j else None):
       published.append((shard, page, keys[j]))
     if window_page:
-      kept = self.manager.windows.keep(shard, keys[j])
+      kept = self.manager.windows.keep(shard, keys[j], source=window_page)
       if kept is not None:
         self.window_copies.append((shard, window_page, kept))
 

@@ -254,7 +254,8 @@ class Scheduler:
 
   def has_orders(self) -> bool:
     """Whether tier work waits for a plan (none left to carry it: a plan of orders alone)."""
-    return not self._orders.empty or bool(self.publishing.window_copies)
+    return (not self._orders.empty or bool(self.publishing.window_copies)
+            or (self.manager.windows is not None and self.manager.windows.has_moves()))
 
   def _take_orders(self, *more: TierOrders) -> TierOrders:
     """The orders decided since the last plan (and ``more``), with every copy's
@@ -262,6 +263,19 @@ class Scheduler:
     orders = sum(more, self._orders)
     self._orders = TierOrders()
     return self.manager.resolve(orders)
+
+  def _window_moves(self) -> tuple[tuple, tuple]:
+    """The window group's host copies this plan carries out: ``(demotes, loads)``."""
+    if self.manager.windows is None:
+      return (), ()
+    return self.manager.windows.take_moves()
+
+  def _window_failures(self, failed) -> None:
+    """Window blocks loaded from host memory whose bytes failed their check: kept nowhere
+    now (no request was placed on them yet: the one they were loaded for is admitted at the
+    next step, with what is kept then)."""
+    for shard, key in failed:
+      self.manager.windows.drop_loaded(shard, key)
 
   def _release(self, p: Placement) -> None:
     """Gives back what a placed request holds: its device pages, its window ring and pins."""
@@ -308,13 +322,16 @@ class Scheduler:
     self.manager.agree_peer_answers()  # (a job's: the same on every process)
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
+      demotes, loads = self._window_moves()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
                       orders=self._take_orders(), window_copies=self.publishing.take_copies(),
+                      window_demotes=demotes, window_loads=loads,
                       block_bytes=self.manager.page_bytes,
                       want_logits=(self.handles[request.id].logits is not None
                                    or self.handles[request.id].logprobs is not None))
     admitted, fetch, evicted = self._admit()
     copies = self.publishing.take_copies()
+    demotes, loads = self._window_moves()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = [self._next_chunk(s) for s in self.running.values()
                if not s.decoding and s.spans]
@@ -328,6 +345,7 @@ class Scheduler:
     return StepPlan(
         step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
         orders=self._take_orders(TierOrders(demote=evicted)), window_copies=copies,
+        window_demotes=demotes, window_loads=loads,
         block_bytes=self.manager.page_bytes,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
@@ -443,6 +461,7 @@ class Scheduler:
     aborted = [StepOutput(self.handles.pop(r), (), True) for r in plan.aborted]
     if result is None:
       return aborted
+    self._window_failures(result.window_failures)
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.id]

@@ -279,11 +279,17 @@ class StepPlan:
   block_bytes: int = 0  # bytes of one block (every layer's K and V), for ``summary``
   # (shard, ring page, kept page), ...: window-group blocks kept, copied before the step
   window_copies: tuple = ()
+  # Window-group blocks to and from host memory (``jaxkv.manager.windows``): (shard, device
+  # page, host slot), ... copied out before ``window_copies``; (shard, host slot, device
+  # page, key), ... loaded and checked after them.
+  window_demotes: tuple = ()
+  window_loads: tuple = ()
 
   @property
   def empty(self) -> bool:
     return not (self.decode or self.prefill or self.fetch or self.settle or self.streamed
-                or self.window_copies or not self.orders.empty)
+                or self.window_copies or self.window_demotes or self.window_loads
+                or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:
     """Blocks this step moves between tiers, by route: what was decided (``write_through``,
@@ -338,3 +344,6 @@ class StepResult:
   # Request id -> (logprobs [n], top ids [n, K], top logprobs [n, K]) of its prompt chunk's
   # targets (``PrefillChunk.targets``).
   prompt_logprobs: Mapping | None = None
+  # (shard, key), ...: window-group blocks the plan loaded from host memory whose bytes
+  # failed their check (``StepPlan.window_loads``).
+  window_failures: tuple = ()

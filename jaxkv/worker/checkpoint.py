@@ -432,7 +432,7 @@ class Checkpointer:
         if checksum is not None and int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
           continue
-        page = windows.keep(s, key)
+        page = windows.keep(s, key, demote=False)  # (landed at once, below)
         if page is not None:
           dest[s, j] = page
           counts["windows_kept"] += 1

@@ -284,7 +284,7 @@ class ModelRunner:
     below the host while the device computes, verifies the fetch groups it settles, and
     reads back the tokens. Returns a ``StepResult``."""
     cache = self.cache
-    cache.worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
+    window_failures = self.move_windows(plan)
     finish_copies = self.carry_out(plan.orders, later=True)
     try:
       if plan.fetch is not None:
@@ -317,7 +317,18 @@ class ModelRunner:
           logprobs[r] = tuple(a[row[r]] for a in lp)
     return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
                       t_tokens=time.perf_counter() if t_tokens is None else t_tokens,
-                      logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores))
+                      logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores),
+                      window_failures=tuple(window_failures))
+
+  def move_windows(self, plan: StepPlan) -> list:
+    """A plan's window-group moves, before anything of its step writes a page: evicted kept
+    blocks out to host memory (reading what the pages held before this plan), published
+    blocks' windows kept out of their rings, then host copies loaded back and checked.
+    Returns ``(shard, key)`` of the loaded blocks that failed their check."""
+    worker = self.cache.worker
+    worker.demote_windows(plan.window_demotes)
+    worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
+    return worker.load_windows(plan.window_loads)
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

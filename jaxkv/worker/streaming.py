@@ -81,14 +81,17 @@ class StreamRunner:
     self._one_at_a_time = cache.mesh.devices.flat[0].platform == "cpu" and cache.mesh.size > 1
 
   def step(self, plan) -> StepResult:
-    """A plan whose step is one streamed request (``plan.streamed``), run to its end."""
+    """A plan whose step is one streamed request (``plan.streamed``), run to its end, after
+    its window-group moves (the kept windows of the requests before it)."""
+    failed = self.runner.move_windows(plan)
     tokens, logits, t_first = self.run(plan.streamed, plan.want_logits)
     scores = None
     if plan.streamed.sampling.logprobs is not None:  # from the logits, on the host
       scores = {plan.streamed.id: sampling_lib.logprobs_host(
           logits, np.asarray(tokens, np.int32))}
     return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
-                      streamed=(tokens, logits, t_first), logprobs=scores)
+                      streamed=(tokens, logits, t_first), logprobs=scores,
+                      window_failures=tuple(failed))
 
   def run(self, r: Request, want_logits: bool):
     """Runs one request to its end; returns ``(tokens, logits or None, perf_counter time
@@ -203,7 +206,7 @@ class StreamRunner:
     windows = self.cache.manager.windows
     if windows is None:
       return
-    got = windows.place(state.shard, (), ())
+    got = windows.place(state.shard, (), (), demote=False)  # (a step runs: no plan's orders)
     if got is None:
       raise CapacityError(f"shard {state.shard}'s window pool cannot give a streamed sequence "
                           f"a ring of {windows.ring} pages now; they are held by running "

@@ -46,6 +46,20 @@ class CacheWorker:
     if tiers.host_enabled:
       from jaxkv.worker.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
+    # The window group's kept blocks in host memory (jaxkv.manager.windows: what it evicts
+    # from the device keeps a copy here): a host pool of its own, of the window layers.
+    self.window_host = None
+    if tiers.host_window_pages_per_shard and config.has_windows:
+      if jax.process_count() > 1:  # (its loads' checks are not agreed across processes yet)
+        raise InputError(
+            f"TierConfig.host_window_pages_per_shard={tiers.host_window_pages_per_shard} is "
+            f"for one process; this job has {jax.process_count()}: set it to 0 (hits whose "
+            "window left the device then recompute it).")
+      from jaxkv.worker.tiers.host import HostTier
+      self.window_host = HostTier(
+          mesh, config, dataclasses.replace(
+              tiers, host_pages_per_shard=tiers.host_window_pages_per_shard),
+          2 * config.window_layers)
     if tiers.disk_enabled:
       from jaxkv.worker.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
@@ -245,6 +259,47 @@ class CacheWorker:
           pools, copies, self.config.window_copy_slots, mesh=self.mesh, config=self.config),),
           windows="only")
 
+  def demote_windows(self, items) -> None:
+    """Copies window-group pages into the window host pool (a plan's ``window_demotes``:
+    ``(shard, device page, host slot)``, every slot chosen by the manager), each with the
+    checksum of its bytes: dispatched, ordered before anything later writes the pages."""
+    if items:
+      self.window_host.store_pages(self.window_pools, list(items))
+
+  def load_windows(self, items) -> list:
+    """Loads window host slots into window-group pages (a plan's ``window_loads``: ``(shard,
+    host slot, device page, key)``) and waits for the checksums of what arrived; returns
+    ``(shard, key)`` of every block whose bytes differ from those it was stored with (its
+    page holds them, unused: the manager drops it)."""
+    if not items:
+      return []
+    from jaxkv import buckets
+    from jaxkv.distributed import to_host
+    from jaxkv.worker.tiers.base import Landing
+    host = self.window_host
+    per = [[] for _ in range(self.num_shards)]
+    for shard, slot, page, key in items:
+      per[shard].append((slot, page, key))
+    failed = []
+    for offset, size in buckets.pieces(max(len(p) for p in per), host.bucket_max):
+      slots = np.zeros((self.num_shards, size), np.int32)  # padding reads slot 0 ...
+      dest = np.full((self.num_shards, size), self.config.window_pages_per_shard,
+                     np.int32)  # ... into no page
+      where = [its[offset:offset + size] for its in per]
+      for s, its in enumerate(where):
+        slots[s, :len(its)] = [slot for slot, _, _ in its]
+        dest[s, :len(its)] = [page for _, page, _ in its]
+      blocks, sums = host.load_blocks(slots)
+      self.land_windows(Landing(dest, blocks, blocks=True))
+      expected = host.expected_checksums(slots)
+      got = to_host(sums).reshape(expected.shape)
+      failed += [(s, key) for s, its in enumerate(where)
+                 for i, (_, _, key) in enumerate(its) if not (got[s, i] == expected[s, i]).all()]
+    self._stats.add("window_host_loaded", len(items) - len(failed))
+    if failed:
+      self._stats.add("window_host_failed", len(failed))
+    return failed
+
   def _row_sharding(self, ndim: int) -> NamedSharding:
     sharding = self._row_shardings.get(ndim)
     if sharding is None:
@@ -305,6 +360,13 @@ class CacheWorker:
     distributed.warm_collectives()
     self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
     self.copy_windows((), warm=True)
+    if self.window_host is not None:  # its moves and their landings, every bucket
+      from jaxkv.worker.tiers.base import Landing
+      for size in self.window_host.warm(self.window_pools, max_pages):
+        blocks, _ = self.window_host.load_blocks(np.zeros((self.num_shards, size), np.int32))
+        self.land_windows(Landing(np.full((self.num_shards, size),
+                                          self.config.window_pages_per_shard, np.int32),
+                                  blocks, blocks=True))
     jax.block_until_ready(self._pools)
 
   def flush(self, timeout_s: float) -> int:

@@ -150,6 +150,17 @@ def test_a_window_pool_too_small_for_one_ring_is_refused(one):
     engine(one, window_pages_per_shard=8)
 
 
+def _next_turn(e, recompute, history, seed):
+  """The conversation's next turn on ``e`` (20 new tokens, 8 answered), checked against
+  recompute: ``(its handle, e's stats before, after)``."""
+  before = e.stats()
+  turn = history + prompt(seed, 20)
+  h = run(e, turn, 8)
+  after = e.stats()
+  assert_same(h, run(recompute, turn, 8))
+  return h, before, after
+
+
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
   with LocalMaster(log_path=str(tmp_path_factory.mktemp("pool") / "master.log")) as m:
@@ -175,17 +186,92 @@ def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
   e.flush()  # (the disk's records are published once written)
   for s in range(e.cache.num_shards):
     e.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
-  before = e.stats()
-  second = first + answer + prompt(5, 20)
-  h = run(e, second, 8)
-  after = e.stats()
-  assert_same(h, run(recompute, second, 8))
+  h, before, after = _next_turn(e, recompute, first + answer, 5)
   fetched = after["blocks_fetched"] - before["blocks_fetched"]
   assert fetched > WINDOW // PAGE and h.cached_tokens > WINDOW, (fetched, h.cached_tokens)
   assert after["hits"][tier] > before["hits"].get(tier, 0)
   if tier != "pool":  # (the pool's reads are counted by the pool, not in bytes_moved)
     assert after["bytes_moved"] - before["bytes_moved"] == fetched * e.cache.config.page_bytes
   e.cache.worker.close()
+
+
+@pytest.mark.parametrize("altered", [False, True], ids=["kept", "altered"])
+def test_a_window_evicted_from_the_device_comes_back_from_host_memory(one, recompute, altered):
+  """With ``host_window_pages_per_shard``, kept window blocks that other prompts evict from
+  a small window pool (19 pages: one ring and two windows) keep copies in host memory. A
+  later turn whose blocks are in the host tier, and whose window before its cut is only in
+  host memory, has that window loaded back and is placed on it a step later: a hit past
+  the window edge, answered as recompute. A host copy whose bytes no longer match their
+  checksum (``altered``) is dropped before anything is placed on it and the turn is
+  recomputed, exactly. (Planted: loads landing in the next page -> the kept case's
+  log-probabilities differ; no demotes -> no hit.)"""
+  tiers = jaxkv.TierConfig(host_pages_per_shard=96, host_window_pages_per_shard=64)
+  e = engine(one, tiers=tiers, rows=1, window_pages_per_shard=19)
+  first = prompt(14, 230)
+  answer = e.generate([first], 8)[0]
+  for seed in (15, 16):  # other prompts take every page of the window pool
+    e.generate([prompt(seed, 120)], 2)
+  windows = e.cache.manager.windows
+  keys = e.cache.index.block_keys(np.asarray(first + answer, np.int32), "default")
+  assert not any(k in windows._kept[0] for k in keys)  # pylint: disable=protected-access
+  assert e.stats()["window_host_stored"] > 0
+  e.flush()
+  e.cache.offload()
+  for s in range(e.cache.num_shards):
+    e.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
+  if altered:  # every host copy's recorded checksum no longer matches its bytes
+    host = e.cache.worker.window_host
+    host.expected_checksums(np.zeros((1, 1), np.int32))  # (settles the recorded sums)
+    host._checksums ^= 1  # pylint: disable=protected-access
+  h, before, after = _next_turn(e, recompute, first + answer, 17)
+  loaded = after["window_host_loaded"] - before["window_host_loaded"]
+  failed = after["window_host_failed"] - before["window_host_failed"]
+  if altered:
+    assert loaded == 0 and failed >= WINDOW // PAGE and h.cached_tokens == 0, (loaded, failed)
+  else:
+    assert loaded >= WINDOW // PAGE and failed == 0, (loaded, failed)
+    assert h.cached_tokens >= len(first) - PAGE, h.cached_tokens
+    assert after["hits"]["host"] > before["hits"].get("host", 0)
+  e.cache.worker.close()
+
+
+def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_back():
+  """The host copies' bookkeeping alone (no model). A kept block evicted before the copy
+  out of its ring ran is demoted from that ring page (its own page holds nothing yet); one
+  evicted after, from its page. Blocks of a window kept only in host memory are loaded
+  back into pages of their own, kept on the device again (a sequence can then be placed
+  on them), pinned until the plan is taken; host slots a load reads are not reused by the
+  same plan's demotes; a failed plan forgets the host copies it ordered. (Planted: demotes
+  read the evicted page -> the first assertion fails.)"""
+  w = windows_lib.WindowPages(num_shards=1, pages_per_shard=19, sliding_window=WINDOW,
+                              page_size=PAGE, chunk_pages=2, host_slots=18)
+  keys = [bytes([i]) * 32 for i in range(40)]
+  pages = [w.keep(0, keys[i], source=100 + i) for i in range(18)]  # every free page
+  w.keep(0, keys[18], source=118)  # evicts keys[0], whose copy (100 -> its page) is pending
+  demotes, loads = w.take_moves()
+  assert demotes == ((0, 100, 0),) and loads == ()
+  w.keep(0, keys[19], source=119)  # evicts keys[1]: its copy ran with the last plan
+  assert w.take_moves()[0] == ((0, pages[1], 1),)
+  assert w.cover(0, keys, 2) == 0 and w.cover(0, keys, 2, host=True) == 2
+  for i in range(20, 36):  # every page kept and unreferenced: the loads must evict
+    w.keep(0, keys[i], source=100 + i)
+  w.take_moves()
+  assert w.load(0, keys, (2,)) == 2
+  demotes, loads = w.take_moves()
+  assert [(slot, key) for _, slot, _, key in loads] == [(0, keys[0]), (1, keys[1])]
+  assert len(demotes) == 2 and not {slot for _, _, slot in demotes} & {0, 1}
+  assert w.cover(0, keys, 2) == 2 and w.load(0, keys, (2,)) == 0  # kept on the device again
+  ring, held = w.place(0, keys, (0, 2))
+  assert held == {j: page for j, (_, _, page, _) in enumerate(loads)}
+  w.release(0, ring, held.values())
+  assert w.available(0) == 18
+  for i in range(36, 40):  # more evictions: host copies ordered, then the plan fails
+    w.keep(0, keys[i], source=100 + i)
+  stored = [k for k in keys[20:] if k in w._hkept[0]]  # pylint: disable=protected-access
+  assert stored
+  w.forget()
+  assert all(k not in w._hkept[0] for k in stored)  # pylint: disable=protected-access
+  assert w.cover(0, keys, 2, host=True) == 2 and w.available(0) == 18
 
 
 def test_a_pinned_prefix_keeps_its_window_and_stays_a_whole_hit(one, recompute):
@@ -306,15 +392,25 @@ def test_a_prompt_longer_than_the_device_pool_streams_its_global_layers_only(one
   layers in a ring of the window pool (their queries see nothing older). The answer and
   its log-probabilities are the recomputed all-global layout's; every device page, host slot
   and ring page is given back; the same request again compiles nothing and reads its
-  log-probabilities from the streamed logits."""
+  log-probabilities from the streamed logits. The window of the short prompt answered just
+  before it is kept all the same (the streamed plan carries out the copy of its last
+  block's window): its next turn hits across the window edge, exactly. (Planted: the
+  streamed plan dropping its window copies -> that turn's log-probabilities differ.)"""
   e = engine(one, tiers=jaxkv.TierConfig(host_pages_per_shard=64), pages_per_shard=12,
              max_pages_per_seq=12,
              stream=jaxkv.StreamConfig(sink_pages=1, window_pages=4, chunk_pages=3))
   windows = e.cache.manager.windows
   free = windows.available(0)
-  p = prompt(4, 200)
+  p, short = prompt(4, 200), prompt(8, 60)
   want = run(recompute, p, 6)
-  assert_same(run(e, p, 6), want)
+  first = e.submit(short, jaxkv.SamplingParams(max_new_tokens=5))  # (64 tokens: 8 blocks)
+  streamed = e.submit(p, jaxkv.SamplingParams(max_new_tokens=6, logprobs=1))
+  short += first.result()
+  streamed.result()  # (planned as the short one ended: its plan took that one's window copies)
+  assert_same(streamed, want)
+  turn = run(e, short + prompt(9, 12), 4)
+  assert_same(turn, run(recompute, short + prompt(9, 12), 4))
+  assert turn.cached_tokens > WINDOW, turn.cached_tokens
   s = e.stats()
   assert s["streamed_requests"] == 1 and s["streamed_pages"] > 25 - 12
   assert windows.available(0) == free and not windows._refs[0]  # pylint: disable=protected-access
