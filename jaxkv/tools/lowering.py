@@ -214,9 +214,10 @@ def _abstract_model(model_cfg, cache_cfg: CacheConfig, mesh: AbstractMesh):
 
 
 def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
-                host_pages: int, moved: int) -> tuple:
+                host_pages: int, moved: int, name: str = "host") -> tuple:
   """The host pool (abstract) and the host tier's moves at a transfer of ``moved`` pages
-  per shard: staging, the per-block store, the load, and the store of a whole stack."""
+  per shard: staging, the per-block store, the load, and the store of a whole stack
+  (``name``: the moves' names' start; ``pools``: the device pools they move between)."""
   from jaxkv.worker.tiers import host as host_lib
   bits = pages_lib.bits_dtype(cache_cfg.jnp_dtype)
   block = (sum(pages_lib.pool_layers(p) for p in pools), cache_cfg.num_kv_heads, cache_cfg.page_size,
@@ -230,18 +231,19 @@ def _host_moves(mesh, cache_cfg: CacheConfig, kind: str, pools, shards: int,
   stack = _sds(mesh, (block[0], block[1], shards * moved, *block[2:]), bits,
                pages_lib.stacked_spec(cache_cfg))
   return host_pool, [
-      Lowerable(f"host_stage[pages={size}]", fns.stage, (tuple(pools), ids(size))),
-      Lowerable(f"host_store[pages={size}]", fns.place, (host_pool, blocks, ids(size))),
-      Lowerable(f"host_load[pages={size}]", fns.load, (host_pool, ids(size))),
-      Lowerable(f"host_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids(moved)))]
+      Lowerable(f"{name}_stage[pages={size}]", fns.stage, (tuple(pools), ids(size))),
+      Lowerable(f"{name}_store[pages={size}]", fns.place, (host_pool, blocks, ids(size))),
+      Lowerable(f"{name}_load[pages={size}]", fns.load, (host_pool, ids(size))),
+      Lowerable(f"{name}_store_stack[pages={moved}]", fns.store, (host_pool, stack, ids(moved)))]
 
 
 def _page_moves(cfg: Mapping, cache_cfg: CacheConfig, mesh, pools, block_pools, row
                 ) -> tuple:
   """The page moves the engine compiles: a block's pages gathered and scattered (the block
-  pools' alone: a window group's pages never leave the device), the host tier's copies
-  when it has one, and the window group's page copy when the model has one. Returns
-  ``(host pool or None, [Lowerable, ...])``."""
+  pools' alone), the host tier's copies when it has one, and the window group's page copy
+  when the model has one, with its host copies' moves (``window_host_*``) when the tiers
+  keep them (``host_window_pages_per_shard``). Returns ``(host pool or None, [Lowerable,
+  ...])``."""
   engine, tiers = dict(cfg["engine"]), dict(cfg.get("tiers", {}))
   shards = mesh.shape[cache_cfg.data_axis]
   num_arrays = sum(pages_lib.pool_layers(p) for p in block_pools)
@@ -266,6 +268,12 @@ def _page_moves(cfg: Mapping, cache_cfg: CacheConfig, mesh, pools, block_pools, 
                          pages_lib.copy_pages_fn(mesh, cache_cfg,
                                                  pages_lib.pool_ranks(window_pools)),
                          (tuple(window_pools), slots, slots)))
+    window_host = int(tiers.get("host_window_pages_per_shard", 0) or 0)
+    if window_host:  # (a store and a load of a window's blocks; their landing scatters)
+      kind = tiers.get("host_memory_kind", "pinned_host")
+      _, moves = _host_moves(mesh, cache_cfg, kind, window_pools, shards, window_host,
+                             moved, name="window_host")
+      out += [m for m in moves if not m.name.startswith("window_host_store_stack")]
   host_pool = None
   if host_pages:
     kind = tiers.get("host_memory_kind", "pinned_host")

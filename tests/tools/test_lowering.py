@@ -263,6 +263,7 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   gemma = dataclasses.replace(lowering.GEMMA3_270M, kv_groups=kv_groups)
   local = gemma.window_layers
   cfg = _config(os.path.join(ROOT, "configs", "llama3_2_1b_gpu.py"))
+  cfg.tiers.host_window_pages_per_shard = 4096  # (kept windows' copies in host memory)
   tgt = lowering.target(target_name)
   mesh, functions = lowering.engine_functions(cfg, tgt, impl=tgt.kernel_impl, model_cfg=gemma)
   steps = [f for f in functions if f.name.startswith(("decode[", "prefill["))]
@@ -278,10 +279,20 @@ def test_gemma3_engine_steps_lower_with_the_windowed_kernel(target_name, kv_grou
   assert "decode_streamed" in named and "prefill_streamed" in named
   assert ("copy_window_pages" in named) == bool(local)
   lowering.lower(gather.name, gather.fn, gather.args, tgt, mesh)
+  assert ({"window_host_stage", "window_host_store", "window_host_load"} <= set(named)) == bool(local)
   if local:  # the window group's page copy (a kept block), on its own pools
     copy = named["copy_window_pages"]
     assert sorted(p.shape[0] for p in copy.args[0]) == [local] * 2
     lowering.lower(copy.name, copy.fn, copy.args, tgt, mesh)
+    # Its host copies' moves: the local layers' pages alone, one transfer per block, no
+    # computation on host memory (as the block pools' host moves, test above).
+    stage = named["window_host_stage"]
+    assert sorted(p.shape[0] for p in stage.args[0]) == [local] * 2
+    for f in (named["window_host_store"], named["window_host_load"]):
+      assert f.args[0].shape[1] == 2 * local  # (a host slot holds the window layers' K and V)
+      report = lowering.host_move_report(lowering.lower(f.name, f.fn, f.args, tgt, mesh))
+      assert report["host_compute"] == 0 and report["scatters"] == 0, (f.name, report)
+      assert report["loops"] == [f.args[-1].shape[1]], (f.name, report)
     streamed = named["decode_streamed"]
     assert isinstance(streamed.args[3], tuple)  # the block table and the window table
     text = lowering.lower(streamed.name, streamed.fn, streamed.args, tgt, mesh).mlir_module()
