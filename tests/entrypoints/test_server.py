@@ -927,10 +927,19 @@ def test_a_killed_engine_core_ends_every_request_and_a_killed_front_ends_its_cor
   server = ServerProcess([*helpers.SERVE_SHAPES], workdir=str(tmp_path))
   try:  # killed as soon as its core exists (while it compiles)
     children = f"/proc/{server.proc.pid}/task/{server.proc.pid}/children"
-    helpers.wait_for(lambda: open(children).read().split(), 60, "the engine core starting")
-    core, = map(int, open(children).read().split())
-    argv = open(f"/proc/{core}/cmdline").read().split("\0")
-    sockets = next(a.split("=", 1)[1] for a in argv if a.startswith("--core_dir="))
+
+    def core_dir():  # (a child forked but not yet exec'd still shows the server's argv)
+      for pid in map(int, open(children).read().split()):
+        try:
+          argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+          continue
+        found = [a.split("=", 1)[1] for a in argv if a.startswith("--core_dir=")]
+        if found:
+          return pid, found[0]
+      return None
+
+    core, sockets = helpers.wait_for(core_dir, 60, "the engine core starting")
     assert os.path.isdir(sockets)
     os.kill(server.proc.pid, signal.SIGKILL)
     helpers.wait_for(lambda: not os.path.exists(f"/proc/{core}") or open(
