@@ -273,28 +273,16 @@ class CacheWorker:
     page holds them, unused: the manager drops it)."""
     if not items:
       return []
-    from jaxkv import buckets
-    from jaxkv.distributed import to_host
-    from jaxkv.worker.tiers.base import Landing
-    host = self.window_host
-    per = [[] for _ in range(self.num_shards)]
-    for shard, slot, page, key in items:
-      per[shard].append((slot, page, key))
-    failed = []
-    for offset, size in buckets.pieces(max(len(p) for p in per), host.bucket_max):
-      slots = np.zeros((self.num_shards, size), np.int32)  # padding reads slot 0 ...
-      dest = np.full((self.num_shards, size), self.config.window_pages_per_shard,
-                     np.int32)  # ... into no page
-      where = [its[offset:offset + size] for its in per]
-      for s, its in enumerate(where):
-        slots[s, :len(its)] = [slot for slot, _, _ in its]
-        dest[s, :len(its)] = [page for _, page, _ in its]
-      blocks, sums = host.load_blocks(slots)
-      self.land_windows(Landing(dest, blocks, blocks=True))
-      expected = host.expected_checksums(slots)
-      got = to_host(sums).reshape(expected.shape)
-      failed += [(s, key) for s, its in enumerate(where)
-                 for i, (_, _, key) in enumerate(its) if not (got[s, i] == expected[s, i]).all()]
+    from jaxkv.manager.index import Tier
+    from jaxkv.scheduling.step import Fetch
+    fetches = [Fetch(0, i, shard, Tier.HOST, slot, key, page)
+               for i, (shard, slot, page, key) in enumerate(items)]
+    landings, pending = self.window_host.start_fetch(
+        fetches, drop=self.config.window_pages_per_shard)
+    for landing in landings:
+      self.land_windows(landing)
+    outcome = self.window_host.finish_fetch(pending, 0.0)
+    failed = [(f.shard, f.key) for f, why in zip(fetches, outcome.failures) if why is not None]
     self._stats.add("window_host_loaded", len(items) - len(failed))
     if failed:
       self._stats.add("window_host_failed", len(failed))

@@ -311,17 +311,20 @@ class HostTier:
     return sizes
 
   # ---- FetchSource -------------------------------------------------------------------------
-  def start_fetch(self, fetches: list[Fetch]) -> tuple[list[Landing], tuple]:
+  def start_fetch(self, fetches: list[Fetch], drop: int | None = None
+                  ) -> tuple[list[Landing], tuple]:
     """Dispatches the copy of every fetched slot to device (async, in buckets) and the
     checksums of what arrives; the pages can be scattered now, they are verified in
-    ``finish_fetch``."""
+    ``finish_fetch``. ``drop``: the page id a landing's padding goes to, none of the
+    destination pool's (default: the block pool's ``pages_per_shard``)."""
     per: list[list] = [[] for _ in range(self.num_shards)]
     for position, f in enumerate(fetches):
       per[f.shard].append((position, f))
     landings, loads = [], []
     for offset, size in self._pieces(per):
       slots = np.zeros((self.num_shards, size), np.int32)  # padding reads slot 0
-      dest = np.full((self.num_shards, size), self.config.pages_per_shard, np.int32)  # dropped
+      dest = np.full((self.num_shards, size),
+                     self.config.pages_per_shard if drop is None else drop, np.int32)  # dropped
       where = [its[offset:offset + size] for its in per]
       for s, its in enumerate(where):
         slots[s, :len(its)] = [f.slot for _, f in its]
