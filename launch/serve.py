@@ -135,7 +135,9 @@ def main(argv):
                                  else engines[main_name]).cache, _CHECKPOINT_DIR.value)
     if restore:
       counts = checkpointer.restore()
-      kept = f", {counts['windows_kept']} kept windows" if counts["windows_kept"] else ""
+      windows = counts["windows_kept"] + counts["windows_kept_host"]
+      kept = (f", {windows} kept windows ({counts['windows_kept_host']} in host memory)"
+              if windows else "")
       print(f"restored step {counts['step']}: {counts['placed']} blocks{kept} "
             f"({counts['failed_checksum']} failed their checksum)")
   print(f"compiled in {time.perf_counter() - t0:.1f} s; workload {cfg.workload.kind}, "

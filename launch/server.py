@@ -300,9 +300,10 @@ def _build(cfg, multi: bool, tokenizer: bool = True):
       block_server.warm()  # a peer's first fetch of each size does not wait for a compile
     if restore:
       counts = checkpointer.restore()
-      logging.info("restored step %d: %d blocks, %d kept windows (%d failed their checksum)",
-                   counts["step"], counts["placed"], counts["windows_kept"],
-                   counts["failed_checksum"])
+      logging.info("restored step %d: %d blocks, %d kept windows (%d in host memory; %d "
+                   "failed their checksum)", counts["step"], counts["placed"],
+                   counts["windows_kept"] + counts["windows_kept_host"],
+                   counts["windows_kept_host"], counts["failed_checksum"])
     engine.mark_warm()  # agreeing costs and a restore are one-off work, not a step's compile
     logging.info("compiled in %.1f s", time.perf_counter() - t0)
 

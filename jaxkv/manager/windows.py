@@ -28,9 +28,10 @@ after its window copies; the worker checks each block against the checksum its b
 when stored, and one that fails is dropped) and is placed at the next step, when they are
 kept on the device again: nothing is placed on bytes not yet checked. Nothing else of the
 window group goes to a lower tier: a cut whose window is kept nowhere is recomputed, as far
-back as the longest prefix whose window still is. A checkpoint saves the device's
-kept blocks and a restore keeps them again (``jaxkv.worker.checkpoint``), so a restarted
-engine's hits reach across the window edge as before. Page 0 of every shard
+back as the longest prefix whose window still is. A checkpoint saves the kept blocks, on
+the device and in host memory, and a restore keeps them again where they were
+(``jaxkv.worker.checkpoint``), so a restarted engine's hits reach across the window edge as
+before. Page 0 of every shard
 is never handed out: unused table entries and the padding of a copy order point at it.
 """
 
@@ -263,6 +264,38 @@ class WindowPages:
     checkpoint saves, in the order a restore keeps them again)."""
     return list(self._kept[shard].items())
 
+  def host_items(self, shard: int) -> list[tuple[bytes, int]]:
+    """``(key, host slot)`` of every block kept in host memory on ``shard``, least recently
+    used first (what a checkpoint saves, in the order a restore keeps them again)."""
+    return list(self._hkept[shard].items())
+
+  def keep_host(self, shard: int, key: bytes) -> int | None:
+    """A restored block's window kept in host memory (the caller writes its bytes there at
+    once): the host slot it goes to, now kept under ``key``; None when ``key`` has a host
+    copy already (touched), there are no host slots, or none can be reused now (counted)."""
+    return self._host_slot(shard, key)
+
+  def _host_slot(self, shard: int, key: bytes) -> int | None:
+    """A host slot for ``key``'s window, now kept there: a free one, else the least
+    recently used one no load of the plan being built reads. None when ``key`` has one
+    already (touched), there are no host slots, or every slot is being read (counted)."""
+    if not self.host_slots:
+      return None
+    hkept = self._hkept[shard]
+    if key in hkept:
+      hkept.move_to_end(key)
+      return None
+    if not self._hfree[shard]:
+      victim = next((k for k, s in hkept.items() if s not in self._hbusy[shard]), None)
+      if victim is None:
+        if self.stats is not None:
+          self.stats.add("window_host_dropped")
+        return None
+      self._hfree[shard].append(hkept.pop(victim))
+    slot = self._hfree[shard].pop()
+    hkept[key] = slot
+    return slot
+
   def _take(self, shard: int, n: int, demote: bool = True) -> list | None:
     """``n`` pages: free ones first, then the least recently used unreferenced kept ones
     (each keeping a host copy, with ``demote``)."""
@@ -286,21 +319,9 @@ class WindowPages:
     """An evicted kept block keeps a host copy (a demote order: ``source``, the page its
     bytes are in until the plan's copies run), unless it has one (touched) or there is no
     host slot to give it (counted)."""
-    if not self.host_slots:
+    slot = self._host_slot(shard, key)
+    if slot is None:
       return
-    hkept = self._hkept[shard]
-    if key in hkept:
-      hkept.move_to_end(key)
-      return
-    if not self._hfree[shard]:
-      victim = next((k for k, s in hkept.items() if s not in self._hbusy[shard]), None)
-      if victim is None:
-        if self.stats is not None:
-          self.stats.add("window_host_dropped")
-        return
-      self._hfree[shard].append(hkept.pop(victim))
-    slot = self._hfree[shard].pop()
-    hkept[key] = slot
     self._demotes.append((shard, source, slot))
     self._stored.append((shard, key))
     if self.stats is not None:

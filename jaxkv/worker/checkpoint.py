@@ -10,8 +10,11 @@ finalised atomically):
   K/V (``jaxkv.manager.windows``), least recently used first, in the same raw-bits layout
   with the window group's layers. A global block restored without the window before a cut
   is no hit at that cut, so without these a restarted hybrid model would recompute;
+- ``window_host``: the windows kept in host memory
+  (``TierConfig.host_window_pages_per_shard``), least recently used first, likewise;
 - ``meta`` (JSON): format version, the model/layout fingerprint and the config fields
-  behind it, and for every saved row (``device_rows``, ``host_rows``, ``window_rows``) its
+  behind it, and for every saved row (``device_rows``, ``host_rows``, ``window_rows``,
+  ``window_host_rows``) its
   block key, parent key, old shard and a checksum of its bits. Disk-tier blocks are referenced, not copied: the disk store is
   persistent by itself and re-verifies and adopts its records when it is opened.
 
@@ -62,6 +65,10 @@ from jaxkv.worker.tiers.base import Landing
 from jaxkv.errors import InputError
 
 FORMAT = 1
+# The saved arrays and their rows' metadata, in the order a restore reads them: windows
+# saved from host memory before those saved from the device (older: see _keep_windows).
+_ARRAYS = (("device", "device_rows"), ("host", "host_rows"),
+           ("window_host", "window_host_rows"), ("window", "window_rows"))
 _FINGERPRINT_FIELDS = ("model_name", "dtype", "page_size", "num_layers", "num_kv_heads",
                        "head_dim", "weights_digest")
 
@@ -171,6 +178,8 @@ class Checkpointer:
       meta["host_rows"] = host_rows
     if e.manager.windows is not None:
       state["window"], meta["window_rows"] = self._windows(index)
+    if e.worker.window_host is not None:
+      state["window_host"], meta["window_host_rows"] = self._host_windows(index)
     meta["arrays"] = {k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                       for k, v in state.items()}
     if self._meta_seal is not None:
@@ -204,14 +213,30 @@ class Checkpointer:
                                                              config=e.config))
     return stack, [self._row(r, sums[i], index) for i, r in enumerate(rows)]
 
+  def _host_windows(self, index) -> tuple:
+    """The windows kept in host memory, as ``_windows``: least recently used first, each
+    row with the checksum its bytes had when stored there (a copy altered in host memory
+    since is caught at restore, as the host tier's slots are)."""
+    e = self.cache
+    windows, host, shards = e.manager.windows, e.worker.window_host, e.num_shards
+    kept = [(s, slot, key) for s in range(shards) for key, slot in windows.host_items(s)]
+    ids, per = buckets.shard_ids(kept, shards, host.pages_per_shard, lambda b: b[1])
+    n = ids.shape[1]
+    rows = []
+    for items in per:
+      rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
+    stack, _ = host.load(ids)
+    sums = host.expected_checksums(ids).astype(np.uint64).sum(axis=-1).astype(
+        np.uint32).reshape(-1)
+    return stack, [self._row(r, sums[i], index) for i, r in enumerate(rows)]
+
   def _protect(self, meta: dict, state: dict) -> dict:
     """The state to save under the deployment key: each saved row sealed (encrypted, one
     ``uint8`` row of ``row bytes + OVERHEAD`` each) or, without encryption, its keyed tag
     (hex) appended to its row; then the metadata tagged."""
     fingerprint = meta["fingerprint"]
     out = dict(state)
-    for name, rows_key in (("device", "device_rows"), ("host", "host_rows"),
-                           ("window", "window_rows")):
+    for name, rows_key in _ARRAYS:
       if name not in state:
         continue
       full = to_host(state[name])
@@ -279,15 +304,17 @@ class Checkpointer:
           state=ocp.args.StandardRestore(target)))["state"]
     finally:
       manager.close()
+    window_host = self.cache.worker.window_host
     counts = {"step": step, "placed": 0, "skipped_no_room": 0, "failed_checksum": 0,
-              "failed_mac": 0, "windows_kept": 0}
-    for name, rows_key in (("device", "device_rows"), ("host", "host_rows"),
-                           ("window", "window_rows")):
+              "failed_mac": 0, "windows_kept": 0, "windows_kept_host": 0}
+    for name, rows_key in _ARRAYS:
       if name in state:
         saved, rows = state[name], meta[rows_key]
         if self._row_seal is not None:
           saved, rows = self._verified(saved, rows, meta, name, counts)
-        if name == "window":
+        if name == "window_host" and window_host is not None:
+          self._keep_windows(saved, rows, counts, host=True)
+        elif name in ("window", "window_host"):
           self._keep_windows(saved, rows, counts)
         else:
           self._place(saved, rows, into, counts)
@@ -408,35 +435,42 @@ class Checkpointer:
       e.manager.copied(s, slot, key, tier, parent=parent)
     counts["placed"] += len(publish)
 
-  def _keep_windows(self, saved, rows, counts: dict) -> None:
+  def _keep_windows(self, saved, rows, counts: dict, host: bool = False) -> None:
     """Keeps the saved window rows again (a row of old shard ``s`` on ``s % shards``), each
     shard's most recently used ones first to get a page (as many as its window pool can
     give), in their saved order; a row whose bits fail the checksum is left out, counted
     (``failed_checksum``). A window restored without its global block is harmless: a hit
-    needs both."""
+    needs both. ``host``: into the window group's host pool (``windows_kept_host``); a
+    cache without one keeps the rows saved from host memory on the device, older than
+    those saved from the device (restored first, so those take their pages when short)."""
     e = self.cache
     windows, shards, c = e.manager.windows, e.num_shards, e.config
     per = [[] for _ in range(shards)]  # (saved row, key, checksum), oldest first
     for i, row in enumerate(rows):
       if row is not None:
         per[row[0] % shards].append((i, bytes.fromhex(row[1]), row[3]))
-    per = [items[len(items) - min(len(items), windows.available(s)):]
-           for s, items in enumerate(per)]
+    room = (lambda s: windows.host_slots) if host else windows.available
+    per = [items[len(items) - min(len(items), room(s)):] for s, items in enumerate(per)]
     wanted = [(s, *item) for s, items in enumerate(per) for item in items]
     if not wanted:
       return
     chosen, n, stack, got = self._rows_on_device(saved, wanted)
-    dest = np.full((shards, n), c.window_pages_per_shard, np.int32)  # padding: dropped
+    limit = e.worker.window_host.pages_per_shard if host else c.window_pages_per_shard
+    dest = np.full((shards, n), limit, np.int32)  # padding: dropped
     for s, items in enumerate(chosen):
       for j, (_, _, key, checksum) in enumerate(items):
         if checksum is not None and int(got[s * n + j]) != checksum:
           counts["failed_checksum"] += 1
           continue
-        page = windows.keep(s, key, demote=False)  # (landed at once, below)
+        # (written at once, below)
+        page = windows.keep_host(s, key) if host else windows.keep(s, key, demote=False)
         if page is not None:
           dest[s, j] = page
-          counts["windows_kept"] += 1
-    e.worker.land_windows(Landing(dest, stack))
+          counts["windows_kept_host" if host else "windows_kept"] += 1
+    if host:
+      e.worker.window_host.store(stack, dest)
+    else:
+      e.worker.land_windows(Landing(dest, stack))
 
   def _rows_on_device(self, saved, wanted: list) -> tuple:
     """The saved rows ``wanted`` (``(new shard, saved row, ...)`` each) gathered per shard
@@ -498,8 +532,8 @@ def _check_meta(meta, where: str) -> None:
       ("fingerprint", is_hex, "a hex string"),
       ("config", lambda v: isinstance(v, dict), "an object of config fields"),
       ("arrays", lambda v: isinstance(v, dict) and "device" in v
-       and set(v) <= {"device", "host", "window"},
-       "an object naming the device (and host, window) arrays"),
+       and set(v) <= {name for name, _ in _ARRAYS},
+       "an object naming the device (and host, window, window_host) arrays"),
       ("device_rows", lambda v: isinstance(v, list), "a list of rows")):
     value = meta.get(field, missing)
     if value is missing:

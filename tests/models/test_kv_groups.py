@@ -348,6 +348,57 @@ def test_a_restarted_engine_hits_across_the_window_edge_from_its_checkpoint(
   restarted.cache.worker.close()
 
 
+@pytest.mark.parametrize("case", ["into_host", "onto_device", "altered"])
+def test_windows_kept_in_host_memory_survive_a_restart(one, recompute, tmp_path, case):
+  """A checkpoint saves the windows kept in host memory too, each row with the checksum
+  its bytes were stored with. Restored into an engine with a window host pool, they are
+  kept there again and the next turn, whose window before its cut is only there, loads
+  them and hits past the window edge (under a deployment key: the rows saved sealed);
+  into an engine without one, they are kept on its device. Either way the answer is the recomputed one. Host copies whose bytes no longer
+  match what they were stored with (``altered``) are left out at restore, counted, and the
+  turn recomputes past the window edge, exactly. (Planted: the host windows not saved ->
+  nothing kept, no hit past the window.)"""
+  tiers = jaxkv.TierConfig(host_pages_per_shard=96, host_window_pages_per_shard=64)
+  key = bytes(range(32)) if case == "into_host" else None  # (its rows saved sealed)
+  first_engine = engine(one, tiers=tiers, rows=1, window_pages_per_shard=19, key=key)
+  first = prompt(24, 230)
+  history = first + first_engine.generate([first], 8)[0]
+  for seed in (25, 26):  # other prompts push the first turn's windows into host memory
+    first_engine.generate([prompt(seed, 120)], 2)
+  windows = first_engine.cache.manager.windows
+  keys = first_engine.cache.index.block_keys(np.asarray(history, np.int32), "default")
+  in_host = sum(k in dict(windows.host_items(0)) for k in keys)
+  assert in_host >= WINDOW // PAGE and not any(k in dict(windows.kept_items(0)) for k in keys)
+  if case == "altered":  # every host copy's recorded checksum no longer matches its bytes
+    host = first_engine.cache.worker.window_host
+    host.expected_checksums(np.zeros((1, 1), np.int32))  # (settles the recorded sums)
+    host._checksums ^= 1  # pylint: disable=protected-access
+  directory = str(tmp_path / "ckpt")
+  Checkpointer(first_engine.cache, directory).save()
+  first_engine.cache.worker.close()
+  if case == "onto_device":  # (a window pool with room for every saved window)
+    restarted = engine(one, rows=1, window_pages_per_shard=64)
+  else:
+    restarted = engine(one, tiers=tiers, rows=1, window_pages_per_shard=19, key=key)
+  counts = Checkpointer(restarted.cache, directory).restore()
+  assert counts["placed"] > 0, counts
+  if case == "into_host":
+    assert counts["windows_kept_host"] >= in_host and counts["failed_checksum"] == 0, counts
+  elif case == "onto_device":
+    assert counts["windows_kept_host"] == 0 and counts["failed_checksum"] == 0, counts
+    assert counts["windows_kept"] >= in_host, counts
+  else:
+    assert counts["windows_kept_host"] == 0 and counts["failed_checksum"] >= in_host, counts
+  h, before, after = _next_turn(restarted, recompute, history, 27)
+  loaded = after["window_host_loaded"] - before["window_host_loaded"]
+  if case == "altered":
+    assert h.cached_tokens < len(first) - WINDOW and loaded == 0, (h.cached_tokens, loaded)
+  else:
+    assert h.cached_tokens >= len(first) - PAGE, h.cached_tokens
+    assert (loaded >= WINDOW // PAGE) if case == "into_host" else loaded == 0, loaded
+  restarted.cache.worker.close()
+
+
 def test_window_blocks_and_rings_are_accounted_exactly():
   """The window pages' bookkeeping on its own: a ring and pins are taken and given back; a
   kept block is evicted least recently used first and never while pinned; ``cover`` finds
