@@ -47,14 +47,11 @@ class CacheWorker:
       from jaxkv.worker.tiers.host import HostTier
       self.host = HostTier(mesh, config, tiers, self.num_arrays)
     # The window group's kept blocks in host memory (jaxkv.manager.windows: what it evicts
-    # from the device keeps a copy here): a host pool of its own, of the window layers.
+    # from the device keeps a copy here): a host pool of its own, of the window layers. In
+    # a job its loads' checks agree by construction, as the host tier's do: every process
+    # reads every checksum (``to_host``, a collective at the same point of the same plan).
     self.window_host = None
     if tiers.host_window_pages_per_shard and config.has_windows:
-      if jax.process_count() > 1:  # (its loads' checks are not agreed across processes yet)
-        raise InputError(
-            f"TierConfig.host_window_pages_per_shard={tiers.host_window_pages_per_shard} is "
-            f"for one process; this job has {jax.process_count()}: set it to 0 (hits whose "
-            "window left the device then recompute it).")
       from jaxkv.worker.tiers.host import HostTier
       self.window_host = HostTier(
           mesh, config, dataclasses.replace(

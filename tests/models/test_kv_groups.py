@@ -8,6 +8,8 @@ A small random Gemma 3 (6 layers, every third global, a 40-token window over 8-t
 """
 
 import dataclasses
+import json
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import helpers
 import jaxkv
 from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
@@ -233,6 +236,64 @@ def test_a_window_evicted_from_the_device_comes_back_from_host_memory(one, recom
     assert h.cached_tokens >= len(first) - PAGE, h.cached_tokens
     assert after["hits"]["host"] > before["hits"].get("host", 0)
   e.cache.worker.close()
+
+
+# Each process of a two-process job (launch/multihost.py): the kept case above on a mesh of
+# one data shard per process, four other prompts (two per shard) pushing the first turn's
+# windows into host memory; what it answered and counted, to compare in the test.
+JOB = r"""
+import json, os, sys
+sys.path[:0] = ["tests", os.path.join("tests", "models")]
+from jaxkv import distributed
+distributed.initialize()
+import jax, jaxkv, numpy as np
+import test_kv_groups as t
+e = t.engine(jaxkv.make_mesh(data=2, model=1), rows=1, window_pages_per_shard=19,
+             tiers=jaxkv.TierConfig(host_pages_per_shard=96, host_window_pages_per_shard=64))
+first = t.prompt(14, 230)
+history = first + e.generate([first], 8)[0]
+e.generate([t.prompt(seed, 120) for seed in (15, 16, 18, 19)], 2)
+windows, shards = e.cache.manager.windows, e.cache.num_shards
+keys = e.cache.index.block_keys(np.asarray(history, np.int32), "default")
+kept = sum(k in dict(windows.kept_items(s)) for s in range(shards) for k in keys)
+e.flush()
+e.cache.offload()
+for s in range(shards):
+  e.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
+turn = history + t.prompt(17, 20)
+h = t.run(e, turn, 8)
+stats = e.stats()
+with open(os.path.join(sys.argv[1], f"p{jax.process_index()}.json"), "w") as f:
+  json.dump({"turn": turn, "tokens": h.tokens, "logprobs": [lp for lp, _ in h.logprobs],
+             "cached": h.cached_tokens, "kept_first": kept, "host_hits": stats["hits"]["host"],
+             **{k: stats[k] for k in ("window_host_stored", "window_host_loaded",
+                                      "window_host_failed")}}, f)
+"""
+
+
+def test_a_job_loads_windows_from_host_memory_on_every_process(recompute, tmp_path):
+  """A two-process job (one data shard each) keeps evicted windows in host memory and
+  loads them back for a hit past the window edge: every process answers as one process
+  recomputing the turn, and both count the same loads (their checks agree: each process
+  reads every block's checksum). (Planted: the job's loads land in the next page -> its
+  log-probabilities differ from recompute's.)"""
+  script = tmp_path / "job.py"
+  script.write_text(JOB)
+  proc = helpers.start_process([sys.executable, "launch/multihost.py", "--num_processes=2",
+                               "--devices=2", "--", str(script), str(tmp_path)],
+                              env=helpers.child_env(drop=("JAX_PLATFORMS",)))
+  code, _, err = helpers.finish_process(proc, 600, "the two-process job")
+  assert code == 0, err[-3000:]
+  p0, p1 = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1))
+  assert p0["kept_first"] == 0 and p0["window_host_stored"] > 0, p0
+  assert p0["cached"] >= 230 - PAGE and p0["host_hits"] > 0, p0
+  assert p0["window_host_loaded"] >= WINDOW // PAGE and p0["window_host_failed"] == 0, p0
+  for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_host_stored"):
+    assert p0[k] == p1[k], (k, p0[k], p1[k])
+  want = run(recompute, p0["turn"], 8)
+  assert p0["tokens"] == want.tokens
+  ref = np.array([lp for lp, _ in want.logprobs])
+  assert np.abs(np.array(p0["logprobs"]) - ref).max() < 1e-5
 
 
 def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_back():
