@@ -27,6 +27,7 @@ the one way they change.
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 
 import jax
@@ -235,7 +236,8 @@ class KVCache:
     self.manager.windows = windows_lib.WindowPages(
         num_shards=self.num_shards, pages_per_shard=pages, sliding_window=c.sliding_window,
         page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats,
-        host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0)
+        host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0,
+        pool=self.tiers.pool_enabled and jax.process_count() == 1)
 
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),
@@ -308,7 +310,16 @@ class KVCache:
     pool ids (64 bits of each value's name) of the leading run placed by then. Needs a pool
     tier."""
     pool = self._pool_tier()
+    t_end = time.monotonic() + deadline_s
     lead = pool.placed_run(list(keys), deadline_s)
+    windows = self.worker.window_pool
+    if windows is not None and lead:
+      # A hybrid model's hit needs the window before its cut too (``WindowPages.put``, at
+      # the prefill's end): promised only with it.
+      w = windows_lib.window_blocks(self.config.sliding_window, self.config.page_size)
+      names = [windows_lib.window_key(k) for k in keys[max(0, lead - w):lead]]
+      if windows.placed_run(names, max(0.0, t_end - time.monotonic())) < len(names):
+        lead = 0
     return [int(pool.name(k)[-16:], 16) for k in keys[:lead]]
 
   def pin_pool_puts(self) -> None:

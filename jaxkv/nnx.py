@@ -56,7 +56,8 @@ class WindowPages(KVPages):
   """The K or V pages of a stack of sliding-window layers (``PagedKV(window=W)``): the
   cache's window group, ``[L, kv_heads, num_window_pages, page_size, head_dim]``. Its pages
   hold only what a running sequence's window still needs, and the cached windows before
-  block boundaries (``jaxkv.manager.windows``); they never go to a lower tier."""
+  block boundaries (``jaxkv.manager.windows``), which host memory and the pool may keep
+  copies of."""
 
 
 @jax.tree_util.register_dataclass

@@ -79,6 +79,11 @@ COUNTERS = {
     "window_host_loaded": "window-group blocks loaded back from host memory for a hit",
     "window_host_failed": "window-group blocks loaded from host memory whose bytes failed "
                           "their check (dropped; the request resumed at its split)",
+    "window_pool_puts": "window-group blocks put in the pool (each finished sequence's last "
+                        "window, for another engine's hit)",
+    "window_pool_loaded": "window-group blocks loaded from the pool for a hit",
+    "window_pool_failed": "window-group blocks loaded from the pool that failed their check "
+                          "or did not come (dropped)",
 }
 HIT_TIERS = ("device", "host", "disk", "remote", "shard", "pool")
 

@@ -26,9 +26,18 @@ hit would be longer with the windows kept there than with those on the device ha
 loaded back into pages of the device pool first (``load``: a plan's ``window_loads``,
 after its window copies; the worker checks each block against the checksum its bytes had
 when stored, and one that fails is dropped) and is placed at the next step, when they are
-kept on the device again: nothing is placed on bytes not yet checked. Nothing else of the
-window group goes to a lower tier: a cut whose window is kept nowhere is recomputed, as far
-back as the longest prefix whose window still is. A checkpoint saves the kept blocks, on
+kept on the device again: nothing is placed on bytes not yet checked.
+
+With a pool tier (``pool``, one process), a finished sequence's last window (the blocks
+before the end of what it published, and one more) goes to the pool too (``put``: a plan's
+``window_puts``, read out before its window copies), under names of its own
+(``window_key``), sealed as the pool's blocks are. Another engine that finds the blocks in
+the pool (a decode node after a prefill node's hand-off, a replica taking the next turn)
+asks it for those windows in the same lookup; a hit that reaches further with them has them
+loaded (``pool_loads``, checked as the pool's values are) and placed on them a step later,
+as from host memory. Nothing else of the window group goes to a lower tier (the disk, a
+peer): a cut whose window is kept nowhere is recomputed, as far back as the longest prefix
+whose window still is. A checkpoint saves the kept blocks, on
 the device and in host memory, and a restore keeps them again where they were
 (``jaxkv.worker.checkpoint``), so a restarted engine's hits reach across the window edge as
 before. Page 0 of every shard
@@ -38,9 +47,32 @@ is never handed out: unused table entries and the padding of a copy order point 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
+import typing
 
 from jaxkv.errors import CapacityError
+
+
+def window_key(key: bytes) -> bytes:
+  """The name a block's window KV goes under in a store shared by engines (the pool): a
+  one-way function of its block key under a tag of its own, so a window value and a block
+  value never take each other's place (their names, and the keys they are sealed with,
+  differ)."""
+  return hashlib.sha256(b"jaxkv-window\x00" + key).digest()
+
+
+class WindowMoves(typing.NamedTuple):
+  """The window group's moves a plan carries out (``WindowPages.take_moves``), each chosen
+  here, in the order the worker runs them: ``demotes`` ``(shard, device page, host slot)``
+  and ``puts`` ``(shard, device page, key)`` read pages before the plan's window copies
+  write any; ``loads`` ``(shard, host slot, device page, key)`` and ``pool_loads``
+  ``(shard, device page, key)`` come after them."""
+
+  demotes: tuple = ()
+  loads: tuple = ()
+  pool_loads: tuple = ()
+  puts: tuple = ()
 
 
 def window_blocks(sliding_window: int, page_size: int) -> int:
@@ -59,7 +91,8 @@ class WindowPages:
   references that keep a kept block in place."""
 
   def __init__(self, *, num_shards: int, pages_per_shard: int, sliding_window: int,
-               page_size: int, chunk_pages: int, stats=None, host_slots: int = 0):
+               page_size: int, chunk_pages: int, stats=None, host_slots: int = 0,
+               pool: bool = False):
     self.window = window_blocks(sliding_window, page_size)
     self.ring = ring_blocks(sliding_window, page_size, chunk_pages)
     check_room(pages_per_shard, self.ring, self.window, 1)
@@ -83,18 +116,25 @@ class WindowPages:
     self._loads: list = []  # (shard, host slot, device page, key)
     self._stored: list = []  # (shard, key) of _demotes
     self._in_flight: list = []  # (shard, key) demoted by the last plan taken
+    # With ``pool`` (a pool tier shared with other engines), each finished sequence's last
+    # window goes there too (``put``) and a hit may load a window from there (``load``).
+    self.pool = pool
+    self._pool_loads: list = []  # (shard, device page, key)
+    self._puts: list = []  # (shard, device page, key)
 
   # ---- lookups ---------------------------------------------------------------------------
-  def cover(self, shard: int, keys, cached: int, host: bool = False) -> int:
+  def cover(self, shard: int, keys, cached: int, host: bool = False,
+            pooled: frozenset = frozenset()) -> int:
     """The longest cut ``c <= cached`` whose window (blocks ``[c - window, c)``, or all of
     ``[0, c)`` when shorter) is kept on ``shard`` (on its device; with ``host``, on its
-    device or in host memory): how much of a ``cached``-block hit the window group can
-    serve. 0: none."""
+    device or in host memory; keys in ``pooled`` count too: their windows are in the pool):
+    how much of a ``cached``-block hit the window group can serve. 0: none."""
     kept, hkept = self._kept[shard], (self._hkept[shard] if host else {})
     run = 0  # consecutive kept blocks ending at the block before the cut
     best = 0
     for c in range(1, cached + 1):
-      run = run + 1 if keys[c - 1] in kept or keys[c - 1] in hkept else 0
+      key = keys[c - 1]
+      run = run + 1 if key in kept or key in hkept or key in pooled else 0
       if run >= min(c, self.window):
         best = c
     return best
@@ -124,21 +164,24 @@ class WindowPages:
       self._kept[shard].move_to_end(keys[j])
     return ring, held
 
-  def load(self, shard: int, keys, cuts) -> int:
+  def load(self, shard: int, keys, cuts, pooled: frozenset = frozenset()) -> int:
     """Orders the blocks of the window before each of ``cuts`` that are kept only in host
-    memory loaded back into pages of the device pool (``load`` orders of the plan being
-    built), kept there again and pinned until the plan is taken; their host slots are not
-    reused by that plan. Returns how many (0: none to load, or no room for them now)."""
+    memory (or, for keys in ``pooled``, are in the pool) loaded into pages of the device
+    pool (``loads`` and ``pool_loads`` of the plan being built), kept there and pinned
+    until the plan is taken; their host slots are not reused by that plan. Returns how
+    many (0: none to load, or no room for them now)."""
     kept, hkept = self._kept[shard], self._hkept[shard]
     blocks = sorted({j for cut in cuts for j in range(max(0, cut - self.window), cut)})
-    wanted = [j for j in blocks if keys[j] not in kept and keys[j] in hkept]
+    wanted = [j for j in blocks
+              if keys[j] not in kept and (keys[j] in hkept or keys[j] in pooled)]
     if not wanted:
       return 0
     pinned = [kept[keys[j]] for j in blocks if keys[j] in kept]
     for p in pinned:  # (the window's other blocks stay while pages are taken)
       self._refs[shard][p] += 1
     for j in wanted:
-      self._hbusy[shard].add(hkept[keys[j]])
+      if keys[j] in hkept:
+        self._hbusy[shard].add(hkept[keys[j]])
     got = self._take(shard, len(wanted))
     self.release(shard, (), pinned)
     if got is None:
@@ -147,12 +190,31 @@ class WindowPages:
       key = keys[j]
       kept[key], self._key_of[shard][page] = page, key
       self._refs[shard][page] += 1
-      hkept.move_to_end(key)
-      self._loads.append((shard, hkept[key], page, key))
+      if key in hkept:
+        hkept.move_to_end(key)
+        self._loads.append((shard, hkept[key], page, key))
+      else:
+        self._pool_loads.append((shard, page, key))
     for j in blocks:
       if keys[j] in kept:
         kept.move_to_end(keys[j])
     return len(wanted)
+
+  def put(self, shard: int, keys, cut: int, spare: int = 0) -> int:
+    """A finished sequence's window before ``cut`` (its last published block's end; and
+    ``spare`` blocks more, for cuts up to that many blocks earlier) goes to the pool, where
+    another engine (a decode node, a replica) finds it: a put order for each of its blocks
+    kept on ``shard``, read from where its bytes are until the plan's copies run. Returns
+    how many (0 without a pool)."""
+    if not self.pool:
+      return 0
+    n = 0
+    for j in range(max(0, cut - self.window - spare), cut):
+      page = self._kept[shard].get(keys[j])
+      if page is not None:
+        self._puts.append((shard, self._source[shard].get(page, page), keys[j]))
+        n += 1
+    return n
 
   def hold(self, shard: int, keys, cut: int) -> list[int] | None:
     """Pins the kept window before ``cut`` (``Engine.pin``: a pinned prefix stays a hit);
@@ -204,16 +266,17 @@ class WindowPages:
     return got[0]
 
   # ---- the host copies' orders ------------------------------------------------------------
-  def take_moves(self) -> tuple[tuple, tuple]:
-    """The plan being built takes its moves: ``(demotes, loads)``, ``(shard, device page,
-    host slot)`` and ``(shard, host slot, device page, key)`` each. The worker carries out
-    the demotes before the plan's window copies (they read what the pages held before it)
-    and the loads after them."""
-    moves = (tuple(self._demotes), tuple(self._loads))
-    for shard, _, page, _ in self._loads:  # (pinned while the plan was built)
-      self.release(shard, (), (page,))
+  def take_moves(self) -> WindowMoves:
+    """The plan being built takes its moves (``WindowMoves``). The worker carries out the
+    demotes and puts before the plan's window copies (they read what the pages held before
+    it) and the loads after them."""
+    moves = WindowMoves(tuple(self._demotes), tuple(self._loads), tuple(self._pool_loads),
+                        tuple(self._puts))
+    for shard, page in ([(s, p) for s, _, p, _ in self._loads]
+                        + [(s, p) for s, p, _ in self._pool_loads]):
+      self.release(shard, (), (page,))  # (pinned while the plan was built)
     self._in_flight, self._stored = self._stored, []
-    self._demotes, self._loads = [], []
+    self._demotes, self._loads, self._pool_loads, self._puts = [], [], [], []
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()  # (this plan's copies land them)
@@ -221,11 +284,12 @@ class WindowPages:
 
   def has_moves(self) -> bool:
     """Whether moves wait for a plan to take them."""
-    return bool(self._demotes or self._loads)
+    return bool(self._demotes or self._loads or self._pool_loads or self._puts)
 
   def drop_loaded(self, shard: int, key: bytes) -> None:
-    """A loaded block whose bytes failed their check: kept neither on the device (its page
-    is free once its readers end) nor in host memory (its slot is free)."""
+    """A loaded block whose bytes failed their check (or, from the pool, did not come):
+    kept neither on the device (its page is free once its readers end) nor in host memory
+    (its slot is free)."""
     page = self._kept[shard].pop(key, None)
     if page is not None:
       del self._key_of[shard][page]
@@ -244,9 +308,11 @@ class WindowPages:
       slot = self._hkept[shard].pop(key, None)
       if slot is not None:
         self._hfree[shard].append(slot)
-    for shard, _, page, _ in self._loads:  # (their pins, below: the pages go back)
-      self.release(shard, (), (page,))
+    for shard, page in ([(s, p) for s, _, p, _ in self._loads]
+                        + [(s, p) for s, p, _ in self._pool_loads]):
+      self.release(shard, (), (page,))  # (their pins, below: the pages go back)
     self._in_flight, self._stored, self._demotes, self._loads = [], [], [], []
+    self._pool_loads, self._puts = [], []
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()

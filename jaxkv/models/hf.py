@@ -93,9 +93,10 @@ def _load_json(file: str, what: str):
     raise CheckpointError(f"{file} nests JSON deeper than the parser follows; {what}.") from None
 
 
-def read_config(path: str) -> dict:
+def read_config(path: str | os.PathLike) -> dict:
   """``config.json`` of the checkpoint directory ``path``, as a dict; of a GGUF checkpoint
   (``jaxkv.models.gguf``), the one its metadata describes."""
+  path = os.fspath(path)
   gguf_file = gguf.find(path)
   if gguf_file is not None:
     return gguf.checkpoint(gguf_file).config
@@ -731,7 +732,7 @@ def partition_spec(nnx_path: tuple, shape: tuple, model_axis: str, axis_size: in
   return P(*spec)
 
 
-def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None,
+def from_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh: Mesh | None = None,
                     model_axis: str = "model", scan_layers: bool = True) -> nnx.Module:
   """The model holding the checkpoint in directory ``path`` (or GGUF file): a ``Llama``,
   or a ``Gemma3``, as its architecture says (``FAMILIES``).
@@ -742,7 +743,9 @@ def from_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
   ``model_axis`` (the ``CacheConfig.model_axis`` of the cache it will serve; default: the
   first device). ``scan_layers``: the layers' weights stacked and run under a scan (one
   layer compiled), or False: a Python loop of layer modules (``LlamaConfig.scan_layers``).
-  Weights are read slice by slice (see the module docstring)."""
+  Weights are read slice by slice (see the module docstring). ``path`` may be any
+  path-like (a ``pathlib.Path``)."""
+  path = os.fspath(path)
   hf = read_config(path)
   gguf_file = gguf.find(path)
   if dtype == "auto":

@@ -98,7 +98,15 @@ class Admission:
     self.max_seqs_per_shard, self.prefix_reuse = max_seqs_per_shard, prefix_reuse
     # Requests whose window blocks the last plan loaded from host memory (placed next).
     self._loaded_windows: set[int] = set()
+    # Request id -> keys of its blocks whose window the pool holds (its last pool lookup).
+    self._pooled: dict[int, frozenset] = {}
     self.vocab_size = vocab_size
+
+  def forget(self, request_ids) -> None:
+    """Requests that left before being placed (aborted, failed): what admission noted."""
+    for r in request_ids:
+      self._loaded_windows.discard(r)
+      self._pooled.pop(r, None)
 
   def set_stream(self, stream) -> None:
     """How sequences longer than a device pool are served from now on (None: refused)."""
@@ -226,6 +234,7 @@ class Admission:
         asking = True
         continue
       self._loaded_windows.discard(req.id)
+      self._pooled.pop(req.id, None)
       for s in order:
         placed = (self._place(req, s, found[s]) if load[s] < self.max_seqs_per_shard
                   else None)
@@ -261,9 +270,11 @@ class Admission:
       if remote is PENDING:
         return PENDING
       if remote and remote[1] > local:
-        peer, n = remote
+        peer, n = remote[:2]
         where = (Tier.POOL, None) if peer == POOL_PEER else (Tier.REMOTE, peer)
         found = [f + [where] * (n - len(f)) for f in found]
+        if len(remote) > 2:  # the pool's: blocks whose window it holds too
+          self._pooled[req.id] = frozenset(keys[j] for j in remote[2] if j < len(keys))
     return found
 
   def _shard_order(self, req: Request, found: list, load: list) -> list[int]:
@@ -342,30 +353,33 @@ class Admission:
                      window_held=tuple(sorted(held.items())))
 
   @staticmethod
-  def _window_cut(windows, shard: int, keys, found: list, host: bool = False) -> int:
+  def _window_cut(windows, shard: int, keys, found: list, host: bool = False,
+                  pooled: frozenset = frozenset()) -> int:
     """How much of a cached prefix a model with a window group can use on ``shard``: the
     longest cut whose window is kept there; past the blocks on device only if the window
     before them is kept too (a plan that recomputes from there, or a fetch that fails,
-    resumes at it). ``host``: counting the windows kept in host memory as well."""
+    resumes at it). ``host``: counting the windows kept in host memory as well;
+    ``pooled``: and those of these keys, in the pool."""
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    cut = windows.cover(shard, keys, len(found), host=host)
-    at_hot = windows.cover(shard, keys, hot, host=host)
+    cut = windows.cover(shard, keys, len(found), host=host, pooled=pooled)
+    at_hot = windows.cover(shard, keys, hot, host=host, pooled=pooled)
     return at_hot if cut > hot and at_hot != hot else cut
 
   def _load_windows(self, req: Request, shard: int, found: list) -> bool:
     """Whether ``req`` waits a step for window blocks of its hit on ``shard`` that are kept
-    only in host memory: loaded (checked) by this step's plan, kept on the device again by
-    the next, where it is placed with them."""
+    only in host memory or the pool: loaded (checked) by this step's plan, kept on the
+    device by the next, where it is placed with them."""
     windows = self.manager.windows
     found = _usable(found)
-    if windows is None or not windows.host_slots or not found:
+    pooled = self._pooled.get(req.id, frozenset())
+    if windows is None or not (windows.host_slots or pooled) or not found:
       return False
     on_device = self._window_cut(windows, shard, req.keys, found)
-    cut = self._window_cut(windows, shard, req.keys, found, host=True)
+    cut = self._window_cut(windows, shard, req.keys, found, host=True, pooled=pooled)
     if cut <= on_device:
       return False
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    return windows.load(shard, req.keys, (min(hot, cut), cut)) > 0
+    return windows.load(shard, req.keys, (min(hot, cut), cut), pooled=pooled) > 0
 
 
 def _usable(found: list) -> list:

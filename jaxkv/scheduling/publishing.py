@@ -63,10 +63,15 @@ class Publishing:
 
   def answer(self, s) -> TierOrders:
     """A finished sequence's answer blocks (``cache_decode_blocks``): a later turn of the
-    conversation reuses the answer too."""
-    if not (self.prefix_reuse and self.cache_decode_blocks):
-      return TierOrders()
+    conversation reuses the answer too. With a window group and a pool, the window before
+    the end of what it published goes to the pool (``WindowPages.put``), where another
+    engine's hit there (a decode node's, a replica's) finds it."""
     p = s.placement
+    if not self.prefix_reuse:
+      return TierOrders()
+    if not self.cache_decode_blocks:
+      self._put_window(p.shard, p.request.keys, len(p.request.tokens) // self.page)
+      return TierOrders()
     written = np.concatenate([p.request.tokens, np.asarray(s.handle.tokens, np.int32)])
     keys = self.manager.block_keys(written, p.request.tenant)
     published = []
@@ -77,4 +82,12 @@ class Publishing:
     for j in range(len(p.request.tokens) // self.page, len(keys)):
       self.block(p.shard, p.pages[j], keys, j, published,
                  window[j] if window and j >= kept_from else 0)
+    self._put_window(p.shard, keys, len(keys))
     return self.write_through(published)
+
+  def _put_window(self, shard: int, keys, cut: int) -> None:
+    """The window before ``cut`` and before the cut a block earlier, to the pool (a
+    prefill node's next engine asks for the prompt less its last token)."""
+    windows = self.manager.windows
+    if windows is not None and windows.pool:
+      windows.put(shard, keys, cut, spare=1)

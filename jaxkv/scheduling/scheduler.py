@@ -264,15 +264,18 @@ class Scheduler:
     self._orders = TierOrders()
     return self.manager.resolve(orders)
 
-  def _window_moves(self) -> tuple[tuple, tuple]:
-    """The window group's host copies this plan carries out: ``(demotes, loads)``."""
+  def _window_moves(self) -> dict:
+    """The window group's moves this plan carries out (``windows.WindowMoves``), as the
+    ``StepPlan`` fields that carry them."""
     if self.manager.windows is None:
-      return (), ()
-    return self.manager.windows.take_moves()
+      return {}
+    m = self.manager.windows.take_moves()
+    return dict(window_demotes=m.demotes, window_loads=m.loads,
+                window_pool_loads=m.pool_loads, window_puts=m.puts)
 
   def _window_failures(self, failed) -> None:
-    """Window blocks loaded from host memory whose bytes failed their check: kept nowhere
-    now (no request was placed on them yet: the one they were loaded for is admitted at the
+    """Window blocks loaded from host memory or the pool whose bytes failed their check
+    (or did not come): kept nowhere now (no request was placed on them yet: the one they were loaded for is admitted at the
     next step, with what is kept then)."""
     for shard, key in failed:
       self.manager.windows.drop_loaded(shard, key)
@@ -307,6 +310,7 @@ class Scheduler:
         del self.running[s.row]
         ended.append(s.handle.id)
     self.manager.forget_peer_lookups(ended)
+    self.admission.forget(ended)
     for request in ended:
       self._held_once.discard(request)
       reason = self._aborting.pop(request)
@@ -322,16 +326,15 @@ class Scheduler:
     self.manager.agree_peer_answers()  # (a job's: the same on every process)
     if self.waiting and self.waiting[0].streamed and not self.running:
       request = self.waiting.popleft()
-      demotes, loads = self._window_moves()
       return StepPlan(step=self._step, streamed=request, aborted=aborted,
                       orders=self._take_orders(), window_copies=self.publishing.take_copies(),
-                      window_demotes=demotes, window_loads=loads,
+                      **self._window_moves(),
                       block_bytes=self.manager.page_bytes,
                       want_logits=(self.handles[request.id].logits is not None
                                    or self.handles[request.id].logprobs is not None))
     admitted, fetch, evicted = self._admit()
     copies = self.publishing.take_copies()
-    demotes, loads = self._window_moves()
+    moves = self._window_moves()
     decoding = [s for s in self.running.values() if s.decoding]
     prefill = [self._next_chunk(s) for s in self.running.values()
                if not s.decoding and s.spans]
@@ -345,7 +348,7 @@ class Scheduler:
     return StepPlan(
         step=self._step, aborted=aborted, admitted=admitted, fetch=fetch,
         orders=self._take_orders(TierOrders(demote=evicted)), window_copies=copies,
-        window_demotes=demotes, window_loads=loads,
+        **moves,
         block_bytes=self.manager.page_bytes,
         decode=tuple(DecodeRow(s.rows, s.handle.tokens[-1], s.pos) for s in decoding),
         prefill=tuple(prefill), settle=settle, finishing=finishing,
@@ -583,6 +586,7 @@ class Scheduler:
     fetch groups never settled (group -> fetches): their transfers and the pins on their
     sources are the runner's to abandon."""
     self.manager.forget_peer_lookups(r.id for r in self.waiting)
+    self.admission.forget([r.id for r in self.waiting])
     self.waiting.clear()
     self._held_once.clear()
     self._aborting.clear()

@@ -284,12 +284,16 @@ class StepPlan:
   # page, key), ... loaded and checked after them.
   window_demotes: tuple = ()
   window_loads: tuple = ()
+  # ... and to and from the pool: (shard, device page, key), ... put before
+  # ``window_copies`` (a finished sequence's last window); loaded and checked after them.
+  window_puts: tuple = ()
+  window_pool_loads: tuple = ()
 
   @property
   def empty(self) -> bool:
     return not (self.decode or self.prefill or self.fetch or self.settle or self.streamed
                 or self.window_copies or self.window_demotes or self.window_loads
-                or not self.orders.empty)
+                or self.window_puts or self.window_pool_loads or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:
     """Blocks this step moves between tiers, by route: what was decided (``write_through``,
@@ -344,6 +348,7 @@ class StepResult:
   # Request id -> (logprobs [n], top ids [n, K], top logprobs [n, K]) of its prompt chunk's
   # targets (``PrefillChunk.targets``).
   prompt_logprobs: Mapping | None = None
-  # (shard, key), ...: window-group blocks the plan loaded from host memory whose bytes
-  # failed their check (``StepPlan.window_loads``).
+  # (shard, key), ...: window-group blocks the plan loaded from host memory or the pool
+  # whose bytes failed their check or did not come (``StepPlan.window_loads``,
+  # ``window_pool_loads``).
   window_failures: tuple = ()

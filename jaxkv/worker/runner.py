@@ -322,13 +322,16 @@ class ModelRunner:
 
   def move_windows(self, plan: StepPlan) -> list:
     """A plan's window-group moves, before anything of its step writes a page: evicted kept
-    blocks out to host memory (reading what the pages held before this plan), published
-    blocks' windows kept out of their rings, then host copies loaded back and checked.
-    Returns ``(shard, key)`` of the loaded blocks that failed their check."""
+    blocks out to host memory and finished sequences' last windows out to the pool (both
+    reading what the pages held before this plan), published blocks' windows kept out of
+    their rings, then host copies and pool values loaded and checked. Returns ``(shard,
+    key)`` of the loaded blocks that failed their check or did not come."""
     worker = self.cache.worker
     worker.demote_windows(plan.window_demotes)
+    worker.put_windows(plan.window_puts)
     worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
-    return worker.load_windows(plan.window_loads)
+    return (worker.load_windows(plan.window_loads)
+            + worker.load_pool_windows(plan.window_pool_loads))
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

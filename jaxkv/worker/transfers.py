@@ -135,11 +135,15 @@ class TierMover:
   def _bytes(self, n: int) -> int:
     return n * self.config.page_bytes
 
-  def stage(self, items: list[Staged]) -> Landing:
-    """Host bytes of blocks (``(shard, page, payload)``) as one device stack to land."""
-    dest, per = buckets.shard_grid(items, self.num_shards, self.config.pages_per_shard)
+  def stage(self, items: list[Staged], *, payload_shape: tuple | None = None,
+            drop: int | None = None) -> Landing:
+    """Host bytes of blocks (``(shard, page, payload)``) as one device stack to land.
+    ``payload_shape`` and ``drop`` (the page id padding lands on): those of another pool
+    than the blocks' (the window group's)."""
+    dest, per = buckets.shard_grid(items, self.num_shards,
+                                   self.config.pages_per_shard if drop is None else drop)
     n = dest.shape[1]
-    arrays, heads, page, dim = self.payload_shape
+    arrays, heads, page, dim = payload_shape or self.payload_shape
     bits = pages_lib.bits_dtype(self.config.jnp_dtype)
     stack = np.zeros((arrays, heads, self.num_shards * n, page, dim), bits)
     for s, its in enumerate(per):

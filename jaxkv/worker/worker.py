@@ -25,11 +25,15 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxkv import buckets
 from jaxkv.config import CacheConfig, TierConfig
+from jaxkv.distributed import to_host
 from jaxkv.errors import InputError
 from jaxkv.manager import POOL_PEER
+from jaxkv.manager.windows import window_blocks, window_key
 from jaxkv.stats import Stats
 from jaxkv.worker import pages as pages_lib
+from jaxkv.worker.tiers.base import Landing
 from jaxkv.worker.transfers import TierMover
 
 
@@ -42,6 +46,7 @@ class CacheWorker:
     self.num_shards = pages_lib.data_shards(mesh, config)
     self._manager, self._stats, self._key, self._encrypt = manager, stats, key, encrypt
     self.host = self.disk = self.remote = self.pool = self.mover = None
+    self.window_pool = None  # the pool, for a window group's blocks (``open``)
     self.remotes: list = []
     if tiers.host_enabled:
       from jaxkv.worker.tiers.host import HostTier
@@ -103,6 +108,12 @@ class CacheWorker:
       self.pool = PoolTier(tiers, payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint(), key=self._key,
                            stats=self._stats).open()
+      if config.has_windows and jax.process_count() == 1:
+        # A finished sequence's last window goes there too, under names of its own, and
+        # another engine's hit reads it back (``jaxkv.manager.windows``). Not in a job yet:
+        # its reads would need agreeing as the block pool's are.
+        self.window_pool = self.pool.reshaped(
+            (2 * config.window_layers, *self.payload_shape[1:]))
     good = self._scan_disk() if self.disk is not None else []
     # The mover's jitted page moves depend on shapes only: it keeps the config without
     # the weights, so caches of differently trained models share their compilations.
@@ -120,7 +131,9 @@ class CacheWorker:
     remote peers and the pool, or None when the cache has neither."""
     if self.remote is None and self.pool is None:
       return None
-    return PrefixSources(self.remote, self.pool)
+    return PrefixSources(self.remote, self.pool, self.window_pool,
+                         window_blocks(self.config.sliding_window, self.config.page_size)
+                         if self.window_pool is not None else 0)
 
   def close(self, timeout_s: float = 10.0) -> None:
     """Finishes the pool's queued puts and leaves the pool (nothing else holds a connection
@@ -285,6 +298,56 @@ class CacheWorker:
       self._stats.add("window_host_failed", len(failed))
     return failed
 
+  def put_windows(self, items) -> None:
+    """A plan's ``window_puts`` (``(shard, device page, key)``, before its window copies
+    write any page): the pages read out and given to the pool's put queue under the blocks'
+    window names (written behind, like every put: dropped, counted, when the queue is
+    full); those put lately are skipped."""
+    if not items or self.window_pool is None:
+      return
+    ids, per = buckets.shard_ids(list(items), self.num_shards, 0, lambda b: b[1])
+    bits = to_host(pages_lib.gather_stacked(self.window_pools, self.put_rows(ids),
+                                            mesh=self.mesh, config=self.config))
+    n, puts = ids.shape[1], []
+    for s, its in enumerate(per):
+      for i, (_, _, key) in enumerate(its):
+        name = window_key(key)
+        if not self.window_pool.recently_put(name):
+          payload = np.ascontiguousarray(bits[:, :, s * n + i]).view(self.config.jnp_dtype)
+          puts.append((name, None, payload, self.pool.pin_all))
+    if puts:
+      self.window_pool.note(sorted(k for k, _, _, _ in puts))
+      self.window_pool.put(puts)
+      self._stats.add("window_pool_puts", len(puts))
+
+  def load_pool_windows(self, items) -> list:
+    """Reads a plan's ``window_pool_loads`` (``(shard, device page, key)``) from the pool
+    (one get, waited for up to the read deadline), each value checked as the pool checks
+    its blocks' (opened under the deployment key, or its CRC), into its page of the window
+    group; returns ``(shard, key)`` of every block that failed or did not come (its page
+    holds nothing of use: the manager drops it)."""
+    if not items:
+      return []
+    if self.window_pool is None:
+      return [(shard, key) for shard, _, key in items]
+    from jaxkv.manager.index import Tier
+    from jaxkv.scheduling.step import Fetch
+    fetches = [Fetch(0, i, shard, Tier.POOL, None, window_key(key), page)
+               for i, (shard, page, key) in enumerate(items)]
+    _, handle = self.window_pool.start_fetch(fetches)
+    stage = lambda staged: self.mover.stage(staged, payload_shape=self.window_pool.payload_shape,
+                                            drop=self.config.window_pages_per_shard)
+    outcome = self.window_pool.finish_fetch(
+        handle, time.monotonic() + self.tiers.read_deadline_s, stage)
+    if outcome.landing is not None:
+      self.land_windows(outcome.landing)
+    failed = [(shard, key) for (shard, _, key), why in zip(items, outcome.failures)
+              if why is not None]
+    self._stats.add("window_pool_loaded", len(items) - len(failed))
+    if failed:
+      self._stats.add("window_pool_failed", len(failed))
+    return failed
+
   def _row_sharding(self, ndim: int) -> NamedSharding:
     sharding = self._row_shardings.get(ndim)
     if sharding is None:
@@ -345,8 +408,19 @@ class CacheWorker:
     distributed.warm_collectives()
     self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
     self.copy_windows((), warm=True)
+    if self.window_pool is not None:  # a window put's read-out and a load's landing
+      shards, n = self.num_shards, buckets.MIN_TRANSFER_PAGES
+      while True:
+        ids = self.put_rows(np.zeros((shards, n), np.int32))
+        stack = pages_lib.gather_stacked(self.window_pools, ids, mesh=self.mesh,
+                                         config=self.config)
+        to_host(stack)
+        pad = np.full((shards, n), self.config.window_pages_per_shard, np.int32)
+        self.land_windows(Landing(pad, stack))
+        if n >= self.config.window_pages_per_shard:
+          break
+        n *= 2
     if self.window_host is not None:  # its moves and their landings, every bucket
-      from jaxkv.worker.tiers.base import Landing
       for size in self.window_host.warm(self.window_pools, max_pages):
         blocks, _ = self.window_host.load_blocks(np.zeros((self.num_shards, size), np.int32))
         self.land_windows(Landing(np.full((self.num_shards, size),
@@ -368,17 +442,25 @@ class PrefixSources:
   """The remote peers and the pool behind one ``longest_prefix`` (what
   ``CacheManager.peer_prefix`` asks on its lookup thread): ``(peer, blocks)`` of the source
   holding the longest prefix beyond ``local`` blocks, ``peer`` being ``POOL_PEER`` for the
-  pool (which wins ties: no peer has to serve it)."""
+  pool (which wins ties: no peer has to serve it). With ``window_pool`` (a model with a
+  window group), a pool answer is ``(POOL_PEER, blocks, [j, ...])``: the blocks among the
+  last ``2 * window`` of its prefix whose window KV the pool holds too (one more lookup),
+  from which admission finds the longest cut it can serve."""
 
-  def __init__(self, remote, pool):
+  def __init__(self, remote, pool, window_pool=None, window: int = 0):
     self.remote, self.pool = remote, pool
+    self.window_pool, self.window = window_pool, window
 
-  def longest_prefix(self, keys: list[bytes], local: int) -> tuple[int, int] | None:
+  def longest_prefix(self, keys: list[bytes], local: int) -> tuple | None:
     best = None
     if self.pool is not None and len(keys) > local:
       n = self.pool.lookup(keys, local)
       if n > local:
         best = (POOL_PEER, n)
+        if self.window_pool is not None:
+          lo = max(0, n - 2 * self.window)
+          there = self.window_pool.present([window_key(k) for k in keys[lo:n]])
+          best = (POOL_PEER, n, [lo + i for i, held in enumerate(there) if held])
     if self.remote is not None:
       found = self.remote.longest_prefix(keys, best[1] if best else local)
       if found is not None:

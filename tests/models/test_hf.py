@@ -4,6 +4,7 @@ the weights are part of the cache's key."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -134,8 +135,10 @@ def test_torch_dtype_and_dtype_load_the_same_model(mesh, tmp_path):
   prompt = list(range(3, 30))
   runs = []
   for name, cfg in (("legacy", legacy), ("spelled", spelled)):
-    model, tokens, logits = greedy(hf.write_checkpoint(str(tmp_path / name), cfg, weights),
-                                   mesh, prompt)
+    path = hf.write_checkpoint(str(tmp_path / name), cfg, weights)
+    # (the second as a pathlib.Path: from_pretrained takes any path-like)
+    model, tokens, logits = greedy(path if name == "legacy" else pathlib.Path(path), mesh,
+                                   prompt)
     assert model.cfg.dtype == "bfloat16"
     assert model.embed.embedding.get_value().dtype == np.dtype("bfloat16")
     runs.append((model.cfg, tokens, logits))

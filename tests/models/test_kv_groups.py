@@ -198,6 +198,57 @@ def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
   e.cache.worker.close()
 
 
+@pytest.mark.parametrize("case", ["plain", "sealed", "flipped"])
+def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute, master, case):
+  """A finished sequence leaves its last window in the pool beside its blocks (written
+  through); a second engine, which never saw the conversation, hits its next turn past the
+  window edge from the pool: its plan fetches the blocks, the window is loaded and checked
+  a step before, and the answer is the recomputed one (``sealed``: names and values under a
+  deployment key). A window value altered in the pool (``flipped``, under the key) is
+  rejected, counted, and the turn recomputes, exactly. (Planted: no window puts -> no hit
+  past the window, and the hand-off promises nothing; the pool's window answer ignored ->
+  no hit past the window.)"""
+  key = None if case == "plain" else bytes(range(32))
+  tiers = jaxkv.TierConfig(pool_master=master.address, pool_metadata=master.metadata,
+                           write_policy="write_through")
+  seed = {"plain": 40, "sealed": 42, "flipped": 44}[case]
+  a = engine(one, tiers=tiers, key=key)
+  first = prompt(seed, 230)
+  history = first + a.generate([first], 8)[0]
+  a.flush()
+  assert a.cache.worker.pool.settle(30)
+  assert a.stats()["window_pool_puts"] >= WINDOW // PAGE
+  cut = len(history) // PAGE  # the blocks a put, and the next turn's hit
+  # A prefill node's hand-off promises a hybrid model's blocks only with the window before
+  # their end placed too (a prompt of the history less its last token: one block less).
+  keys = a.cache.index.block_keys(np.asarray(history, np.int32), "default")
+  assert len(a.cache.placed_in_pool(keys[:cut - 1], 5.0)) == cut - 1
+  if case == "flipped":  # a window in the middle of the one before the cut
+    pool = a.cache.worker.window_pool
+    name = pool.name(windows_lib.window_key(keys[cut - 3]))
+    value = bytearray(pool.client.get(name))
+    value[len(value) // 2] ^= 1
+    assert pool.client.remove(name, True) == 0 and pool.client.put(name, bytes(value)) == 0
+  b = engine(one, tiers=tiers, key=key)
+  if case == "plain":  # a window's put and load compile nothing after the moves' warm-up
+    b.cache.worker.warm_moves(4)
+    mark, junk = COMPILES.mark(), bytes(32)
+    b.cache.worker.put_windows([(0, 1, junk)])
+    assert b.cache.worker.pool.settle(30)
+    assert b.cache.worker.load_pool_windows([(0, 2, junk)]) == []
+    assert COMPILES.since(mark) == 0, COMPILES.names_since(mark)
+  h, before, after = _next_turn(b, recompute, history, seed + 1)
+  loaded = after["window_pool_loaded"] - before["window_pool_loaded"]
+  failed = after["window_pool_failed"] - before["window_pool_failed"]
+  if case == "flipped":
+    assert failed == 1 and h.cached_tokens < WINDOW, (failed, h.cached_tokens)
+  else:
+    assert loaded >= WINDOW // PAGE and failed == 0, (loaded, failed)
+    assert h.cached_tokens == cut * PAGE and after["hits"]["pool"] > 0, h.cached_tokens
+  for e in (a, b):
+    e.cache.worker.close()
+
+
 @pytest.mark.parametrize("altered", [False, True], ids=["kept", "altered"])
 def test_a_window_evicted_from_the_device_comes_back_from_host_memory(one, recompute, altered):
   """With ``host_window_pages_per_shard``, kept window blocks that other prompts evict from
@@ -309,7 +360,7 @@ def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_b
   keys = [bytes([i]) * 32 for i in range(40)]
   pages = [w.keep(0, keys[i], source=100 + i) for i in range(18)]  # every free page
   w.keep(0, keys[18], source=118)  # evicts keys[0], whose copy (100 -> its page) is pending
-  demotes, loads = w.take_moves()
+  demotes, loads, _, _ = w.take_moves()
   assert demotes == ((0, 100, 0),) and loads == ()
   w.keep(0, keys[19], source=119)  # evicts keys[1]: its copy ran with the last plan
   assert w.take_moves()[0] == ((0, pages[1], 1),)
@@ -318,7 +369,7 @@ def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_b
     w.keep(0, keys[i], source=100 + i)
   w.take_moves()
   assert w.load(0, keys, (2,)) == 2
-  demotes, loads = w.take_moves()
+  demotes, loads, _, _ = w.take_moves()
   assert [(slot, key) for _, slot, _, key in loads] == [(0, keys[0]), (1, keys[1])]
   assert len(demotes) == 2 and not {slot for _, _, slot in demotes} & {0, 1}
   assert w.cover(0, keys, 2) == 2 and w.load(0, keys, (2,)) == 0  # kept on the device again

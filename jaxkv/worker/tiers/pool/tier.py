@@ -260,6 +260,22 @@ class PoolTier:
     other.fingerprint = fingerprint
     return other
 
+  def reshaped(self, payload_shape: tuple) -> "PoolTier":
+    """A tier over the same connection (its put queue, get threads and breakers) whose
+    values hold payloads of ``payload_shape``: a window group's blocks, which go under
+    names of their own (``jaxkv.manager.windows.window_key`` of the block key)."""
+    other = PoolTier.__new__(PoolTier)
+    other.__dict__.update(self.__dict__)
+    other.payload_shape = tuple(payload_shape)
+    other.record_bytes = blocks.record_bytes(other.payload_shape, self.dtype)
+    other.value_bytes = other.record_bytes + (security.Seal.OVERHEAD if self.key else 0)
+    slab = max(self.value_bytes, (self.tiers.pool_buffer_mb << 20) // GET_THREADS)
+    if other.value_bytes > slab:
+      raise InputError(f"a pool value of {other.value_bytes} bytes does not fit a receive "
+                       f"buffer of {slab} bytes: raise --config.tiers.pool_buffer_mb to at "
+                       f"least {-(-other.value_bytes * GET_THREADS // (1 << 20))}.")
+    return other
+
   # ---- names and values ----------------------------------------------------------------------
   def _space(self) -> str:
     """The names' prefix: this model's fingerprint (keyed under a key), computed once."""
