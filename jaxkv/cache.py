@@ -237,7 +237,7 @@ class KVCache:
         num_shards=self.num_shards, pages_per_shard=pages, sliding_window=c.sliding_window,
         page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats,
         host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0,
-        pool=self.tiers.pool_enabled and jax.process_count() == 1)
+        pool=self.tiers.pool_enabled)
 
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),

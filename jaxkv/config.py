@@ -155,7 +155,7 @@ class CacheConfig:
   ``window_pages_per_shard`` pages per shard (0: sized by the engine for its running
   sequences), which keeps only what windows need (``jaxkv.manager.windows``); of the tiers
   below, host memory holds its blocks (``TierConfig.host_window_pages_per_shard``) and the
-  pool each finished sequence's last window (one process).
+  pool each finished sequence's last window.
   ``window_copy_slots``: most window pages copied per shard in one
   order (one compiled shape; 0: sized by the engine).
   ``attention_impl``: which implementation attends (``ATTENTION_IMPLS``): ``jnp`` (the

@@ -28,7 +28,7 @@ after its window copies; the worker checks each block against the checksum its b
 when stored, and one that fails is dropped) and is placed at the next step, when they are
 kept on the device again: nothing is placed on bytes not yet checked.
 
-With a pool tier (``pool``, one process), a finished sequence's last window (the blocks
+With a pool tier (``pool``), a finished sequence's last window (the blocks
 before the end of what it published, and one more) goes to the pool too (``put``: a plan's
 ``window_puts``, read out before its window copies), under names of its own
 (``window_key``), sealed as the pool's blocks are. Another engine that finds the blocks in

@@ -35,6 +35,7 @@ remote blocks) its own devices need, and the outcomes are agreed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -369,6 +370,42 @@ class TierMover:
       src[i], dst[i] = src_shard * per_shard + src_page, f.shard * per_shard + f.page
     return pages_lib.copy_across_shards(pools, src, dst, mesh=self.mesh, config=self.config)
 
+  def read(self, source, fetches: list[Fetch], t_end: float, *,
+           payload_shape: tuple | None = None, drop: int | None = None
+           ) -> tuple[Landing | None, tuple[Failure | None, ...]]:
+    """Reads ``fetches`` from ``source`` outside a promotion (a window group's loads from
+    the pool) and waits for them (up to ``t_end``, monotonic): ``(what to land, each read's
+    failure)``, staged with ``payload_shape`` and ``drop`` (``stage``). In a job each
+    process reads its own shards' and the job agrees on every outcome, as a promotion's."""
+    stage = functools.partial(self.stage, payload_shape=payload_shape, drop=drop)
+    if self.processes == 1:
+      _, handle = source.start_fetch(list(fetches))
+      outcome = source.finish_fetch(handle, t_end, stage)
+      return outcome.landing, outcome.failures
+    _, handle = source.start_fetch([f for f in fetches if f.shard in self._local_shards])
+    return self._agreed(source, handle, list(fetches), t_end, stage,
+                        payload_shape or self.payload_shape)
+
+  def _agreed(self, source, handle, fetches: list[Fetch], t_end: float, stage,
+              payload_shape: tuple) -> tuple[Landing | None, tuple[Failure | None, ...]]:
+    """A job's reads of one source: this process verified those of its own shards; the job
+    agrees on every outcome, and lands what all agree on (another process's shards' bytes
+    are not needed here: zeros stand in for them)."""
+    payloads = {}
+
+    def keep(items: list[Staged]) -> None:
+      payloads.update({(shard, page): payload for shard, page, payload in items})
+
+    local = iter(source.finish_fetch(handle, t_end, keep).failures)
+    codes = [_read_code(next(local)) if f.shard in self._local_shards else 0 for f in fetches]
+    agreed = distributed.agree_reads(np.array(codes, np.int32),
+                                     unread=_read_code(Failure.DEADLINE))
+    failures = tuple(_failure_of_code(int(c)) for c in agreed)
+    zeros = np.zeros(payload_shape, self.config.jnp_dtype)
+    items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
+             for f, failure in zip(fetches, failures) if failure is None]
+    return (stage(items) if items else None), failures
+
   def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
                     ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None,
                                float | None]:
@@ -378,24 +415,11 @@ class TierMover:
     if not reads.agreed:
       outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
       return outcome.landing, outcome.failures, outcome.arrived, outcome.latency_s
-    # A job's disk or remote reads: this process verified those of its own shards; the job
-    # agrees on every outcome, and lands what all agree on (another process's shards'
-    # bytes are not needed here: zeros stand in for them).
-    payloads = {}
-
-    def keep(items: list[Staged]) -> None:
-      payloads.update({(shard, page): payload for shard, page, payload in items})
-
-    mine = [fetches[i] for i in reads.positions]
-    local = iter(reads.source.finish_fetch(reads.handle, t_end, keep).failures)
-    codes = [_read_code(next(local)) if f.shard in self._local_shards else 0 for f in mine]
-    agreed = distributed.agree_reads(np.array(codes, np.int32),
-                                     unread=_read_code(Failure.DEADLINE))
-    failures = tuple(_failure_of_code(int(c)) for c in agreed)
-    zeros = np.zeros(self.payload_shape, self.config.jnp_dtype)
-    items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
-             for f, failure in zip(mine, failures) if failure is None]
-    return (self.stage(items) if items else None), failures, None, None
+    # A job's disk, remote or pool reads: agreed by every process.
+    landing, failures = self._agreed(reads.source, reads.handle,
+                                     [fetches[i] for i in reads.positions], t_end,
+                                     self.stage, self.payload_shape)
+    return landing, failures, None, None
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float
                      ) -> tuple[list, FetchReport]:

@@ -108,10 +108,10 @@ class CacheWorker:
       self.pool = PoolTier(tiers, payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint(), key=self._key,
                            stats=self._stats).open()
-      if config.has_windows and jax.process_count() == 1:
+      if config.has_windows:
         # A finished sequence's last window goes there too, under names of its own, and
-        # another engine's hit reads it back (``jaxkv.manager.windows``). Not in a job yet:
-        # its reads would need agreeing as the block pool's are.
+        # another engine's hit reads it back (``jaxkv.manager.windows``); in a job each
+        # process reads its own shards' and the job agrees on the outcomes.
         self.window_pool = self.pool.reshaped(
             (2 * config.window_layers, *self.payload_shape[1:]))
     good = self._scan_disk() if self.disk is not None else []
@@ -308,15 +308,20 @@ class CacheWorker:
     ids, per = buckets.shard_ids(list(items), self.num_shards, 0, lambda b: b[1])
     bits = to_host(pages_lib.gather_stacked(self.window_pools, self.put_rows(ids),
                                             mesh=self.mesh, config=self.config))
-    n, puts = ids.shape[1], []
+    n, names, puts = ids.shape[1], [], []
+    processes, me = jax.process_count(), jax.process_index()
     for s, its in enumerate(per):
       for i, (_, _, key) in enumerate(its):
         name = window_key(key)
-        if not self.window_pool.recently_put(name):
+        if self.window_pool.recently_put(name):
+          continue
+        names.append(name)
+        if int.from_bytes(name[:4], "little") % processes == me:  # (one process puts each)
           payload = np.ascontiguousarray(bits[:, :, s * n + i]).view(self.config.jnp_dtype)
           puts.append((name, None, payload, self.pool.pin_all))
+    if names:
+      self.window_pool.note(sorted(names))  # every process notes every name, in one order
     if puts:
-      self.window_pool.note(sorted(k for k, _, _, _ in puts))
       self.window_pool.put(puts)
       self._stats.add("window_pool_puts", len(puts))
 
@@ -334,15 +339,12 @@ class CacheWorker:
     from jaxkv.scheduling.step import Fetch
     fetches = [Fetch(0, i, shard, Tier.POOL, None, window_key(key), page)
                for i, (shard, page, key) in enumerate(items)]
-    _, handle = self.window_pool.start_fetch(fetches)
-    stage = lambda staged: self.mover.stage(staged, payload_shape=self.window_pool.payload_shape,
-                                            drop=self.config.window_pages_per_shard)
-    outcome = self.window_pool.finish_fetch(
-        handle, time.monotonic() + self.tiers.read_deadline_s, stage)
-    if outcome.landing is not None:
-      self.land_windows(outcome.landing)
-    failed = [(shard, key) for (shard, _, key), why in zip(items, outcome.failures)
-              if why is not None]
+    landing, failures = self.mover.read(
+        self.window_pool, fetches, time.monotonic() + self.tiers.read_deadline_s,
+        payload_shape=self.window_pool.payload_shape, drop=self.config.window_pages_per_shard)
+    if landing is not None:
+      self.land_windows(landing)
+    failed = [(shard, key) for (shard, _, key), why in zip(items, failures) if why is not None]
     self._stats.add("window_pool_loaded", len(items) - len(failed))
     if failed:
       self._stats.add("window_pool_failed", len(failed))

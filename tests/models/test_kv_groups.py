@@ -289,9 +289,13 @@ def test_a_window_evicted_from_the_device_comes_back_from_host_memory(one, recom
   e.cache.worker.close()
 
 
-# Each process of a two-process job (launch/multihost.py): the kept case above on a mesh of
-# one data shard per process, four other prompts (two per shard) pushing the first turn's
-# windows into host memory; what it answered and counted, to compare in the test.
+# Each process of a two-process job (launch/multihost.py), on a mesh of one data shard per
+# process, in one job start:
+# "host": the kept case above, four other prompts (two per shard) pushing the first turn's
+#   windows into host memory;
+# "pool": an engine answers a turn, its blocks and last window written to the pool; a second
+#   engine of the job, which never saw it, takes the next turn from there.
+# What each answered and counted, to compare in the test.
 JOB = r"""
 import json, os, sys
 sys.path[:0] = ["tests", os.path.join("tests", "models")]
@@ -299,7 +303,20 @@ from jaxkv import distributed
 distributed.initialize()
 import jax, jaxkv, numpy as np
 import test_kv_groups as t
-e = t.engine(jaxkv.make_mesh(data=2, model=1), rows=1, window_pages_per_shard=19,
+out, master, metadata = {}, sys.argv[2], sys.argv[3]
+
+def answer(e, turn):
+  before = e.stats()
+  h = t.run(e, turn, 8)
+  after = e.stats()
+  counted = {k: after[k] - before[k] for k in (
+      "window_host_stored", "window_host_loaded", "window_host_failed",
+      "window_pool_loaded", "window_pool_failed")}
+  return {"turn": turn, "tokens": h.tokens, "logprobs": [lp for lp, _ in h.logprobs],
+          "cached": h.cached_tokens, "hits": after["hits"], **counted}
+
+mesh = jaxkv.make_mesh(data=2, model=1)
+e = t.engine(mesh, rows=1, window_pages_per_shard=19,
              tiers=jaxkv.TierConfig(host_pages_per_shard=96, host_window_pages_per_shard=64))
 first = t.prompt(14, 230)
 history = first + e.generate([first], 8)[0]
@@ -307,44 +324,63 @@ e.generate([t.prompt(seed, 120) for seed in (15, 16, 18, 19)], 2)
 windows, shards = e.cache.manager.windows, e.cache.num_shards
 keys = e.cache.index.block_keys(np.asarray(history, np.int32), "default")
 kept = sum(k in dict(windows.kept_items(s)) for s in range(shards) for k in keys)
+stored = e.stats()["window_host_stored"]
 e.flush()
 e.cache.offload()
 for s in range(shards):
   e.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
-turn = history + t.prompt(17, 20)
-h = t.run(e, turn, 8)
-stats = e.stats()
+out["host"] = {**answer(e, history + t.prompt(17, 20)), "kept_first": kept,
+               "stored": stored}
+pool = jaxkv.TierConfig(pool_master=master, pool_metadata=metadata,
+                        write_policy="write_through")
+a = t.engine(mesh, rows=1, tiers=pool)
+first = t.prompt(52, 230)
+history = first + a.generate([first], 8)[0]
+a.flush()
+a.cache.worker.pool.settle(30)
+b = t.engine(mesh, rows=1, tiers=pool)
+out["pool"] = {**answer(b, history + t.prompt(53, 20)),
+               "puts": a.stats()["window_pool_puts"]}
+for x in (a, b):
+  x.cache.worker.close()
 with open(os.path.join(sys.argv[1], f"p{jax.process_index()}.json"), "w") as f:
-  json.dump({"turn": turn, "tokens": h.tokens, "logprobs": [lp for lp, _ in h.logprobs],
-             "cached": h.cached_tokens, "kept_first": kept, "host_hits": stats["hits"]["host"],
-             **{k: stats[k] for k in ("window_host_stored", "window_host_loaded",
-                                      "window_host_failed")}}, f)
+  json.dump(out, f)
 """
 
 
-def test_a_job_loads_windows_from_host_memory_on_every_process(recompute, tmp_path):
+def test_a_job_loads_windows_from_host_memory_and_the_pool_on_every_process(
+    recompute, master, tmp_path):
   """A two-process job (one data shard each) keeps evicted windows in host memory and
-  loads them back for a hit past the window edge: every process answers as one process
-  recomputing the turn, and both count the same loads (their checks agree: each process
-  reads every block's checksum). (Planted: the job's loads land in the next page -> its
-  log-probabilities differ from recompute's.)"""
+  loads them back for a hit past the window edge; and one of its engines takes a turn
+  another engine of the job answered, from the pool, its window included. Every process
+  answers as one process recomputing the turn, and both count the same loads (their checks
+  agree: each reads every host checksum; each reads its own shards' pool values and the
+  job agrees on every outcome); each window is put by one process. (Planted: the job's
+  host loads land in the next page -> log-probabilities differ from recompute's; only
+  process 0's share of the windows put -> no hit past the window.)"""
   script = tmp_path / "job.py"
   script.write_text(JOB)
   proc = helpers.start_process([sys.executable, "launch/multihost.py", "--num_processes=2",
-                               "--devices=2", "--", str(script), str(tmp_path)],
+                               "--devices=2", "--", str(script), str(tmp_path),
+                               master.address, master.metadata],
                               env=helpers.child_env(drop=("JAX_PLATFORMS",)))
   code, _, err = helpers.finish_process(proc, 600, "the two-process job")
   assert code == 0, err[-3000:]
   p0, p1 = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1))
-  assert p0["kept_first"] == 0 and p0["window_host_stored"] > 0, p0
-  assert p0["cached"] >= 230 - PAGE and p0["host_hits"] > 0, p0
-  assert p0["window_host_loaded"] >= WINDOW // PAGE and p0["window_host_failed"] == 0, p0
-  for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_host_stored"):
-    assert p0[k] == p1[k], (k, p0[k], p1[k])
-  want = run(recompute, p0["turn"], 8)
-  assert p0["tokens"] == want.tokens
-  ref = np.array([lp for lp, _ in want.logprobs])
-  assert np.abs(np.array(p0["logprobs"]) - ref).max() < 1e-5
+  host, pool = p0["host"], p0["pool"]
+  assert host["kept_first"] == 0 and host["stored"] > 0, host
+  assert host["cached"] >= 230 - PAGE and host["hits"]["host"] > 0, host
+  assert host["window_host_loaded"] >= WINDOW // PAGE and host["window_host_failed"] == 0
+  assert pool["cached"] == 238 // PAGE * PAGE and pool["hits"]["pool"] > 0, pool
+  assert pool["window_pool_loaded"] >= WINDOW // PAGE and pool["window_pool_failed"] == 0
+  assert pool["puts"] + p1["pool"]["puts"] >= WINDOW // PAGE  # (each window by one of them)
+  for case in ("host", "pool"):
+    for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_pool_loaded"):
+      assert p0[case][k] == p1[case][k], (case, k, p0[case][k], p1[case][k])
+    want = run(recompute, p0[case]["turn"], 8)
+    assert p0[case]["tokens"] == want.tokens, case
+    ref = np.array([lp for lp, _ in want.logprobs])
+    assert np.abs(np.array(p0[case]["logprobs"]) - ref).max() < 1e-5, case
 
 
 def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_back():
