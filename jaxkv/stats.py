@@ -82,6 +82,8 @@ COUNTERS = {
     "window_pool_puts": "window-group blocks put in the pool (each finished sequence's last "
                         "window, for another engine's hit)",
     "window_pool_loaded": "window-group blocks loaded from the pool for a hit",
+    "window_pool_skipped": "window-group blocks in the pool not loaded: recomputing what "
+                           "they would add to the hit was predicted sooner",
     "window_pool_failed": "window-group blocks loaded from the pool that failed their check "
                           "or did not come (dropped)",
 }

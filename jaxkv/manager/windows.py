@@ -33,8 +33,9 @@ before the end of what it published, and one more) goes to the pool too (``put``
 ``window_puts``, read out before its window copies), under names of its own
 (``window_key``), sealed as the pool's blocks are. Another engine that finds the blocks in
 the pool (a decode node after a prefill node's hand-off, a replica taking the next turn)
-asks it for those windows in the same lookup; a hit that reaches further with them has them
-loaded (``pool_loads``, checked as the pool's values are) and placed on them a step later,
+asks it for those windows in the same lookup; a hit that reaches further with them (where
+their bytes are predicted to come sooner than recomputing what they add: admission asks
+the planner) has them loaded (``pool_loads``, checked as the pool's values are) and placed on them a step later,
 as from host memory. Nothing else of the window group goes to a lower tier (the disk, a
 peer): a cut whose window is kept nowhere is recomputed, as far back as the longest prefix
 whose window still is. A checkpoint saves the kept blocks, on
@@ -138,6 +139,13 @@ class WindowPages:
       if run >= min(c, self.window):
         best = c
     return best
+
+  def missing(self, shard: int, keys, cut: int) -> int:
+    """Blocks of the window before ``cut`` kept neither on ``shard``'s device nor in its
+    host memory (what a hit there would load from the pool)."""
+    kept, hkept = self._kept[shard], self._hkept[shard]
+    return sum(keys[j] not in kept and keys[j] not in hkept
+               for j in range(max(0, cut - self.window), cut))
 
   def available(self, shard: int) -> int:
     """Pages a new ring could take now (free, or kept and unreferenced)."""

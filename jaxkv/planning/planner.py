@@ -117,6 +117,19 @@ class Planner:
           "SchedulerConfig.cost_model_path) before it plans or warms the plan.")
     return self.costs
 
+  def fetch_pays(self, link: str, nbytes: float, tokens: int, context: int) -> bool:
+    """Whether moving ``nbytes`` over ``link`` is predicted to take less than prefilling
+    ``tokens`` after ``context`` cached (what a window group's blocks loaded from the pool
+    save: the recompute of the cut they extend a hit by). Under a fixed decision: whether
+    it fetches (``recompute`` never; the others do); with no costs yet, or none for
+    ``link``, it fetches."""
+    if self.config.decision != "cost":
+      return self.config.decision != "recompute"
+    costs = self.costs
+    if costs is None or link not in costs.links:
+      return True
+    return costs.link(link).seconds(nbytes) < costs.prefill.seconds(tokens, context)
+
   def _run(self, requests, num_shards: int, devices=None) -> Plan:
     inputs = build_inputs(requests, num_shards=num_shards, page_size=self.page_size,
                           page_bytes=self.page_bytes, chunk_tokens=self.chunk_tokens,

@@ -376,6 +376,17 @@ class Admission:
       return False
     on_device = self._window_cut(windows, shard, req.keys, found)
     cut = self._window_cut(windows, shard, req.keys, found, host=True, pooled=pooled)
+    if pooled and cut > on_device:
+      # From the pool only where the windows' bytes come sooner than recomputing what they
+      # extend the hit by (the plan prices the blocks themselves once it is placed).
+      near = self._window_cut(windows, shard, req.keys, found, host=True)
+      n = windows.missing(shard, req.keys, cut)
+      c = self.config
+      if n and cut > near and not self.planner.fetch_pays(
+          "pool_to_host", n * c.page_bytes * c.window_layers // c.num_layers,
+          (cut - near) * c.page_size, near * c.page_size):
+        self.manager.stats.add("window_pool_skipped", n)
+        pooled, cut = frozenset(), near
     if cut <= on_device:
       return False
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))

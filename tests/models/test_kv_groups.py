@@ -23,6 +23,7 @@ from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.index import Tier
 from jaxkv.models import gemma3
+from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.worker.checkpoint import Checkpointer
 from jaxkv.worker.tiers.pool.master import LocalMaster
 
@@ -33,7 +34,9 @@ CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_head
 
 
 def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, stream=None,
-           **cache):
+           costs=None, **cache):
+  """The small Gemma 3 over ``mesh``; lower-tier hits always fetched, or, with ``costs``,
+  as the plan decides with them."""
   model = gemma3.Gemma3(dataclasses.replace(CFG, kv_groups=groups), rngs=nnx.Rngs(0))
   # Gemma's output head is its embedding, scaled by sqrt(hidden) on the way in: at the
   # init's unit scale every answer token has probability 1. At 0.3 the log-probabilities
@@ -45,7 +48,8 @@ def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, strea
   return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers, deployment_key=key),
                       jaxkv.EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=2,
                                          prefix_reuse=reuse),
-                      scheduler=jaxkv.SchedulerConfig(decision="fetch"), stream=stream)
+                      scheduler=jaxkv.SchedulerConfig(decision="cost" if costs else "fetch"),
+                      stream=stream, costs=costs)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -198,20 +202,29 @@ def test_a_hit_across_the_window_edge_from_a_lower_tier_equals_recompute(
   e.cache.worker.close()
 
 
-@pytest.mark.parametrize("case", ["plain", "sealed", "flipped"])
+def _costs(pool_bytes_per_s: float):
+  """Costs with the pool's link at ``pool_bytes_per_s`` and prefill at 1 ms a token."""
+  links = {name: LinkCost(0.0, 1e10) for name in ("host_to_device", "disk_to_host")}
+  return CostModel(links={**links, "pool_to_host": LinkCost(0.0, pool_bytes_per_s)},
+                   prefill=PrefillCurve(0.0, 1e-3, 0.0))
+
+
+@pytest.mark.parametrize("case", ["plain", "sealed", "flipped", "slow"])
 def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute, master, case):
   """A finished sequence leaves its last window in the pool beside its blocks (written
   through); a second engine, which never saw the conversation, hits its next turn past the
   window edge from the pool: its plan fetches the blocks, the window is loaded and checked
   a step before, and the answer is the recomputed one (``sealed``: names and values under a
-  deployment key). A window value altered in the pool (``flipped``, under the key) is
-  rejected, counted, and the turn recomputes, exactly. (Planted: no window puts -> no hit
+  deployment key, and the plan deciding from costs). A window value altered in the pool
+  (``flipped``, under the key) is rejected, counted, and the turn recomputes, exactly.
+  Over a pool link priced so slow (``slow``: 1 kB/s) that recomputing is sooner, the
+  windows are not loaded (counted) and the turn recomputes, exactly. (Planted: no window puts -> no hit
   past the window, and the hand-off promises nothing; the pool's window answer ignored ->
-  no hit past the window.)"""
+  no hit past the window; the windows' price ignored -> the slow case loads them.)"""
   key = None if case == "plain" else bytes(range(32))
   tiers = jaxkv.TierConfig(pool_master=master.address, pool_metadata=master.metadata,
                            write_policy="write_through")
-  seed = {"plain": 40, "sealed": 42, "flipped": 44}[case]
+  seed = {"plain": 40, "sealed": 42, "flipped": 44, "slow": 46}[case]
   a = engine(one, tiers=tiers, key=key)
   first = prompt(seed, 230)
   history = first + a.generate([first], 8)[0]
@@ -229,7 +242,8 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
     value = bytearray(pool.client.get(name))
     value[len(value) // 2] ^= 1
     assert pool.client.remove(name, True) == 0 and pool.client.put(name, bytes(value)) == 0
-  b = engine(one, tiers=tiers, key=key)
+  costs = {"sealed": _costs(1e10), "slow": _costs(1e3)}.get(case)
+  b = engine(one, tiers=tiers, key=key, costs=costs)
   if case == "plain":  # a window's put and load compile nothing after the moves' warm-up
     b.cache.worker.warm_moves(4)
     mark, junk = COMPILES.mark(), bytes(32)
@@ -240,8 +254,12 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
   h, before, after = _next_turn(b, recompute, history, seed + 1)
   loaded = after["window_pool_loaded"] - before["window_pool_loaded"]
   failed = after["window_pool_failed"] - before["window_pool_failed"]
+  skipped = after["window_pool_skipped"] - before["window_pool_skipped"]
   if case == "flipped":
     assert failed == 1 and h.cached_tokens < WINDOW, (failed, h.cached_tokens)
+  elif case == "slow":
+    assert loaded == 0 and skipped >= WINDOW // PAGE, (loaded, skipped)
+    assert h.cached_tokens < WINDOW, h.cached_tokens
   else:
     assert loaded >= WINDOW // PAGE and failed == 0, (loaded, failed)
     assert h.cached_tokens == cut * PAGE and after["hits"]["pool"] > 0, h.cached_tokens
