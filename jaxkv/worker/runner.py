@@ -327,11 +327,11 @@ class ModelRunner:
     their rings, then host copies and pool values loaded and checked. Returns ``(shard,
     key)`` of the loaded blocks that failed their check or did not come."""
     worker = self.cache.worker
-    worker.demote_windows(plan.window_demotes)
-    worker.put_windows(plan.window_puts)
+    worker.windows.demote(plan.window_demotes)
+    worker.windows.put(plan.window_puts)
     worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
-    return (worker.load_windows(plan.window_loads)
-            + worker.load_pool_windows(plan.window_pool_loads))
+    return (worker.windows.load_host(plan.window_loads)
+            + worker.windows.load_pool(plan.window_pool_loads))
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

@@ -68,6 +68,28 @@ def _failure_of_code(code: int) -> Failure | None:
   return None if code == _VERIFIED else _FAILURES[code - 2]
 
 
+def agreed_reads(source, handle, fetches: list[Fetch], t_end: float, stage,
+                 local_shards, zeros: np.ndarray
+                 ) -> tuple[Landing | None, tuple[Failure | None, ...]]:
+  """A job's reads of one source (``source.start_fetch`` was given those of this process's
+  ``local_shards``): this process verified those; the job agrees on every outcome (a
+  collective), and ``stage`` gets what all agree on, ``zeros`` standing in for another
+  process's shards' bytes (not needed here). Returns ``(landing, each read's failure)``."""
+  payloads = {}
+
+  def keep(items: list[Staged]) -> None:
+    payloads.update({(shard, page): payload for shard, page, payload in items})
+
+  local = iter(source.finish_fetch(handle, t_end, keep).failures)
+  codes = [_read_code(next(local)) if f.shard in local_shards else 0 for f in fetches]
+  agreed = distributed.agree_reads(np.array(codes, np.int32),
+                                   unread=_read_code(Failure.DEADLINE))
+  failures = tuple(_failure_of_code(int(c)) for c in agreed)
+  items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
+           for f, failure in zip(fetches, failures) if failure is None]
+  return (stage(items) if items else None), failures
+
+
 @dataclasses.dataclass(frozen=True)
 class _Reads:
   """One tier's reads of a promotion: its handle, and the positions of its fetches in
@@ -383,28 +405,8 @@ class TierMover:
       outcome = source.finish_fetch(handle, t_end, stage)
       return outcome.landing, outcome.failures
     _, handle = source.start_fetch([f for f in fetches if f.shard in self._local_shards])
-    return self._agreed(source, handle, list(fetches), t_end, stage,
-                        payload_shape or self.payload_shape)
-
-  def _agreed(self, source, handle, fetches: list[Fetch], t_end: float, stage,
-              payload_shape: tuple) -> tuple[Landing | None, tuple[Failure | None, ...]]:
-    """A job's reads of one source: this process verified those of its own shards; the job
-    agrees on every outcome, and lands what all agree on (another process's shards' bytes
-    are not needed here: zeros stand in for them)."""
-    payloads = {}
-
-    def keep(items: list[Staged]) -> None:
-      payloads.update({(shard, page): payload for shard, page, payload in items})
-
-    local = iter(source.finish_fetch(handle, t_end, keep).failures)
-    codes = [_read_code(next(local)) if f.shard in self._local_shards else 0 for f in fetches]
-    agreed = distributed.agree_reads(np.array(codes, np.int32),
-                                     unread=_read_code(Failure.DEADLINE))
-    failures = tuple(_failure_of_code(int(c)) for c in agreed)
-    zeros = np.zeros(payload_shape, self.config.jnp_dtype)
-    items = [(f.shard, f.page, payloads.get((f.shard, f.page), zeros))
-             for f, failure in zip(fetches, failures) if failure is None]
-    return (stage(items) if items else None), failures
+    return agreed_reads(source, handle, list(fetches), t_end, stage, self._local_shards,
+                        np.zeros(payload_shape or self.payload_shape, self.config.jnp_dtype))
 
   def _finish_reads(self, reads: _Reads, fetches: tuple[Fetch, ...], t_end: float
                     ) -> tuple[Landing | None, tuple[Failure | None, ...], float | None,
@@ -416,9 +418,9 @@ class TierMover:
       outcome = reads.source.finish_fetch(reads.handle, t_end, self.stage)
       return outcome.landing, outcome.failures, outcome.arrived, outcome.latency_s
     # A job's disk, remote or pool reads: agreed by every process.
-    landing, failures = self._agreed(reads.source, reads.handle,
-                                     [fetches[i] for i in reads.positions], t_end,
-                                     self.stage, self.payload_shape)
+    landing, failures = agreed_reads(
+        reads.source, reads.handle, [fetches[i] for i in reads.positions], t_end, self.stage,
+        self._local_shards, np.zeros(self.payload_shape, self.config.jnp_dtype))
     return landing, failures, None, None
 
   def finish_promote(self, pools, pending: PendingFetch, t_end: float

@@ -4,7 +4,8 @@ It holds the device page pools, the lower tiers (host pool, disk store, remote p
 the ``TierMover`` (with its disk journal) that moves blocks between them. Every writer of a
 page goes through one of its verbs (``run`` a model step, ``start_promote`` /
 ``finish_promote`` a fetch group, ``land`` staged blocks, ``warm_moves``), the only callers
-of ``update_pools``. Tier work arrives as resolved ``TierOrders`` (``carry_out``): every
+of ``update_pools``; the window group's copies below the device (``windows``, a
+``WindowTiers``) write its pools through ``land_windows``. Tier work arrives as resolved ``TierOrders`` (``carry_out``): every
 destination slot chosen by the manager, from a step plan or from a writer outside one
 (offload, a streamed sequence, a restore), so the worker copies and reports and decides
 nothing. It never writes the index: the blocks a
@@ -25,16 +26,14 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxkv import buckets
 from jaxkv.config import CacheConfig, TierConfig
-from jaxkv.distributed import to_host
 from jaxkv.errors import InputError
 from jaxkv.manager import POOL_PEER
 from jaxkv.manager.windows import window_blocks, window_key
 from jaxkv.stats import Stats
 from jaxkv.worker import pages as pages_lib
-from jaxkv.worker.tiers.base import Landing
 from jaxkv.worker.transfers import TierMover
+from jaxkv.worker.window_tiers import WindowTiers
 
 
 class CacheWorker:
@@ -62,6 +61,7 @@ class CacheWorker:
           mesh, config, dataclasses.replace(
               tiers, host_pages_per_shard=tiers.host_window_pages_per_shard),
           2 * config.window_layers)
+    self.windows = WindowTiers(self, stats)  # the window group's moves to and from them
     if tiers.disk_enabled:
       from jaxkv.worker.tiers.disk import DiskTier
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
@@ -269,87 +269,6 @@ class CacheWorker:
           pools, copies, self.config.window_copy_slots, mesh=self.mesh, config=self.config),),
           windows="only")
 
-  def demote_windows(self, items) -> None:
-    """Copies window-group pages into the window host pool (a plan's ``window_demotes``:
-    ``(shard, device page, host slot)``, every slot chosen by the manager), each with the
-    checksum of its bytes: dispatched, ordered before anything later writes the pages."""
-    if items:
-      self.window_host.store_pages(self.window_pools, list(items))
-
-  def load_windows(self, items) -> list:
-    """Loads window host slots into window-group pages (a plan's ``window_loads``: ``(shard,
-    host slot, device page, key)``) and waits for the checksums of what arrived; returns
-    ``(shard, key)`` of every block whose bytes differ from those it was stored with (its
-    page holds them, unused: the manager drops it)."""
-    if not items:
-      return []
-    from jaxkv.manager.index import Tier
-    from jaxkv.scheduling.step import Fetch
-    fetches = [Fetch(0, i, shard, Tier.HOST, slot, key, page)
-               for i, (shard, slot, page, key) in enumerate(items)]
-    landings, pending = self.window_host.start_fetch(
-        fetches, drop=self.config.window_pages_per_shard)
-    for landing in landings:
-      self.land_windows(landing)
-    outcome = self.window_host.finish_fetch(pending, 0.0)
-    failed = [(f.shard, f.key) for f, why in zip(fetches, outcome.failures) if why is not None]
-    self._stats.add("window_host_loaded", len(items) - len(failed))
-    if failed:
-      self._stats.add("window_host_failed", len(failed))
-    return failed
-
-  def put_windows(self, items) -> None:
-    """A plan's ``window_puts`` (``(shard, device page, key)``, before its window copies
-    write any page): the pages read out and given to the pool's put queue under the blocks'
-    window names (written behind, like every put: dropped, counted, when the queue is
-    full); those put lately are skipped."""
-    if not items or self.window_pool is None:
-      return
-    ids, per = buckets.shard_ids(list(items), self.num_shards, 0, lambda b: b[1])
-    bits = to_host(pages_lib.gather_stacked(self.window_pools, self.put_rows(ids),
-                                            mesh=self.mesh, config=self.config))
-    n, names, puts = ids.shape[1], [], []
-    processes, me = jax.process_count(), jax.process_index()
-    for s, its in enumerate(per):
-      for i, (_, _, key) in enumerate(its):
-        name = window_key(key)
-        if self.window_pool.recently_put(name):
-          continue
-        names.append(name)
-        if int.from_bytes(name[:4], "little") % processes == me:  # (one process puts each)
-          payload = np.ascontiguousarray(bits[:, :, s * n + i]).view(self.config.jnp_dtype)
-          puts.append((name, None, payload, self.pool.pin_all))
-    if names:
-      self.window_pool.note(sorted(names))  # every process notes every name, in one order
-    if puts:
-      self.window_pool.put(puts)
-      self._stats.add("window_pool_puts", len(puts))
-
-  def load_pool_windows(self, items) -> list:
-    """Reads a plan's ``window_pool_loads`` (``(shard, device page, key)``) from the pool
-    (one get, waited for up to the read deadline), each value checked as the pool checks
-    its blocks' (opened under the deployment key, or its CRC), into its page of the window
-    group; returns ``(shard, key)`` of every block that failed or did not come (its page
-    holds nothing of use: the manager drops it)."""
-    if not items:
-      return []
-    if self.window_pool is None:
-      return [(shard, key) for shard, _, key in items]
-    from jaxkv.manager.index import Tier
-    from jaxkv.scheduling.step import Fetch
-    fetches = [Fetch(0, i, shard, Tier.POOL, None, window_key(key), page)
-               for i, (shard, page, key) in enumerate(items)]
-    landing, failures = self.mover.read(
-        self.window_pool, fetches, time.monotonic() + self.tiers.read_deadline_s,
-        payload_shape=self.window_pool.payload_shape, drop=self.config.window_pages_per_shard)
-    if landing is not None:
-      self.land_windows(landing)
-    failed = [(shard, key) for (shard, _, key), why in zip(items, failures) if why is not None]
-    self._stats.add("window_pool_loaded", len(items) - len(failed))
-    if failed:
-      self._stats.add("window_pool_failed", len(failed))
-    return failed
-
   def _row_sharding(self, ndim: int) -> NamedSharding:
     sharding = self._row_shardings.get(ndim)
     if sharding is None:
@@ -410,24 +329,7 @@ class CacheWorker:
     distributed.warm_collectives()
     self.update_pools(lambda pools: (self.mover.warmup(pools, max_pages),))
     self.copy_windows((), warm=True)
-    if self.window_pool is not None:  # a window put's read-out and a load's landing
-      shards, n = self.num_shards, buckets.MIN_TRANSFER_PAGES
-      while True:
-        ids = self.put_rows(np.zeros((shards, n), np.int32))
-        stack = pages_lib.gather_stacked(self.window_pools, ids, mesh=self.mesh,
-                                         config=self.config)
-        to_host(stack)
-        pad = np.full((shards, n), self.config.window_pages_per_shard, np.int32)
-        self.land_windows(Landing(pad, stack))
-        if n >= self.config.window_pages_per_shard:
-          break
-        n *= 2
-    if self.window_host is not None:  # its moves and their landings, every bucket
-      for size in self.window_host.warm(self.window_pools, max_pages):
-        blocks, _ = self.window_host.load_blocks(np.zeros((self.num_shards, size), np.int32))
-        self.land_windows(Landing(np.full((self.num_shards, size),
-                                          self.config.window_pages_per_shard, np.int32),
-                                  blocks, blocks=True))
+    self.windows.warm(max_pages)
     jax.block_until_ready(self._pools)
 
   def flush(self, timeout_s: float) -> int:

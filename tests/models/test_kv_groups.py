@@ -247,9 +247,9 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
   if case == "plain":  # a window's put and load compile nothing after the moves' warm-up
     b.cache.worker.warm_moves(4)
     mark, junk = COMPILES.mark(), bytes(32)
-    b.cache.worker.put_windows([(0, 1, junk)])
+    b.cache.worker.windows.put([(0, 1, junk)])
     assert b.cache.worker.pool.settle(30)
-    assert b.cache.worker.load_pool_windows([(0, 2, junk)]) == []
+    assert b.cache.worker.windows.load_pool([(0, 2, junk)]) == []
     assert COMPILES.since(mark) == 0, COMPILES.names_since(mark)
   h, before, after = _next_turn(b, recompute, history, seed + 1)
   loaded = after["window_pool_loaded"] - before["window_pool_loaded"]
