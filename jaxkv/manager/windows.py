@@ -28,21 +28,21 @@ after its window copies; the worker checks each block against the checksum its b
 when stored, and one that fails is dropped) and is placed at the next step, when they are
 kept on the device again: nothing is placed on bytes not yet checked.
 
-With a pool tier (``pool``), a finished sequence's last window (the blocks
-before the end of what it published, and one more) goes to the pool too (``put``: a plan's
+With a pool tier (``pool``), a finished sequence's last window (the blocks before the end
+of what it published, and one more) goes to the pool too (``put``: a plan's
 ``window_puts``, read out before its window copies), under names of its own
 (``window_key``), sealed as the pool's blocks are. Another engine that finds the blocks in
 the pool (a decode node after a prefill node's hand-off, a replica taking the next turn)
 asks it for those windows in the same lookup; a hit that reaches further with them (where
 their bytes are predicted to come sooner than recomputing what they add: admission asks
-the planner) has them loaded (``pool_loads``, checked as the pool's values are) and placed on them a step later,
-as from host memory. Nothing else of the window group goes to a lower tier (the disk, a
-peer): a cut whose window is kept nowhere is recomputed, as far back as the longest prefix
-whose window still is. A checkpoint saves the kept blocks, on
-the device and in host memory, and a restore keeps them again where they were
-(``jaxkv.worker.checkpoint``), so a restarted engine's hits reach across the window edge as
-before. Page 0 of every shard
-is never handed out: unused table entries and the padding of a copy order point at it.
+the planner) has them loaded (``pool_loads``, checked as the pool's values are) and is
+placed on them a step later, as from host memory. Nothing else of the window group goes
+to a lower tier (the disk, a peer): a cut whose window is kept nowhere is recomputed, as
+far back as the longest prefix whose window still is. A checkpoint saves the kept blocks,
+on the device and in host memory, and a restore keeps them again where they were
+(``jaxkv.worker.checkpoint``), so a restarted engine's hits reach across the window edge
+as before. Page 0 of every shard is never handed out: unused table entries and the
+padding of a copy order point at it.
 """
 
 from __future__ import annotations
@@ -280,8 +280,7 @@ class WindowPages:
     it) and the loads after them."""
     moves = WindowMoves(tuple(self._demotes), tuple(self._loads), tuple(self._pool_loads),
                         tuple(self._puts))
-    for shard, page in ([(s, p) for s, _, p, _ in self._loads]
-                        + [(s, p) for s, p, _ in self._pool_loads]):
+    for shard, page in self._loaded_pages():
       self.release(shard, (), (page,))  # (pinned while the plan was built)
     self._in_flight, self._stored = self._stored, []
     self._demotes, self._loads, self._pool_loads, self._puts = [], [], [], []
@@ -289,6 +288,11 @@ class WindowPages:
       self._hbusy[shard].clear()
       self._source[shard].clear()  # (this plan's copies land them)
     return moves
+
+  def _loaded_pages(self) -> list[tuple[int, int]]:
+    """``(shard, device page)`` of every load of the plan being built (each pinned)."""
+    return ([(s, p) for s, _, p, _ in self._loads]
+            + [(s, p) for s, p, _ in self._pool_loads])
 
   def has_moves(self) -> bool:
     """Whether moves wait for a plan to take them."""
@@ -316,8 +320,7 @@ class WindowPages:
       slot = self._hkept[shard].pop(key, None)
       if slot is not None:
         self._hfree[shard].append(slot)
-    for shard, page in ([(s, p) for s, _, p, _ in self._loads]
-                        + [(s, p) for s, p, _ in self._pool_loads]):
+    for shard, page in self._loaded_pages():
       self.release(shard, (), (page,))  # (their pins, below: the pages go back)
     self._in_flight, self._stored, self._demotes, self._loads = [], [], [], []
     self._pool_loads, self._puts = [], []

@@ -275,8 +275,8 @@ class Scheduler:
 
   def _window_failures(self, failed) -> None:
     """Window blocks loaded from host memory or the pool whose bytes failed their check
-    (or did not come): kept nowhere now (no request was placed on them yet: the one they were loaded for is admitted at the
-    next step, with what is kept then)."""
+    (or did not come): kept nowhere now (no request was placed on them yet: the one they
+    were loaded for is admitted at the next step, with what is kept then)."""
     for shard, key in failed:
       self.manager.windows.drop_loaded(shard, key)
 

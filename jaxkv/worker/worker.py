@@ -5,11 +5,11 @@ the ``TierMover`` (with its disk journal) that moves blocks between them. Every 
 page goes through one of its verbs (``run`` a model step, ``start_promote`` /
 ``finish_promote`` a fetch group, ``land`` staged blocks, ``warm_moves``), the only callers
 of ``update_pools``; the window group's copies below the device (``windows``, a
-``WindowTiers``) write its pools through ``land_windows``. Tier work arrives as resolved ``TierOrders`` (``carry_out``): every
-destination slot chosen by the manager, from a step plan or from a writer outside one
-(offload, a streamed sequence, a restore), so the worker copies and reports and decides
-nothing. It never writes the index: the blocks a
-store holds at open come back as values, a copy down that filled a slot is reported to the
+``WindowTiers``) write its pools through ``land_windows``. Tier work arrives as resolved
+``TierOrders`` (``carry_out``): every destination slot chosen by the manager, from a step
+plan or from a writer outside one (offload, a streamed sequence, a restore), so the worker
+copies and reports and decides nothing. It never writes the index: the blocks a store
+holds at open come back as values, a copy down that filled a slot is reported to the
 host-side ``CacheManager`` (which publishes), and a fetch that failed verification comes
 back in the step's result, which the scheduler settles through the manager.
 """

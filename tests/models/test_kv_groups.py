@@ -218,9 +218,10 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
   deployment key, and the plan deciding from costs). A window value altered in the pool
   (``flipped``, under the key) is rejected, counted, and the turn recomputes, exactly.
   Over a pool link priced so slow (``slow``: 1 kB/s) that recomputing is sooner, the
-  windows are not loaded (counted) and the turn recomputes, exactly. (Planted: no window puts -> no hit
-  past the window, and the hand-off promises nothing; the pool's window answer ignored ->
-  no hit past the window; the windows' price ignored -> the slow case loads them.)"""
+  windows are not loaded (counted) and the turn recomputes, exactly. (Planted: no window
+  puts -> no hit past the window, and the hand-off promises nothing; the pool's window
+  answer ignored -> no hit past the window; the windows' price ignored -> the slow case
+  loads them.)"""
   key = None if case == "plain" else bytes(range(32))
   tiers = jaxkv.TierConfig(pool_master=master.address, pool_metadata=master.metadata,
                            write_policy="write_through")
@@ -520,9 +521,10 @@ def test_windows_kept_in_host_memory_survive_a_restart(one, recompute, tmp_path,
   its bytes were stored with. Restored into an engine with a window host pool, they are
   kept there again and the next turn, whose window before its cut is only there, loads
   them and hits past the window edge (under a deployment key: the rows saved sealed);
-  into an engine without one, they are kept on its device. Either way the answer is the recomputed one. Host copies whose bytes no longer
-  match what they were stored with (``altered``) are left out at restore, counted, and the
-  turn recomputes past the window edge, exactly. (Planted: the host windows not saved ->
+  into an engine without one, they are kept on its device. Either way the answer is the
+  recomputed one. Host copies whose bytes no longer match what they were stored with
+  (``altered``) are left out at restore, counted, and the turn recomputes past the window
+  edge, exactly. (Planted: the host windows not saved ->
   nothing kept, no hit past the window.)"""
   tiers = jaxkv.TierConfig(host_pages_per_shard=96, host_window_pages_per_shard=64)
   key = bytes(range(32)) if case == "into_host" else None  # (its rows saved sealed)
