@@ -148,8 +148,19 @@ def test_the_master_killed_mid_run_is_a_counted_miss_and_the_pool_comes_back(
 
     helpers.wait_for(put_one, 60, "puts succeed after the master came back", interval_s=0.5)
     b = pool_engine(mesh, m)
-    assert b.generate(tried[-1], 3) == fresh.generate(tried[-1], 3)
-    assert b.stats()["hits"]["pool"] == blocks_of(1)
+    want = fresh.generate(tried[-1], 3)
+
+    def hits_the_pool():
+      helpers.forget_device_copies(b)
+      b.reset_stats()
+      assert b.generate(tried[-1], 3) == want
+      return b.stats()["hits"]["pool"] == blocks_of(1)
+
+    # (A fresh client's first lookup after the restart can pass its 0.5 s deadline on a
+    # loaded machine, as in a clean-clone run of the suite: that request recomputes,
+    # exactly, and a later one hits.)
+    helpers.wait_for(hits_the_pool, 30, "another cache hitting what was put after the restart",
+                     interval_s=0.2)
     close(a, b)
 
 
