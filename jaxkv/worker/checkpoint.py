@@ -166,8 +166,7 @@ class Checkpointer:
       # memory, where device computations cannot read it); restore checks the saved bytes
       # against them, so a slot corrupted in host memory since is caught there.
       slots = np.tile(np.arange(host.pages_per_shard), (shards, 1))
-      host_sums = host.expected_checksums(slots).astype(np.uint64).sum(axis=-1).astype(
-          np.uint32).reshape(-1)
+      host_sums = _stored_sums(host, slots)
       host_rows = []
       for s in range(shards):
         for p in range(host.pages_per_shard):
@@ -226,8 +225,7 @@ class Checkpointer:
     for items in per:
       rows += [(s, key) for s, _, key in items] + [None] * (n - len(items))
     stack, _ = host.load(ids)
-    sums = host.expected_checksums(ids).astype(np.uint64).sum(axis=-1).astype(
-        np.uint32).reshape(-1)
+    sums = _stored_sums(host, ids)
     return stack, [self._row(r, sums[i], index) for i, r in enumerate(rows)]
 
   def _protect(self, meta: dict, state: dict) -> dict:
@@ -570,6 +568,13 @@ def _check_meta(meta, where: str) -> None:
               and (len(row) == 4 or is_hex(row[4]))):
         refuse(f"{rows_key}[{i}]", row, "null or [shard, block key (hex), parent key (hex or "
                "null), checksum (or null)] and, under a deployment key, a tag (hex)")
+
+
+def _stored_sums(host, ids: np.ndarray) -> np.ndarray:
+  """The checksum each of a host pool's slots ``ids`` (``[shards, n]``) had when stored, one
+  per saved row (summed over the model axis, as ``pages.checksum_total`` sums a stack's)."""
+  return host.expected_checksums(ids).astype(np.uint64).sum(axis=-1).astype(
+      np.uint32).reshape(-1)
 
 
 @functools.lru_cache(maxsize=None)
