@@ -47,7 +47,7 @@ from jaxkv.worker.worker import CacheWorker
 from jaxkv.errors import InputError
 from jaxkv.manager import CacheManager
 from jaxkv.manager import windows as windows_lib
-from jaxkv.manager.events import BlockEvents
+from jaxkv.manager.events import FULL_ATTENTION, BlockEvents, window_group
 from jaxkv.manager.publisher import EventPublisher, endpoint_host
 from jaxkv.scheduling.step import TierOrders
 
@@ -127,7 +127,7 @@ class KVCache:
         f"; deployment key {self.key_id}" if self._deployment_key else "")
     # KV events for routers: process 0 publishes for the job (every process holds the same
     # index, so one stream tells it whole). Started last, and closed if what follows fails.
-    self.events_publisher = self.events = None
+    self.events_publisher = self.events = self.window_events = None
     if tiers.kv_events and jax.process_index() == 0:
       self.events_publisher = EventPublisher(
           tiers.kv_events, replay=tiers.kv_events_replay, topic=tiers.kv_events_topic)
@@ -142,10 +142,16 @@ class KVCache:
               "(mapped per tenant, which without a deployment key anyone can undo)",
               "bind it on 127.0.0.1 or a private address only the router's hosts reach "
               "(kv_events_tokens=false sends hashes only)")
-      self.events = BlockEvents(self.events_publisher.put, page_size=config.page_size,
-                                tokens=tiers.kv_events_tokens,
-                                raw_tokens=tiers.kv_events_raw_tokens)
-      self.manager.set_events(self.events)
+      told = dict(page_size=config.page_size, tokens=tiers.kv_events_tokens,
+                  raw_tokens=tiers.kv_events_raw_tokens)
+      # A hybrid model's events name their group: the global layers' blocks (the index)
+      # and the window group's kept blocks (``size_windows`` hands it their changes).
+      self.events = BlockEvents(self.events_publisher.put, **told,
+                                group=FULL_ATTENTION if config.has_windows else None)
+      self.window_events = (BlockEvents(self.events_publisher.put, **told,
+                                        group=window_group(config.sliding_window))
+                            if config.has_windows else None)
+      self.manager.set_events(self.events, self.window_events)
     if config.weights_digest:  # the model is known: open what depends on its identity now
       try:
         self.open_tiers()
@@ -238,6 +244,7 @@ class KVCache:
         page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats,
         host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0,
         pool=self.tiers.pool_enabled)
+    self.manager.windows.observer = self.window_events
 
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),

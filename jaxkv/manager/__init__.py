@@ -68,6 +68,7 @@ class CacheManager:
     self.index, self.stats = index, stats
     # What the index holds, told to routers (``jaxkv.manager.events``; None: not published).
     self.events: BlockEvents | None = None
+    self.window_events: BlockEvents | None = None  # the window group's (a hybrid model's)
     # The window group's pages (``jaxkv.manager.windows.WindowPages``), for a model with
     # sliding-window layers; None otherwise (``KVCache.size_windows`` sets it).
     self.windows = None
@@ -93,17 +94,20 @@ class CacheManager:
     cache's tiers, once the model is known)."""
     self.remote = remote
 
-  def set_events(self, events: BlockEvents) -> None:
-    """Tells ``events`` every change of the index from now on (before anything is cached)."""
-    self.events = events
+  def set_events(self, events: BlockEvents, window_events: BlockEvents | None = None) -> None:
+    """Tells ``events`` every change of the index from now on (before anything is cached);
+    ``window_events`` (a hybrid model's window group, told by ``windows``) learn the
+    blocks' tokens too."""
+    self.events, self.window_events = events, window_events
     self.index.observer = events
 
   def block_keys(self, tokens, tenant: str) -> list[bytes]:
     """Keys of every full block of ``tokens`` for ``tenant`` (``PrefixIndex.block_keys``);
     with KV events on, the blocks' tokens are noted for the events that name them."""
     keys = self.index.block_keys(tokens, tenant)
-    if self.events is not None:
-      self.events.learn(keys, tokens, salt=self.index.tenant_salt(tenant))
+    for told in (self.events, self.window_events):
+      if told is not None:
+        told.learn(keys, tokens, salt=self.index.tenant_salt(tenant))
     return keys
 
   # ---- lookups ---------------------------------------------------------------------------------

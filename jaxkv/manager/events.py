@@ -35,6 +35,7 @@ on the thread that changed the index (``jaxkv.manager.publisher`` sends them).
 from __future__ import annotations
 
 import collections
+import typing
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -46,19 +47,27 @@ from jaxkv.manager.index import Key, Tier
 MEDIA = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}
 
 
-class BlockStored(msgspec.Struct, tag=True):
+# The fields after ``lora_name`` are a hybrid model's (``Group``): left out of the map where
+# None, so a model with one group sends exactly what it sent before they existed.
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
   block_hashes: list[int]
   parent_block_hash: int | None
   token_ids: list[int]
   block_size: int
   lora_id: int | None
   medium: str | None
-  lora_name: str | None = None  # newer vLLM readers require the field; Dynamo ignores it
+  lora_name: str | None  # newer vLLM readers require the field; Dynamo ignores it
+  group_idx: int | None = None
+  kv_cache_spec_kind: str | None = None
+  kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True):
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
   block_hashes: list[int]
   medium: str | None
+  group_idx: int | None = None
+  kv_cache_spec_kind: str | None = None
+  kv_cache_spec_sliding_window: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True):
@@ -80,6 +89,27 @@ def block_hash(key: Key) -> int:
   return int.from_bytes(key[:8], "big")
 
 
+class Group(typing.NamedTuple):
+  """A hybrid model's KV cache group, as its events name it (vLLM's fields): ``index``
+  (``group_idx``), ``kind`` (``kv_cache_spec_kind``: ``full_attention`` for the global
+  layers' blocks in the prefix index, ``sliding_window`` for the window group's kept
+  blocks, ``jaxkv.manager.windows``) and ``sliding_window`` in tokens (the window group's)."""
+
+  index: int
+  kind: str
+  sliding_window: int | None = None
+
+
+FULL_ATTENTION = Group(0, "full_attention")
+
+
+def window_group(sliding_window: int) -> Group:
+  """The window group's label: its blocks' events say which blocks' local-layer K/V a
+  replica keeps, so that a reader counts a prefix as held only up to the longest cut
+  whose window (``sliding_window`` tokens before it) is kept too."""
+  return Group(1, "sliding_window", sliding_window)
+
+
 class BlockEvents:
   """Turns the index's changes into events (``PrefixIndex.observer``).
 
@@ -89,8 +119,12 @@ class BlockEvents:
   runs at admission)."""
 
   def __init__(self, sink: Callable[[Event], None], *, page_size: int, tokens: bool = True,
-               raw_tokens: bool = False, recent: int = 1 << 16):
+               raw_tokens: bool = False, recent: int = 1 << 16, group: Group | None = None):
     self.sink, self.page_size = sink, page_size
+    # A hybrid model's group, named on every event (None: a model with one group)
+    self._group = {} if group is None else {
+        "group_idx": group.index, "kv_cache_spec_kind": group.kind,
+        "kv_cache_spec_sliding_window": group.sliding_window}
     self.send_tokens, self.raw_tokens, self._recent_cap = tokens, raw_tokens, recent
     self._copies: collections.Counter = collections.Counter()  # (key, tier) -> copies
     self._anywhere: collections.Counter = collections.Counter()  # key -> its copies in every medium
@@ -128,7 +162,8 @@ class BlockEvents:
         self.untold -= 1
       else:
         del self._told[key, tier]
-        self.sink(BlockRemoved(block_hashes=[block_hash(key)], medium=MEDIA[tier]))
+        self.sink(BlockRemoved(block_hashes=[block_hash(key)], medium=MEDIA[tier],
+                               **self._group))
     if self._anywhere[key] == 0:
       del self._anywhere[key]
       tokens = self._tokens.pop(key, None)
@@ -174,7 +209,7 @@ class BlockEvents:
     self.sink(BlockStored(block_hashes=[block_hash(key)],
                           parent_block_hash=None if parent is None else block_hash(parent),
                           token_ids=ids, block_size=self.page_size, lora_id=None,
-                          medium=MEDIA[tier], lora_name=None))
+                          medium=MEDIA[tier], lora_name=None, **self._group))
 
   def held(self) -> int:
     """How many (block, medium) copies were told and not yet removed."""

@@ -174,7 +174,8 @@ class EventPublisher:
     self._kept: collections.deque = collections.deque()  # (seq, payload)
     self._kept_bytes = 0
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    self._held: dict[tuple[int, str | None], BlockStored] = {}  # what a snapshot tells
+    # what a snapshot tells: (hash, medium, group_idx) -> its BlockStored
+    self._held: dict[tuple[int, str | None, int | None], BlockStored] = {}
     self._encoder = msgspec.msgpack.Encoder()
     self._stop = threading.Event()
     self._bound = threading.Event()
@@ -364,13 +365,13 @@ class EventPublisher:
   def _ordered(self) -> list[BlockStored]:
     """Every held block, each after its parent where the parent is held too."""
     held = self._held
-    hashes = {h for h, _ in held}
+    hashes = {h for h, _, _ in held}
     out, seen = [], set()
     children = collections.defaultdict(list)
     roots = []
-    for (h, medium), ev in held.items():
+    for item, ev in held.items():
       parent = ev.parent_block_hash
-      (children[parent] if parent in hashes else roots).append((h, medium))
+      (children[parent] if parent in hashes else roots).append(item)
     todo = list(reversed(roots))
     while todo:
       item = todo.pop()
@@ -475,9 +476,9 @@ class EventPublisher:
   def _track(self, ev: Event) -> None:
     if isinstance(ev, BlockStored):
       for h in ev.block_hashes:
-        self._held[h, ev.medium] = ev
+        self._held[h, ev.medium, ev.group_idx] = ev
     elif isinstance(ev, BlockRemoved):
       for h in ev.block_hashes:
-        self._held.pop((h, ev.medium), None)
+        self._held.pop((h, ev.medium, ev.group_idx), None)
     elif isinstance(ev, AllBlocksCleared):
       self._held.clear()

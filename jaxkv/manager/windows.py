@@ -35,8 +35,9 @@ of what it published, and one more) goes to the pool too (``put``: a plan's
 the pool (a decode node after a prefill node's hand-off, a replica taking the next turn)
 asks it for those windows in the same lookup; a hit that reaches further with them (where
 their bytes are predicted to come sooner than recomputing what they add: admission asks
-the planner) has them loaded (``pool_loads``, checked as the pool's values are) and is
-placed on them a step later, as from host memory. Nothing else of the window group goes
+the planner) has them loaded (``pool_loads``, checked as the pool's values are; their time
+is learned into the pool's link, as a promotion's) and is placed on them a step later, as
+from host memory. Nothing else of the window group goes
 to a lower tier (the disk, a peer): a cut whose window is kept nowhere is recomputed, as
 far back as the longest prefix whose window still is. A checkpoint saves the kept blocks,
 on the device and in host memory, and a restore keeps them again where they were
@@ -53,6 +54,7 @@ import math
 import typing
 
 from jaxkv.errors import CapacityError
+from jaxkv.manager.index import Tier
 
 
 def window_key(key: bytes) -> bytes:
@@ -122,6 +124,10 @@ class WindowPages:
     self.pool = pool
     self._pool_loads: list = []  # (shard, device page, key)
     self._puts: list = []  # (shard, device page, key)
+    # Told each kept block that enters or leaves the device or host memory, per shard
+    # (``stored(key, tier)`` / ``forgotten(key, tier)``, as the prefix index tells its
+    # observer): the window group's KV events (``jaxkv.manager.events``). None: not told.
+    self.observer = None
 
   # ---- lookups ---------------------------------------------------------------------------
   def cover(self, shard: int, keys, cached: int, host: bool = False,
@@ -197,6 +203,7 @@ class WindowPages:
     for j, page in zip(wanted, got):
       key = keys[j]
       kept[key], self._key_of[shard][page] = page, key
+      self._told(key, Tier.DEVICE)
       self._refs[shard][page] += 1
       if key in hkept:
         hkept.move_to_end(key)
@@ -267,6 +274,7 @@ class WindowPages:
       return None
     kept[key] = got[0]
     self._key_of[shard][got[0]] = key
+    self._told(key, Tier.DEVICE)
     if source is not None:
       self._source[shard][got[0]] = source
     if self.stats is not None:
@@ -305,10 +313,12 @@ class WindowPages:
     page = self._kept[shard].pop(key, None)
     if page is not None:
       del self._key_of[shard][page]
+      self._told(key, Tier.DEVICE, left=True)
       if not self._refs[shard][page]:
         self._free[shard].append(page)
     slot = self._hkept[shard].pop(key, None)
     if slot is not None:
+      self._told(key, Tier.HOST, left=True)
       self._hfree[shard].append(slot)
 
   def forget(self) -> None:
@@ -319,6 +329,7 @@ class WindowPages:
     for shard, key in self._in_flight + self._stored:
       slot = self._hkept[shard].pop(key, None)
       if slot is not None:
+        self._told(key, Tier.HOST, left=True)
         self._hfree[shard].append(slot)
     for shard, page in self._loaded_pages():
       self.release(shard, (), (page,))  # (their pins, below: the pages go back)
@@ -327,7 +338,8 @@ class WindowPages:
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()
-      for page in list(self._kept[shard].values()):
+      for key, page in self._kept[shard].items():
+        self._told(key, Tier.DEVICE, left=True)
         if not self._refs[shard][page]:
           self._free[shard].append(page)
       self._kept[shard].clear()
@@ -369,8 +381,10 @@ class WindowPages:
           self.stats.add("window_host_dropped")
         return None
       self._hfree[shard].append(hkept.pop(victim))
+      self._told(victim, Tier.HOST, left=True)
     slot = self._hfree[shard].pop()
     hkept[key] = slot
+    self._told(key, Tier.HOST)
     return slot
 
   def _take(self, shard: int, n: int, demote: bool = True) -> list | None:
@@ -384,6 +398,7 @@ class WindowPages:
       for k in victims:
         page = kept.pop(k)
         del self._key_of[shard][page]
+        self._told(k, Tier.DEVICE, left=True)
         free.append(page)
         if self.stats is not None:
           self.stats.add("window_blocks_evicted")
@@ -391,6 +406,12 @@ class WindowPages:
         if demote:
           self._demote(shard, k, source)
     return [free.pop() for _ in range(n)]
+
+  def _told(self, key: bytes, tier: Tier, left: bool = False) -> None:
+    """Tells the observer that one shard's copy of ``key``'s window entered ``tier`` (or,
+    with ``left``, left it)."""
+    if self.observer is not None:
+      (self.observer.forgotten if left else self.observer.stored)(key, tier)
 
   def _demote(self, shard: int, key: bytes, source: int) -> None:
     """An evicted kept block keeps a host copy (a demote order: ``source``, the page its

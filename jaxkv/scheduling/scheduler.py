@@ -465,6 +465,8 @@ class Scheduler:
     if result is None:
       return aborted
     self._window_failures(result.window_failures)
+    if result.window_fetched is not None:
+      self.planner.observe_fetch(result.window_fetched)
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.id]

@@ -352,3 +352,6 @@ class StepResult:
   # whose bytes failed their check or did not come (``StepPlan.window_loads``,
   # ``window_pool_loads``).
   window_failures: tuple = ()
+  # The plan's window loads from the pool as one timed fetch (``StepPlan.window_pool_loads``;
+  # None: none): the planner learns the pool's link from it, as from a promotion's report.
+  window_fetched: FetchReport | None = None

@@ -39,7 +39,7 @@ from jaxkv.worker import sampling as sampling_lib
 from jaxkv.config import SamplingParams
 from jaxkv.distributed import to_host, warm_gathers
 from jaxkv.worker.sampling import RowSampling
-from jaxkv.scheduling.step import StepPlan, StepResult, TierOrders
+from jaxkv.scheduling.step import FetchReport, StepPlan, StepResult, TierOrders
 
 
 def _stream_key(stream):
@@ -284,7 +284,7 @@ class ModelRunner:
     below the host while the device computes, verifies the fetch groups it settles, and
     reads back the tokens. Returns a ``StepResult``."""
     cache = self.cache
-    window_failures = self.move_windows(plan)
+    window_failures, window_fetched = self.move_windows(plan)
     finish_copies = self.carry_out(plan.orders, later=True)
     try:
       if plan.fetch is not None:
@@ -318,20 +318,22 @@ class ModelRunner:
     return StepResult(tokens=tokens, logits=logits, fetched=tuple(fetched),
                       t_tokens=time.perf_counter() if t_tokens is None else t_tokens,
                       logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores),
-                      window_failures=tuple(window_failures))
+                      window_failures=tuple(window_failures), window_fetched=window_fetched)
 
-  def move_windows(self, plan: StepPlan) -> list:
+  def move_windows(self, plan: StepPlan) -> tuple[list, FetchReport | None]:
     """A plan's window-group moves, before anything of its step writes a page: evicted kept
     blocks out to host memory and finished sequences' last windows out to the pool (both
     reading what the pages held before this plan), published blocks' windows kept out of
-    their rings, then host copies and pool values loaded and checked. Returns ``(shard,
-    key)`` of the loaded blocks that failed their check or did not come."""
+    their rings, then host copies and pool values loaded and checked. Returns ``(failed,
+    pool report)``: ``(shard, key)`` of the loaded blocks that failed their check or did
+    not come, and the pool loads as a timed fetch (None: none)."""
     worker = self.cache.worker
     worker.windows.demote(plan.window_demotes)
     worker.windows.put(plan.window_puts)
     worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
-    return (worker.windows.load_host(plan.window_loads)
-            + worker.windows.load_pool(plan.window_pool_loads))
+    failed = worker.windows.load_host(plan.window_loads)
+    pool_failed, report = worker.windows.load_pool(plan.window_pool_loads)
+    return failed + pool_failed, report
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

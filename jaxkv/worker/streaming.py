@@ -83,7 +83,7 @@ class StreamRunner:
   def step(self, plan) -> StepResult:
     """A plan whose step is one streamed request (``plan.streamed``), run to its end, after
     its window-group moves (the kept windows of the requests before it)."""
-    failed = self.runner.move_windows(plan)
+    failed, window_fetched = self.runner.move_windows(plan)
     tokens, logits, t_first = self.run(plan.streamed, plan.want_logits)
     scores = None
     if plan.streamed.sampling.logprobs is not None:  # from the logits, on the host
@@ -91,7 +91,7 @@ class StreamRunner:
           logits, np.asarray(tokens, np.int32))}
     return StepResult(tokens={}, logits=None, t_tokens=time.perf_counter(),
                       streamed=(tokens, logits, t_first), logprobs=scores,
-                      window_failures=tuple(failed))
+                      window_failures=tuple(failed), window_fetched=window_fetched)
 
   def run(self, r: Request, want_logits: bool):
     """Runs one request to its end; returns ``(tokens, logits or None, perf_counter time

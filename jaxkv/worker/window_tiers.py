@@ -22,7 +22,7 @@ from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.manager.windows import window_key
 from jaxkv.worker import pages as pages_lib
-from jaxkv.worker.tiers.base import Fetch, Landing
+from jaxkv.worker.tiers.base import Fetch, FetchReport, Landing
 
 
 class WindowTiers:
@@ -87,28 +87,37 @@ class WindowTiers:
       w.window_pool.put(puts)
       self.stats.add("window_pool_puts", len(puts))
 
-  def load_pool(self, items) -> list:
+  def load_pool(self, items) -> tuple[list, FetchReport | None]:
     """Reads a plan's ``window_pool_loads`` (``(shard, device page, key)``) from the pool
     (one get, waited for up to the read deadline; in a job each process reads its own
     shards' and the job agrees on every outcome), each value checked as the pool checks its
     blocks' (opened under the deployment key, or its CRC), into its page of the window
-    group; returns ``(shard, key)`` of every block that failed or did not come (its page
-    holds nothing of use: the manager drops it)."""
+    group. Returns ``(failed, report)``: ``(shard, key)`` of every block that failed or did
+    not come (its page holds nothing of use: the manager drops it), and the loads as a
+    fetch from the pool, timed from the get to the bytes on the device (what the planner
+    learns the pool's link from, as from a promotion's); None: nothing read."""
     if not items:
-      return []
+      return [], None
     w = self.worker
     if w.window_pool is None:
-      return [(shard, key) for shard, _, key in items]
-    fetches = [Fetch(0, i, shard, Tier.POOL, None, window_key(key), page)
-               for i, (shard, page, key) in enumerate(items)]
+      return [(shard, key) for shard, _, key in items], None
+    fetches = tuple(Fetch(0, i, shard, Tier.POOL, None, window_key(key), page)
+                    for i, (shard, page, key) in enumerate(items))
+    t_start = time.perf_counter()
     landing, failures = w.mover.read(
-        w.window_pool, fetches, time.monotonic() + w.tiers.read_deadline_s,
+        w.window_pool, list(fetches), time.monotonic() + w.tiers.read_deadline_s,
         payload_shape=w.window_pool.payload_shape, drop=w.config.window_pages_per_shard)
+    seconds = 0.0
     if landing is not None:
+      jax.block_until_ready(landing.stack)  # (the bytes on the device: the link's time)
+      seconds = time.perf_counter() - t_start
       w.land_windows(landing)
     failed = [(shard, key) for (shard, _, key), why in zip(items, failures) if why is not None]
     self._count("window_pool", len(items), len(failed))
-    return failed
+    ok = len(items) - len(failed)
+    return failed, FetchReport(fetches=fetches, failures=tuple(failures), blocks=ok,
+                               bytes=ok * w.config.window_page_bytes, seconds=seconds,
+                               tiers=(int(Tier.POOL),))
 
   def warm(self, max_pages: int) -> None:
     """Compiles every bucket of these moves (all padding: no page is read into or written

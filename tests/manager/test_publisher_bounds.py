@@ -47,7 +47,7 @@ COUNTERS = ("sent", "snapshots", "replays", "replays_refused", "replays_malforme
 def stored(i, tokens=16):
   return BlockStored(block_hashes=[i], parent_block_hash=i - 1 if i else None,
                      token_ids=list(range(i, i + tokens)), block_size=tokens, lora_id=None,
-                     medium="GPU")
+                     medium="GPU", lora_name=None)
 
 for line in sys.stdin:
   cmd, *args = line.split()

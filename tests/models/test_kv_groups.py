@@ -3,11 +3,11 @@ own (``jaxkv.manager.windows``), against the same model with every layer's pages
 the whole sequence (``Gemma3Config(kv_groups=False)``, the all-global layout) and against
 recomputing every prompt.
 
-A small random Gemma 3 (6 layers, every third global, a 40-token window over 8-token pages:
-5 window blocks), so that prompts of a few hundred tokens cross the window many times.
+The model is ``tests/hybrid_model.py``'s small random Gemma 3 (a 40-token window over
+8-token pages: 5 window blocks), so that prompts of a few hundred tokens cross the window
+many times.
 """
 
-import dataclasses
 import json
 import sys
 
@@ -15,60 +15,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 
 import helpers
 import jaxkv
+from hybrid_model import PAGE, WINDOW, assert_same, engine, prompt, run
 from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.index import Tier
-from jaxkv.models import gemma3
 from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.worker.checkpoint import Checkpointer
 from jaxkv.worker.tiers.pool.master import LocalMaster
-
-WINDOW, PAGE = 40, 8
-CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_heads=4,
-                          num_kv_heads=1, head_dim=32, mlp_dim=128, sliding_window=WINDOW,
-                          global_every=3)
-
-
-def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, stream=None,
-           costs=None, **cache):
-  """The small Gemma 3 over ``mesh``; lower-tier hits always fetched, or, with ``costs``,
-  as the plan decides with them."""
-  model = gemma3.Gemma3(dataclasses.replace(CFG, kv_groups=groups), rngs=nnx.Rngs(0))
-  # Gemma's output head is its embedding, scaled by sqrt(hidden) on the way in: at the
-  # init's unit scale every answer token has probability 1. At 0.3 the log-probabilities
-  # are a few units apart and depend on every layer.
-  model.embed.embedding.set_value(model.embed.embedding.get_value() * 0.3)
-  budgets = dict(page_size=PAGE, pages_per_shard=96, max_pages_per_seq=48,
-                 attention_chunk_pages=4)
-  cc = jaxkv.CacheConfig.for_model(model, **{**budgets, **cache})
-  return jaxkv.Engine(model, jaxkv.KVCache(cc, mesh, tiers, deployment_key=key),
-                      jaxkv.EngineConfig(max_seqs_per_shard=rows, prefill_chunk_pages=2,
-                                         prefix_reuse=reuse),
-                      scheduler=jaxkv.SchedulerConfig(decision="cost" if costs else "fetch"),
-                      stream=stream, costs=costs)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-  return np.random.default_rng(seed).integers(1, CFG.vocab_size, n).tolist()
-
-
-def run(e, p, n):
-  """``e``'s greedy answer to ``p`` with each token's log-probability (a random model's
-  tokens hardly depend on a few wrong keys; its log-probabilities do)."""
-  h = e.submit(p, jaxkv.SamplingParams(max_new_tokens=n, logprobs=1))
-  h.result()
-  return h
-
-
-def assert_same(h, want):
-  assert h.tokens == want.tokens
-  got = np.array([lp for lp, _ in h.logprobs])
-  ref = np.array([lp for lp, _ in want.logprobs])
-  assert np.abs(got - ref).max() < 1e-5, np.abs(got - ref).max()
 
 
 @pytest.fixture(scope="module")
@@ -218,10 +174,11 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
   deployment key, and the plan deciding from costs). A window value altered in the pool
   (``flipped``, under the key) is rejected, counted, and the turn recomputes, exactly.
   Over a pool link priced so slow (``slow``: 1 kB/s) that recomputing is sooner, the
-  windows are not loaded (counted) and the turn recomputes, exactly. (Planted: no window
-  puts -> no hit past the window, and the hand-off promises nothing; the pool's window
-  answer ignored -> no hit past the window; the windows' price ignored -> the slow case
-  loads them.)"""
+  windows are not loaded (counted) and the turn recomputes, exactly. The loads' time is
+  learned into the pool's link, as a promotion's is. (Planted: no window puts -> no hit
+  past the window, and the hand-off promises nothing; the pool's window answer ignored ->
+  no hit past the window; the windows' price ignored -> the slow case loads them; the
+  loads' report not learned -> no lesson.)"""
   key = None if case == "plain" else bytes(range(32))
   tiers = jaxkv.TierConfig(pool_master=master.address, pool_metadata=master.metadata,
                            write_policy="write_through")
@@ -250,9 +207,16 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
     mark, junk = COMPILES.mark(), bytes(32)
     b.cache.worker.windows.put([(0, 1, junk)])
     assert b.cache.worker.pool.settle(30)
-    assert b.cache.worker.windows.load_pool([(0, 2, junk)]) == []
+    failed, report = b.cache.worker.windows.load_pool([(0, 2, junk)])
+    assert failed == [] and report.blocks == 1 and report.seconds > 0
+    assert report.bytes == b.cache.config.window_page_bytes and report.tiers == (Tier.POOL,)
     assert COMPILES.since(mark) == 0, COMPILES.names_since(mark)
+  learned = []  # the planner's lessons (from the window loads too, where they ran)
+  observe = b.planner.observe_fetch
+  b.planner.observe_fetch = lambda report: (learned.append(report), observe(report))[1]
   h, before, after = _next_turn(b, recompute, history, seed + 1)
+  names = {windows_lib.window_key(k) for k in keys}
+  window_lessons = [r for r in learned if r.fetches and {f.key for f in r.fetches} <= names]
   loaded = after["window_pool_loaded"] - before["window_pool_loaded"]
   failed = after["window_pool_failed"] - before["window_pool_failed"]
   skipped = after["window_pool_skipped"] - before["window_pool_skipped"]
@@ -264,6 +228,9 @@ def test_another_engine_hits_across_the_window_edge_from_the_pool(one, recompute
   else:
     assert loaded >= WINDOW // PAGE and failed == 0, (loaded, failed)
     assert h.cached_tokens == cut * PAGE and after["hits"]["pool"] > 0, h.cached_tokens
+    # What the loads took is learned into the pool's link, as a promotion's is.
+    assert sum(r.blocks for r in window_lessons) == loaded, window_lessons
+    assert all(r.tiers == (Tier.POOL,) and r.seconds > 0 for r in window_lessons)
   for e in (a, b):
     e.cache.worker.close()
 
