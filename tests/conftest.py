@@ -50,25 +50,25 @@ _SHARED = {"tests/worker/test_remote.py": "remote owners",
            "tests/tools/test_device_check.py": "device check dry run"}
 
 
-# The slowest files (seconds on a loaded worker, 2 cores), run first so that no worker is left with a long
-# file at the end while the other idles; the rest follow in the order pytest found them.
-_SLOW = {"tests/entrypoints/test_server.py": 250, "tests/serving/test_engine.py": 195,
-         "tests/tools/test_bench.py": 155, "tests/ops/test_ops.py": 130,
-         "tests/launch/test_multihost.py": 125, "tests/worker/test_streamed.py": 120,
-         "tests/models/test_hf.py": 120, "tests/tools/test_platform_defaults.py": 110,
-         "tests/worker/test_remote.py": 100, "tests/worker/test_remote_security.py": 100,
-         "tests/tools/test_lowering.py": 95, "tests/launch/test_serve.py": 93,
-         "tests/worker/test_checkpoint.py": 93, "tests/tools/test_load.py": 90,
-         "tests/models/test_gguf.py": 85, "tests/models/test_gemma3.py": 60, "tests/tools/test_fabric.py": 50,
-         "tests/tools/test_fabric_rows.py": 55,
-         "tests/models/test_gguf_spm.py": 30,
-         "tests/serving/test_serving.py": 90, "tests/launch/test_operations.py": 80,
-         "tests/worker/test_tiers.py": 65, "tests/launch/test_pool_launch.py": 35,
-         "tests/worker/test_pool.py": 50, "tests/launch/test_replicas.py": 45,
-         "tests/launch/test_pd.py": 40, "tests/serving/test_compiles.py": 45,
-         "tests/combos/test_process_combos.py": 75, "tests/combos/test_engine_combos.py": 45,
-         "tests/combos/test_job_combos.py": 45,
-         "tests/serving/test_client.py": 30}
+# The slowest files (seconds of their tests on a loaded worker, 2 cores: the suite's JUnit
+# times at 425d622), run first so that no worker is left with a long file at the end while
+# the other idles; the rest follow in the order pytest found them.
+_SLOW = {"tests/models/test_kv_groups.py": 140, "tests/entrypoints/test_server.py": 135,
+         "tests/models/test_gguf.py": 110, "tests/serving/test_engine.py": 80,
+         "tests/tools/test_lowering.py": 70, "tests/tools/test_load.py": 70,
+         "tests/worker/test_pool.py": 65, "tests/models/test_gemma3.py": 65,
+         "tests/launch/test_replicas.py": 60, "tests/launch/test_serve.py": 50,
+         "tests/tools/test_bench.py": 50, "tests/launch/test_multihost.py": 40,
+         "tests/models/test_hf.py": 40, "tests/launch/test_pool_launch.py": 40,
+         "tests/worker/test_remote.py": 40, "tests/combos/test_process_combos.py": 40,
+         "tests/worker/test_checkpoint.py": 40, "tests/tools/test_platform_defaults.py": 40,
+         "tests/worker/test_tiers.py": 40, "tests/tools/test_fabric_rows.py": 35,
+         "tests/combos/test_job_combos.py": 35, "tests/ops/test_ops.py": 30,
+         "tests/launch/test_operations.py": 30, "tests/manager/test_window_events.py": 30,
+         "tests/worker/test_streamed.py": 30, "tests/planning/test_calibration.py": 30,
+         "tests/tools/test_fabric.py": 25, "tests/serving/test_compiles.py": 25,
+         "tests/worker/test_disk_security.py": 25, "tests/launch/test_pd.py": 20,
+         "tests/serving/test_serving.py": 15, "tests/tools/test_online.py": 15}
 
 
 def pytest_itemcollected(item):
