@@ -72,7 +72,7 @@ _SLOW = {"tests/models/test_kv_groups.py": 140, "tests/entrypoints/test_server.p
 
 
 def pytest_itemcollected(item):
-  # ``-n 2 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
+  # ``-n 3 --dist loadgroup`` (README's command): a file's tests stay on one worker, so
   # a module's fixtures (a server, an owner job, a checkpoint) start once. (Marked as each
   # item is collected: xdist reads the groups in its own pytest_collection_modifyitems,
   # which runs before this file's.)
