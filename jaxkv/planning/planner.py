@@ -31,7 +31,6 @@ from absl import logging
 
 from jaxkv import buckets
 from jaxkv.planning.costs import CostModel
-from jaxkv.distributed import to_host
 from jaxkv.manager.index import Tier
 from jaxkv.planning.plan import Plan, build_inputs, padding_inputs, plan
 from jaxkv.scheduling.step import SplitChoice
@@ -52,10 +51,13 @@ def plan_device() -> jax.Device:
 
 
 def run_on_host(inputs, arrays) -> Plan:
-  """``plan`` on ``plan_device()``: inputs and costs committed there, so it compiles and
-  runs on the host backend and its answer is read without a device round trip."""
-  inputs, arrays = jax.device_put((inputs, arrays), plan_device())
-  return plan(inputs, arrays)
+  """``plan`` on ``plan_device()``, so it compiles and runs on the host backend and its
+  answer is read without a device round trip. Its inputs and costs are NumPy arrays, placed
+  there by the call itself (``jax.default_device``): an explicit ``device_put`` of them
+  first took as long again as the plan (0.27 against 0.19 ms on a 2-core EPYC), on every
+  admission of a request with cold blocks."""
+  with jax.default_device(plan_device()):
+    return plan(inputs, arrays)
 
 
 def plan_block_buckets(max_blocks: int) -> list[int]:
@@ -152,7 +154,8 @@ class Planner:
            for ts, n in zip(tiers_by_shard, on_device)):
       return None
     t0 = time.perf_counter()
-    out = to_host(self._run([(tiers_by_shard, prompt_tokens)], self.num_shards).t_pred_s)[0]
+    out = jax.device_get(self._run([(tiers_by_shard, prompt_tokens)],
+                                   self.num_shards).t_pred_s)[0]
     self.stats.add("plan_s", time.perf_counter() - t0)
     return out
 
@@ -175,8 +178,8 @@ class Planner:
       t0 = time.perf_counter()
       result = self._run([([requests[i][0]], requests[i][1]) for i in cold], 1,
                          devices=[requests[i][2] for i in cold])
-      chosen, rec, fetch, tail = (to_host(x)[:len(cold), 0] for x in (
-          result.split, result.t_recompute_s, result.t_fetch_s, result.t_tail_s))
+      chosen, rec, fetch, tail = (x[:len(cold), 0] for x in jax.device_get((
+          result.split, result.t_recompute_s, result.t_fetch_s, result.t_tail_s)))
       self.stats.add("plan_s", time.perf_counter() - t0)
     for k, i in enumerate(cold):
       h, end = hot[i], len(requests[i][0])

@@ -152,7 +152,7 @@ print("ADDRESS", ARGS["host"], written, flush=True)
 """
 
 _CLIENT = r"""
-KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split")
+KEPT = ("blocks_fetched", "blocks_recomputed", "blocks_split", "plan_s")
 def run(point):
   # Every policy's engine is built and warmed first; then each conversation's turn is asked
   # of every policy in a row, a different policy first each time (A B C, B C A, ...): side
@@ -677,6 +677,8 @@ def _figures(rows: list[dict], blocks: int, policies=POLICIES, tier: str = "remo
         "plan_blocks_split": r["cost"]["blocks_split"],
         **{f"{p}_hits": r[p]["hits"] for p in policies},  # found in the row's tier
         "per_request_fetched": [q["blocks_fetched"] for q in r["cost"]["per_request"]],
+        # Seconds the plan took per request (0 where none ran: every block on device).
+        "per_request_plan_ms": [round(q["plan_s"] * 1e3, 2) for q in r["cost"]["per_request"]],
         "plan_link_mbit_learned": (None if r["cost"]["link_bytes_per_s"] is None
                                    else r["cost"]["link_bytes_per_s"] * 8 / 1e6),
         "plan_link_latency_ms_learned": (None if r["cost"].get("link_latency_s") is None
