@@ -112,7 +112,7 @@ class KVCache:
         has_pool=tiers.pool_enabled,
         disk_attached=lambda: self.worker.disk_available(),
         # A job: process 0 asks the peers and broadcasts their answers to every process.
-        share_answers=distributed.broadcast_bytes if jax.process_count() > 1 else None,
+        share_answers=distributed.broadcaster(),
         asks_peers=jax.process_index() == 0)
     # The device half: pools, tiers, mover (runner, streaming, checkpoints work through it);
     # what its copies do it reports to the manager.

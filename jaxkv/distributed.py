@@ -189,6 +189,12 @@ def broadcast_bytes(payload: bytes) -> bytes:
   return b"".join(out)
 
 
+def broadcaster():
+  """``broadcast_bytes`` in a multi-process job (what a part that must agree with the job
+  takes), None in a process of its own."""
+  return broadcast_bytes if jax.process_count() > 1 else None
+
+
 def warm_collectives() -> None:
   """Compiles the collectives of ``agree_*``, ``allgather_codes`` and ``broadcast_bytes``
   for every bucket (once per process; a collective in a job, nothing in one process)."""

@@ -22,8 +22,10 @@ engine, and ``ensure_costs`` raises. What the runner observes comes back as valu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import typing
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -91,8 +93,14 @@ class Planner:
   """
 
   def __init__(self, config, costs: CostModel | None, *, num_shards: int, page_size: int,
-               page_bytes: int, chunk_tokens: int, stats, tail_widths: tuple = ()):
+               page_bytes: int, chunk_tokens: int, stats, tail_widths: tuple = (),
+               share: Callable[[bytes], bytes] | None = None):
     self.config = config
+    # In a multi-process job: process 0's bytes on every process (a collective,
+    # ``distributed.broadcast_bytes``). What the plan learns is timed on each process; the
+    # job learns process 0's timings, so that its processes keep one set of costs and make
+    # the same plans (``agreed``).
+    self.share = share
     if costs is None and config.cost_model_path:
       costs = CostModel.load(config.cost_model_path)
     self.costs = costs
@@ -244,6 +252,20 @@ class Planner:
         break
       r *= 2
 
+  def agreed(self, *seconds: float) -> tuple[float, ...]:
+    """``seconds`` as process 0 timed them, where a job's plan learns from them (``cost``
+    with costs; a collective then: every process calls it at the same point of the same
+    step, before anything branches on the values); else as given."""
+    if self.share is None or self.config.decision != "cost" or self.costs is None:
+      return seconds
+    got = self.share(np.asarray(seconds, np.float64).tobytes())
+    return tuple(np.frombuffer(got, np.float64).tolist())
+
+  def agreed_report(self, report: FetchReport) -> FetchReport:
+    """``report`` with its times as process 0 took them (``agreed``)."""
+    seconds, latency = self.agreed(report.seconds, report.latency_s)
+    return dataclasses.replace(report, seconds=seconds, latency_s=latency)
+
   def observe_fetch(self, report: FetchReport) -> None:
     """Learns a link's bandwidth from a fetch the runner finished. The whole transfer is
     charged to the link of the deepest tier it read (remote, then disk, then the pool, then host; else
@@ -260,7 +282,9 @@ class Planner:
                                 latency_s=report.latency_s or None, weight=1.0 if stale else None)
 
   def observe_recompute(self, tokens: int, context: int, seconds: float) -> None:
-    """Refines the prefill curve from a recompute that was timed."""
+    """Refines the prefill curve from a recompute that was timed (in a job, as process 0
+    timed it)."""
+    (seconds,) = self.agreed(seconds)
     if self.costs is not None:
       self.costs.observe_prefill(tokens, context, seconds)
 
@@ -273,7 +297,8 @@ class Planner:
     a link slower than its estimate would otherwise be taken for recompute and fetch that
     did not overlap, and the plan would stop splitting, and so stop timing the link, just
     when it needs to learn it. Only a split: a request that recomputed or fetched nothing
-    overlapped nothing.)"""
+    overlapped nothing.) In a job, the times as process 0 took them."""
+    fetch_s, seconds = self.agreed(fetch_s, seconds)
     if self.costs is None or choice.recompute_s <= 0 or choice.fetch_s <= 0 or fetch_s <= 0:
       return
     self.costs.observe_split(choice.recompute_s, fetch_s, seconds - choice.tail_s)

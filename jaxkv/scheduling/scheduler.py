@@ -466,7 +466,7 @@ class Scheduler:
       return aborted
     self._window_failures(result.window_failures)
     if result.window_fetched is not None:
-      self.planner.observe_fetch(result.window_fetched)
+      self.planner.observe_fetch(self.planner.agreed_report(result.window_fetched))
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.id]
@@ -539,6 +539,7 @@ class Scheduler:
     prompt queued."""
     outcomes = collections.defaultdict(list)  # request id -> [(fetch, failure or None)]
     if report is not None:  # (the worker counted each failure)
+      report = self.planner.agreed_report(report)  # (its times: a job's, process 0's)
       self._orders += TierOrders(drop=self.manager.fetched(report.fetches, report.failures))
       for f, why in zip(report.fetches, report.failures):
         outcomes[f.request].append((f, why))

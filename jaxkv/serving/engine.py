@@ -41,7 +41,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxkv import buckets
+from jaxkv import buckets, distributed
 from jaxkv.compiles import COMPILES
 from jaxkv.scheduling.admission import Admission
 from jaxkv.cache import KVCache
@@ -78,7 +78,7 @@ class Engine:
     self.planner = Planner(
         self.scheduler_config, costs, num_shards=cache.num_shards, page_size=c.page_size,
         page_bytes=c.page_bytes, chunk_tokens=self.runner.chunk_tokens, stats=cache.stats,
-        tail_widths=self.runner.prefill_widths)
+        tail_widths=self.runner.prefill_widths, share=distributed.broadcaster())
     self.admission = Admission(cache.manager, cache.config,
                                max_seqs_per_shard=config.max_seqs_per_shard,
                                prefix_reuse=config.prefix_reuse, vocab_size=self.vocab_size,

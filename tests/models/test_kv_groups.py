@@ -280,7 +280,8 @@ def test_a_window_evicted_from_the_device_comes_back_from_host_memory(one, recom
 # "host": the kept case above, four other prompts (two per shard) pushing the first turn's
 #   windows into host memory;
 # "pool": an engine answers a turn, its blocks and last window written to the pool; a second
-#   engine of the job, which never saw it, takes the next turn from there.
+#   engine of the job, which never saw it, takes the next turn from there, planning from
+#   costs (what it learns from its fetches is process 0's timing on both processes).
 # What each answered and counted, to compare in the test.
 JOB = r"""
 import json, os, sys
@@ -324,9 +325,9 @@ first = t.prompt(52, 230)
 history = first + a.generate([first], 8)[0]
 a.flush()
 a.cache.worker.pool.settle(30)
-b = t.engine(mesh, rows=1, tiers=pool)
+b = t.engine(mesh, rows=1, tiers=pool, costs=t._costs(1e10))
 out["pool"] = {**answer(b, history + t.prompt(53, 20)),
-               "puts": a.stats()["window_pool_puts"]}
+               "puts": a.stats()["window_pool_puts"], "costs": b.costs.to_json()}
 for x in (a, b):
   x.cache.worker.close()
 with open(os.path.join(sys.argv[1], f"p{jax.process_index()}.json"), "w") as f:
@@ -341,9 +342,12 @@ def test_a_job_loads_windows_from_host_memory_and_the_pool_on_every_process(
   another engine of the job answered, from the pool, its window included. Every process
   answers as one process recomputing the turn, and both count the same loads (their checks
   agree: each reads every host checksum; each reads its own shards' pool values and the
-  job agrees on every outcome); each window is put by one process. (Planted: the job's
-  host loads land in the next page -> log-probabilities differ from recompute's; only
-  process 0's share of the windows put -> no hit past the window.)"""
+  job agrees on every outcome); each window is put by one process. The engine that takes
+  the turn plans from costs: what it learns from the fetches it times is the same on both
+  processes (process 0's timing), so their plans stay one. (Planted: the job's host loads
+  land in the next page -> log-probabilities differ from recompute's; only process 0's
+  share of the windows put -> no hit past the window; each process learning its own
+  timing -> the costs differ.)"""
   script = tmp_path / "job.py"
   script.write_text(JOB)
   proc = helpers.start_process([sys.executable, "launch/multihost.py", "--num_processes=2",
@@ -360,6 +364,8 @@ def test_a_job_loads_windows_from_host_memory_and_the_pool_on_every_process(
   assert pool["cached"] == 238 // PAGE * PAGE and pool["hits"]["pool"] > 0, pool
   assert pool["window_pool_loaded"] >= WINDOW // PAGE and pool["window_pool_failed"] == 0
   assert pool["puts"] + p1["pool"]["puts"] >= WINDOW // PAGE  # (each window by one of them)
+  learned = json.loads(pool["costs"])["links"]["pool_to_host"]
+  assert pool["costs"] == p1["pool"]["costs"] and learned["bytes_per_s"] != 1e10, learned
   for case in ("host", "pool"):
     for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_pool_loaded"):
       assert p0[case][k] == p1[case][k], (case, k, p0[case][k], p1[case][k])
