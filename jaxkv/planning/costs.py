@@ -27,7 +27,8 @@ its dense form, ``CostArrays``, which the jitted ``jaxkv.planning.plan.plan`` re
 
 One job, one set of costs: each process of a multi-process job measures its own machine, but
 plans are replicated and compared by digest, so ``agree_costs`` hands every process the
-costs of process 0.
+costs of process 0, and what they learn afterwards is process 0's timing on every process
+(``Planner.agreed``).
 """
 
 from __future__ import annotations
