@@ -51,8 +51,8 @@ _SHARED = {"tests/worker/test_remote.py": "remote owners",
 
 
 # The slowest files (seconds of their tests on a loaded worker, 2 cores: the suite's JUnit
-# times at 425d622), run first so that no worker is left with a long file at the end while
-# the other idles; the rest follow in the order pytest found them.
+# times at 5642c24, two workers), run first so that no worker is left with a long file at
+# the end while the others idle; the rest follow in the order pytest found them.
 _SLOW = {"tests/models/test_kv_groups.py": 140, "tests/entrypoints/test_server.py": 135,
          "tests/models/test_gguf.py": 110, "tests/serving/test_engine.py": 80,
          "tests/tools/test_lowering.py": 70, "tests/tools/test_load.py": 70,
