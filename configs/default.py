@@ -42,6 +42,10 @@ def get_config() -> ml_collections.ConfigDict:
       # A hybrid model's (Gemma 3's) kept sliding windows evicted from the device: host
       # memory for this many of their blocks per data shard (0: none).
       host_window_pages_per_shard=0,
+      # ... and each finished sequence's last window stored in the pool and on the disk
+      # too (False: those tiers hold the global layers only); the disk's window records
+      # (0: as many as disk_pages).
+      store_windows=True, disk_window_pages=0,
       # KV events for a router (--kv_events, --kv_events_replay; '' publishes none). They
       # tell anyone who connects every tenant's blocks: bind loopback or a private address.
       kv_events="", kv_events_replay="", kv_events_topic="", kv_events_tokens=True,

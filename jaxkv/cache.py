@@ -174,6 +174,7 @@ class KVCache:
     if self.worker.lookups is not None:
       self.manager.set_remote(self.worker.lookups)
     self.manager.adopt_disk(adopted)
+    self._adopt_window_records()
 
   def _bind_weights(self, digest: str) -> None:
     """Makes ``digest`` part of the fingerprint (before anything was cached under it)."""
@@ -243,8 +244,18 @@ class KVCache:
         num_shards=self.num_shards, pages_per_shard=pages, sliding_window=c.sliding_window,
         page_size=c.page_size, chunk_pages=chunk_pages, stats=self.stats,
         host_slots=self.tiers.host_window_pages_per_shard if self.worker.window_host else 0,
-        pool=self.tiers.pool_enabled)
+        pool=self.tiers.pool_enabled and self.tiers.store_windows,
+        disk_records=self.worker.window_disk.num_slots if self.worker.window_disk else 0)
     self.manager.windows.observer = self.window_events
+    self._adopt_window_records()
+
+  def _adopt_window_records(self) -> None:
+    """The window records an earlier run left on the disk (``CacheWorker.open``), once
+    both the tiers are open and the window group is sized (whichever comes last)."""
+    found, windows = self.worker.window_records_found, self.manager.windows
+    if found and windows is not None:
+      self.stats.add("window_disk_adopted", sum(windows.records.keep(k) for k in found))
+      self.worker.window_records_found = []
 
   def attach(self, model: nnx.Module) -> tuple:
     """Refuses a cache without ``model``'s shapes (``jaxkv.config.check_fits_model``),

@@ -383,6 +383,13 @@ class TierConfig:
   dropped and counted (``disk_writes_dropped``), so a store slower than the evictions never
   delays a step (one write is always let through when none is in flight). In a job every
   process counts every process's writes against it.
+  ``store_windows``: for a model with a window group, whether each finished sequence's last
+  window (the window layers' K and V of the blocks before its end) is stored in the pool
+  and on the disk too, where another engine on them, or this one after a restart, loads it
+  for a hit past the window edge (``jaxkv.manager.windows``). False: neither holds any
+  window, and such hits recompute past the edge (the links carry only the global layers).
+  ``disk_window_pages``: the disk's window records this process keeps, in blocks (each
+  record holds the window layers only); 0 (the default): as many as ``disk_pages``.
   ``write_policy``: ``write_back`` copies a block down only when it is evicted from the
   tier above; ``write_through`` copies every block down as soon as it is published.
   ``read_deadline_s``: a lower-tier read that has not verified by then counts as a miss.
@@ -420,6 +427,8 @@ class TierConfig:
   disk_kvstore: str | dict | None = None
   disk_pages: int = 0
   disk_queue_mb: int = 1024
+  store_windows: bool = True
+  disk_window_pages: int = 0
   write_policy: str = "write_back"
   read_deadline_s: float = 10.0
   remote_peers: tuple = ()
@@ -449,7 +458,7 @@ class TierConfig:
              "endpoint whose messages it replays).")
     _require(isinstance(self.kv_events_topic, str),
              f"TierConfig.kv_events_topic={self.kv_events_topic!r} must be a string.")
-    for name in ("kv_events_tokens", "kv_events_raw_tokens"):
+    for name in ("kv_events_tokens", "kv_events_raw_tokens", "store_windows"):
       _require(isinstance(getattr(self, name), bool),
                f"TierConfig.{name}={getattr(self, name)!r} must be True or False.")
     _require(self.pool_master is None or (
@@ -485,7 +494,8 @@ class TierConfig:
         isinstance(p, str) and ":" in p for p in self.remote_peers),
              f"TierConfig.remote_peers={self.remote_peers!r} must be a tuple of 'host:port' "
              "addresses of jaxkv block servers.")
-    for name in ("host_pages_per_shard", "disk_pages", "host_window_pages_per_shard"):
+    for name in ("host_pages_per_shard", "disk_pages", "host_window_pages_per_shard",
+                 "disk_window_pages"):
       v = getattr(self, name)
       _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0,
                f"TierConfig.{name}={v!r} must be an integer >= 0 (0 disables the tier).")

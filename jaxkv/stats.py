@@ -86,6 +86,19 @@ COUNTERS = {
                            "they would add to the hit was predicted sooner",
     "window_pool_failed": "window-group blocks loaded from the pool that failed their check "
                           "or did not come (dropped)",
+    "window_disk_puts": "window-group records written to the disk store (each finished "
+                        "sequence's last window, for a hit after a restart or another "
+                        "engine's on the same store)",
+    "window_disk_dropped": "window-group records not written: the writes in flight were at "
+                           "TierConfig.disk_queue_mb",
+    "window_disk_write_failed": "window-group records whose write failed",
+    "window_disk_loaded": "window-group blocks loaded from the disk store for a hit",
+    "window_disk_skipped": "window-group blocks on the disk not loaded: recomputing what "
+                           "they would add to the hit was predicted sooner",
+    "window_disk_failed": "window-group blocks loaded from the disk that failed their check "
+                          "or were gone (their records forgotten)",
+    "window_disk_adopted": "window-group records an earlier run left on the disk, adopted "
+                           "at open",
 }
 HIT_TIERS = ("device", "host", "disk", "remote", "shard", "pool")
 

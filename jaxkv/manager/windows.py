@@ -37,8 +37,17 @@ asks it for those windows in the same lookup; a hit that reaches further with th
 their bytes are predicted to come sooner than recomputing what they add: admission asks
 the planner) has them loaded (``pool_loads``, checked as the pool's values are; their time
 is learned into the pool's link, as a promotion's) and is placed on them a step later, as
-from host memory. Nothing else of the window group goes
-to a lower tier (the disk, a peer): a cut whose window is kept nowhere is recomputed, as
+from host memory.
+
+With a disk store (``disk_records``), the same windows are written there as records of
+their own (``put``: a plan's ``window_disk_puts``; a separate prefix of the store, sealed
+as the disk's blocks are), at most ``disk_records`` of them, least recently used deleted
+first (``window_disk_deletes``). The manager keeps their keys (``DiskWindows``): a hit whose
+window is there is loaded from it as from host memory (``disk_loads``, priced over the
+disk's link as pool loads are over the pool's), and a restarted engine adopts the records
+an earlier run left (``DiskWindows.keep``), so its hits from the disk reach across the window
+edge without a checkpoint. A record that fails its check or is gone is forgotten. Nothing
+of the window group goes to a peer: a cut whose window is kept nowhere is recomputed, as
 far back as the longest prefix whose window still is. A checkpoint saves the kept blocks,
 on the device and in host memory, and a restore keeps them again where they were
 (``jaxkv.worker.checkpoint``), so a restarted engine's hits reach across the window edge
@@ -70,12 +79,17 @@ class WindowMoves(typing.NamedTuple):
   here, in the order the worker runs them: ``demotes`` ``(shard, device page, host slot)``
   and ``puts`` ``(shard, device page, key)`` read pages before the plan's window copies
   write any; ``loads`` ``(shard, host slot, device page, key)`` and ``pool_loads``
-  ``(shard, device page, key)`` come after them."""
+  ``(shard, device page, key)`` come after them; so do ``disk_loads`` ``(shard, device
+  page, key)``, while ``disk_puts`` (as ``puts``) read pages before the copies and
+  ``disk_deletes`` (keys of records evicted) run before any write."""
 
   demotes: tuple = ()
   loads: tuple = ()
   pool_loads: tuple = ()
   puts: tuple = ()
+  disk_puts: tuple = ()
+  disk_deletes: tuple = ()
+  disk_loads: tuple = ()
 
 
 def window_blocks(sliding_window: int, page_size: int) -> int:
@@ -95,7 +109,7 @@ class WindowPages:
 
   def __init__(self, *, num_shards: int, pages_per_shard: int, sliding_window: int,
                page_size: int, chunk_pages: int, stats=None, host_slots: int = 0,
-               pool: bool = False):
+               pool: bool = False, disk_records: int = 0):
     self.window = window_blocks(sliding_window, page_size)
     self.ring = ring_blocks(sliding_window, page_size, chunk_pages)
     check_room(pages_per_shard, self.ring, self.window, 1)
@@ -122,6 +136,10 @@ class WindowPages:
     # With ``pool`` (a pool tier shared with other engines), each finished sequence's last
     # window goes there too (``put``) and a hit may load a window from there (``load``).
     self.pool = pool
+    # With ``disk_records`` (a disk store), they go there too (``DiskWindows``).
+    self.records = DiskWindows(disk_records, self._told)
+    self._dkept = self.records.kept
+    self._disk_loads: list = []  # (shard, device page, key)
     self._pool_loads: list = []  # (shard, device page, key)
     self._puts: list = []  # (shard, device page, key)
     # Told each kept block that enters or leaves the device or host memory, per shard
@@ -131,27 +149,32 @@ class WindowPages:
 
   # ---- lookups ---------------------------------------------------------------------------
   def cover(self, shard: int, keys, cached: int, host: bool = False,
-            pooled: frozenset = frozenset()) -> int:
+            pooled: frozenset = frozenset(), disk: bool = False) -> int:
     """The longest cut ``c <= cached`` whose window (blocks ``[c - window, c)``, or all of
     ``[0, c)`` when shorter) is kept on ``shard`` (on its device; with ``host``, on its
-    device or in host memory; keys in ``pooled`` count too: their windows are in the pool):
-    how much of a ``cached``-block hit the window group can serve. 0: none."""
+    device or in host memory; with ``disk``, or on the disk; keys in ``pooled`` count too:
+    their windows are in the pool): how much of a ``cached``-block hit the window group can
+    serve. 0: none."""
     kept, hkept = self._kept[shard], (self._hkept[shard] if host else {})
+    dkept = self._dkept if disk else {}
     run = 0  # consecutive kept blocks ending at the block before the cut
     best = 0
     for c in range(1, cached + 1):
       key = keys[c - 1]
-      run = run + 1 if key in kept or key in hkept or key in pooled else 0
+      run = run + 1 if key in kept or key in hkept or key in dkept or key in pooled else 0
       if run >= min(c, self.window):
         best = c
     return best
 
-  def missing(self, shard: int, keys, cut: int) -> int:
+  def missing(self, shard: int, keys, cut: int, disk: bool = False) -> tuple[int, int]:
     """Blocks of the window before ``cut`` kept neither on ``shard``'s device nor in its
-    host memory (what a hit there would load from the pool)."""
+    host memory: ``(on the disk, the others)`` (what a hit there would load from the disk,
+    and from the pool); with ``disk`` False, none count as on the disk."""
     kept, hkept = self._kept[shard], self._hkept[shard]
-    return sum(keys[j] not in kept and keys[j] not in hkept
-               for j in range(max(0, cut - self.window), cut))
+    away = [keys[j] for j in range(max(0, cut - self.window), cut)
+            if keys[j] not in kept and keys[j] not in hkept]
+    on_disk = sum(k in self._dkept for k in away) if disk else 0
+    return on_disk, len(away) - on_disk
 
   def available(self, shard: int) -> int:
     """Pages a new ring could take now (free, or kept and unreferenced)."""
@@ -178,16 +201,19 @@ class WindowPages:
       self._kept[shard].move_to_end(keys[j])
     return ring, held
 
-  def load(self, shard: int, keys, cuts, pooled: frozenset = frozenset()) -> int:
+  def load(self, shard: int, keys, cuts, pooled: frozenset = frozenset(),
+           disk: bool = False) -> int:
     """Orders the blocks of the window before each of ``cuts`` that are kept only in host
-    memory (or, for keys in ``pooled``, are in the pool) loaded into pages of the device
-    pool (``loads`` and ``pool_loads`` of the plan being built), kept there and pinned
-    until the plan is taken; their host slots are not reused by that plan. Returns how
-    many (0: none to load, or no room for them now)."""
+    memory (or, with ``disk``, on the disk; or, for keys in ``pooled``, are in the pool)
+    loaded into pages of the device pool (``loads``, ``disk_loads`` and ``pool_loads`` of
+    the plan being built, from the first of those places that has each), kept there and
+    pinned until the plan is taken; their host slots and records are not reused by that
+    plan. Returns how many (0: none to load, or no room for them now)."""
     kept, hkept = self._kept[shard], self._hkept[shard]
+    dkept = self._dkept if disk else {}
     blocks = sorted({j for cut in cuts for j in range(max(0, cut - self.window), cut)})
-    wanted = [j for j in blocks
-              if keys[j] not in kept and (keys[j] in hkept or keys[j] in pooled)]
+    wanted = [j for j in blocks if keys[j] not in kept
+              and (keys[j] in hkept or keys[j] in dkept or keys[j] in pooled)]
     if not wanted:
       return 0
     pinned = [kept[keys[j]] for j in blocks if keys[j] in kept]
@@ -196,6 +222,8 @@ class WindowPages:
     for j in wanted:
       if keys[j] in hkept:
         self._hbusy[shard].add(hkept[keys[j]])
+      elif keys[j] in dkept:
+        self.records.busy.add(keys[j])
     got = self._take(shard, len(wanted))
     self.release(shard, (), pinned)
     if got is None:
@@ -208,6 +236,9 @@ class WindowPages:
       if key in hkept:
         hkept.move_to_end(key)
         self._loads.append((shard, hkept[key], page, key))
+      elif key in dkept:
+        dkept.move_to_end(key)
+        self._disk_loads.append((shard, page, key))
       else:
         self._pool_loads.append((shard, page, key))
     for j in blocks:
@@ -218,16 +249,21 @@ class WindowPages:
   def put(self, shard: int, keys, cut: int, spare: int = 0) -> int:
     """A finished sequence's window before ``cut`` (its last published block's end; and
     ``spare`` blocks more, for cuts up to that many blocks earlier) goes to the pool, where
-    another engine (a decode node, a replica) finds it: a put order for each of its blocks
-    kept on ``shard``, read from where its bytes are until the plan's copies run. Returns
-    how many (0 without a pool)."""
-    if not self.pool:
+    another engine (a decode node, a replica) finds it, and to the disk, where a restarted
+    engine does: a put order for each of its blocks kept on ``shard``, read from where its
+    bytes are until the plan's copies run (on the disk, only those it has no record of).
+    Returns how many blocks (0 with neither)."""
+    if not (self.pool or self.records.quota):
       return 0
     n = 0
     for j in range(max(0, cut - self.window - spare), cut):
       page = self._kept[shard].get(keys[j])
       if page is not None:
-        self._puts.append((shard, self._source[shard].get(page, page), keys[j]))
+        source = self._source[shard].get(page, page)
+        if self.pool:
+          self._puts.append((shard, source, keys[j]))
+        if self.records.quota:
+          self.records.put(shard, source, keys[j])
         n += 1
     return n
 
@@ -287,11 +323,12 @@ class WindowPages:
     demotes and puts before the plan's window copies (they read what the pages held before
     it) and the loads after them."""
     moves = WindowMoves(tuple(self._demotes), tuple(self._loads), tuple(self._pool_loads),
-                        tuple(self._puts))
+                        tuple(self._puts), *self.records.take(), tuple(self._disk_loads))
     for shard, page in self._loaded_pages():
       self.release(shard, (), (page,))  # (pinned while the plan was built)
     self._in_flight, self._stored = self._stored, []
     self._demotes, self._loads, self._pool_loads, self._puts = [], [], [], []
+    self._disk_loads = []
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()  # (this plan's copies land them)
@@ -300,16 +337,20 @@ class WindowPages:
   def _loaded_pages(self) -> list[tuple[int, int]]:
     """``(shard, device page)`` of every load of the plan being built (each pinned)."""
     return ([(s, p) for s, _, p, _ in self._loads]
-            + [(s, p) for s, p, _ in self._pool_loads])
+            + [(s, p) for s, p, _ in self._pool_loads + self._disk_loads])
 
   def has_moves(self) -> bool:
     """Whether moves wait for a plan to take them."""
-    return bool(self._demotes or self._loads or self._pool_loads or self._puts)
+    return bool(self._demotes or self._loads or self._pool_loads or self._puts
+                or self._disk_loads or self.records.has_moves())
 
-  def drop_loaded(self, shard: int, key: bytes) -> None:
-    """A loaded block whose bytes failed their check (or, from the pool, did not come):
-    kept neither on the device (its page is free once its readers end) nor in host memory
-    (its slot is free)."""
+  def drop_loaded(self, shard: int, key: bytes, disk: bool = False) -> None:
+    """A loaded block whose bytes failed their check (or, from the pool or the disk, did
+    not come): kept neither on the device (its page is free once its readers end) nor in
+    host memory (its slot is free); with ``disk`` (it was read from there), its record is
+    forgotten too."""
+    if disk:
+      self.records.drop(key)
     page = self._kept[shard].pop(key, None)
     if page is not None:
       del self._key_of[shard][page]
@@ -335,6 +376,9 @@ class WindowPages:
       self.release(shard, (), (page,))  # (their pins, below: the pages go back)
     self._in_flight, self._stored, self._demotes, self._loads = [], [], [], []
     self._pool_loads, self._puts = [], []
+    # (records ordered written may never be: a load of one fails and forgets it)
+    self._disk_loads = []
+    self.records.take()
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()
@@ -424,6 +468,65 @@ class WindowPages:
     self._stored.append((shard, key))
     if self.stats is not None:
       self.stats.add("window_host_stored")
+
+
+class DiskWindows:
+  """The window records on the disk, as the manager keeps them: at most ``quota`` (one per
+  block key, whatever the shard: every shard computes the same bytes), least recently used
+  first, and the writes and deletes the plan being built orders. ``told(key, tier, left)``
+  hears of every record that enters or leaves (the window group's KV events)."""
+
+  def __init__(self, quota: int, told):
+    self.quota, self._told = quota, told
+    self.kept: collections.OrderedDict = collections.OrderedDict()  # key -> None
+    self.busy: set = set()  # keys a load of the plan being built reads
+    self._puts: list = []  # (shard, device page, key)
+    self._deletes: list = []  # keys of records evicted
+
+  def put(self, shard: int, page: int, key: bytes) -> None:
+    """A write of ``key``'s record (read from ``page``) unless it has one (touched); the
+    least recently used records past ``quota`` that no load of this plan reads are
+    deleted."""
+    if key in self.kept:
+      self.kept.move_to_end(key)
+      return
+    self.kept[key] = None
+    self._told(key, Tier.DISK)
+    self._puts.append((shard, page, key))
+    over = len(self.kept) - self.quota
+    if over > 0:
+      for victim in [k for k in self.kept if k not in self.busy and k != key][:over]:
+        del self.kept[victim]
+        self._told(victim, Tier.DISK, left=True)
+        unwritten = [p for p in self._puts if p[2] == victim]
+        if unwritten:  # ordered by this plan: not written at all
+          self._puts.remove(unwritten[0])
+        else:
+          self._deletes.append(victim)
+
+  def keep(self, key: bytes) -> bool:
+    """A record an earlier run left (checked when read): kept, unless ``quota`` records
+    are kept already. Returns whether it was."""
+    if key in self.kept or len(self.kept) >= self.quota:
+      return False
+    self.kept[key] = None
+    self._told(key, Tier.DISK)
+    return True
+
+  def drop(self, key: bytes) -> None:
+    """A record that failed its check or was gone when read: forgotten."""
+    if self.kept.pop(key, 0) is None:
+      self._told(key, Tier.DISK, left=True)
+
+  def has_moves(self) -> bool:
+    return bool(self._puts or self._deletes)
+
+  def take(self) -> tuple[tuple, tuple]:
+    """The writes and deletes of the plan being built, which takes them."""
+    moves = tuple(self._puts), tuple(self._deletes)
+    self._puts, self._deletes = [], []
+    self.busy.clear()
+    return moves
 
 
 def table_row(ring, held, num_pages: int, front: tuple[int, int], resume: int) -> tuple:

@@ -354,43 +354,60 @@ class Admission:
 
   @staticmethod
   def _window_cut(windows, shard: int, keys, found: list, host: bool = False,
-                  pooled: frozenset = frozenset()) -> int:
+                  pooled: frozenset = frozenset(), disk: bool = False) -> int:
     """How much of a cached prefix a model with a window group can use on ``shard``: the
     longest cut whose window is kept there; past the blocks on device only if the window
     before them is kept too (a plan that recomputes from there, or a fetch that fails,
-    resumes at it). ``host``: counting the windows kept in host memory as well;
-    ``pooled``: and those of these keys, in the pool."""
+    resumes at it). ``host``: counting the windows kept in host memory as well; ``disk``:
+    and the disk's records; ``pooled``: and those of these keys, in the pool."""
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    cut = windows.cover(shard, keys, len(found), host=host, pooled=pooled)
-    at_hot = windows.cover(shard, keys, hot, host=host, pooled=pooled)
+    cut = windows.cover(shard, keys, len(found), host=host, pooled=pooled, disk=disk)
+    at_hot = windows.cover(shard, keys, hot, host=host, pooled=pooled, disk=disk)
     return at_hot if cut > hot and at_hot != hot else cut
 
   def _load_windows(self, req: Request, shard: int, found: list) -> bool:
     """Whether ``req`` waits a step for window blocks of its hit on ``shard`` that are kept
-    only in host memory or the pool: loaded (checked) by this step's plan, kept on the
-    device by the next, where it is placed with them."""
+    only in host memory, on the disk or in the pool: loaded (checked) by this step's plan,
+    kept on the device by the next, where it is placed with them."""
     windows = self.manager.windows
     found = _usable(found)
     pooled = self._pooled.get(req.id, frozenset())
-    if windows is None or not (windows.host_slots or pooled) or not found:
+    disk = bool(windows is not None and windows.records.kept)
+    if windows is None or not (windows.host_slots or pooled or disk) or not found:
       return False
     on_device = self._window_cut(windows, shard, req.keys, found)
-    cut = self._window_cut(windows, shard, req.keys, found, host=True, pooled=pooled)
-    if pooled and cut > on_device:
-      # From the pool only where the windows' bytes come sooner than recomputing what they
-      # extend the hit by (the plan prices the blocks themselves once it is placed).
-      near = self._window_cut(windows, shard, req.keys, found, host=True)
-      n = windows.missing(shard, req.keys, cut)
-      c = self.config
-      if n and cut > near and not self.planner.fetch_pays(
-          "pool_to_host", n * c.page_bytes * c.window_layers // c.num_layers,
-          (cut - near) * c.page_size, near * c.page_size):
-        self.manager.stats.add("window_pool_skipped", n)
-        pooled, cut = frozenset(), near
+    cut = self._window_cut(windows, shard, req.keys, found, True, pooled, disk)
+    # From the disk or the pool only where the windows' bytes come sooner than recomputing
+    # what they extend the hit by (the plan prices the blocks themselves once placed).
+    if disk and cut > on_device and not self._window_loads_pay(
+        windows, shard, req.keys, found, cut, "disk_to_host", True, pooled, False):
+      disk = False
+      cut = self._window_cut(windows, shard, req.keys, found, True, pooled)
+    if pooled and cut > on_device and not self._window_loads_pay(
+        windows, shard, req.keys, found, cut, "pool_to_host", disk, frozenset(), disk):
+      pooled = frozenset()
+      cut = self._window_cut(windows, shard, req.keys, found, True, disk=disk)
     if cut <= on_device:
       return False
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    return windows.load(shard, req.keys, (min(hot, cut), cut), pooled=pooled) > 0
+    return windows.load(shard, req.keys, (min(hot, cut), cut), pooled=pooled, disk=disk) > 0
+
+  def _window_loads_pay(self, windows, shard: int, keys, found: list, cut: int, link: str,
+                        disk: bool, pooled: frozenset, counted_disk: bool) -> bool:
+    """Whether loading the window blocks before ``cut`` that are on ``link``'s side (the
+    disk's records, or the pool's values) is predicted to take less than recomputing from
+    the cut reached without them; counts the blocks skipped when not
+    (``window_disk_skipped``, ``window_pool_skipped``)."""
+    on_disk, others = windows.missing(shard, keys, cut, disk=disk)
+    n = others if link == "pool_to_host" else on_disk
+    near = self._window_cut(windows, shard, keys, found, True, pooled, counted_disk)
+    c = self.config
+    if not n or cut <= near or self.planner.fetch_pays(
+        link, n * c.page_bytes * c.window_layers // c.num_layers,
+        (cut - near) * c.page_size, near * c.page_size):
+      return True
+    self.manager.stats.add(f"window_{link.split('_')[0]}_skipped", n)
+    return False
 
 
 def _usable(found: list) -> list:

@@ -86,8 +86,8 @@ class Publishing:
     return self.write_through(published)
 
   def _put_window(self, shard: int, keys, cut: int) -> None:
-    """The window before ``cut`` and before the cut a block earlier, to the pool (a
-    prefill node's next engine asks for the prompt less its last token)."""
+    """The window before ``cut`` and before the cut a block earlier, to the pool and the
+    disk (a prefill node's next engine asks for the prompt less its last token)."""
     windows = self.manager.windows
-    if windows is not None and windows.pool:
-      windows.put(shard, keys, cut, spare=1)
+    if windows is not None:
+      windows.put(shard, keys, cut, spare=1)  # (nothing without a pool or a disk)

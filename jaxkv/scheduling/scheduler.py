@@ -266,19 +266,18 @@ class Scheduler:
 
   def _window_moves(self) -> dict:
     """The window group's moves this plan carries out (``windows.WindowMoves``), as the
-    ``StepPlan`` fields that carry them."""
+    ``StepPlan`` fields that carry them (each named ``window_`` and the move's name)."""
     if self.manager.windows is None:
       return {}
-    m = self.manager.windows.take_moves()
-    return dict(window_demotes=m.demotes, window_loads=m.loads,
-                window_pool_loads=m.pool_loads, window_puts=m.puts)
+    return {f"window_{k}": v for k, v in self.manager.windows.take_moves()._asdict().items()}
 
   def _window_failures(self, failed) -> None:
-    """Window blocks loaded from host memory or the pool whose bytes failed their check
-    (or did not come): kept nowhere now (no request was placed on them yet: the one they
-    were loaded for is admitted at the next step, with what is kept then)."""
-    for shard, key in failed:
-      self.manager.windows.drop_loaded(shard, key)
+    """Window blocks loaded from host memory, the disk or the pool whose bytes failed their
+    check (or did not come): kept nowhere now (no request was placed on them yet: the one
+    they were loaded for is admitted at the next step, with what is kept then); a disk
+    record that failed is forgotten."""
+    for shard, key, tier in failed:
+      self.manager.windows.drop_loaded(shard, key, disk=tier == Tier.DISK)
 
   def _release(self, p: Placement) -> None:
     """Gives back what a placed request holds: its device pages, its window ring and pins."""
@@ -465,8 +464,8 @@ class Scheduler:
     if result is None:
       return aborted
     self._window_failures(result.window_failures)
-    if result.window_fetched is not None:
-      self.planner.observe_fetch(self.planner.agreed_report(result.window_fetched))
+    for report in result.window_fetched:
+      self.planner.observe_fetch(self.planner.agreed_report(report))
     if plan.streamed is not None:
       tokens, logits, t_first = result.streamed
       handle = self.handles[plan.streamed.id]

@@ -288,12 +288,20 @@ class StepPlan:
   # ``window_copies`` (a finished sequence's last window); loaded and checked after them.
   window_puts: tuple = ()
   window_pool_loads: tuple = ()
+  # ... and to and from the disk store's window records: (shard, device page, key), ...
+  # written from what the pages held before ``window_copies``; keys whose records are
+  # deleted (before any write); (shard, device page, key), ... loaded and checked after.
+  window_disk_puts: tuple = ()
+  window_disk_deletes: tuple = ()
+  window_disk_loads: tuple = ()
 
   @property
   def empty(self) -> bool:
     return not (self.decode or self.prefill or self.fetch or self.settle or self.streamed
                 or self.window_copies or self.window_demotes or self.window_loads
-                or self.window_puts or self.window_pool_loads or not self.orders.empty)
+                or self.window_puts or self.window_pool_loads or self.window_disk_puts
+                or self.window_disk_deletes or self.window_disk_loads
+                or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:
     """Blocks this step moves between tiers, by route: what was decided (``write_through``,
@@ -348,10 +356,11 @@ class StepResult:
   # Request id -> (logprobs [n], top ids [n, K], top logprobs [n, K]) of its prompt chunk's
   # targets (``PrefillChunk.targets``).
   prompt_logprobs: Mapping | None = None
-  # (shard, key), ...: window-group blocks the plan loaded from host memory or the pool
-  # whose bytes failed their check or did not come (``StepPlan.window_loads``,
-  # ``window_pool_loads``).
+  # (shard, key, tier), ...: window-group blocks the plan loaded from host memory, the
+  # disk or the pool whose bytes failed their check or did not come
+  # (``StepPlan.window_loads``, ``window_disk_loads``, ``window_pool_loads``).
   window_failures: tuple = ()
-  # The plan's window loads from the pool as one timed fetch (``StepPlan.window_pool_loads``;
-  # None: none): the planner learns the pool's link from it, as from a promotion's report.
-  window_fetched: FetchReport | None = None
+  # The plan's window loads from the disk and from the pool, each as one timed fetch
+  # (``StepPlan.window_disk_loads``, ``window_pool_loads``): the planner learns their
+  # links from them, as from a promotion's report.
+  window_fetched: tuple[FetchReport, ...] = ()

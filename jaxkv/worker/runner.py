@@ -320,20 +320,24 @@ class ModelRunner:
                       logprobs=logprobs, prompt_logprobs=self._prompt_scores(prompt_scores),
                       window_failures=tuple(window_failures), window_fetched=window_fetched)
 
-  def move_windows(self, plan: StepPlan) -> tuple[list, FetchReport | None]:
+  def move_windows(self, plan: StepPlan) -> tuple[list, tuple[FetchReport, ...]]:
     """A plan's window-group moves, before anything of its step writes a page: evicted kept
-    blocks out to host memory and finished sequences' last windows out to the pool (both
-    reading what the pages held before this plan), published blocks' windows kept out of
-    their rings, then host copies and pool values loaded and checked. Returns ``(failed,
-    pool report)``: ``(shard, key)`` of the loaded blocks that failed their check or did
-    not come, and the pool loads as a timed fetch (None: none)."""
-    worker = self.cache.worker
-    worker.windows.demote(plan.window_demotes)
-    worker.windows.put(plan.window_puts)
-    worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
-    failed = worker.windows.load_host(plan.window_loads)
-    pool_failed, report = worker.windows.load_pool(plan.window_pool_loads)
-    return failed + pool_failed, report
+    blocks out to host memory and finished sequences' last windows out to the pool and the
+    disk (all reading what the pages held before this plan; the disk's evicted records
+    deleted first), published blocks' windows kept out of their rings, then host copies,
+    disk records and pool values loaded and checked. Returns ``(failed, reports)``:
+    ``(shard, key, tier)`` of the loaded blocks that failed their check or did not come,
+    and the disk's and the pool's loads, each as a timed fetch."""
+    windows = self.cache.worker.windows
+    windows.demote(plan.window_demotes)
+    windows.delete_disk(plan.window_disk_deletes)
+    windows.put(plan.window_puts, plan.window_disk_puts)
+    self.cache.worker.copy_windows(plan.window_copies)  # kept out of rings the step may write
+    failed = windows.load_host(plan.window_loads)
+    disk_failed, disk_report = windows.load_disk(plan.window_disk_loads)
+    pool_failed, pool_report = windows.load_pool(plan.window_pool_loads)
+    return (failed + disk_failed + pool_failed,
+            tuple(r for r in (disk_report, pool_report) if r is not None))
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

@@ -46,6 +46,8 @@ class CacheWorker:
     self._manager, self._stats, self._key, self._encrypt = manager, stats, key, encrypt
     self.host = self.disk = self.remote = self.pool = self.mover = None
     self.window_pool = None  # the pool, for a window group's blocks (``open``)
+    self.window_disk = None  # the disk store, for a window group's records
+    self.window_records_found: list = []  # keys of those an earlier run left (``open``)
     self.remotes: list = []
     if tiers.host_enabled:
       from jaxkv.worker.tiers.host import HostTier
@@ -67,6 +69,13 @@ class CacheWorker:
       self.disk = DiskTier(tiers.disk_kvstore, num_slots=tiers.disk_pages,
                            payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint(), key=key, encrypt=encrypt)
+      if config.has_windows and tiers.store_windows:
+        # Each finished sequence's last window goes there too, as records of the window
+        # layers under a fingerprint of their own (``jaxkv.manager.windows``).
+        self.window_disk = self.disk.scratch(
+            window_key(config.fingerprint()),
+            tiers.disk_window_pages or tiers.disk_pages,
+            payload_shape=(2 * config.window_layers, *self.payload_shape[1:]))
     self.disk_recovered = {"adopted": 0, "deleted": 0, "temporaries": 0}
     self._pools = None  # the device pools, flat (leaves of the model's KVPages state)
     self.pool_def = None  # their tree structure
@@ -88,6 +97,8 @@ class CacheWorker:
     self.config = config
     if self.disk is not None:
       self.disk.bind_fingerprint(config.fingerprint())
+    if self.window_disk is not None:
+      self.window_disk.bind_fingerprint(window_key(config.fingerprint()))
 
   # ---- opening the tiers ---------------------------------------------------------------------
   def open(self) -> list:
@@ -108,13 +119,17 @@ class CacheWorker:
       self.pool = PoolTier(tiers, payload_shape=self.payload_shape, dtype=config.jnp_dtype,
                            fingerprint=config.fingerprint(), key=self._key,
                            stats=self._stats).open()
-      if config.has_windows:
+      if config.has_windows and tiers.store_windows:
         # A finished sequence's last window goes there too, under names of its own, and
         # another engine's hit reads it back (``jaxkv.manager.windows``); in a job each
         # process reads its own shards' and the job agrees on the outcomes.
         self.window_pool = self.pool.reshaped(
             (2 * config.window_layers, *self.payload_shape[1:]))
     good = self._scan_disk() if self.disk is not None else []
+    if self.window_disk is not None:
+      found, _ = (self.window_disk.scan() if jax.process_count() == 1
+                  else self._scan_in_job(self.window_disk))
+      self.window_records_found = [key for _, key, _ in found]
     # The mover's jitted page moves depend on shapes only: it keeps the config without
     # the weights, so caches of differently trained models share their compilations.
     self.mover = TierMover(manager=self._manager, mesh=self.mesh,
@@ -149,7 +164,7 @@ class CacheWorker:
     if jax.process_count() == 1:
       good, deleted = self.disk.scan()
     else:
-      good, deleted = self._scan_in_job()
+      good, deleted = self._scan_in_job(self.disk)
     self.disk_recovered = {"adopted": len(good), "deleted": deleted,
                            "temporaries": self.disk.removed_temporaries}
     self._stats.add_discarded_at_open(self.disk.discarded)  # by reason (process 0's, in a job)
@@ -158,11 +173,10 @@ class CacheWorker:
                  self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)
     return good
 
-  def _scan_in_job(self) -> tuple[list, int]:
+  def _scan_in_job(self, disk) -> tuple[list, int]:
     """In a multi-process job the store must be one every process sees (checked); process
     0 verifies it and the others take its list, so every index starts the same."""
     from jaxkv import distributed
-    disk = self.disk
     probe = distributed.broadcast_bytes(os.urandom(16).hex().encode()).decode()
     name = f"job-check-{probe}"
     if jax.process_index() == 0:
@@ -333,10 +347,11 @@ class CacheWorker:
     jax.block_until_ready(self._pools)
 
   def flush(self, timeout_s: float) -> int:
-    """Waits for lower-tier writes in flight (disk writes, the pool's queued puts); returns
-    how many did not finish in time."""
+    """Waits for lower-tier writes in flight (disk writes, the window group's records, the
+    pool's queued puts); returns how many did not finish in time."""
     t_end = time.monotonic() + timeout_s
     left = self.mover.flush(timeout_s)
+    left += self.windows.flush(t_end)
     if self.pool is not None and not self.pool.settle(max(0.0, t_end - time.monotonic())):
       left += self.pool.queued
     return left

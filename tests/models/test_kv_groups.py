@@ -298,7 +298,8 @@ def answer(e, turn):
   after = e.stats()
   counted = {k: after[k] - before[k] for k in (
       "window_host_stored", "window_host_loaded", "window_host_failed",
-      "window_pool_loaded", "window_pool_failed")}
+      "window_pool_loaded", "window_pool_failed", "window_disk_loaded",
+      "window_disk_failed")}
   return {"turn": turn, "tokens": h.tokens, "logprobs": [lp for lp, _ in h.logprobs],
           "cached": h.cached_tokens, "hits": after["hits"], **counted}
 
@@ -330,6 +331,18 @@ out["pool"] = {**answer(b, history + t.prompt(53, 20)),
                "puts": a.stats()["window_pool_puts"], "costs": b.costs.to_json()}
 for x in (a, b):
   x.cache.worker.close()
+disk = jaxkv.TierConfig(disk_kvstore=os.path.join(sys.argv[1], "disk"), disk_pages=128,
+                        write_policy="write_through")
+a = t.engine(mesh, rows=1, tiers=disk)
+first = t.prompt(54, 230)
+history = first + a.generate([first], 8)[0]
+a.flush()
+puts = a.stats()["window_disk_puts"]
+a.cache.worker.close()
+b = t.engine(mesh, rows=1, tiers=disk)  # (restarted on the store: no checkpoint)
+out["disk"] = {**answer(b, history + t.prompt(55, 20)), "puts": puts,
+               "adopted": b.stats()["window_disk_adopted"]}
+b.cache.worker.close()
 with open(os.path.join(sys.argv[1], f"p{jax.process_index()}.json"), "w") as f:
   json.dump(out, f)
 """
@@ -347,7 +360,10 @@ def test_a_job_loads_windows_from_host_memory_and_the_pool_on_every_process(
   processes (process 0's timing), so their plans stay one. (Planted: the job's host loads
   land in the next page -> log-probabilities differ from recompute's; only process 0's
   share of the windows put -> no hit past the window; each process learning its own
-  timing -> the costs differ.)"""
+  timing -> the costs differ.) A third pair of engines, over one disk store, the second
+  opened after the first closed: each window record is written by one process, every
+  process adopts them all, and the restarted engine hits past the window edge from the
+  disk on both."""
   script = tmp_path / "job.py"
   script.write_text(JOB)
   proc = helpers.start_process([sys.executable, "launch/multihost.py", "--num_processes=2",
@@ -366,8 +382,14 @@ def test_a_job_loads_windows_from_host_memory_and_the_pool_on_every_process(
   assert pool["puts"] + p1["pool"]["puts"] >= WINDOW // PAGE  # (each window by one of them)
   learned = json.loads(pool["costs"])["links"]["pool_to_host"]
   assert pool["costs"] == p1["pool"]["costs"] and learned["bytes_per_s"] != 1e10, learned
-  for case in ("host", "pool"):
-    for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_pool_loaded"):
+  disk = p0["disk"]  # each window record written by one process; every process adopts all
+  assert disk["puts"] + p1["disk"]["puts"] == WINDOW // PAGE + 1, (disk, p1["disk"])
+  assert disk["adopted"] == p1["disk"]["adopted"] == WINDOW // PAGE + 1, disk
+  assert disk["cached"] == 238 // PAGE * PAGE and disk["hits"]["disk"] > 0, disk
+  assert disk["window_disk_loaded"] >= WINDOW // PAGE and disk["window_disk_failed"] == 0
+  for case in ("host", "pool", "disk"):
+    for k in ("tokens", "logprobs", "cached", "window_host_loaded", "window_pool_loaded",
+              "window_disk_loaded"):
       assert p0[case][k] == p1[case][k], (case, k, p0[case][k], p1[case][k])
     want = run(recompute, p0[case]["turn"], 8)
     assert p0[case]["tokens"] == want.tokens, case
@@ -388,7 +410,8 @@ def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_b
   keys = [bytes([i]) * 32 for i in range(40)]
   pages = [w.keep(0, keys[i], source=100 + i) for i in range(18)]  # every free page
   w.keep(0, keys[18], source=118)  # evicts keys[0], whose copy (100 -> its page) is pending
-  demotes, loads, _, _ = w.take_moves()
+  m = w.take_moves()
+  demotes, loads = m.demotes, m.loads
   assert demotes == ((0, 100, 0),) and loads == ()
   w.keep(0, keys[19], source=119)  # evicts keys[1]: its copy ran with the last plan
   assert w.take_moves()[0] == ((0, pages[1], 1),)
@@ -397,7 +420,8 @@ def test_a_window_block_goes_to_host_memory_from_where_its_bytes_are_and_comes_b
     w.keep(0, keys[i], source=100 + i)
   w.take_moves()
   assert w.load(0, keys, (2,)) == 2
-  demotes, loads, _, _ = w.take_moves()
+  m = w.take_moves()
+  demotes, loads = m.demotes, m.loads
   assert [(slot, key) for _, slot, _, key in loads] == [(0, keys[0]), (1, keys[1])]
   assert len(demotes) == 2 and not {slot for _, _, slot in demotes} & {0, 1}
   assert w.cover(0, keys, 2) == 2 and w.load(0, keys, (2,)) == 0  # kept on the device again

@@ -294,13 +294,14 @@ class DiskTier:
     """The file of block ``key``'s record (file driver)."""
     return os.path.join(self.kvstore["path"], RECORDS_PATH, self.name(key))
 
-  def scratch(self, fingerprint: bytes, num_slots: int) -> "DiskTier":
+  def scratch(self, fingerprint: bytes, num_slots: int,
+              payload_shape: tuple | None = None) -> "DiskTier":
     """A tier on the same store with this one's key and protection under another
     ``fingerprint`` (records this tier never sees: calibration's, which then cost what
-    this tier's records cost)."""
-    return DiskTier(self.kvstore, num_slots=num_slots, payload_shape=self.payload_shape,
-                    dtype=self.dtype, fingerprint=fingerprint, key=self._key,
-                    encrypt=self.encrypt)
+    this tier's records cost; a window group's, of ``payload_shape``)."""
+    return DiskTier(self.kvstore, num_slots=num_slots,
+                    payload_shape=payload_shape or self.payload_shape, dtype=self.dtype,
+                    fingerprint=fingerprint, key=self._key, encrypt=self.encrypt)
 
   # ---- opening ---------------------------------------------------------------------------
   def _check_writable(self) -> None:
