@@ -508,8 +508,12 @@ class ModelRunner:
     for step_width in self.prefill_widths:
       carry, _ = self.prefill(self.prefill_batch([], num_rows, width=step_width), table,
                               carry, count=False)
-    tokens, _, _ = self.decode(self.decode_batch([], num_rows), table, carry, count=False)
-    warm_gathers(carry, tokens)  # (a job's steps read their tokens back with to_host)
+    tokens, selected, _ = self.decode(self.decode_batch([], num_rows), table, carry,
+                                      count=False)
+    # A request asking for log-probabilities scores its rows' logits (``logprobs_step``):
+    # compiled here too, so the first such request compiles nothing.
+    scores = sampling_lib.logprobs_step(selected, tokens)
+    warm_gathers(carry, tokens, *scores)  # (a job's steps read them back with to_host)
 
   def time_prefill_step(self, num_rows: int, width: int, timer: Callable, kv_len: int = 0,
                         pages: Sequence[int] | None = None) -> float:

@@ -90,6 +90,23 @@ def test_a_warm_engine_plans_fetches_and_splits_from_host_without_compiling(warm
   assert 'jaxkv_compiles_after_warmup_total{policy="cost"} 0.0' in text
 
 
+def test_a_warm_engine_scores_log_probabilities_without_compiling(warm):
+  """Requests asking for log-probabilities score their rows' logits on the device: one
+  alone and two together (two row buckets), each compiling nothing after warm-up.
+  (Planted: warm-up not compiling the scoring -> its compile after warm-up.)"""
+  engine, _ = warm
+  mark = COMPILES.mark()
+  rng = np.random.default_rng(2)
+  for batch in (1, 4):
+    handles = [engine.submit(rng.integers(1, 128, 9).tolist(),
+                             jaxkv.SamplingParams(max_new_tokens=3, logprobs=2))
+               for _ in range(batch)]
+    for h in handles:
+      h.result()
+      assert len(h.logprobs) == 3 and all(len(top) == 2 for _, top in h.logprobs), h.logprobs
+  assert COMPILES.since(mark) == 0, late(mark)
+
+
 def test_a_warm_engine_streams_a_long_prompt_without_compiling(warm):
   # Streamed steps take the sequence's whole length as their table and grow their cold
   # slots chunk by chunk: warmup(stream_tokens=) compiles every shape up to that length.
