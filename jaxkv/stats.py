@@ -97,6 +97,11 @@ COUNTERS = {
                            "they would add to the hit was predicted sooner",
     "window_disk_failed": "window-group blocks loaded from the disk that failed their check "
                           "or were gone (their records forgotten)",
+    "window_remote_loaded": "window-group blocks loaded from a remote peer for a hit",
+    "window_remote_skipped": "window-group blocks at a remote peer not loaded: recomputing "
+                             "what they would add to the hit was predicted sooner",
+    "window_remote_failed": "window-group blocks loaded from a remote peer that failed their "
+                            "check or did not come (dropped)",
     "window_disk_adopted": "window-group records an earlier run left on the disk, adopted "
                            "at open",
 }

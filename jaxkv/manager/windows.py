@@ -90,6 +90,7 @@ class WindowMoves(typing.NamedTuple):
   disk_puts: tuple = ()
   disk_deletes: tuple = ()
   disk_loads: tuple = ()
+  remote_loads: tuple = ()  # (shard, device page, key, peer): from a remote peer
 
 
 def window_blocks(sliding_window: int, page_size: int) -> int:
@@ -140,6 +141,7 @@ class WindowPages:
     self.records = DiskWindows(disk_records, self._told)
     self._dkept = self.records.kept
     self._disk_loads: list = []  # (shard, device page, key)
+    self._remote_loads: list = []  # (shard, device page, key, peer)
     self._pool_loads: list = []  # (shard, device page, key)
     self._puts: list = []  # (shard, device page, key)
     # Told each kept block that enters or leaves the device or host memory, per shard
@@ -202,11 +204,12 @@ class WindowPages:
     return ring, held
 
   def load(self, shard: int, keys, cuts, pooled: frozenset = frozenset(),
-           disk: bool = False) -> int:
+           disk: bool = False, peer: int | None = None) -> int:
     """Orders the blocks of the window before each of ``cuts`` that are kept only in host
-    memory (or, with ``disk``, on the disk; or, for keys in ``pooled``, are in the pool)
-    loaded into pages of the device pool (``loads``, ``disk_loads`` and ``pool_loads`` of
-    the plan being built, from the first of those places that has each), kept there and
+    memory (or, with ``disk``, on the disk; or, for keys in ``pooled``, are in the pool, or
+    with ``peer``, at that remote peer) loaded into pages of the device pool (``loads``,
+    ``disk_loads``, ``pool_loads`` and ``remote_loads`` of the plan being built, from the
+    first of those places that has each), kept there and
     pinned until the plan is taken; their host slots and records are not reused by that
     plan. Returns how many (0: none to load, or no room for them now)."""
     kept, hkept = self._kept[shard], self._hkept[shard]
@@ -239,6 +242,8 @@ class WindowPages:
       elif key in dkept:
         dkept.move_to_end(key)
         self._disk_loads.append((shard, page, key))
+      elif peer is not None:
+        self._remote_loads.append((shard, page, key, peer))
       else:
         self._pool_loads.append((shard, page, key))
     for j in blocks:
@@ -323,12 +328,13 @@ class WindowPages:
     demotes and puts before the plan's window copies (they read what the pages held before
     it) and the loads after them."""
     moves = WindowMoves(tuple(self._demotes), tuple(self._loads), tuple(self._pool_loads),
-                        tuple(self._puts), *self.records.take(), tuple(self._disk_loads))
+                        tuple(self._puts), *self.records.take(), tuple(self._disk_loads),
+                        tuple(self._remote_loads))
     for shard, page in self._loaded_pages():
       self.release(shard, (), (page,))  # (pinned while the plan was built)
     self._in_flight, self._stored = self._stored, []
     self._demotes, self._loads, self._pool_loads, self._puts = [], [], [], []
-    self._disk_loads = []
+    self._disk_loads, self._remote_loads = [], []
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
       self._source[shard].clear()  # (this plan's copies land them)
@@ -337,12 +343,13 @@ class WindowPages:
   def _loaded_pages(self) -> list[tuple[int, int]]:
     """``(shard, device page)`` of every load of the plan being built (each pinned)."""
     return ([(s, p) for s, _, p, _ in self._loads]
-            + [(s, p) for s, p, _ in self._pool_loads + self._disk_loads])
+            + [(s, p) for s, p, _ in self._pool_loads + self._disk_loads]
+            + [(s, p) for s, p, _, _ in self._remote_loads])
 
   def has_moves(self) -> bool:
     """Whether moves wait for a plan to take them."""
     return bool(self._demotes or self._loads or self._pool_loads or self._puts
-                or self._disk_loads or self.records.has_moves())
+                or self._disk_loads or self._remote_loads or self.records.has_moves())
 
   def drop_loaded(self, shard: int, key: bytes, disk: bool = False) -> None:
     """A loaded block whose bytes failed their check (or, from the pool or the disk, did
@@ -377,7 +384,7 @@ class WindowPages:
     self._in_flight, self._stored, self._demotes, self._loads = [], [], [], []
     self._pool_loads, self._puts = [], []
     # (records ordered written may never be: a load of one fails and forgets it)
-    self._disk_loads = []
+    self._disk_loads, self._remote_loads = [], []
     self.records.take()
     for shard in range(self.num_shards):
       self._hbusy[shard].clear()
@@ -388,6 +395,17 @@ class WindowPages:
           self._free[shard].append(page)
       self._kept[shard].clear()
       self._key_of[shard].clear()
+
+  def find(self, key: bytes) -> tuple[int, Tier, int] | None:
+    """Where ``key``'s window KV is kept: ``(shard, Tier.DEVICE, page)``, else ``(shard,
+    Tier.HOST, host slot)``; None (what a peer's block server serves)."""
+    for shard, kept in enumerate(self._kept):
+      if key in kept:
+        return shard, Tier.DEVICE, kept[key]
+    for shard, hkept in enumerate(self._hkept):
+      if key in hkept:
+        return shard, Tier.HOST, hkept[key]
+    return None
 
   def kept_blocks(self, shard: int) -> int:
     return len(self._kept[shard])

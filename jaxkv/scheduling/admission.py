@@ -98,8 +98,9 @@ class Admission:
     self.max_seqs_per_shard, self.prefix_reuse = max_seqs_per_shard, prefix_reuse
     # Requests whose window blocks the last plan loaded from host memory (placed next).
     self._loaded_windows: set[int] = set()
-    # Request id -> keys of its blocks whose window the pool holds (its last pool lookup).
-    self._pooled: dict[int, frozenset] = {}
+    # Request id -> (keys of its blocks whose window the pool, or a peer, holds; that peer,
+    # None for the pool): its last lookup beyond this cache's tiers.
+    self._pooled: dict[int, tuple] = {}
     self.vocab_size = vocab_size
 
   def forget(self, request_ids) -> None:
@@ -273,8 +274,9 @@ class Admission:
         peer, n = remote[:2]
         where = (Tier.POOL, None) if peer == POOL_PEER else (Tier.REMOTE, peer)
         found = [f + [where] * (n - len(f)) for f in found]
-        if len(remote) > 2:  # the pool's: blocks whose window it holds too
-          self._pooled[req.id] = frozenset(keys[j] for j in remote[2] if j < len(keys))
+        if len(remote) > 2:  # blocks whose window the pool (or that peer) holds too
+          self._pooled[req.id] = (frozenset(keys[j] for j in remote[2] if j < len(keys)),
+                                  None if peer == POOL_PEER else peer)
     return found
 
   def _shard_order(self, req: Request, found: list, load: list) -> list[int]:
@@ -371,7 +373,7 @@ class Admission:
     kept on the device by the next, where it is placed with them."""
     windows = self.manager.windows
     found = _usable(found)
-    pooled = self._pooled.get(req.id, frozenset())
+    pooled, peer = self._pooled.get(req.id, (frozenset(), None))
     disk = bool(windows is not None and windows.records.kept)
     if windows is None or not (windows.host_slots or pooled or disk) or not found:
       return False
@@ -383,23 +385,25 @@ class Admission:
         windows, shard, req.keys, found, cut, "disk_to_host", True, pooled, False):
       disk = False
       cut = self._window_cut(windows, shard, req.keys, found, True, pooled)
+    link = "pool_to_host" if peer is None else "remote_to_host"
     if pooled and cut > on_device and not self._window_loads_pay(
-        windows, shard, req.keys, found, cut, "pool_to_host", disk, frozenset(), disk):
+        windows, shard, req.keys, found, cut, link, disk, frozenset(), disk):
       pooled = frozenset()
       cut = self._window_cut(windows, shard, req.keys, found, True, disk=disk)
     if cut <= on_device:
       return False
     hot = next((j for j, (t, _) in enumerate(found) if t != Tier.DEVICE), len(found))
-    return windows.load(shard, req.keys, (min(hot, cut), cut), pooled=pooled, disk=disk) > 0
+    return windows.load(shard, req.keys, (min(hot, cut), cut), pooled=pooled, disk=disk,
+                        peer=peer) > 0
 
   def _window_loads_pay(self, windows, shard: int, keys, found: list, cut: int, link: str,
                         disk: bool, pooled: frozenset, counted_disk: bool) -> bool:
     """Whether loading the window blocks before ``cut`` that are on ``link``'s side (the
-    disk's records, or the pool's values) is predicted to take less than recomputing from
-    the cut reached without them; counts the blocks skipped when not
-    (``window_disk_skipped``, ``window_pool_skipped``)."""
+    disk's records, or the pool's or a peer's values) is predicted to take less than
+    recomputing from the cut reached without them; counts the blocks skipped when not
+    (``window_disk_skipped``, ``window_pool_skipped``, ``window_remote_skipped``)."""
     on_disk, others = windows.missing(shard, keys, cut, disk=disk)
-    n = others if link == "pool_to_host" else on_disk
+    n = on_disk if link == "disk_to_host" else others
     near = self._window_cut(windows, shard, keys, found, True, pooled, counted_disk)
     c = self.config
     if not n or cut <= near or self.planner.fetch_pays(

@@ -294,6 +294,8 @@ class StepPlan:
   window_disk_puts: tuple = ()
   window_disk_deletes: tuple = ()
   window_disk_loads: tuple = ()
+  # ... and from a remote peer: (shard, device page, key, peer), ... loaded after them.
+  window_remote_loads: tuple = ()
 
   @property
   def empty(self) -> bool:
@@ -301,6 +303,7 @@ class StepPlan:
                 or self.window_copies or self.window_demotes or self.window_loads
                 or self.window_puts or self.window_pool_loads or self.window_disk_puts
                 or self.window_disk_deletes or self.window_disk_loads
+                or self.window_remote_loads
                 or not self.orders.empty)
 
   def moves(self) -> dict[str, int]:

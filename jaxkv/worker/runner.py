@@ -325,9 +325,9 @@ class ModelRunner:
     blocks out to host memory and finished sequences' last windows out to the pool and the
     disk (all reading what the pages held before this plan; the disk's evicted records
     deleted first), published blocks' windows kept out of their rings, then host copies,
-    disk records and pool values loaded and checked. Returns ``(failed, reports)``:
-    ``(shard, key, tier)`` of the loaded blocks that failed their check or did not come,
-    and the disk's and the pool's loads, each as a timed fetch."""
+    disk records, pool values and peers' answers loaded and checked. Returns ``(failed,
+    reports)``: ``(shard, key, tier)`` of the loaded blocks that failed their check or did
+    not come, and the disk's, the pool's and the peers' loads, each as a timed fetch."""
     windows = self.cache.worker.windows
     windows.demote(plan.window_demotes)
     windows.delete_disk(plan.window_disk_deletes)
@@ -336,8 +336,9 @@ class ModelRunner:
     failed = windows.load_host(plan.window_loads)
     disk_failed, disk_report = windows.load_disk(plan.window_disk_loads)
     pool_failed, pool_report = windows.load_pool(plan.window_pool_loads)
-    return (failed + disk_failed + pool_failed,
-            tuple(r for r in (disk_report, pool_report) if r is not None))
+    remote_failed, remote_report = windows.load_remote(plan.window_remote_loads)
+    return (failed + disk_failed + pool_failed + remote_failed,
+            tuple(r for r in (disk_report, pool_report, remote_report) if r is not None))
 
   def _dispatch(self, plan: StepPlan) -> tuple[list, tuple | None]:
     """Dispatches a plan's decode and prefill rows (and the next decode, when it is known

@@ -184,12 +184,24 @@ class WindowTiers:
     return self._load(w.window_pool, Tier.POOL, "window_pool", items, window_key,
                       time.monotonic() + w.tiers.read_deadline_s)
 
+  def load_remote(self, items) -> tuple[list, FetchReport | None]:
+    """Reads a plan's ``window_remote_loads`` (``(shard, device page, key, peer)``) from
+    the peers' block servers (``FetchBlocks.group`` 1: each answer checked as a remote
+    fetch's blocks are, sealed or tagged under the deployment key, or its CRC), as
+    ``load_pool`` reads the pool's."""
+    w = self.worker
+    if not items or w.window_remote is None:
+      return [(shard, key, Tier.REMOTE) for shard, _, key, _ in items], None
+    return self._load(w.window_remote, Tier.REMOTE, "window_remote", items, lambda key: key,
+                      time.monotonic() + w.tiers.read_deadline_s)
+
   def _load(self, source, tier: Tier, what: str, items, name_of, t_end: float
             ) -> tuple[list, FetchReport]:
-    """``items`` read from ``source`` (under ``name_of(key)``) into their pages, timed."""
+    """``items`` (``(shard, page, key)``, or with a peer: ``(shard, page, key, peer)``)
+    read from ``source`` (under ``name_of(key)``) into their pages, timed."""
     w = self.worker
-    fetches = tuple(Fetch(0, i, shard, tier, None, name_of(key), page)
-                    for i, (shard, page, key) in enumerate(items))
+    fetches = tuple(Fetch(0, i, item[0], tier, item[3] if len(item) > 3 else None,
+                          name_of(item[2]), item[1]) for i, item in enumerate(items))
     t_start = time.perf_counter()
     landing, failures = w.mover.read(
         source, list(fetches), t_end, payload_shape=source.payload_shape,
@@ -199,7 +211,7 @@ class WindowTiers:
       jax.block_until_ready(landing.stack)  # (the bytes on the device: the link's time)
       seconds = time.perf_counter() - t_start
       w.land_windows(landing)
-    failed = [(shard, key, tier) for (shard, _, key), why in zip(items, failures)
+    failed = [(item[0], item[2], tier) for item, why in zip(items, failures)
               if why is not None]
     self._count(what, len(items), len(failed))
     ok = len(items) - len(failed)
@@ -213,7 +225,8 @@ class WindowTiers:
     shard; the host copies' moves up to ``max_pages``."""
     w = self.worker
     pad_page = w.config.window_pages_per_shard
-    if w.window_pool is not None or w.window_disk is not None:
+    if (w.window_pool is not None or w.window_disk is not None
+        or w.window_remote is not None):
       n = buckets.MIN_TRANSFER_PAGES
       while True:
         stack = pages_lib.gather_stacked(w.window_pools,

@@ -46,6 +46,7 @@ class CacheWorker:
     self._manager, self._stats, self._key, self._encrypt = manager, stats, key, encrypt
     self.host = self.disk = self.remote = self.pool = self.mover = None
     self.window_pool = None  # the pool, for a window group's blocks (``open``)
+    self.window_remote = None  # the remote peers, for a window group's blocks (``open``)
     self.window_disk = None  # the disk store, for a window group's records
     self.window_records_found: list = []  # keys of those an earlier run left (``open``)
     self.remotes: list = []
@@ -113,7 +114,11 @@ class CacheWorker:
                                    secret=self._key, encrypt=self._encrypt,
                                    transport=tiers.remote_transport)
                       for p in tiers.remote_peers]
-      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype)
+      window_shape = ((2 * config.window_layers, *self.payload_shape[1:])
+                      if config.has_windows else None)
+      self.remote = RemoteTier(self.remotes, self.payload_shape, config.jnp_dtype, window_shape)
+      if config.has_windows:  # a peer's hit past the window edge needs the window before it
+        self.window_remote = self.remote.windows()
     if tiers.pool_enabled:
       from jaxkv.worker.tiers.pool import PoolTier
       self.pool = PoolTier(tiers, payload_shape=self.payload_shape, dtype=config.jnp_dtype,
@@ -148,7 +153,8 @@ class CacheWorker:
       return None
     return PrefixSources(self.remote, self.pool, self.window_pool,
                          window_blocks(self.config.sliding_window, self.config.page_size)
-                         if self.window_pool is not None else 0)
+                         if self.config.has_windows else 0,
+                         remote_windows=self.window_remote is not None)
 
   def close(self, timeout_s: float = 10.0) -> None:
     """Finishes the pool's queued puts and leaves the pool (nothing else holds a connection
@@ -364,11 +370,14 @@ class PrefixSources:
   pool (which wins ties: no peer has to serve it). With ``window_pool`` (a model with a
   window group), a pool answer is ``(POOL_PEER, blocks, [j, ...])``: the blocks among the
   last ``2 * window`` of its prefix whose window KV the pool holds too (one more lookup),
-  from which admission finds the longest cut it can serve."""
+  from which admission finds the longest cut it can serve; with ``remote_windows``, a
+  peer's answer is ``(peer, blocks, [j, ...])`` likewise (in the same lookup)."""
 
-  def __init__(self, remote, pool, window_pool=None, window: int = 0):
+  def __init__(self, remote, pool, window_pool=None, window: int = 0,
+               remote_windows: bool = False):
     self.remote, self.pool = remote, pool
     self.window_pool, self.window = window_pool, window
+    self.remote_windows = remote_windows
 
   def longest_prefix(self, keys: list[bytes], local: int) -> tuple | None:
     best = None
@@ -381,7 +390,8 @@ class PrefixSources:
           there = self.window_pool.present([window_key(k) for k in keys[lo:n]])
           best = (POOL_PEER, n, [lo + i for i, held in enumerate(there) if held])
     if self.remote is not None:
-      found = self.remote.longest_prefix(keys, best[1] if best else local)
+      found = self.remote.longest_prefix(keys, best[1] if best else local,
+                                         windows=self.remote_windows)
       if found is not None:
         best = found
     return best

@@ -309,6 +309,27 @@ def _transfer_server(device):
     return _TRANSFER_SERVERS[id(client)][1]
 
 
+def _inline(data: list, shape, bits) -> np.ndarray:
+  """The blocks carried in an answer's data frame, viewed without a copy."""
+  want = int(np.prod(shape)) * bits.itemsize
+  if len(data) != 1 or len(data[0]) != want:
+    raise RemoteError("shape", f"{[len(d) for d in data]} bytes of data, expected [{want}]")
+  return np.frombuffer(data[0], dtype=bits).reshape(shape)
+
+
+def _transfer_address(offered: str, peer_host: str) -> str:
+  """Where to pull an offer from: the peer's own host, at the port the offer names. An
+  offer naming another host is malformed (a peer never sends a client elsewhere); an
+  unspecified one (``0.0.0.0``, ``::``: the peer's transfer server listens on every
+  interface) means the peer's host."""
+  host, _, port = offered.rpartition(":")
+  host = host.strip("[]")
+  if not port.isdigit() or host not in (peer_host.strip("[]"), "0.0.0.0", "::"):
+    raise RemoteError("malformed", f"the offer's transfer address {offered[:80]!r} is not "
+                      f"on the peer's host {peer_host}")
+  return f"{peer_host}:{int(port)}"
+
+
 class RemoteClient:
   """Fetches blocks from one peer, with deadlines and a circuit breaker.
 
@@ -354,6 +375,8 @@ class RemoteClient:
     self._challenge_until = 0.0
     self._number = 0  # of the last request sent: a request's number only grows
     self._block_bytes = 0  # one block's bits, as ``expect`` sized them
+    self._window_bytes = 0  # one block's window KV (a model with a window group), likewise
+    self._window_shape = None
     self._max_frame_bytes = MAX_HEADER_BYTES  # until ``expect`` sizes the blocks frame
     self._token = handshake_token(self._secret) if self._secret is not None else None
     self._sock: _Link | None = None
@@ -373,17 +396,21 @@ class RemoteClient:
     trips = sorted(self._round_trips)
     return trips[len(trips) // 2] if trips else None
 
-  def expect(self, payload_shape, dtype) -> None:
+  def expect(self, payload_shape, dtype, window_shape=None) -> None:
     """Sizes the blocks frames this client reads: a fetch's answer holds exactly its blocks
-    (``_layout``), and the largest frame it reads past (an answer to an earlier request) is
+    (``_layout``; with ``window_shape``, a fetch of the window group's holds exactly their
+    window KV), and the largest frame it reads past (an answer to an earlier request) is
     one fetch's blocks inline, else an answer header. Set before the first fetch
     (``RemoteTier`` does); a change re-makes the connection."""
-    block = int(np.prod(payload_shape)) * np.dtype(pages_lib.bits_dtype(dtype)).itemsize
+    itemsize = np.dtype(pages_lib.bits_dtype(dtype)).itemsize
+    block = int(np.prod(payload_shape)) * itemsize
+    window = int(np.prod(window_shape)) * itemsize if window_shape is not None else 0
     most = MAX_HEADER_BYTES
     if self.transport == "inline":
-      most = max(most, MAX_FETCH_BLOCKS * block + security.Seal.OVERHEAD)
-    if (most, block) != (self._max_frame_bytes, self._block_bytes):
-      self._max_frame_bytes, self._block_bytes = most, block
+      most = max(most, MAX_FETCH_BLOCKS * max(block, window) + security.Seal.OVERHEAD)
+    if (most, block, window) != (self._max_frame_bytes, self._block_bytes, self._window_bytes):
+      self._max_frame_bytes, self._block_bytes, self._window_bytes = most, block, window
+      self._window_shape = None if window_shape is None else tuple(window_shape)
       self._close()
 
   def _layout(self, request) -> _Layout:
@@ -392,24 +419,26 @@ class RemoteClient:
     as one frame a piece, each exactly its piece and its seal; no blocks frame otherwise."""
     tag, data = security.Seal.TAG_BYTES, ()
     if isinstance(request, FetchBlocks) and request.transport == "inline":
-      pieces = piece_sizes(len(request.keys) * self._block_bytes)
+      block = self._window_bytes if request.group else self._block_bytes
+      pieces = piece_sizes(len(request.keys) * block)
       if request.sealed:
         data = tuple(p + security.Seal.OVERHEAD for p in pieces)
       else:
         data, tag = (sum(pieces),), tag * (1 + len(pieces))
-    most_pieces = len(piece_sizes(MAX_FETCH_BLOCKS * self._block_bytes))
+    most_pieces = len(piece_sizes(MAX_FETCH_BLOCKS * max(self._block_bytes,
+                                                         self._window_bytes)))
     return _Layout(tag_bytes=tag, data=data, other_frame_bytes=self._max_frame_bytes,
                    other_frames=3 + most_pieces)
 
-  def answer_bytes_most(self, blocks: int) -> int:
-    """The most bytes an answer to a fetch of ``blocks`` blocks makes this client hold, as
-    ``expect`` sized them: its frames at their caps (a nonce, a header, tags, the blocks as
-    asked, sealed ones with their seals), what its connection reads ahead, and the blocks
-    opened from their seal."""
+  def answer_bytes_most(self, blocks: int, group: int = 0) -> int:
+    """The most bytes an answer to a fetch of ``blocks`` blocks (``group`` 1: their window
+    KV) makes this client hold, as ``expect`` sized them: its frames at their caps (a
+    nonce, a header, tags, the blocks as asked, sealed ones with their seals), what its
+    connection reads ahead, and the blocks opened from their seal."""
     layout = self._layout(FetchBlocks(
         nonce="n", fingerprint="", keys=(bytes(32),) * blocks, token="t",
-        transport=self.transport, sealed=self.encrypt, wait_ms=0))
-    opened = blocks * self._block_bytes if self.encrypt else 0
+        transport=self.transport, sealed=self.encrypt, wait_ms=0, group=group))
+    opened = blocks * (self._window_bytes if group else self._block_bytes) if self.encrypt else 0
     return (MAX_NONCE_BYTES + MAX_HEADER_BYTES + layout.tag_bytes + sum(layout.data)
             + 2 * _Link.READ_AHEAD_BYTES + opened)
 
@@ -529,61 +558,78 @@ class RemoteClient:
     be asked, or its answer is wrong: counted in ``failures_by_reason``). Safe beside a
     ``fetch`` on another thread (the manager asks on its lookup thread): one at a time
     uses the connection."""
+    return self.lookup_windows(keys, windows=False)[0]
+
+  def lookup_windows(self, keys: list[bytes], windows: bool = True) -> tuple[int, tuple]:
+    """``lookup``, and (with ``windows``) the indices of the blocks among the last two
+    windows' of the prefix held whose window KV the peer holds too (``Have.windows``;
+    ``window`` blocks a window, from the model's ``sliding_window``)."""
     wait_s = min(self.deadline_s, 1.0)
     if not self._busy.acquire(timeout=wait_s):
       self._failed(Failure.DEADLINE, close=False)  # a fetch held the connection throughout
-      return 0
+      return 0, ()
     try:
-      return self._lookup(keys, time.monotonic() + wait_s)
+      return self._lookup(keys, time.monotonic() + wait_s, windows)
     finally:
       self._busy.release()
 
-  def _lookup(self, keys: list[bytes], deadline: float) -> int:
+  def _lookup(self, keys: list[bytes], deadline: float, windows: bool) -> tuple[int, tuple]:
     keys = list(keys[:MAX_KEYS])  # a prefix of a prefix: still the question asked
     if not keys:
-      return 0
+      return 0, ()
     if not self.available:
       self._failed(Failure.BREAKER, close=False)
-      return 0
+      return 0, ()
     try:
       t0 = time.perf_counter()
       have, _ = self._call(Lookup(nonce=new_nonce(), fingerprint=self.fingerprint,
-                                  keys=tuple(keys)), deadline)
+                                  keys=tuple(keys), windows=windows), deadline)
       self._round_trips.append(time.perf_counter() - t0)  # (a connect's first: the median)
       if have.have > len(keys):
         raise RemoteError("malformed", f"holds {have.have} of the {len(keys)} keys asked about")
+      if have.windows and (not windows or have.windows[-1] >= have.have):
+        raise RemoteError("malformed", f"window blocks {list(have.windows[:8])} of a prefix of "
+                          f"{have.have} blocks{'' if windows else ', not asked for'}")
       self.breaker.record(True)
-      return have.have
+      return have.have, have.windows
     except InvariantError:
       raise
     except Exception as e:  # pylint: disable=broad-except  (a peer never breaks admission)
       self._failed(_reason(e))
-      return 0
+      return 0, ()
 
-  def fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
-    """The blocks' raw bits ``[blocks, *payload_shape]`` (at most ``MAX_FETCH_BLOCKS``),
+  def fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float,
+            group: int = 0) -> np.ndarray:
+    """The blocks' raw bits ``[blocks, *payload_shape]`` (at most ``MAX_FETCH_BLOCKS``;
+    ``group`` 1: their window KV, of the ``window_shape`` that ``expect`` was given),
     verified; raises ``RemoteError`` (counted in ``failures_by_reason``), nothing else."""
     if not self._busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
       self._failed(Failure.DEADLINE, close=False)  # a lookup held the connection past it
       raise RemoteError("deadline", f"peer {self.address}'s connection stayed busy")
     try:
-      return self._fetch(keys, payload_shape, dtype, deadline)
+      return self._fetch(keys, payload_shape, dtype, deadline, group)
     finally:
       self._busy.release()
 
-  def _fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float) -> np.ndarray:
+  def _fetch(self, keys: list[bytes], payload_shape, dtype, deadline: float,
+             group: int = 0) -> np.ndarray:
     if len(keys) > MAX_FETCH_BLOCKS:
       raise InputError(f"fetch of {len(keys)} blocks: at most {MAX_FETCH_BLOCKS} a fetch; "
                        "split them (RemoteTier does).")
     if not self.available:
       self._failed(Failure.BREAKER, close=False)
       raise RemoteError("breaker", f"peer {self.address} is cooling down")
+    if group and tuple(payload_shape) != self._window_shape:
+      raise InputError(f"a window fetch of shape {tuple(payload_shape)}: this client expects "
+                       f"{self._window_shape} (expect(..., window_shape=) first).")
     try:
-      self.expect(payload_shape, dtype)
+      if not group:
+        self.expect(payload_shape, dtype, self._window_shape)
       bits = np.dtype(pages_lib.bits_dtype(dtype))
       request = FetchBlocks(nonce=new_nonce(), fingerprint=self.fingerprint, keys=tuple(keys),
                             token=new_nonce(), transport=self.transport, sealed=self.encrypt,
-                            wait_ms=max(0, int((deadline - time.monotonic()) * 1000)))
+                            wait_ms=max(0, int((deadline - time.monotonic()) * 1000)),
+                            group=group)
       offer, data = self._call(request, deadline)
       want_shape = (len(keys), *payload_shape)
       if offer.token != request.token:
@@ -599,7 +645,7 @@ class RemoteClient:
       if self._seal is None and offer.crc32c is None:
         raise RemoteError("mode", "the offer carries no CRC-32C (a keyed peer's answer)")
       if self.transport == "inline":
-        stack = self._inline(data, want_shape, bits)
+        stack = _inline(data, want_shape, bits)
       else:
         stack = self._pull(offer, want_shape, bits, deadline)
       if self._seal is None and stack_digest(stack) != offer.crc32c:
@@ -615,26 +661,6 @@ class RemoteClient:
         raise
       raise RemoteError(reason.value, f"{type(e).__name__}: {e}") from None
 
-  @staticmethod
-  def _inline(data: list, shape, bits) -> np.ndarray:
-    """The blocks carried in the answer's data frame, viewed without a copy."""
-    want = int(np.prod(shape)) * bits.itemsize
-    if len(data) != 1 or len(data[0]) != want:
-      raise RemoteError("shape", f"{[len(d) for d in data]} bytes of data, expected [{want}]")
-    return np.frombuffer(data[0], dtype=bits).reshape(shape)
-
-  def _transfer_address(self, offered: str) -> str:
-    """Where to pull an offer from: the peer's own host, at the port the offer names. An
-    offer naming another host is malformed (a peer never sends this client elsewhere); an
-    unspecified one (``0.0.0.0``, ``::``: the peer's transfer server listens on every
-    interface) means the peer's host."""
-    host, _, port = offered.rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit() or host not in (self.host.strip("[]"), "0.0.0.0", "::"):
-      raise RemoteError("malformed", f"the offer's transfer address {offered[:80]!r} is not "
-                        f"on the peer's host {self.host}")
-    return f"{self.host}:{int(port)}"
-
   def _pull(self, offer, shape, bits, deadline: float) -> np.ndarray:
     """The blocks the offer names, pulled with ``jax.experimental.transfer``; with a key,
     proven by the offer's ``data_tag`` or opened from their seal.
@@ -646,7 +672,7 @@ class RemoteClient:
       raise RemoteError("malformed", "the offer names no transfer to pull")
     if self._seal is not None and not offer.sealed and offer.data_tag is None:
       raise RemoteError("mode", "the offer carries no tag over the blocks it offers")
-    addr = self._transfer_address(offer.transfer_address)
+    addr = _transfer_address(offer.transfer_address, self.host)
     device = jax.local_devices()[0]
     nbytes = int(np.prod(shape)) * bits.itemsize
     pulled_shape, pulled_dtype = ((nbytes + security.Seal.OVERHEAD,), np.dtype(np.uint8)) if (

@@ -318,13 +318,21 @@ class BlockServer:
     if isinstance(request, FetchBlocks) and request.sealed and self._key is None:
       return Refusal(nonce=request.nonce, error="sealed: this peer has no deployment key, "
                      "it cannot seal blocks"), []
-    where = self._where(list(request.keys))
+    windows = self.cache.manager.windows
+    group = getattr(request, "group", 0)
+    if group and windows is None:
+      return Refusal(nonce=request.nonce, error="group: this peer's model has no window "
+                     "group"), []
+    where = (self._where_windows(list(request.keys)) if group
+             else self._where(list(request.keys)))
     if isinstance(request, Lookup):
-      return Have(nonce=request.nonce, have=len(where)), []
+      held = (self._window_indices(request.keys, len(where))
+              if request.windows and windows is not None else ())
+      return Have(nonce=request.nonce, have=len(where), windows=held), []
     if len(where) < len(request.keys):
       return Refusal(nonce=request.nonce, error=f"missing: holds {len(where)} of "
                      f"{len(request.keys)} blocks"), []
-    stack = self._gather(where)  # [blocks, arrays, kv_heads, page_size, head_dim] bits
+    stack = self._gather(where, windows=bool(group))  # [blocks, arrays, kv_heads, ...] bits
     transfer = request.transport == "transfer"
     offer = Offer(nonce=request.nonce, keys=request.keys, dtype=np.dtype(stack.dtype).name,
                   shape=tuple(stack.shape), token=request.token, sealed=request.sealed,
@@ -385,6 +393,24 @@ class BlockServer:
         best = found
     return best
 
+  def _where_windows(self, keys: list[bytes]) -> list[tuple[int, Tier, int]]:
+    """(shard, tier, page or slot) of each of ``keys`` whose window KV is kept, on a device
+    or in host memory (``WindowPages.find``), up to the first that is not."""
+    found = []
+    for key in keys:
+      at = self.cache.manager.windows.find(key)
+      if at is None:
+        break
+      found.append(at)
+    return found
+
+  def _window_indices(self, keys, have: int) -> tuple[int, ...]:
+    """Which of the last two windows' blocks of the ``have`` keys held have their window
+    KV kept here (what a hit past the window edge needs: ``Have.windows``)."""
+    windows = self.cache.manager.windows
+    lo = max(0, have - 2 * windows.window)
+    return tuple(j for j in range(lo, have) if windows.find(keys[j]) is not None)
+
   def warm(self) -> int:
     """Compiles the device gather of every fetch size a peer may ask for (power-of-two
     buckets up to a sequence's pages, ``MAX_FETCH_BLOCKS`` at most), reading page 0 only;
@@ -397,13 +423,23 @@ class BlockServer:
       ids = np.zeros((cache.num_shards, n), np.int32)
       jax.block_until_ready(pages_lib.gather_stacked(
           cache.worker.pools, cache.put_rows(ids), mesh=cache.mesh, config=cache.config))
+    windows = cache.manager.windows
+    if windows is not None:  # a window fetch asks for two windows' blocks at most
+      for n in sorted({buckets.transfer_pages(n) for n in range(1, 2 * windows.window + 1)}):
+        ids = np.zeros((cache.num_shards, n), np.int32)
+        jax.block_until_ready(pages_lib.gather_stacked(
+            cache.worker.window_pools, cache.put_rows(ids), mesh=cache.mesh,
+            config=cache.config))
     return len(sizes)
 
-  def _gather(self, where) -> np.ndarray:
-    """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]``: one
-    gather per tier for all of them; only the rows of the shards holding them come to
-    the host, then one numpy copy puts each block in place."""
+  def _gather(self, where, windows: bool = False) -> np.ndarray:
+    """The blocks' raw bits ``[blocks, arrays, kv_heads, page_size, head_dim]`` (with
+    ``windows``, their window KV: the window group's arrays): one gather per tier for all
+    of them; only the rows of the shards holding them come to the host, then one numpy
+    copy puts each block in place."""
     cache = self.cache
+    pools = cache.worker.window_pools if windows else cache.worker.pools
+    host = cache.worker.window_host if windows else cache.worker.host
     out = None
     for tier in (Tier.DEVICE, Tier.HOST):
       picks = [(i, s, slot) for i, (s, t, slot) in enumerate(where) if t == tier]
@@ -413,10 +449,10 @@ class BlockServer:
                                    shard_of=lambda p: p[1])
       n = ids.shape[1]
       if tier == Tier.DEVICE:
-        stack = pages_lib.gather_stacked(cache.worker.pools, cache.put_rows(ids), mesh=cache.mesh,
+        stack = pages_lib.gather_stacked(pools, cache.put_rows(ids), mesh=cache.mesh,
                                          config=cache.config)
       else:
-        stack = cache.worker.host.read_numpy(ids)
+        stack = host.read_numpy(ids)
       for s, items in enumerate(per):
         if not items:
           continue

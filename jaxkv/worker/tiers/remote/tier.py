@@ -22,20 +22,33 @@ class RemoteTier:
 
   tier = Tier.REMOTE
 
-  def __init__(self, clients: list[RemoteClient], payload_shape: tuple, dtype):
+  def __init__(self, clients: list[RemoteClient], payload_shape: tuple, dtype,
+               window_shape: tuple | None = None, group: int = 0):
+    """``window_shape``: a model with a window group's window KV of one block (what
+    ``windows()`` fetches); ``group`` 1: this is that view."""
     self.clients, self.payload_shape, self.dtype = clients, tuple(payload_shape), dtype
-    for client in clients:  # before any connection: sizes the largest answer it reads
-      client.expect(self.payload_shape, dtype)
+    self.window_shape, self.group = window_shape, group
+    if not group:
+      for client in clients:  # before any connection: sizes the largest answer it reads
+        client.expect(self.payload_shape, dtype, window_shape)
 
-  def longest_prefix(self, keys: list[bytes], local: int) -> tuple[int, int] | None:
+  def windows(self) -> "RemoteTier":
+    """The same peers as a source of the blocks' window KV (``FetchBlocks.group`` 1)."""
+    return RemoteTier(self.clients, self.window_shape, self.dtype, group=1)
+
+  def longest_prefix(self, keys: list[bytes], local: int, windows: bool = False
+                     ) -> tuple | None:
     """``(peer, blocks)`` of the peer holding the longest prefix of ``keys``, when it is
-    longer than the ``local`` blocks this job holds."""
+    longer than the ``local`` blocks this job holds; with ``windows``, ``(peer, blocks,
+    [j, ...])``: and the blocks among the last two windows' of it whose window KV that peer
+    holds too."""
     best = None
     if len(keys) > local:
       for i, client in enumerate(self.clients):
-        n = min(client.lookup(keys), len(keys))
+        n, held = client.lookup_windows(keys, windows)
+        n = min(n, len(keys))
         if n > local and (best is None or n > best[1]):
-          best = (i, n)
+          best = (i, n, list(held)) if windows else (i, n)
     return best
 
   def start_fetch(self, fetches: list[Fetch]) -> tuple[None, "_Pulls"]:
@@ -73,7 +86,8 @@ class RemoteTier:
         if failure is None:
           try:
             stack = self.clients[peer].fetch([fetches[i].key for i in part],
-                                             self.payload_shape, self.dtype, deadline)
+                                             self.payload_shape, self.dtype, deadline,
+                                             group=self.group)
           except Exception as e:  # pylint: disable=broad-except  (any failed pull is a miss)
             failure = Failure.of(e, Failure.REMOTE)
         if failure is not None:

@@ -37,7 +37,8 @@ from jaxkv import security
 from jaxkv.config import REMOTE_TRANSPORTS as TRANSPORTS
 from jaxkv.worker.tiers.base import Failure
 
-PROTOCOL = 6  # 6: requests numbered (replays refused by number); frames read by hand
+PROTOCOL = 7  # 6: requests numbered (replays refused by number); frames read by hand;
+# 7: a hybrid model's window group (``Lookup.windows``, ``Have.windows``, ``FetchBlocks.group``)
 MAX_KEYS = 16384  # block keys one lookup asks about (256k tokens at 16 a page)
 MAX_FETCH_BLOCKS = 512  # blocks one fetch brings (``RemoteTier`` splits longer runs)
 # A request is block keys only: 64 hex digits, quotes and a comma each, and a few fields.
@@ -265,6 +266,11 @@ _SHAPE = _Rule("a list of integers >= 0",
                lambda v: isinstance(v, tuple) and all(_is_int(d) and d >= 0 for d in v),
                from_json=tuple)
 _TRANSPORT = _Rule(f"one of {TRANSPORTS}", lambda v: v in TRANSPORTS)
+_INDICES = _Rule(f"a list of at most {MAX_FETCH_BLOCKS} increasing integers >= 0",
+                 lambda v: isinstance(v, tuple) and len(v) <= MAX_FETCH_BLOCKS
+                 and all(_is_int(d) and d >= 0 for d in v)
+                 and all(a < b for a, b in zip(v, v[1:])), from_json=tuple)
+_GROUP = _Rule("0 (the blocks) or 1 (the window group's)", lambda v: _is_int(v) and v in (0, 1))
 
 
 def _field(rule: _Rule, default=dataclasses.MISSING):
@@ -305,12 +311,15 @@ class Hello(_Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lookup(_Message):
-  """Client: how long a prefix of ``keys`` does the peer hold (on one data shard)?"""
+  """Client: how long a prefix of ``keys`` does the peer hold (on one data shard)? With
+  ``windows`` (a model with a window group): and which of the last two windows' blocks of
+  that prefix have their window KV there too?"""
 
   OP: ClassVar[str] = "lookup"
   nonce: str = _field(_NONCE)
   fingerprint: str = _field(_TEXT)  # hex of the cache's model/layout fingerprint
   keys: tuple[bytes, ...] = _field(_keys_rule(MAX_KEYS))
+  windows: bool = _field(_BOOL, False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -327,6 +336,7 @@ class FetchBlocks(_Message):
   transport: str = _field(_TRANSPORT)
   sealed: bool = _field(_BOOL)
   wait_ms: int = _field(_COUNT)
+  group: int = _field(_GROUP, 0)  # 1: the blocks' window KV (the window layers' K and V)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,11 +352,14 @@ class Welcome(_Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Have(_Message):
-  """Server, to ``Lookup``: how many leading keys it holds."""
+  """Server, to ``Lookup``: how many leading keys it holds; asked for ``windows``, the
+  indices (into the keys) of the blocks among the last two windows' of that prefix whose
+  window KV it holds too."""
 
   OP: ClassVar[str] = "have"
   nonce: str = _field(_NONCE)
   have: int = _field(_COUNT)
+  windows: tuple[int, ...] = _field(_INDICES, ())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
