@@ -1,6 +1,7 @@
 """Small builders shared by tests."""
 
 import collections
+import contextlib
 import os
 import queue
 import signal
@@ -93,6 +94,19 @@ def forget_device_copies(engine):
   """Evicts every unreferenced device page, so the next lookup must come from lower tiers."""
   for s in range(engine.cache.num_shards):
     engine.cache.index.evict_all_unreferenced(s, jaxkv.Tier.DEVICE)
+
+
+@contextlib.contextmanager
+def serving_blocks(server):
+  """A ``BlockServer`` answering on a thread, as an engine's thread polls between steps."""
+  stop = threading.Event()
+  thread = threading.Thread(target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)])
+  thread.start()
+  try:
+    yield server
+  finally:
+    stop.set()
+    thread.join()
 
 
 def start_process(argv, *, env=None, stdin=None):

@@ -4,7 +4,9 @@ few hundred tokens cross the window many times; and how its answers are compared
 
 import dataclasses
 
+import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxkv
@@ -14,6 +16,18 @@ WINDOW, PAGE = 40, 8
 CFG = gemma3.Gemma3Config(vocab_size=128, hidden_size=64, num_layers=6, num_heads=4,
                           num_kv_heads=1, head_dim=32, mlp_dim=128, sliding_window=WINDOW,
                           global_every=3)
+
+
+@pytest.fixture(scope="module")
+def one():
+  """One CPU device: the mesh the window tests' engines run on (a test module imports it)."""
+  return jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def recompute(one):  # pylint: disable=redefined-outer-name
+  """The reference: the all-global layout, every prompt computed from its first token."""
+  return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
 
 
 def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, stream=None,
@@ -33,6 +47,23 @@ def engine(mesh, *, groups=True, reuse=True, tiers=None, rows=2, key=None, strea
                                          prefix_reuse=reuse),
                       scheduler=jaxkv.SchedulerConfig(decision="cost" if costs else "fetch"),
                       stream=stream, costs=costs)
+
+
+def costs(link: str, bytes_per_s: float):
+  """Costs with ``link`` at ``bytes_per_s``, the other links fast, and prefill at 1 ms a
+  token (what a test that plans from costs gives its engine)."""
+  from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
+  links = {name: LinkCost(0.0, 1e10)
+           for name in ("host_to_device", "disk_to_host", "pool_to_host", "remote_to_host")}
+  return CostModel(links={**links, link: LinkCost(0.0, bytes_per_s)},
+                   prefill=PrefillCurve(0.0, 1e-3, 0.0))
+
+
+def window_loads(before: dict, after: dict, source: str) -> tuple[int, int, int]:
+  """Window blocks loaded, failed and skipped from ``source`` (``disk``, ``pool``,
+  ``remote``) between two of an engine's ``stats()``."""
+  return tuple(after[f"window_{source}_{what}"] - before[f"window_{source}_{what}"]
+               for what in ("loaded", "failed", "skipped"))
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -9,33 +9,15 @@ The model is ``tests/hybrid_model.py``'s small random Gemma 3 (a 40-token window
 
 import os
 
-import jax
 import numpy as np
 import pytest
 
 import jaxkv
-from hybrid_model import PAGE, WINDOW, assert_same, engine, prompt, run
+from hybrid_model import (PAGE, WINDOW, assert_same, costs, engine, prompt, run,
+                          window_loads)
+from hybrid_model import one, recompute  # noqa: F401  (the fixtures)
 from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.index import Tier
-from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
-
-
-@pytest.fixture(scope="module")
-def one():
-  return jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def recompute(one):
-  """The reference: the all-global layout, every prompt computed from its first token."""
-  return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
-
-
-def _costs(disk_bytes_per_s: float):
-  """Costs with the disk's link at ``disk_bytes_per_s`` and prefill at 1 ms a token."""
-  return CostModel(links={"host_to_device": LinkCost(0.0, 1e10),
-                          "disk_to_host": LinkCost(0.0, disk_bytes_per_s)},
-                   prefill=PrefillCurve(0.0, 1e-3, 0.0))
 
 
 def _records(directory) -> list[str]:
@@ -95,8 +77,8 @@ def test_a_restarted_engine_hits_across_the_window_edge_from_the_disk(one, recom
         records)
   a.cache.worker.close()
 
-  costs = {"sealed": _costs(1e10), "slow": _costs(1e3)}.get(case)
-  b = engine(one, tiers=tiers, key=key, costs=costs)
+  priced = {"sealed": costs("disk_to_host", 1e10), "slow": costs("disk_to_host", 1e3)}.get(case)
+  b = engine(one, tiers=tiers, key=key, costs=priced)
   adopted = b.stats()["window_disk_adopted"]
   assert b.cache.disk_recovered["adopted"] >= cut
   assert adopted == {"quota": 4, "off": 0}.get(case, WINDOW // PAGE + 1), adopted
@@ -113,9 +95,7 @@ def test_a_restarted_engine_hits_across_the_window_edge_from_the_disk(one, recom
   h = run(b, turn, 8)
   after = b.stats()
   assert_same(h, run(recompute, turn, 8))
-  loaded = after["window_disk_loaded"] - before["window_disk_loaded"]
-  failed = after["window_disk_failed"] - before["window_disk_failed"]
-  skipped = after["window_disk_skipped"] - before["window_disk_skipped"]
+  loaded, failed, skipped = window_loads(before, after, "disk")
   if case in ("plain", "sealed"):
     assert loaded == WINDOW // PAGE and failed == 0, (loaded, failed)
     assert h.cached_tokens == cut * PAGE and after["hits"]["disk"] > 0, h.cached_tokens

@@ -19,23 +19,13 @@ import pytest
 import helpers
 import jaxkv
 from hybrid_model import PAGE, WINDOW, assert_same, engine, prompt, run
+from hybrid_model import one, recompute  # noqa: F401  (the fixtures)
 from jaxkv.compiles import COMPILES
 from jaxkv.manager import windows as windows_lib
 from jaxkv.manager.index import Tier
 from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.worker.checkpoint import Checkpointer
 from jaxkv.worker.tiers.pool.master import LocalMaster
-
-
-@pytest.fixture(scope="module")
-def one():
-  return jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def recompute(one):
-  """The reference: the all-global layout, every prompt computed from its first token."""
-  return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
 
 
 def test_the_window_group_holds_the_local_layers_and_answers_as_the_all_global_layout(

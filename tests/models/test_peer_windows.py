@@ -8,51 +8,17 @@ The model is ``tests/hybrid_model.py``'s small random Gemma 3 (a 40-token window
 8-token pages: 5 window blocks).
 """
 
-import contextlib
-import threading
-
-import jax
 import numpy as np
 import pytest
 
+import helpers
 import jaxkv
-from hybrid_model import PAGE, WINDOW, assert_same, engine, prompt, run
+from hybrid_model import (PAGE, WINDOW, assert_same, costs, engine, prompt, run,
+                          window_loads)
+from hybrid_model import one, recompute  # noqa: F401  (the fixtures)
 from jaxkv.compiles import COMPILES
 from jaxkv.manager.index import Tier
-from jaxkv.planning.costs import CostModel, LinkCost, PrefillCurve
 from jaxkv.worker.tiers.remote import BlockServer, RemoteClient
-
-
-@pytest.fixture(scope="module")
-def one():
-  return jaxkv.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def recompute(one):
-  """The reference: the all-global layout, every prompt computed from its first token."""
-  return engine(one, groups=False, reuse=False, max_pages_per_seq=80)
-
-
-@contextlib.contextmanager
-def serving(server):
-  """``server`` answering on a thread, as an engine's thread polls between steps."""
-  stop = threading.Event()
-  thread = threading.Thread(target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)])
-  thread.start()
-  try:
-    yield server
-  finally:
-    stop.set()
-    thread.join()
-    server.close()
-
-
-def _costs(remote_bytes_per_s: float):
-  """Costs with the peers' link at ``remote_bytes_per_s`` and prefill at 1 ms a token."""
-  return CostModel(links={"host_to_device": LinkCost(0.0, 1e10),
-                          "remote_to_host": LinkCost(0.0, remote_bytes_per_s)},
-                   prefill=PrefillCurve(0.0, 1e-3, 0.0))
 
 
 @pytest.mark.parametrize("case", ["plain", "sealed", "gone", "slow"])
@@ -77,7 +43,7 @@ def test_another_engine_hits_across_the_window_edge_from_a_peer(one, recompute, 
     a.cache.manager.windows.forget()  # (between steps: nothing of A's reads them)
   server = BlockServer(a.cache)
   server.warm()
-  with serving(server):
+  with helpers.serving_blocks(server):
     # The peer's answer, as the wire carries it: the prefix held, and the window blocks.
     client = RemoteClient(server.address, a.cache.config.fingerprint(), secret=key,
                           encrypt=key is not None)
@@ -85,9 +51,10 @@ def test_another_engine_hits_across_the_window_edge_from_a_peer(one, recompute, 
     assert held == cut, held
     want = () if case == "gone" else tuple(range(cut - 2 * WINDOW // PAGE, cut))
     assert windows == want, windows
-    costs = {"sealed": _costs(1e10), "slow": _costs(1e3)}.get(case)
+    priced = {"sealed": costs("remote_to_host", 1e10),
+              "slow": costs("remote_to_host", 1e3)}.get(case)
     b = engine(one, tiers=jaxkv.TierConfig(remote_peers=(server.address,)), key=key,
-               costs=costs)
+               costs=priced)
     if case == "plain":  # a window fetch's landing compiles nothing after the moves' warm-up
       b.cache.worker.warm_moves(4)
       mark = COMPILES.mark()
@@ -102,10 +69,9 @@ def test_another_engine_hits_across_the_window_edge_from_a_peer(one, recompute, 
     turn = history + prompt(97, 20)
     h = run(b, turn, 8)
     after = b.stats()
+  server.close()
   assert_same(h, run(recompute, turn, 8))
-  loaded = after["window_remote_loaded"] - before["window_remote_loaded"]
-  failed = after["window_remote_failed"] - before["window_remote_failed"]
-  skipped = after["window_remote_skipped"] - before["window_remote_skipped"]
+  loaded, failed, skipped = window_loads(before, after, "remote")
   if case in ("plain", "sealed"):
     assert loaded == WINDOW // PAGE and failed == 0, (loaded, failed)
     assert h.cached_tokens == cut * PAGE and after["hits"]["remote"] > 0, h.cached_tokens

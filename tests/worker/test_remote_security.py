@@ -43,17 +43,7 @@ OTHER_KEY = bytes(range(100, 132))
 PROMPT = PREFIX + [50, 51, 52]
 
 
-@contextlib.contextmanager
-def serving(server):
-  """``server`` answering on a thread, as an engine thread polls between steps."""
-  stop = threading.Event()
-  thread = threading.Thread(target=lambda: [server.poll(0.01) for _ in iter(stop.is_set, True)])
-  thread.start()
-  try:
-    yield server
-  finally:
-    stop.set()
-    thread.join()
+serving = helpers.serving_blocks  # ``server`` answering on a thread
 
 
 def _owner(mesh, key):
