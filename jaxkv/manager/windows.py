@@ -512,8 +512,14 @@ class DiskWindows:
     self._told(key, Tier.DISK)
     self._puts.append((shard, page, key))
     over = len(self.kept) - self.quota
-    if over > 0:
-      for victim in [k for k in self.kept if k not in self.busy and k != key][:over]:
+    if over > 0:  # (from the oldest on, only as far as the victims go: a quota is large)
+      victims = []
+      for k in self.kept:
+        if len(victims) == over:
+          break
+        if k not in self.busy and k != key:
+          victims.append(k)
+      for victim in victims:
         del self.kept[victim]
         self._told(victim, Tier.DISK, left=True)
         unwritten = [p for p in self._puts if p[2] == victim]

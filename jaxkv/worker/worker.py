@@ -133,7 +133,7 @@ class CacheWorker:
     good = self._scan_disk() if self.disk is not None else []
     if self.window_disk is not None:
       found, _ = (self.window_disk.scan() if jax.process_count() == 1
-                  else self._scan_in_job(self.window_disk))
+                  else self._scan_in_job(self.window_disk, check=False))
       self.window_records_found = [key for _, key, _ in found]
     # The mover's jitted page moves depend on shapes only: it keeps the config without
     # the weights, so caches of differently trained models share their compilations.
@@ -179,9 +179,24 @@ class CacheWorker:
                  self.disk.kvstore, len(good), deleted, self.disk.removed_temporaries)
     return good
 
-  def _scan_in_job(self, disk) -> tuple[list, int]:
-    """In a multi-process job the store must be one every process sees (checked); process
-    0 verifies it and the others take its list, so every index starts the same."""
+  def _scan_in_job(self, disk, check: bool = True) -> tuple[list, int]:
+    """In a multi-process job the store must be one every process sees (checked, unless
+    ``check`` is False: the same store's blocks were scanned first); process 0 verifies it
+    and the others take its list, so every index starts the same."""
+    from jaxkv import distributed
+    if check:
+      self._check_one_store(disk)
+    good, deleted = disk.scan() if jax.process_index() == 0 else ([], 0)
+    text = json.dumps([[slot, key.hex(), parent.hex() if parent else None]
+                       for slot, key, parent in good] + [deleted])
+    rows = json.loads(distributed.broadcast_bytes(text.encode()).decode())
+    good = [(slot, bytes.fromhex(k), bytes.fromhex(p) if p else None) for slot, k, p in rows[:-1]]
+    return good, rows[-1]
+
+  @staticmethod
+  def _check_one_store(disk) -> None:
+    """Refuses a disk store that some process of the job does not share (what process 0
+    writes there, every process must see). A collective: every process has reached it."""
     from jaxkv import distributed
     probe = distributed.broadcast_bytes(os.urandom(16).hex().encode()).decode()
     name = f"job-check-{probe}"
@@ -197,12 +212,6 @@ class CacheWorker:
           f"the disk tier at {disk.kvstore} is not one store for the whole job: process(es) "
           f"{[int(i) for i in np.flatnonzero(sees == 0)]} do not see what process 0 writes there. "
           "In a multi-process job every process must open the same shared directory or bucket.")
-    good, deleted = disk.scan() if jax.process_index() == 0 else ([], 0)
-    text = json.dumps([[slot, key.hex(), parent.hex() if parent else None]
-                       for slot, key, parent in good] + [deleted])
-    rows = json.loads(distributed.broadcast_bytes(text.encode()).decode())
-    good = [(slot, bytes.fromhex(k), bytes.fromhex(p) if p else None) for slot, k, p in rows[:-1]]
-    return good, rows[-1]
 
   # ---- the device pools ----------------------------------------------------------------------
   @property
