@@ -133,3 +133,39 @@ def test_a_kvstore_spec_can_be_given_as_json_on_the_command_line():
                              ).disk_kvstore == "/data/kv"
   with pytest.raises(ValueError, match="not valid JSON"):
     builder.tier_config({"tiers": {"disk_kvstore": '{"driver": s3}', "disk_pages": 8}})
+
+
+# Each process of a two-process job opens a disk tier on a directory of its own.
+JOB_APART = r"""
+import os, sys
+sys.path[:0] = ["tests"]
+from jaxkv import distributed
+distributed.initialize()
+import jax, jaxkv
+import helpers
+from jaxkv.errors import InputError
+store = os.path.join(sys.argv[1], f"store-{jax.process_index()}")
+try:
+  helpers.make_engine(jaxkv.make_mesh(data=2, model=1),
+                      tiers=jaxkv.TierConfig(disk_kvstore=store, disk_pages=16))
+except InputError as e:
+  print("REFUSED:", e, flush=True)
+  sys.exit(3)
+print("OPENED", flush=True)
+"""
+
+
+def test_a_job_whose_processes_do_not_share_the_store_is_refused(tmp_path):
+  """A job's disk tier must be one store that every process sees (each adopts process 0's
+  scan, and each block is written by one process for all): two processes each on a
+  directory of its own are refused at open, on both, naming the store and the fix.
+  (Planted: the check not made -> both open.)"""
+  script = tmp_path / "apart.py"
+  script.write_text(JOB_APART)
+  code, out, err = helpers.run_script(
+      ["launch/multihost.py", "--num_processes=2", "--devices=2", "--", str(script),
+       str(tmp_path)], timeout_s=300)
+  text = out + err
+  assert code != 0 and "OPENED" not in text, text[-3000:]
+  assert text.count("is not one store for the whole job") >= 2, text[-3000:]
+  assert "every process must open the same shared directory or bucket" in text
