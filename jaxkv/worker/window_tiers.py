@@ -77,7 +77,9 @@ class WindowTiers:
     disk_items = list(disk_items) if w.window_disk is not None else []
     if not items and not disk_items:
       return
-    ids, per = buckets.shard_ids(items + disk_items, w.num_shards, 0, lambda b: b[1])
+    # (a block going to both is read out once)
+    ids, per = buckets.shard_ids(list(dict.fromkeys(items + disk_items)), w.num_shards, 0,
+                                 lambda b: b[1])
     bits = to_host(pages_lib.gather_stacked(w.window_pools, w.put_rows(ids), mesh=w.mesh,
                                             config=w.config))
     n = ids.shape[1]

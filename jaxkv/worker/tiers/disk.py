@@ -227,9 +227,12 @@ class DiskTier:
   tier = Tier.DISK
 
   def __init__(self, location, *, num_slots: int, payload_shape: tuple, dtype,
-               fingerprint: bytes, key: bytes | None = None, encrypt: bool = False):
+               fingerprint: bytes, key: bytes | None = None, encrypt: bool = False,
+               clean: bool = True):
     """``key``: the deployment key (records carry a keyed tag; None: a CRC-32C only);
-    ``encrypt``: records are sealed under it (the store holds no plaintext KV)."""
+    ``encrypt``: records are sealed under it (the store holds no plaintext KV); ``clean``:
+    delete the temporaries killed writers left (False: a tier on a store another tier of
+    this process just opened, which did)."""
     if encrypt and key is None:
       raise InputError("DiskTier(encrypt=True) needs the deployment key (key=...): records "
                        "are encrypted under it.")
@@ -249,7 +252,7 @@ class DiskTier:
     self.discarded: collections.Counter = collections.Counter()  # the last ``scan``'s
     self._check_writable()
     self._warn_if_exposed()
-    self.removed_temporaries = self._dirs.remove_temporaries() if self.local else 0
+    self.removed_temporaries = self._dirs.remove_temporaries() if self.local and clean else 0
     spec = dict(self.kvstore)
     spec["path"] = spec.get("path", "") + RECORDS_PATH
     if self.local:
@@ -298,10 +301,11 @@ class DiskTier:
               payload_shape: tuple | None = None) -> "DiskTier":
     """A tier on the same store with this one's key and protection under another
     ``fingerprint`` (records this tier never sees: calibration's, which then cost what
-    this tier's records cost; a window group's, of ``payload_shape``)."""
+    this tier's records cost; a window group's, of ``payload_shape``). The store's
+    temporaries are this tier's to clean: the scratch tier does not walk it again."""
     return DiskTier(self.kvstore, num_slots=num_slots,
                     payload_shape=payload_shape or self.payload_shape, dtype=self.dtype,
-                    fingerprint=fingerprint, key=self._key, encrypt=self.encrypt)
+                    fingerprint=fingerprint, key=self._key, encrypt=self.encrypt, clean=False)
 
   # ---- opening ---------------------------------------------------------------------------
   def _check_writable(self) -> None:
